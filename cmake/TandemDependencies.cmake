@@ -1,0 +1,36 @@
+# Every dependency comes from a Debian package (or the CUDA toolkit when present); nothing is
+# downloaded at build time. scripts/install-deps.sh installs the packages named here.
+find_package(Threads REQUIRED)
+find_package(Eigen3 3.4 REQUIRED NO_MODULE)
+find_package(fmt REQUIRED)
+find_package(nlohmann_json 3.10 REQUIRED)
+find_package(ZLIB REQUIRED)
+
+# OpenBLAS is not linked: ops/cpu/gemm.cc loads it at run time so that it can choose the kernel
+# set for this CPU before the library initialises (see the comment there). We only record where
+# Debian put it, as the first place to look.
+find_library(TANDEM_OPENBLAS_LIBRARY NAMES openblas
+             PATHS /usr/lib/x86_64-linux-gnu/openblas-pthread /usr/lib/aarch64-linux-gnu/openblas-pthread)
+if(TANDEM_OPENBLAS_LIBRARY)
+  message(STATUS "tandem: OpenBLAS found at ${TANDEM_OPENBLAS_LIBRARY} (loaded at run time)")
+else()
+  message(STATUS "tandem: OpenBLAS not found; matrix products use Eigen")
+  set(TANDEM_OPENBLAS_LIBRARY "")
+endif()
+
+set(TANDEM_HAVE_CUDA 0)
+if(NOT TANDEM_CUDA STREQUAL "OFF")
+  if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND)
+    set(TANDEM_HAVE_CUDA 1)
+    message(STATUS "tandem: CUDA ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR}; GPU parts are built")
+  elseif(TANDEM_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "tandem: TANDEM_CUDA=ON but no CUDA toolkit was found "
+                        "(set CUDAToolkit_ROOT, or use -DTANDEM_CUDA=AUTO)")
+  else()
+    message(STATUS "tandem: no CUDA toolkit found; building the CPU parts only")
+  endif()
+endif()

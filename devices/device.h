@@ -1,0 +1,117 @@
+// tandem/devices/device.h — where tensors live and kernels run.
+//
+// A Device is one place that holds memory and runs kernels: a CPU logical device or a CUDA GPU.
+// Devices are created once per process, on first use, and live until the process ends; callers
+// hold plain references. Names follow TensorFlow:
+//   full   /job:localhost/replica:0/task:0/device:CPU:0
+//   short  CPU:0     (also accepted: /device:CPU:0, /cpu:0, gpu:1)
+//
+// Logical CPU devices. Like TF's tf.config.set_logical_device_configuration, one physical CPU can
+// be split into N logical devices, so that a MirroredStrategy runs N replicas on one machine
+// without a GPU. Each logical device owns its share of the cores (cores / N intra-op threads, at
+// least one), so N replicas never oversubscribe the machine. Configure before the first device
+// is used, with set_logical_device_configuration() or the environment:
+//   TANDEM_NUM_CPU_DEVICES=4      four logical CPU devices
+//   TANDEM_INTRA_OP_THREADS=1     threads per logical CPU device (default: cores / devices)
+//
+// GPUs are discovered at run time. No CUDA driver, no device, or a build without CUDA all mean
+// zero GPUs, never a crash; gpu_discovery_message() says which.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tandem/base/function_ref.h"
+#include "tandem/devices/allocator.h"
+#include "tandem/devices/device_name.h"
+
+namespace tandem::devices {
+
+// An ordered queue of device work. On a CPU device work runs inline on the calling thread, so
+// synchronize() returns at once; on a GPU it wraps a cudaStream_t.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  // Blocks the calling thread until everything queued so far has finished.
+  virtual void synchronize() = 0;
+  // The backend's handle (cudaStream_t on GPUs), nullptr on CPU.
+  virtual void* native_handle() const = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  const DeviceName& name() const { return name_; }
+  DeviceType type() const { return name_.type; }
+  int index() const { return name_.index; }
+  // "/job:localhost/replica:0/task:0/device:CPU:0"
+  std::string full_name() const { return name_.full(); }
+  // "CPU:0"
+  std::string short_name() const { return name_.short_form(); }
+
+  virtual Allocator& allocator() = 0;
+  virtual Stream& compute_stream() = 0;
+  // True when the host can read and write this device's memory directly (CPU devices).
+  virtual bool host_accessible() const = 0;
+
+  // Copies. Callers: any thread that owns the memory involved. Each call blocks until the copy
+  // is complete (asynchronous copies arrive with the GPU backend's input pipeline).
+  virtual void copy_from_host(void* device_dst, const void* host_src, std::size_t bytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) = 0;
+  virtual void copy_on_device(void* device_dst, const void* device_src, std::size_t bytes) = 0;
+  virtual void fill_zero(void* device_dst, std::size_t bytes) = 0;
+
+  // Blocks until all work queued on this device's streams has finished.
+  virtual void synchronize() = 0;
+
+  // Intra-op parallelism (CPU devices). parallel_for splits [0, n) into chunks of at least
+  // min_grain items and calls fn(begin, end) for each, on this device's threads, the calling
+  // thread included; it returns when every chunk is done and rethrows the first exception a
+  // chunk threw. A nested or concurrent call on the same device runs inline on its caller.
+  // On devices without host threads (GPUs) it runs inline.
+  virtual int intra_op_threads() const { return 1; }
+  virtual void parallel_for(std::int64_t n, std::int64_t min_grain,
+                            FunctionRef<void(std::int64_t, std::int64_t)> fn);
+
+ protected:
+  explicit Device(DeviceName name) : name_(std::move(name)) {}
+
+ private:
+  DeviceName name_;
+};
+
+// How the process's CPU is divided into logical devices. Set before the first device is used.
+struct LogicalDeviceConfiguration {
+  int num_cpu_devices = 1;
+  int intra_op_threads_per_device = 0;  // 0: the usable cores divided among the CPU devices
+};
+
+// Fixes the CPU device layout. Throws FailedPrecondition once devices have been created
+// (TF raises the same), InvalidArgument for counts below 1.
+void set_logical_device_configuration(const LogicalDeviceConfiguration& config);
+
+// All local devices, CPUs first, then GPUs; or only those of `type`. Creates them on first call.
+std::vector<Device*> list_logical_devices(std::optional<DeviceType> type = std::nullopt);
+
+// The local device with this name (any accepted form). Throws InvalidArgument for a malformed
+// name and NotFound for a well-formed name that is not a local device (the message lists them).
+Device& get_device(std::string_view name);
+
+// The first CPU device: where tensors go when no device is given.
+Device& default_cpu_device();
+
+int num_gpus();
+// Why the GPU count is what it is: "2 CUDA devices", "no CUDA driver (…)", "built without CUDA".
+std::string gpu_discovery_message();
+
+// Cores this process may run on (its CPU affinity mask), at least 1.
+int usable_cpu_cores();
+
+}  // namespace tandem::devices

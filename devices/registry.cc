@@ -1,0 +1,147 @@
+// The process's devices: created once, on first use, from the logical device configuration.
+#include <sched.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "tandem/base/errors.h"
+#include "tandem/devices/detail/cpu_device.h"
+#include "tandem/devices/detail/cuda_device.h"
+#include "tandem/devices/device.h"
+
+namespace tandem::devices {
+namespace {
+
+// More logical CPU devices than this is a typo, not a configuration.
+constexpr int kMaxCpuDevices = 1024;
+
+struct Registry {
+  std::mutex mutex;
+  bool created = false;
+  std::optional<LogicalDeviceConfiguration> configured;
+  std::vector<std::unique_ptr<Device>> cpus;
+  std::vector<std::unique_ptr<Device>> gpus;
+  std::string gpu_message;
+};
+
+// Deliberately never destroyed: device threads must outlive every static destructor that might
+// still free a tensor at exit.
+Registry& registry() {
+  static auto* instance = new Registry;
+  return *instance;
+}
+
+std::optional<int> env_positive_int(const char* variable) {
+  const char* text = std::getenv(variable);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  int value = 0;
+  const std::string_view view(text);
+  const auto [ptr, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
+  TANDEM_REQUIRE(ec == std::errc() && ptr == view.data() + view.size() && value >= 1 && value <= kMaxCpuDevices,
+                 InvalidArgument, "environment variable {}=\"{}\" is not an integer in [1, {}]", variable, text,
+                 kMaxCpuDevices);
+  return value;
+}
+
+void validate(const LogicalDeviceConfiguration& config) {
+  TANDEM_REQUIRE(config.num_cpu_devices >= 1 && config.num_cpu_devices <= kMaxCpuDevices, InvalidArgument,
+                 "LogicalDeviceConfiguration.num_cpu_devices is {}; expected 1 to {}", config.num_cpu_devices,
+                 kMaxCpuDevices);
+  TANDEM_REQUIRE(config.intra_op_threads_per_device >= 0, InvalidArgument,
+                 "LogicalDeviceConfiguration.intra_op_threads_per_device is {}; expected 0 (auto) or more",
+                 config.intra_op_threads_per_device);
+}
+
+// Called with the registry mutex held.
+void create_devices(Registry& r) {
+  if (r.created) return;
+  LogicalDeviceConfiguration config;
+  if (r.configured) {
+    config = *r.configured;  // an explicit API call wins over the environment
+  } else {
+    if (auto n = env_positive_int("TANDEM_NUM_CPU_DEVICES")) config.num_cpu_devices = *n;
+    if (auto t = env_positive_int("TANDEM_INTRA_OP_THREADS")) config.intra_op_threads_per_device = *t;
+  }
+  validate(config);
+  const int threads = config.intra_op_threads_per_device > 0
+                          ? config.intra_op_threads_per_device
+                          : std::max(1, usable_cpu_cores() / config.num_cpu_devices);
+  for (int i = 0; i < config.num_cpu_devices; ++i) {
+    r.cpus.push_back(std::make_unique<detail::CpuDevice>(i, threads));
+  }
+  const auto discovery = detail::discover_cuda_devices();
+  r.gpu_message = discovery.message;
+  for (int i = 0; i < discovery.count; ++i) r.gpus.push_back(detail::make_cuda_device(i));
+  r.created = true;
+}
+
+Registry& created_registry() {
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  create_devices(r);
+  return r;
+}
+
+}  // namespace
+
+int usable_cpu_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+void set_logical_device_configuration(const LogicalDeviceConfiguration& config) {
+  validate(config);
+  auto& r = registry();
+  std::lock_guard lock(r.mutex);
+  TANDEM_REQUIRE(!r.created, FailedPrecondition,
+                 "set_logical_device_configuration: devices were already created ({} CPU device(s)); "
+                 "configure them before the first tensor, graph or strategy is made",
+                 r.cpus.size());
+  r.configured = config;
+}
+
+std::vector<Device*> list_logical_devices(std::optional<DeviceType> type) {
+  auto& r = created_registry();
+  std::vector<Device*> out;
+  if (!type || *type == DeviceType::kCPU) {
+    for (auto& d : r.cpus) out.push_back(d.get());
+  }
+  if (!type || *type == DeviceType::kGPU) {
+    for (auto& d : r.gpus) out.push_back(d.get());
+  }
+  return out;
+}
+
+Device& get_device(std::string_view name_text) {
+  const DeviceName name = DeviceName::parse(name_text);
+  auto& r = created_registry();
+  auto& list = name.type == DeviceType::kCPU ? r.cpus : r.gpus;
+  const bool local = name.job == "localhost" && name.replica == 0 && name.task == 0;
+  if (local && name.index < static_cast<int>(list.size())) return *list[static_cast<std::size_t>(name.index)];
+  std::string known;
+  for (auto* d : list_logical_devices()) known += (known.empty() ? "" : ", ") + d->short_name();
+  throw NotFound(fmt::format("no local device \"{}\" ({}); local devices: {}{}", name_text, name.full(), known,
+                             name.type == DeviceType::kGPU ? fmt::format(" [GPUs: {}]", r.gpu_message) : ""));
+}
+
+Device& default_cpu_device() { return *created_registry().cpus.front(); }
+
+int num_gpus() { return static_cast<int>(created_registry().gpus.size()); }
+
+std::string gpu_discovery_message() { return created_registry().gpu_message; }
+
+#if !TANDEM_HAVE_CUDA
+namespace detail {
+CudaDiscovery discover_cuda_devices() { return {0, "tandem was built without CUDA"}; }
+std::unique_ptr<Device> make_cuda_device(int index) {
+  throw Unimplemented(fmt::format("GPU:{}: tandem was built without CUDA", index));
+}
+}  // namespace detail
+#endif
+
+}  // namespace tandem::devices

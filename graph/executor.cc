@@ -1,0 +1,345 @@
+#include "tandem/graph/executor.h"
+
+#include <algorithm>
+
+#include "tandem/devices/device_name.h"
+#include "tandem/graph/memory_planner.h"
+#include "tandem/graph/op_registry.h"
+
+namespace tandem::graph {
+namespace {
+
+// Values that are placed in the arena are aligned for the widest vector load.
+constexpr std::int64_t kArenaAlignmentBytes = static_cast<std::int64_t>(devices::kDefaultAlignmentBytes);
+
+enum class SlotKind : std::uint8_t { kArena, kFeed, kVariable, kConstant, kForward };
+
+std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finaliser
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+struct Executor::Plan {
+  struct Step {
+    const Node* node = nullptr;
+    KernelFn kernel = nullptr;  // null for forwarding nodes
+    int forward_from = -1;      // slot forwarded into outputs[0] when kernel is null
+    std::vector<const Tensor*> inputs;
+    std::vector<Tensor*> outputs;
+  };
+
+  std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
+  std::vector<TensorSpec> specs;  // concrete spec per slot
+  std::vector<SlotKind> kinds;
+  std::vector<std::int64_t> arena_offsets;  // per slot, for kArena
+  std::vector<int> slot_of_node;            // first slot of each graph node, -1 when pruned
+  std::vector<int> feed_slots;              // in the order of sorted feeds
+  std::vector<std::pair<int, int>> variable_slots;  // (slot, node id)
+  std::vector<int> fetch_slots;
+  std::vector<int> forward_slots;
+  std::vector<Step> steps;
+  std::shared_ptr<Buffer> arena;
+  int arena_slot_count = 0;
+  PlanStats stats;
+};
+
+Executor::Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options)
+    : graph_(std::move(graph)), device_(device), options_(options) {
+  TANDEM_REQUIRE(graph_ != nullptr, InvalidArgument, "Executor needs a graph");
+}
+
+Executor::~Executor() = default;
+
+void Executor::bind_variable(Output variable, Tensor value) {
+  TANDEM_REQUIRE(variable.graph == graph_.get(), InvalidArgument, "bind_variable: {} belongs to another graph",
+                 variable.name());
+  const Node& node = variable.producer();
+  TANDEM_REQUIRE(node.op->kind == OpKind::kVariable, InvalidArgument, "bind_variable: {} is not a Variable",
+                 node.label());
+  const auto& spec = node.outputs[0];
+  TANDEM_REQUIRE(value.defined() && value.dtype() == spec.dtype && value.shape() == spec.shape, InvalidArgument,
+                 "bind_variable {}: got a {} tensor of shape {}; expected {} {}", node.label(),
+                 value.defined() ? dtype_name(value.dtype()) : "undefined", value.defined() ? value.shape() : Shape{},
+                 spec.dtype, spec.shape);
+  TANDEM_REQUIRE(&value.device() == &device_, InvalidArgument,
+                 "bind_variable {}: the tensor is on {} but this executor runs on {}", node.label(),
+                 value.device().short_name(), device_.short_name());
+  variables_[node.id] = std::move(value);
+}
+
+const Tensor& Executor::variable(Output variable) const {
+  const auto it = variables_.find(variable.node);
+  TANDEM_REQUIRE(variable.graph == graph_.get() && it != variables_.end(), NotFound,
+                 "variable {} is not bound on the executor for {}", variable.name(), device_.short_name());
+  return it->second;
+}
+
+const Tensor& Executor::constant_on_device(const Node& node) {
+  auto it = constants_.find(node.id);
+  if (it == constants_.end()) it = constants_.emplace(node.id, node.attrs.get<Tensor>("value").to(device_)).first;
+  return it->second;
+}
+
+PlanStats Executor::last_plan_stats() const {
+  PlanStats stats = last_plan_ != nullptr ? last_plan_->stats : PlanStats{};
+  stats.plans_cached = static_cast<int>(plans_.size());
+  return stats;
+}
+
+Executor::Plan& Executor::plan_for(std::span<const Feed> feeds, std::span<const Output> fetches) {
+  // The key: fetches, then feeds sorted by node with dtype and concrete dims. Reusing one scratch
+  // vector keeps the lookup free of allocations once it has grown.
+  auto& key = key_scratch_;
+  key.clear();
+  for (const auto& f : fetches) {
+    TANDEM_REQUIRE(f.graph == graph_.get(), InvalidArgument, "fetch {} belongs to another graph", f.name());
+    key.push_back(f.node);
+    key.push_back(f.index);
+  }
+  key.push_back(-1);
+  const std::size_t feeds_begin = key.size();
+  for (const auto& [output, tensor] : feeds) {
+    TANDEM_REQUIRE(output.graph == graph_.get(), InvalidArgument, "feed {} belongs to another graph", output.name());
+    TANDEM_REQUIRE(tensor.defined(), InvalidArgument, "feed for {} is an undefined tensor", output.name());
+    key.push_back(output.node);
+    key.push_back(static_cast<std::int64_t>(tensor.dtype()));
+    for (auto d : tensor.shape().dims()) key.push_back(d);
+    key.push_back(-2);
+  }
+  (void)feeds_begin;
+  const auto it = plans_.find(key);
+  if (it != plans_.end()) return *it->second;
+  auto plan = build_plan(feeds, fetches);
+  auto& stored = *plans_.emplace(key, std::move(plan)).first->second;
+  return stored;
+}
+
+std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds, std::span<const Output> fetches) {
+  const Graph& g = *graph_;
+  auto plan = std::make_unique<Plan>();
+  const int num_nodes = g.num_nodes();
+
+  // Feeds: placeholders only, with a compatible dtype and shape.
+  std::vector<const Tensor*> fed(static_cast<std::size_t>(num_nodes), nullptr);
+  for (const auto& [output, tensor] : feeds) {
+    const Node& node = output.producer();
+    TANDEM_REQUIRE(node.op->kind == OpKind::kPlaceholder, InvalidArgument,
+                   "only placeholders can be fed; {} is not one", node.label());
+    const auto& spec = node.outputs[0];
+    TANDEM_REQUIRE(tensor.dtype() == spec.dtype && tensor.shape().compatible_with(spec.shape), InvalidArgument,
+                   "{}: fed a {} tensor of shape {}; expected {} {}", node.label(), tensor.dtype(), tensor.shape(),
+                   spec.dtype, spec.shape);
+    TANDEM_REQUIRE(fed[static_cast<std::size_t>(node.id)] == nullptr, InvalidArgument, "{} is fed twice",
+                   node.label());
+    fed[static_cast<std::size_t>(node.id)] = &tensor;
+  }
+
+  // Prune: the nodes the fetches reach, walking inputs backwards and stopping at feeds.
+  std::vector<char> needed(static_cast<std::size_t>(num_nodes), 0);
+  std::vector<int> stack;
+  for (const auto& f : fetches) stack.push_back(f.node);
+  while (!stack.empty()) {
+    const int id = stack.back();
+    stack.pop_back();
+    if (needed[static_cast<std::size_t>(id)]) continue;
+    needed[static_cast<std::size_t>(id)] = 1;
+    if (fed[static_cast<std::size_t>(id)] != nullptr) continue;
+    for (const auto& in : g.node(id).inputs) stack.push_back(in.node);
+  }
+
+  // Slots and concrete shapes, in node order (already topological).
+  plan->slot_of_node.assign(static_cast<std::size_t>(num_nodes), -1);
+  std::vector<int> order;
+  int num_slots = 0;
+  for (int id = 0; id < num_nodes; ++id) {
+    if (!needed[static_cast<std::size_t>(id)]) continue;
+    order.push_back(id);
+    plan->slot_of_node[static_cast<std::size_t>(id)] = num_slots;
+    num_slots += static_cast<int>(g.node(id).outputs.size());
+  }
+  plan->slots.resize(static_cast<std::size_t>(num_slots));
+  plan->specs.resize(static_cast<std::size_t>(num_slots));
+  plan->kinds.resize(static_cast<std::size_t>(num_slots), SlotKind::kArena);
+  plan->arena_offsets.resize(static_cast<std::size_t>(num_slots), 0);
+  const auto slot = [&](const Output& o) { return plan->slot_of_node[static_cast<std::size_t>(o.node)] + o.index; };
+
+  std::vector<int> forward_root(static_cast<std::size_t>(num_slots), -1);  // arena slot a forward aliases
+  std::vector<TensorSpec> input_specs;
+  for (const int id : order) {
+    const Node& node = g.node(id);
+    const int first = plan->slot_of_node[static_cast<std::size_t>(id)];
+    auto& spec0 = plan->specs[static_cast<std::size_t>(first)];
+    if (const Tensor* feed = fed[static_cast<std::size_t>(id)]) {
+      spec0 = TensorSpec{feed->dtype(), feed->shape()};
+      plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kFeed;
+      plan->feed_slots.push_back(first);
+      continue;
+    }
+    switch (node.op->kind) {
+      case OpKind::kPlaceholder:
+        throw InvalidArgument(fmt::format("{} must be fed: the fetches depend on it (for example {})", node.label(),
+                                          fetches.empty() ? std::string("-") : fetches.front().name()));
+      case OpKind::kVariable:
+        TANDEM_REQUIRE(variables_.contains(id), FailedPrecondition,
+                       "{} is not bound on the executor for {}; call bind_variable() before running", node.label(),
+                       device_.short_name());
+        spec0 = node.outputs[0];
+        plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kVariable;
+        plan->variable_slots.emplace_back(first, id);
+        continue;
+      case OpKind::kConstant:
+        spec0 = node.outputs[0];
+        plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kConstant;
+        plan->slots[static_cast<std::size_t>(first)] = constant_on_device(node);
+        continue;
+      case OpKind::kKernel:
+        break;
+    }
+    if (!node.device.empty()) {
+      const auto requested = devices::DeviceName::parse(node.device);
+      TANDEM_REQUIRE(requested.type == device_.type(), FailedPrecondition,
+                     "{} is placed on {} but this executor runs on {}; a graph runs on one device type", node.label(),
+                     node.device, device_.short_name());
+    }
+    input_specs.clear();
+    for (const auto& in : node.inputs) input_specs.push_back(plan->specs[static_cast<std::size_t>(slot(in))]);
+    ShapeContext shape_context(*node.op, node.name, node.attrs, input_specs);
+    auto outputs = node.op->shape_fn(shape_context);
+    Plan::Step step;
+    step.node = &node;
+    for (int i = 0; i < static_cast<int>(outputs.size()); ++i) {
+      const auto s = static_cast<std::size_t>(first + i);
+      TANDEM_ASSERT(outputs[static_cast<std::size_t>(i)].shape.is_fully_defined(),
+                    "{}: output {} has shape {} after planning with concrete inputs", node.label(), i,
+                    outputs[static_cast<std::size_t>(i)].shape);
+      plan->specs[s] = outputs[static_cast<std::size_t>(i)];
+      step.outputs.push_back(&plan->slots[s]);
+    }
+    for (const auto& in : node.inputs) step.inputs.push_back(&plan->slots[static_cast<std::size_t>(slot(in))]);
+    if (node.op->forwards_input >= 0) {
+      const int source = slot(node.inputs[static_cast<std::size_t>(node.op->forwards_input)]);
+      step.forward_from = source;
+      plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kForward;
+      plan->forward_slots.push_back(first);
+      const int root = plan->kinds[static_cast<std::size_t>(source)] == SlotKind::kForward
+                           ? forward_root[static_cast<std::size_t>(source)]
+                           : source;
+      forward_root[static_cast<std::size_t>(first)] = root;
+    } else {
+      step.kernel = node.op->kernel(device_.type());
+      TANDEM_REQUIRE(step.kernel != nullptr, Unimplemented, "{}: op {} has no {} kernel yet", node.label(),
+                     node.op->name, devices::device_type_name(device_.type()));
+    }
+    plan->steps.push_back(std::move(step));
+  }
+
+  // Lifetimes of the arena slots, in step positions; fetched values live to the end.
+  const int num_steps = static_cast<int>(plan->steps.size());
+  std::vector<int> first_step(static_cast<std::size_t>(num_slots), -1);
+  std::vector<int> last_step(static_cast<std::size_t>(num_slots), -1);
+  const auto root_of = [&](int s) {
+    return plan->kinds[static_cast<std::size_t>(s)] == SlotKind::kForward ? forward_root[static_cast<std::size_t>(s)] : s;
+  };
+  const auto use = [&](int s, int position) {
+    const int r = root_of(s);
+    if (r >= 0 && plan->kinds[static_cast<std::size_t>(r)] == SlotKind::kArena) {
+      last_step[static_cast<std::size_t>(r)] = std::max(last_step[static_cast<std::size_t>(r)], position);
+    }
+  };
+  for (int p = 0; p < num_steps; ++p) {
+    const auto& step = plan->steps[static_cast<std::size_t>(p)];
+    const int first = plan->slot_of_node[static_cast<std::size_t>(step.node->id)];
+    for (int i = 0; i < static_cast<int>(step.outputs.size()); ++i) {
+      if (plan->kinds[static_cast<std::size_t>(first + i)] == SlotKind::kArena) {
+        first_step[static_cast<std::size_t>(first + i)] = p;
+        last_step[static_cast<std::size_t>(first + i)] = p;
+      }
+    }
+    for (const auto& in : step.node->inputs) use(slot(in), p);
+  }
+  for (const auto& f : fetches) {
+    plan->fetch_slots.push_back(slot(f));
+    use(slot(f), num_steps);
+  }
+
+  std::vector<BufferRequest> requests;
+  std::vector<int> request_slots;
+  for (int s = 0; s < num_slots; ++s) {
+    if (plan->kinds[static_cast<std::size_t>(s)] != SlotKind::kArena) continue;
+    const auto& spec = plan->specs[static_cast<std::size_t>(s)];
+    const auto bytes = spec.shape.num_elements() * static_cast<std::int64_t>(dtype_size(spec.dtype));
+    requests.push_back({bytes, first_step[static_cast<std::size_t>(s)], last_step[static_cast<std::size_t>(s)]});
+    request_slots.push_back(s);
+  }
+  const MemoryPlan memory = plan_memory(requests, kArenaAlignmentBytes);
+  for (std::size_t r = 0; r < requests.size(); ++r) {
+    plan->arena_offsets[static_cast<std::size_t>(request_slots[r])] = memory.offsets[r];
+  }
+  plan->arena_slot_count = static_cast<int>(requests.size());
+  plan->stats.nodes_run = static_cast<int>(std::count_if(plan->steps.begin(), plan->steps.end(),
+                                                         [](const Plan::Step& s) { return s.kernel != nullptr; }));
+  plan->stats.nodes_in_graph = num_nodes;
+  plan->stats.arena_bytes = memory.arena_bytes;
+  plan->stats.unshared_bytes = memory.unshared_bytes;
+  return plan;
+}
+
+void Executor::ensure_arena(Plan& plan) {
+  // Held by the plan and by each arena slot; any other holder is a caller keeping a fetched view.
+  const long internal_holders = 1 + plan.arena_slot_count;
+  if (plan.arena != nullptr && plan.arena.use_count() <= internal_holders) return;
+  plan.arena = std::make_shared<Buffer>(device_, static_cast<std::size_t>(plan.stats.arena_bytes));
+  for (std::size_t s = 0; s < plan.slots.size(); ++s) {
+    if (plan.kinds[s] != SlotKind::kArena) continue;
+    plan.slots[s] = Tensor(plan.specs[s].shape, plan.specs[s].dtype, plan.arena,
+                           static_cast<std::size_t>(plan.arena_offsets[s]));
+  }
+}
+
+std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const Output> fetches,
+                                  const RunOptions& options) {
+  Plan& plan = plan_for(feeds, fetches);
+  last_plan_ = &plan;
+  ensure_arena(plan);
+
+  // Bind this run's feeds (sorted by node in the plan, so match by node id) and variables.
+  for (const auto& [output, tensor] : feeds) {
+    const int s = plan.slot_of_node[static_cast<std::size_t>(output.node)];
+    if (s < 0) continue;  // fed but not needed
+    plan.slots[static_cast<std::size_t>(s)] = &tensor.device() == &device_ ? tensor : tensor.to(device_);
+  }
+  for (const auto& [s, node_id] : plan.variable_slots) {
+    const auto it = variables_.find(node_id);
+    TANDEM_REQUIRE(it != variables_.end(), FailedPrecondition, "{} is no longer bound",
+                   graph_->node(node_id).label());
+    plan.slots[static_cast<std::size_t>(s)] = it->second;
+  }
+
+  const std::uint64_t step = options.random_step.value_or(step_);
+  ++step_;
+  const std::uint64_t run_seed = mix64(options_.seed ^ mix64(step));
+  for (auto& st : plan.steps) {
+    if (st.kernel == nullptr) {
+      const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
+      *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
+      continue;
+    }
+    KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
+                          mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)));
+    st.kernel(context);
+  }
+
+  std::vector<Tensor> results;
+  results.reserve(plan.fetch_slots.size());
+  for (const int s : plan.fetch_slots) results.push_back(plan.slots[static_cast<std::size_t>(s)]);
+  // Let go of the caller's feeds and of views that might pin them, until the next run.
+  for (const int s : plan.feed_slots) plan.slots[static_cast<std::size_t>(s)] = Tensor();
+  for (const int s : plan.forward_slots) plan.slots[static_cast<std::size_t>(s)] = Tensor();
+  return results;
+}
+
+}  // namespace tandem::graph

@@ -1,0 +1,100 @@
+// tandem/graph/executor.h — runs a graph on one device.
+//
+// An Executor is one instance of a graph on one device: its own variable bindings, its own
+// planned memory, its own random stream. Several executors of the same graph may run at the
+// same time on different devices in different threads (that is how replicas run); one executor
+// is used by one thread at a time.
+//
+// run(feeds, fetches) runs only the nodes the fetches need (dead nodes are pruned), in node
+// order, on the calling thread; kernels parallelise internally on the device's threads. The
+// first run for a given set of fetches and feed shapes builds a plan: concrete shapes, kernels,
+// and one arena holding every intermediate tensor, packed by lifetime (memory_planner.h). Later
+// runs with the same key reuse the plan and allocate nothing.
+//
+// Fetched tensors that are intermediates are views into the arena. Holding one across the next
+// run is safe: the executor sees the arena is still referenced and moves to a fresh one.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "tandem/devices/device.h"
+#include "tandem/graph/graph.h"
+#include "tandem/graph/tensor.h"
+
+namespace tandem::graph {
+
+struct ExecutorOptions {
+  std::uint64_t seed = 0;  // mixed into every random op's stream (replicas pass different seeds)
+};
+
+struct RunOptions {
+  // Random ops (Dropout) draw from a stream keyed by (seed, node, step); the step counts runs.
+  // Setting it replays a step's randomness exactly (gradient checks, deterministic tests).
+  std::optional<std::uint64_t> random_step;
+};
+
+struct PlanStats {
+  int nodes_run = 0;                // nodes in the pruned plan that execute a kernel
+  int nodes_in_graph = 0;
+  std::int64_t arena_bytes = 0;     // peak bytes of intermediates, with reuse
+  std::int64_t unshared_bytes = 0;  // what one buffer per intermediate would need
+  int plans_cached = 0;
+};
+
+using Feed = std::pair<Output, Tensor>;
+
+class Executor {
+ public:
+  Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options = {});
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  const Graph& graph() const { return *graph_; }
+  devices::Device& device() const { return device_; }
+
+  // Binds the storage of a Variable node for this executor. The tensor must be on this
+  // executor's device with the variable's dtype and shape; the executor reads it in place, so
+  // updates made to it between runs are seen by the next run.
+  void bind_variable(Output variable, Tensor value);
+  const Tensor& variable(Output variable) const;
+
+  // Runs the graph. Every placeholder the fetches depend on must be fed (InvalidArgument
+  // otherwise); feeds on another device are copied to this one. Blocks until the results are
+  // computed; returns them in fetch order.
+  std::vector<Tensor> run(std::span<const Feed> feeds, std::span<const Output> fetches, const RunOptions& options = {});
+  std::vector<Tensor> run(std::initializer_list<Feed> feeds, std::initializer_list<Output> fetches,
+                          const RunOptions& options = {}) {
+    return run(std::span<const Feed>(feeds.begin(), feeds.size()), std::span<const Output>(fetches.begin(), fetches.size()),
+               options);
+  }
+
+  // Statistics of the plan used by the most recent run.
+  PlanStats last_plan_stats() const;
+
+ private:
+  struct Plan;
+  Plan& plan_for(std::span<const Feed> feeds, std::span<const Output> fetches);
+  std::unique_ptr<Plan> build_plan(std::span<const Feed> feeds, std::span<const Output> fetches);
+  void ensure_arena(Plan& plan);
+  const Tensor& constant_on_device(const Node& node);
+
+  std::shared_ptr<const Graph> graph_;
+  devices::Device& device_;
+  ExecutorOptions options_;
+  std::unordered_map<int, Tensor> variables_;  // node id -> bound storage
+  std::unordered_map<int, Tensor> constants_;  // node id -> copy on this device
+  std::map<std::vector<std::int64_t>, std::unique_ptr<Plan>> plans_;
+  std::vector<std::int64_t> key_scratch_;
+  Plan* last_plan_ = nullptr;
+  std::uint64_t step_ = 0;
+};
+
+}  // namespace tandem::graph

@@ -1,0 +1,186 @@
+// Array ops: shape, type and constant ops. Definitions and builders; kernels in cpu/array_kernels.cc.
+#include "tandem/ops/array_ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "tandem/ops/detail/op_util.h"
+#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/math_ops.h"
+
+namespace tandem::ops {
+
+using detail::add_op;
+using detail::add_op_in;
+using detail::GradContext;
+using detail::ShapeContext;
+using detail::TensorSpec;
+
+Output reshape(Output x, const Shape& shape) { return add_op("Reshape", {x}, {{"shape", shape}}); }
+Output transpose(Output x, std::vector<std::int64_t> perm) { return add_op("Transpose", {x}, {{"perm", std::move(perm)}}); }
+Output cast(Output x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  return add_op("Cast", {x}, {{"dtype", dtype}});
+}
+Output argmax(Output x, int axis) { return add_op("ArgMax", {x}, {{"axis", std::int64_t{axis}}}); }
+Output equal(Output a, Output b) { return add_op("Equal", {a, b}); }
+Output one_hot(Output indices, std::int64_t depth, double on_value, double off_value) {
+  return add_op("OneHot", {indices}, {{"depth", depth}, {"on_value", on_value}, {"off_value", off_value}});
+}
+Output fill(Graph& graph, const Shape& shape, double value, DType dtype) {
+  return add_op_in(graph, "Fill", {}, {{"shape", shape}, {"value", value}, {"dtype", dtype}});
+}
+Output zeros_like(Output x) { return add_op("ZerosLike", {x}); }
+Output ones_like(Output x) { return add_op("OnesLike", {x}); }
+Output identity(Output x) { return add_op("Identity", {x}); }
+Output stop_gradient(Output x) { return add_op("StopGradient", {x}); }
+Output scalar_like(Output x, double value) {
+  TANDEM_REQUIRE(x.defined(), InvalidArgument, "scalar_like: x is undefined");
+  Tensor t;
+  graph::dispatch<graph::NumericTypes>(x.dtype(), "scalar_like", [&]<class T>() { t = Tensor::scalar<T>(static_cast<T>(value)); });
+  return x.graph->constant(t, "scalar");
+}
+
+namespace {
+
+// ----- shape functions -----
+
+std::vector<TensorSpec> reshape_shape(ShapeContext& ctx) {
+  const Shape& in = ctx.shape(0);
+  const Shape& requested = ctx.attrs().get<Shape>("shape");
+  int infer_axis = -1;
+  std::int64_t known_product = 1;
+  for (int i = 0; i < requested.rank(); ++i) {
+    if (requested[i] == Shape::kUnknown) {
+      ctx.require(infer_axis < 0, "target shape {} has more than one -1", requested);
+      infer_axis = i;
+    } else {
+      known_product *= requested[i];
+    }
+  }
+  Shape out = requested;
+  const std::int64_t n = in.num_elements();
+  if (n == Shape::kUnknown) return {TensorSpec{ctx.dtype(0), out}};  // resolved when planned
+  if (infer_axis >= 0) {
+    ctx.require(known_product > 0 && n % known_product == 0,
+                "cannot reshape {} ({} elements) to {}: {} is not a multiple of {}", in, n, requested, n, known_product);
+    out[infer_axis] = n / known_product;
+  } else {
+    ctx.require(known_product == n, "cannot reshape {} ({} elements) to {} ({} elements)", in, n, requested,
+                known_product);
+  }
+  return {TensorSpec{ctx.dtype(0), out}};
+}
+
+std::vector<TensorSpec> reshape_like_shape(ShapeContext& ctx) {
+  const auto n = ctx.shape(0).num_elements();
+  const auto m = ctx.shape(1).num_elements();
+  ctx.require(n == Shape::kUnknown || m == Shape::kUnknown || n == m, "cannot reshape {} to the shape of {}",
+              ctx.shape(0), ctx.shape(1));
+  return {TensorSpec{ctx.dtype(0), ctx.shape(1)}};
+}
+
+std::vector<TensorSpec> transpose_shape(ShapeContext& ctx) {
+  const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
+  const Shape& in = ctx.shape(0);
+  ctx.require(static_cast<int>(perm.size()) == in.rank(), "perm [{}] has {} entries for input {} of rank {}",
+              fmt::join(perm, ", "), perm.size(), in, in.rank());
+  std::vector<char> seen(perm.size(), 0);
+  Shape out;
+  for (auto p : perm) {
+    ctx.require(p >= 0 && p < in.rank() && !seen[static_cast<std::size_t>(p)], "perm [{}] is not a permutation of 0..{}",
+                fmt::join(perm, ", "), in.rank() - 1);
+    seen[static_cast<std::size_t>(p)] = 1;
+    out.push_back(in[static_cast<int>(p)]);
+  }
+  return {TensorSpec{ctx.dtype(0), out}};
+}
+
+std::vector<TensorSpec> cast_shape(ShapeContext& ctx) {
+  const DType to = ctx.attrs().get<DType>("dtype");
+  const auto supported = [](DType d) { return d != DType::kF16 && d != DType::kBF16; };
+  ctx.require(supported(ctx.dtype(0)) && supported(to), "casting {} to {} is not supported yet", ctx.dtype(0), to);
+  return {TensorSpec{to, ctx.shape(0)}};
+}
+
+std::vector<TensorSpec> argmax_shape(ShapeContext& ctx) {
+  const Shape& in = ctx.shape(0);
+  ctx.require(in.rank() >= 1, "input {} must have rank 1 or more", in);
+  const int axis = graph::normalize_axis(static_cast<int>(ctx.attrs().get_int("axis")), in.rank(), ctx.label());
+  Shape out;
+  for (int i = 0; i < in.rank(); ++i) {
+    if (i != axis) out.push_back(in[i]);
+  }
+  return {TensorSpec{DType::kI64, out}};
+}
+
+std::vector<TensorSpec> equal_shape(ShapeContext& ctx) {
+  ctx.require_same_dtype(0, 1);
+  return {TensorSpec{DType::kU8, detail::broadcast_shapes(ctx, ctx.shape(0), ctx.shape(1))}};
+}
+
+std::vector<TensorSpec> one_hot_shape(ShapeContext& ctx) {
+  ctx.require(ctx.dtype(0) == DType::kI32 || ctx.dtype(0) == DType::kI64 || ctx.dtype(0) == DType::kU8,
+              "indices have dtype {}; expected int32, int64 or uint8", ctx.dtype(0));
+  const auto depth = ctx.attrs().get_int("depth");
+  ctx.require(depth >= 1, "depth is {}; expected 1 or more", depth);
+  Shape out = ctx.shape(0);
+  out.push_back(depth);
+  return {TensorSpec{DType::kF32, out}};
+}
+
+std::vector<TensorSpec> fill_shape(ShapeContext& ctx) {
+  const Shape& shape = ctx.attrs().get<Shape>("shape");
+  ctx.require(shape.is_fully_defined(), "shape {} must be fully defined", shape);
+  return {TensorSpec{ctx.attrs().get<DType>("dtype"), shape}};
+}
+
+// ----- gradient functions -----
+
+std::vector<Output> reshape_grad(GradContext& ctx) {
+  return {add_op("ReshapeLike", {ctx.grad(0), ctx.input(0)})};
+}
+
+std::vector<Output> reshape_like_grad(GradContext& ctx) {
+  return {add_op("ReshapeLike", {ctx.grad(0), ctx.input(0)}), Output{}};
+}
+
+std::vector<Output> transpose_grad(GradContext& ctx) {
+  const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
+  std::vector<std::int64_t> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
+  return {transpose(ctx.grad(0), inverse)};
+}
+
+std::vector<Output> cast_grad(GradContext& ctx) {
+  if (!graph::is_floating(ctx.input(0).dtype())) return {Output{}};
+  return {cast(ctx.grad(0), ctx.input(0).dtype())};
+}
+
+std::vector<Output> identity_grad(GradContext& ctx) { return {ctx.grad(0)}; }
+
+}  // namespace
+
+namespace detail {
+void register_array_ops() {
+  auto& r = OpRegistry::global();
+  r.add({.name = "Reshape", .min_inputs = 1, .max_inputs = 1, .shape_fn = reshape_shape, .grad_fn = reshape_grad,
+         .forwards_input = 0});
+  r.add({.name = "ReshapeLike", .min_inputs = 2, .max_inputs = 2, .shape_fn = reshape_like_shape,
+         .grad_fn = reshape_like_grad, .forwards_input = 0});
+  r.add({.name = "Identity", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .grad_fn = identity_grad,
+         .forwards_input = 0});
+  // No gradient function: gradients stop here.
+  r.add({.name = "StopGradient", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .forwards_input = 0});
+  r.add({.name = "Transpose", .min_inputs = 1, .max_inputs = 1, .shape_fn = transpose_shape, .grad_fn = transpose_grad});
+  r.add({.name = "Cast", .min_inputs = 1, .max_inputs = 1, .shape_fn = cast_shape, .grad_fn = cast_grad});
+  r.add({.name = "ArgMax", .min_inputs = 1, .max_inputs = 1, .shape_fn = argmax_shape});
+  r.add({.name = "Equal", .min_inputs = 2, .max_inputs = 2, .shape_fn = equal_shape});
+  r.add({.name = "OneHot", .min_inputs = 1, .max_inputs = 1, .shape_fn = one_hot_shape});
+  r.add({.name = "Fill", .min_inputs = 0, .max_inputs = 0, .shape_fn = fill_shape});
+  r.add({.name = "ZerosLike", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any});
+  r.add({.name = "OnesLike", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any});
+}
+}  // namespace detail
+
+}  // namespace tandem::ops

@@ -1,0 +1,34 @@
+// tandem/ops/conv_ops.h — 2-D convolution and pooling on NHWC tensors.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "tandem/graph/graph.h"
+
+namespace tandem::ops {
+
+using graph::Output;
+
+// TF's padding: kValid uses only whole windows; kSame pads so that out = ceil(in / stride),
+// putting the extra row/column of padding at the bottom/right.
+enum class Padding { kValid, kSame };
+Padding parse_padding(std::string_view name);  // "valid", "same" (any case)
+
+struct Conv2DOptions {
+  std::array<std::int64_t, 2> strides{1, 1};  // (height, width)
+  Padding padding = Padding::kValid;
+};
+// x: [batch, height, width, in_channels]; filter: [kh, kw, in_channels, out_channels] (HWIO).
+Output conv2d(Output x, Output filter, const Conv2DOptions& options = {});
+
+struct Pool2DOptions {
+  std::array<std::int64_t, 2> pool_size{2, 2};
+  std::array<std::int64_t, 2> strides{2, 2};
+  Padding padding = Padding::kValid;
+};
+Output max_pool2d(Output x, const Pool2DOptions& options = {});
+// With kSame, padded positions are not counted in the average (TF semantics).
+Output avg_pool2d(Output x, const Pool2DOptions& options = {});
+
+}  // namespace tandem::ops

@@ -1,0 +1,5 @@
+// Placeholder until the conv family lands.
+#include "tandem/ops/detail/registration.h"
+namespace tandem::ops::detail {
+void register_conv_cpu_kernels() {}
+}

@@ -1,0 +1,217 @@
+#include "tandem/ops/cpu/gemm.h"
+
+#include <dlfcn.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <string_view>
+
+#include "tandem/base/errors.h"
+
+namespace tandem::ops::cpu {
+namespace {
+
+// A product smaller than this many multiply-adds runs on one thread: splitting it costs more
+// than it saves.
+constexpr std::int64_t kParallelGemmMinMacs = 1 << 18;
+// Column blocks handed to threads are multiples of this (an AVX-512 register of floats).
+constexpr std::int64_t kColumnBlockAlignment = 16;
+
+// CBLAS enums, declared here so the build does not need OpenBLAS's headers.
+constexpr int kCblasRowMajor = 101;
+constexpr int kCblasNoTrans = 111;
+constexpr int kCblasTrans = 112;
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+using DgemmFn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int, double, double*, int);
+using CorenameFn = char* (*)();
+using ConfigFn = char* (*)();
+using SetThreadsFn = void (*)(int);
+
+struct OpenBlas {
+  SgemmFn sgemm = nullptr;
+  DgemmFn dgemm = nullptr;
+  std::string description;
+};
+
+struct State {
+  GemmBackend backend = GemmBackend::kEigen;
+  OpenBlas openblas;
+  bool openblas_loaded = false;
+  std::string description;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+// OpenBLAS's names for the newest kernel set this CPU can run.
+const char* openblas_core_for_this_cpu() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) {
+    return __builtin_cpu_supports("avx512bf16") ? "Cooperlake" : "SkylakeX";
+  }
+  if (__builtin_cpu_supports("avx2")) return "Haswell";
+  return nullptr;
+}
+
+bool load_openblas(OpenBlas& out) {
+  if (const char* core = openblas_core_for_this_cpu()) setenv("OPENBLAS_CORETYPE", core, /*overwrite=*/0);
+  // We split products over the device's threads ourselves; OpenBLAS's own pool would compete.
+  setenv("OPENBLAS_NUM_THREADS", "1", /*overwrite=*/0);
+  void* handle = nullptr;
+  for (const char* path : {TANDEM_OPENBLAS_PATH, "libopenblas.so.0", "libopenblas.so"}) {
+    if (path[0] == '\0') continue;
+    handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (handle != nullptr) break;
+  }
+  if (handle == nullptr) return false;
+  out.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
+  out.dgemm = reinterpret_cast<DgemmFn>(dlsym(handle, "cblas_dgemm"));
+  auto corename = reinterpret_cast<CorenameFn>(dlsym(handle, "openblas_get_corename"));
+  auto config = reinterpret_cast<ConfigFn>(dlsym(handle, "openblas_get_config"));
+  auto set_threads = reinterpret_cast<SetThreadsFn>(dlsym(handle, "openblas_set_num_threads"));
+  if (out.sgemm == nullptr || out.dgemm == nullptr) return false;
+  if (set_threads != nullptr) set_threads(1);
+  out.description = fmt::format("OpenBLAS ({}), {} kernels, single-threaded per call", config ? config() : "?",
+                                corename ? corename() : "?");
+  return true;
+}
+
+template <class T>
+void eigen_gemm(const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
+  using Matrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using Stride = Eigen::OuterStride<>;
+  const Eigen::Index m = s.m, n = s.n, k = s.k;
+  Eigen::Map<Matrix, Eigen::Unaligned, Stride> cm(c, m, n, Stride(s.ldc));
+  const auto a_rows = s.transpose_a ? k : m, a_cols = s.transpose_a ? m : k;
+  const auto b_rows = s.transpose_b ? n : k, b_cols = s.transpose_b ? k : n;
+  Eigen::Map<const Matrix, Eigen::Unaligned, Stride> am(a, a_rows, a_cols, Stride(s.lda));
+  Eigen::Map<const Matrix, Eigen::Unaligned, Stride> bm(b, b_rows, b_cols, Stride(s.ldb));
+  if (beta == T(0)) {
+    cm.setZero();
+  } else if (beta != T(1)) {
+    cm *= beta;
+  }
+  if (s.transpose_a && s.transpose_b) {
+    cm.noalias() += alpha * (am.transpose() * bm.transpose());
+  } else if (s.transpose_a) {
+    cm.noalias() += alpha * (am.transpose() * bm);
+  } else if (s.transpose_b) {
+    cm.noalias() += alpha * (am * bm.transpose());
+  } else {
+    cm.noalias() += alpha * (am * bm);
+  }
+}
+
+template <class T>
+void openblas_gemm(const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
+  const auto& ob = state().openblas;
+  const int ta = s.transpose_a ? kCblasTrans : kCblasNoTrans;
+  const int tb = s.transpose_b ? kCblasTrans : kCblasNoTrans;
+  const auto i = [](std::int64_t v) { return static_cast<int>(v); };
+  if constexpr (std::is_same_v<T, float>) {
+    ob.sgemm(kCblasRowMajor, ta, tb, i(s.m), i(s.n), i(s.k), alpha, a, i(s.lda), b, i(s.ldb), beta, c, i(s.ldc));
+  } else {
+    ob.dgemm(kCblasRowMajor, ta, tb, i(s.m), i(s.n), i(s.k), alpha, a, i(s.lda), b, i(s.ldb), beta, c, i(s.ldc));
+  }
+}
+
+}  // namespace
+
+void init_gemm() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto& s = state();
+    const char* forced = std::getenv("TANDEM_GEMM");
+    const std::string_view choice = forced != nullptr ? forced : "";
+    TANDEM_REQUIRE(choice.empty() || choice == "eigen" || choice == "openblas", InvalidArgument,
+                   "environment variable TANDEM_GEMM=\"{}\": expected \"eigen\" or \"openblas\"", choice);
+    if (choice != "eigen") s.openblas_loaded = load_openblas(s.openblas);
+    TANDEM_REQUIRE(choice != "openblas" || s.openblas_loaded, FailedPrecondition,
+                   "TANDEM_GEMM=openblas but libopenblas could not be loaded (install libopenblas0)");
+    s.backend = s.openblas_loaded ? GemmBackend::kOpenBLAS : GemmBackend::kEigen;
+    s.description = s.openblas_loaded ? s.openblas.description
+                                      : fmt::format("Eigen {}.{}.{}", EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION,
+                                                    EIGEN_MINOR_VERSION);
+  });
+}
+
+GemmBackend gemm_backend() {
+  init_gemm();
+  return state().backend;
+}
+
+std::string gemm_backend_description() {
+  init_gemm();
+  return state().description;
+}
+
+bool openblas_available() {
+  init_gemm();
+  return state().openblas_loaded;
+}
+
+template <class T>
+void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c) {
+  if (shape.m == 0 || shape.n == 0) return;
+  if (backend == GemmBackend::kOpenBLAS) {
+    TANDEM_ASSERT(state().openblas_loaded, "OpenBLAS requested but not loaded");
+    openblas_gemm(shape, alpha, a, b, beta, c);
+  } else {
+    eigen_gemm(shape, alpha, a, b, beta, c);
+  }
+}
+
+template <class T>
+void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c) {
+  gemm_serial_with(gemm_backend(), shape, alpha, a, b, beta, c);
+}
+
+template <class T>
+void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
+  const int threads = device.intra_op_threads();
+  if (threads <= 1 || s.m * s.n * s.k < kParallelGemmMinMacs) {
+    gemm_serial(s, alpha, a, b, beta, c);
+    return;
+  }
+  // Split the larger side of C so that each thread packs only its share of the other operand.
+  const bool split_columns = s.n >= s.m;
+  const std::int64_t extent = split_columns ? s.n : s.m;
+  const std::int64_t align = split_columns ? kColumnBlockAlignment : 1;
+  std::int64_t block = (extent + threads - 1) / threads;
+  block = (block + align - 1) / align * align;
+  const std::int64_t parts = (extent + block - 1) / block;
+  device.parallel_for(parts, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t p = begin; p < end; ++p) {
+      const std::int64_t lo = p * block;
+      const std::int64_t size = std::min(block, extent - lo);
+      GemmShape part = s;
+      const T* pa = a;
+      const T* pb = b;
+      T* pc = c;
+      if (split_columns) {
+        part.n = size;
+        pb = s.transpose_b ? b + lo * s.ldb : b + lo;  // columns of op(B): rows of B when transposed
+        pc = c + lo;
+      } else {
+        part.m = size;
+        pa = s.transpose_a ? a + lo : a + lo * s.lda;
+        pc = c + lo * s.ldc;
+      }
+      gemm_serial(part, alpha, pa, pb, beta, pc);
+    }
+  });
+}
+
+template void gemm_serial<float>(const GemmShape&, float, const float*, const float*, float, float*);
+template void gemm_serial<double>(const GemmShape&, double, const double*, const double*, double, double*);
+template void gemm<float>(devices::Device&, const GemmShape&, float, const float*, const float*, float, float*);
+template void gemm<double>(devices::Device&, const GemmShape&, double, const double*, const double*, double, double*);
+template void gemm_serial_with<float>(GemmBackend, const GemmShape&, float, const float*, const float*, float, float*);
+template void gemm_serial_with<double>(GemmBackend, const GemmShape&, double, const double*, const double*, double,
+                                       double*);
+
+}  // namespace tandem::ops::cpu

@@ -1,0 +1,47 @@
+// tandem/ops/cpu/gemm.h — dense matrix products for the CPU kernels (MatMul, convolution).
+//
+// Two backends, measured against each other by bench/bench_ops on every machine:
+//   OpenBLAS  loaded at run time (dlopen), so tandem can pick its kernel set first. Debian's
+//             OpenBLAS 0.3.21 does not recognise recent Xeons and falls back to SSE3 kernels,
+//             about 7x slower than its AVX-512 ones; we set OPENBLAS_CORETYPE from CPUID before
+//             loading it (unless the user set it) and run it single-threaded, partitioning the
+//             product over the device's own threads.
+//   Eigen     always available; within ~10% of OpenBLAS here.
+// TANDEM_GEMM=eigen|openblas forces one (tests run both).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tandem/devices/device.h"
+
+namespace tandem::ops::cpu {
+
+enum class GemmBackend { kEigen, kOpenBLAS };
+
+// Chooses and loads the backend (idempotent; register_all calls it).
+void init_gemm();
+GemmBackend gemm_backend();
+// "OpenBLAS 0.3.21, SkylakeX kernels, 1 thread per call" or "Eigen 3.4.0".
+std::string gemm_backend_description();
+
+struct GemmShape {
+  bool transpose_a = false;
+  bool transpose_b = false;
+  std::int64_t m = 0, n = 0, k = 0;  // C is m x n; op(A) is m x k; op(B) is k x n
+  std::int64_t lda = 0, ldb = 0, ldc = 0;  // row-major leading dimensions
+};
+
+// C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major).
+template <class T>
+void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
+// The same product split over the device's intra-op threads (by columns or rows of C).
+template <class T>
+void gemm(devices::Device& device, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
+
+// Runs gemm_serial on a specific backend (benchmarks and tests).
+template <class T>
+void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
+bool openblas_available();
+
+}  // namespace tandem::ops::cpu

@@ -1,0 +1,59 @@
+// tandem/ops/math_ops.h — arithmetic, reductions and matrix products.
+//
+// Binary ops broadcast like NumPy: shapes are aligned at the last dimension, and a dimension of
+// 1 stretches to match. Their gradients sum over the broadcast dimensions.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tandem/graph/graph.h"
+
+namespace tandem::ops {
+
+using graph::Output;
+
+Output add(Output a, Output b);
+Output sub(Output a, Output b);
+Output mul(Output a, Output b);
+Output div(Output a, Output b);
+Output neg(Output x);
+// Sum of same-shaped tensors in one pass.
+Output add_n(const std::vector<Output>& xs);
+
+Output square(Output x);
+Output abs(Output x);
+Output sqrt(Output x);
+Output exp(Output x);
+Output log(Output x);
+Output sign(Output x);  // -1, 0 or 1; not differentiable
+
+struct ReduceOptions {
+  std::vector<std::int64_t> axes;  // empty: all axes
+  bool keep_dims = false;
+};
+Output reduce_sum(Output x, const ReduceOptions& options = {});
+Output reduce_mean(Output x, const ReduceOptions& options = {});
+Output reduce_max(Output x, const ReduceOptions& options = {});
+
+struct MatMulOptions {
+  bool transpose_a = false;
+  bool transpose_b = false;
+};
+// Rank-2 matrix product: op(a) @ op(b).
+Output matmul(Output a, Output b, const MatMulOptions& options = {});
+
+// Sums `x` over the dimensions that broadcasting added or stretched, to give `like`'s shape
+// (the gradient of broadcasting). Used by the binary ops' gradients.
+Output sum_to_shape_of(Output x, Output like);
+
+}  // namespace tandem::ops
+
+namespace tandem::graph {
+// Operators on graph outputs, found by argument-dependent lookup.
+Output operator+(Output a, Output b);
+Output operator-(Output a, Output b);
+Output operator*(Output a, Output b);
+Output operator/(Output a, Output b);
+Output operator-(Output x);
+}  // namespace tandem::graph

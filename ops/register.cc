@@ -1,0 +1,22 @@
+#include <mutex>
+
+#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/ops.h"
+
+namespace tandem::ops {
+
+void register_all() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    detail::register_array_ops();
+    detail::register_math_ops();
+    detail::register_nn_ops();
+    detail::register_conv_ops();
+    detail::register_array_cpu_kernels();
+    detail::register_math_cpu_kernels();
+    detail::register_nn_cpu_kernels();
+    detail::register_conv_cpu_kernels();
+  });
+}
+
+}  // namespace tandem::ops
