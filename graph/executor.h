@@ -70,10 +70,10 @@ class Executor {
   // otherwise); feeds on another device are copied to this one. Blocks until the results are
   // computed; returns them in fetch order.
   std::vector<Tensor> run(std::span<const Feed> feeds, std::span<const Output> fetches, const RunOptions& options = {});
-  std::vector<Tensor> run(std::initializer_list<Feed> feeds, std::initializer_list<Output> fetches,
+  // The same, for braced lists: ex.run({{x, batch}}, {loss, grad}).
+  std::vector<Tensor> run(const std::vector<Feed>& feeds, const std::vector<Output>& fetches,
                           const RunOptions& options = {}) {
-    return run(std::span<const Feed>(feeds.begin(), feeds.size()), std::span<const Output>(fetches.begin(), fetches.size()),
-               options);
+    return run(std::span<const Feed>(feeds), std::span<const Output>(fetches), options);
   }
 
   // Statistics of the plan used by the most recent run.

@@ -22,7 +22,6 @@ std::string Output::name() const {
 
 const std::string& Node::op_name() const { return op->name; }
 
-std::string Node::label() const { return fmt::format("{} \"{}\"", op->name, name); }
 
 const Node& Graph::node(int id) const {
   TANDEM_REQUIRE(id >= 0 && id < num_nodes(), InvalidArgument, "node id {} is not in this graph ({} nodes)", id,
@@ -104,6 +103,7 @@ std::vector<Output> Graph::add_node(std::string_view op_name, std::vector<Output
   node->attrs = std::move(attrs);
   node->outputs = std::move(outputs);
   node->device = std::move(device);
+  node->label_ = fmt::format("{} \"{}\"", op.name, node->name);
   ids_by_name_.emplace(node->name, node->id);
   nodes_.push_back(std::move(node));
   return outputs_of(num_nodes() - 1);

@@ -57,7 +57,13 @@ struct Node {
   std::string device;  // requested placement ("" = the executor's device)
 
   const std::string& op_name() const;
-  std::string label() const;  // MatMul "dense_1/MatMul": how errors name a node
+  // MatMul "dense_1/MatMul": how errors name a node. Made once, when the node is added, because
+  // kernels pass it on every call.
+  const std::string& label() const { return label_; }
+
+ private:
+  friend class Graph;
+  std::string label_;
 };
 
 struct NodeOptions {

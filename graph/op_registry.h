@@ -87,7 +87,7 @@ class KernelContext {
       : node_(node), device_(device), inputs_(inputs), outputs_(outputs), random_seed_(random_seed) {}
 
   const Node& node() const { return node_; }
-  std::string label() const { return node_.label(); }
+  const std::string& label() const { return node_.label(); }
   const Attrs& attrs() const { return node_.attrs; }
   devices::Device& device() const { return device_; }
   int num_inputs() const { return static_cast<int>(node_.inputs.size()); }

@@ -13,11 +13,6 @@
 namespace tandem::ops::cpu {
 namespace {
 
-// A product smaller than this many multiply-adds runs on one thread: splitting it costs more
-// than it saves.
-constexpr std::int64_t kParallelGemmMinMacs = 1 << 18;
-// Column blocks handed to threads are multiples of this (an AVX-512 register of floats).
-constexpr std::int64_t kColumnBlockAlignment = 16;
 
 // CBLAS enums, declared here so the build does not need OpenBLAS's headers.
 constexpr int kCblasRowMajor = 101;
@@ -180,7 +175,7 @@ void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, cons
   // Split the larger side of C so that each thread packs only its share of the other operand.
   const bool split_columns = s.n >= s.m;
   const std::int64_t extent = split_columns ? s.n : s.m;
-  const std::int64_t align = split_columns ? kColumnBlockAlignment : 1;
+  const std::int64_t align = split_columns ? kGemmColumnAlignment : 1;
   std::int64_t block = (extent + threads - 1) / threads;
   block = (block + align - 1) / align * align;
   const std::int64_t parts = (extent + block - 1) / block;

@@ -19,6 +19,12 @@ namespace tandem::ops::cpu {
 
 enum class GemmBackend { kEigen, kOpenBLAS };
 
+// A product smaller than this many multiply-adds runs on one thread: splitting it costs more
+// than it saves. Kernels that split a product themselves (FusedMatMul) use the same rule.
+inline constexpr std::int64_t kParallelGemmMinMacs = std::int64_t{1} << 18;
+// Column blocks handed to threads are multiples of this (an AVX-512 register of floats).
+inline constexpr std::int64_t kGemmColumnAlignment = 16;
+
 // Chooses and loads the backend (idempotent; register_all calls it).
 void init_gemm();
 GemmBackend gemm_backend();

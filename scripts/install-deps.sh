@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages tandem builds with, and only those that are missing: a second
+# run with everything present does nothing (no apt-get update, no network).
+# Run as root, or as a user who may sudo.
+set -euo pipefail
+
+packages=(
+  g++ cmake ninja-build pkg-config ca-certificates
+  libeigen3-dev libfmt-dev nlohmann-json3-dev doctest-dev zlib1g-dev
+  libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
+  dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+sudo=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "install-deps: run as root (sudo is not installed)" >&2; exit 1; }
+  sudo=(sudo)
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -q
+"${sudo[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -1,0 +1,206 @@
+#include <doctest/doctest.h>
+
+#include <random>
+#include <thread>
+
+#include "tandem/graph/autodiff.h"
+#include "tandem/graph/executor.h"
+#include "tandem/ops/ops.h"
+
+using namespace tandem;
+using graph::Executor;
+
+namespace {
+
+Tensor random_tensor(const Shape& shape, std::uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> v(static_cast<std::size_t>(shape.num_elements()));
+  for (auto& x : v) x = dist(rng);
+  return Tensor::from_vector<float>(v, shape);
+}
+
+// A 784-256-128-10 MLP with softmax cross-entropy, and its gradients.
+struct Mlp {
+  std::shared_ptr<Graph> g = std::make_shared<Graph>();
+  Output x, labels, loss;
+  std::vector<Output> weights, grads;
+
+  Mlp() {
+    x = g->placeholder(kFloat32, {-1, 784}, "x");
+    labels = g->placeholder(kInt64, {-1}, "labels");
+    const std::vector<std::int64_t> sizes{784, 256, 128, 10};
+    Output h = x;
+    for (std::size_t l = 0; l + 1 < sizes.size(); ++l) {
+      auto scope = g->name_scope(fmt::format("dense_{}", l));
+      auto w = g->variable(kFloat32, {sizes[l], sizes[l + 1]}, "kernel");
+      auto b = g->variable(kFloat32, {sizes[l + 1]}, "bias");
+      weights.push_back(w);
+      weights.push_back(b);
+      h = ops::bias_add(ops::matmul(h, w), b);
+      if (l + 2 < sizes.size()) h = ops::relu(h);
+    }
+    loss = ops::reduce_mean(ops::sparse_softmax_cross_entropy_with_logits(h, labels));
+    grads = graph::gradients({&loss, 1}, weights);
+  }
+
+  void bind(Executor& ex) const {
+    std::uint32_t seed = 1;
+    for (const auto& w : weights) {
+      const Shape s = w.shape();
+      ex.bind_variable(w, random_tensor(s, seed++, 0.05f).to(ex.device()));
+    }
+  }
+
+  std::vector<graph::Feed> feeds(std::int64_t batch, std::uint32_t seed) const {
+    std::mt19937 rng(seed);
+    std::vector<std::int64_t> y(static_cast<std::size_t>(batch));
+    for (auto& v : y) v = static_cast<std::int64_t>(rng() % 10);
+    return {{x, random_tensor({batch, 784}, seed)}, {labels, Tensor::from_vector<std::int64_t>(y, {batch})}};
+  }
+
+  std::vector<Output> fetches() const {
+    std::vector<Output> f{loss};
+    f.insert(f.end(), grads.begin(), grads.end());
+    return f;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the planner reuses buffers: peak bytes stay below one buffer per value on an MLP") {
+  Mlp mlp;
+  Executor ex(mlp.g, devices::default_cpu_device());
+  mlp.bind(ex);
+  ex.run(mlp.feeds(128, 1), mlp.fetches());
+  const auto stats = ex.last_plan_stats();
+  MESSAGE("MLP step: ", stats.nodes_run, " kernels, arena ", stats.arena_bytes, " bytes vs ", stats.unshared_bytes,
+          " without reuse");
+  CHECK(stats.arena_bytes < stats.unshared_bytes);
+  CHECK(stats.nodes_run > 10);
+}
+
+TEST_CASE("a steady-state step allocates nothing, and a new batch size gets its own plan") {
+  Mlp mlp;
+  auto& device = devices::default_cpu_device();
+  Executor ex(mlp.g, device);
+  mlp.bind(ex);
+  const auto feeds = mlp.feeds(64, 2);
+  const auto fetches = mlp.fetches();
+  ex.run(feeds, fetches);  // plans and allocates the arena
+  ex.run(feeds, fetches);
+  const auto before = device.allocator().stats().num_allocations;
+  for (int i = 0; i < 5; ++i) ex.run(feeds, fetches);
+  CHECK(device.allocator().stats().num_allocations == before);
+  CHECK(ex.last_plan_stats().plans_cached == 1);
+  ex.run(mlp.feeds(17, 3), fetches);  // a last, partial batch
+  CHECK(ex.last_plan_stats().plans_cached == 2);
+}
+
+TEST_CASE("fetched intermediates stay valid when held across the next run") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2}, "x");
+  auto y = ops::exp(x) + x;
+  Executor ex(g, devices::default_cpu_device());
+  auto first = ex.run({{x, Tensor::from_vector<float>({0, 1}, {2})}}, {y})[0];
+  const auto first_values = first.to_vector<float>();
+  auto second = ex.run({{x, Tensor::from_vector<float>({5, 6}, {2})}}, {y})[0];
+  CHECK(first.to_vector<float>() == first_values);
+  CHECK(second.to_vector<float>()[0] == doctest::Approx(std::exp(5.0f) + 5.0f));
+}
+
+TEST_CASE("only what the fetches need runs: an unfed placeholder on another branch is fine") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2}, "x");
+  auto other = g->placeholder(kFloat32, {2}, "other");
+  auto used = x * x;
+  auto unused = other + x;
+  (void)unused;
+  Executor ex(g, devices::default_cpu_device());
+  CHECK(ex.run({{x, Tensor::from_vector<float>({2, 3}, {2})}}, {used})[0].to_vector<float>() == std::vector<float>{4, 9});
+  CHECK(ex.last_plan_stats().nodes_run == 1);
+  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::from_vector<float>({2, 3}, {2})}}, {unused}),
+                       doctest::Contains("Placeholder \"other\" must be fed"), InvalidArgument);
+}
+
+TEST_CASE("bad feeds and bindings are refused with the node and the expectation named") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {-1, 3}, "x");
+  auto w = g->variable(kFloat32, {3, 2}, "w");
+  auto y = ops::matmul(x, w);
+  Executor ex(g, devices::default_cpu_device());
+  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2, 3}, kFloat32)}}, {y}),
+                       doctest::Contains("Variable \"w\" is not bound"), FailedPrecondition);
+  CHECK_THROWS_WITH_AS(ex.bind_variable(w, Tensor::zeros({2, 3}, kFloat32)),
+                       doctest::Contains("expected float32 (3, 2)"), InvalidArgument);
+  ex.bind_variable(w, Tensor::filled<float>({3, 2}, 1.0f));
+  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2, 4}, kFloat32)}}, {y}),
+                       doctest::Contains("Placeholder \"x\": fed a float32 tensor of shape (2, 4); expected float32 (None, 3)"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2, 3}, kFloat64)}}, {y}), doctest::Contains("fed a float64"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ex.run({{y, Tensor::zeros({2, 2}, kFloat32)}}, {y}), doctest::Contains("only placeholders can be fed"),
+                       InvalidArgument);
+  // Updating a bound variable in place is seen by the next run.
+  auto out = ex.run({{x, Tensor::filled<float>({1, 3}, 1.0f)}}, {y})[0];
+  CHECK(out.to_vector<float>() == std::vector<float>{3, 3});
+  ex.variable(w).data<float>()[0] = 4.0f;
+  out = ex.run({{x, Tensor::filled<float>({1, 3}, 1.0f)}}, {y})[0];
+  CHECK(out.to_vector<float>() == std::vector<float>{6, 3});
+}
+
+TEST_CASE("a feed on another device is copied to the executor's device") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2}, "x");
+  auto y = x + x;
+  Executor ex(g, devices::get_device("CPU:1"));
+  auto out = ex.run({{x, Tensor::from_vector<float>({1, 2}, {2}, devices::get_device("CPU:0"))}}, {y})[0];
+  CHECK(&out.device() == &devices::get_device("CPU:1"));
+  CHECK(out.to_vector<float>() == std::vector<float>{2, 4});
+}
+
+TEST_CASE("two instances of one graph run concurrently on two devices and match a sequential run") {
+  Mlp mlp;
+  const auto fetches = mlp.fetches();
+  auto& d0 = devices::get_device("CPU:0");
+  auto& d1 = devices::get_device("CPU:1");
+
+  // Sequential reference, one instance per device.
+  std::vector<std::vector<std::vector<float>>> expected(2);
+  for (int r = 0; r < 2; ++r) {
+    Executor ex(mlp.g, r == 0 ? d0 : d1);
+    mlp.bind(ex);
+    for (int step = 0; step < 5; ++step) {
+      const auto out = ex.run(mlp.feeds(32, static_cast<std::uint32_t>(100 * r + step)), fetches);
+      for (const auto& t : out) expected[static_cast<std::size_t>(r)].push_back(t.to_vector<float>());
+    }
+  }
+  // The same, both replicas at once.
+  std::vector<std::vector<std::vector<float>>> got(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Executor ex(mlp.g, r == 0 ? d0 : d1);
+      mlp.bind(ex);
+      for (int step = 0; step < 5; ++step) {
+        const auto out = ex.run(mlp.feeds(32, static_cast<std::uint32_t>(100 * r + step)), fetches);
+        for (const auto& t : out) got[static_cast<std::size_t>(r)].push_back(t.to_vector<float>());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  CHECK(got == expected);
+}
+
+TEST_CASE("a node placed on a GPU cannot run on a CPU executor") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2}, "x");
+  Output y;
+  {
+    auto on_gpu = g->device_scope("GPU:0");
+    y = x + x;
+  }
+  Executor ex(g, devices::default_cpu_device());
+  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2}, kFloat32)}}, {y}), doctest::Contains("is placed on GPU:0"),
+                       FailedPrecondition);
+}
