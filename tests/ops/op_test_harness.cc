@@ -147,7 +147,7 @@ struct Instance {
 
 void compare(const OpCase& c, const char* pass, std::size_t output, const RefTensor& got, const RefTensor& want,
              double tolerance) {
-  INFO("case \"", c.name, "\", ", pass, ", output ", output);
+  INFO("case \"", c.name, "\", ", std::string(pass), ", output ", output);
   REQUIRE_MESSAGE(got.shape == want.shape, "shape ", got.shape.to_string(), " vs reference ", want.shape.to_string());
   int reported = 0;
   for (std::int64_t i = 0; i < got.size(); ++i) {

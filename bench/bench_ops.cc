@@ -1,0 +1,534 @@
+// bench_ops — GFLOP/s of tandem's MatMul and Conv2D ops next to the ceilings measured in the same
+// run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one thread and
+// all threads) and memory-copy bandwidth. See bench/README.md for what each row means.
+//
+//   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|conv]
+//
+// --threads sets the CPU device's intra-op threads (default: every usable core).
+//
+// Timing. The machines we run on are shared and noisy (other tenants come and go for seconds at a
+// time), so every figure is a best case: each measurement is the mean over calls lasting at least
+// kMinSampleSeconds, and its best over --samples samples in each of --rounds rounds. A round
+// times everything once, ceilings and our ops alike, so a quiet or a noisy phase of the machine
+// reaches all of them, and ratios compare like with like.
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "tandem/devices/device.h"
+#include "tandem/graph/executor.h"
+#include "tandem/graph/graph.h"
+#include "tandem/ops/cpu/gemm.h"
+#include "tandem/ops/ops.h"
+
+namespace {
+
+using namespace tandem;
+using ops::cpu::GemmBackend;
+using ops::cpu::GemmShape;
+
+using Clock = std::chrono::steady_clock;
+
+constexpr double kMinSampleSeconds = 0.02;
+constexpr std::size_t kCopyBytes = 256u << 20;  // far beyond any cache
+constexpr std::int64_t kLargeSquare = 2048;
+constexpr std::int64_t kBatch = 128;
+constexpr int kRuleWidth = 118;
+
+struct Options {
+  int threads = 0;  // 0: the device default (every usable core)
+  int rounds = 3;
+  int samples = 5;
+  bool quick = false;
+  std::string only;  // "matmul" or "conv": run only that part
+};
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown CPU", family, number;
+  while (std::getline(in, line)) {
+    const auto value = [&] { return line.substr(line.find(':') + 2); };
+    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
+    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
+    if (line.rfind("model\t", 0) == 0 && number.empty()) number = value();
+  }
+  return fmt::format("{} (family {}, model {})", model, family, number);
+}
+
+std::string today() {
+  const std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
+  return buf;
+}
+
+std::vector<float> random_floats(std::int64_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+// --- timing ----------------------------------------------------------------------------------
+
+// Everything the bench times, by key; each round times every entry and keeps its best.
+class Timings {
+ public:
+  explicit Timings(const Options& options) : options_(options) {}
+
+  // `fn` is one call; `setup`/`teardown` run around each sample (not timed).
+  void add(std::string key, std::function<void()> fn, std::function<void()> setup = {},
+           std::function<void()> teardown = {}) {
+    entries_.push_back({std::move(key), std::move(fn), std::move(setup), std::move(teardown)});
+  }
+
+  void run() {
+    const int rounds = options_.quick ? 1 : options_.rounds;
+    const int samples = options_.quick ? 2 : options_.samples;
+    const double min_seconds = options_.quick ? kMinSampleSeconds / 5 : kMinSampleSeconds;
+    const bool progress = isatty(STDERR_FILENO) != 0;
+    for (int round = 0; round < rounds; ++round) {
+      if (progress) fmt::print(stderr, "\rround {}/{} ...", round + 1, rounds);
+      for (auto& e : entries_) {
+        if (e.setup) e.setup();
+        e.fn();  // warm-up: plans, packing buffers, page faults
+        for (int s = 0; s < samples; ++s) {
+          int reps = 0;
+          const auto start = Clock::now();
+          double elapsed = 0;
+          do {
+            e.fn();
+            ++reps;
+            elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+          } while (elapsed < min_seconds);
+          auto& best = best_[e.key];
+          best = best == 0 ? elapsed / reps : std::min(best, elapsed / reps);
+        }
+        if (e.teardown) e.teardown();
+      }
+    }
+    if (progress) fmt::print(stderr, "\r{:<20}\r", "");
+  }
+
+  // Best seconds per call; NaN when the entry was not added (a reference that is unavailable).
+  double seconds(const std::string& key) const {
+    const auto it = best_.find(key);
+    return it == best_.end() ? std::numeric_limits<double>::quiet_NaN() : it->second;
+  }
+  double gflops(const std::string& key, double flops) const { return flops / seconds(key) / 1e9; }
+
+ private:
+  struct Entry {
+    std::string key;
+    std::function<void()> fn, setup, teardown;
+  };
+  const Options& options_;
+  std::vector<Entry> entries_;
+  std::map<std::string, double> best_;
+};
+
+// --- references ------------------------------------------------------------------------------
+
+// tandem runs OpenBLAS single-threaded and splits products over its own threads. As an
+// independent reference we also time OpenBLAS's own threading, on the library tandem loaded
+// (so with the kernels OPENBLAS_CORETYPE selected): the same handle, with its thread count
+// raised for those samples only.
+struct OpenBlasThreads {
+  using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+  SgemmFn sgemm = nullptr;
+  void (*set_threads)(int) = nullptr;
+  char* (*corename)() = nullptr;
+
+  OpenBlasThreads() {
+    void* handle = nullptr;
+    for (const char* name : {"libopenblas.so.0", "libopenblas.so"}) {
+      handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
+      if (handle != nullptr) break;
+    }
+    if (handle == nullptr) return;
+    sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
+    set_threads = reinterpret_cast<void (*)(int)>(dlsym(handle, "openblas_set_num_threads"));
+    corename = reinterpret_cast<char* (*)()>(dlsym(handle, "openblas_get_corename"));
+    if (set_threads == nullptr) sgemm = nullptr;
+  }
+  bool available() const { return sgemm != nullptr; }
+  void run(const GemmShape& s, const float* a, const float* b, float* c) const {
+    const auto i = [](std::int64_t v) { return static_cast<int>(v); };
+    sgemm(101, s.transpose_a ? 112 : 111, s.transpose_b ? 112 : 111, i(s.m), i(s.n), i(s.k), 1.0f, a, i(s.lda), b,
+          i(s.ldb), 0.0f, c, i(s.ldc));
+  }
+};
+
+// gemm_serial_with(backend) split over the device's threads the way tandem's gemm() splits: the
+// larger side of C in equal parts (columns in multiples of 16).
+void split_gemm(devices::Device& device, GemmBackend backend, const GemmShape& s, const float* a, const float* b,
+                float* c) {
+  const int threads = device.intra_op_threads();
+  if (threads <= 1) {
+    ops::cpu::gemm_serial_with(backend, s, 1.0f, a, b, 0.0f, c);
+    return;
+  }
+  const bool columns = s.n >= s.m;
+  const std::int64_t extent = columns ? s.n : s.m, align = columns ? 16 : 1;
+  std::int64_t block = (extent + threads - 1) / threads;
+  block = (block + align - 1) / align * align;
+  const std::int64_t parts = (extent + block - 1) / block;
+  device.parallel_for(parts, 1, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t p = begin; p < end; ++p) {
+      const std::int64_t lo = p * block, size = std::min(block, extent - lo);
+      GemmShape part = s;
+      const float *pa = a, *pb = b;
+      float* pc = c;
+      if (columns) {
+        part.n = size;
+        pb = s.transpose_b ? b + lo * s.ldb : b + lo;
+        pc = c + lo;
+      } else {
+        part.m = size;
+        pa = s.transpose_a ? a + lo : a + lo * s.lda;
+        pc = c + lo * s.ldc;
+      }
+      ops::cpu::gemm_serial_with(backend, part, 1.0f, pa, pb, 0.0f, pc);
+    }
+  });
+}
+
+struct Product {
+  std::string name;
+  bool transpose_a, transpose_b;
+  std::int64_t m, n, k;
+  double flops() const { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+  GemmShape shape() const {
+    return GemmShape{.transpose_a = transpose_a,
+                     .transpose_b = transpose_b,
+                     .m = m,
+                     .n = n,
+                     .k = k,
+                     .lda = transpose_a ? m : k,
+                     .ldb = transpose_b ? k : n,
+                     .ldc = n};
+  }
+  Shape a_shape() const { return transpose_a ? Shape{k, m} : Shape{m, k}; }
+  Shape b_shape() const { return transpose_b ? Shape{n, k} : Shape{k, n}; }
+  std::string shape_text() const {
+    return fmt::format("{}{}x{} @ {}{}x{}", transpose_a ? "T" : "", a_shape()[0], a_shape()[1], transpose_b ? "T" : "",
+                       b_shape()[0], b_shape()[1]);
+  }
+};
+
+// Operands of one product, kept for the whole run.
+struct Operands {
+  std::vector<float> a, b, c;
+  explicit Operands(const Product& p)
+      : a(random_floats(p.m * p.k, 1)), b(random_floats(p.k * p.n, 2)), c(static_cast<std::size_t>(p.m * p.n)) {}
+};
+
+// The reference sgemm entries of one product under `key`: "<key>/openblas1", "/eigen1" (one
+// thread, when with_single), "/openblas_split", "/openblas_threads", "/eigen_split".
+void add_sgemm(Timings& timings, devices::Device& device, const OpenBlasThreads& own, const Product& p, const std::string& key,
+               bool with_single, std::vector<std::unique_ptr<Operands>>& keep) {
+  auto& buf = *keep.emplace_back(std::make_unique<Operands>(p));
+  const GemmShape s = p.shape();
+  const bool openblas = ops::cpu::openblas_available();
+  if (with_single) {
+    if (openblas) {
+      timings.add(key + "/openblas1", [&buf, s] {
+        ops::cpu::gemm_serial_with(GemmBackend::kOpenBLAS, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+      });
+    }
+    timings.add(key + "/eigen1", [&buf, s] {
+      ops::cpu::gemm_serial_with(GemmBackend::kEigen, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+    });
+  }
+  if (openblas) {
+    timings.add(key + "/openblas_split",
+                [&buf, &device, s] { split_gemm(device, GemmBackend::kOpenBLAS, s, buf.a.data(), buf.b.data(), buf.c.data()); });
+  }
+  if (own.available() && device.intra_op_threads() > 1) {
+    const int threads = device.intra_op_threads();
+    timings.add(
+        key + "/openblas_threads", [&buf, &own, s] { own.run(s, buf.a.data(), buf.b.data(), buf.c.data()); },
+        [&own, threads] { own.set_threads(threads); }, [&own] { own.set_threads(1); });
+  }
+  timings.add(key + "/eigen_split",
+              [&buf, &device, s] { split_gemm(device, GemmBackend::kEigen, s, buf.a.data(), buf.b.data(), buf.c.data()); });
+}
+
+// The fastest reference sgemm at the device's thread count (and, for one thread, the serial calls).
+double best_sgemm(const Timings& t, const std::string& key, double flops) {
+  double best = 0;
+  for (const char* which : {"/openblas1", "/eigen1", "/openblas_split", "/openblas_threads", "/eigen_split"}) {
+    const double gf = t.gflops(key + which, flops);
+    if (gf == gf) best = std::max(best, gf);  // skips NaN: not measured
+  }
+  return best;
+}
+
+// Memory copy of kCopyBytes on one thread, or split over the device's threads.
+struct CopyBuffers {
+  std::vector<char> src = std::vector<char>(kCopyBytes, 1), dst = std::vector<char>(kCopyBytes, 0);
+};
+
+// --- ops through graph + executor ------------------------------------------------------------
+
+// One op in its own graph, fed placeholders, run by an executor: what a training step pays.
+class OpRunner {
+ public:
+  template <class Build>
+  OpRunner(devices::Device& device, const std::vector<Shape>& input_shapes, Build build)
+      : graph_(std::make_shared<Graph>()) {
+    std::vector<Output> inputs;
+    for (std::size_t i = 0; i < input_shapes.size(); ++i) {
+      inputs.push_back(graph_->placeholder(kFloat32, input_shapes[i], fmt::format("in{}", i)));
+      feeds_.emplace_back(inputs.back(), Tensor::from_vector<float>(random_floats(input_shapes[i].num_elements(), 10 + i),
+                                                                    input_shapes[i]));
+    }
+    output_ = build(inputs);
+    executor_ = std::make_unique<graph::Executor>(graph_, device);
+  }
+  // Each result is dropped before the next run, so that the executor reuses its arena.
+  void run() { (void)executor_->run(feeds_, std::span<const Output>(&output_, 1)); }
+
+ private:
+  std::shared_ptr<Graph> graph_;
+  std::vector<graph::Feed> feeds_;
+  Output output_;
+  std::unique_ptr<graph::Executor> executor_;
+};
+
+std::vector<Product> mlp_products() {
+  const std::int64_t widths[] = {784, 1024, 1024, 10};
+  std::vector<Product> products;
+  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} forward  Y=X@W", l + 1), false, false, kBatch, widths[l + 1], widths[l]});
+  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} backward dX=dY@Wt", l + 1), false, true, kBatch, widths[l], widths[l + 1]});
+  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} backward dW=Xt@dY", l + 1), true, false, widths[l], widths[l + 1], kBatch});
+  return products;
+}
+
+struct ConvLayer {
+  std::string name;
+  std::int64_t h, w, cin, cout, k;
+  Shape x() const { return {kBatch, h, w, cin}; }
+  Shape filter() const { return {k, k, cin, cout}; }
+  Shape y() const { return {kBatch, h - k + 1, w - k + 1, cout}; }
+  double flops() const { return 2.0 * static_cast<double>(y().num_elements()) * static_cast<double>(k * k * cin); }
+};
+
+const ConvLayer kConvLayers[] = {{"28x28x1 -> 32", 28, 28, 1, 32, 3}, {"13x13x32 -> 64", 13, 13, 32, 64, 3}};
+const char* const kConvPasses[] = {"forward", "backprop filter", "backprop input"};
+
+void print_rule() { fmt::print("{}\n", std::string(kRuleWidth, '-')); }
+
+// A GFLOP/s figure, or "-" for a reference this run could not measure.
+std::string gf_text(double gflops) { return gflops == gflops ? fmt::format("{:.1f}", gflops) : "-"; }
+
+std::string threads_text(int threads) { return fmt::format("{} thread{}", threads, threads == 1 ? "" : "s"); }
+
+void print_matmul(const Timings& t, const devices::Device& device) {
+  fmt::print("\nMatMul at the shapes of a 784-1024-1024-10 MLP, batch {} (GFLOP/s; {})\n", kBatch,
+             threads_text(device.intra_op_threads()));
+  fmt::print("  sgemm references: OB 1t, Eig 1t = one single-threaded call of OpenBLAS, Eigen; OB split = single-\n"
+             "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs); OB thr = OpenBLAS's own thread\n"
+             "  pool; Eig split = Eigen split like OB split; best = the fastest of these. gemm() = tandem's threaded\n"
+             "  GEMM called directly; MatMul op = the op through graph + executor.\n");
+  print_rule();
+  fmt::print("{:<21} {:<21} {:>6} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6} | {:>6} {:>9} {:>7}\n", "product", "shape", "MFLOP",
+             "OB 1t", "Eig 1t", "OB split", "OB thr", "Eig split", "best", "gemm()", "MatMul op", "op/best");
+  print_rule();
+  double flops = 0, best_s = 0, op_s = 0, kernel_s = 0;
+  for (const auto& p : mlp_products()) {
+    const std::string key = "mlp/" + p.name;
+    const double best = best_sgemm(t, key, p.flops());
+    const double op = t.gflops(key + "/op", p.flops());
+    const auto ref = [&](const char* which) { return gf_text(t.gflops(key + which, p.flops())); };
+    fmt::print("{:<21} {:<21} {:>6.1f} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6.1f} | {:>6.1f} {:>9.1f} {:>7.2f}\n", p.name,
+               p.shape_text(), p.flops() / 1e6, ref("/openblas1"), ref("/eigen1"), ref("/openblas_split"),
+               ref("/openblas_threads"), ref("/eigen_split"), best, t.gflops(key + "/gemm", p.flops()), op, op / best);
+    flops += p.flops();
+    best_s += p.flops() / (best * 1e9);
+    op_s += t.seconds(key + "/op");
+    kernel_s += t.seconds(key + "/gemm");
+  }
+  print_rule();
+  const double best_total = flops / best_s / 1e9, op_total = flops / op_s / 1e9;
+  fmt::print("{:<21} {:<21} {:>6.1f} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6.1f} | {:>6.1f} {:>9.1f} {:>7.2f}\n",
+             "all 9 (flop-weighted)", "", flops / 1e6, "", "", "", "", "", best_total, flops / kernel_s / 1e9, op_total,
+             op_total / best_total);
+}
+
+void print_conv(const Timings& t, const devices::Device& device, double ceiling) {
+  fmt::print("\nConv2D 3x3, VALID, stride 1, batch {}, float32, through graph + executor ({})\n", kBatch,
+             threads_text(device.intra_op_threads()));
+  fmt::print("  ratio: GFLOP/s over the best sgemm of this run at {} ({:.1f} GFLOP/s). Each pass counts\n"
+             "  2 * out_pixels * 9 * cin * cout flops.\n",
+             threads_text(device.intra_op_threads()), ceiling);
+  print_rule();
+  fmt::print("{:<18} {:<36} {:>8} {:>9} {:>9} {:>7}\n", "layer", "pass", "MFLOP", "ms", "GFLOP/s", "ratio");
+  print_rule();
+  const auto row = [&](const std::string& layer, const std::string& pass, double flops, double seconds) {
+    const double gf = flops / seconds / 1e9;
+    fmt::print("{:<18} {:<36} {:>8.1f} {:>9.3f} {:>9.1f} {:>7.2f}\n", layer, pass, flops / 1e6, seconds * 1e3, gf,
+               gf / ceiling);
+  };
+  double all_flops = 0, all_s = 0, step_flops = 0, step_s = 0;
+  for (const auto& layer : kConvLayers) {
+    const double f = layer.flops();
+    double layer_s = 0;
+    for (const char* pass : kConvPasses) {
+      const double s = t.seconds("conv/" + layer.name + "/" + pass);
+      row(pass == kConvPasses[0] ? layer.name : "", pass, f, s);
+      layer_s += s;
+    }
+    row("", "forward + backward (all three)", 3 * f, layer_s);
+    all_flops += 3 * f;
+    all_s += layer_s;
+    // A training step needs no gradient for the data, so the first layer skips backprop input.
+    const bool first = &layer == &kConvLayers[0];
+    step_flops += first ? 2 * f : 3 * f;
+    step_s += first ? layer_s - t.seconds("conv/" + layer.name + "/backprop input") : layer_s;
+  }
+  print_rule();
+  row("both layers", "forward + backward (all three)", all_flops, all_s);
+  row("both layers", "training step (no dx for the data)", step_flops, step_s);
+}
+
+int run(const Options& options) {
+  if (options.threads > 0) {
+    devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = options.threads});
+  }
+  ops::register_all();
+  devices::Device& device = devices::default_cpu_device();
+  const int threads = device.intra_op_threads();
+  const OpenBlasThreads own;
+
+  fmt::print("tandem bench_ops, {}\n", today());
+  fmt::print("CPU:           {}\n", cpu_model());
+  fmt::print("threads:       {} intra-op on {} ({} usable cores)\n", threads_text(threads), device.short_name(),
+             devices::usable_cpu_cores());
+  fmt::print("gemm backend:  {}\n", ops::cpu::gemm_backend_description());
+  if (own.corename != nullptr) fmt::print("OpenBLAS core: {} (OPENBLAS_CORETYPE set by tandem's loader)\n", own.corename());
+  fmt::print("timing:        best of {} rounds x {} samples, each the mean of calls over >= {} ms\n",
+             options.quick ? 1 : options.rounds, options.quick ? 2 : options.samples,
+             kMinSampleSeconds * 1e3 / (options.quick ? 5 : 1));
+
+  std::fflush(stdout);
+
+  Timings t(options);
+  std::vector<std::unique_ptr<Operands>> operands;
+  std::vector<std::unique_ptr<OpRunner>> runners;
+
+  // Ceilings.
+  CopyBuffers copy;
+  t.add("copy/1", [&] { std::memcpy(copy.dst.data(), copy.src.data(), kCopyBytes); });
+  t.add("copy/all", [&] {
+    const auto pages = static_cast<std::int64_t>(kCopyBytes >> 16);
+    device.parallel_for(pages, 1, [&](std::int64_t begin, std::int64_t end) {
+      std::memcpy(copy.dst.data() + (begin << 16), copy.src.data() + (begin << 16), static_cast<std::size_t>((end - begin) << 16));
+    });
+  });
+  const Product square{"square", false, false, kLargeSquare, kLargeSquare, kLargeSquare};
+  add_sgemm(t, device, own, square, "square", true, operands);
+
+  if (options.only != "conv") {
+    for (const auto& p : mlp_products()) {
+      const std::string key = "mlp/" + p.name;
+      add_sgemm(t, device, own, p, key, true, operands);
+      auto& buf = *operands.back();
+      const GemmShape s = p.shape();
+      t.add(key + "/gemm", [&buf, &device, s] { ops::cpu::gemm(device, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data()); });
+      auto& runner = *runners.emplace_back(std::make_unique<OpRunner>(device, std::vector<Shape>{p.a_shape(), p.b_shape()},
+                                                                     [&](const std::vector<Output>& in) {
+        return ops::matmul(in[0], in[1], {.transpose_a = p.transpose_a, .transpose_b = p.transpose_b});
+      }));
+      t.add(key + "/op", [&runner] { runner.run(); });
+    }
+  }
+  if (options.only != "matmul") {
+    graph::Attrs attrs;
+    attrs.set("strides", std::vector<std::int64_t>{1, 1});
+    attrs.set("padding", "VALID");
+    for (const auto& layer : kConvLayers) {
+      const std::string key = "conv/" + layer.name + "/";
+      auto& forward = *runners.emplace_back(std::make_unique<OpRunner>(
+          device, std::vector<Shape>{layer.x(), layer.filter()}, [](const std::vector<Output>& in) { return ops::conv2d(in[0], in[1]); }));
+      t.add(key + kConvPasses[0], [&forward] { forward.run(); });
+      for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
+        auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
+            device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()},
+            [&](const std::vector<Output>& in) { return in[0].graph->add(op, {in[0], in[1], in[2]}, attrs); }));
+        t.add(key + (op == std::string("Conv2DBackpropFilter") ? kConvPasses[1] : kConvPasses[2]), [&backprop] { backprop.run(); });
+      }
+    }
+  }
+
+  t.run();
+
+  fmt::print("\nCeilings\n");
+  print_rule();
+  fmt::print("{:<44} {:>10.1f} GB/s (bytes read + written)\n", "memory copy 256 MiB, 1 thread",
+             2.0 * kCopyBytes / t.seconds("copy/1") / 1e9);
+  if (threads > 1) {
+    fmt::print("{:<44} {:>10.1f} GB/s\n", fmt::format("memory copy 256 MiB, {}", threads_text(threads)),
+               2.0 * kCopyBytes / t.seconds("copy/all") / 1e9);
+  }
+  const double sq = square.flops();
+  fmt::print("sgemm {0}^3, 1 thread: OpenBLAS {1}, Eigen {2} GFLOP/s\n", kLargeSquare,
+             gf_text(t.gflops("square/openblas1", sq)), gf_text(t.gflops("square/eigen1", sq)));
+  if (threads > 1) {
+    fmt::print("sgemm {0}^3, {1}: OpenBLAS split {2}, OpenBLAS threads {3}, Eigen split {4} GFLOP/s\n", kLargeSquare,
+               threads_text(threads), gf_text(t.gflops("square/openblas_split", sq)),
+               gf_text(t.gflops("square/openblas_threads", sq)), gf_text(t.gflops("square/eigen_split", sq)));
+  }
+  const double ceiling = best_sgemm(t, "square", sq);
+  fmt::print("best sgemm of this run at {}: {:.1f} GFLOP/s\n", threads_text(threads), ceiling);
+
+  if (options.only != "conv") print_matmul(t, device);
+  if (options.only != "matmul") print_conv(t, device, ceiling);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool has_value = i + 1 < argc;
+    if (arg == "--threads" && has_value) {
+      options.threads = std::atoi(argv[++i]);
+    } else if (arg == "--rounds" && has_value) {
+      options.rounds = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--samples" && has_value) {
+      options.samples = std::max(1, std::atoi(argv[++i]));
+    } else if (arg == "--quick") {
+      options.quick = true;
+    } else if (arg == "--only" && has_value && (std::string(argv[i + 1]) == "matmul" || std::string(argv[i + 1]) == "conv")) {
+      options.only = argv[++i];
+    } else {
+      fmt::print(stderr, "usage: bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|conv]\n");
+      return 2;
+    }
+  }
+  try {
+    return run(options);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "bench_ops: {}\n", e.what());
+    return 1;
+  }
+}

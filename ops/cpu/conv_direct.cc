@@ -1,0 +1,575 @@
+#include "tandem/ops/cpu/conv_direct.h"
+
+#include <algorithm>
+#include <array>
+#include <utility>
+
+#include "tandem/ops/cpu/conv_scratch.h"
+#include "tandem/ops/cpu/kernel_util.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace tandem::ops::cpu::direct {
+
+#if defined(__AVX512F__)
+namespace {
+
+using detail::Window2DGeometry;
+using std::int64_t;
+
+constexpr int kLanes = 16;  // floats per AVX-512 register
+// Register tiles hold 24 accumulators, leaving room for the operands in the 32 registers:
+// up to 12 rows (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4 registers
+// (64 channels), which needs fewer broadcasts per FMA.
+constexpr int kTileRows = 12;
+constexpr int kWideTileRows = 6;
+// Backprop-filter walks its pixels in chunks whose dy rows stay in L2 across the passes over
+// column blocks and filter rows.
+constexpr int64_t kDyChunkBytes = 256 * 1024;
+// Forward keeps a copy of the filter rows of each edge column's taps; past this it declines
+// (the im2col + GEMM path takes the convolution).
+constexpr int64_t kMaxEdgeFilterBytes = 8 << 20;
+// Backprop-input with few channels keeps the (kh, kw) positions of an input row on the stack.
+constexpr int64_t kMaxBackpropInputTaps = 64;
+
+// Scratch of the calling thread (worker threads only read it), one buffer per purpose.
+thread_local ScratchBuffer tls_offsets;       // patch offsets
+thread_local ScratchBuffer tls_edge_offsets;  // forward: taps of the edge columns ...
+thread_local ScratchBuffer tls_edge_w;        // ... and their filter rows
+thread_local ScratchBuffer tls_flipped;       // backprop-input: the flipped, transposed filter
+thread_local ScratchBuffer tls_padded;        // backprop-filter: the zero-padded input (SAME)
+thread_local ScratchBuffer tls_partials;      // backprop-filter: partial sums of the parts but one
+thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow, or -1
+thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
+
+// Registers in the next column block of the output channels when `left` channels remain.
+int column_block(int64_t left) { return left >= 4 * kLanes ? 4 : left >= 2 * kLanes ? 2 : 1; }
+int64_t max_tile_rows(int registers) { return registers == 4 ? kWideTileRows : kTileRows; }
+
+// Offsets of the patch elements (kh, kw, c), in HWIO row order, from a window's corner in an
+// image `width` pixels wide with `c` channels.
+const int64_t* patch_offsets(const Window2DGeometry& g, int64_t width, int64_t c) {
+  int64_t* offsets = tls_offsets.get<int64_t>(g.patch_size());
+  std::size_t i = 0;
+  for (int64_t kh = 0; kh < g.k_h; ++kh) {
+    for (int64_t kw = 0; kw < g.k_w; ++kw) {
+      for (int64_t ci = 0; ci < c; ++ci) offsets[i++] = (kh * width + kw) * c + ci;
+    }
+  }
+  return offsets;
+}
+
+// --- forward ---------------------------------------------------------------------------------
+
+// y[MR pixels x 16 NV channels] = patches @ w. Pixel r's patch element kk is
+// a[base + r * stride + off[kk]]; the index is summed before it touches the pointer, since a
+// window's corner may lie in the padding, outside the array (every element read is inside).
+template <int MR, int NV>
+void forward_tile(int64_t k, const float* a, int64_t base, int64_t stride, const int64_t* off, const float* w,
+                  int64_t ldw, float* y, int64_t ldy) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* column = a + (base + off[kk]);
+    __m512 wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + kk * ldw + kLanes * v);
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(column[r * stride]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, wv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + r * ldy + kLanes * v, acc[r][v]);
+  }
+}
+
+// Tables of every tile height, so that remainders run the same register-held code.
+using ForwardTileFn = void (*)(int64_t, const float*, int64_t, int64_t, const int64_t*, const float*, int64_t, float*,
+                               int64_t);
+template <int NV, int... R>
+constexpr std::array<ForwardTileFn, sizeof...(R)> forward_tiles(std::integer_sequence<int, R...>) {
+  return {&forward_tile<R + 1, NV>...};
+}
+constexpr auto kForwardTiles1 = forward_tiles<1>(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kForwardTiles2 = forward_tiles<2>(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kForwardTiles4 = forward_tiles<4>(std::make_integer_sequence<int, kWideTileRows>{});
+
+ForwardTileFn forward_tile_fn(int registers, int64_t rows) {
+  const auto i = static_cast<std::size_t>(rows - 1);
+  return registers == 4 ? kForwardTiles4[i] : registers == 2 ? kForwardTiles2[i] : kForwardTiles1[i];
+}
+
+// The output columns whose windows lie inside the input's width: [begin, end). The others are
+// the edge columns.
+struct FullColumns {
+  int64_t begin, end;
+};
+FullColumns full_columns(const Window2DGeometry& g) {
+  const int64_t begin = std::min(g.out_w, (g.pad_left + g.stride_w - 1) / g.stride_w);
+  const int64_t end =
+      g.in_w < g.k_w ? begin : std::clamp((g.in_w - g.k_w + g.pad_left) / g.stride_w + 1, begin, g.out_w);
+  return {begin, end};
+}
+
+bool forward_applies(const Window2DGeometry& g) {
+  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0 || g.patch_size() > kMaxPatch) return false;
+  const auto full = full_columns(g);
+  const int64_t edges = g.out_w - (full.end - full.begin);
+  return edges * g.patch_size() * g.out_c * static_cast<int64_t>(sizeof(float)) <= kMaxEdgeFilterBytes;
+}
+
+// y = conv(x, w) (w: [kh * kw * in_c, out_c], out_c % 16 == 0). Padding is never materialised
+// nor multiplied:
+//  - filter rows over padding rows are left out of the reduction (a kh range per output row);
+//  - the output columns whose windows cross the left or right edge (edge columns) have their own
+//    tap lists, with a copy of the filter rows of those taps, and run as tiles down the column
+//    (consecutive output rows with the same kh range), so that they too get a full register tile.
+// Work is split into blocks of up to kTileRows output rows of one image.
+void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y) {
+  const int64_t o = g.out_c, c = g.in_c, k = g.patch_size(), kh_size = g.k_w * c;
+  const int64_t* offsets = patch_offsets(g, g.in_w, c);
+  const auto [full_begin, full_end] = full_columns(g);
+  const int64_t full = full_end - full_begin, edges = g.out_w - full;
+  const auto edge_column = [&](int64_t e) { return e < full_begin ? e : full_end + (e - full_begin); };
+  const auto kw_range = [&](int64_t ow) {  // filter columns over real input columns
+    const int64_t left = ow * g.stride_w - g.pad_left;
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(0, -left), std::min(g.k_w, g.in_w - left)};
+  };
+  const auto kh_range = [&](int64_t oh) {  // filter rows over real input rows
+    const int64_t top = oh * g.stride_h - g.pad_top;
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(0, -top), std::max<int64_t>(0, std::min(g.k_h, g.in_h - top))};
+  };
+  // Each edge column's taps over all kh (grouped by kh), and its filter rows packed to match.
+  int64_t* edge_offsets = tls_edge_offsets.get<int64_t>(edges * k);
+  float* edge_w = tls_edge_w.get<float>(edges * k * o);
+  for (int64_t e = 0; e < edges; ++e) {
+    const auto [kw0, kw1] = kw_range(edge_column(e));
+    int64_t* eo = edge_offsets + e * k;
+    float* ew = edge_w + e * k * o;
+    for (int64_t kh = 0; kh < g.k_h; ++kh) {
+      for (int64_t kw = kw0; kw < kw1; ++kw) {
+        for (int64_t ci = 0; ci < c; ++ci, ++eo, ew += o) {
+          *eo = (kh * g.in_w + kw) * c + ci;
+          std::copy_n(w + ((kh * g.k_w + kw) * c + ci) * o, o, ew);
+        }
+      }
+    }
+  }
+  const int64_t blocks_per_image = (g.out_h + kTileRows - 1) / kTileRows;
+  const int64_t block_work = kTileRows * g.out_w * o * k;
+  device.parallel_for(g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
+                      [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t n = unit / blocks_per_image;
+      const int64_t oh_begin = unit % blocks_per_image * kTileRows, oh_end = std::min(g.out_h, oh_begin + kTileRows);
+      const float* image = x + n * g.in_h * g.in_w * c;
+      float* y_image = y + n * g.out_h * g.out_w * o;
+      // Index in `image` of the corner of output pixel (oh, ow)'s window: negative in padding.
+      const auto corner = [&](int64_t oh, int64_t ow) {
+        return ((oh * g.stride_h - g.pad_top) * g.in_w + ow * g.stride_w - g.pad_left) * c;
+      };
+      for (int64_t j = 0; j < o;) {
+        const int registers = column_block(o - j);
+        const int64_t max_rows = max_tile_rows(registers);
+        // Full columns: balanced tiles along each output row.
+        const int64_t tiles = (full + max_rows - 1) / max_rows;
+        for (int64_t oh = oh_begin; oh < oh_end; ++oh) {
+          const auto [kh0, kh1] = kh_range(oh);
+          const int64_t kk0 = kh0 * kh_size;
+          for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t ow0 = full_begin + t * full / tiles, ow1 = full_begin + (t + 1) * full / tiles;
+            forward_tile_fn(registers, ow1 - ow0)((kh1 - kh0) * kh_size, image, corner(oh, ow0), g.stride_w * c,
+                                                  offsets + kk0, w + kk0 * o + j, o, y_image + (oh * g.out_w + ow0) * o + j,
+                                                  o);
+          }
+        }
+        // Edge columns: runs of rows with the same kh range, as tiles down the column.
+        for (int64_t oh = oh_begin; oh < oh_end;) {
+          const auto range = kh_range(oh);
+          int64_t run = 1;
+          while (run < max_rows && oh + run < oh_end && kh_range(oh + run) == range) ++run;
+          const auto [kh0, kh1] = range;
+          for (int64_t e = 0; e < edges; ++e) {
+            const int64_t ow = edge_column(e);
+            const auto [kw0, kw1] = kw_range(ow);
+            const int64_t per_kh = (kw1 - kw0) * c, first = e * k + kh0 * per_kh;
+            forward_tile_fn(registers, run)((kh1 - kh0) * per_kh, image, corner(oh, ow), g.stride_h * g.in_w * c,
+                                            edge_offsets + first, edge_w + first * o + j, o,
+                                            y_image + (oh * g.out_w + ow) * o + j, g.out_w * o);
+          }
+          oh += run;
+        }
+        j += registers * kLanes;
+      }
+    }
+  });
+}
+
+// --- backprop filter -------------------------------------------------------------------------
+
+// The input as backprop-filter's windows see it: zero-padded when SAME padding reaches outside,
+// so that every window is a plain offset pattern from its corner.
+struct Image {
+  const float* data;
+  int64_t h, w, c;
+  const float* corner(const Window2DGeometry& g, int64_t n, int64_t oh, int64_t ow) const {
+    return data + ((n * h + oh * g.stride_h) * w + ow * g.stride_w) * c;
+  }
+};
+
+Image padded_input(devices::Device& device, const Window2DGeometry& g, const float* x) {
+  const int64_t hp = (g.out_h - 1) * g.stride_h + g.k_h, wp = (g.out_w - 1) * g.stride_w + g.k_w, c = g.in_c;
+  if (g.pad_top == 0 && g.pad_left == 0 && hp <= g.in_h && wp <= g.in_w) return {x, g.in_h, g.in_w, c};
+  float* padded = tls_padded.get<float>(g.batch * hp * wp * c);
+  device.parallel_for(g.batch * hp, row_grain(wp * c), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t n = row / hp, ih = row % hp - g.pad_top;
+      float* dst = padded + row * wp * c;
+      if (ih < 0 || ih >= g.in_h) {
+        std::fill_n(dst, wp * c, 0.0f);
+        continue;
+      }
+      const int64_t first = std::min(g.pad_left, wp), last = std::min(wp, g.pad_left + g.in_w);
+      std::fill_n(dst, first * c, 0.0f);
+      std::copy_n(x + ((n * g.in_h + ih) * g.in_w) * c, (last - first) * c, dst + first * c);
+      std::fill_n(dst + last * c, (wp - last) * c, 0.0f);
+    }
+  });
+  return {padded, hp, wp, c};
+}
+
+// dw[KB filter rows x 16 NV channels] (+)= sum over the pixels of output rows [r0, r1) of
+// patch[offsets[r]] * dy: the whole pixel range reduces in registers.
+template <int KB, int NV>
+void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int64_t r1, const int64_t* offsets,
+                 const float* dy, float* dw, bool accumulate) {
+  __m512 acc[KB][NV];
+  int64_t off[KB];
+#pragma GCC unroll 16
+  for (int r = 0; r < KB; ++r) {
+    off[r] = offsets[r];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const int64_t o = g.out_c, step = g.stride_w * image.c;
+  for (int64_t row = r0; row < r1; ++row) {
+    const float* corner = image.corner(g, row / g.out_h, row % g.out_h, 0);
+    const float* d = dy + row * g.out_w * o;
+    for (int64_t ow = 0; ow < g.out_w; ++ow, corner += step, d += o) {
+      __m512 dv[NV];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) dv[v] = _mm512_loadu_ps(d + kLanes * v);
+#pragma GCC unroll 16
+      for (int r = 0; r < KB; ++r) {
+        const __m512 av = _mm512_set1_ps(corner[off[r]]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, dv[v], acc[r][v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < KB; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* out = dw + r * o + kLanes * v;
+      _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
+    }
+  }
+}
+
+using FilterTileFn = void (*)(const Window2DGeometry&, const Image&, int64_t, int64_t, const int64_t*, const float*,
+                              float*, bool);
+template <int NV, int... R>
+constexpr std::array<FilterTileFn, sizeof...(R)> filter_tiles(std::integer_sequence<int, R...>) {
+  return {&filter_tile<R + 1, NV>...};
+}
+constexpr auto kFilterTiles1 = filter_tiles<1>(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kFilterTiles2 = filter_tiles<2>(std::make_integer_sequence<int, kTileRows>{});
+constexpr auto kFilterTiles4 = filter_tiles<4>(std::make_integer_sequence<int, kWideTileRows>{});
+
+FilterTileFn filter_tile_fn(int registers, int64_t rows) {
+  const auto i = static_cast<std::size_t>(rows - 1);
+  return registers == 4 ? kFilterTiles4[i] : registers == 2 ? kFilterTiles2[i] : kFilterTiles1[i];
+}
+
+// --- backprop input, few input channels ------------------------------------------------------
+
+// One (kh, kw) position of a dx row's windows that lands inside dy: the index of its dy vectors
+// in dy (for the pixel at hand) and its filter vectors.
+struct Tap {
+  int64_t dy;
+  const float* w;
+};
+
+// dx elements (n, ih, iw .. iw + P - 1, :), for P = 1, or for P = 4 consecutive columns whose
+// windows all lie inside dy with stride 1 (so their dy columns are consecutive too). Each element
+// is the dot product of the dy vectors its window reaches with the matching filter vectors,
+// reduced over the output channels at the end. Four pixels at once share the filter loads and
+// give the FMA units independent chains; two accumulators per element halve the chains.
+template <int C, int P, int kVectors>
+void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t num_taps, int64_t dy_shift, float* out) {
+  constexpr int kSplit = P * C <= 4 ? 2 : 1;
+  const int64_t vectors = kVectors > 0 ? kVectors : o / kLanes;
+  __m512 acc[P][C][kSplit];
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+#pragma GCC unroll 2
+      for (int s = 0; s < kSplit; ++s) acc[p][c][s] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t t = 0; t < num_taps; ++t) {
+    const float* d = dy + (taps[t].dy + dy_shift);
+    const float* wk = taps[t].w;
+    // Pairs of channel vectors, into the two accumulators: constant indices only (a variable
+    // one, such as j & 1, would keep acc in memory).
+    int64_t j = 0;
+#pragma GCC unroll 4
+    for (; j + 2 <= vectors; j += 2) {
+      __m512 d0[P], d1[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        d0[p] = _mm512_loadu_ps(d + p * o + kLanes * j);
+        d1[p] = _mm512_loadu_ps(d + p * o + kLanes * (j + 1));
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512 w0 = _mm512_loadu_ps(wk + c * o + kLanes * j);
+        const __m512 w1 = _mm512_loadu_ps(wk + c * o + kLanes * (j + 1));
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) {
+          acc[p][c][0] = _mm512_fmadd_ps(d0[p], w0, acc[p][c][0]);
+          acc[p][c][kSplit - 1] = _mm512_fmadd_ps(d1[p], w1, acc[p][c][kSplit - 1]);
+        }
+      }
+    }
+    if (j < vectors) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512 w0 = _mm512_loadu_ps(wk + c * o + kLanes * j);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; ++p) {
+          acc[p][c][0] = _mm512_fmadd_ps(_mm512_loadu_ps(d + p * o + kLanes * j), w0, acc[p][c][0]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < P; ++p) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      __m512 sum = acc[p][c][0];
+      if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[p][c][1]);
+      out[p * C + c] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+
+template <int C, int kVectors>
+void backprop_input_row(const Window2DGeometry& g, const float* w, const float* dy, const std::int32_t* columns,
+                        const std::uint8_t* full, float* dx, int64_t n, int64_t ih) {
+  constexpr int64_t kQuad = 4;
+  const int64_t o = g.out_c;
+  // Uninitialised on purpose: only the entries written below are read.
+  std::array<Tap, kMaxBackpropInputTaps> full_taps;  // all kw, for column 0 (stride 1)
+  std::array<int64_t, kMaxBackpropInputTaps> dy_rows;
+  std::array<const float*, kMaxBackpropInputTaps> w_rows;
+  int64_t rows = 0, num_full = 0;
+  for (int64_t kh = 0; kh < g.k_h; ++kh) {
+    const int64_t t = ih + g.pad_top - kh;  // oh * stride_h, when a whole output row
+    if (t < 0) break;
+    if (t % g.stride_h != 0 || t / g.stride_h >= g.out_h) continue;
+    const int64_t dy_row = ((n * g.out_h + t / g.stride_h) * g.out_w) * o;
+    const float* w_row = w + kh * g.k_w * C * o;
+    dy_rows[static_cast<std::size_t>(rows)] = dy_row;
+    w_rows[static_cast<std::size_t>(rows)] = w_row;
+    ++rows;
+    for (int64_t kw = 0; kw < g.k_w; ++kw) {
+      full_taps[static_cast<std::size_t>(num_full++)] = Tap{dy_row + (g.pad_left - kw) * o, w_row + kw * C * o};
+    }
+  }
+  float* out = dx + ((n * g.in_h + ih) * g.in_w) * C;
+  std::array<Tap, kMaxBackpropInputTaps> taps;
+  for (int64_t iw = 0; iw < g.in_w;) {
+    // full[] is true on one contiguous run of columns, so checking both ends suffices.
+    if (g.stride_w == 1 && iw + kQuad <= g.in_w && full[iw] && full[iw + kQuad - 1]) {
+      backprop_input_pixels<C, kQuad, kVectors>(o, dy, full_taps.data(), num_full, iw * o, out + iw * C);
+      iw += kQuad;
+      continue;
+    }
+    int64_t num_taps = 0;
+    const std::int32_t* ows = columns + iw * g.k_w;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t kw = 0; kw < g.k_w; ++kw) {
+        if (ows[kw] < 0) continue;
+        taps[static_cast<std::size_t>(num_taps++)] =
+            Tap{dy_rows[static_cast<std::size_t>(i)] + ows[kw] * o, w_rows[static_cast<std::size_t>(i)] + kw * C * o};
+      }
+    }
+    backprop_input_pixels<C, 1, kVectors>(o, dy, taps.data(), num_taps, 0, out + iw * C);
+    ++iw;
+  }
+}
+
+template <int C, int kVectors>
+void backprop_input_few_channels(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
+                                 float* dx) {
+  // The output column (if any) each (iw, kw) reads, computed once rather than per element (it
+  // divides by the stride).
+  std::int32_t* columns = tls_columns.get<std::int32_t>(g.in_w * g.k_w);
+  std::uint8_t* full = tls_full_columns.get<std::uint8_t>(g.in_w);
+  for (int64_t iw = 0; iw < g.in_w; ++iw) {
+    full[iw] = 1;
+    for (int64_t kw = 0; kw < g.k_w; ++kw) {
+      const int64_t u = iw + g.pad_left - kw;
+      const bool hit = u >= 0 && u % g.stride_w == 0 && u / g.stride_w < g.out_w;
+      columns[iw * g.k_w + kw] = hit ? static_cast<std::int32_t>(u / g.stride_w) : -1;
+      full[iw] &= hit ? 1 : 0;
+    }
+  }
+  const int64_t row_work = g.in_w * g.k_h * g.k_w * g.out_c;
+  device.parallel_for(g.batch * g.in_h, row_grain(row_work), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      backprop_input_row<C, kVectors>(g, w, dy, columns, full, dx, row / g.in_h, row % g.in_h);
+    }
+  });
+}
+
+// 16, 32 and 64 output channels get channel loops the compiler unrolls completely.
+template <int C>
+void backprop_input_few_channels(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
+                                 float* dx) {
+  switch (g.out_c / kLanes) {
+    case 1: return backprop_input_few_channels<C, 1>(device, g, w, dy, dx);
+    case 2: return backprop_input_few_channels<C, 2>(device, g, w, dy, dx);
+    case 4: return backprop_input_few_channels<C, 4>(device, g, w, dy, dx);
+    default: return backprop_input_few_channels<C, 0>(device, g, w, dy, dx);
+  }
+}
+
+// --- backprop input, stride 1 ----------------------------------------------------------------
+
+// The forward convolution that computes dx for stride 1: dx[ih, iw] sums
+// dy[ih + pad_top - kh, iw + pad_left - kw] @ w[kh, kw]^T, which is dy padded by k - 1 - pad,
+// convolved with the filter flipped in space and transposed in channels:
+// w'[kh', kw', o, c] = w[k_h - 1 - kh', k_w - 1 - kw', c, o].
+Window2DGeometry flipped_geometry(const Window2DGeometry& g) {
+  Window2DGeometry t = g;
+  t.in_h = g.out_h;
+  t.in_w = g.out_w;
+  t.in_c = g.out_c;
+  t.out_c = g.in_c;
+  t.out_h = g.in_h;
+  t.out_w = g.in_w;
+  t.pad_top = g.k_h - 1 - g.pad_top;
+  t.pad_left = g.k_w - 1 - g.pad_left;
+  return t;
+}
+
+void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
+                            float* dx) {
+  const int64_t c = g.in_c, o = g.out_c, taps = g.k_h * g.k_w;
+  float* flipped = tls_flipped.get<float>(taps * c * o);
+  for (int64_t t = 0; t < taps; ++t) {
+    const float* src = w + (taps - 1 - t) * c * o;  // tap (k_h-1-kh', k_w-1-kw') is tap taps-1-t
+    float* dst = flipped + t * o * c;
+    for (int64_t ci = 0; ci < c; ++ci) {
+      for (int64_t oi = 0; oi < o; ++oi) dst[oi * c + ci] = src[ci * o + oi];
+    }
+  }
+  forward_direct(device, flipped_geometry(g), dy, flipped, dx);
+}
+
+}  // namespace
+
+bool conv2d_forward(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y) {
+  if (!forward_applies(g)) return false;
+  forward_direct(device, g, x, w, y);
+  return true;
+}
+
+bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, const float* x, const float* dy,
+                            float* dw) {
+  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0 || g.patch_size() > kMaxPatch) return false;
+  const Image image = padded_input(device, g, x);
+  const int64_t* offsets = patch_offsets(g, image.w, image.c);
+  const int64_t k = g.patch_size(), o = g.out_c, rows = g.batch * g.out_h;
+  // Parts (not threads) own partial sums: part 0 writes dw, the others scratch, added at the end.
+  const int64_t parts = std::min<int64_t>(device.intra_op_threads(), rows);
+  const int64_t part_rows = (rows + parts - 1) / parts;
+  const int64_t chunk_rows = std::max<int64_t>(1, kDyChunkBytes / (g.out_w * o * static_cast<int64_t>(sizeof(float))));
+  float* partials = tls_partials.get<float>((parts - 1) * k * o);
+  device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
+      const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
+      if (first >= last) std::fill_n(acc, k * o, 0.0f);
+      for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
+        const int64_t r1 = std::min(last, r0 + chunk_rows);
+        for (int64_t j = 0; j < o;) {
+          const int registers = column_block(o - j);
+          const int64_t max_rows = max_tile_rows(registers);
+          for (int64_t k0 = 0; k0 < k; k0 += max_rows) {
+            filter_tile_fn(registers, std::min(max_rows, k - k0))(g, image, r0, r1, offsets + k0, dy + j,
+                                                                  acc + k0 * o + j, r0 != first);
+          }
+          j += registers * kLanes;
+        }
+      }
+    }
+  });
+  if (parts > 1) {
+    device.parallel_for(k * o, kElementwiseGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t part = 1; part < parts; ++part) {
+        const float* p = partials + (part - 1) * k * o;
+        for (int64_t i = begin; i < end; ++i) dw[i] += p[i];
+      }
+    });
+  }
+  return true;
+}
+
+bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
+                           float* dx) {
+  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0) return false;
+  if (g.in_c <= kMaxBackpropInputChannels && g.k_h * g.k_w <= kMaxBackpropInputTaps) {
+    switch (g.in_c) {
+      case 1: backprop_input_few_channels<1>(device, g, w, dy, dx); break;
+      case 2: backprop_input_few_channels<2>(device, g, w, dy, dx); break;
+      case 3: backprop_input_few_channels<3>(device, g, w, dy, dx); break;
+      default: backprop_input_few_channels<4>(device, g, w, dy, dx); break;
+    }
+    return true;
+  }
+  if (g.stride_h == 1 && g.stride_w == 1 && forward_applies(flipped_geometry(g))) {
+    backprop_input_flipped(device, g, w, dy, dx);
+    return true;
+  }
+  return false;
+}
+
+#else  // no AVX-512: the GEMM paths handle everything
+
+bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) { return false; }
+bool conv2d_backprop_filter(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+  return false;
+}
+bool conv2d_backprop_input(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+  return false;
+}
+
+#endif
+
+}  // namespace tandem::ops::cpu::direct
