@@ -8,7 +8,7 @@ namespace {
 // A worker that finished a job keeps polling this long for the next one before it sleeps: a
 // training step issues one parallel kernel after another, and waking a sleeping thread costs
 // tens of microseconds on a VM. Short enough that an idle device is idle.
-constexpr auto kWorkerSpin = std::chrono::microseconds(100);
+constexpr auto kWorkerSpin = std::chrono::microseconds(2000);
 // Chunks per thread: a little over-decomposition evens out uneven chunks.
 constexpr std::int64_t kChunksPerThread = 4;
 

@@ -1,0 +1,274 @@
+// tandem/keras_like/callbacks.h — hooks into fit/evaluate/predict, with Keras's callbacks.
+//
+//   model.fit(train, {.epochs = 20, .callbacks = {std::make_shared<keras::EarlyStopping>(
+//                                                     keras::EarlyStoppingOptions{.patience = 3})}});
+//
+// fit() adds a History (always) and a ProgbarLogger (unless verbose = 0) to the callbacks it is
+// given, like Keras. Callbacks run on the thread that called fit(), between steps; `logs` hold
+// the metric values so far (batch hooks: running means over the epoch; on_epoch_end: the epoch's
+// values, then val_* ones). A callback may add entries to the epoch's logs (the learning rate).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/graph/tensor.h"
+#include "tandem/keras_like/logs.h"
+
+namespace tandem::keras {
+
+class Model;
+
+struct TrainingParams {
+  int epochs = 1;
+  std::int64_t steps = -1;  // per epoch; -1 when not known in advance
+  int verbose = 1;
+};
+
+class Callback {
+ public:
+  virtual ~Callback() = default;
+
+  // Set by fit/evaluate/predict before the first hook. model() throws FailedPrecondition when
+  // the callback is used outside them.
+  void set_model(Model* model) { model_ = model; }
+  Model& model() const;
+  void set_params(const TrainingParams& params) { params_ = params; }
+  const TrainingParams& params() const { return params_; }
+
+  virtual void on_train_begin(Logs& /*logs*/) {}
+  virtual void on_train_end(Logs& /*logs*/) {}
+  virtual void on_epoch_begin(int /*epoch*/, Logs& /*logs*/) {}
+  virtual void on_epoch_end(int /*epoch*/, Logs& /*logs*/) {}
+  virtual void on_train_batch_begin(std::int64_t /*batch*/, Logs& /*logs*/) {}
+  virtual void on_train_batch_end(std::int64_t /*batch*/, Logs& /*logs*/) {}
+  virtual void on_test_begin(Logs& /*logs*/) {}
+  virtual void on_test_end(Logs& /*logs*/) {}
+  virtual void on_test_batch_begin(std::int64_t /*batch*/, Logs& /*logs*/) {}
+  virtual void on_test_batch_end(std::int64_t /*batch*/, Logs& /*logs*/) {}
+  virtual void on_predict_begin(Logs& /*logs*/) {}
+  virtual void on_predict_end(Logs& /*logs*/) {}
+  virtual void on_predict_batch_begin(std::int64_t /*batch*/, Logs& /*logs*/) {}
+  virtual void on_predict_batch_end(std::int64_t /*batch*/, Logs& /*logs*/) {}
+
+ private:
+  Model* model_ = nullptr;
+  TrainingParams params_;
+};
+
+using CallbackPtr = std::shared_ptr<Callback>;
+
+// Calls every callback's hook in order.
+class CallbackList {
+ public:
+  CallbackList(std::vector<CallbackPtr> callbacks, Model* model, const TrainingParams& params);
+  void on_train_begin(Logs& logs);
+  void on_train_end(Logs& logs);
+  void on_epoch_begin(int epoch, Logs& logs);
+  void on_epoch_end(int epoch, Logs& logs);
+  void on_train_batch_begin(std::int64_t batch, Logs& logs);
+  void on_train_batch_end(std::int64_t batch, Logs& logs);
+  void on_test_begin(Logs& logs);
+  void on_test_end(Logs& logs);
+  void on_test_batch_begin(std::int64_t batch, Logs& logs);
+  void on_test_batch_end(std::int64_t batch, Logs& logs);
+  void on_predict_begin(Logs& logs);
+  void on_predict_end(Logs& logs);
+  void on_predict_batch_begin(std::int64_t batch, Logs& logs);
+  void on_predict_batch_end(std::int64_t batch, Logs& logs);
+  const std::vector<CallbackPtr>& callbacks() const { return callbacks_; }
+
+ private:
+  std::vector<CallbackPtr> callbacks_;
+};
+
+// Per-epoch logs by name; what fit() returns.
+class History : public Callback {
+ public:
+  std::vector<int> epoch;
+  std::map<std::string, std::vector<double>> history;
+
+  // history.at(name) with a NotFound listing the names recorded.
+  const std::vector<double>& at(const std::string& name) const;
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+};
+
+struct ProgbarOptions {
+  std::ostream* out = nullptr;  // default: std::cout
+  // Redraw one line in place (a terminal) or print one line per epoch (a file, a pipe).
+  // Default: in place when `out` is std::cout and standard output is a terminal.
+  std::optional<bool> interactive;
+};
+// Keras's progress bar:
+//   Epoch 3/10
+//   469/469 [==============================] - 2s 4ms/step - loss: 0.5000 - accuracy: 0.8200 - val_loss: ...
+// While an epoch runs on a terminal the bar is redrawn in place with an ETA; otherwise one line is
+// printed when the epoch ends. verbose 2 prints "469/469 - 2s - 4ms/step - loss: ..." per epoch.
+class ProgbarLogger : public Callback {
+ public:
+  explicit ProgbarLogger(ProgbarOptions options = {});
+  ~ProgbarLogger() override;
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_test_begin(Logs& logs) override;
+  void on_test_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_test_end(Logs& logs) override;
+  void on_predict_begin(Logs& logs) override;
+  void on_predict_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_predict_end(Logs& logs) override;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+enum class MonitorMode { kAuto, kMin, kMax };  // kAuto: max for accuracy-like names, else min
+
+struct ModelCheckpointOptions {
+  std::string monitor = "val_loss";
+  int verbose = 0;
+  bool save_best_only = false;
+  MonitorMode mode = MonitorMode::kAuto;
+  bool save_weights_only = true;  // false: a training checkpoint (weights, optimizer, epoch)
+  std::int64_t save_freq = 0;     // 0: every epoch; N: every N training batches
+};
+// Saves the weights after every epoch (or the best ones). The path may hold Keras-style fields:
+// "ckpt/epoch{epoch:02d}-{val_loss:.2f}.weights.safetensors". Only the chief writes.
+class ModelCheckpoint : public Callback {
+ public:
+  explicit ModelCheckpoint(std::string filepath, ModelCheckpointOptions options = {});
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  std::optional<double> best() const { return best_; }
+
+ private:
+  void save(int epoch, const Logs& logs);
+  std::string filepath_;
+  ModelCheckpointOptions options_;
+  std::optional<double> best_;
+  std::int64_t batches_ = 0;
+  int epoch_ = 0;
+};
+
+struct EarlyStoppingOptions {
+  std::string monitor = "val_loss";
+  double min_delta = 0.0;
+  int patience = 0;
+  int verbose = 0;
+  MonitorMode mode = MonitorMode::kAuto;
+  std::optional<double> baseline;
+  bool restore_best_weights = false;
+  int start_from_epoch = 0;
+};
+// Stops training when the monitored value has not improved by min_delta for `patience` epochs.
+class EarlyStopping : public Callback {
+ public:
+  explicit EarlyStopping(EarlyStoppingOptions options = {});
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_train_end(Logs& logs) override;
+  // The epoch training stopped at (0 when it did not stop early), as Keras's stopped_epoch.
+  int stopped_epoch() const { return stopped_epoch_; }
+  int best_epoch() const { return best_epoch_; }
+
+ private:
+  EarlyStoppingOptions options_;
+  int wait_ = 0;
+  int stopped_epoch_ = 0;
+  int best_epoch_ = 0;
+  std::optional<double> best_;
+  std::vector<Tensor> best_weights_;
+};
+
+struct CsvLoggerOptions {
+  char separator = ',';
+  bool append = false;
+};
+// One CSV row per epoch: epoch, then each log value (header from the first epoch's keys).
+class CSVLogger : public Callback {
+ public:
+  explicit CSVLogger(std::string filename, CsvLoggerOptions options = {});
+  ~CSVLogger() override;
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_train_end(Logs& logs) override;
+
+ private:
+  struct State;
+  std::string filename_;
+  CsvLoggerOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+// Sets the learning rate at the start of each epoch: schedule(epoch, current_lr) -> new lr.
+class LearningRateScheduler : public Callback {
+ public:
+  explicit LearningRateScheduler(std::function<double(int epoch, double learning_rate)> schedule, int verbose = 0);
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;  // adds "learning_rate" to the logs
+
+ private:
+  std::function<double(int, double)> schedule_;
+  int verbose_;
+};
+
+struct ReduceLROnPlateauOptions {
+  std::string monitor = "val_loss";
+  double factor = 0.1;
+  int patience = 10;
+  int verbose = 0;
+  MonitorMode mode = MonitorMode::kAuto;
+  double min_delta = 1e-4;
+  int cooldown = 0;
+  double min_lr = 0.0;
+};
+class ReduceLROnPlateau : public Callback {
+ public:
+  explicit ReduceLROnPlateau(ReduceLROnPlateauOptions options = {});
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+
+ private:
+  ReduceLROnPlateauOptions options_;
+  std::optional<double> best_;
+  int wait_ = 0;
+  int cooldown_counter_ = 0;
+};
+
+// Stops training as soon as a batch's loss is NaN or infinite.
+class TerminateOnNaN : public Callback {
+ public:
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+};
+
+struct LambdaCallbackOptions {
+  std::function<void(int, Logs&)> on_epoch_begin, on_epoch_end;
+  std::function<void(std::int64_t, Logs&)> on_train_batch_begin, on_train_batch_end;
+  std::function<void(Logs&)> on_train_begin, on_train_end;
+};
+class LambdaCallback : public Callback {
+ public:
+  explicit LambdaCallback(LambdaCallbackOptions functions);
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_train_batch_begin(std::int64_t batch, Logs& logs) override;
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_train_begin(Logs& logs) override;
+  void on_train_end(Logs& logs) override;
+
+ private:
+  LambdaCallbackOptions functions_;
+};
+
+}  // namespace tandem::keras

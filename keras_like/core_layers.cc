@@ -1,0 +1,183 @@
+// Core layers: Dense, Flatten, Reshape, Activation, Add.
+#include "tandem/keras_like/layers.h"
+#include "tandem/ops/ops.h"
+
+namespace tandem::keras {
+namespace {
+
+constexpr std::string_view kKnownActivations = "linear, relu, sigmoid, tanh, softmax";
+
+std::int64_t product_of_non_batch(const Shape& shape) {
+  std::int64_t n = 1;
+  for (int i = 1; i < shape.rank(); ++i) {
+    if (shape[i] == Shape::kUnknown) return Shape::kUnknown;
+    n *= shape[i];
+  }
+  return n;
+}
+
+class DenseImpl final : public LayerImpl {
+ public:
+  DenseImpl(std::int64_t units, DenseOptions options)
+      : LayerImpl("Dense", options.name), units_(units), options_(std::move(options)) {
+    TANDEM_REQUIRE(units > 0, InvalidArgument, "Dense: units must be positive; got {}", units);
+    apply_activation(options_.activation, Output{}, label());  // reject unknown names now
+  }
+
+  void build(const std::vector<TensorSpec>& inputs) override {
+    const Shape& in = inputs[0].shape;
+    TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] != Shape::kUnknown, InvalidArgument,
+                   "{}: the input's last dimension must be known (features); got {}", label(), in);
+    const std::int64_t features = in[in.rank() - 1];
+    kernel_ = add_weight({.name = "kernel", .shape = {features, units_}, .initializer = options_.kernel_initializer});
+    if (options_.use_bias) bias_ = add_weight({.name = "bias", .shape = {units_}, .initializer = options_.bias_initializer});
+  }
+
+  std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
+    Output x = inputs[0];
+    const Shape& in = x.shape();
+    const std::int64_t features = kernel_->shape()[0];
+    TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == features, InvalidArgument,
+                   "{}: input has {} features, kernel expects {} (input shape {})", label(),
+                   in.rank() >= 1 ? in[in.rank() - 1] : 0, features, in);
+    // Rank > 2: apply to every position of the leading dimensions.
+    Shape out_shape = in.with_dim(-1, units_);
+    const bool flatten = in.rank() > 2;
+    if (flatten) x = ops::reshape(x, {-1, features});
+    const Output kernel = ctx.read(kernel_);
+    const auto fused = fused_activation();
+    Output y;
+    if (bias_ != nullptr && fused) {
+      y = ops::dense(x, kernel, ctx.read(bias_), *fused);  // matmul + bias + activation in one op
+    } else {
+      y = ops::matmul(x, kernel);
+      if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
+      y = apply_activation(options_.activation, y, label());
+    }
+    if (flatten) {
+      Shape target = out_shape;
+      target[0] = Shape::kUnknown;
+      y = ops::reshape(y, target);
+    }
+    return {y};
+  }
+
+ private:
+  std::optional<ops::Activation> fused_activation() const {
+    const auto& a = options_.activation;
+    if (a == "linear" || a.empty()) return ops::Activation::kLinear;
+    if (a == "relu") return ops::Activation::kRelu;
+    if (a == "sigmoid") return ops::Activation::kSigmoid;
+    if (a == "tanh") return ops::Activation::kTanh;
+    return std::nullopt;
+  }
+
+  std::int64_t units_;
+  DenseOptions options_;
+  VariablePtr kernel_, bias_;
+};
+
+class FlattenImpl final : public LayerImpl {
+ public:
+  explicit FlattenImpl(std::string name) : LayerImpl("Flatten", std::move(name)) {}
+  std::vector<Output> call(CallContext& /*ctx*/, const std::vector<Output>& inputs) override {
+    const Shape& in = inputs[0].shape();
+    const std::int64_t n = product_of_non_batch(in);
+    TANDEM_REQUIRE(n != Shape::kUnknown, InvalidArgument, "{}: every dimension but the batch must be known; got {}",
+                   label(), in);
+    return {ops::reshape(inputs[0], {-1, in.rank() == 1 ? 1 : n})};
+  }
+};
+
+class ReshapeImpl final : public LayerImpl {
+ public:
+  ReshapeImpl(Shape target, std::string name) : LayerImpl("Reshape", std::move(name)), target_(target) {}
+  std::vector<Output> call(CallContext& /*ctx*/, const std::vector<Output>& inputs) override {
+    const Shape& in = inputs[0].shape();
+    const std::int64_t n = product_of_non_batch(in);
+    TANDEM_REQUIRE(n != Shape::kUnknown, InvalidArgument, "{}: every dimension but the batch must be known; got {}",
+                   label(), in);
+    // Resolve the target's own -1 here: the op's one -1 is the batch.
+    Shape target{Shape::kUnknown};
+    std::int64_t known = 1;
+    int infer = -1;
+    for (int i = 0; i < target_.rank(); ++i) {
+      if (target_[i] == Shape::kUnknown) {
+        TANDEM_REQUIRE(infer < 0, InvalidArgument, "{}: target shape {} has more than one -1", label(), target_);
+        infer = i;
+      } else {
+        known *= target_[i];
+      }
+      target.push_back(target_[i]);
+    }
+    if (infer >= 0) {
+      TANDEM_REQUIRE(known > 0 && n % known == 0, InvalidArgument, "{}: cannot reshape {} to (None, {})", label(), in,
+                     target_.to_string());
+      target[infer + 1] = n / known;
+    } else {
+      TANDEM_REQUIRE(known == n, InvalidArgument, "{}: cannot reshape {} ({} values per example) to target {} ({})",
+                     label(), in, n, target_, known);
+    }
+    return {ops::reshape(inputs[0], target)};
+  }
+
+ private:
+  Shape target_;
+};
+
+class ActivationImpl final : public LayerImpl {
+ public:
+  ActivationImpl(std::string activation, std::string name)
+      : LayerImpl("Activation", std::move(name)), activation_(std::move(activation)) {
+    apply_activation(activation_, Output{}, label());
+  }
+  std::vector<Output> call(CallContext& /*ctx*/, const std::vector<Output>& inputs) override {
+    return {apply_activation(activation_, inputs[0], label())};
+  }
+
+ private:
+  std::string activation_;
+};
+
+class AddImpl final : public LayerImpl {
+ public:
+  explicit AddImpl(std::string name) : LayerImpl("Add", std::move(name)) {}
+  int min_inputs() const override { return 2; }
+  int max_inputs() const override { return -1; }
+  std::vector<Output> call(CallContext& /*ctx*/, const std::vector<Output>& inputs) override {
+    for (const auto& in : inputs) {
+      TANDEM_REQUIRE(in.shape().compatible_with(inputs[0].shape()), InvalidArgument,
+                     "{}: inputs have different shapes: {} and {}", label(), inputs[0].shape(), in.shape());
+    }
+    return {ops::add_n(inputs)};
+  }
+};
+
+}  // namespace
+
+Output apply_activation(std::string_view activation, Output x, std::string_view layer_label) {
+  const bool known = activation.empty() || activation == "linear" || activation == "relu" || activation == "sigmoid" ||
+                     activation == "tanh" || activation == "softmax";
+  TANDEM_REQUIRE(known, InvalidArgument, "{}: unknown activation \"{}\"; known: {}", layer_label, activation,
+                 kKnownActivations);
+  if (!x.defined() || activation.empty() || activation == "linear") return x;
+  if (activation == "relu") return ops::relu(x);
+  if (activation == "sigmoid") return ops::sigmoid(x);
+  if (activation == "tanh") return ops::tanh(x);
+  return ops::softmax(x);
+}
+
+Dense::Dense(std::int64_t units, DenseOptions options) : Layer(std::make_shared<DenseImpl>(units, std::move(options))) {}
+Dense::Dense(std::int64_t units, const char* activation, DenseOptions options)
+    : Dense(units, [&] {
+        options.activation = activation;
+        return std::move(options);
+      }()) {}
+Flatten::Flatten(std::string name) : Layer(std::make_shared<FlattenImpl>(std::move(name))) {}
+Reshape::Reshape(const Shape& target_shape, std::string name)
+    : Layer(std::make_shared<ReshapeImpl>(target_shape, std::move(name))) {}
+Activation::Activation(std::string activation, std::string name)
+    : Layer(std::make_shared<ActivationImpl>(std::move(activation), std::move(name))) {}
+Add::Add(std::string name) : Layer(std::make_shared<AddImpl>(std::move(name))) {}
+
+}  // namespace tandem::keras

@@ -1,0 +1,25 @@
+// tandem/keras_like/detail/graph_util.h — graph helpers shared by losses and metrics.
+#pragma once
+
+#include <string_view>
+
+#include "tandem/graph/graph.h"
+
+namespace tandem::keras::detail {
+
+using graph::Output;
+
+// Keras clips probabilities to [epsilon, 1 - epsilon] before taking logs (epsilon = 1e-7).
+inline constexpr double kProbabilityEpsilon = 1e-7;
+
+// min(max(x, lo), hi) from ops with gradients: lo + relu(x - lo), then hi - relu(hi - y).
+Output clip_by_value(Output x, double lo, double hi);
+Output clip_probabilities(Output p);
+// The mean over every axis but the first (a [batch] tensor stays as it is).
+Output mean_over_non_batch_axes(Output x);
+// Targets cast to the predictions' dtype, and a [batch] target reshaped to a [batch, 1] prediction.
+Output targets_like_predictions(Output y_true, Output y_pred);
+// Class ids for sparse losses and metrics: [batch] or [batch, 1] of any dtype -> int64 [batch].
+Output class_ids(Output y_true, Output y_pred, std::string_view what);
+
+}  // namespace tandem::keras::detail

@@ -1,0 +1,181 @@
+#include "tandem/keras_like/layer.h"
+
+#include <cctype>
+#include <map>
+#include <mutex>
+
+#include "tandem/base/random.h"
+#include "tandem/strategy/strategy.h"
+
+namespace tandem::keras {
+namespace {
+
+// Keras's to_snake_case: "Conv2D" -> "conv2d", "MaxPooling2D" -> "max_pooling2d".
+std::string snake_case(std::string_view name) {
+  std::string out;
+  for (std::size_t i = 0; i < name.size(); ++i) {
+    const auto c = static_cast<unsigned char>(name[i]);
+    if (std::isupper(c) && i > 0) {
+      const auto prev = static_cast<unsigned char>(name[i - 1]);
+      const bool next_lower = i + 1 < name.size() && std::islower(static_cast<unsigned char>(name[i + 1]));
+      if (std::islower(prev) || (next_lower && prev != '_' && !std::isdigit(prev))) out += '_';
+    }
+    out += static_cast<char>(std::tolower(c));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string unique_layer_name(std::string_view class_name) {
+  static std::mutex mutex;
+  static std::map<std::string, int> counts;
+  const std::string base = snake_case(class_name);
+  std::lock_guard lock(mutex);
+  const int n = counts[base]++;
+  return n == 0 ? base : fmt::format("{}_{}", base, n);
+}
+
+const TensorSpec& KerasTensor::spec() const {
+  TANDEM_REQUIRE(defined(), InvalidArgument, "use of an undefined KerasTensor");
+  return node_->outputs[static_cast<std::size_t>(index_)];
+}
+
+std::string KerasTensor::name() const {
+  if (!defined()) return "<undefined>";
+  const std::string& owner = node_->layer ? node_->layer->name() : node_->input_name;
+  return fmt::format("{}:{}", owner, index_);
+}
+
+KerasTensor Input(const Shape& shape, DType dtype, std::string name) {
+  Shape full{Shape::kUnknown};
+  for (auto d : shape.dims()) {
+    TANDEM_REQUIRE(d > 0 || d == Shape::kUnknown, InvalidArgument, "Input shape {} has a dimension {}", shape, d);
+    full.push_back(d);
+  }
+  auto node = std::make_shared<detail::LayerNode>();
+  node->outputs.push_back(TensorSpec{dtype, full});
+  node->input_name = name.empty() ? unique_layer_name("InputLayer") : std::move(name);
+  return KerasTensor(std::move(node), 0);
+}
+
+Output CallContext::read(const VariablePtr& variable) {
+  TANDEM_REQUIRE(variable != nullptr, InvalidArgument, "CallContext::read of a null variable");
+  auto it = variables_.nodes.find(variable.get());
+  if (it != variables_.nodes.end()) return it->second;
+  const Output node = graph_.variable(variable->dtype(), variable->shape(), variable->name());
+  variables_.nodes.emplace(variable.get(), node);
+  variables_.variables.push_back(variable);
+  return node;
+}
+
+void CallContext::add_update(const VariablePtr& variable, Output new_value) {
+  if (!training_) return;
+  TANDEM_REQUIRE(new_value.dtype() == variable->dtype() && new_value.shape().compatible_with(variable->shape()),
+                 InvalidArgument, "update of variable \"{}\": {} {} does not match its {} {}", variable->name(),
+                 new_value.dtype(), new_value.shape(), variable->dtype(), variable->shape());
+  updates_.emplace_back(variable, new_value);
+}
+
+LayerImpl::LayerImpl(std::string_view class_name, std::string name)
+    : class_name_(class_name), name_(name.empty() ? unique_layer_name(class_name) : std::move(name)) {}
+
+LayerImpl::~LayerImpl() = default;
+
+void LayerImpl::build(const std::vector<TensorSpec>& /*inputs*/) {}
+
+std::string LayerImpl::label() const { return fmt::format("{} \"{}\"", class_name_, name_); }
+
+std::vector<VariablePtr> LayerImpl::trainable_weights() const {
+  std::vector<VariablePtr> out;
+  if (!trainable_) return out;
+  for (const auto& w : weights_) {
+    if (w->trainable()) out.push_back(w);
+  }
+  return out;
+}
+
+std::vector<VariablePtr> LayerImpl::non_trainable_weights() const {
+  std::vector<VariablePtr> out;
+  for (const auto& w : weights_) {
+    if (!trainable_ || !w->trainable()) out.push_back(w);
+  }
+  return out;
+}
+
+std::int64_t LayerImpl::count_params() const {
+  std::int64_t n = 0;
+  for (const auto& w : weights_) n += w->shape().num_elements();
+  return n;
+}
+
+VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
+  TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument, "{}: weight \"{}\" has shape {}; it must be fully defined",
+                 label(), options.name, options.shape);
+  strategy::VariableOptions variable;
+  variable.name = fmt::format("{}/{}", name_, options.name);
+  variable.initial_value = options.initializer(options.shape, options.dtype, next_seed());
+  variable.trainable = options.trainable;
+  auto created = strategy::get_strategy().create_variable(std::move(variable));
+  weights_.push_back(created);
+  return created;
+}
+
+void LayerImpl::ensure_built(const std::vector<TensorSpec>& inputs) {
+  const int n = static_cast<int>(inputs.size());
+  TANDEM_REQUIRE(n >= min_inputs() && (max_inputs() < 0 || n <= max_inputs()), InvalidArgument,
+                 "{}: called on {} input(s); it takes {}", label(), n,
+                 max_inputs() < 0 ? fmt::format("at least {}", min_inputs())
+                 : min_inputs() == max_inputs() ? fmt::format("{}", min_inputs())
+                                                : fmt::format("{} to {}", min_inputs(), max_inputs()));
+  if (built_) return;
+  build(inputs);
+  built_ = true;
+}
+
+std::vector<KerasTensor> LayerImpl::call_symbolic(const std::vector<KerasTensor>& inputs) {
+  std::vector<TensorSpec> specs;
+  for (const auto& in : inputs) {
+    TANDEM_REQUIRE(in.defined(), InvalidArgument, "{}: called on an undefined KerasTensor", label());
+    specs.push_back(in.spec());
+  }
+  ensure_built(specs);
+  // The output specs come from the layer's own ops: call it once on placeholders in a scratch
+  // graph, so that shape errors are raised now, at model construction, naming the layer.
+  Graph scratch;
+  CallContext::VariableNodes variables;
+  CallContext context(scratch, /*training=*/false, variables);
+  std::vector<Output> placeholders;
+  for (const auto& spec : specs) placeholders.push_back(scratch.placeholder(spec.dtype, spec.shape, "input"));
+  const auto outputs = call(context, placeholders);
+  auto node = std::make_shared<detail::LayerNode>();
+  node->layer = shared_from_this();
+  node->inputs = inputs;
+  for (const auto& o : outputs) node->outputs.push_back(o.spec());
+  std::vector<KerasTensor> result;
+  for (int i = 0; i < static_cast<int>(outputs.size()); ++i) result.emplace_back(node, i);
+  return result;
+}
+
+LayerImpl& Layer::impl() const {
+  TANDEM_REQUIRE(impl_ != nullptr, FailedPrecondition, "use of an empty Layer handle");
+  return *impl_;
+}
+
+KerasTensor Layer::operator()(const KerasTensor& input) const {
+  auto outputs = impl().call_symbolic({input});
+  TANDEM_REQUIRE(outputs.size() == 1, InvalidArgument, "{} \"{}\" returns {} outputs; call it with a vector",
+                 impl().class_name(), impl().name(), outputs.size());
+  return outputs.front();
+}
+
+LayerOutputs Layer::operator()(const std::vector<KerasTensor>& inputs) const {
+  return LayerOutputs(impl().call_symbolic(inputs));
+}
+
+LayerOutputs::operator KerasTensor() const {
+  TANDEM_REQUIRE(size() == 1, InvalidArgument, "a layer call with {} outputs used as one tensor; index it instead", size());
+  return front();
+}
+
+}  // namespace tandem::keras

@@ -1,0 +1,199 @@
+// tandem/keras_like/layer.h — layers, symbolic tensors, and how a layer adds itself to a graph.
+//
+// A Layer is a handle (cheap to copy; copies share one layer) to a LayerImpl. Calling a layer on
+// a KerasTensor (the functional API) builds the layer's weights on first use — through the
+// strategy whose scope is active, so they are mirrored on every replica — and returns the
+// symbolic output:
+//
+//   auto x = keras::Input({28, 28});
+//   auto h = keras::Dense(128, "relu")(keras::Flatten()(x));
+//   keras::Model model(x, keras::Dense(10)(h));
+//
+// When the model trains, each layer's call() adds its ops to the replica graph, reading its
+// weights through the CallContext. A custom layer derives from LayerImpl, creates weights in
+// build() with add_weight(), and overrides call().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "tandem/graph/graph.h"
+#include "tandem/keras_like/initializers.h"
+#include "tandem/strategy/variable.h"
+
+namespace tandem::keras {
+
+using graph::Output;
+using graph::TensorSpec;
+using strategy::Variable;
+using VariablePtr = std::shared_ptr<Variable>;
+
+class LayerImpl;
+
+namespace detail {
+struct LayerNode;  // one call of a layer in a functional model
+}
+
+// A symbolic tensor: an output of a layer call (or a model input). Its shape starts with the
+// batch dimension, unknown (None, -1).
+class KerasTensor {
+ public:
+  KerasTensor() = default;
+  KerasTensor(std::shared_ptr<detail::LayerNode> node, int index) : node_(std::move(node)), index_(index) {}
+
+  bool defined() const { return node_ != nullptr; }
+  const TensorSpec& spec() const;
+  const Shape& shape() const { return spec().shape; }
+  DType dtype() const { return spec().dtype; }
+  std::string name() const;  // "dense_1:0"
+
+  const std::shared_ptr<detail::LayerNode>& node() const { return node_; }
+  int index() const { return index_; }
+
+ private:
+  std::shared_ptr<detail::LayerNode> node_;
+  int index_ = 0;
+};
+
+// A model input of `shape` (without the batch dimension), like keras.Input.
+KerasTensor Input(const Shape& shape, DType dtype = DType::kF32, std::string name = "");
+
+// What a layer's call() works with: the graph being built, whether it is the training pass
+// (Dropout drops, BatchNormalization uses batch statistics), and its weights as graph nodes.
+class CallContext {
+ public:
+  // Graph nodes of variables, shared by every CallContext of one graph.
+  struct VariableNodes {
+    std::unordered_map<const Variable*, Output> nodes;
+    std::vector<VariablePtr> variables;  // in first-use order
+  };
+
+  CallContext(Graph& graph, bool training, VariableNodes& variables)
+      : graph_(graph), training_(training), variables_(variables) {}
+
+  Graph& graph() const { return graph_; }
+  bool training() const { return training_; }
+  // The node reading `variable` in this graph (a Variable node, made on first use).
+  Output read(const VariablePtr& variable);
+  // After a training step, `variable` takes the value `new_value` computed in this step
+  // (BatchNormalization's moving statistics). Only collected in the training pass.
+  void add_update(const VariablePtr& variable, Output new_value);
+  const std::vector<std::pair<VariablePtr, Output>>& updates() const { return updates_; }
+
+ private:
+  Graph& graph_;
+  bool training_;
+  VariableNodes& variables_;
+  std::vector<std::pair<VariablePtr, Output>> updates_;
+};
+
+struct WeightOptions {
+  std::string name;  // "kernel"; the variable is named "<layer>/<name>"
+  Shape shape;
+  Initializer initializer = "glorot_uniform";
+  bool trainable = true;
+  DType dtype = DType::kF32;
+};
+
+class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
+ public:
+  // class_name: "Dense"; name: "" for a unique default from the class ("dense", "dense_1", ...).
+  LayerImpl(std::string_view class_name, std::string name);
+  virtual ~LayerImpl();
+  LayerImpl(const LayerImpl&) = delete;
+  LayerImpl& operator=(const LayerImpl&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::string& class_name() const { return class_name_; }
+  bool built() const { return built_; }
+  // A frozen layer's weights are not trained (they still count as weights).
+  bool trainable() const { return trainable_; }
+  void set_trainable(bool trainable) { trainable_ = trainable; }
+
+  // Creates the weights for inputs of these specs (batch dimension unknown). Called once, on the
+  // first call, under the strategy scope active then.
+  virtual void build(const std::vector<TensorSpec>& inputs);
+  // Adds the layer's computation on `inputs` to ctx.graph() and returns its outputs. Throws
+  // InvalidArgument naming the layer for inputs it cannot take.
+  virtual std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) = 0;
+  // How many inputs a call takes: [min_inputs(), max_inputs()] (max -1: any number).
+  virtual int min_inputs() const { return 1; }
+  virtual int max_inputs() const { return 1; }
+
+  // Weights, in creation order. trainable_weights() is empty for a frozen layer.
+  const std::vector<VariablePtr>& weights() const { return weights_; }
+  std::vector<VariablePtr> trainable_weights() const;
+  std::vector<VariablePtr> non_trainable_weights() const;
+  std::int64_t count_params() const;
+
+  // The functional API: builds on first use, infers the output specs, records the call.
+  std::vector<KerasTensor> call_symbolic(const std::vector<KerasTensor>& inputs);
+  // Builds (once) for these input specs; checks the input count. Later calls with other specs
+  // are checked by call() (Dense "dense": input has 28 features, kernel expects 784).
+  void ensure_built(const std::vector<TensorSpec>& inputs);
+
+ protected:
+  // Creates a weight through the current strategy (get_strategy()), initialised with a seed
+  // drawn from the global seed.
+  VariablePtr add_weight(const WeightOptions& options);
+  // "Dense \"dense_1\"": how errors name the layer.
+  std::string label() const;
+
+ private:
+  std::string class_name_;
+  std::string name_;
+  bool built_ = false;
+  bool trainable_ = true;
+  std::vector<VariablePtr> weights_;
+};
+
+// What a layer call on several inputs returns: its outputs, and (for a layer with one output)
+// the output itself, so that `KerasTensor sum = keras::Add()({a, b});` reads like Keras.
+class LayerOutputs : public std::vector<KerasTensor> {
+ public:
+  using std::vector<KerasTensor>::vector;
+  explicit LayerOutputs(std::vector<KerasTensor> outputs) : std::vector<KerasTensor>(std::move(outputs)) {}
+  // The single output; InvalidArgument when there are several.
+  operator KerasTensor() const;  // NOLINT(google-explicit-constructor)
+};
+
+// A handle to a layer. Layer classes (Dense, Conv2D, ...) derive from it and construct the
+// matching LayerImpl.
+class Layer {
+ public:
+  Layer() = default;
+  explicit Layer(std::shared_ptr<LayerImpl> impl) : impl_(std::move(impl)) {}
+
+  KerasTensor operator()(const KerasTensor& input) const;
+  LayerOutputs operator()(const std::vector<KerasTensor>& inputs) const;
+
+  bool defined() const { return impl_ != nullptr; }
+  LayerImpl& impl() const;
+  LayerImpl* operator->() const { return &impl(); }
+  const std::string& name() const { return impl().name(); }
+  const std::shared_ptr<LayerImpl>& ptr() const { return impl_; }
+
+ private:
+  std::shared_ptr<LayerImpl> impl_;
+};
+
+// A unique layer name for a class ("Dense" -> "dense", "dense_1", ...), as Keras numbers them.
+std::string unique_layer_name(std::string_view class_name);
+
+namespace detail {
+// One call of a layer: the inputs it took and the specs of what it returned. Input layers have
+// no layer and one output.
+struct LayerNode {
+  std::shared_ptr<LayerImpl> layer;  // null for a model input
+  std::vector<KerasTensor> inputs;
+  std::vector<TensorSpec> outputs;
+  std::string input_name;            // for model inputs
+};
+}  // namespace detail
+
+}  // namespace tandem::keras

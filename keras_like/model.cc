@@ -1,0 +1,593 @@
+// Model: construction (functional graph of layer calls, Sequential), compile, the fit / evaluate /
+// predict loops with their callbacks, summary, and weights.
+#include "tandem/keras_like/model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "tandem/keras_like/detail/model_state.h"
+#include "tandem/keras_like/layers.h"
+#include "tandem/keras_like/saving.h"
+
+namespace tandem::keras {
+
+using detail::LayerNode;
+using detail::ModelState;
+using detail::StepSums;
+
+namespace detail {
+ModelState::ModelState() = default;
+ModelState::~ModelState() = default;
+}  // namespace detail
+
+namespace {
+
+ModelState& checked(const std::shared_ptr<ModelState>& state) {
+  TANDEM_REQUIRE(state != nullptr, FailedPrecondition, "use of an empty Model handle (assign a Sequential or a Model first)");
+  return *state;
+}
+
+// Orders the layer calls so that each comes after its inputs, and collects the distinct layers.
+void link(ModelState& s) {
+  std::set<const LayerNode*> inputs;
+  for (const auto& in : s.inputs) {
+    TANDEM_REQUIRE(in.defined() && in.node()->layer == nullptr, InvalidArgument,
+                   "model \"{}\": inputs must come from keras::Input(); {} is a layer output", s.name, in.name());
+    inputs.insert(in.node().get());
+  }
+  std::set<const LayerNode*> done;
+  std::vector<std::shared_ptr<LayerNode>> order;
+  std::vector<std::pair<std::shared_ptr<LayerNode>, std::size_t>> stack;
+  for (const auto& out : s.outputs) {
+    TANDEM_REQUIRE(out.defined(), InvalidArgument, "model \"{}\": an output is undefined", s.name);
+    stack.emplace_back(out.node(), 0);
+    while (!stack.empty()) {
+      auto& [node, next] = stack.back();
+      if (done.contains(node.get())) {
+        stack.pop_back();
+        continue;
+      }
+      if (node->layer == nullptr) {
+        TANDEM_REQUIRE(inputs.contains(node.get()), InvalidArgument,
+                       "model \"{}\": the outputs depend on input \"{}\", which is not among the model's inputs", s.name,
+                       node->input_name);
+        done.insert(node.get());
+        stack.pop_back();
+        continue;
+      }
+      if (next < node->inputs.size()) {
+        auto child = node->inputs[next++].node();
+        stack.emplace_back(child, 0);
+        continue;
+      }
+      done.insert(node.get());
+      order.push_back(node);
+      stack.pop_back();
+    }
+  }
+  s.nodes = order;
+  s.layers.clear();
+  std::set<const LayerImpl*> seen;
+  for (const auto& node : order) {
+    if (seen.insert(node->layer.get()).second) s.layers.emplace_back(node->layer);
+  }
+  // Every weight must belong to the strategy the model runs under.
+  for (const auto& layer : s.layers) {
+    for (const auto& w : layer->weights()) {
+      TANDEM_REQUIRE(&w->strategy() == s.strategy, FailedPrecondition,
+                     "model \"{}\": layer \"{}\" has weights from {}, but the model is being made under {}; build every "
+                     "layer under one strategy's scope",
+                     s.name, layer.name(), w->strategy().name(), s.strategy->name());
+    }
+  }
+}
+
+// Enters the model's strategy scope, refusing to run inside another strategy's scope.
+strategy::Strategy::Scope enter_model_scope(ModelState& s, std::string_view what) {
+  TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == s.strategy, FailedPrecondition,
+                 "model \"{}\" was created under {} but {}() was called in the scope of {}; call it outside that scope "
+                 "or build the model under the same strategy",
+                 s.name, s.strategy->name(), what, strategy::get_strategy().name());
+  return s.strategy->scope();
+}
+
+void build_sequential(ModelState& s, const Shape& input_shape, DType dtype) {
+  Shape without_batch;
+  for (int i = 1; i < input_shape.rank(); ++i) without_batch.push_back(input_shape[i]);
+  KerasTensor x = Input(without_batch, dtype);
+  s.inputs = {x};
+  auto scope = s.strategy->scope();
+  for (const auto& layer : s.pending_layers) x = layer(x);
+  s.outputs = {x};
+  s.pending_layers.clear();
+  link(s);
+}
+
+// A Sequential given no Input builds from the first data it sees.
+void ensure_built(ModelState& s, const std::vector<graph::TensorSpec>& spec) {
+  if (!s.pending_layers.empty()) {
+    TANDEM_REQUIRE(!spec.empty(), InvalidArgument, "model \"{}\": the data has no components", s.name);
+    build_sequential(s, spec[0].shape, spec[0].dtype);
+  }
+  TANDEM_REQUIRE(!s.outputs.empty(), FailedPrecondition, "model \"{}\" has no layers", s.name);
+}
+
+detail::Trainer& trainer_for(ModelState& s, const std::vector<graph::TensorSpec>& spec, bool with_targets) {
+  ensure_built(s, spec);
+  if (s.trainer == nullptr || !s.trainer->accepts(spec, with_targets)) {
+    s.trainer = std::make_unique<detail::Trainer>(s, spec, with_targets);
+  }
+  return *s.trainer;
+}
+
+// Running means of an epoch's loss and metrics, under the names Keras logs.
+class Aggregate {
+ public:
+  explicit Aggregate(const ModelState& s) : state_(s) {}
+  void add(const StepSums& step) {
+    loss_ += step.loss;
+    examples_ += step.examples;
+    output_loss_.resize(step.output_loss.size(), 0.0);
+    metrics_.resize(step.metrics.size(), 0.0);
+    for (std::size_t i = 0; i < step.output_loss.size(); ++i) output_loss_[i] += step.output_loss[i];
+    for (std::size_t i = 0; i < step.metrics.size(); ++i) metrics_[i] += step.metrics[i];
+  }
+  void write(Logs& logs, std::string_view prefix = "") const {
+    const double n = static_cast<double>(std::max<std::int64_t>(1, examples_));
+    logs.set(fmt::format("{}loss", prefix), loss_ / n);
+    const bool several = state_.compiled_outputs.size() > 1;
+    for (std::size_t j = 0; j < output_loss_.size(); ++j) {
+      logs.set(fmt::format("{}{}_loss", prefix, state_.compiled_outputs[j].name), output_loss_[j] / n);
+    }
+    std::size_t k = 0;
+    for (const auto& out : state_.compiled_outputs) {
+      for (const auto& [metric, name] : out.metrics) {
+        if (k < metrics_.size()) {
+          logs.set(several ? fmt::format("{}{}_{}", prefix, out.name, name) : fmt::format("{}{}", prefix, name),
+                   metrics_[k] / n);
+        }
+        ++k;
+      }
+    }
+  }
+  std::int64_t examples() const { return examples_; }
+
+ private:
+  const ModelState& state_;
+  double loss_ = 0;
+  std::int64_t examples_ = 0;
+  std::vector<double> output_loss_, metrics_;
+};
+
+// Keras 3's defaults: the callbacks given, then a History and (unless silent) a ProgbarLogger,
+// each only when the caller did not pass one. Returns the History in use.
+std::shared_ptr<History> add_defaults(std::vector<CallbackPtr>& callbacks, int verbose, bool with_history) {
+  std::shared_ptr<History> history;
+  bool has_progbar = false;
+  for (const auto& c : callbacks) {
+    if (auto h = std::dynamic_pointer_cast<History>(c)) history = h;
+    if (std::dynamic_pointer_cast<ProgbarLogger>(c)) has_progbar = true;
+  }
+  if (!history && with_history) {
+    history = std::make_shared<History>();
+    callbacks.push_back(history);
+  }
+  if (!has_progbar && verbose != 0) callbacks.push_back(std::make_shared<ProgbarLogger>());
+  return history;
+}
+
+std::int64_t steps_of(const data::Dataset& data, const std::optional<std::int64_t>& steps) {
+  if (steps) return *steps;
+  const auto n = data.cardinality();
+  return n >= 0 ? n : -1;
+}
+
+Tensor concatenate_rows(const std::vector<Tensor>& parts) {
+  TANDEM_REQUIRE(!parts.empty(), InvalidArgument, "predict: the data produced no batches");
+  std::int64_t rows = 0;
+  for (const auto& p : parts) rows += p.shape()[0];
+  Shape shape = parts.front().shape();
+  shape[0] = rows;
+  Tensor out = Tensor::empty(shape, parts.front().dtype());
+  std::size_t offset = 0;
+  for (const auto& p : parts) {
+    const Tensor host = p.to(devices::default_cpu_device());
+    std::memcpy(static_cast<char*>(out.raw_data()) + offset, host.raw_data(), host.nbytes());
+    offset += host.nbytes();
+  }
+  return out;
+}
+
+// One pass of evaluation, reporting to `callbacks` through their on_test_* hooks.
+Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps, CallbackList& callbacks) {
+  auto& trainer = trainer_for(s, data.element_spec(), true);
+  const std::int64_t total = steps_of(data, steps);
+  Logs logs;
+  callbacks.on_test_begin(logs);
+  Aggregate aggregate(s);
+  auto iterator = data.iterate();
+  for (std::int64_t step = 0; total < 0 || step < total; ++step) {
+    auto batch = iterator->next();
+    if (!batch) break;
+    Logs batch_logs;
+    callbacks.on_test_batch_begin(step, batch_logs);
+    aggregate.add(trainer.test_step(*batch));
+    aggregate.write(batch_logs);
+    callbacks.on_test_batch_end(step, batch_logs);
+  }
+  aggregate.write(logs);
+  callbacks.on_test_end(logs);
+  return logs;
+}
+
+std::string readable_bytes(double bytes) {
+  static constexpr const char* kUnits[] = {"Byte", "KB", "MB", "GB", "TB"};
+  int unit = 0;
+  while (bytes >= 1024 && unit < 4) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return fmt::format("{:.2f} {}", bytes, kUnits[unit]);
+}
+
+}  // namespace
+
+Model::Model(std::vector<KerasTensor> inputs, std::vector<KerasTensor> outputs, std::string name)
+    : state_(std::make_shared<ModelState>()) {
+  auto& s = *state_;
+  s.name = name.empty() ? unique_layer_name("Functional") : std::move(name);
+  s.strategy = &strategy::get_strategy();
+  // A model's weights belong to the strategy they were made under; use it if no scope is open.
+  if (!strategy::has_strategy()) {
+    for (const auto& out : outputs) {
+      if (out.defined() && out.node()->layer && !out.node()->layer->weights().empty()) {
+        s.strategy = &out.node()->layer->weights().front()->strategy();
+        break;
+      }
+    }
+  }
+  TANDEM_REQUIRE(!inputs.empty() && !outputs.empty(), InvalidArgument, "model \"{}\" needs inputs and outputs", s.name);
+  s.inputs = std::move(inputs);
+  s.outputs = std::move(outputs);
+  link(s);
+}
+
+Model::Model(KerasTensor input, KerasTensor output, std::string name)
+    : Model(std::vector<KerasTensor>{std::move(input)}, std::vector<KerasTensor>{std::move(output)}, std::move(name)) {}
+
+Model Sequential(std::vector<SequentialItem> items, std::string name) {
+  Model model;
+  model.state_ = std::make_shared<ModelState>();
+  auto& s = *model.state_;
+  s.name = name.empty() ? unique_layer_name("Sequential") : std::move(name);
+  s.sequential = true;
+  s.strategy = &strategy::get_strategy();
+  std::optional<KerasTensor> x;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const auto& item = items[i];
+    if (item.input().defined()) {
+      TANDEM_REQUIRE(i == 0, InvalidArgument, "Sequential \"{}\": an Input may only come first (item {})", s.name, i);
+      x = item.input();
+      continue;
+    }
+    TANDEM_REQUIRE(item.layer().defined(), InvalidArgument, "Sequential \"{}\": item {} is an empty layer", s.name, i);
+    s.pending_layers.push_back(item.layer());
+  }
+  if (x) {
+    s.inputs = {*x};
+    KerasTensor h = *x;
+    for (const auto& layer : s.pending_layers) h = layer(h);
+    s.outputs = {h};
+    s.pending_layers.clear();
+    link(s);
+  } else {
+    // Deferred: the layers are listed now and built on the first data.
+    for (const auto& layer : s.pending_layers) s.layers.push_back(layer);
+  }
+  return model;
+}
+
+const std::string& Model::name() const { return checked(state_).name; }
+const std::vector<KerasTensor>& Model::inputs() const { return checked(state_).inputs; }
+const std::vector<KerasTensor>& Model::outputs() const { return checked(state_).outputs; }
+std::vector<Layer> Model::layers() const { return checked(state_).layers; }
+bool Model::built() const { return checked(state_).pending_layers.empty(); }
+bool Model::compiled() const { return checked(state_).compiled; }
+
+Layer Model::get_layer(std::string_view name) const {
+  std::string names;
+  for (const auto& layer : checked(state_).layers) {
+    if (layer.name() == name) return layer;
+    names += fmt::format("{}{}", names.empty() ? "" : ", ", layer.name());
+  }
+  throw NotFound(fmt::format("model \"{}\" has no layer \"{}\" (layers: {})", state_->name, name, names));
+}
+
+void Model::build(const Shape& input_shape) {
+  auto& s = checked(state_);
+  if (!s.pending_layers.empty()) build_sequential(s, input_shape, DType::kF32);
+}
+
+void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef> metrics, CompileOptions options) {
+  auto& s = checked(state_);
+  TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == s.strategy, FailedPrecondition,
+                 "model \"{}\" was created under {} but compile() was called in the scope of {}", s.name,
+                 s.strategy->name(), strategy::get_strategy().name());
+  const auto& losses = loss.losses();
+  const std::size_t n_out = s.outputs.empty() ? 1 : s.outputs.size();  // a deferred Sequential has one output
+  TANDEM_REQUIRE(losses.size() == 1 || losses.size() == n_out, InvalidArgument,
+                 "model \"{}\" has {} output(s); compile() got {} losses (give one, or one per output)", s.name, n_out,
+                 losses.size());
+  TANDEM_REQUIRE(options.loss_weights.empty() || options.loss_weights.size() == n_out, InvalidArgument,
+                 "model \"{}\" has {} output(s); compile() got {} loss weights", s.name, n_out, options.loss_weights.size());
+  std::vector<std::pair<MetricSpec, std::string>> resolved;
+  for (const auto& m : metrics) resolved.push_back(m.resolve());
+  s.compiled_outputs.clear();
+  for (std::size_t j = 0; j < n_out; ++j) {
+    detail::CompiledOutput out;
+    out.loss = losses[losses.size() == 1 ? 0 : j].spec();
+    out.loss_weight = options.loss_weights.empty() ? 1.0 : options.loss_weights[j];
+    out.name = j < s.outputs.size() && s.outputs[j].node()->layer ? s.outputs[j].node()->layer->name()
+                                                                  : fmt::format("output_{}", j);
+    out.metrics = resolved;
+    s.compiled_outputs.push_back(std::move(out));
+  }
+  s.optimizer = std::make_unique<Optimizer>(optimizer.spec());
+  s.trainer.reset();  // the graph depends on the losses and metrics
+  s.compiled = true;
+}
+
+History Model::fit(const data::Dataset& data, const FitOptions& options) {
+  auto& s = checked(state_);
+  TANDEM_REQUIRE(s.compiled, FailedPrecondition, "model \"{}\": call compile() before fit()", s.name);
+  TANDEM_REQUIRE(data.defined(), InvalidArgument, "model \"{}\": fit() got an empty Dataset", s.name);
+  TANDEM_REQUIRE(options.epochs >= 0 && options.initial_epoch >= 0, InvalidArgument,
+                 "model \"{}\": epochs ({}) and initial_epoch ({}) must not be negative", s.name, options.epochs,
+                 options.initial_epoch);
+  TANDEM_REQUIRE(!options.steps_per_epoch || *options.steps_per_epoch > 0, InvalidArgument,
+                 "model \"{}\": steps_per_epoch must be positive", s.name);
+  TANDEM_REQUIRE(options.validation_freq >= 1, InvalidArgument, "model \"{}\": validation_freq must be at least 1", s.name);
+  auto scope = enter_model_scope(s, "fit");
+  auto& trainer = trainer_for(s, data.element_spec(), true);
+  const std::int64_t steps = steps_of(data, options.steps_per_epoch);
+  TANDEM_REQUIRE(steps != 0, InvalidArgument, "model \"{}\": the training data is empty", s.name);
+
+  std::vector<CallbackPtr> list = options.callbacks;
+  const auto history = add_defaults(list, options.verbose, /*with_history=*/true);
+  CallbackList callbacks(std::move(list), this, {.epochs = options.epochs, .steps = steps, .verbose = options.verbose});
+  s.stop_training = false;
+  Logs train_logs;
+  callbacks.on_train_begin(train_logs);
+  // With steps_per_epoch, one iterator runs across epochs (Keras), restarting when it ends.
+  std::unique_ptr<data::Iterator> iterator;
+  for (int epoch = options.initial_epoch; epoch < options.epochs && !s.stop_training; ++epoch) {
+    Logs epoch_logs;
+    callbacks.on_epoch_begin(epoch, epoch_logs);
+    if (!options.steps_per_epoch || iterator == nullptr) iterator = data.iterate();
+    Aggregate aggregate(s);
+    for (std::int64_t step = 0; steps < 0 || step < steps; ++step) {
+      auto batch = iterator->next();
+      if (!batch && options.steps_per_epoch && step > 0) {
+        iterator = data.iterate();  // ran out mid-epoch: start another pass
+        batch = iterator->next();
+      }
+      if (!batch) break;
+      Logs batch_logs;
+      callbacks.on_train_batch_begin(step, batch_logs);
+      aggregate.add(trainer.train_step(*batch));
+      aggregate.write(batch_logs);
+      callbacks.on_train_batch_end(step, batch_logs);
+      if (s.stop_training) break;
+    }
+    aggregate.write(epoch_logs);
+    if (options.validation_data && (epoch + 1) % options.validation_freq == 0) {
+      // Validation reports to the same callbacks (on_test_*), as in Keras; the bar ignores it.
+      const Logs val = run_evaluation(s, *options.validation_data, options.validation_steps, callbacks);
+      for (const auto& [key, value] : val) epoch_logs.set(fmt::format("val_{}", key), value);
+    }
+    callbacks.on_epoch_end(epoch, epoch_logs);
+    train_logs = epoch_logs;
+  }
+  callbacks.on_train_end(train_logs);
+  return *history;
+}
+
+History Model::fit(const Tensor& x, const Tensor& y, const FitOptions& options) {
+  TANDEM_REQUIRE(x.defined() && y.defined() && x.shape().rank() >= 1 && y.shape().rank() >= 1 &&
+                     x.shape()[0] == y.shape()[0],
+                 InvalidArgument, "fit(x, y): x {} and y {} must have the same number of examples (first dimension)",
+                 x.defined() ? x.shape() : Shape{}, y.defined() ? y.shape() : Shape{});
+  TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "fit(x, y): batch_size must be positive; got {}", options.batch_size);
+  TANDEM_REQUIRE(options.validation_split >= 0.0 && options.validation_split < 1.0, InvalidArgument,
+                 "fit(x, y): validation_split must be in [0, 1); got {}", options.validation_split);
+  TANDEM_REQUIRE(!(options.validation_split > 0 && options.validation_data), InvalidArgument,
+                 "fit(x, y): give validation_split or validation_data, not both");
+  const std::int64_t n = x.shape()[0];
+  // Keras takes the validation examples from the end, before any shuffling.
+  const auto n_train = static_cast<std::int64_t>(static_cast<double>(n) * (1.0 - options.validation_split));
+  auto all = data::Dataset::from_tensor_slices({x, y});
+  auto train = all.take(n_train);
+  if (options.shuffle) train = train.shuffle(n_train);
+  FitOptions o = options;
+  if (options.validation_split > 0) {
+    TANDEM_REQUIRE(n_train > 0 && n_train < n, InvalidArgument,
+                   "fit(x, y): validation_split {} of {} examples leaves no training or no validation examples",
+                   options.validation_split, n);
+    o.validation_data = all.skip(n_train).batch(options.batch_size);
+  }
+  return fit(train.batch(options.batch_size), o);
+}
+
+Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) {
+  auto& s = checked(state_);
+  TANDEM_REQUIRE(s.compiled, FailedPrecondition, "model \"{}\": call compile() before evaluate()", s.name);
+  auto scope = enter_model_scope(s, "evaluate");
+  std::vector<CallbackPtr> list = options.callbacks;
+  add_defaults(list, options.verbose, /*with_history=*/false);
+  CallbackList callbacks(std::move(list), this,
+                         {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = options.verbose});
+  return run_evaluation(s, data, options.steps, callbacks);
+}
+
+Logs Model::evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& options) {
+  TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "evaluate(x, y): batch_size must be positive");
+  return evaluate(data::Dataset::from_tensor_slices({x, y}).batch(options.batch_size), options);
+}
+
+std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const PredictOptions& options) {
+  auto& s = checked(state_);
+  auto scope = enter_model_scope(s, "predict");
+  auto& trainer = trainer_for(s, data.element_spec(), false);
+  const std::int64_t total = steps_of(data, options.steps);
+  std::vector<CallbackPtr> callbacks = options.callbacks;
+  add_defaults(callbacks, options.verbose, /*with_history=*/false);
+  CallbackList list(std::move(callbacks), this, {.epochs = 1, .steps = total, .verbose = options.verbose});
+  Logs logs;
+  list.on_predict_begin(logs);
+  std::vector<std::vector<Tensor>> parts(s.outputs.size());
+  auto iterator = data.iterate();
+  for (std::int64_t step = 0; total < 0 || step < total; ++step) {
+    auto batch = iterator->next();
+    if (!batch) break;
+    Logs batch_logs;
+    list.on_predict_batch_begin(step, batch_logs);
+    const auto outputs = trainer.predict_step(*batch);
+    for (std::size_t j = 0; j < outputs.size(); ++j) parts[j].push_back(outputs[j].to(devices::default_cpu_device()).clone());
+    list.on_predict_batch_end(step, batch_logs);
+  }
+  list.on_predict_end(logs);
+  std::vector<Tensor> result;
+  for (const auto& p : parts) result.push_back(concatenate_rows(p));
+  return result;
+}
+
+Tensor Model::predict(const data::Dataset& data, const PredictOptions& options) {
+  auto outputs = predict_outputs(data, options);
+  TANDEM_REQUIRE(outputs.size() == 1, InvalidArgument, "model \"{}\" has {} outputs; use predict_outputs()", name(),
+                 outputs.size());
+  return outputs.front();
+}
+
+Tensor Model::predict(const Tensor& x, const PredictOptions& options) {
+  TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "predict(x): batch_size must be positive");
+  return predict(data::Dataset::from_tensor_slices({x}).batch(options.batch_size), options);
+}
+
+std::vector<VariablePtr> Model::trainable_weights() const {
+  std::vector<VariablePtr> out;
+  for (const auto& layer : checked(state_).layers) {
+    for (const auto& w : layer->trainable_weights()) out.push_back(w);
+  }
+  return out;
+}
+
+std::vector<VariablePtr> Model::non_trainable_weights() const {
+  std::vector<VariablePtr> out;
+  for (const auto& layer : checked(state_).layers) {
+    for (const auto& w : layer->non_trainable_weights()) out.push_back(w);
+  }
+  return out;
+}
+
+std::vector<VariablePtr> Model::weights() const {
+  // Keras's order: trainable weights, then non-trainable ones.
+  auto out = trainable_weights();
+  for (const auto& w : non_trainable_weights()) out.push_back(w);
+  return out;
+}
+
+std::int64_t Model::count_params() const {
+  std::int64_t n = 0;
+  for (const auto& w : weights()) n += w->shape().num_elements();
+  return n;
+}
+
+std::vector<Tensor> Model::get_weights() const {
+  std::vector<Tensor> out;
+  for (const auto& w : weights()) out.push_back(w->read_value());
+  return out;
+}
+
+void Model::set_weights(const std::vector<Tensor>& values) {
+  const auto ws = weights();
+  TANDEM_REQUIRE(values.size() == ws.size(), InvalidArgument, "model \"{}\" has {} weights; set_weights got {}", name(),
+                 ws.size(), values.size());
+  for (std::size_t i = 0; i < ws.size(); ++i) {
+    TANDEM_REQUIRE(values[i].defined() && values[i].dtype() == ws[i]->dtype() && values[i].shape() == ws[i]->shape(),
+                   InvalidArgument, "model \"{}\": set_weights value {} for \"{}\" is {} {}; expected {} {}", name(), i,
+                   ws[i]->name(), values[i].defined() ? graph::dtype_name(values[i].dtype()) : "undefined",
+                   values[i].defined() ? values[i].shape() : Shape{}, ws[i]->dtype(), ws[i]->shape());
+  }
+  for (std::size_t i = 0; i < ws.size(); ++i) ws[i]->assign(values[i]);
+}
+
+void Model::save_weights(const std::string& path) const { save_model_weights(*this, path); }
+void Model::load_weights(const std::string& path) { load_model_weights(*this, path); }
+
+Optimizer& Model::optimizer() const {
+  auto& s = checked(state_);
+  TANDEM_REQUIRE(s.optimizer != nullptr, FailedPrecondition, "model \"{}\" has no optimizer: call compile() first", s.name);
+  return *s.optimizer;
+}
+
+strategy::Strategy& Model::distribute_strategy() const { return *checked(state_).strategy; }
+bool Model::stop_training() const { return checked(state_).stop_training; }
+void Model::set_stop_training(bool stop) { checked(state_).stop_training = stop; }
+
+std::string Model::summary_string(int line_length) const {
+  const auto& s = checked(state_);
+  // Keras 2's layout for sequential models: columns end at 45%, 85% and 100% of the line.
+  const auto col1 = static_cast<std::size_t>(line_length * 0.45);
+  const auto col2 = static_cast<std::size_t>(line_length * 0.85);
+  const auto width = static_cast<std::size_t>(line_length);
+  const auto row = [&](const std::string& a, const std::string& b, const std::string& c) {
+    std::string line = " " + a;
+    line.resize(std::max(line.size() + 1, col1), ' ');
+    line += b;
+    line.resize(std::max(line.size() + 1, col2), ' ');
+    line += c;
+    line.resize(std::max(line.size(), width), ' ');
+    return line + "\n";
+  };
+  std::string out = fmt::format("Model: \"{}\"\n", s.name);
+  out += std::string(width, '_') + "\n";
+  out += row("Layer (type)", "Output Shape", "Param #");
+  out += std::string(width, '=') + "\n";
+  std::map<const LayerImpl*, std::vector<const LayerNode*>> calls;
+  for (const auto& node : s.nodes) calls[node->layer.get()].push_back(node.get());
+  if (!s.sequential) {
+    for (const auto& in : s.inputs) {
+      out += row(fmt::format("{} (InputLayer)", in.node()->input_name), fmt::format("[{}]", in.shape()), "0");
+      out += std::string(width, ' ') + "\n";
+    }
+  }
+  for (const auto& layer : s.layers) {
+    std::string shape = "(unbuilt)";
+    const auto& nodes = calls[layer.ptr().get()];
+    if (nodes.size() == 1) {
+      const auto& outs = nodes.front()->outputs;
+      shape = outs.size() == 1 ? outs.front().shape.to_string() : "multiple";
+    } else if (nodes.size() > 1) {
+      shape = "multiple";
+    }
+    out += row(fmt::format("{} ({})", layer.name(), layer->class_name()), shape, fmt::format("{}", layer->count_params()));
+    out += std::string(width, ' ') + "\n";
+  }
+  std::int64_t trainable = 0, non_trainable = 0;
+  for (const auto& w : trainable_weights()) trainable += w->shape().num_elements();
+  for (const auto& w : non_trainable_weights()) non_trainable += w->shape().num_elements();
+  const auto bytes = [](std::int64_t params) { return readable_bytes(static_cast<double>(params) * 4.0); };
+  out += std::string(width, '=') + "\n";
+  out += fmt::format("Total params: {} ({})\n", trainable + non_trainable, bytes(trainable + non_trainable));
+  out += fmt::format("Trainable params: {} ({})\n", trainable, bytes(trainable));
+  out += fmt::format("Non-trainable params: {} ({})\n", non_trainable, bytes(non_trainable));
+  out += std::string(width, '_') + "\n";
+  return out;
+}
+
+void Model::summary() const { std::cout << summary_string() << std::flush; }
+
+}  // namespace tandem::keras

@@ -1,0 +1,163 @@
+// tandem/keras_like/model.h — models: build, compile, fit, evaluate, predict, summary, save.
+//
+//   tandem::OneDeviceStrategy strategy("CPU:0");
+//   keras::Model model;
+//   {
+//     auto scope = strategy.scope();
+//     model = keras::Sequential({keras::Input({28, 28}), keras::Flatten(),
+//                                keras::Dense(128, "relu"), keras::Dense(10)});
+//     model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+//   }
+//   auto history = model.fit(train.shuffle(60000).batch(128), {.epochs = 10, .validation_data = test.batch(1000)});
+//
+// A Model is a handle: copies share one model. Its weights live in the strategy whose scope was
+// active when its layers were built; fit/evaluate/predict run under that strategy (calling them
+// inside another strategy's scope is FailedPrecondition naming both).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/data/dataset.h"
+#include "tandem/keras_like/callbacks.h"
+#include "tandem/keras_like/layer.h"
+#include "tandem/keras_like/losses.h"
+#include "tandem/keras_like/metrics.h"
+#include "tandem/keras_like/optimizers.h"
+#include "tandem/strategy/strategy.h"
+
+namespace tandem::keras {
+
+// One loss, or one per output (in output order).
+class LossList {
+ public:
+  template <class L>
+    requires std::is_constructible_v<LossRef, L>
+  LossList(L loss) : losses_{LossRef(std::move(loss))} {}  // NOLINT: compile("adam", "mse")
+  LossList(std::initializer_list<LossRef> losses) : losses_(losses) {}
+  const std::vector<LossRef>& losses() const { return losses_; }
+
+ private:
+  std::vector<LossRef> losses_;
+};
+
+struct CompileOptions {
+  // Weight of each output's loss in the total (default 1 each).
+  std::vector<double> loss_weights;
+};
+
+struct FitOptions {
+  std::int64_t batch_size = 32;  // fit(x, y) only; a Dataset is already batched
+  int epochs = 1;
+  int verbose = 1;  // 0 silent, 1 progress bar, 2 one line per epoch
+  std::vector<CallbackPtr> callbacks;
+  double validation_split = 0.0;  // fit(x, y) only: the last fraction of x, y validates
+  std::optional<data::Dataset> validation_data;
+  bool shuffle = true;  // fit(x, y) only: reshuffle the examples every epoch
+  int initial_epoch = 0;
+  std::optional<std::int64_t> steps_per_epoch;  // default: one pass over the data
+  std::optional<std::int64_t> validation_steps;
+  int validation_freq = 1;
+};
+
+struct EvaluateOptions {
+  std::int64_t batch_size = 32;  // evaluate(x, y) only
+  int verbose = 1;
+  std::optional<std::int64_t> steps;
+  std::vector<CallbackPtr> callbacks;
+};
+
+struct PredictOptions {
+  std::int64_t batch_size = 32;  // predict(x) only
+  int verbose = 0;
+  std::optional<std::int64_t> steps;
+  std::vector<CallbackPtr> callbacks;
+};
+
+// An element of Sequential's list: a layer, or an Input first.
+class SequentialItem {
+ public:
+  SequentialItem(Layer layer) : layer_(std::move(layer)) {}           // NOLINT
+  SequentialItem(KerasTensor input) : input_(std::move(input)) {}     // NOLINT
+  const Layer& layer() const { return layer_; }
+  const KerasTensor& input() const { return input_; }
+
+ private:
+  Layer layer_;
+  KerasTensor input_;
+};
+
+namespace detail {
+struct ModelState;
+}
+
+class Model {
+ public:
+  Model() = default;  // an empty handle
+  Model(std::vector<KerasTensor> inputs, std::vector<KerasTensor> outputs, std::string name = "");
+  Model(KerasTensor input, KerasTensor output, std::string name = "");
+
+  bool defined() const { return state_ != nullptr; }
+  const std::string& name() const;
+  const std::vector<KerasTensor>& inputs() const;
+  const std::vector<KerasTensor>& outputs() const;
+  // Layers in the order they run (a Sequential's own order).
+  std::vector<Layer> layers() const;
+  Layer get_layer(std::string_view name) const;  // NotFound listing the layer names
+  // A Sequential given no Input builds when first called with data, or here.
+  void build(const Shape& input_shape);
+  bool built() const;
+
+  void compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef> metrics = {},
+               CompileOptions options = {});
+  bool compiled() const;
+
+  History fit(const data::Dataset& data, const FitOptions& options = {});
+  History fit(const Tensor& x, const Tensor& y, const FitOptions& options = {});
+  // Returns the loss and metrics ("loss", "accuracy", ...) over the data.
+  Logs evaluate(const data::Dataset& data, const EvaluateOptions& options = {});
+  Logs evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& options = {});
+  // The model's outputs for every example, concatenated over the batches (host tensors). The data's
+  // elements are (x) or (x, y, ...); only x is used.
+  Tensor predict(const data::Dataset& data, const PredictOptions& options = {});
+  Tensor predict(const Tensor& x, const PredictOptions& options = {});
+  std::vector<Tensor> predict_outputs(const data::Dataset& data, const PredictOptions& options = {});
+
+  // Keras's table: Layer (type), Output Shape, Param #; then total, trainable and
+  // non-trainable parameter counts.
+  std::string summary_string(int line_length = 65) const;
+  void summary() const;  // prints summary_string() to standard output
+
+  std::vector<VariablePtr> weights() const;
+  std::vector<VariablePtr> trainable_weights() const;
+  std::vector<VariablePtr> non_trainable_weights() const;
+  std::int64_t count_params() const;
+  std::vector<Tensor> get_weights() const;        // host copies, weights() order
+  void set_weights(const std::vector<Tensor>& values);  // checks count, dtypes and shapes first
+
+  // Weights in the safetensors format, named "<layer>/<weight>" ("dense/kernel"), with a
+  // checksum. load_weights checks every tensor first and changes nothing on a mismatch.
+  void save_weights(const std::string& path) const;
+  void load_weights(const std::string& path);
+
+  Optimizer& optimizer() const;  // FailedPrecondition before compile()
+  strategy::Strategy& distribute_strategy() const;
+  // Set by a callback to end fit() after the current batch (Keras's model.stop_training).
+  bool stop_training() const;
+  void set_stop_training(bool stop);
+
+  const std::shared_ptr<detail::ModelState>& state() const { return state_; }
+
+ private:
+  friend Model Sequential(std::vector<SequentialItem> items, std::string name);
+  std::shared_ptr<detail::ModelState> state_;
+};
+
+// A linear stack of layers. With an Input first the model is built at once; otherwise it builds
+// on the first data it sees (or model.build(shape)).
+Model Sequential(std::vector<SequentialItem> items, std::string name = "");
+
+}  // namespace tandem::keras

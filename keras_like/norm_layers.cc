@@ -1,0 +1,100 @@
+// Regularisation and normalisation layers: Dropout, BatchNormalization.
+#include "tandem/base/random.h"
+#include "tandem/keras_like/layers.h"
+#include "tandem/ops/ops.h"
+
+namespace tandem::keras {
+namespace {
+
+class DropoutImpl final : public LayerImpl {
+ public:
+  DropoutImpl(double rate, DropoutOptions options)
+      : LayerImpl("Dropout", std::move(options.name)),
+        rate_(rate),
+        // Drawn once, here: every call of the layer (each replica's graph, each rebuild) then
+        // uses the same seed, and a given seed is not consumed from the global sequence.
+        seed_(options.seed ? *options.seed : next_seed()) {
+    TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)",
+                   label(), rate);
+  }
+
+  std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
+    // Keras returns the inputs themselves outside training (and for rate 0): no op at all, so
+    // inference graphs carry nothing for dropout.
+    if (!ctx.training() || rate_ == 0.0) return {inputs[0]};
+    return {ops::dropout(inputs[0], {.rate = rate_, .seed = seed_, .training = true})};
+  }
+
+ private:
+  double rate_;
+  std::uint64_t seed_;
+};
+
+class BatchNormalizationImpl final : public LayerImpl {
+ public:
+  explicit BatchNormalizationImpl(BatchNormalizationOptions options)
+      : LayerImpl("BatchNormalization", options.name), options_(std::move(options)) {
+    TANDEM_REQUIRE(options_.epsilon > 0.0, InvalidArgument,
+                   "{}: epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)",
+                   label(), options_.epsilon);
+  }
+
+  void build(const std::vector<TensorSpec>& inputs) override {
+    const Shape& in = inputs[0].shape;
+    TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] != Shape::kUnknown, InvalidArgument,
+                   "{}: input has shape {}; expected rank 2 or more with known channels (last dimension)", label(),
+                   in);
+    const Shape channels{in[in.rank() - 1]};
+    // Keras's creation order, which is also the order of get_weights() and of saved weights.
+    if (options_.scale) gamma_ = add_weight({.name = "gamma", .shape = channels, .initializer = options_.gamma_initializer});
+    if (options_.center) beta_ = add_weight({.name = "beta", .shape = channels, .initializer = options_.beta_initializer});
+    moving_mean_ = add_weight(
+        {.name = "moving_mean", .shape = channels, .initializer = options_.moving_mean_initializer, .trainable = false});
+    moving_variance_ = add_weight({.name = "moving_variance",
+                                   .shape = channels,
+                                   .initializer = options_.moving_variance_initializer,
+                                   .trainable = false});
+  }
+
+  std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
+    const Output x = inputs[0];
+    const Shape& in = x.shape();
+    const std::int64_t channels = moving_mean_->shape()[0];
+    TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == channels, InvalidArgument,
+                   "{}: input has {} channels, the layer expects {} (input shape {})", label(),
+                   in.rank() >= 1 ? in[in.rank() - 1] : 0, channels, in);
+    // Without scale / center the op still takes them: a constant 1 / 0 per channel.
+    const Output scale = gamma_ ? ctx.read(gamma_) : ops::fill(ctx.graph(), Shape{channels}, 1.0, x.dtype());
+    const Output offset = beta_ ? ctx.read(beta_) : ops::fill(ctx.graph(), Shape{channels}, 0.0, x.dtype());
+    const Output moving_mean = ctx.read(moving_mean_);
+    const Output moving_variance = ctx.read(moving_variance_);
+    const bool training = ctx.training();
+    const auto outs = ops::fused_batch_norm(x, scale, offset, moving_mean, moving_variance,
+                                            {.epsilon = options_.epsilon, .training = training});
+    if (training) {
+      // Keras 3: moving = moving * momentum + batch * (1 - momentum), with the biased batch
+      // variance (what the op returns); applied after the step.
+      ctx.add_update(moving_mean_, moving_average(moving_mean, outs.batch_mean));
+      ctx.add_update(moving_variance_, moving_average(moving_variance, outs.batch_variance));
+    }
+    return {outs.y};
+  }
+
+ private:
+  Output moving_average(Output moving, Output batch) const {
+    return ops::add(ops::mul(moving, ops::scalar_like(moving, options_.momentum)),
+                    ops::mul(batch, ops::scalar_like(batch, 1.0 - options_.momentum)));
+  }
+
+  BatchNormalizationOptions options_;
+  VariablePtr gamma_, beta_, moving_mean_, moving_variance_;
+};
+
+}  // namespace
+
+Dropout::Dropout(double rate, DropoutOptions options)
+    : Layer(std::make_shared<DropoutImpl>(rate, std::move(options))) {}
+BatchNormalization::BatchNormalization(BatchNormalizationOptions options)
+    : Layer(std::make_shared<BatchNormalizationImpl>(std::move(options))) {}
+
+}  // namespace tandem::keras

@@ -1,0 +1,309 @@
+// Keras 3's optimizers (keras/src/optimizers), one fused pass per variable.
+//
+// Per variable and replica: optional clipping (a norm pass first when clipping by norm), then the
+// update rule over the elements, split over the device's threads. Gradients arrive already
+// combined across replicas, so every replica computes the same new values.
+#include "tandem/keras_like/optimizers.h"
+
+#include <array>
+#include <cmath>
+
+#include "tandem/strategy/strategy.h"
+
+namespace tandem::keras {
+namespace {
+
+constexpr std::string_view kKnownOptimizers = "sgd, adam, adamw, rmsprop";
+// The most slots a rule keeps per variable (RMSprop: velocity, momentum, average gradient).
+constexpr std::size_t kMaxSlots = 3;
+// Elements per chunk of an update loop: enough work to be worth waking a thread.
+constexpr std::int64_t kUpdateGrain = 16 * 1024;
+
+struct Clip {
+  std::optional<double> clipnorm, clipvalue, global_clipnorm;
+};
+
+Clip clip_of(const OptimizerSpec& spec) {
+  return std::visit([](const auto& o) { return Clip{o.clipnorm, o.clipvalue, o.global_clipnorm}; }, spec);
+}
+
+double learning_rate_of(const OptimizerSpec& spec) {
+  return std::visit([](const auto& o) { return o.learning_rate; }, spec);
+}
+
+// Slot names per rule, in the order apply() uses them.
+std::vector<std::string> slot_names(const OptimizerSpec& spec) {
+  return std::visit(
+      [](const auto& o) -> std::vector<std::string> {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGD>) {
+          return o.momentum != 0.0 ? std::vector<std::string>{"momentum"} : std::vector<std::string>{};
+        } else if constexpr (std::is_same_v<O, RMSprop>) {
+          std::vector<std::string> names{"velocity"};
+          if (o.momentum > 0.0) names.push_back("momentum");
+          if (o.centered) names.push_back("average_gradient");
+          return names;
+        } else {  // Adam, AdamW
+          std::vector<std::string> names{"m", "v"};
+          if (o.amsgrad) names.push_back("v_hat");
+          return names;
+        }
+      },
+      spec);
+}
+
+template <class T>
+double squared_norm(devices::Device& device, const T* g, std::int64_t n) {
+  // Two partial sums per thread at most; the order is fixed by the chunking, not the threads.
+  std::vector<double> partial(static_cast<std::size_t>(std::max<std::int64_t>(1, (n + kUpdateGrain - 1) / kUpdateGrain)), 0.0);
+  device.parallel_for(static_cast<std::int64_t>(partial.size()), 1, [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c) {
+      double s = 0;
+      const std::int64_t lo = c * kUpdateGrain, hi = std::min(n, lo + kUpdateGrain);
+      for (std::int64_t i = lo; i < hi; ++i) s += static_cast<double>(g[i]) * static_cast<double>(g[i]);
+      partial[static_cast<std::size_t>(c)] = s;
+    }
+  });
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+// The update rules over elements [b, e). Scalars come by value and arrays as restrict pointers,
+// so the loops vectorise (a captured reference would be reloaded after every store).
+template <class T>
+struct GradientTransform {
+  T scale;         // 1, or the norm clipping factor
+  T clip_value;    // used when clip is set
+  bool clip;
+  T operator()(T g) const {
+    g *= scale;
+    return clip ? std::min(std::max(g, -clip_value), clip_value) : g;
+  }
+};
+
+template <class T>
+struct SgdStep {
+  T rate, momentum;
+  bool nesterov;
+};
+template <class T>
+void sgd_update(T* __restrict var, T* __restrict m, const T* __restrict g, std::int64_t b, std::int64_t e, SgdStep<T> s,
+                GradientTransform<T> gt) {
+  if (m == nullptr) {
+    for (std::int64_t i = b; i < e; ++i) var[i] -= s.rate * gt(g[i]);
+    return;
+  }
+  for (std::int64_t i = b; i < e; ++i) {
+    const T gi = gt(g[i]);
+    m[i] = s.momentum * m[i] - s.rate * gi;
+    var[i] += s.nesterov ? s.momentum * m[i] - s.rate * gi : m[i];
+  }
+}
+
+template <class T>
+struct RmspropStep {
+  T rate, rho, momentum, epsilon;
+};
+template <class T>
+void rmsprop_update(T* __restrict var, T* __restrict velocity, T* __restrict mom, T* __restrict average,
+                    const T* __restrict g, std::int64_t b, std::int64_t e, RmspropStep<T> s, GradientTransform<T> gt) {
+  for (std::int64_t i = b; i < e; ++i) {
+    const T gi = gt(g[i]);
+    velocity[i] = s.rho * velocity[i] + (T(1) - s.rho) * gi * gi;
+    T denominator = velocity[i] + s.epsilon;
+    if (average != nullptr) {
+      average[i] = s.rho * average[i] + (T(1) - s.rho) * gi;
+      denominator = velocity[i] - average[i] * average[i] + s.epsilon;
+    }
+    const T increment = s.rate * gi / std::sqrt(denominator);
+    if (mom != nullptr) {
+      mom[i] = s.momentum * mom[i] + increment;
+      var[i] -= mom[i];
+    } else {
+      var[i] -= increment;
+    }
+  }
+}
+
+template <class T>
+struct AdamStep {
+  T alpha, one_minus_beta_1, one_minus_beta_2, epsilon, decay;
+};
+template <class T>
+void adam_update(T* __restrict var, T* __restrict m, T* __restrict v, T* __restrict v_hat, const T* __restrict g,
+                 std::int64_t b, std::int64_t e, AdamStep<T> s, GradientTransform<T> gt) {
+  if (v_hat == nullptr && !gt.clip && s.decay == T(0)) {
+    // The common case, kept branch-free for the vectoriser.
+    const T scale = gt.scale;
+    for (std::int64_t i = b; i < e; ++i) {
+      const T gi = g[i] * scale;
+      m[i] += (gi - m[i]) * s.one_minus_beta_1;
+      v[i] += (gi * gi - v[i]) * s.one_minus_beta_2;
+      var[i] -= m[i] * s.alpha / (std::sqrt(v[i]) + s.epsilon);
+    }
+    return;
+  }
+  for (std::int64_t i = b; i < e; ++i) {
+    const T gi = gt(g[i]);
+    var[i] -= var[i] * s.decay;
+    m[i] += (gi - m[i]) * s.one_minus_beta_1;
+    v[i] += (gi * gi - v[i]) * s.one_minus_beta_2;
+    T second_moment = v[i];
+    if (v_hat != nullptr) {
+      v_hat[i] = std::max(v_hat[i], v[i]);
+      second_moment = v_hat[i];
+    }
+    var[i] -= m[i] * s.alpha / (std::sqrt(second_moment) + s.epsilon);
+  }
+}
+
+}  // namespace
+
+OptimizerRef::OptimizerRef(std::string_view name) {
+  if (name == "sgd" || name == "SGD") {
+    spec_ = SGD{};
+  } else if (name == "adam" || name == "Adam") {
+    spec_ = Adam{};
+  } else if (name == "adamw" || name == "AdamW") {
+    spec_ = AdamW{};
+  } else if (name == "rmsprop" || name == "RMSprop") {
+    spec_ = RMSprop{};
+  } else {
+    throw InvalidArgument(fmt::format("unknown optimizer \"{}\"; known: {}", name, kKnownOptimizers));
+  }
+}
+
+Optimizer::Optimizer(OptimizerSpec spec) : spec_(std::move(spec)), learning_rate_(learning_rate_of(spec_)) {
+  const Clip clip = clip_of(spec_);
+  TANDEM_REQUIRE(!(clip.clipnorm && clip.global_clipnorm), InvalidArgument,
+                 "{}: set clipnorm or global_clipnorm, not both (as in Keras)", name());
+  for (const auto& [what, value] : {std::pair{"clipnorm", clip.clipnorm}, std::pair{"clipvalue", clip.clipvalue},
+                                    std::pair{"global_clipnorm", clip.global_clipnorm}}) {
+    TANDEM_REQUIRE(!value || *value > 0, InvalidArgument, "{}: {} must be positive; got {}", name(), what, value.value_or(0));
+  }
+  set_learning_rate(learning_rate_);
+}
+
+Optimizer::~Optimizer() = default;
+
+std::string Optimizer::name() const {
+  return std::visit(
+      [](const auto& o) -> std::string {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGD>) return "sgd";
+        if constexpr (std::is_same_v<O, Adam>) return "adam";
+        if constexpr (std::is_same_v<O, AdamW>) return "adamw";
+        if constexpr (std::is_same_v<O, RMSprop>) return "rmsprop";
+      },
+      spec_);
+}
+
+void Optimizer::set_learning_rate(double learning_rate) {
+  TANDEM_REQUIRE(std::isfinite(learning_rate) && learning_rate >= 0, InvalidArgument,
+                 "{}: learning rate {} must be finite and not negative", name(), learning_rate);
+  learning_rate_ = learning_rate;
+}
+
+void Optimizer::build(const std::vector<VariablePtr>& variables) {
+  if (variables == variables_) return;
+  TANDEM_REQUIRE(variables_.empty(), FailedPrecondition,
+                 "{}: already built for {} variables; an optimizer serves one model", name(), variables_.size());
+  const auto names = slot_names(spec_);
+  for (const auto& variable : variables) {
+    strategy::Strategy& owner = variable->strategy();
+    TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == &owner, FailedPrecondition,
+                   "{}: the slots of variable \"{}\" would be created under the scope of {}, but the variable belongs "
+                   "to {}; create the optimizer (compile, fit) under the variable's strategy",
+                   name(), variable->name(), strategy::get_strategy().name(), owner.name());
+    std::vector<VariablePtr> slots;
+    for (const auto& slot : names) {
+      strategy::VariableOptions options;
+      options.name = fmt::format("{}/{}", variable->name(), slot);
+      options.initial_value = Tensor::zeros(variable->shape(), variable->dtype());
+      options.trainable = false;
+      auto created = owner.create_variable(std::move(options));
+      slot_list_.emplace_back(created->name(), created);
+      slots.push_back(std::move(created));
+    }
+    slots_.push_back(std::move(slots));
+  }
+  variables_ = variables;
+}
+
+void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
+  TANDEM_REQUIRE(gradients.size() == variables_.size(), InvalidArgument, "{}: {} gradients for {} variables", name(),
+                 gradients.size(), variables_.size());
+  const Clip clip = clip_of(spec_);
+  const double lr = learning_rate_;
+  const auto t = static_cast<double>(iterations_ + 1);
+
+  // Clipping by the global norm needs every gradient's norm first.
+  double global_scale = 1.0;
+  if (clip.global_clipnorm && !clip.clipnorm) {
+    double total = 0;
+    for (std::size_t i = 0; i < gradients.size(); ++i) {
+      graph::dispatch<graph::FloatTypes>(gradients[i].dtype(), "optimizer", [&]<class T>() {
+        total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()), gradients[i].num_elements());
+      });
+    }
+    const double norm = std::sqrt(total);
+    if (norm > *clip.global_clipnorm) global_scale = *clip.global_clipnorm / norm;
+  }
+
+  for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
+    Tensor& w = variables_[vi]->value(replica);
+    const Tensor& grad = gradients[vi];
+    TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
+                   "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", name(), variables_[vi]->name(),
+                   grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+    auto& device = w.device();
+    graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
+      const std::int64_t n = w.num_elements();
+      T* var = static_cast<T*>(w.raw_data());
+      const T* g = static_cast<const T*>(grad.raw_data());
+      double scale = global_scale;
+      if (clip.clipnorm) {
+        const double norm = std::sqrt(squared_norm(device, g, n));
+        if (norm > *clip.clipnorm) scale = *clip.clipnorm / norm;
+      }
+      GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
+                              clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm};
+      std::array<T*, kMaxSlots> slot{};
+      for (std::size_t s = 0; s < slots_[vi].size(); ++s) slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
+
+      std::visit(
+          [&](const auto& o) {
+            using O = std::decay_t<decltype(o)>;
+            if constexpr (std::is_same_v<O, SGD>) {
+              const SgdStep<T> step{static_cast<T>(lr), static_cast<T>(o.momentum), o.nesterov};
+              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+                sgd_update(var, slot[0], g, b, e, step, gt);
+              });
+            } else if constexpr (std::is_same_v<O, RMSprop>) {
+              const RmspropStep<T> step{static_cast<T>(lr), static_cast<T>(o.rho), static_cast<T>(o.momentum),
+                                        static_cast<T>(o.epsilon)};
+              T* mom = o.momentum > 0 ? slot[1] : nullptr;
+              T* average = o.centered ? slot[o.momentum > 0 ? 2 : 1] : nullptr;
+              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+                rmsprop_update(var, slot[0], mom, average, g, b, e, step, gt);
+              });
+            } else {  // Adam, AdamW (AdamW first decays: w -= w * weight_decay * lr)
+              T decay = T(0);
+              if constexpr (std::is_same_v<O, AdamW>) decay = static_cast<T>(o.weight_decay * lr);
+              const double beta1_power = std::pow(o.beta_1, t), beta2_power = std::pow(o.beta_2, t);
+              const AdamStep<T> step{static_cast<T>(lr * std::sqrt(1.0 - beta2_power) / (1.0 - beta1_power)),
+                                     static_cast<T>(1.0 - o.beta_1), static_cast<T>(1.0 - o.beta_2),
+                                     static_cast<T>(o.epsilon), decay};
+              T* v_hat = o.amsgrad ? slot[2] : nullptr;
+              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+                adam_update(var, slot[0], slot[1], v_hat, g, b, e, step, gt);
+              });
+            }
+          },
+          spec_);
+    });
+  }
+}
+
+}  // namespace tandem::keras

@@ -1,0 +1,59 @@
+// tandem/keras_like/saving.h — weights and training checkpoints in the safetensors format.
+//
+// A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor
+// with its dtype ("F32", "F64", "I32", "I64", "U8"), shape and byte range, and the raw
+// little-endian data; any safetensors reader loads what tandem writes. tandem adds to the
+// header's "__metadata__" a "checksum" ("crc32:<8 hex digits>" over the data bytes) and a
+// "format" ("tandem.weights" or "tandem.checkpoint"). Files are written atomically (a temporary
+// file in the same folder, flushed, then renamed), so a crash never leaves half a file under the
+// final name. Reading checks the header, every tensor's byte range and the checksum (when there
+// is one) before returning: a corrupt file raises DataLoss naming the file and what was wrong.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/graph/tensor.h"
+
+namespace tandem::keras {
+
+class Model;
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+struct SafetensorsContent {
+  NamedTensors tensors;  // in file order, on the host
+  std::map<std::string, std::string> metadata;
+};
+
+// Writes `tensors` (any device; copied to the host) with `metadata` plus the checksum.
+// Throws InvalidArgument for duplicate names or unsupported dtypes, Unavailable when the file
+// cannot be written (naming the path and the system's reason).
+void write_safetensors(const std::string& path, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata = {});
+// NotFound for a missing file; DataLoss for a corrupt or truncated one.
+SafetensorsContent read_safetensors(const std::string& path);
+
+// The model's weights under their variable names ("dense/kernel"): what Model::save_weights and
+// Model::load_weights call. Loading checks every tensor (missing, extra, dtype, shape) before it
+// assigns any, and raises naming the tensor; the model is unchanged on error.
+void save_model_weights(const Model& model, const std::string& path);
+void load_model_weights(Model& model, const std::string& path);
+
+// What a training checkpoint holds besides the weights.
+struct TrainingState {
+  int epoch = 0;           // epochs completed
+  std::int64_t step = 0;   // batches completed in the current epoch
+};
+
+// Weights, the optimizer's slots and iteration count, and the training state. The model must be
+// compiled.
+void save_training_checkpoint(const Model& model, const std::string& path, const TrainingState& state);
+// Restores what save_training_checkpoint wrote into a model of the same architecture (compiled,
+// with the same optimizer). Checks every tensor before changing anything.
+TrainingState load_training_checkpoint(Model& model, const std::string& path);
+
+}  // namespace tandem::keras

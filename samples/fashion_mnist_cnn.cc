@@ -1,0 +1,38 @@
+// A small CNN on Fashion-MNIST: Conv 32 3x3, max-pool, Conv 64 3x3, max-pool, Dense 128, Dense 10.
+//
+//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 128] [--seed 0]
+#include <tandem/keras_like/keras.h>
+
+#include <cstdio>
+
+#include "common/args.h"
+
+int main(int argc, char** argv) try {
+  using namespace tandem;
+  const auto args = samples::parse_args(argc, argv, {.epochs = 10, .batch = 128},
+                                        "fashion_mnist_cnn: a two-convolution CNN on Fashion-MNIST");
+  if (args.help) return 0;
+  set_global_seed(args.seed);
+
+  tandem::OneDeviceStrategy strategy("CPU:0");
+  keras::Model model;
+  {
+    auto scope = strategy.scope();
+    model = keras::Sequential({keras::Input({28, 28}), keras::Reshape({28, 28, 1}),
+                               keras::Conv2D(32, {3, 3}, "relu"), keras::MaxPooling2D(),
+                               keras::Conv2D(64, {3, 3}, "relu"), keras::MaxPooling2D(), keras::Flatten(),
+                               keras::Dense(128, "relu"), keras::Dense(10)});
+    model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  }
+  model.summary();
+
+  auto data = data::fashion_mnist();
+  model.fit(data.train.shuffle(60000).batch(args.batch),
+            {.epochs = args.epochs, .verbose = args.verbose, .validation_data = data.test.batch(1000)});
+  const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
+  std::printf("test loss %.4f, test accuracy %.4f\n", test.at("loss"), test.at("accuracy"));
+  return 0;
+} catch (const tandem::Error& e) {
+  std::fprintf(stderr, "fashion_mnist_cnn: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,37 @@
+// The Keras "basic classification" tutorial in tandem: Fashion-MNIST with a one-hidden-layer MLP.
+//
+//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 128] [--seed 0]
+//
+// Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
+#include <tandem/keras_like/keras.h>
+
+#include <cstdio>
+
+#include "common/args.h"
+
+int main(int argc, char** argv) try {
+  using namespace tandem;
+  const auto args = samples::parse_args(argc, argv, {.epochs = 10, .batch = 128},
+                                        "fashion_mnist_mlp: Flatten, Dense 128 relu, Dense 10 on Fashion-MNIST");
+  if (args.help) return 0;
+  set_global_seed(args.seed);
+
+  tandem::OneDeviceStrategy strategy("CPU:0");  // the one line a distributed run changes
+  keras::Model model;
+  {
+    auto scope = strategy.scope();
+    model = keras::Sequential({keras::Input({28, 28}), keras::Flatten(), keras::Dense(128, "relu"), keras::Dense(10)});
+    model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  }
+  model.summary();
+
+  auto data = data::fashion_mnist();
+  model.fit(data.train.shuffle(60000).batch(args.batch),
+            {.epochs = args.epochs, .verbose = args.verbose, .validation_data = data.test.batch(1000)});
+  const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
+  std::printf("test loss %.4f, test accuracy %.4f\n", test.at("loss"), test.at("accuracy"));
+  return 0;
+} catch (const tandem::Error& e) {
+  std::fprintf(stderr, "fashion_mnist_mlp: %s\n", e.what());
+  return 1;
+}

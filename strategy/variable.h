@@ -1,0 +1,70 @@
+// tandem/strategy/variable.h — variables created through a strategy.
+//
+// A Variable holds one copy of its value per replica device of the strategy that created it
+// (one for OneDeviceStrategy; one per device for MirroredStrategy). Keras layers create their
+// weights, optimizers their slots and metrics their state through Strategy::create_variable, so
+// a model written once works under every strategy.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/graph/tensor.h"
+
+namespace tandem::strategy {
+
+class Strategy;
+
+// How updates from several replicas combine (TF's tf.VariableAggregation).
+enum class VariableAggregation { kNone, kSum, kMean, kOnlyFirstReplica };
+// When copies are kept equal (TF's tf.VariableSynchronization): on write (mirrored weights,
+// updated identically everywhere) or on read (metric state: each replica accumulates locally,
+// reading combines them with the aggregation).
+enum class VariableSynchronization { kAuto, kOnWrite, kOnRead };
+
+struct VariableOptions {
+  std::string name;
+  Tensor initial_value;  // host or device tensor: the variable's dtype, shape and first value
+  bool trainable = true;
+  VariableSynchronization synchronization = VariableSynchronization::kAuto;
+  VariableAggregation aggregation = VariableAggregation::kNone;
+};
+
+class Variable {
+ public:
+  Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies);
+  Variable(const Variable&) = delete;
+  Variable& operator=(const Variable&) = delete;
+
+  const std::string& name() const { return name_; }
+  DType dtype() const { return copies_.front().dtype(); }
+  const Shape& shape() const { return copies_.front().shape(); }
+  bool trainable() const { return trainable_; }
+  VariableSynchronization synchronization() const { return synchronization_; }
+  VariableAggregation aggregation() const { return aggregation_; }
+  // The strategy whose scope created it.
+  Strategy& strategy() const { return *strategy_; }
+
+  int num_replicas() const { return static_cast<int>(copies_.size()); }
+  // The copy on replica `replica`'s device; kernels and optimizers update it in place.
+  Tensor& value(int replica = 0);
+  const Tensor& value(int replica = 0) const;
+
+  // A host copy of the value: replica 0's copy for on-write variables; for on-read variables,
+  // the copies combined with the aggregation (SUM adds, MEAN averages, otherwise replica 0).
+  Tensor read_value() const;
+  // Sets every copy to `value` (any device; same dtype and shape, else InvalidArgument naming the
+  // variable). Callers: one thread at a time, not during a step.
+  void assign(const Tensor& value);
+
+ private:
+  Strategy* strategy_;
+  std::string name_;
+  bool trainable_;
+  VariableSynchronization synchronization_;
+  VariableAggregation aggregation_;
+  std::vector<Tensor> copies_;
+};
+
+}  // namespace tandem::strategy
