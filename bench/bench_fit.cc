@@ -1,15 +1,19 @@
 // bench_fit: one epoch of Fashion-MNIST training (Adam, batch 128) for the three models of
 // bench/peers/torch_fmnist.py, beside that script run in the same invocation.
 //
-//   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--no-peer]
+//   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
+//
+// The machines we measure on are shared VMs whose speed drifts by tens of percent over minutes;
+// --repeat R interleaves R runs of tandem and of each peer variant and reports the medians.
 //
 // Both sides time the training loop only (data already decoded in memory), over the same
 // 468 full batches of 128 per epoch (the peer drops the last partial batch; so do we here), and
-// report test accuracy after training. The peer runs twice: as Debian installs it, and with
-// OPENBLAS_CORETYPE set to the kernel set tandem's loader picks (Debian's OpenBLAS otherwise
-// falls back to SSE3 kernels on recent Xeons).
+// report test accuracy after training. The peer runs three times: as Debian installs it; with
+// OPENBLAS_CORETYPE set to the kernel set tandem's loader picks (Debian's OpenBLAS otherwise falls
+// back to SSE3 kernels on recent Xeons); and with that plus OPENBLAS_NUM_THREADS=1.
 #include <tandem/keras_like/keras.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -27,11 +31,14 @@ using namespace tandem;
 using Clock = std::chrono::steady_clock;
 
 constexpr std::int64_t kBatch = 128;
+// The OpenBLAS kernel set for the fair peer run: what tandem's loader picks on AVX-512 machines.
+constexpr const char* kPeerCoreType = "Cooperlake";
 
 struct Options {
   std::vector<std::string> models{"mlp", "wide", "cnn"};
   int epochs = 1;
   int threads = 0;  // 0: all usable cores
+  int repeat = 1;   // runs of each side, interleaved; the table shows medians
   bool peer = true;
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
 };
@@ -52,6 +59,8 @@ Options parse(int argc, char** argv) {
       o.epochs = std::stoi(value());
     } else if (arg == "--threads") {
       o.threads = std::stoi(value());
+    } else if (arg == "--repeat") {
+      o.repeat = std::max(1, std::stoi(value()));
     } else if (arg == "--no-peer") {
       o.peer = false;
     } else if (arg == "--peer-script") {
@@ -115,6 +124,12 @@ std::optional<Result> run_peer(const Options& o, const std::string& kind, int th
   return Result{*sps, *acc};
 }
 
+std::optional<Result> median(std::vector<Result> runs) {
+  if (runs.empty()) return std::nullopt;
+  std::sort(runs.begin(), runs.end(), [](const Result& a, const Result& b) { return a.samples_per_s < b.samples_per_s; });
+  return runs[runs.size() / 2];
+}
+
 std::string cpu_model() {
   std::ifstream info("/proc/cpuinfo");
   for (std::string line; std::getline(info, line);) {
@@ -130,34 +145,48 @@ int main(int argc, char** argv) try {
   if (o.threads > 0) devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
-  std::printf("bench_fit: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only\n",
-              static_cast<long long>(kBatch), o.epochs);
+  std::printf("bench_fit: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d run(s)\n",
+              static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s, %d intra-op thread(s)\n", cpu_model().c_str(), threads);
   std::printf("tandem GEMM:   %s\n", ops::cpu::gemm_backend_description().c_str());
   std::printf("peer:          %s %s\n\n", o.peer ? "/usr/bin/python3" : "(skipped)", o.peer ? o.peer_script.c_str() : "");
   const auto data = data::fashion_mnist();
 
-  std::printf("%-6s | %12s %8s | %12s %8s %7s | %12s %8s %7s\n", "model", "tandem /s", "acc", "torch /s", "acc", "ratio",
-              "torch* /s", "acc", "ratio");
-  std::printf("%s\n", std::string(98, '-').c_str());
+  std::printf("%-6s | %12s %8s | %12s %8s %7s | %12s %8s %7s | %12s %8s %7s\n", "model", "tandem /s", "acc", "torch /s",
+              "acc", "ratio", "torch* /s", "acc", "ratio", "torch** /s", "acc", "ratio");
+  std::printf("%s\n", std::string(130, '-').c_str());
   for (const auto& kind : o.models) {
-    const Result ours = run_tandem(kind, data, o.epochs);
-    std::optional<Result> peer, fixed;
-    if (o.peer) {
-      peer = run_peer(o, kind, threads, "");
-      // The same peer with OpenBLAS's AVX-512 kernels (what tandem's loader selects).
-      fixed = run_peer(o, kind, threads, fmt::format("OPENBLAS_CORETYPE={}", coretype.empty() ? "SkylakeX" : coretype));
+    // Interleaved runs, so that a slow phase of the machine hits every column alike.
+    std::vector<Result> ours_runs, peer_runs, fixed_runs, tuned_runs;
+    const std::string core = coretype.empty() ? kPeerCoreType : coretype;
+    for (int r = 0; r < o.repeat; ++r) {
+      ours_runs.push_back(run_tandem(kind, data, o.epochs));
+      if (!o.peer) continue;
+      // As installed: nothing of ours in its environment.
+      if (auto p = run_peer(o, kind, threads, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      // The same peer with OpenBLAS's AVX-512 kernels (what tandem's loader selects) ...
+      if (auto p = run_peer(o, kind, threads, fmt::format("env -u OPENBLAS_NUM_THREADS OPENBLAS_CORETYPE={}", core))) {
+        fixed_runs.push_back(*p);
+      }
+      // ... and also without OpenBLAS's own thread pool competing with PyTorch's: its best here.
+      if (auto p = run_peer(o, kind, threads, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
+        tuned_runs.push_back(*p);
+      }
     }
+    const Result ours = *median(ours_runs);
+    const std::optional<Result> peer = median(peer_runs), fixed = median(fixed_runs), tuned = median(tuned_runs);
     const auto cell = [&](const std::optional<Result>& r) {
       if (!r) return fmt::format("{:>12} {:>8} {:>7}", "-", "-", "-");
       return fmt::format("{:>12.0f} {:>8.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy, ours.samples_per_s / r->samples_per_s);
     };
-    std::printf("%-6s | %12.0f %8.4f | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy, cell(peer).c_str(),
-                cell(fixed).c_str());
+    std::printf("%-6s | %12.0f %8.4f | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
+                cell(peer).c_str(), cell(fixed).c_str(), cell(tuned).c_str());
     std::fflush(stdout);
   }
-  std::printf("\nratio = tandem samples/s over the peer's. torch = PyTorch as Debian installs it; torch* = the same with\n"
-              "OPENBLAS_CORETYPE set, so that its OpenBLAS uses AVX-512 kernels like tandem's.\n");
+  std::printf("\nratio = tandem samples/s over the peer's. torch = PyTorch as Debian installs it (its OpenBLAS detects\n"
+              "this CPU as Prescott and uses SSE3 kernels); torch* = with OPENBLAS_CORETYPE set (AVX-512 kernels, as\n"
+              "tandem uses); torch** = also with OPENBLAS_NUM_THREADS=1, so OpenBLAS's pool does not compete with\n"
+              "PyTorch's (the fastest PyTorch found on this machine).\n");
   return 0;
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());

@@ -3,12 +3,40 @@
 #include <algorithm>
 #include <chrono>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace tandem::devices::detail {
 namespace {
-// A worker that finished a job keeps polling this long for the next one before it sleeps: a
-// training step issues one parallel kernel after another, and waking a sleeping thread costs
-// tens of microseconds on a VM. Short enough that an idle device is idle.
+// A worker that finished a job polls this long for the next one before it sleeps: longer than
+// the gaps between a step's kernels, short enough that an idle device is idle.
 constexpr auto kWorkerSpin = std::chrono::microseconds(2000);
+// The caller, done with its own chunks, polls this long for the workers before it sleeps.
+constexpr auto kCallerSpin = std::chrono::microseconds(500);
+// Polls between clock reads: reading the clock costs more than a pause.
+constexpr int kPollsPerClockRead = 64;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Polls `done` until it returns true or `budget` has passed; returns whether it did.
+template <class Done>
+bool poll_for(std::chrono::microseconds budget, Done done) {
+  const auto until = std::chrono::steady_clock::now() + budget;
+  while (true) {
+    for (int i = 0; i < kPollsPerClockRead; ++i) {
+      if (done()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= until) return done();
+  }
+}
 // Chunks per thread: a little over-decomposition evens out uneven chunks.
 constexpr std::int64_t kChunksPerThread = 4;
 
@@ -44,10 +72,7 @@ void ThreadPool::run_chunks(Job& job) {
       std::lock_guard lock(job.error_mutex);
       if (!job.error) job.error = std::current_exception();
     }
-    if (job.chunks_done.fetch_add(1, std::memory_order_acq_rel) + 1 == job.num_chunks) {
-      std::lock_guard lock(mutex_);
-      work_done_.notify_all();
-    }
+    job.chunks_done.fetch_add(1, std::memory_order_acq_rel);
   }
   tls_inside_pool_job = was_inside;
 }
@@ -56,24 +81,20 @@ void ThreadPool::worker_loop() {
   std::uint64_t seen_generation = 0;
   while (true) {
     Job* job = nullptr;
-    // Spin briefly without the lock, then sleep.
-    const auto spin_until = std::chrono::steady_clock::now() + kWorkerSpin;
-    while (std::chrono::steady_clock::now() < spin_until) {
-      if (generation_.load(std::memory_order_acquire) != seen_generation) break;
-      std::this_thread::yield();
-    }
+    // Poll briefly without the lock, then sleep.
+    poll_for(kWorkerSpin, [&] { return generation_.load(std::memory_order_acquire) != seen_generation; });
     {
       std::unique_lock lock(mutex_);
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen_generation; });
       if (stopping_) return;
       seen_generation = generation_.load(std::memory_order_relaxed);
       job = job_;
-      if (job != nullptr) ++workers_in_job_;
+      if (job != nullptr) workers_in_job_.fetch_add(1, std::memory_order_relaxed);
     }
     if (job != nullptr) {
       run_chunks(*job);
-      std::lock_guard lock(mutex_);
-      --workers_in_job_;
+      workers_in_job_.fetch_sub(1, std::memory_order_acq_rel);
+      std::lock_guard lock(mutex_);  // a caller that went to sleep must not miss this
       work_done_.notify_all();
     }
   }
@@ -107,13 +128,18 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t min_grain,
   work_ready_.notify_all();
   run_chunks(job);
   {
+    std::lock_guard lock(mutex_);
+    job_ = nullptr;  // from here on no worker can pick the job up; the ones that did are counted
+  }
+  // Wait for the chunks, and for every worker that picked the job up to let go of it: the job
+  // lives on this stack frame.
+  const auto finished = [&] {
+    return job.chunks_done.load(std::memory_order_acquire) == job.num_chunks &&
+           workers_in_job_.load(std::memory_order_acquire) == 0;
+  };
+  if (!poll_for(kCallerSpin, finished)) {
     std::unique_lock lock(mutex_);
-    // Wait for the chunks, and for every worker that picked the job up to let go of it: the job
-    // lives on this stack frame.
-    job_ = nullptr;
-    work_done_.wait(lock, [&] {
-      return job.chunks_done.load(std::memory_order_acquire) == job.num_chunks && workers_in_job_ == 0;
-    });
+    work_done_.wait(lock, finished);
   }
   if (job.error) std::rethrow_exception(job.error);
 }

@@ -1,6 +1,7 @@
 #include "tandem/graph/executor.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "tandem/devices/device_name.h"
 #include "tandem/graph/memory_planner.h"
@@ -82,6 +83,16 @@ const Tensor& Executor::constant_on_device(const Node& node) {
   auto it = constants_.find(node.id);
   if (it == constants_.end()) it = constants_.emplace(node.id, node.attrs.get<Tensor>("value").to(device_)).first;
   return it->second;
+}
+
+std::vector<OpProfile> Executor::profile() const {
+  std::vector<OpProfile> out;
+  for (const auto& [op, entry] : profile_) {
+    out.push_back(entry);
+    out.back().op = op->name;
+  }
+  std::sort(out.begin(), out.end(), [](const OpProfile& a, const OpProfile& b) { return a.seconds > b.seconds; });
+  return out;
 }
 
 PlanStats Executor::last_plan_stats() const {
@@ -330,7 +341,16 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     }
     KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
                           mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)));
+    if (!options_.profile) {
+      st.kernel(context);
+      continue;
+    }
+    const auto start = std::chrono::steady_clock::now();
     st.kernel(context);
+    device_.synchronize();
+    auto& entry = profile_[st.node->op];
+    entry.calls += 1;
+    entry.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
   std::vector<Tensor> results;

@@ -22,6 +22,7 @@
 #include <span>
 #include <unordered_map>
 #include <utility>
+#include <string>
 #include <vector>
 
 #include "tandem/devices/device.h"
@@ -32,6 +33,15 @@ namespace tandem::graph {
 
 struct ExecutorOptions {
   std::uint64_t seed = 0;  // mixed into every random op's stream (replicas pass different seeds)
+  // Time every kernel and keep totals per op (profile()). Costs two clock reads per node.
+  bool profile = false;
+};
+
+// Kernel time per op, summed over the nodes and runs of an executor.
+struct OpProfile {
+  std::string op;
+  std::int64_t calls = 0;
+  double seconds = 0;
 };
 
 struct RunOptions {
@@ -78,6 +88,8 @@ class Executor {
 
   // Statistics of the plan used by the most recent run.
   PlanStats last_plan_stats() const;
+  // With ExecutorOptions::profile: kernel time per op, most expensive first.
+  std::vector<OpProfile> profile() const;
 
  private:
   struct Plan;
@@ -95,6 +107,7 @@ class Executor {
   std::vector<std::int64_t> key_scratch_;
   Plan* last_plan_ = nullptr;
   std::uint64_t step_ = 0;
+  std::unordered_map<const OpDef*, OpProfile> profile_;
 };
 
 }  // namespace tandem::graph

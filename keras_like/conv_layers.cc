@@ -55,9 +55,13 @@ class Conv2DImpl final : public LayerImpl {
     const std::int64_t channels = kernel_->shape()[2];
     TANDEM_REQUIRE(in[3] == channels, InvalidArgument, "{}: input has {} channels, kernel expects {} (input shape {})",
                    label(), in[3], channels, in);
-    Output y = ops::conv2d(x, ctx.read(kernel_), {.strides = options_.strides, .padding = padding_});
+    const ops::Conv2DOptions conv{.strides = options_.strides, .padding = padding_};
     const auto fused = fused_activation();
-    if (bias_ != nullptr && fused) return {ops::bias_activation(y, ctx.read(bias_), *fused)};  // one pass over y
+    if (bias_ != nullptr && fused) {
+      // Bias and activation applied in the convolution's own pass, while its output is in cache.
+      return {ops::fused_conv2d(x, ctx.read(kernel_), ctx.read(bias_), *fused, conv)};
+    }
+    Output y = ops::conv2d(x, ctx.read(kernel_), conv);
     if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
     return {apply_activation(options_.activation, y, label())};
   }

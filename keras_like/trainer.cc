@@ -7,7 +7,11 @@
 // by the global batch, so that gradients summed over replicas are the gradient of the mean.
 // Each replica runs its own Executor of the graph, bound to its copies of the variables.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <string_view>
 
 #include "tandem/base/random.h"
 #include "tandem/graph/autodiff.h"
@@ -29,6 +33,10 @@ struct Trainer::Graphs {
   std::vector<std::unique_ptr<graph::Executor>> executors;  // one per replica
   std::vector<graph::Feed> feeds;                            // reused every step
   Tensor loss_scale_value;
+  // TANDEM_PROFILE=1: kernel times per op (executor), and the time spent around the graph.
+  bool profile = false;
+  std::int64_t steps = 0;
+  double step_seconds = 0, apply_seconds = 0;
 };
 
 namespace {
@@ -155,9 +163,12 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
   }
 
   // One executor per replica, bound to that replica's copies.
+  const char* profile = std::getenv("TANDEM_PROFILE");
+  g.profile = profile != nullptr && std::string_view(profile) != "0";
   const auto& devices = model.strategy->replica_devices();
   for (std::size_t r = 0; r < devices.size(); ++r) {
-    auto executor = std::make_unique<graph::Executor>(g.graph, *devices[r], graph::ExecutorOptions{.seed = mix_seed(r)});
+    auto executor = std::make_unique<graph::Executor>(g.graph, *devices[r],
+                                                      graph::ExecutorOptions{.seed = mix_seed(r), .profile = g.profile});
     for (const auto& variable : g.variables.variables) {
       executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
     }
@@ -166,7 +177,18 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
   g.loss_scale_value = Tensor::scalar<float>(1.0f);
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  const auto& g = *graphs_;
+  if (!g.profile || g.steps == 0) return;
+  // Printed when the trainer goes away (the model is rebuilt or destroyed).
+  const auto per_step = [&](double seconds) { return 1e3 * seconds / static_cast<double>(g.steps); };
+  std::fprintf(stderr, "TANDEM_PROFILE model \"%s\": %lld training steps, %.3f ms/step (optimizer %.3f ms/step)\n",
+               model_.name.c_str(), static_cast<long long>(g.steps), per_step(g.step_seconds), per_step(g.apply_seconds));
+  for (const auto& entry : g.executors.front()->profile()) {
+    std::fprintf(stderr, "  %-40s %8lld calls %10.3f ms/step\n", entry.op.c_str(), static_cast<long long>(entry.calls),
+                 per_step(entry.seconds));
+  }
+}
 
 bool Trainer::accepts(const std::vector<graph::TensorSpec>& element_spec, bool with_targets) const {
   if (with_targets && !with_targets_) return false;
@@ -217,15 +239,23 @@ StepSums Trainer::train_step(const data::Element& batch) {
   TANDEM_REQUIRE(model_.strategy->num_replicas_in_sync() == 1, Unimplemented,
                  "model \"{}\": training under {} needs the cross-replica gradient reduction (MirroredStrategy)",
                  model_.name, model_.strategy->name());
+  const auto start = std::chrono::steady_clock::now();
   const auto fetched = g.executors[0]->run(feeds(batch, true), g.train_fetches);
   StepSums sums = read_sums(fetched);
   sums.examples = batch[0].shape()[0];
+  const auto applying = std::chrono::steady_clock::now();
   const std::vector<Tensor> grads(fetched.begin() + static_cast<std::ptrdiff_t>(g.num_sums),
                                   fetched.begin() + static_cast<std::ptrdiff_t>(g.num_sums + g.trainable.size()));
   model_.optimizer->apply(0, grads);
   model_.optimizer->finish_step();
   for (std::size_t u = 0; u < g.updates.size(); ++u) {
     g.updates[u].first->value(0).copy_from(fetched[g.num_sums + g.trainable.size() + u]);
+  }
+  if (g.profile) {
+    const auto end = std::chrono::steady_clock::now();
+    g.steps += 1;
+    g.step_seconds += std::chrono::duration<double>(end - start).count();
+    g.apply_seconds += std::chrono::duration<double>(end - applying).count();
   }
   return sums;
 }

@@ -52,6 +52,12 @@ Output conv2d(Output x, Output filter, const Conv2DOptions& options) {
   return detail::add_op("Conv2D", {x, filter}, window_attrs(options.strides, options.padding));
 }
 
+Output fused_conv2d(Output x, Output filter, Output bias, Activation activation, const Conv2DOptions& options) {
+  Attrs attrs = window_attrs(options.strides, options.padding);
+  attrs.set("activation", activation_name(activation));
+  return detail::add_op("FusedConv2D", {x, filter, bias}, std::move(attrs));
+}
+
 Output max_pool2d(Output x, const Pool2DOptions& options) { return detail::add_op("MaxPool2D", {x}, pool_attrs(options)); }
 
 Output avg_pool2d(Output x, const Pool2DOptions& options) { return detail::add_op("AvgPool2D", {x}, pool_attrs(options)); }
@@ -144,6 +150,17 @@ std::vector<TensorSpec> conv2d_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), conv_output_shape(ctx, 0, 1, attrs)}};
 }
 
+std::vector<TensorSpec> fused_conv2d_shape(ShapeContext& ctx) {
+  auto out = conv2d_shape(ctx);
+  ctx.require_same_dtype(0, 2);
+  const Shape& filter = ctx.shape(1);
+  const Shape& bias = ctx.shape(2);
+  ctx.require(bias.rank() == 1 && (bias[0] == filter[3] || bias[0] == Shape::kUnknown || filter[3] == Shape::kUnknown),
+              "bias of shape {} does not match the filter's {} output channels (filter {})", bias, filter[3], filter);
+  parse_activation(ctx.attrs().get<std::string>("activation"));
+  return out;
+}
+
 std::vector<TensorSpec> conv2d_backprop_input_shape(ShapeContext& ctx) {
   require_float_inputs(ctx);
   require_nhwc(ctx, 0, "x_like");
@@ -205,6 +222,17 @@ std::vector<Output> conv2d_grad(GradContext& ctx) {
   return {add_op("Conv2DBackpropInput", {x, w, dy}, ctx.attrs()), add_op("Conv2DBackpropFilter", {x, w, dy}, ctx.attrs())};
 }
 
+// y = act(conv(x, w) + b): the activation's derivative and the bias gradient in one sweep
+// (BiasActivationGrad), then the convolution's gradients of that.
+std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
+  const Output x = ctx.input(0), w = ctx.input(1);
+  const auto dz_db = add_op_multi("BiasActivationGrad", {ctx.grad(0), ctx.output(0)},
+                                  Attrs{{"activation", ctx.attrs().get<std::string>("activation")}});
+  const Output dz = dz_db[0];
+  return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()), add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()),
+          dz_db[1]};
+}
+
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
 // d/dw = BackpropFilter(g, w, dy) and d/ddy = Conv2D(g, w).
 std::vector<Output> conv2d_backprop_input_grad(GradContext& ctx) {
@@ -237,6 +265,11 @@ std::vector<Output> avg_pool2d_grad_grad(GradContext& ctx) {
 void register_conv_ops() {
   auto& r = OpRegistry::global();
   r.add(OpDef{.name = "Conv2D", .min_inputs = 2, .max_inputs = 2, .shape_fn = conv2d_shape, .grad_fn = conv2d_grad});
+  r.add(OpDef{.name = "FusedConv2D",
+              .min_inputs = 3,
+              .max_inputs = 3,
+              .shape_fn = fused_conv2d_shape,
+              .grad_fn = fused_conv2d_grad});
   r.add(OpDef{.name = "Conv2DBackpropInput",
               .min_inputs = 3,
               .max_inputs = 3,

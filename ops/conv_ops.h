@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "tandem/graph/graph.h"
+#include "tandem/ops/nn_ops.h"
 
 namespace tandem::ops {
 
@@ -21,6 +22,9 @@ struct Conv2DOptions {
 };
 // x: [batch, height, width, in_channels]; filter: [kh, kw, in_channels, out_channels] (HWIO).
 Output conv2d(Output x, Output filter, const Conv2DOptions& options = {});
+// activation(conv2d(x, filter) + bias) in one kernel: the bias and activation are applied to a few
+// images' output at a time while it is still in cache, instead of in another pass over memory.
+Output fused_conv2d(Output x, Output filter, Output bias, Activation activation, const Conv2DOptions& options = {});
 
 struct Pool2DOptions {
   std::array<std::int64_t, 2> pool_size{2, 2};

@@ -13,6 +13,17 @@
 #include "tandem/ops/math_ops.h"
 
 namespace tandem::ops {
+
+std::string_view activation_name(Activation activation) {
+  switch (activation) {
+    case Activation::kLinear: return "linear";
+    case Activation::kRelu: return "relu";
+    case Activation::kSigmoid: return "sigmoid";
+    case Activation::kTanh: return "tanh";
+  }
+  return "linear";
+}
+
 namespace {
 
 using detail::add_op;
@@ -25,16 +36,6 @@ using graph::ShapeContext;
 using graph::TensorSpec;
 
 constexpr std::int64_t kUnknown = Shape::kUnknown;
-
-std::string_view activation_name(Activation activation) {
-  switch (activation) {
-    case Activation::kLinear: return "linear";
-    case Activation::kRelu: return "relu";
-    case Activation::kSigmoid: return "sigmoid";
-    case Activation::kTanh: return "tanh";
-  }
-  return "linear";
-}
 
 graph::Attrs activation_attrs(Activation activation) {
   graph::Attrs attrs;

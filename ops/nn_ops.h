@@ -12,6 +12,7 @@ using graph::Output;
 enum class Activation { kLinear, kRelu, kSigmoid, kTanh };
 // "linear", "relu", "sigmoid", "tanh"; throws InvalidArgument listing the known names.
 Activation parse_activation(std::string_view name);
+std::string_view activation_name(Activation activation);  // "relu", ...
 
 Output relu(Output x);
 Output sigmoid(Output x);

@@ -4,4 +4,4 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install-deps.sh"
 "$root/scripts/build.sh"
-exec "${TANDEM_BUILD_DIR:-$root/build}/samples/linear_regression" "$@"
+exec "${TANDEM_BUILD_DIR:-$root/build}/samples/fashion_mnist_mlp" "$@"

@@ -1,8 +1,10 @@
 // tandem/devices/detail/thread_pool.h — the fork-join pool behind a CPU device's parallel_for.
 //
 // One pool per logical CPU device, with (threads - 1) workers: the thread that calls
-// parallel_for is the last worker. Idle workers sleep on a condition variable after a short
-// spin, so an idle replica costs nothing and N replicas never compete for cores they do not own.
+// parallel_for is the last worker. Between the kernels of a step, workers and the caller poll
+// briefly (a pause loop, no system calls) before sleeping on a condition variable: a training
+// step issues kernel after kernel, and a sleeping thread takes tens of microseconds to wake on a
+// VM. An idle device sleeps, and N replicas never compete for cores they do not own.
 #pragma once
 
 #include <atomic>
@@ -52,7 +54,7 @@ class ThreadPool {
   std::condition_variable work_ready_;
   std::condition_variable work_done_;
   Job* job_ = nullptr;                       // guarded by mutex_
-  int workers_in_job_ = 0;                   // guarded by mutex_: the job outlives them all
+  std::atomic<int> workers_in_job_{0};       // taken under mutex_: the job outlives them all
   std::atomic<std::uint64_t> generation_{0};  // bumped (under mutex_) for each new job
   bool stopping_ = false;
 };

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <string_view>
+#include <vector>
 
 #include "tandem/base/errors.h"
 
@@ -53,15 +54,22 @@ const char* openblas_core_for_this_cpu() {
 }
 
 bool load_openblas(OpenBlas& out) {
-  if (const char* core = openblas_core_for_this_cpu()) setenv("OPENBLAS_CORETYPE", core, /*overwrite=*/0);
+  // OpenBLAS reads these when it loads. Set them only for the load, and only where the user has
+  // not: they would otherwise leak into every child process of the program.
+  std::vector<const char*> set_here;
+  const auto set_for_load = [&](const char* name, const char* value) {
+    if (std::getenv(name) == nullptr && setenv(name, value, /*overwrite=*/0) == 0) set_here.push_back(name);
+  };
+  if (const char* core = openblas_core_for_this_cpu()) set_for_load("OPENBLAS_CORETYPE", core);
   // We split products over the device's threads ourselves; OpenBLAS's own pool would compete.
-  setenv("OPENBLAS_NUM_THREADS", "1", /*overwrite=*/0);
+  set_for_load("OPENBLAS_NUM_THREADS", "1");
   void* handle = nullptr;
   for (const char* path : {TANDEM_OPENBLAS_PATH, "libopenblas.so.0", "libopenblas.so"}) {
     if (path[0] == '\0') continue;
     handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (handle != nullptr) break;
   }
+  for (const char* name : set_here) unsetenv(name);
   if (handle == nullptr) return false;
   out.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
   out.dgemm = reinterpret_cast<DgemmFn>(dlsym(handle, "cblas_dgemm"));

@@ -16,6 +16,7 @@ struct Args {
   std::int64_t batch;
   std::uint64_t seed = 0;
   int verbose = 1;
+  double expect_accuracy = 0.0;  // exit non-zero when the test accuracy ends below this
   bool help = false;
 };
 
@@ -42,11 +43,14 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
       a.batch = parse_int(flag, value());
     } else if (flag == "--seed") {
       a.seed = static_cast<std::uint64_t>(parse_int(flag, value()));
+    } else if (flag == "--expect-accuracy") {
+      a.expect_accuracy = std::stod(std::string(value()));
     } else if (flag == "--verbose") {
       a.verbose = static_cast<int>(parse_int(flag, value()));
     } else if (flag == "--help" || flag == "-h") {
       std::printf("%s\n  --epochs N   (default %d)\n  --batch N    (default %lld)\n  --seed N     (default 0)\n"
-                  "  --verbose N  0 silent, 1 progress bar, 2 one line per epoch (default 1)\n",
+                  "  --verbose N  0 silent, 1 progress bar, 2 one line per epoch (default 1)\n"
+                  "  --expect-accuracy A  exit with status 3 when the final test accuracy is below A\n",
                   usage, defaults.epochs, static_cast<long long>(defaults.batch));
       a.help = true;
     } else {

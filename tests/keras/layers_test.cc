@@ -493,8 +493,8 @@ TEST_CASE("Conv2D fuses bias and element-wise activations into one op; softmax f
     LayerGraph lg(layer, Shape{1, 5, 5, 2}, /*training=*/false);
     return lg.outputs[0].producer().op_name();
   };
-  CHECK(last_op(keras::Conv2D(3, {3, 3}, "relu")) == "BiasActivation");
-  CHECK(last_op(keras::Conv2D(3, {3, 3})) == "BiasActivation");
+  CHECK(last_op(keras::Conv2D(3, {3, 3}, "relu")) == "FusedConv2D");
+  CHECK(last_op(keras::Conv2D(3, {3, 3})) == "FusedConv2D");
   CHECK(last_op(keras::Conv2D(3, {3, 3}, "softmax")) == "Softmax");
   CHECK(last_op(keras::Conv2D(3, {3, 3}, {.use_bias = false})) == "Conv2D");
   CHECK(last_op(keras::Conv2D(3, {3, 3}, "tanh", {.use_bias = false})) == "Tanh");

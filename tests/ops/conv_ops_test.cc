@@ -522,3 +522,54 @@ TEST_CASE("parse_padding accepts TF's names in any case") {
   CHECK_THROWS_WITH_AS(ops::parse_padding("full"), doctest::Contains("padding \"full\": expected \"valid\" or \"same\""),
                        InvalidArgument);
 }
+
+TEST_CASE("FusedConv2D: activation(conv2d + bias), against the reference with gradients") {
+  struct Fused {
+    const char* name;
+    Shape x, f;
+    std::int64_t s;
+    Padding p;
+    ops::Activation activation;
+  };
+  // Smooth activations get the gradient check; relu is checked forward only (its kink makes
+  // finite differences unreliable; its derivative is covered by BiasActivationGrad's own case).
+  const Fused cases[] = {
+      {"linear, valid", {2, 5, 6, 3}, {3, 3, 3, 4}, 1, Padding::kValid, ops::Activation::kLinear},
+      {"tanh, same stride 2", {2, 6, 5, 2}, {3, 3, 2, 3}, 2, Padding::kSame, ops::Activation::kTanh},
+      {"sigmoid, direct kernel geometry", {2, 6, 6, 1}, {3, 3, 1, 32}, 1, Padding::kSame, ops::Activation::kSigmoid},
+      {"relu, the benchmark's first layer", {3, 28, 28, 1}, {3, 3, 1, 32}, 1, Padding::kValid, ops::Activation::kRelu},
+  };
+  for (const auto& fc : cases) {
+    OpCase c;
+    c.name = std::string("FusedConv2D ") + fc.name;
+    c.inputs = {InputSpec::floats(fc.x), InputSpec::floats(fc.f), InputSpec::floats({fc.f[3]})};
+    const ops::Conv2DOptions options{.strides = {fc.s, fc.s}, .padding = fc.p};
+    const auto activation = fc.activation;
+    c.build = [options, activation](const std::vector<Output>& in) {
+      return std::vector<Output>{ops::fused_conv2d(in[0], in[1], in[2], activation, options)};
+    };
+    const auto s = fc.s;
+    const auto p = fc.p;
+    c.reference = [s, p, activation](const std::vector<RefTensor>& in) {
+      RefTensor y = ref_conv2d(in[0], in[1], s, s, p);
+      const auto channels = in[2].size();
+      for (std::int64_t i = 0; i < y.size(); ++i) {
+        const double z = y[i] + in[2][i % channels];
+        y[i] = activation == ops::Activation::kRelu      ? std::max(z, 0.0)
+               : activation == ops::Activation::kSigmoid ? 1.0 / (1.0 + std::exp(-z))
+               : activation == ops::Activation::kTanh    ? std::tanh(z)
+                                                         : z;
+      }
+      return std::vector<RefTensor>{y};
+    };
+    c.f32_tolerance = kLongSumF32Tolerance;
+    c.check_gradient = activation != ops::Activation::kRelu;
+    run_op_case(c);
+  }
+  Graph g;
+  auto x = g.placeholder(kFloat32, {-1, 8, 8, 1}, "x");
+  auto f = g.placeholder(kFloat32, {3, 3, 1, 4}, "f");
+  auto b = g.placeholder(kFloat32, {5}, "b");
+  CHECK_THROWS_WITH_AS(ops::fused_conv2d(x, f, b, ops::Activation::kRelu), doctest::Contains("bias of shape (5,)"),
+                       InvalidArgument);
+}
