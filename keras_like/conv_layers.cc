@@ -67,14 +67,7 @@ class Conv2DImpl final : public LayerImpl {
   }
 
  private:
-  std::optional<ops::Activation> fused_activation() const {
-    const auto& a = options_.activation;
-    if (a == "linear" || a.empty()) return ops::Activation::kLinear;
-    if (a == "relu") return ops::Activation::kRelu;
-    if (a == "sigmoid") return ops::Activation::kSigmoid;
-    if (a == "tanh") return ops::Activation::kTanh;
-    return std::nullopt;  // softmax spans the channels: not an element-wise epilogue
-  }
+  std::optional<ops::Activation> fused_activation() const { return fusable_activation(options_.activation); }
 
   std::int64_t filters_;
   std::array<std::int64_t, 2> kernel_size_;

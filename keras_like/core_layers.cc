@@ -63,14 +63,7 @@ class DenseImpl final : public LayerImpl {
   }
 
  private:
-  std::optional<ops::Activation> fused_activation() const {
-    const auto& a = options_.activation;
-    if (a == "linear" || a.empty()) return ops::Activation::kLinear;
-    if (a == "relu") return ops::Activation::kRelu;
-    if (a == "sigmoid") return ops::Activation::kSigmoid;
-    if (a == "tanh") return ops::Activation::kTanh;
-    return std::nullopt;
-  }
+  std::optional<ops::Activation> fused_activation() const { return fusable_activation(options_.activation); }
 
   std::int64_t units_;
   DenseOptions options_;
@@ -165,6 +158,14 @@ Output apply_activation(std::string_view activation, Output x, std::string_view 
   if (activation == "sigmoid") return ops::sigmoid(x);
   if (activation == "tanh") return ops::tanh(x);
   return ops::softmax(x);
+}
+
+std::optional<ops::Activation> fusable_activation(std::string_view a) {
+  if (a == "linear" || a.empty()) return ops::Activation::kLinear;
+  if (a == "relu") return ops::Activation::kRelu;
+  if (a == "sigmoid") return ops::Activation::kSigmoid;
+  if (a == "tanh") return ops::Activation::kTanh;
+  return std::nullopt;
 }
 
 Dense::Dense(std::int64_t units, DenseOptions options) : Layer(std::make_shared<DenseImpl>(units, std::move(options))) {}

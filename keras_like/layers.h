@@ -13,6 +13,7 @@
 #include <string>
 
 #include "tandem/keras_like/layer.h"
+#include "tandem/ops/nn_ops.h"
 
 namespace tandem::keras {
 
@@ -120,5 +121,8 @@ class Add : public Layer {
 // Applies a named activation to a graph output ("linear" returns x). Throws InvalidArgument
 // listing the known names.
 Output apply_activation(std::string_view activation, Output x, std::string_view layer_label);
+// The activation a fused kernel can apply in its epilogue for this Keras name ("linear", "relu",
+// "sigmoid", "tanh"); nullopt for "softmax", which spans the last axis.
+std::optional<ops::Activation> fusable_activation(std::string_view activation);
 
 }  // namespace tandem::keras

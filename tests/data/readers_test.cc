@@ -1,4 +1,6 @@
 #include <doctest/doctest.h>
+
+#include "common/temp_dir.h"
 #include <unistd.h>
 #include <zlib.h>
 
@@ -18,25 +20,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// A fresh directory under the system's temp dir, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() / ("tandem_data_test_" + std::to_string(::getpid()) + "_" +
-                                         std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
+struct TempDir : testing::TempDir {
+  TempDir() : testing::TempDir("tandem_data_test") {}
 };
 
 using Bytes = std::vector<unsigned char>;

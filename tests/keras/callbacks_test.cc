@@ -1,5 +1,7 @@
 // Callbacks, driven hook by hook with made-up logs (exact, fast), then through fit().
 #include <doctest/doctest.h>
+
+#include "common/temp_dir.h"
 #include <unistd.h>
 
 #include <cmath>
@@ -21,34 +23,12 @@ using keras::Logs;
 
 namespace {
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("tandem_callbacks_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
+// Files are written in a fresh directory per test.
+struct TempDir : testing::TempDir {
+  TempDir() : testing::TempDir("tandem_callbacks_test") {}
 };
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string read_text(const std::string& path) { return testing::read_file_bytes(path); }
 
 // Captures what the callbacks print to std::cout.
 class CaptureCout {
@@ -411,9 +391,9 @@ TEST_CASE("ModelCheckpoint fills the path's fields and saves every epoch") {
                                                      keras::ModelCheckpointOptions{.verbose = 1});
   CaptureCout out;
   run_epochs(model, {cb}, "val_loss", {0.5, 0.625, 0.25});
-  CHECK(fs::exists(dir.path / "ckpt" / "ep01-0.50-1.safetensors"));
-  CHECK(fs::exists(dir.path / "ckpt" / "ep02-0.62-2.safetensors"));
-  CHECK(fs::exists(dir.path / "ckpt" / "ep03-0.25-3.safetensors"));
+  CHECK(fs::exists(dir.path() / "ckpt" / "ep01-0.50-1.safetensors"));
+  CHECK(fs::exists(dir.path() / "ckpt" / "ep02-0.62-2.safetensors"));
+  CHECK(fs::exists(dir.path() / "ckpt" / "ep03-0.25-3.safetensors"));
   // The file holds that epoch's weights.
   const auto content = keras::read_safetensors(dir.file("ckpt/ep02-0.62-2.safetensors"));
   CHECK(content.metadata.at("format") == "tandem.weights");
@@ -455,7 +435,7 @@ TEST_CASE("ModelCheckpoint save_best_only keeps the best epoch, with Keras's mes
                                                             keras::ModelCheckpointOptions{.monitor = "val_nothing",
                                                                                           .save_best_only = true});
     run_epochs(model, {missing}, "val_loss", {0.5});
-    CHECK_FALSE(fs::exists(dir.path / "m.safetensors"));
+    CHECK_FALSE(fs::exists(dir.path() / "m.safetensors"));
   }
 }
 
@@ -517,7 +497,7 @@ TEST_CASE("ModelCheckpoint: bad paths are InvalidArgument naming the path; non-c
   // Braces doubled are literal; an integer field takes a float format, as in Python.
   auto literal = std::make_shared<keras::ModelCheckpoint>(dir.file("{{x}}-{epoch:.1f}.safetensors"));
   run_epochs(model, {literal}, "val_loss", {1.0});
-  CHECK(fs::exists(dir.path / "{x}-1.0.safetensors"));
+  CHECK(fs::exists(dir.path() / "{x}-1.0.safetensors"));
 
   NonChiefStrategy worker;
   keras::Model worker_model;
@@ -761,7 +741,7 @@ TEST_CASE("fit() with callbacks: History, CSVLogger, ModelCheckpoint, EarlyStopp
   CHECK(std::count(text.begin(), text.end(), '\n') == 4);
   REQUIRE(ckpt->best().has_value());
   CHECK(*ckpt->best() == *std::min_element(history.at("loss").begin(), history.at("loss").end()));
-  CHECK(fs::exists(dir.path / "best.safetensors"));
+  CHECK(fs::exists(dir.path() / "best.safetensors"));
 }
 
 TEST_CASE("fit() stops early and restores the best weights; the bar goes to std::cout") {

@@ -1,5 +1,7 @@
 // The safetensors reader and writer, model weight files and training checkpoints.
 #include <doctest/doctest.h>
+
+#include "common/temp_dir.h"
 #include <unistd.h>
 
 #include <array>
@@ -21,33 +23,11 @@ namespace fs = std::filesystem;
 namespace {
 
 // A fresh folder per test, removed afterwards.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() / ("tandem_saving_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
+struct TempDir : testing::TempDir {
+  TempDir() : testing::TempDir("tandem_saving_test") {}
 };
 
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string read_bytes(const std::string& path) { return testing::read_file_bytes(path); }
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -161,7 +141,7 @@ TEST_CASE("safetensors: large tensors between small ones, and a folder is not a 
   CHECK(content.tensors[0].second.item<std::int32_t>() == 1);
   CHECK(content.tensors[1].second.to_vector<float>() == big);
   CHECK(content.tensors[2].second.to_vector<std::uint8_t>() == std::vector<std::uint8_t>{9, 8, 7});
-  CHECK_THROWS_AS(keras::read_safetensors(dir.path.string()), InvalidArgument);
+  CHECK_THROWS_AS(keras::read_safetensors(dir.path().string()), InvalidArgument);
 }
 
 TEST_CASE("safetensors: the bytes on disk follow the spec exactly") {
@@ -370,7 +350,7 @@ TEST_CASE("safetensors: writes are atomic") {
     CHECK_THROWS_AS(keras::write_safetensors(path, {{"u", Tensor()}}), InvalidArgument);
   }
   SUBCASE("renaming over a folder fails cleanly") {
-    fs::create_directories(dir.path / "taken");
+    fs::create_directories(dir.path() / "taken");
     const auto m = message_of<Unavailable>([&] { keras::write_safetensors(dir.file("taken"), {{"w", Tensor::scalar<float>(1)}}); });
     CHECK(m.find(dir.file("taken")) != std::string::npos);
   }
