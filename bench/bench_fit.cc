@@ -2,6 +2,15 @@
 // bench/peers/torch_fmnist.py, beside that script run in the same invocation.
 //
 //   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
+//   build/bench/bench_fit --strategy mirrored [--replicas 2] [--models mlp,wide] [--repeat R]
+//
+// --strategy mirrored trains under MirroredStrategy on --replicas logical CPU devices of one
+// intra-op thread each, beside bench/peers/torch_ddp2.sh (PyTorch DDP over Gloo, two processes of
+// one thread, global batch 128). It also trains with the all-reduce after backward instead of
+// overlapped with it, and times the all-reduce of the model's gradient buckets alone, to show how
+// much of the all-reduce the overlap hides. Each run reports (Model::training_times) how long
+// replica 0 waited for the gradient all-reduce after its backward pass: all of the all-reduce
+// without overlap, the unhidden rest with it; hidden = 1 - wait with overlap / wait without.
 //
 // The machines we measure on are shared VMs whose speed drifts by tens of percent over minutes;
 // --repeat R interleaves R runs of tandem and of each peer variant and reports the medians.
@@ -41,6 +50,9 @@ struct Options {
   int repeat = 1;   // runs of each side, interleaved; the table shows medians
   bool peer = true;
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
+  std::string strategy = "one";  // or "mirrored"
+  int replicas = 2;              // logical CPU devices under --strategy mirrored
+  bool models_given = false;
 };
 
 Options parse(int argc, char** argv) {
@@ -55,6 +67,13 @@ Options parse(int argc, char** argv) {
       o.models.clear();
       std::stringstream list(value());
       for (std::string m; std::getline(list, m, ',');) o.models.push_back(m);
+      o.models_given = true;
+    } else if (arg == "--strategy") {
+      o.strategy = value();
+      TANDEM_REQUIRE(o.strategy == "one" || o.strategy == "mirrored", InvalidArgument,
+                     "--strategy \"{}\": expected one or mirrored", o.strategy);
+    } else if (arg == "--replicas") {
+      o.replicas = std::max(1, std::stoi(value()));
     } else if (arg == "--epochs") {
       o.epochs = std::stoi(value());
     } else if (arg == "--threads") {
@@ -69,6 +88,8 @@ Options parse(int argc, char** argv) {
       throw InvalidArgument(fmt::format("unknown argument \"{}\"; see the comment at the top of bench_fit.cc", arg));
     }
   }
+  // The DDP peer covers mlp and wide (a CNN under DDP is not among its configurations).
+  if (o.strategy == "mirrored" && !o.models_given) o.models = {"mlp", "wide"};
   return o;
 }
 
@@ -86,24 +107,38 @@ keras::Model build(const std::string& kind) {
 struct Result {
   double samples_per_s = 0;
   double test_accuracy = 0;
+  keras::TrainingTimes times;  // tandem only
 };
 
-Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, int epochs) {
+// One training run; under `strategy` (its scope) when given, else the default strategy.
+Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, int epochs,
+                  Strategy* strategy = nullptr) {
   set_global_seed(0);
-  auto model = build(kind);
-  model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  const auto make = [&] {
+    auto model = build(kind);
+    model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true},
+                  {"accuracy"});
+    return model;
+  };
+  keras::Model model;
+  if (strategy != nullptr) {
+    auto scope = strategy->scope();
+    model = make();
+  } else {
+    model = make();
+  }
   auto train = data.train.shuffle(60000).batch(kBatch, /*drop_remainder=*/true);
   const auto start = Clock::now();
   model.fit(train, {.epochs = epochs, .verbose = 0});
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const auto times = model.training_times();
   const double samples = static_cast<double>(epochs) * static_cast<double>(60000 / kBatch * kBatch);
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
-  return {samples / seconds, test.at("accuracy")};
+  return {samples / seconds, test.at("accuracy"), times};
 }
 
-std::optional<Result> run_peer(const Options& o, const std::string& kind, int threads, const std::string& env) {
-  const std::string command = fmt::format("{} /usr/bin/python3 {} --model {} --epochs {} --batch {} --threads {} 2>&1", env,
-                                          o.peer_script, kind, o.epochs, kBatch, threads);
+// Runs a peer's command line and reads its "samples_per_s=" and "test_acc=" fields.
+std::optional<Result> run_peer_command(const std::string& command) {
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return std::nullopt;
   std::string output;
@@ -121,7 +156,62 @@ std::optional<Result> run_peer(const Options& o, const std::string& kind, int th
     std::fprintf(stderr, "peer did not run (%s):\n%s\n", command.c_str(), output.c_str());
     return std::nullopt;
   }
-  return Result{*sps, *acc};
+  return Result{*sps, *acc, {}};
+}
+
+// bench/peers/torch_fmnist.py in one process of `threads` threads, with `env` before it.
+std::optional<Result> run_peer(const Options& o, const std::string& kind, int threads, const std::string& env) {
+  return run_peer_command(fmt::format("{} /usr/bin/python3 {} --model {} --epochs {} --batch {} --threads {} 2>&1", env,
+                                      o.peer_script, kind, o.epochs, kBatch, threads));
+}
+
+// Milliseconds per step of the gradient all-reduce alone: the model's trainable weights packed
+// into buckets as fit packs them (reverse order; the first bucket `first_bucket_bytes`, then
+// `bucket_bytes`), each bucket one all_reduce call, on every replica of `strategy`.
+double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int steps) {
+  std::vector<Shape> shapes;
+  {
+    auto scope = mirrored.scope();
+    auto model = build(kind);
+    for (const auto& w : model.trainable_weights()) shapes.push_back(w->shape());
+  }
+  std::reverse(shapes.begin(), shapes.end());
+  const auto& options = mirrored.distribution_options();
+  const int n = mirrored.num_replicas_in_sync();
+  // buckets[r][b]: replica r's tensors of bucket b.
+  std::vector<std::vector<std::vector<Tensor>>> buckets(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    auto& device = *mirrored.replica_devices()[static_cast<std::size_t>(r)];
+    std::int64_t bytes = 0, cap = options.first_bucket_bytes;
+    buckets[static_cast<std::size_t>(r)].emplace_back();
+    for (const auto& shape : shapes) {
+      const std::int64_t size = shape.num_elements() * 4;
+      auto& current = buckets[static_cast<std::size_t>(r)];
+      if (bytes > 0 && bytes + size > cap) {
+        current.emplace_back();
+        bytes = 0;
+        cap = options.bucket_bytes;
+      }
+      current.back().push_back(Tensor::zeros(shape, kFloat32, device));
+      bytes += size;
+    }
+  }
+  const auto step = [&] {
+    mirrored.run([&](strategy::ReplicaContext& ctx) {
+      for (auto& bucket : buckets[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]) {
+        ctx.communicator().all_reduce(std::span<Tensor>(bucket), collective::ReduceOp::kSum);
+      }
+    });
+  };
+  step();  // warm-up
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) step();
+  return 1e3 * std::chrono::duration<double>(Clock::now() - start).count() / steps;
+}
+
+// PyTorch DDP over Gloo, two processes of one thread (bench/peers/torch_ddp2.sh).
+std::optional<Result> run_ddp_peer(const std::string& kind, const std::string& env) {
+  return run_peer_command(fmt::format("{} bash {}/torch_ddp2.sh {} 2>&1", env, TANDEM_BENCH_PEER_DIR, kind));
 }
 
 std::optional<Result> median(std::vector<Result> runs) {
@@ -140,8 +230,11 @@ std::string cpu_model() {
 
 }  // namespace
 
+int run_mirrored(const Options& o);
+
 int main(int argc, char** argv) try {
   const Options o = parse(argc, argv);
+  if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.threads > 0) devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
@@ -191,4 +284,64 @@ int main(int argc, char** argv) try {
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());
   return 1;
+}
+
+// --strategy mirrored: tandem's MirroredStrategy (with and without overlap) beside PyTorch DDP.
+int run_mirrored(const Options& o) {
+  devices::set_logical_device_configuration({.num_cpu_devices = o.replicas, .intra_op_threads_per_device = 1});
+  std::printf("bench_fit --strategy mirrored: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop only, "
+              "median of %d run(s)\n",
+              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf("CPU:           %s; tandem: MirroredStrategy over %d logical CPU devices of 1 thread\n",
+              cpu_model().c_str(), o.replicas);
+  std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  const auto data = data::fashion_mnist();
+  MirroredStrategy overlapped;
+  MirroredStrategy after_backward(strategy::MirroredOptions{.distribution = {.overlap_communication = false}});
+  const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
+
+  std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s\n", "model",
+              "tandem /s", "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt", "hidden", "DDP /s", "acc", "ratio",
+              "DDP** /s", "acc", "ratio");
+  std::printf("%s\n", std::string(150, '-').c_str());
+  for (const auto& kind : o.models) {
+    std::vector<Result> ours_runs, plain_runs, peer_runs, tuned_runs;
+    std::vector<double> allreduce_runs;
+    for (int r = 0; r < o.repeat; ++r) {
+      ours_runs.push_back(run_tandem(kind, data, o.epochs, &overlapped));
+      plain_runs.push_back(run_tandem(kind, data, o.epochs, &after_backward));
+      allreduce_runs.push_back(allreduce_ms_per_step(overlapped, kind, 200));
+      if (!o.peer) continue;
+      if (auto p = run_ddp_peer(kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      if (auto p = run_ddp_peer(kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
+        tuned_runs.push_back(*p);
+      }
+    }
+    std::sort(allreduce_runs.begin(), allreduce_runs.end());
+    const double allreduce_ms = allreduce_runs[allreduce_runs.size() / 2];
+    const Result ours = *median(ours_runs), plain = *median(plain_runs);
+    const auto ms = [](const Result& r) { return 1e3 * static_cast<double>(kBatch) / r.samples_per_s; };
+    const auto wait_ms = [](const Result& r) {
+      return 1e3 * r.times.reduce_wait_seconds / static_cast<double>(std::max<std::int64_t>(1, r.times.steps));
+    };
+    const double hidden = wait_ms(plain) > 0 ? 1.0 - wait_ms(ours) / wait_ms(plain) : 0.0;
+    const auto cell = [&](const std::optional<Result>& r) {
+      if (!r) return fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
+      return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy,
+                         ours.samples_per_s / r->samples_per_s);
+    };
+    std::printf("%-5s | %10.0f %7.4f | %10.0f | %7.3f %8.3f %8.3f %9.3f %9.3f %6.0f%% | %s | %s\n", kind.c_str(),
+                ours.samples_per_s, ours.test_accuracy, plain.samples_per_s, allreduce_ms, ms(ours), wait_ms(ours),
+                ms(plain), wait_ms(plain), 100.0 * hidden,
+                cell(median(peer_runs)).c_str(), cell(median(tuned_runs)).c_str());
+    std::fflush(stdout);
+  }
+  std::printf("\nno-ovl = the same MirroredStrategy with overlap_communication = false (all buckets reduced after\n"
+              "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
+              "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
+              "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh as\n"
+              "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
+              "here). ratio = tandem /s over the peer's.\n",
+              core.c_str());
+  return 0;
 }

@@ -26,6 +26,13 @@ if(NOT TANDEM_CUDA STREQUAL "OFF")
   find_package(CUDAToolkit QUIET)
   if(CUDAToolkit_FOUND)
     set(TANDEM_HAVE_CUDA 1)
+    # NCCL ships with the toolkit here (/usr/local/cuda/lib64) or as Debian's libnccl-dev.
+    find_library(TANDEM_NCCL_LIBRARY NAMES nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    find_path(TANDEM_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    if(NOT TANDEM_NCCL_LIBRARY OR NOT TANDEM_NCCL_INCLUDE_DIR)
+      message(STATUS "tandem: NCCL not found; GPU replicas would have no collective backend")
+      set(TANDEM_NCCL_LIBRARY "")
+    endif()
     message(STATUS "tandem: CUDA ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR}; GPU parts are built")
   elseif(TANDEM_CUDA STREQUAL "ON")
     message(FATAL_ERROR "tandem: TANDEM_CUDA=ON but no CUDA toolkit was found "

@@ -1,11 +1,10 @@
 #include "tandem/devices/detail/thread_pool.h"
 
+#include "tandem/base/spin.h"
+
 #include <algorithm>
 #include <chrono>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace tandem::devices::detail {
 namespace {
@@ -14,29 +13,7 @@ namespace {
 constexpr auto kWorkerSpin = std::chrono::microseconds(2000);
 // The caller, done with its own chunks, polls this long for the workers before it sleeps.
 constexpr auto kCallerSpin = std::chrono::microseconds(500);
-// Polls between clock reads: reading the clock costs more than a pause.
-constexpr int kPollsPerClockRead = 64;
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-// Polls `done` until it returns true or `budget` has passed; returns whether it did.
-template <class Done>
-bool poll_for(std::chrono::microseconds budget, Done done) {
-  const auto until = std::chrono::steady_clock::now() + budget;
-  while (true) {
-    for (int i = 0; i < kPollsPerClockRead; ++i) {
-      if (done()) return true;
-      cpu_relax();
-    }
-    if (std::chrono::steady_clock::now() >= until) return done();
-  }
-}
 // Chunks per thread: a little over-decomposition evens out uneven chunks.
 constexpr std::int64_t kChunksPerThread = 4;
 

@@ -337,12 +337,14 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     if (st.kernel == nullptr) {
       const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
       *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
+      if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
       continue;
     }
     KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
                           mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)));
     if (!options_.profile) {
       st.kernel(context);
+      if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
@@ -351,6 +353,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     auto& entry = profile_[st.node->op];
     entry.calls += 1;
     entry.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
   }
 
   std::vector<Tensor> results;

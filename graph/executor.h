@@ -44,10 +44,20 @@ struct OpProfile {
   double seconds = 0;
 };
 
+// Told when each node of a run has finished, on the thread running the executor. A gradient
+// reducer uses it to start all-reducing a bucket while the rest of backward runs. The outputs are
+// the node's values in this run; they stay valid until the next run of the same executor.
+class NodeObserver {
+ public:
+  virtual ~NodeObserver() = default;
+  virtual void node_done(int node_id, std::span<Tensor* const> outputs) = 0;
+};
+
 struct RunOptions {
   // Random ops (Dropout) draw from a stream keyed by (seed, node, step); the step counts runs.
   // Setting it replays a step's randomness exactly (gradient checks, deterministic tests).
   std::optional<std::uint64_t> random_step;
+  NodeObserver* observer = nullptr;
 };
 
 struct PlanStats {

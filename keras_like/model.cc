@@ -16,7 +16,6 @@ namespace tandem::keras {
 
 using detail::LayerNode;
 using detail::ModelState;
-using detail::StepSums;
 
 namespace detail {
 ModelState::ModelState() = default;
@@ -123,45 +122,6 @@ detail::Trainer& trainer_for(ModelState& s, const std::vector<graph::TensorSpec>
   return *s.trainer;
 }
 
-// Running means of an epoch's loss and metrics, under the names Keras logs.
-class Aggregate {
- public:
-  explicit Aggregate(const ModelState& s) : state_(s) {}
-  void add(const StepSums& step) {
-    loss_ += step.loss;
-    examples_ += step.examples;
-    output_loss_.resize(step.output_loss.size(), 0.0);
-    metrics_.resize(step.metrics.size(), 0.0);
-    for (std::size_t i = 0; i < step.output_loss.size(); ++i) output_loss_[i] += step.output_loss[i];
-    for (std::size_t i = 0; i < step.metrics.size(); ++i) metrics_[i] += step.metrics[i];
-  }
-  void write(Logs& logs, std::string_view prefix = "") const {
-    const double n = static_cast<double>(std::max<std::int64_t>(1, examples_));
-    logs.set(fmt::format("{}loss", prefix), loss_ / n);
-    const bool several = state_.compiled_outputs.size() > 1;
-    for (std::size_t j = 0; j < output_loss_.size(); ++j) {
-      logs.set(fmt::format("{}{}_loss", prefix, state_.compiled_outputs[j].name), output_loss_[j] / n);
-    }
-    std::size_t k = 0;
-    for (const auto& out : state_.compiled_outputs) {
-      for (const auto& [metric, name] : out.metrics) {
-        if (k < metrics_.size()) {
-          logs.set(several ? fmt::format("{}{}_{}", prefix, out.name, name) : fmt::format("{}{}", prefix, name),
-                   metrics_[k] / n);
-        }
-        ++k;
-      }
-    }
-  }
-  std::int64_t examples() const { return examples_; }
-
- private:
-  const ModelState& state_;
-  double loss_ = 0;
-  std::int64_t examples_ = 0;
-  std::vector<double> output_loss_, metrics_;
-};
-
 // Keras 3's defaults: the callbacks given, then a History and (unless silent) a ProgbarLogger,
 // each only when the caller did not pass one. Returns the History in use.
 std::shared_ptr<History> add_defaults(std::vector<CallbackPtr>& callbacks, int verbose, bool with_history) {
@@ -207,18 +167,18 @@ Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std:
   const std::int64_t total = steps_of(data, steps);
   Logs logs;
   callbacks.on_test_begin(logs);
-  Aggregate aggregate(s);
+  trainer.reset_metrics(detail::Phase::kTest);
   auto iterator = data.iterate();
   for (std::int64_t step = 0; total < 0 || step < total; ++step) {
     auto batch = iterator->next();
     if (!batch) break;
     Logs batch_logs;
     callbacks.on_test_batch_begin(step, batch_logs);
-    aggregate.add(trainer.test_step(*batch));
-    aggregate.write(batch_logs);
+    trainer.test_step(*batch);
+    trainer.write_logs(detail::Phase::kTest, batch_logs);
     callbacks.on_test_batch_end(step, batch_logs);
   }
-  aggregate.write(logs);
+  trainer.write_logs(detail::Phase::kTest, logs);
   callbacks.on_test_end(logs);
   return logs;
 }
@@ -367,7 +327,7 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
     Logs epoch_logs;
     callbacks.on_epoch_begin(epoch, epoch_logs);
     if (!options.steps_per_epoch || iterator == nullptr) iterator = data.iterate();
-    Aggregate aggregate(s);
+    trainer.reset_metrics(detail::Phase::kTrain);
     for (std::int64_t step = 0; steps < 0 || step < steps; ++step) {
       auto batch = iterator->next();
       if (!batch && options.steps_per_epoch && step > 0) {
@@ -377,12 +337,14 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
       if (!batch) break;
       Logs batch_logs;
       callbacks.on_train_batch_begin(step, batch_logs);
-      aggregate.add(trainer.train_step(*batch));
-      aggregate.write(batch_logs);
+      trainer.train_step(*batch);
+      trainer.write_logs(detail::Phase::kTrain, batch_logs);
       callbacks.on_train_batch_end(step, batch_logs);
       if (s.stop_training) break;
     }
-    aggregate.write(epoch_logs);
+    trainer.write_logs(detail::Phase::kTrain, epoch_logs);
+    // Every replica applied the same updates: their copies must still be equal.
+    trainer.check_replicas_agree();
     if (options.validation_data && (epoch + 1) % options.validation_freq == 0) {
       // Validation reports to the same callbacks (on_test_*), as in Keras; the bar ignores it.
       const Logs val = run_evaluation(s, *options.validation_data, options.validation_steps, callbacks);
@@ -536,6 +498,11 @@ Optimizer& Model::optimizer() const {
 strategy::Strategy& Model::distribute_strategy() const { return *checked(state_).strategy; }
 bool Model::stop_training() const { return checked(state_).stop_training; }
 void Model::set_stop_training(bool stop) { checked(state_).stop_training = stop; }
+
+TrainingTimes Model::training_times() const {
+  const auto& s = checked(state_);
+  return s.trainer != nullptr ? s.trainer->times() : TrainingTimes{};
+}
 
 std::string Model::summary_string(int line_length) const {
   const auto& s = checked(state_);

@@ -70,6 +70,16 @@ struct EvaluateOptions {
   std::vector<CallbackPtr> callbacks;
 };
 
+// Where the training steps' time went, summed over every step since the model's trainer was
+// made (its first fit, or a fit on data of a new shape), as replica 0 saw it.
+struct TrainingTimes {
+  std::int64_t steps = 0;
+  double step_seconds = 0;         // whole steps, wall time
+  double reduce_wait_seconds = 0;  // after backward, waiting for the gradient all-reduce: the part
+                                   // of it that overlapping with backward did not hide
+  double apply_seconds = 0;        // optimizer and layer updates after the reduction
+};
+
 struct PredictOptions {
   std::int64_t batch_size = 32;  // predict(x) only
   int verbose = 0;
@@ -125,6 +135,8 @@ class Model {
   Tensor predict(const data::Dataset& data, const PredictOptions& options = {});
   Tensor predict(const Tensor& x, const PredictOptions& options = {});
   std::vector<Tensor> predict_outputs(const data::Dataset& data, const PredictOptions& options = {});
+  // Time per phase of the training steps so far (zeros before the first fit).
+  TrainingTimes training_times() const;
 
   // Keras's table: Layer (type), Output Shape, Param #; then total, trainable and
   // non-trainable parameter counts.

@@ -27,6 +27,21 @@ Clip clip_of(const OptimizerSpec& spec) {
   return std::visit([](const auto& o) { return Clip{o.clipnorm, o.clipvalue, o.global_clipnorm}; }, spec);
 }
 
+int accumulation_steps_of(const OptimizerSpec& spec) {
+  return std::visit([](const auto& o) { return o.gradient_accumulation_steps.value_or(1); }, spec);
+}
+
+// dst += src, element-wise, on the device's threads.
+void add_into(Tensor& dst, const Tensor& src) {
+  graph::dispatch<graph::FloatTypes>(dst.dtype(), "gradient accumulation", [&]<class T>() {
+    T* __restrict d = static_cast<T*>(dst.raw_data());
+    const T* __restrict s = static_cast<const T*>(src.raw_data());
+    dst.device().parallel_for(dst.num_elements(), kUpdateGrain, [=](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) d[i] += s[i];
+    });
+  });
+}
+
 double learning_rate_of(const OptimizerSpec& spec) {
   return std::visit([](const auto& o) { return o.learning_rate; }, spec);
 }
@@ -174,7 +189,10 @@ OptimizerRef::OptimizerRef(std::string_view name) {
   }
 }
 
-Optimizer::Optimizer(OptimizerSpec spec) : spec_(std::move(spec)), learning_rate_(learning_rate_of(spec_)) {
+Optimizer::Optimizer(OptimizerSpec spec)
+    : spec_(std::move(spec)), learning_rate_(learning_rate_of(spec_)), accumulation_steps_(accumulation_steps_of(spec_)) {
+  TANDEM_REQUIRE(accumulation_steps_ >= 1, InvalidArgument, "{}: gradient_accumulation_steps must be at least 1; got {}",
+                 name(), accumulation_steps_);
   const Clip clip = clip_of(spec_);
   TANDEM_REQUIRE(!(clip.clipnorm && clip.global_clipnorm), InvalidArgument,
                  "{}: set clipnorm or global_clipnorm, not both (as in Keras)", name());
@@ -216,6 +234,14 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
                    "{}: the slots of variable \"{}\" would be created under the scope of {}, but the variable belongs "
                    "to {}; create the optimizer (compile, fit) under the variable's strategy",
                    name(), variable->name(), strategy::get_strategy().name(), owner.name());
+    if (accumulation_steps_ > 1) {
+      strategy::VariableOptions options;
+      options.name = fmt::format("{}/gradient_accumulator", variable->name());
+      options.initial_value = Tensor::zeros(variable->shape(), variable->dtype());
+      options.trainable = false;
+      accumulators_.push_back(owner.create_variable(std::move(options)));
+      slot_list_.emplace_back(accumulators_.back()->name(), accumulators_.back());
+    }
     std::vector<VariablePtr> slots;
     for (const auto& slot : names) {
       strategy::VariableOptions options;
@@ -231,10 +257,24 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
   variables_ = variables;
 }
 
+void Optimizer::accumulate(int replica, const std::vector<Tensor>& gradients) {
+  TANDEM_REQUIRE(accumulation_steps_ > 1 && gradients.size() == accumulators_.size(), InvalidArgument,
+                 "{}: accumulate() needs gradient_accumulation_steps and one gradient per variable", name());
+  for (std::size_t i = 0; i < gradients.size(); ++i) add_into(accumulators_[i]->value(replica), gradients[i]);
+}
+
+void Optimizer::add_accumulated(int replica, std::size_t index, Tensor& gradient) {
+  if (accumulation_steps_ == 1) return;
+  add_into(gradient, accumulators_.at(index)->value(replica));
+}
+
 void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
   TANDEM_REQUIRE(gradients.size() == variables_.size(), InvalidArgument, "{}: {} gradients for {} variables", name(),
                  gradients.size(), variables_.size());
   const Clip clip = clip_of(spec_);
+  // With accumulation the gradients are sums over the accumulated steps: their mean is what
+  // Keras clips and applies.
+  const double mean_scale = 1.0 / static_cast<double>(accumulation_steps_);
   const double lr = learning_rate_;
   const auto t = static_cast<double>(iterations_ + 1);
 
@@ -247,9 +287,10 @@ void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
         total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()), gradients[i].num_elements());
       });
     }
-    const double norm = std::sqrt(total);
+    const double norm = std::sqrt(total) * mean_scale;
     if (norm > *clip.global_clipnorm) global_scale = *clip.global_clipnorm / norm;
   }
+  global_scale *= mean_scale;
 
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     Tensor& w = variables_[vi]->value(replica);
@@ -264,8 +305,8 @@ void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
       const T* g = static_cast<const T*>(grad.raw_data());
       double scale = global_scale;
       if (clip.clipnorm) {
-        const double norm = std::sqrt(squared_norm(device, g, n));
-        if (norm > *clip.clipnorm) scale = *clip.clipnorm / norm;
+        const double norm = std::sqrt(squared_norm(device, g, n)) * mean_scale;
+        if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
       }
       GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
                               clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm};
@@ -303,6 +344,10 @@ void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
           },
           spec_);
     });
+  }
+  for (auto& acc : accumulators_) {
+    Tensor& a = acc->value(replica);
+    a.device().fill_zero(a.raw_data(), a.nbytes());
   }
 }
 

@@ -25,11 +25,15 @@ using VariablePtr = std::shared_ptr<strategy::Variable>;
 
 // Gradient clipping, as Keras: clipnorm clips each gradient's norm, clipvalue each element,
 // global_clipnorm the norm of all gradients together (at most one of the two norms).
+// gradient_accumulation_steps = N (Keras 3): the weights change every N-th step, with the mean
+// of the last N steps' gradients; iterations still count every step. Under a distribution
+// strategy the steps in between do not all-reduce (like DDP's no_sync).
 struct SGD {
   double learning_rate = 0.01;
   double momentum = 0.0;
   bool nesterov = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
+  std::optional<int> gradient_accumulation_steps;
 };
 struct Adam {
   double learning_rate = 0.001;
@@ -38,6 +42,7 @@ struct Adam {
   double epsilon = 1e-7;
   bool amsgrad = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
+  std::optional<int> gradient_accumulation_steps;
 };
 struct AdamW {
   double learning_rate = 0.001;
@@ -47,6 +52,7 @@ struct AdamW {
   double epsilon = 1e-7;
   bool amsgrad = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
+  std::optional<int> gradient_accumulation_steps;
 };
 struct RMSprop {
   double learning_rate = 0.001;
@@ -55,6 +61,7 @@ struct RMSprop {
   double epsilon = 1e-7;
   bool centered = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
+  std::optional<int> gradient_accumulation_steps;
 };
 
 using OptimizerSpec = std::variant<SGD, Adam, AdamW, RMSprop>;
@@ -96,8 +103,19 @@ class Optimizer {
   // naming both. Idempotent for the same variables.
   void build(const std::vector<VariablePtr>& variables);
   // Applies one gradient per built variable (same order; each on the replica's device, same
-  // shape) to replica `replica`'s copies. Does not advance iterations.
+  // shape) to replica `replica`'s copies. Does not advance iterations. With gradient
+  // accumulation, call it on update steps only, with the gradients summed over the accumulated
+  // steps (add_accumulated); it divides by the step count and clears this replica's accumulators.
   void apply(int replica, const std::vector<Tensor>& gradients);
+
+  // Gradient accumulation (1 when off).
+  int accumulation_steps() const { return accumulation_steps_; }
+  // Whether the coming step changes the weights (always, without accumulation).
+  bool is_update_step() const { return (iterations_ + 1) % accumulation_steps_ == 0; }
+  // A step that is not an update step: adds the gradients to replica's accumulators.
+  void accumulate(int replica, const std::vector<Tensor>& gradients);
+  // An update step: adds replica's accumulated gradient of variable `index` into `gradient`.
+  void add_accumulated(int replica, std::size_t index, Tensor& gradient);
   // Ends a step: iterations += 1. Call once per step after every replica's apply().
   void finish_step() { ++iterations_; }
 
@@ -113,6 +131,8 @@ class Optimizer {
   // Per variable: its slots in the order the update rule uses them.
   std::vector<std::vector<VariablePtr>> slots_;
   std::vector<std::pair<std::string, VariablePtr>> slot_list_;
+  int accumulation_steps_ = 1;
+  std::vector<VariablePtr> accumulators_;  // per variable, when accumulating
 };
 
 }  // namespace tandem::keras

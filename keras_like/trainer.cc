@@ -1,43 +1,38 @@
-// The model's graph and its steps. One graph holds both passes:
+// The model's graph and its steps, on every replica of the model's strategy.
+//
+// One graph holds both passes:
 //   training:  inputs -> layers (training=true) -> per-example losses -> total loss
 //              -> gradients of (total loss * loss_scale) with respect to the trainable weights,
 //              plus metric sums and the layers' updates (BatchNormalization's moving statistics);
 //   inference: inputs -> layers (training=false) -> outputs, losses and metric sums.
-// loss_scale is fed as 1 / global batch size: each replica sums its examples' losses and scales
-// by the global batch, so that gradients summed over replicas are the gradient of the mean.
-// Each replica runs its own Executor of the graph, bound to its copies of the variables.
+// Each replica runs its own Executor of the graph on its device, bound to its copies of the
+// variables, on its shard of the global batch. loss_scale is fed as 1 / global batch size: each
+// replica sums its examples' losses and scales by the global batch, so the gradients summed over
+// replicas are the gradient of the mean, and equal one device's on the same examples.
+//
+// Gradients are all-reduced in buckets, in the order backward produces them (reverse layer
+// order; the first bucket small, then up to DistributionOptions::bucket_bytes, as PyTorch DDP
+// does). With overlap, a replica's communication thread reduces a bucket as soon as its last
+// gradient is computed, while backward goes on; otherwise all buckets are reduced after backward.
+// Every replica then applies the same reduced gradients to its own copies.
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <mutex>
 #include <string_view>
+#include <thread>
 
 #include "tandem/base/random.h"
 #include "tandem/graph/autodiff.h"
+#include "tandem/graph/op_registry.h"
 #include "tandem/keras_like/detail/model_state.h"
 #include "tandem/ops/ops.h"
 
 namespace tandem::keras::detail {
-
-struct Trainer::Graphs {
-  std::shared_ptr<Graph> graph = std::make_shared<Graph>();
-  std::vector<Output> x, y;
-  Output loss_scale;
-  CallContext::VariableNodes variables;
-  std::vector<VariablePtr> trainable;
-  std::vector<std::pair<VariablePtr, Output>> updates;
-  // Fetch lists: [loss, output losses..., metrics..., (train) gradients..., updates...]
-  std::vector<Output> train_fetches, test_fetches, predict_fetches;
-  std::size_t num_sums = 0;  // fetched scalars before the gradients
-  std::vector<std::unique_ptr<graph::Executor>> executors;  // one per replica
-  std::vector<graph::Feed> feeds;                            // reused every step
-  Tensor loss_scale_value;
-  // TANDEM_PROFILE=1: kernel times per op (executor), and the time spent around the graph.
-  bool profile = false;
-  std::int64_t steps = 0;
-  double step_seconds = 0, apply_seconds = 0;
-};
 
 namespace {
 
@@ -65,7 +60,216 @@ std::string spec_string(const std::vector<graph::TensorSpec>& specs) {
   return out;
 }
 
+// Whether a value is read by another node of the graph (or is a view of one): such a gradient
+// cannot be all-reduced in place while backward goes on.
+bool shared_with_other_nodes(const Graph& graph, Output value) {
+  if (value.producer().op->forwards_input >= 0) return true;
+  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
+    for (const auto& in : graph.node(id).inputs) {
+      if (in == value) return true;
+    }
+  }
+  return false;
+}
+
+// value *= factor, on the host (a few per-channel statistics: no kernel needed).
+void scale_in_place(Tensor& value, double factor) {
+  Tensor host = value.to(devices::default_cpu_device());
+  if (&host.device() != &value.device()) host = host.clone();
+  graph::dispatch<graph::FloatTypes>(host.dtype(), "scale", [&]<class T>() {
+    T* p = host.data<T>();
+    for (std::int64_t i = 0; i < host.num_elements(); ++i) p[i] = static_cast<T>(p[i] * factor);
+  });
+  if (host.raw_data() != value.raw_data()) value.copy_from(host);
+}
+
 }  // namespace
+
+// Gradient buckets: which gradients each holds, and the order every replica reduces them in.
+struct BucketPlan {
+  std::vector<std::vector<std::size_t>> buckets;     // gradient indices per bucket
+  std::vector<std::size_t> bucket_of;                // per gradient
+  std::vector<std::size_t> order;                    // buckets in the order backward completes them
+  std::map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
+};
+
+struct Trainer::Graphs {
+  std::shared_ptr<Graph> graph = std::make_shared<Graph>();
+  std::vector<Output> x, y;
+  Output loss_scale;
+  CallContext::VariableNodes variables;
+  std::vector<VariablePtr> trainable;
+  std::vector<std::pair<VariablePtr, Output>> updates;
+  // Fetch lists: [loss, output losses..., metrics..., (train) gradients..., updates...]
+  std::vector<Output> train_fetches, test_fetches, predict_fetches;
+  std::size_t num_sums = 0;  // fetched scalars before the gradients
+  BucketPlan buckets;
+  // TANDEM_PROFILE=1: kernel times per op (replica 0's executor), printed with `times`.
+  bool profile = false;
+  TrainingTimes times;  // always kept (three clock reads a step): Model::training_times()
+};
+
+// Reduces a replica's gradient buckets on its own thread while the replica's backward goes on.
+class CommThread {
+ public:
+  CommThread() : thread_([this] { loop(); }) {}
+  ~CommThread() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  // Queues work for this step; called by the replica's thread.
+  void submit(std::function<void()> work) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    wake_.notify_all();
+  }
+  // Blocks until everything submitted has run; rethrows the first error.
+  void drain() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    if (error_) {
+      auto e = std::exchange(error_, nullptr);
+      std::rethrow_exception(e);
+    }
+  }
+  // Called at the start of a step: waits for work left by a failed step (its collectives were
+  // aborted, so this is quick) and forgets that step's error.
+  void reset() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    error_ = nullptr;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      auto work = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+      busy_ = true;
+      const bool failed = error_ != nullptr;  // after an error the rest of the step's work is dropped
+      lock.unlock();
+      try {
+        if (!failed) work();
+      } catch (...) {
+        std::lock_guard error_lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      lock.lock();
+      busy_ = false;
+      if (queue_.empty()) idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::vector<std::function<void()>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+struct Trainer::Replica : graph::NodeObserver {
+  int index = 0;
+  Trainer* trainer = nullptr;
+  std::unique_ptr<graph::Executor> executor;
+  std::vector<graph::Feed> feeds;
+  Tensor loss_scale_value;
+  // This step's gradients: views of the executor's outputs, or zeros for an empty shard.
+  std::vector<Tensor> grads;
+  std::vector<Tensor> zero_grads;
+  std::vector<int> bucket_pending;
+  std::size_t next_bucket = 0;  // position in BucketPlan::order of the next bucket to reduce
+  bool reduce_now = false;      // this step reduces gradients (not an accumulation micro-step)
+  bool overlap = false;
+  std::unique_ptr<CommThread> comm;
+  StepSums sums;
+
+  // A node finished: record its gradients, and hand every bucket that is now complete (in order)
+  // to the communication thread, except the last: backward is over when it completes, so the
+  // replica's own thread reduces it (a hand-off to another thread would only add a wake-up).
+  void node_done(int node_id, std::span<Tensor* const> outputs) override {
+    const auto& plan = trainer->graphs_->buckets;
+    const auto it = plan.grads_of_node.find(node_id);
+    if (it == plan.grads_of_node.end()) return;
+    for (const auto& [grad, out] : it->second) {
+      grads[grad] = *outputs[static_cast<std::size_t>(out)];
+      --bucket_pending[plan.bucket_of[grad]];
+    }
+    if (!reduce_now || !overlap) return;
+    while (next_bucket + 1 < plan.order.size() && bucket_pending[plan.order[next_bucket]] == 0) {
+      const std::size_t bucket = plan.order[next_bucket++];
+      comm->submit([this, bucket] { trainer->reduce_bucket(*this, bucket); });
+    }
+  }
+};
+
+// Metric state of one phase: SyncOnRead scalars per (loss, output loss, metric), plus the example
+// count, one copy per replica; reading sums the copies (TF's metrics under a strategy).
+struct Trainer::Metrics {
+  std::vector<VariablePtr> sums;  // [loss, output losses..., metrics...]
+  VariablePtr count;
+
+  Metrics(strategy::Strategy& strategy, std::size_t num_sums, const std::string& phase) {
+    const auto make = [&](const std::string& name) {
+      strategy::VariableOptions options;
+      options.name = fmt::format("metrics/{}/{}", phase, name);
+      options.initial_value = Tensor::scalar<double>(0.0);
+      options.trainable = false;
+      options.synchronization = strategy::VariableSynchronization::kOnRead;
+      options.aggregation = strategy::VariableAggregation::kSum;
+      return strategy.create_variable(std::move(options));
+    };
+    for (std::size_t i = 0; i < num_sums; ++i) sums.push_back(make(fmt::format("sum_{}", i)));
+    count = make("count");
+  }
+  void reset() {
+    for (auto& v : sums) v->assign(Tensor::scalar<double>(0.0));
+    count->assign(Tensor::scalar<double>(0.0));
+  }
+  // Called by replica `r` (its own copies only).
+  void add(int r, const StepSums& step) {
+    const auto bump = [&](const VariablePtr& v, double value) {
+      Tensor& copy = v->value(r);
+      if (copy.device().host_accessible()) {
+        copy.data<double>()[0] += value;
+      } else {
+        const double total = copy.item<double>() + value;
+        copy.copy_from(Tensor::scalar<double>(total));
+      }
+    };
+    std::size_t k = 0;
+    bump(sums[k++], step.loss);
+    for (double v : step.output_loss) bump(sums[k++], v);
+    for (double v : step.metrics) bump(sums[k++], v);
+    bump(count, static_cast<double>(step.examples));
+  }
+  double read(std::size_t i) const { return total(*sums[i]); }
+  double examples() const { return total(*count); }
+  // The copies' sum (what read_value() gives), without a host copy when they are in host memory:
+  // the progress bar reads every metric after every batch.
+  static double total(const Variable& v) {
+    double t = 0;
+    for (int r = 0; r < v.num_replicas(); ++r) {
+      const Tensor& copy = v.value(r);
+      if (!copy.device().host_accessible()) return v.read_value().item<double>();
+      t += copy.data<double>()[0];
+    }
+    return t;
+  }
+};
 
 Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& element_spec, bool with_targets)
     : model_(model), element_spec_(element_spec), with_targets_(with_targets), graphs_(std::make_unique<Graphs>()) {
@@ -156,35 +360,87 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     std::vector<Output> xs;
     for (const auto& w : g.trainable) xs.push_back(train_ctx.read(w));
     const Output scaled = train_total * ops::cast(g.loss_scale, train_total.dtype());
-    const auto grads = graph::gradients({&scaled, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
+    auto grads = graph::gradients({&scaled, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
+    // A gradient that other nodes still read (or a view of one) gets its own buffer, so that it can
+    // be all-reduced in place while backward runs.
+    for (auto& grad : grads) {
+      if (shared_with_other_nodes(graph, grad)) grad = ops::copy(grad);
+    }
     g.train_fetches.insert(g.train_fetches.end(), grads.begin(), grads.end());
     for (const auto& [variable, value] : g.updates) g.train_fetches.push_back(value);
     model.optimizer->build(g.trainable);
+
+    // Buckets in reverse layer order: the first small, so that communication starts early. A
+    // gradient larger than a bucket gets a bucket of its own.
+    const auto& options = model.strategy->distribution_options();
+    auto& plan = g.buckets;
+    plan.bucket_of.assign(grads.size(), 0);
+    std::int64_t bytes = 0;
+    for (std::size_t k = grads.size(); k-- > 0;) {
+      const std::int64_t limit = plan.buckets.size() == 1 ? options.first_bucket_bytes : options.bucket_bytes;
+      const std::int64_t size =
+          g.trainable[k]->shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(g.trainable[k]->dtype()));
+      const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit);
+      if (starts_new) {
+        plan.buckets.emplace_back();
+        bytes = 0;
+      }
+      plan.buckets.back().push_back(k);
+      plan.bucket_of[k] = plan.buckets.size() - 1;
+      bytes += size;
+      plan.grads_of_node[grads[k].node].emplace_back(k, grads[k].index);
+    }
+    // Backward completes a bucket with its last-computed gradient: the order is by that node.
+    std::vector<std::pair<int, std::size_t>> completion;
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      int last = -1;
+      for (auto k : plan.buckets[b]) last = std::max(last, grads[k].node);
+      completion.emplace_back(last, b);
+    }
+    std::sort(completion.begin(), completion.end());
+    for (const auto& [node, b] : completion) plan.order.push_back(b);
   }
 
-  // One executor per replica, bound to that replica's copies.
+  // One replica per device of the strategy, with an executor bound to that replica's copies.
   const char* profile = std::getenv("TANDEM_PROFILE");
   g.profile = profile != nullptr && std::string_view(profile) != "0";
   const auto& devices = model.strategy->replica_devices();
   for (std::size_t r = 0; r < devices.size(); ++r) {
-    auto executor = std::make_unique<graph::Executor>(g.graph, *devices[r],
-                                                      graph::ExecutorOptions{.seed = mix_seed(r), .profile = g.profile});
+    auto replica = std::make_unique<Replica>();
+    replica->index = static_cast<int>(r);
+    replica->trainer = this;
+    replica->executor = std::make_unique<graph::Executor>(g.graph, *devices[r],
+                                                          graph::ExecutorOptions{.seed = mix_seed(r), .profile = g.profile});
     for (const auto& variable : g.variables.variables) {
-      executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
+      TANDEM_REQUIRE(&variable->strategy() == model.strategy, FailedPrecondition,
+                     "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "
+                     "every variable inside the strategy's scope",
+                     model.name, variable->name(), variable->strategy().name(), model.strategy->name());
+      replica->executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
     }
-    g.executors.push_back(std::move(executor));
+    replica->loss_scale_value = Tensor::scalar<float>(1.0f);
+    replica->overlap = model.strategy->distribution_options().overlap_communication && devices.size() > 1;
+    if (replica->overlap) replica->comm = std::make_unique<CommThread>();
+    replicas_.push_back(std::move(replica));
   }
-  g.loss_scale_value = Tensor::scalar<float>(1.0f);
+  if (with_targets && model.compiled) {
+    train_metrics_ = std::make_unique<Metrics>(*model.strategy, g.num_sums, "train");
+    test_metrics_ = std::make_unique<Metrics>(*model.strategy, g.num_sums, "test");
+  }
 }
 
 Trainer::~Trainer() {
   const auto& g = *graphs_;
-  if (!g.profile || g.steps == 0) return;
+  const auto& t = g.times;
+  if (!g.profile || t.steps == 0) return;
   // Printed when the trainer goes away (the model is rebuilt or destroyed).
-  const auto per_step = [&](double seconds) { return 1e3 * seconds / static_cast<double>(g.steps); };
-  std::fprintf(stderr, "TANDEM_PROFILE model \"%s\": %lld training steps, %.3f ms/step (optimizer %.3f ms/step)\n",
-               model_.name.c_str(), static_cast<long long>(g.steps), per_step(g.step_seconds), per_step(g.apply_seconds));
-  for (const auto& entry : g.executors.front()->profile()) {
+  const auto per_step = [&](double seconds) { return 1e3 * seconds / static_cast<double>(t.steps); };
+  std::fprintf(stderr,
+               "TANDEM_PROFILE model \"%s\": %lld training steps on %zu replica(s), %.3f ms/step (waiting for "
+               "gradient all-reduce %.3f, optimizer %.3f ms/step; replica 0's kernels below)\n",
+               model_.name.c_str(), static_cast<long long>(t.steps), replicas_.size(), per_step(t.step_seconds),
+               per_step(t.reduce_wait_seconds), per_step(t.apply_seconds));
+  for (const auto& entry : replicas_.front()->executor->profile()) {
     std::fprintf(stderr, "  %-40s %8lld calls %10.3f ms/step\n", entry.op.c_str(), static_cast<long long>(entry.calls),
                  per_step(entry.seconds));
   }
@@ -205,74 +461,238 @@ bool Trainer::accepts(const std::vector<graph::TensorSpec>& element_spec, bool w
   return true;
 }
 
-const std::vector<graph::Feed>& Trainer::feeds(const data::Element& batch, bool with_targets) {
+// One gradient bucket, all-reduced (SUM) across replicas in place. On an update step after
+// accumulated micro-steps, this replica's accumulated gradients are added first.
+void Trainer::reduce_bucket(Replica& replica, std::size_t bucket) {
+  const auto& indices = graphs_->buckets.buckets[bucket];
+  std::vector<Tensor> tensors;
+  tensors.reserve(indices.size());
+  auto& optimizer = *model_.optimizer;
+  for (auto k : indices) {
+    optimizer.add_accumulated(replica.index, k, replica.grads[k]);
+    tensors.push_back(replica.grads[k]);
+  }
+  auto& comm = model_.strategy->communicator(replica.index);
+  if (comm.size() > 1) {
+    comm.all_reduce(tensors, collective::ReduceOp::kSum,
+                    {.timeout = model_.strategy->distribution_options().collective_timeout});
+  }
+}
+
+void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update) {
   auto& g = *graphs_;
-  std::vector<graph::Feed>& f = g.feeds;
-  f.clear();
-  for (std::size_t i = 0; i < g.x.size(); ++i) f.emplace_back(g.x[i], batch[i]);
-  if (with_targets) {
-    for (std::size_t j = 0; j < g.y.size(); ++j) f.emplace_back(g.y[j], batch[g.x.size() + j]);
+  Replica& replica = *replicas_[static_cast<std::size_t>(r)];
+  const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
+  const auto& plan = g.buckets;
+  if (replica.comm) replica.comm->reset();
+  replica.grads.assign(g.trainable.size(), Tensor());
+  replica.bucket_pending.assign(plan.buckets.size(), 0);
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) replica.bucket_pending[b] = static_cast<int>(plan.buckets[b].size());
+  replica.next_bucket = 0;
+  replica.reduce_now = update;
+  replica.sums = StepSums{};
+  std::vector<Tensor> fetched;
+  if (rows > 0) {
+    auto& feeds = replica.feeds;
+    feeds.clear();
+    for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
+    for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
     // Scaled by the global batch: the sum over every replica's examples becomes a mean.
-    g.loss_scale_value.data<float>()[0] = 1.0f / static_cast<float>(std::max<std::int64_t>(1, batch[0].shape()[0]));
-    f.emplace_back(g.loss_scale, g.loss_scale_value);
+    replica.loss_scale_value.data<float>()[0] = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
+    feeds.emplace_back(g.loss_scale, replica.loss_scale_value);
+    fetched = replica.executor->run(feeds, g.train_fetches, {.observer = &replica});
+    const auto scalar = [&](std::size_t i) { return static_cast<double>(fetched[i].item<float>()); };
+    replica.sums.loss = scalar(0);
+    std::size_t k = 1;
+    if (model_.outputs.size() > 1) {
+      for (std::size_t j = 0; j < model_.outputs.size(); ++j) replica.sums.output_loss.push_back(scalar(k++));
+    }
+    for (; k < g.num_sums; ++k) replica.sums.metrics.push_back(scalar(k));
+    replica.sums.examples = rows;
+  } else {
+    // An empty shard (the last batch had fewer examples than replicas): nothing to run, but the
+    // replica still takes part in every collective, with zero gradients.
+    if (replica.zero_grads.empty()) {
+      for (const auto& w : g.trainable) replica.zero_grads.push_back(Tensor::zeros(w->shape(), w->dtype(), w->value(r).device()));
+    }
+    for (std::size_t k = 0; k < g.trainable.size(); ++k) {
+      Tensor& z = replica.zero_grads[k];
+      z.device().fill_zero(z.raw_data(), z.nbytes());
+      replica.grads[k] = z;
+    }
+    std::fill(replica.bucket_pending.begin(), replica.bucket_pending.end(), 0);
+    replica.sums.output_loss.assign(model_.outputs.size() > 1 ? model_.outputs.size() : 0, 0.0);
+    replica.sums.metrics.assign(g.num_sums - 1 - replica.sums.output_loss.size(), 0.0);
   }
-  return f;
+
+  const auto reducing = std::chrono::steady_clock::now();
+  if (update) {
+    if (replica.overlap && rows > 0) {
+      replica.comm->drain();  // the buckets handed over during backward; then the rest, in order
+      while (replica.next_bucket < plan.order.size()) reduce_bucket(replica, plan.order[replica.next_bucket++]);
+    } else {
+      for (const std::size_t b : plan.order) reduce_bucket(replica, b);
+    }
+  }
+  const auto applying = std::chrono::steady_clock::now();
+  auto& optimizer = *model_.optimizer;
+  if (update) {
+    optimizer.apply(r, replica.grads);
+  } else {
+    optimizer.accumulate(r, replica.grads);  // a micro-step: no all-reduce (DDP's no_sync)
+  }
+  // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
+  // so that every copy stays equal.
+  auto& comm = model_.strategy->communicator(r);
+  for (std::size_t u = 0; u < g.updates.size(); ++u) {
+    const VariablePtr& variable = g.updates[u].first;
+    Tensor value;
+    if (rows > 0) {
+      value = fetched[g.num_sums + g.trainable.size() + u].clone();
+    } else {
+      value = Tensor::zeros(variable->shape(), variable->dtype(), variable->value(r).device());
+    }
+    if (comm.size() > 1) {
+      const double weight = static_cast<double>(rows) / static_cast<double>(std::max<std::int64_t>(1, global_examples));
+      scale_in_place(value, weight);
+      comm.all_reduce(value, collective::ReduceOp::kSum,
+                      {.timeout = model_.strategy->distribution_options().collective_timeout});
+    }
+    variable->value(r).copy_from(value);
+  }
+  train_metrics_->add(r, replica.sums);
+  if (r == 0) {
+    const auto end = std::chrono::steady_clock::now();
+    g.times.reduce_wait_seconds += std::chrono::duration<double>(applying - reducing).count();
+    g.times.apply_seconds += std::chrono::duration<double>(end - applying).count();
+  }
 }
 
-StepSums Trainer::read_sums(const std::vector<Tensor>& fetched) const {
-  StepSums sums;
-  const std::size_t n_out = model_.outputs.size();
-  const auto scalar = [&](std::size_t i) { return static_cast<double>(fetched[i].item<float>()); };
-  sums.loss = scalar(0);
-  std::size_t k = 1;
-  if (n_out > 1) {
-    for (std::size_t j = 0; j < n_out; ++j) sums.output_loss.push_back(scalar(k++));
-  }
-  for (; k < graphs_->num_sums; ++k) sums.metrics.push_back(scalar(k));
-  return sums;
-}
-
-StepSums Trainer::train_step(const data::Element& batch) {
+void Trainer::train_step(const data::Element& batch) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.train_fetches.empty(), FailedPrecondition,
                  "model \"{}\": training needs a compiled model and data with targets", model_.name);
-  TANDEM_REQUIRE(model_.strategy->num_replicas_in_sync() == 1, Unimplemented,
-                 "model \"{}\": training under {} needs the cross-replica gradient reduction (MirroredStrategy)",
-                 model_.name, model_.strategy->name());
   const auto start = std::chrono::steady_clock::now();
-  const auto fetched = g.executors[0]->run(feeds(batch, true), g.train_fetches);
-  StepSums sums = read_sums(fetched);
-  sums.examples = batch[0].shape()[0];
-  const auto applying = std::chrono::steady_clock::now();
-  const std::vector<Tensor> grads(fetched.begin() + static_cast<std::ptrdiff_t>(g.num_sums),
-                                  fetched.begin() + static_cast<std::ptrdiff_t>(g.num_sums + g.trainable.size()));
-  model_.optimizer->apply(0, grads);
+  const std::int64_t examples = batch.empty() ? 0 : batch[0].shape()[0];
+  const bool update = model_.optimizer->is_update_step();
+  auto& strategy = *model_.strategy;
+  if (replicas_.size() == 1) {
+    run_replica_step(0, batch, examples, update);
+  } else {
+    const auto shards = strategy.split_batch(batch);
+    strategy.run([&](strategy::ReplicaContext& ctx) {
+      const int r = ctx.replica_id_in_sync_group();
+      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update);
+    });
+  }
   model_.optimizer->finish_step();
-  for (std::size_t u = 0; u < g.updates.size(); ++u) {
-    g.updates[u].first->value(0).copy_from(fetched[g.num_sums + g.trainable.size() + u]);
-  }
-  if (g.profile) {
-    const auto end = std::chrono::steady_clock::now();
-    g.steps += 1;
-    g.step_seconds += std::chrono::duration<double>(end - start).count();
-    g.apply_seconds += std::chrono::duration<double>(end - applying).count();
-  }
-  return sums;
+  g.times.steps += 1;
+  g.times.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-StepSums Trainer::test_step(const data::Element& batch) {
+TrainingTimes Trainer::times() const { return graphs_->times; }
+
+void Trainer::test_step(const data::Element& batch) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.test_fetches.empty(), FailedPrecondition,
                  "model \"{}\": evaluation needs a compiled model and data with targets", model_.name);
-  const auto fetched = g.executors[0]->run(feeds(batch, true), g.test_fetches);
-  StepSums sums = read_sums(fetched);
-  sums.examples = batch[0].shape()[0];
-  return sums;
+  const auto body = [&](int r, const data::Element& shard) {
+    Replica& replica = *replicas_[static_cast<std::size_t>(r)];
+    const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
+    if (rows == 0) return;
+    auto& feeds = replica.feeds;
+    feeds.clear();
+    for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
+    for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
+    const auto fetched = replica.executor->run(feeds, g.test_fetches);
+    StepSums sums;
+    sums.loss = fetched[0].item<float>();
+    std::size_t k = 1;
+    if (model_.outputs.size() > 1) {
+      for (std::size_t j = 0; j < model_.outputs.size(); ++j) sums.output_loss.push_back(fetched[k++].item<float>());
+    }
+    for (; k < g.num_sums; ++k) sums.metrics.push_back(fetched[k].item<float>());
+    sums.examples = rows;
+    test_metrics_->add(r, sums);
+  };
+  if (replicas_.size() == 1) {
+    body(0, batch);
+    return;
+  }
+  const auto shards = model_.strategy->split_batch(batch);
+  model_.strategy->run([&](strategy::ReplicaContext& ctx) {
+    body(ctx.replica_id_in_sync_group(), shards[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]);
+  });
 }
 
 std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
   auto& g = *graphs_;
-  return g.executors[0]->run(feeds(batch, false), g.predict_fetches);
+  const auto body = [&](int r, const data::Element& shard) {
+    Replica& replica = *replicas_[static_cast<std::size_t>(r)];
+    auto& feeds = replica.feeds;
+    feeds.clear();
+    for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
+    std::vector<Tensor> out;
+    for (const auto& t : replica.executor->run(feeds, g.predict_fetches)) out.push_back(t.to(devices::default_cpu_device()).clone());
+    return out;
+  };
+  if (replicas_.size() == 1) return body(0, batch);
+  const auto shards = model_.strategy->split_batch(batch);
+  std::vector<std::vector<Tensor>> parts(replicas_.size());
+  model_.strategy->run([&](strategy::ReplicaContext& ctx) {
+    const auto r = static_cast<std::size_t>(ctx.replica_id_in_sync_group());
+    if (!shards[r].empty() && shards[r][0].shape()[0] > 0) parts[r] = body(static_cast<int>(r), shards[r]);
+  });
+  // The replicas' outputs, concatenated in replica order.
+  std::vector<Tensor> result;
+  for (std::size_t j = 0; j < g.predict_fetches.size(); ++j) {
+    std::int64_t rows = 0;
+    Tensor first;
+    for (const auto& p : parts) {
+      if (p.empty()) continue;
+      rows += p[j].shape()[0];
+      if (!first.defined()) first = p[j];
+    }
+    Shape shape = first.shape();
+    shape[0] = rows;
+    Tensor out = Tensor::empty(shape, first.dtype());
+    std::size_t offset = 0;
+    for (const auto& p : parts) {
+      if (p.empty()) continue;
+      std::memcpy(static_cast<char*>(out.raw_data()) + offset, p[j].raw_data(), p[j].nbytes());
+      offset += p[j].nbytes();
+    }
+    result.push_back(std::move(out));
+  }
+  return result;
+}
+
+void Trainer::reset_metrics(Phase phase) {
+  auto& metrics = phase == Phase::kTrain ? train_metrics_ : test_metrics_;
+  if (metrics) metrics->reset();
+}
+
+void Trainer::write_logs(Phase phase, Logs& logs, std::string_view prefix) const {
+  const auto& metrics = phase == Phase::kTrain ? train_metrics_ : test_metrics_;
+  if (!metrics) return;
+  const double n = std::max(1.0, metrics->examples());
+  std::size_t k = 0;
+  logs.set(fmt::format("{}loss", prefix), metrics->read(k++) / n);
+  const bool several = model_.compiled_outputs.size() > 1;
+  if (several) {
+    for (const auto& out : model_.compiled_outputs) logs.set(fmt::format("{}{}_loss", prefix, out.name), metrics->read(k++) / n);
+  }
+  for (const auto& out : model_.compiled_outputs) {
+    for (const auto& [metric, name] : out.metrics) {
+      logs.set(several ? fmt::format("{}{}_{}", prefix, out.name, name) : fmt::format("{}{}", prefix, name),
+               metrics->read(k++) / n);
+    }
+  }
+}
+
+void Trainer::check_replicas_agree() const {
+  if (replicas_.size() < 2) return;
+  for (const auto& v : graphs_->variables.variables) v->check_copies_equal();
 }
 
 }  // namespace tandem::keras::detail

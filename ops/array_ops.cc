@@ -33,6 +33,7 @@ Output fill(Graph& graph, const Shape& shape, double value, DType dtype) {
 Output zeros_like(Output x) { return add_op("ZerosLike", {x}); }
 Output ones_like(Output x) { return add_op("OnesLike", {x}); }
 Output identity(Output x) { return add_op("Identity", {x}); }
+Output copy(Output x) { return add_op("Copy", {x}); }
 Output stop_gradient(Output x) { return add_op("StopGradient", {x}); }
 Output scalar_like(Output x, double value) {
   TANDEM_REQUIRE(x.defined(), InvalidArgument, "scalar_like: x is undefined");
@@ -172,6 +173,7 @@ void register_array_ops() {
          .forwards_input = 0});
   // No gradient function: gradients stop here.
   r.add({.name = "StopGradient", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .forwards_input = 0});
+  r.add({.name = "Copy", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .grad_fn = identity_grad});
   r.add({.name = "Transpose", .min_inputs = 1, .max_inputs = 1, .shape_fn = transpose_shape, .grad_fn = transpose_grad});
   r.add({.name = "Cast", .min_inputs = 1, .max_inputs = 1, .shape_fn = cast_shape, .grad_fn = cast_grad});
   r.add({.name = "ArgMax", .min_inputs = 1, .max_inputs = 1, .shape_fn = argmax_shape});

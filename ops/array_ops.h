@@ -28,6 +28,8 @@ Output fill(Graph& graph, const Shape& shape, double value, DType dtype = DType:
 Output zeros_like(Output x);
 Output ones_like(Output x);
 Output identity(Output x);
+// A copy of x in its own buffer (Identity is a view); its gradient is the incoming gradient.
+Output copy(Output x);
 // Identity whose gradient is zero (no gradient flows back through it).
 Output stop_gradient(Output x);
 // A constant scalar of x's dtype (broadcasts against x).

@@ -1,6 +1,7 @@
 // A small CNN on Fashion-MNIST: Conv 32 3x3, max-pool, Conv 64 3x3, max-pool, Dense 128, Dense 10.
 //
-//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--expect-accuracy A]
+//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//                            [--expect-accuracy A]
 #include <tandem/keras_like/keras.h>
 
 #include <cstdio>
@@ -15,10 +16,13 @@ int main(int argc, char** argv) try {
   if (args.help) return 0;
   set_global_seed(args.seed);
 
-  tandem::OneDeviceStrategy strategy("CPU:0");
+  // The one line that moves this model from one device to all of them; --strategy picks between
+  //   tandem::OneDeviceStrategy strategy("CPU:0");
+  //   tandem::MirroredStrategy strategy;  // every GPU, else every logical CPU device (the default)
+  auto strategy = samples::make_strategy(args);
   keras::Model model;
   {
-    auto scope = strategy.scope();
+    auto scope = strategy->scope();
     model = keras::Sequential({keras::Input({28, 28}), keras::Reshape({28, 28, 1}),
                                keras::Conv2D(32, {3, 3}, "relu"), keras::MaxPooling2D(),
                                keras::Conv2D(64, {3, 3}, "relu"), keras::MaxPooling2D(), keras::Flatten(),

@@ -1,6 +1,7 @@
 // The Keras "basic classification" tutorial in tandem: Fashion-MNIST with a one-hidden-layer MLP.
 //
-//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--expect-accuracy A]
+//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//                            [--expect-accuracy A]
 //
 // Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
 #include <tandem/keras_like/keras.h>
@@ -17,10 +18,13 @@ int main(int argc, char** argv) try {
   if (args.help) return 0;
   set_global_seed(args.seed);
 
-  tandem::OneDeviceStrategy strategy("CPU:0");  // the one line a distributed run changes
+  // The one line that moves this model from one device to all of them; --strategy picks between
+  //   tandem::OneDeviceStrategy strategy("CPU:0");
+  //   tandem::MirroredStrategy strategy;  // every GPU, else every logical CPU device (the default)
+  auto strategy = samples::make_strategy(args);
   keras::Model model;
   {
-    auto scope = strategy.scope();
+    auto scope = strategy->scope();
     model = keras::Sequential({keras::Input({28, 28}), keras::Flatten(), keras::Dense(128, "relu"), keras::Dense(10)});
     model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }

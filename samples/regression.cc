@@ -1,6 +1,6 @@
 // The seed's regression example: compile("adam", "mse") and fit on generated data.
 //
-//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0]
+//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
 //
 // y = x . w_true + 0.5 + noise (sigma 0.1) with 8 features and w_true in [-1, 1]: the noise floor
 // of the MSE is 0.01. Adam at Keras's default learning rate (1e-3) moves each weight by about
@@ -18,6 +18,7 @@ int main(int argc, char** argv) try {
                                         "regression: a linear model fitted with Adam and MSE on generated data");
   if (args.help) return 0;
   set_global_seed(args.seed);
+  auto strategy = samples::make_strategy(args);  // OneDeviceStrategy or MirroredStrategy (before any tensor)
 
   constexpr int kFeatures = 8;
   constexpr int kExamples = 16384;
@@ -38,8 +39,12 @@ int main(int argc, char** argv) try {
   const Tensor x = Tensor::from_vector(xs, {kExamples, kFeatures});
   const Tensor y = Tensor::from_vector(ys, {kExamples, 1});
 
-  auto model = keras::Sequential({keras::Input({kFeatures}), keras::Dense(1)});
-  model.compile("adam", "mse");
+  keras::Model model;
+  {
+    auto scope = strategy->scope();
+    model = keras::Sequential({keras::Input({kFeatures}), keras::Dense(1)});
+    model.compile("adam", "mse");
+  }
   auto dataset = data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples).batch(args.batch);
   const auto history = model.fit(dataset, {.epochs = args.epochs, .verbose = args.verbose});
   const double mse = history.at("loss").back();

@@ -1,16 +1,25 @@
 #include "tandem/strategy/strategy.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <thread>
 #include <vector>
 
 #include "tandem/base/errors.h"
+#include "tandem/base/spin.h"
+
 
 namespace tandem::strategy {
 namespace {
 
 thread_local std::vector<Strategy*> tls_scope_stack;
 std::atomic<int> g_strategy_count{0};
+
+// Whether ops/ has CUDA kernels (the GPU backend issue turns this on with them).
+constexpr bool kGpuKernelsBuilt = false;
+// Replica threads poll this long for the next step before they sleep: longer than the gap
+// between two training steps, short enough that an idle strategy is idle.
+constexpr auto kReplicaSpin = std::chrono::milliseconds(5);
 
 std::string describe(const std::string& kind, const std::vector<devices::Device*>& devices) {
   std::string names;
@@ -20,14 +29,107 @@ std::string describe(const std::string& kind, const std::vector<devices::Device*
 
 class DefaultStrategy final : public Strategy {
  public:
-  DefaultStrategy() : Strategy("DefaultStrategy", {&devices::default_cpu_device()}) {}
+  DefaultStrategy()
+      : Strategy("DefaultStrategy", {&devices::default_cpu_device()}, std::make_shared<InProcessAllReduce>(), {}) {}
 };
+
+std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& names) {
+  std::vector<devices::Device*> out;
+  if (names.empty()) {
+    // GPUs count only when this build can run a model on them: until the GPU kernels exist,
+    // a machine with GPUs trains on its CPU devices rather than failing at the first op.
+    if (kGpuKernelsBuilt) out = devices::list_logical_devices(devices::DeviceType::kGPU);
+    if (out.empty()) out = devices::list_logical_devices(devices::DeviceType::kCPU);
+    return out;
+  }
+  for (const auto& name : names) {
+    devices::Device* d = &devices::get_device(name);  // NotFound lists the local devices
+    for (auto* seen : out) {
+      TANDEM_REQUIRE(seen != d, InvalidArgument, "MirroredStrategy: device {} is listed twice", d->short_name());
+    }
+    out.push_back(d);
+  }
+  return out;
+}
 
 }  // namespace
 
-Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices)
-    : name_(describe(kind, devices)), devices_(std::move(devices)) {
-  TANDEM_ASSERT(!devices_.empty(), "{} has no devices", kind);
+// One thread per replica after the first (which runs on the caller). Replica r always runs on
+// the same thread: replicas wait for each other inside collectives, so they must run at once.
+struct Strategy::ReplicaThreads {
+  // Polling only pays when every replica thread has a core: with more replicas than cores, a
+  // polling thread takes the core from the replica it waits for (a step then costs scheduler
+  // time slices, milliseconds; 3 replicas on 2 cores measured 150x slower with polling).
+  explicit ReplicaThreads(int replicas)
+      : spin(replicas <= devices::usable_cpu_cores() ? kReplicaSpin : std::chrono::microseconds(0)) {
+    for (int r = 1; r < replicas; ++r) workers.emplace_back([this, r] { loop(r); });
+  }
+  ~ReplicaThreads() {
+    {
+      std::lock_guard lock(mutex);
+      stopping = true;
+    }
+    ready.notify_all();
+    for (auto& w : workers) w.join();
+  }
+
+  void run(const std::function<void(int)>& fn) {
+    {
+      std::lock_guard lock(mutex);
+      body = &fn;
+      remaining.store(static_cast<int>(workers.size()), std::memory_order_relaxed);
+      generation.fetch_add(1, std::memory_order_release);
+    }
+    ready.notify_all();
+    fn(0);
+    const auto done = [&] { return remaining.load(std::memory_order_acquire) == 0; };
+    if (!poll_for(spin, done)) {
+      std::unique_lock lock(mutex);
+      finished.wait(lock, done);
+    }
+  }
+
+  void loop(int replica) {
+    std::uint64_t seen = 0;
+    while (true) {
+      poll_for(spin, [&] { return generation.load(std::memory_order_acquire) != seen; });
+      const std::function<void(int)>* fn = nullptr;
+      {
+        std::unique_lock lock(mutex);
+        ready.wait(lock, [&] { return stopping || generation.load(std::memory_order_relaxed) != seen; });
+        if (stopping) return;
+        seen = generation.load(std::memory_order_relaxed);
+        fn = body;
+      }
+      (*fn)(replica);  // fn catches everything (see Strategy::run)
+      if (remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard lock(mutex);
+        finished.notify_all();
+      }
+    }
+  }
+
+  const std::chrono::microseconds spin;
+  std::vector<std::thread> workers;
+  std::mutex mutex;
+  std::condition_variable ready, finished;
+  const std::function<void(int)>* body = nullptr;
+  std::atomic<std::uint64_t> generation{0};
+  std::atomic<int> remaining{0};
+  bool stopping = false;
+};
+
+Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices, std::shared_ptr<CrossDeviceOps> cross_device_ops,
+                   DistributionOptions distribution)
+    : name_(describe(kind, devices)),
+      devices_(std::move(devices)),
+      cross_device_ops_(std::move(cross_device_ops)),
+      distribution_(distribution) {
+  TANDEM_REQUIRE(!devices_.empty(), InvalidArgument, "{} has no devices", kind);
+  TANDEM_REQUIRE(distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0, InvalidArgument,
+                 "{}: bucket sizes must be positive (got {} and {} bytes)", name_, distribution_.first_bucket_bytes,
+                 distribution_.bucket_bytes);
+  if (cross_device_ops_ == nullptr) cross_device_ops_ = choose_cross_device_ops(devices_);
 }
 
 Strategy::~Strategy() = default;
@@ -55,54 +157,116 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
     copy.copy_from(options.initial_value);
     copies.push_back(std::move(copy));
   }
-  return std::make_shared<Variable>(*this, std::move(options), std::move(copies));
+  if (options.synchronization == VariableSynchronization::kOnRead) {
+    return std::make_shared<SyncOnReadVariable>(*this, std::move(options), std::move(copies));
+  }
+  return std::make_shared<MirroredVariable>(*this, std::move(options), std::move(copies));
+}
+
+collective::Communicator& Strategy::communicator(int replica) {
+  std::lock_guard lock(group_mutex_);
+  // An aborted group is not rebuilt here but at the start of the next run(): a replica of the
+  // failed run that asks now must get the aborted group (and fail at once), not a fresh group in
+  // which it would wait for peers that have given up.
+  if (group_.empty()) group_ = cross_device_ops_->make_group(devices_);
+  TANDEM_REQUIRE(replica >= 0 && replica < static_cast<int>(group_.size()), InvalidArgument,
+                 "{} has {} replicas; asked for the communicator of replica {}", name_, group_.size(), replica);
+  return *group_[static_cast<std::size_t>(replica)];
+}
+
+void Strategy::abort_collectives(const std::string& reason) {
+  std::lock_guard lock(group_mutex_);
+  for (auto& c : group_) c->abort(reason);
+  if (!group_.empty()) group_aborted_ = true;
 }
 
 void Strategy::run(const std::function<void(ReplicaContext&)>& fn) {
-  // One local replica per device; several replicas run in parallel threads.
   if (devices_.size() == 1) {
     ReplicaContext context(*this, 0);
     fn(context);
     return;
   }
-  std::vector<std::exception_ptr> errors(devices_.size());
-  std::vector<std::thread> threads;
-  for (std::size_t r = 0; r < devices_.size(); ++r) {
-    threads.emplace_back([&, r] {
+  {
+    // Create the group before the replicas start, so that none of them races to create it; a
+    // group aborted by a failed run is replaced (its ranks may be half-way through a collective).
+    std::lock_guard lock(group_mutex_);
+    if (group_aborted_) {
+      retired_groups_.push_back(std::move(group_));
+      group_.clear();
+      group_aborted_ = false;
+    }
+    if (group_.empty()) group_ = cross_device_ops_->make_group(devices_);
+  }
+  if (threads_ == nullptr) threads_ = std::make_unique<ReplicaThreads>(static_cast<int>(devices_.size()));
+  std::mutex error_mutex;
+  std::exception_ptr first_error;
+  const std::function<void(int)> body = [&](int replica) {
+    try {
+      ReplicaContext context(*this, replica);
+      fn(context);
+    } catch (...) {
+      bool first = false;
+      std::string what = "unknown error";
       try {
-        ReplicaContext context(*this, static_cast<int>(r));
-        fn(context);
+        throw;
+      } catch (const std::exception& e) {
+        what = e.what();
       } catch (...) {
-        errors[r] = std::current_exception();
       }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      {
+        std::lock_guard lock(error_mutex);
+        if (!first_error) {
+          first_error = std::current_exception();
+          first = true;
+        }
+      }
+      // The other replicas may be waiting for this one inside a collective: fail them now.
+      if (first) abort_collectives(fmt::format("replica {} on {} failed: {}", replica, devices_[static_cast<std::size_t>(replica)]->short_name(), what));
+    }
+  };
+  threads_->run(body);
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 Tensor Strategy::reduce(ReduceOp op, const std::vector<Tensor>& per_replica) const {
   TANDEM_REQUIRE(!per_replica.empty(), InvalidArgument, "{}: reduce of no values", name_);
-  auto& host = devices::default_cpu_device();
-  Tensor result = per_replica.front().to(host).clone();
-  graph::dispatch<graph::NumericTypes>(result.dtype(), "Strategy::reduce", [&]<class T>() {
-    T* out = result.data<T>();
-    const auto n = result.num_elements();
-    for (std::size_t r = 1; r < per_replica.size(); ++r) {
-      TANDEM_REQUIRE(per_replica[r].shape() == result.shape() && per_replica[r].dtype() == result.dtype(),
-                     InvalidArgument, "{}: reduce of replica {}'s {} {} with replica 0's {} {}", name_, r,
-                     per_replica[r].dtype(), per_replica[r].shape(), result.dtype(), result.shape());
-      const Tensor other = per_replica[r].to(host);
-      const T* in = other.data<T>();
-      for (std::int64_t i = 0; i < n; ++i) out[i] += in[i];
+  return reduce_on_host(op, per_replica, name_ + ": reduce");
+}
+
+std::vector<data::Element> Strategy::split_batch(const data::Element& global_batch) const {
+  const auto replicas = static_cast<std::int64_t>(devices_.size());
+  std::vector<data::Element> shards(static_cast<std::size_t>(replicas));
+  if (global_batch.empty()) return shards;
+  const std::int64_t n = global_batch.front().shape().rank() > 0 ? global_batch.front().shape()[0] : 1;
+  for (const auto& component : global_batch) {
+    TANDEM_REQUIRE(component.shape().rank() > 0 && component.shape()[0] == n, InvalidArgument,
+                   "{}: a batch's components must share their first dimension to be split; got {} and {}", name_,
+                   global_batch.front().shape(), component.shape());
+  }
+  std::int64_t offset = 0;
+  for (std::int64_t r = 0; r < replicas; ++r) {
+    const std::int64_t rows = n / replicas + (r < n % replicas ? 1 : 0);
+    for (const auto& component : global_batch) {
+      Shape shape = component.shape();
+      shape[0] = rows;
+      const std::size_t row_bytes = static_cast<std::size_t>(component.shape().num_elements() / std::max<std::int64_t>(1, n)) *
+                                    graph::dtype_size(component.dtype());
+      shards[static_cast<std::size_t>(r)].push_back(
+          Tensor(shape, component.dtype(), component.buffer(), component.byte_offset() + static_cast<std::size_t>(offset) * row_bytes));
     }
-    if (op == ReduceOp::kMean) {
-      for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(out[i] / static_cast<T>(per_replica.size()));
-    }
-  });
-  return result;
+    offset += rows;
+  }
+  return shards;
+}
+
+std::optional<std::vector<data::Element>> Strategy::DistributedIterator::next() {
+  auto element = iterator_->next();
+  if (!element) return std::nullopt;
+  return strategy_.split_batch(*element);
+}
+
+Strategy::DistributedIterator Strategy::experimental_distribute_dataset(const data::Dataset& dataset) const {
+  return DistributedIterator(*this, dataset.iterate());
 }
 
 int ReplicaContext::num_replicas_in_sync() const { return strategy_.num_replicas_in_sync(); }
@@ -111,11 +275,12 @@ devices::Device& ReplicaContext::device() const {
   return *strategy_.replica_devices()[static_cast<std::size_t>(replica_id_)];
 }
 
-Tensor ReplicaContext::all_reduce(ReduceOp /*op*/, const Tensor& value) {
-  TANDEM_REQUIRE(strategy_.num_replicas_in_sync() == 1, Unimplemented,
-                 "{}: all_reduce across {} replicas needs the collective layer (MirroredStrategy)", strategy_.name(),
-                 strategy_.num_replicas_in_sync());
-  return value;
+collective::Communicator& ReplicaContext::communicator() const { return strategy_.communicator(replica_id_); }
+
+Tensor ReplicaContext::all_reduce(ReduceOp op, const Tensor& value) {
+  Tensor result = value.clone();
+  communicator().all_reduce(result, op, {.timeout = strategy_.distribution_options().collective_timeout});
+  return result;
 }
 
 Strategy& default_strategy() {
@@ -128,6 +293,13 @@ Strategy& get_strategy() { return tls_scope_stack.empty() ? default_strategy() :
 bool has_strategy() { return !tls_scope_stack.empty(); }
 
 OneDeviceStrategy::OneDeviceStrategy(std::string_view device)
-    : Strategy("OneDeviceStrategy", {&devices::get_device(device)}) {}
+    : Strategy("OneDeviceStrategy", {&devices::get_device(device)}, std::make_shared<InProcessAllReduce>(), {}) {}
+
+MirroredStrategy::MirroredStrategy(MirroredOptions options)
+    : Strategy("MirroredStrategy", mirrored_devices(options.devices), std::move(options.cross_device_ops),
+               options.distribution) {}
+
+MirroredStrategy::MirroredStrategy(std::vector<std::string> devices)
+    : MirroredStrategy(MirroredOptions{.devices = std::move(devices)}) {}
 
 }  // namespace tandem::strategy

@@ -4,27 +4,46 @@
 // (Keras weights, optimizer slots, metric state) are created through it, one copy per replica.
 // Changing one line — the strategy — moves a model from one device to many:
 //
-//   tandem::OneDeviceStrategy strategy("CPU:0");       // later: MirroredStrategy, MultiWorker...
+//   tandem::OneDeviceStrategy strategy("CPU:0");       // or: tandem::MirroredStrategy strategy;
 //   { auto scope = strategy.scope(); model = keras::Sequential({...}); model.compile(...); }
 //   model.fit(dataset, {.epochs = 10});
 //
 // With no scope active, get_strategy() is the default strategy: one replica on the default device.
 #pragma once
 
+#include <chrono>
 #include <functional>
+#include <mutex>
+#include <optional>
 #include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "tandem/collective/communicator.h"
+#include "tandem/data/dataset.h"
 #include "tandem/devices/device.h"
+#include "tandem/strategy/cross_device_ops.h"
 #include "tandem/strategy/variable.h"
 
 namespace tandem::strategy {
 
-enum class ReduceOp { kSum, kMean };
+using collective::ReduceOp;
 
 class Strategy;
+
+// How a strategy's replicas exchange gradients during fit (the DDP reducer's knobs).
+struct DistributionOptions {
+  // Gradients are packed into buckets in reverse layer order; each bucket is all-reduced as soon
+  // as its last gradient is computed. The first bucket is small so that communication starts
+  // early (PyTorch DDP's defaults).
+  std::int64_t first_bucket_bytes = std::int64_t{1} << 20;
+  std::int64_t bucket_bytes = std::int64_t{25} << 20;
+  // All-reduce buckets on a communication thread while backward goes on (true), or all of them
+  // after backward (false).
+  bool overlap_communication = true;
+  std::chrono::milliseconds collective_timeout = collective::kDefaultTimeout;
+};
 
 // What a function run by Strategy::run sees: which replica it is, and collective operations
 // across the replicas in sync.
@@ -35,9 +54,10 @@ class ReplicaContext {
   int replica_id_in_sync_group() const { return replica_id_; }
   int num_replicas_in_sync() const;
   devices::Device& device() const;
-  // Combines `value` across the replicas in sync (each replica calls it; it blocks until all
-  // have). With one replica it returns the value.
+  // Combines `value` across the replicas in sync and returns the result (each replica calls it;
+  // it blocks until all have, or the strategy's collective timeout passes).
   Tensor all_reduce(ReduceOp op, const Tensor& value);
+  collective::Communicator& communicator() const;
 
  private:
   Strategy& strategy_;
@@ -46,7 +66,7 @@ class ReplicaContext {
 
 class Strategy {
  public:
-  virtual ~Strategy();
+  virtual ~Strategy();  // joins the replica threads
   Strategy(const Strategy&) = delete;
   Strategy& operator=(const Strategy&) = delete;
 
@@ -72,23 +92,62 @@ class Strategy {
   // This worker's replica devices, in replica order.
   const std::vector<devices::Device*>& replica_devices() const { return devices_; }
 
-  // A variable with one copy per replica device, each initialised to options.initial_value.
+  // A variable with one copy per replica device, each initialised to options.initial_value: a
+  // MirroredVariable, or a SyncOnReadVariable when options.synchronization is kOnRead.
   std::shared_ptr<Variable> create_variable(VariableOptions options);
 
-  // Calls fn once per local replica with its ReplicaContext (in parallel for several replicas)
-  // and returns when all have returned; the first exception is rethrown.
-  virtual void run(const std::function<void(ReplicaContext&)>& fn);
+  // Calls fn once per local replica with its ReplicaContext: replica 0 on the calling thread, the
+  // others on the strategy's replica threads, in parallel. Blocks until all have returned. When a
+  // replica throws, the strategy aborts its collectives, so that replicas waiting for it fail at
+  // once instead of waiting for their timeout, and the first error is rethrown here.
+  void run(const std::function<void(ReplicaContext&)>& fn);
   // Combines one tensor per local replica (host result).
-  virtual Tensor reduce(ReduceOp op, const std::vector<Tensor>& per_replica) const;
+  Tensor reduce(ReduceOp op, const std::vector<Tensor>& per_replica) const;
   // Whether this worker writes checkpoints and logs (the chief; always true on one worker).
   virtual bool should_checkpoint() const { return true; }
 
+  // The group communicator of one replica (created on first use with the cross-device ops).
+  collective::Communicator& communicator(int replica);
+  const CrossDeviceOps& cross_device_ops() const { return *cross_device_ops_; }
+  const DistributionOptions& distribution_options() const { return distribution_; }
+
+  // Splits a global batch into one shard per local replica along dimension 0, as evenly as
+  // possible (the first replicas get one more example; some may get none). Views, not copies.
+  std::vector<data::Element> split_batch(const data::Element& global_batch) const;
+  // Each element of `dataset` (a global batch) as one shard per replica: TF's
+  // experimental_distribute_dataset. next() of the returned iterator yields split_batch(element).
+  class DistributedIterator {
+   public:
+    DistributedIterator(const Strategy& strategy, std::unique_ptr<data::Iterator> it)
+        : strategy_(strategy), iterator_(std::move(it)) {}
+    std::optional<std::vector<data::Element>> next();
+
+   private:
+    const Strategy& strategy_;
+    std::unique_ptr<data::Iterator> iterator_;
+  };
+  DistributedIterator experimental_distribute_dataset(const data::Dataset& dataset) const;
+
  protected:
-  Strategy(std::string kind, std::vector<devices::Device*> devices);
+  // `cross_device_ops` null = chosen for the devices as TensorFlow does (choose_cross_device_ops).
+  Strategy(std::string kind, std::vector<devices::Device*> devices,
+           std::shared_ptr<CrossDeviceOps> cross_device_ops = nullptr, DistributionOptions distribution = {});
 
  private:
+  struct ReplicaThreads;
+  void abort_collectives(const std::string& reason);
+
   std::string name_;
   std::vector<devices::Device*> devices_;
+  std::shared_ptr<CrossDeviceOps> cross_device_ops_;
+  DistributionOptions distribution_;
+  std::mutex group_mutex_;
+  std::vector<std::unique_ptr<collective::Communicator>> group_;
+  bool group_aborted_ = false;
+  // Groups replaced after an abort stay alive: a communication thread of the failed step may
+  // still be returning from one of their (aborted) calls.
+  std::vector<std::vector<std::unique_ptr<collective::Communicator>>> retired_groups_;
+  std::unique_ptr<ReplicaThreads> threads_;
 };
 
 // The strategy of the innermost active scope on this thread, else the default strategy.
@@ -106,9 +165,28 @@ class OneDeviceStrategy final : public Strategy {
   explicit OneDeviceStrategy(std::string_view device);
 };
 
+struct MirroredOptions {
+  // Device names; default: every GPU (when this build has GPU kernels), or else every logical CPU
+  // device.
+  std::vector<std::string> devices;
+  // Default: chosen as TF does (NCCL when all devices are GPUs, else the in-process reduction).
+  std::shared_ptr<CrossDeviceOps> cross_device_ops;
+  DistributionOptions distribution;
+};
+
+// Synchronous data parallelism over the local devices: one replica per device, each running the
+// model on its shard of every global batch; gradients are summed across replicas and every
+// replica applies the same update to its own copy of each variable.
+class MirroredStrategy final : public Strategy {
+ public:
+  explicit MirroredStrategy(MirroredOptions options = {});
+  explicit MirroredStrategy(std::vector<std::string> devices);
+};
+
 }  // namespace tandem::strategy
 
 namespace tandem {
+using strategy::MirroredStrategy;
 using strategy::OneDeviceStrategy;
 using strategy::Strategy;
 }  // namespace tandem

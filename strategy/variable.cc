@@ -2,6 +2,8 @@
 
 #include "tandem/strategy/strategy.h"
 
+#include <cstring>
+
 namespace tandem::strategy {
 
 Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies)
@@ -15,8 +17,10 @@ Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tens
 }
 
 Tensor& Variable::value(int replica) {
-  TANDEM_REQUIRE(replica >= 0 && replica < num_replicas(), InvalidArgument, "variable \"{}\" has {} replica copies; asked for {}",
-                 name_, num_replicas(), replica);
+  TANDEM_REQUIRE(replica >= 0 && replica < num_replicas(), InvalidArgument,
+                 "variable \"{}\" has {} copies (it was created under {}), but replica {} uses it; create it under the "
+                 "scope of the strategy that runs it",
+                 name_, num_replicas(), strategy_->name(), replica);
   return copies_[static_cast<std::size_t>(replica)];
 }
 
@@ -30,11 +34,69 @@ Tensor Variable::read_value() const {
   return copies_.front().to(devices::default_cpu_device()).clone();
 }
 
+void Variable::check_copies_equal() const {
+  if (copies_.size() < 2 || synchronization_ == VariableSynchronization::kOnRead) return;
+  const Tensor first = copies_.front().to(devices::default_cpu_device());
+  for (std::size_t r = 1; r < copies_.size(); ++r) {
+    const Tensor other = copies_[r].to(devices::default_cpu_device());
+    const auto* a = static_cast<const unsigned char*>(first.raw_data());
+    const auto* b = static_cast<const unsigned char*>(other.raw_data());
+    const std::size_t element = graph::dtype_size(first.dtype());
+    for (std::size_t i = 0; i < first.nbytes(); i += element) {
+      if (std::memcmp(a + i, b + i, element) != 0) {
+        throw FailedPrecondition(fmt::format(
+            "mirrored variable \"{}\": the copies of replica 0 ({}) and replica {} ({}) differ at element {}; every "
+            "replica must apply the same updates",
+            name_, copies_.front().device().short_name(), r, copies_[r].device().short_name(), i / element));
+      }
+    }
+  }
+}
+
 void Variable::assign(const Tensor& value) {
   TANDEM_REQUIRE(value.defined() && value.dtype() == dtype() && value.shape() == shape(), InvalidArgument,
                  "assign to variable \"{}\": got {} {}; expected {} {}", name_,
                  value.defined() ? graph::dtype_name(value.dtype()) : "undefined", value.defined() ? value.shape() : Shape{},
                  dtype(), shape());
+  if (synchronization_ == VariableSynchronization::kOnRead && aggregation_ == VariableAggregation::kSum &&
+      copies_.size() > 1) {
+    Tensor divided = value.to(devices::default_cpu_device()).clone();
+    graph::dispatch<graph::NumericTypes>(dtype(), "assign to an on-read SUM variable", [&]<class T>() {
+      T* data = divided.data<T>();
+      for (std::int64_t i = 0; i < divided.num_elements(); ++i) data[i] = static_cast<T>(data[i] / static_cast<T>(copies_.size()));
+    });
+    for (auto& copy : copies_) copy.copy_from(divided);
+    return;
+  }
+  for (auto& copy : copies_) copy.copy_from(value);
+}
+
+void Variable::assign_per_replica(const std::vector<Tensor>& per_replica) {
+  TANDEM_REQUIRE(per_replica.size() == copies_.size(), InvalidArgument,
+                 "variable \"{}\" has {} copies; got {} per-replica values", name_, copies_.size(), per_replica.size());
+  for (std::size_t r = 0; r < per_replica.size(); ++r) {
+    TANDEM_REQUIRE(per_replica[r].defined() && per_replica[r].dtype() == dtype() && per_replica[r].shape() == shape(),
+                   InvalidArgument, "variable \"{}\": replica {}'s value is {} {}; expected {} {}", name_, r,
+                   per_replica[r].defined() ? graph::dtype_name(per_replica[r].dtype()) : "undefined",
+                   per_replica[r].defined() ? per_replica[r].shape() : Shape{}, dtype(), shape());
+  }
+  if (synchronization_ == VariableSynchronization::kOnRead) {
+    for (std::size_t r = 0; r < copies_.size(); ++r) copies_[r].copy_from(per_replica[r]);
+    return;
+  }
+  Tensor value;
+  switch (aggregation_) {
+    case VariableAggregation::kNone:
+      TANDEM_REQUIRE(copies_.size() == 1, FailedPrecondition,
+                     "mirrored variable \"{}\" was updated by {} replicas but has aggregation NONE: create it with "
+                     "aggregation SUM, MEAN or ONLY_FIRST_REPLICA to say how the updates combine",
+                     name_, copies_.size());
+      value = per_replica.front();
+      break;
+    case VariableAggregation::kSum: value = reduce_on_host(ReduceOp::kSum, per_replica, name_); break;
+    case VariableAggregation::kMean: value = reduce_on_host(ReduceOp::kMean, per_replica, name_); break;
+    case VariableAggregation::kOnlyFirstReplica: value = per_replica.front(); break;
+  }
   for (auto& copy : copies_) copy.copy_from(value);
 }
 

@@ -34,6 +34,7 @@ struct VariableOptions {
 class Variable {
  public:
   Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies);
+  virtual ~Variable() = default;
   Variable(const Variable&) = delete;
   Variable& operator=(const Variable&) = delete;
 
@@ -54,9 +55,21 @@ class Variable {
   // A host copy of the value: replica 0's copy for on-write variables; for on-read variables,
   // the copies combined with the aggregation (SUM adds, MEAN averages, otherwise replica 0).
   Tensor read_value() const;
-  // Sets every copy to `value` (any device; same dtype and shape, else InvalidArgument naming the
-  // variable). Callers: one thread at a time, not during a step.
+  // Sets the variable to `value` from outside the replicas (TF's cross-replica assign): every copy
+  // becomes `value`, except for an on-read SUM variable, whose copies become value / replicas so
+  // that reading it gives `value` back. Any device; same dtype and shape, else InvalidArgument
+  // naming the variable. Callers: one thread at a time, not during a step.
   void assign(const Tensor& value);
+  // Sets the variable from one value per replica (what each replica computed in Strategy::run),
+  // combined as TF combines replica-context updates: on-write variables take the SUM or MEAN of
+  // the values, or replica 0's for ONLY_FIRST_REPLICA, on every copy; NONE with several replicas
+  // is FailedPrecondition (TF: "you must specify an aggregation method"). On-read variables keep
+  // each replica's own value.
+  void assign_per_replica(const std::vector<Tensor>& per_replica);
+  // For on-write (mirrored) variables: throws FailedPrecondition naming the variable, the
+  // replicas and the first element where the copies differ. Copies must stay bit-identical: every
+  // replica applies the same update.
+  void check_copies_equal() const;
 
  private:
   Strategy* strategy_;
@@ -65,6 +78,20 @@ class Variable {
   VariableSynchronization synchronization_;
   VariableAggregation aggregation_;
   std::vector<Tensor> copies_;
+};
+
+// A variable kept equal on every replica: each replica applies the same update to its copy
+// (Keras weights, optimizer slots). TF's MirroredVariable.
+class MirroredVariable final : public Variable {
+ public:
+  using Variable::Variable;
+};
+
+// A variable each replica updates on its own (metric state); reading combines the copies with
+// the aggregation (SUM adds, MEAN averages). TF's SyncOnReadVariable.
+class SyncOnReadVariable final : public Variable {
+ public:
+  using Variable::Variable;
 };
 
 }  // namespace tandem::strategy

@@ -19,7 +19,7 @@ struct CompiledOutput {
   std::vector<std::pair<MetricSpec, std::string>> metrics;
 };
 
-// Sums one step adds to the running means of an epoch (all replicas together).
+// What one replica's step adds to the running means of an epoch.
 struct StepSums {
   double loss = 0;                  // total loss summed over the examples (not scaled)
   std::vector<double> output_loss;  // per output, for models with several
@@ -48,8 +48,12 @@ struct ModelState {
   ~ModelState();
 };
 
+enum class Phase { kTrain, kTest };
+
 // Builds and runs the model's graph: one graph with the training pass (loss, metrics, gradients,
-// layer updates) and the inference pass (evaluate, predict), instantiated once per replica.
+// layer updates) and the inference pass (evaluate, predict), instantiated once per replica of the
+// model's strategy. A training step splits the global batch across the replicas, runs them in
+// parallel, all-reduces the gradients in buckets, and applies the optimizer on every replica.
 class Trainer {
  public:
   // element_spec: the data's components: the inputs, then (when training or evaluating) the targets.
@@ -58,20 +62,35 @@ class Trainer {
   // Whether this trainer's graph takes data of this spec.
   bool accepts(const std::vector<graph::TensorSpec>& element_spec, bool with_targets) const;
 
-  // One optimisation step on a batch (inputs then targets); updates the weights.
-  StepSums train_step(const data::Element& batch);
-  StepSums test_step(const data::Element& batch);
+  // One optimisation step on a global batch (inputs then targets); updates the weights and adds to
+  // the training metrics.
+  void train_step(const data::Element& batch);
+  // Adds one batch to the test metrics.
+  void test_step(const data::Element& batch);
+  // The model's outputs for a batch, replicas' shards concatenated in order (host tensors).
   std::vector<Tensor> predict_step(const data::Element& batch);
+
+  // Metric state: SyncOnReadVariables per replica, summed when read.
+  void reset_metrics(Phase phase);
+  // "loss", "<output>_loss", metric names; prefixed ("val_").
+  void write_logs(Phase phase, Logs& logs, std::string_view prefix = "") const;
+  // Checks that every mirrored weight's copies are still equal (FailedPrecondition otherwise).
+  void check_replicas_agree() const;
+  TrainingTimes times() const;
 
  private:
   struct Graphs;
-  const std::vector<graph::Feed>& feeds(const data::Element& batch, bool with_targets);
-  StepSums read_sums(const std::vector<Tensor>& fetched) const;
+  struct Replica;
+  struct Metrics;
+  void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update);
+  void reduce_bucket(Replica& replica, std::size_t bucket);
 
   ModelState& model_;
   std::vector<graph::TensorSpec> element_spec_;
   bool with_targets_;
   std::unique_ptr<Graphs> graphs_;
+  std::vector<std::unique_ptr<Replica>> replicas_;
+  std::unique_ptr<Metrics> train_metrics_, test_metrics_;
 };
 
 }  // namespace tandem::keras::detail

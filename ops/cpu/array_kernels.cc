@@ -49,6 +49,15 @@ void transpose_kernel(KernelContext& ctx) {
   });
 }
 
+void copy_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  auto* dst = static_cast<char*>(ctx.output(0).raw_data());
+  const auto* src = static_cast<const char*>(x.raw_data());
+  ctx.device().parallel_for(static_cast<std::int64_t>(x.nbytes()), kElementwiseGrain * 4, [&](std::int64_t b, std::int64_t e) {
+    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b));
+  });
+}
+
 void cast_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
@@ -153,6 +162,7 @@ void register_array_cpu_kernels() {
   using devices::DeviceType;
   auto& r = graph::OpRegistry::global();
   r.add_kernel("Transpose", DeviceType::kCPU, transpose_kernel);
+  r.add_kernel("Copy", DeviceType::kCPU, copy_kernel);
   r.add_kernel("Cast", DeviceType::kCPU, cast_kernel);
   r.add_kernel("ArgMax", DeviceType::kCPU, argmax_kernel);
   r.add_kernel("Equal", DeviceType::kCPU, equal_kernel);

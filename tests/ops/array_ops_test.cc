@@ -1,4 +1,4 @@
-// Array family: reshape, transpose, cast, argmax, equal, one-hot, fills, identity.
+// Array family: reshape, transpose, cast, argmax, equal, one-hot, fills, identity, copy.
 #include <doctest/doctest.h>
 
 #include "op_test_harness.h"
@@ -184,4 +184,22 @@ TEST_CASE("Fill, ZerosLike, OnesLike, Identity") {
   id.build = [](const std::vector<Output>& in) { return std::vector<Output>{ops::identity(in[0])}; };
   id.reference = [](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{in[0]}; };
   run_op_case(id);
+}
+
+TEST_CASE("Copy: its own buffer, the input's values, the incoming gradient") {
+  OpCase c;
+  c.name = "Copy";
+  c.inputs = {InputSpec::floats({3, 4})};
+  c.build = [](const std::vector<Output>& in) { return std::vector<Output>{ops::copy(in[0])}; };
+  c.reference = [](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{in[0]}; };
+  run_op_case(c);
+
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2, 2}, "x");
+  auto copied = ops::copy(x);
+  graph::Executor ex(g, devices::default_cpu_device());
+  const Tensor input = Tensor::from_vector<float>({1, 2, 3, 4}, {2, 2});
+  auto out = ex.run({{x, input}}, {copied});
+  CHECK(out[0].to_vector<float>() == std::vector<float>{1, 2, 3, 4});
+  CHECK(out[0].raw_data() != input.raw_data());  // not a view of the fed tensor
 }

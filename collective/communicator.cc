@@ -1,0 +1,66 @@
+#include "tandem/collective/communicator.h"
+
+#include <fmt/format.h>
+
+#include "tandem/collective/detail/common.h"
+
+namespace tandem::collective {
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "SUM";
+    case ReduceOp::kMean: return "MEAN";
+    case ReduceOp::kMax: return "MAX";
+    case ReduceOp::kMin: return "MIN";
+  }
+  return "?";
+}
+
+namespace detail {
+
+std::string_view op_kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kAllReduce: return "all_reduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllGather: return "all_gather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+std::string call_label(OpKind kind, std::uint64_t sequence_number) {
+  return fmt::format("{} #{}", op_kind_name(kind), sequence_number);
+}
+
+std::string ranks_of(const std::vector<int>& ranks, int size) {
+  return fmt::format("{} {} of {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "), size);
+}
+
+namespace {
+// The shape whose first dimension is `first` and whose other dimensions are `rest`'s (all but its
+// first); for a scalar `rest`, the vector (first).
+Shape with_first_dim(const Shape& rest, std::int64_t first) {
+  std::vector<std::int64_t> dims{first};
+  if (rest.rank() > 0) dims.insert(dims.end(), rest.dims().begin() + 1, rest.dims().end());
+  return Shape(std::span<const std::int64_t>(dims));
+}
+}  // namespace
+
+std::optional<std::string> check_all_gather_shapes(const Shape& input, const Shape& output, int size) {
+  const Shape expected = with_first_dim(input, size * (input.rank() > 0 ? input[0] : 1));
+  if (output == expected) return std::nullopt;
+  return fmt::format("output has shape {}; gathering {} inputs of shape {} needs {}", output, size, input, expected);
+}
+
+std::optional<std::string> check_reduce_scatter_shapes(const Shape& input, const Shape& output, int size) {
+  if (input.rank() == 0 || input[0] % size != 0) {
+    return fmt::format("input has shape {}; its first dimension must split into {} equal parts", input, size);
+  }
+  const Shape expected = with_first_dim(input, input[0] / size);
+  if (output == expected) return std::nullopt;
+  return fmt::format("output has shape {}; part of input {} split {} ways is {}", output, input, size, expected);
+}
+
+}  // namespace detail
+}  // namespace tandem::collective
