@@ -34,6 +34,7 @@
 
 #include <fmt/format.h>
 
+#include "machine_info.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/devices/device.h"
 
@@ -52,33 +53,6 @@ struct Options {
 };
 
 constexpr double kSampleSeconds = 0.02;
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model = "unknown CPU", family, number;
-  while (std::getline(in, line)) {
-    const auto value = [&] { return line.substr(line.find(':') + 2); };
-    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
-    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
-    if (line.rfind("model\t", 0) == 0 && number.empty()) number = value();
-  }
-  return fmt::format("{} (family {}, model {})", model, family, number);
-}
-
-std::string memory_total() {
-  std::ifstream in("/proc/meminfo");
-  std::string key, unit;
-  long kib = 0;
-  in >> key >> kib >> unit;
-  return fmt::format("{:.1f} GiB", static_cast<double>(kib) / (1 << 20));
-}
-
-std::string now_text() {
-  const std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
-  return buf;
-}
 
 std::string size_text(std::size_t bytes) {
   if (bytes >= (1u << 30) && bytes % (1u << 30) == 0) return fmt::format("{} GiB", bytes >> 30);
@@ -264,9 +238,9 @@ int run(const Options& options) {
   for (std::size_t b = options.min_bytes; b <= options.max_bytes; b *= static_cast<std::size_t>(options.factor)) {
     sizes.push_back(b);
   }
-  fmt::print("tandem bench_collectives, {}\n", now_text());
-  fmt::print("CPU:           {}\n", cpu_model());
-  fmt::print("cores:         {} usable; memory {}\n", devices::usable_cpu_cores(), memory_total());
+  fmt::print("tandem bench_collectives, {}\n", bench::now_text());
+  fmt::print("CPU:           {}\n", bench::cpu_model());
+  fmt::print("cores:         {} usable; memory {}\n", devices::usable_cpu_cores(), bench::memory_total());
   fmt::print("compiler:      GCC {}.{}.{}\n", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__);
   fmt::print("timing:        median of {} samples, each the mean over back-to-back calls ({}), slowest rank\n",
              options.samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~20 ms of calls");

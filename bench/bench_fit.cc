@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "machine_info.h"
 #include "tandem/ops/cpu/gemm.h"
 
 namespace {
@@ -220,14 +221,6 @@ std::optional<Result> median(std::vector<Result> runs) {
   return runs[runs.size() / 2];
 }
 
-std::string cpu_model() {
-  std::ifstream info("/proc/cpuinfo");
-  for (std::string line; std::getline(info, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown CPU";
-}
-
 }  // namespace
 
 int run_mirrored(const Options& o);
@@ -240,7 +233,7 @@ int main(int argc, char** argv) try {
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
   std::printf("bench_fit: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d run(s)\n",
               static_cast<long long>(kBatch), o.epochs, o.repeat);
-  std::printf("CPU:           %s, %d intra-op thread(s)\n", cpu_model().c_str(), threads);
+  std::printf("CPU:           %s, %d intra-op thread(s)\n", bench::cpu_model().c_str(), threads);
   std::printf("tandem GEMM:   %s\n", ops::cpu::gemm_backend_description().c_str());
   std::printf("peer:          %s %s\n\n", o.peer ? "/usr/bin/python3" : "(skipped)", o.peer ? o.peer_script.c_str() : "");
   const auto data = data::fashion_mnist();
@@ -293,7 +286,7 @@ int run_mirrored(const Options& o) {
               "median of %d run(s)\n",
               static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s; tandem: MirroredStrategy over %d logical CPU devices of 1 thread\n",
-              cpu_model().c_str(), o.replicas);
+              bench::cpu_model().c_str(), o.replicas);
   std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
   const auto data = data::fashion_mnist();
   MirroredStrategy overlapped;

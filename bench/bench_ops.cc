@@ -30,6 +30,7 @@
 
 #include <fmt/format.h>
 
+#include "machine_info.h"
 #include "tandem/devices/device.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/graph.h"
@@ -57,25 +58,6 @@ struct Options {
   bool quick = false;
   std::string only;  // "matmul" or "conv": run only that part
 };
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line, model = "unknown CPU", family, number;
-  while (std::getline(in, line)) {
-    const auto value = [&] { return line.substr(line.find(':') + 2); };
-    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = value();
-    if (line.rfind("cpu family", 0) == 0 && family.empty()) family = value();
-    if (line.rfind("model\t", 0) == 0 && number.empty()) number = value();
-  }
-  return fmt::format("{} (family {}, model {})", model, family, number);
-}
-
-std::string today() {
-  const std::time_t t = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
-  return buf;
-}
 
 std::vector<float> random_floats(std::int64_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -417,8 +399,8 @@ int run(const Options& options) {
   const int threads = device.intra_op_threads();
   const OpenBlasThreads own;
 
-  fmt::print("tandem bench_ops, {}\n", today());
-  fmt::print("CPU:           {}\n", cpu_model());
+  fmt::print("tandem bench_ops, {}\n", bench::now_text());
+  fmt::print("CPU:           {}\n", bench::cpu_model());
   fmt::print("threads:       {} intra-op on {} ({} usable cores)\n", threads_text(threads), device.short_name(),
              devices::usable_cpu_cores());
   fmt::print("gemm backend:  {}\n", ops::cpu::gemm_backend_description());

@@ -436,11 +436,7 @@ class InProcessCommunicator final : public Communicator {
     Call call = begin(OpKind::kAllGather, options);
     Slot& slot = *call.slot;
     slot.dtype = input.dtype();
-    slot.error = host_tensor_problem(input, "the input");
-    if (slot.error.empty()) slot.error = host_tensor_problem(output, "the output");
-    if (slot.error.empty() && output.dtype() != input.dtype()) {
-      slot.error = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
-    }
+    slot.error = in_out_problem(input, output);
     if (slot.error.empty()) {
       slot.error = detail::check_all_gather_shapes(input.shape(), output.shape(), size()).value_or("");
     }
@@ -467,11 +463,7 @@ class InProcessCommunicator final : public Communicator {
     Slot& slot = *call.slot;
     slot.reduce = op;
     slot.dtype = input.dtype();
-    slot.error = host_tensor_problem(input, "the input");
-    if (slot.error.empty()) slot.error = host_tensor_problem(output, "the output");
-    if (slot.error.empty() && output.dtype() != input.dtype()) {
-      slot.error = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
-    }
+    slot.error = in_out_problem(input, output);
     if (slot.error.empty()) {
       slot.error = detail::check_reduce_scatter_shapes(input.shape(), output.shape(), size()).value_or("");
     }
@@ -642,6 +634,16 @@ class InProcessCommunicator final : public Communicator {
                          t.device().short_name());
     }
     return {};
+  }
+
+  // all_gather's and reduce_scatter's input and output: both in host memory, of one dtype.
+  static std::string in_out_problem(const Tensor& input, const Tensor& output) {
+    std::string problem = host_tensor_problem(input, "the input");
+    if (problem.empty()) problem = host_tensor_problem(output, "the output");
+    if (problem.empty() && output.dtype() != input.dtype()) {
+      problem = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
+    }
+    return problem;
   }
 
   static std::string not_reducible(DType dtype) {

@@ -35,12 +35,7 @@ int main(int argc, char** argv) try {
   model.fit(data.train.shuffle(60000).batch(args.batch),
             {.epochs = args.epochs, .verbose = args.verbose, .validation_data = data.test.batch(1000)});
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
-  std::printf("test loss %.4f, test accuracy %.4f\n", test.at("loss"), test.at("accuracy"));
-  if (test.at("accuracy") < args.expect_accuracy) {
-    std::printf("below the expected accuracy %.4f\n", args.expect_accuracy);
-    return 3;
-  }
-  return 0;
+  return samples::report_test(test.at("loss"), test.at("accuracy"), args);
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "fashion_mnist_cnn: %s\n", e.what());
   return 1;

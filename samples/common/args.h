@@ -85,6 +85,17 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
   return a;
 }
 
+// Prints the final test figures; returns the sample's exit status: 3 when the accuracy is below
+// --expect-accuracy, else 0.
+inline int report_test(double loss, double accuracy, const Args& a) {
+  std::printf("test loss %.4f, test accuracy %.4f\n", loss, accuracy);
+  if (accuracy < a.expect_accuracy) {
+    std::printf("below the expected accuracy %.4f\n", a.expect_accuracy);
+    return 3;
+  }
+  return 0;
+}
+
 // The strategy --strategy names, after dividing the CPU into --cpu-devices logical devices. The
 // samples' code reads as if it had written one of these two lines itself:
 //   tandem::OneDeviceStrategy strategy("CPU:0");
