@@ -36,20 +36,8 @@
 #include "tandem/base/spin.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/devices/detail/cuda_check.h"
 #include "tandem/devices/device.h"
-
-// TANDEM_CUDA_CHECK(expr, device_name): as in devices/cuda_device.cc — a failure throws
-// tandem::Internal with the call, file:line, CUDA's own error string and the device.
-#define TANDEM_CUDA_CHECK(expr, device_name)                                                    \
-  do {                                                                                          \
-    const cudaError_t tandem_cuda_status = (expr);                                              \
-    if (tandem_cuda_status != cudaSuccess) [[unlikely]] {                                       \
-      throw ::tandem::Internal(::fmt::format("{}:{}: CUDA call `{}` failed on {}: {} ({})",     \
-                                             __FILE__, __LINE__, #expr, (device_name),          \
-                                             cudaGetErrorName(tandem_cuda_status),              \
-                                             cudaGetErrorString(tandem_cuda_status)));          \
-    }                                                                                           \
-  } while (0)
 
 // TANDEM_NCCL_CHECK(expr, where, comm): every NCCL call goes through this. A failure throws with
 // the call, file:line, NCCL's error string and its last error message for `comm` (may be null),
@@ -66,6 +54,8 @@
 
 namespace tandem::collective {
 namespace {
+
+using devices::detail::ScopedCudaDevice;
 
 using detail::OpKind;
 using Clock = std::chrono::steady_clock;
@@ -177,21 +167,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   }
   throw Internal("unknown ReduceOp");
 }
-
-// Makes `ordinal` current on the calling thread for the duration of a call.
-class ScopedCudaDevice {
- public:
-  ScopedCudaDevice(int ordinal, const std::string& name) {
-    TANDEM_CUDA_CHECK(cudaGetDevice(&previous_), name);
-    if (previous_ != ordinal) TANDEM_CUDA_CHECK(cudaSetDevice(ordinal), name);
-  }
-  ~ScopedCudaDevice() { cudaSetDevice(previous_); }
-  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
-  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // What the ranks share: their communicators (destroyed together, when the last rank's
 // Communicator goes), what each rank issued last, and the failure that ended the group.

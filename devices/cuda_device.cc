@@ -5,19 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include "tandem/base/errors.h"
-
-// TANDEM_CUDA_CHECK(expr): every CUDA runtime call goes through this; a failure throws
-// tandem::Internal with the call, file:line, CUDA's own error string and the device.
-#define TANDEM_CUDA_CHECK(expr, device_name)                                                    \
-  do {                                                                                          \
-    const cudaError_t tandem_cuda_status = (expr);                                              \
-    if (tandem_cuda_status != cudaSuccess) [[unlikely]] {                                       \
-      throw ::tandem::Internal(::fmt::format("{}:{}: CUDA call `{}` failed on {}: {} ({})",     \
-                                             __FILE__, __LINE__, #expr, (device_name),          \
-                                             cudaGetErrorName(tandem_cuda_status),              \
-                                             cudaGetErrorString(tandem_cuda_status)));          \
-    }                                                                                           \
-  } while (0)
+#include "tandem/devices/detail/cuda_check.h"
 
 namespace tandem::devices::detail {
 namespace {
@@ -28,21 +16,6 @@ DeviceName gpu_name(int index) {
   name.index = index;
   return name;
 }
-
-// Makes `index` current on the calling thread for the duration of a call.
-class ScopedCudaDevice {
- public:
-  ScopedCudaDevice(int index, const std::string& name) {
-    TANDEM_CUDA_CHECK(cudaGetDevice(&previous_), name);
-    if (previous_ != index) TANDEM_CUDA_CHECK(cudaSetDevice(index), name);
-  }
-  ~ScopedCudaDevice() { cudaSetDevice(previous_); }
-  ScopedCudaDevice(const ScopedCudaDevice&) = delete;
-  ScopedCudaDevice& operator=(const ScopedCudaDevice&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 class CudaAllocator final : public Allocator {
  public:
