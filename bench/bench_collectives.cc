@@ -1,8 +1,11 @@
 // bench_collectives — all_reduce (SUM, float32, in place) of the in-process group, one thread per
 // rank, next to the memory-copy bandwidth the same threads reach in the same run on buffers of
-// the same size. See bench/README.md for what the ceiling is and why.
+// the same size; then the Gloo communicator across processes next to raw Gloo in the same
+// processes. See bench/README.md for what the ceiling is and why.
 //
-//   bench_collectives [--ranks 2,4] [--min 4K] [--max 256M] [--factor 4] [--iters N] [--samples N]
+//   bench_collectives [--ranks 2,4] [--gloo-ranks 2,4] [--min 4K] [--max 256M] [--gloo-max 64M]
+//                     [--factor 4] [--iters N] [--samples N] [--gloo-samples 9] [--gloo-check]
+//                     [--gloo-pack BYTES]
 //
 // Columns follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n (the rate at
 // which a ring all-reduce moves data over its busiest link; it makes rank counts comparable).
@@ -19,6 +22,26 @@
 // Timing. Each sample is the mean over back-to-back calls (all ranks start together; the sample
 // is the slowest rank's), and the table shows the median of --samples samples. All-reduce and
 // copy samples alternate, so a noisy phase of a shared machine reaches both.
+//
+// Gloo. `--gloo-ranks n` runs n processes on 127.0.0.1: this one is rank 0 (it serves the
+// TcpStore on a free port) and re-executes itself as ranks 1..n-1 (`--gloo-worker RANK N
+// ADDRESS` plus the same options). Each process holds two Gloo meshes, each with its own
+// buffers: tandem's (make_gloo_communicator, Communicator::all_reduce) and a raw one
+// (gloo::rendezvous::Context over the same store under another prefix, gloo::allreduce ring with
+// the options built once per size, as a careful direct user would). Their samples alternate,
+// order swapped every sample; a sample starts after a barrier and is the slowest rank's time
+// (an all-reduce MAX of the ranks' elapsed times, outside the timed region). ours/raw is the
+// throughput ratio raw time / our time of each back-to-back pair of samples (median and range
+// over --gloo-samples pairs).
+#include <gloo/allreduce.h>
+#include <gloo/barrier.h>
+#include <gloo/math.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,7 +59,11 @@
 
 #include "machine_info.h"
 #include "tandem/collective/communicator.h"
+#include "tandem/collective/gloo.h"
+#include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"
+
+extern char** environ;  // the children of the Gloo section inherit ours
 
 namespace {
 
@@ -44,15 +71,29 @@ using namespace tandem;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  std::vector<int> ranks = {2, 4};
+  std::vector<int> ranks = {2, 4};       // in-process group sizes; {0}: skip
+  std::vector<int> gloo_ranks = {2, 4};  // process counts of the Gloo section; {0}: skip
   std::size_t min_bytes = 4 << 10;
   std::size_t max_bytes = 256 << 20;
+  std::size_t gloo_max_bytes = 64 << 20;  // the Gloo section stops at min(--max, --gloo-max)
   int factor = 4;
-  int iters = 0;  // 0: enough calls for ~20 ms per sample
+  int iters = 0;  // 0: enough calls for ~20 ms per sample (~40 ms per variant for Gloo)
   int samples = 5;
+  int gloo_samples = 9;  // the Gloo section is noisier (two processes per core at 4 ranks)
+  bool gloo_check = false;          // GlooOptions::check_consistency for ours
+  std::int64_t gloo_pack_bytes = 0;  // GlooOptions::bytes_per_pack for ours
 };
 
 constexpr double kSampleSeconds = 0.02;
+// Gloo calls cost tens of microseconds to hundreds of milliseconds: a sample of each variant is
+// ~50 ms of calls, at least one call, which keeps the default Gloo section well under a minute.
+constexpr double kGlooSampleSeconds = 0.05;
+constexpr double kGlooWarmupSeconds = 0.02;
+// Every Gloo wait (connecting, each collective) and the store's connect give up after this: a
+// dead or hung rank ends the run with an error instead of a hang.
+constexpr std::chrono::milliseconds kGlooTimeout = std::chrono::seconds(60);
+// How long rank 0 waits for its children to exit after the last collective.
+constexpr std::chrono::seconds kChildExitTimeout = std::chrono::seconds(30);
 
 std::string size_text(std::size_t bytes) {
   if (bytes >= (1u << 30) && bytes % (1u << 30) == 0) return fmt::format("{} GiB", bytes >> 30);
@@ -233,7 +274,314 @@ void check_correctness(int n) {
   }
 }
 
-int run(const Options& options) {
+
+// ---------------------------------------------------------------------------------------------
+// Gloo: tandem's communicator next to raw Gloo, n processes on 127.0.0.1.
+
+// Our Store as gloo's rendezvous store, under the raw mesh's own prefix (tandem's communicator
+// keeps its keys under "tandem/gloo/").
+class RawStoreAdapter final : public gloo::rendezvous::Store {
+ public:
+  RawStoreAdapter(std::shared_ptr<collective::Store> store, std::string prefix)
+      : store_(std::move(store)), prefix_(std::move(prefix)) {}
+  void set(const std::string& key, const std::vector<char>& data) override { store_->set(prefix_ + key, data); }
+  std::vector<char> get(const std::string& key) override { return store_->get(prefix_ + key, kGlooTimeout); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kGlooTimeout); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> prefixed;
+    for (const auto& key : keys) prefixed.push_back(prefix_ + key);
+    store_->wait(prefixed, timeout <= std::chrono::milliseconds(0) ? kGlooTimeout : std::min(timeout, kGlooTimeout));
+  }
+
+ private:
+  std::shared_ptr<collective::Store> store_;
+  std::string prefix_;
+};
+
+using GlooReduceFn = void (*)(void*, const void*, const void*, std::size_t);
+
+// One process's raw Gloo mesh: the baseline's all-reduces, and the bench's own synchronisation
+// (barriers, the MAX of elapsed times), which stay outside every timed region.
+class RawGloo {
+ public:
+  RawGloo(int rank, int size, std::shared_ptr<collective::Store> store) {
+    device_ = gloo::transport::tcp::CreateDevice(gloo::transport::tcp::attr("127.0.0.1"));
+    context_ = std::make_shared<gloo::rendezvous::Context>(rank, size);
+    context_->setTimeout(kGlooTimeout);
+    RawStoreAdapter adapter(std::move(store), "bench/raw-gloo/");
+    context_->connectFullMesh(adapter, device_);
+  }
+
+  // An in-place SUM over data: the options (their unbound buffers) are made once, as tandem's
+  // communicator caches them.
+  class Allreduce {
+   public:
+    Allreduce(RawGloo& gloo, float* data, std::size_t count) : gloo_(gloo), options_(gloo.context_) {
+      options_.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+      options_.setOutput<float>(data, count);
+      options_.setReduceFunction(static_cast<GlooReduceFn>(&gloo::sum<float>));
+      options_.setTimeout(kGlooTimeout);
+    }
+    void operator()() {
+      options_.setTag(gloo_.next_tag());
+      gloo::allreduce(options_);
+    }
+
+   private:
+    RawGloo& gloo_;
+    gloo::AllreduceOptions options_;
+  };
+
+  void barrier() {
+    gloo::BarrierOptions o(context_);
+    o.setTag(next_tag());
+    o.setTimeout(kGlooTimeout);
+    gloo::barrier(o);
+  }
+
+  double max(double value) {
+    gloo::AllreduceOptions o(context_);
+    o.setOutput<double>(&value, 1);
+    o.setReduceFunction(static_cast<GlooReduceFn>(&gloo::max<double>));
+    o.setTag(next_tag());
+    o.setTimeout(kGlooTimeout);
+    gloo::allreduce(o);
+    return value;
+  }
+
+ private:
+  std::uint32_t next_tag() { return tag_++; }
+
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::uint32_t tag_ = 0;
+};
+
+struct GlooRow {
+  std::size_t bytes = 0;
+  int calls = 0;            // per sample, each variant
+  double ours_seconds = 0;  // per call, median over samples
+  double raw_seconds = 0;   // per call, median over samples
+  // raw / ours of each sample pair (the two variants' samples taken back to back): the median,
+  // the lowest and the highest. Pairing cancels the slow drifts of a shared machine.
+  double ratio = 0;
+  double ratio_low = 0;
+  double ratio_high = 0;
+};
+
+std::vector<std::size_t> gloo_sizes(const Options& options) {
+  std::vector<std::size_t> sizes;
+  const std::size_t max_bytes = std::min(options.max_bytes, options.gloo_max_bytes);
+  for (std::size_t b = options.min_bytes; b <= max_bytes; b *= static_cast<std::size_t>(options.factor)) {
+    sizes.push_back(b);
+  }
+  return sizes;
+}
+
+// One rank's whole Gloo schedule (every rank runs it; rank 0 gets the rows).
+std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_address, const Options& options) {
+  collective::TcpStoreOptions store_options;
+  store_options.connect_timeout = kGlooTimeout;
+  store_options.label_of_server = "bench_collectives rank 0";
+  store_options.rank = rank;  // a rank that dies is then named by the communicator
+  auto store = collective::connect_tcp_store(store_address, store_options);
+
+  collective::GlooOptions gloo_options;
+  gloo_options.rank = rank;
+  gloo_options.size = n;
+  gloo_options.store = store;
+  gloo_options.listen_host = "127.0.0.1";
+  gloo_options.timeout = kGlooTimeout;
+  gloo_options.check_consistency = options.gloo_check;
+  gloo_options.bytes_per_pack = options.gloo_pack_bytes;
+  auto ours = collective::make_gloo_communicator(gloo_options);
+  RawGloo raw(rank, n, store);
+
+  // Both must compute the right sum: the bench times correct collectives. Rank r holds r + 1.
+  {
+    const std::int64_t count = (1 << 16) + 5;
+    const float expected = static_cast<float>(n * (n + 1) / 2);
+    Tensor a = Tensor::filled<float>({count}, static_cast<float>(rank + 1));
+    Tensor b = Tensor::filled<float>({count}, static_cast<float>(rank + 1));
+    ours->all_reduce(a, collective::ReduceOp::kSum);
+    RawGloo::Allreduce(raw, b.data<float>(), static_cast<std::size_t>(count))();
+    int wrong[2] = {0, 0};
+    for (float x : a.to_vector<float>()) wrong[0] += x != expected;
+    for (float x : b.to_vector<float>()) wrong[1] += x != expected;
+    if (wrong[0] + wrong[1] > 0) {
+      throw Internal(fmt::format("bench_collectives: gloo all_reduce over {} processes gave {} wrong values (tandem) "
+                                 "and {} (raw gloo) on rank {}",
+                                 n, wrong[0], wrong[1], rank));
+    }
+  }
+
+  std::vector<GlooRow> rows;
+  for (const std::size_t bytes : gloo_sizes(options)) {
+    const std::int64_t count = static_cast<std::int64_t>(bytes / sizeof(float));
+    Tensor ours_buffer = Tensor::filled<float>({count}, 1e-3f);
+    Tensor raw_buffer = Tensor::filled<float>({count}, 1e-3f);
+    RawGloo::Allreduce raw_all_reduce(raw, raw_buffer.data<float>(), static_cast<std::size_t>(count));
+    const auto ours_all_reduce = [&] { ours->all_reduce(ours_buffer, collective::ReduceOp::kSum); };
+
+    // Calls per sample, from timed warm-up pairs (one call of each) until they add up to
+    // kGlooWarmupSeconds: one pair alone is too noisy here (small calls take 0.1 or 0.6 ms,
+    // depending on the scheduler). The slowest rank's total decides, so all ranks agree.
+    ours_all_reduce();
+    raw_all_reduce();
+    double warm_total = 0;
+    int warm_pairs = 0;
+    while (warm_total < kGlooWarmupSeconds && warm_pairs < 1000) {
+      raw.barrier();
+      const auto t0 = Clock::now();
+      ours_all_reduce();
+      raw_all_reduce();
+      warm_total += raw.max(std::chrono::duration<double>(Clock::now() - t0).count());
+      ++warm_pairs;
+    }
+    const double warm = warm_total / warm_pairs;
+    const int calls = options.iters > 0
+                          ? options.iters
+                          : static_cast<int>(std::clamp(2 * kGlooSampleSeconds / std::max(warm, 1e-7), 1.0, 20000.0));
+
+    std::vector<double> samples[2];  // ours, raw
+    for (int sample = 0; sample < options.gloo_samples; ++sample) {
+      for (int turn = 0; turn < 2; ++turn) {
+        const int which = (sample + turn) % 2;  // ours first on even samples, raw first on odd
+        raw.barrier();
+        const auto start = Clock::now();
+        for (int i = 0; i < calls; ++i) {
+          if (which == 0) {
+            ours_all_reduce();
+          } else {
+            raw_all_reduce();
+          }
+        }
+        const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+        samples[which].push_back(raw.max(elapsed) / calls);
+      }
+    }
+    std::vector<double> ratios;
+    for (std::size_t k = 0; k < samples[0].size(); ++k) ratios.push_back(samples[1][k] / samples[0][k]);
+    rows.push_back({bytes, calls, median(samples[0]), median(samples[1]), median(ratios),
+                    *std::min_element(ratios.begin(), ratios.end()), *std::max_element(ratios.begin(), ratios.end())});
+  }
+  raw.barrier();  // nobody tears its mesh down while another rank still reads from it
+  return rows;
+}
+
+// The arguments that make this program rank `rank` of a Gloo group: ours plus --gloo-worker.
+std::vector<std::string> worker_arguments(const std::vector<std::string>& argv, int rank, int n,
+                                          const std::string& store_address) {
+  std::vector<std::string> args = argv;
+  args.insert(args.end(), {"--gloo-worker", std::to_string(rank), std::to_string(n), store_address});
+  return args;
+}
+
+std::string program_path() {
+  char path[4096] = {};
+  const ssize_t length = readlink("/proc/self/exe", path, sizeof(path) - 1);
+  if (length <= 0) throw Unavailable("bench_collectives: cannot read /proc/self/exe to start the gloo ranks");
+  return std::string(path, static_cast<std::size_t>(length));
+}
+
+// Rank 0: serves the store, starts ranks 1..n-1 as processes, runs its own part and collects the
+// children. Any rank's failure fails the run (the children's errors go to stderr).
+std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, const Options& options) {
+  auto server = collective::TcpStoreServer::start("127.0.0.1", 0);
+  const std::string address = server->address();
+  const std::string program = program_path();
+  std::vector<pid_t> children;
+  // Waits for every child (killing those still running after `grace`); returns what went wrong.
+  const auto reap = [&](std::chrono::milliseconds grace) {
+    std::vector<std::string> failures;
+    const auto deadline = Clock::now() + grace;
+    for (std::size_t i = 0; i < children.size(); ++i) {
+      const pid_t pid = children[i];
+      const int rank = static_cast<int>(i) + 1;
+      int status = 0;
+      pid_t done = 0;
+      while ((done = waitpid(pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      if (done == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        failures.push_back(fmt::format("rank {} (pid {}) was still running and was killed", rank, pid));
+      } else if (WIFSIGNALED(status)) {
+        failures.push_back(fmt::format("rank {} (pid {}) died of signal {}", rank, pid, WTERMSIG(status)));
+      } else if (WEXITSTATUS(status) != 0) {
+        failures.push_back(fmt::format("rank {} (pid {}) exited with status {}", rank, pid, WEXITSTATUS(status)));
+      }
+    }
+    children.clear();
+    return failures;
+  };
+  try {
+    for (int rank = 1; rank < n; ++rank) {
+      const auto args = worker_arguments(argv, rank, n, address);
+      std::vector<char*> c_args;
+      c_args.push_back(const_cast<char*>(program.c_str()));
+      for (std::size_t i = 1; i < args.size(); ++i) c_args.push_back(const_cast<char*>(args[i].c_str()));
+      c_args.push_back(nullptr);
+      pid_t pid = 0;
+      if (const int rc = posix_spawn(&pid, program.c_str(), nullptr, nullptr, c_args.data(), environ); rc != 0) {
+        throw Unavailable(fmt::format("bench_collectives: cannot start gloo rank {} ({}): {}", rank, program,
+                                      std::strerror(rc)));
+      }
+      children.push_back(pid);
+    }
+    auto rows = gloo_rank_main(0, n, address, options);
+    const auto failures = reap(kChildExitTimeout);
+    if (!failures.empty()) {
+      throw Internal(fmt::format("gloo section with {} processes: {}", n, fmt::join(failures, "; ")));
+    }
+    return rows;
+  } catch (const std::exception& e) {
+    // The children fail promptly too (their connections to this rank close); give them a moment
+    // to say why on stderr.
+    const auto failures = reap(std::chrono::seconds(3));
+    throw Internal(fmt::format("gloo section with {} processes, rank 0: {}{}{}", n, e.what(),
+                               failures.empty() ? "" : "; ", fmt::join(failures, "; ")));
+  }
+}
+
+void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options) {
+  const int rule = 130;
+  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1, {} processes{}{}{}\n", n,
+             n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
+             options.gloo_check ? ", ours with check_consistency" : "",
+             options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
+  fmt::print("{:-<{}}\n", "", rule);
+  fmt::print("{:>8} {:>10} {:>6} | {:<33} | {:<33} | {}\n", "", "", "", "tandem", "raw gloo", "ours/raw");
+  fmt::print("{:>8} {:>10} {:>6} | {:>11} {:>10} {:>10} | {:>11} {:>10} {:>10} | {:>6} {:>11}\n", "size", "count",
+             "calls", "time us", "algbw GB/s", "busbw GB/s", "time us", "algbw GB/s", "busbw GB/s", "median",
+             "range");
+  fmt::print("{:-<{}}\n", "", rule);
+  double worst_large = 0;
+  bool any_large = false;
+  for (const GlooRow& row : rows) {
+    const double bytes = static_cast<double>(row.bytes);
+    const double bus = 2.0 * (n - 1) / n;
+    const double ours_alg = bytes / row.ours_seconds / 1e9;
+    const double raw_alg = bytes / row.raw_seconds / 1e9;
+    const double ratio = row.ratio;
+    if (row.bytes >= (16u << 20)) {
+      worst_large = any_large ? std::min(worst_large, ratio) : ratio;
+      any_large = true;
+    }
+    fmt::print("{:>8} {:>10} {:>6} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>6.2f} {:>11}\n",
+               size_text(row.bytes), row.bytes / sizeof(float), row.calls, row.ours_seconds * 1e6, ours_alg,
+               ours_alg * bus, row.raw_seconds * 1e6, raw_alg, raw_alg * bus, ratio,
+               fmt::format("{:.2f}-{:.2f}", row.ratio_low, row.ratio_high));
+  }
+  fmt::print("{:-<{}}\n", "", rule);
+  if (any_large) {
+    fmt::print("target ours/raw (median) >= 0.90 at >= 16 MiB: lowest {:.2f}, {}\n", worst_large,
+               worst_large >= 0.9 ? "met" : "NOT met");
+  }
+}
+
+int run(const Options& options, const std::vector<std::string>& argv) {
   std::vector<std::size_t> sizes;
   for (std::size_t b = options.min_bytes; b <= options.max_bytes; b *= static_cast<std::size_t>(options.factor)) {
     sizes.push_back(b);
@@ -247,7 +595,12 @@ int run(const Options& options) {
   fmt::print("ceiling:       copy GB/s = the better of memcpy and an in-place read-modify-write pass, same threads,\n"
              "               same bytes per thread (read + written); an in-place all-reduce moves >= 2 n bytes:\n"
              "               bound busbw = copy GB/s * (n-1)/n^2; ratio = busbw / bound (bench/README.md)\n");
+  fmt::print("gloo:          tandem's make_gloo_communicator vs raw gloo::allreduce (ring, options made once per size)\n"
+             "               in the same processes; {} samples of each, alternating ({} per sample, at least 1 call);\n"
+             "               ours/raw = raw time / our time of each back-to-back pair: median and range\n",
+             options.gloo_samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~50 ms of calls");
   for (int n : options.ranks) {
+    if (n == 0) continue;
     check_correctness(n);
     const auto rows = measure(n, sizes, options);
     const int rule = 130;
@@ -272,6 +625,16 @@ int run(const Options& options) {
                  memcpy_gbps, rmw_gbps, copy_gbps, bound, busbw / bound, moved);
     }
     fmt::print("{:-<{}}\n", "", rule);
+    std::fflush(stdout);
+  }
+  for (int n : options.gloo_ranks) {
+    if (n == 0) continue;
+    const auto started = Clock::now();
+    const auto rows = measure_gloo(n, argv, options);
+    print_gloo(n, rows, options);
+    fmt::print("({:.1f} s for this table, starting the processes included)\n",
+               std::chrono::duration<double>(Clock::now() - started).count());
+    std::fflush(stdout);
   }
   return 0;
 }
@@ -279,34 +642,85 @@ int run(const Options& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  constexpr const char* kUsage =
+      "usage: bench_collectives [--ranks 2,4] [--gloo-ranks 2,4] [--min 4K] [--max 256M] [--gloo-max 64M]\n"
+      "                         [--factor 4] [--iters N] [--samples N] [--gloo-samples N] [--gloo-check]\n"
+      "                         [--gloo-pack BYTES]\n"
+      "       (--ranks 0 or --gloo-ranks 0 skips that section)\n";
   Options options;
+  std::vector<std::string> forwarded;  // what a gloo rank is started with, before --gloo-worker
+  int worker_rank = -1;
+  int worker_size = 0;
+  std::string worker_store;
   try {
+    forwarded.emplace_back(argv[0]);
     for (int i = 1; i < argc; ++i) {
       const std::string arg = argv[i];
       const bool has_value = i + 1 < argc;
-      if (arg == "--ranks" && has_value) {
-        options.ranks = parse_ranks(argv[++i]);
-      } else if (arg == "--min" && has_value) {
-        options.min_bytes = parse_size(argv[++i]);
-      } else if (arg == "--max" && has_value) {
-        options.max_bytes = parse_size(argv[++i]);
-      } else if (arg == "--factor" && has_value) {
-        options.factor = std::max(2, std::atoi(argv[++i]));
-      } else if (arg == "--iters" && has_value) {
-        options.iters = std::max(1, std::atoi(argv[++i]));
-      } else if (arg == "--samples" && has_value) {
-        options.samples = std::max(1, std::atoi(argv[++i]));
+      if (arg == "--gloo-worker" && i + 3 < argc) {
+        worker_rank = std::atoi(argv[++i]);
+        worker_size = std::atoi(argv[++i]);
+        worker_store = argv[++i];
+        continue;
+      }
+      forwarded.push_back(arg);
+      if (arg == "--gloo-check") {
+        options.gloo_check = true;
+        continue;
+      }
+      if (!has_value) {
+        fmt::print(stderr, "{}", kUsage);
+        return 2;
+      }
+      const std::string value = argv[++i];
+      forwarded.push_back(value);
+      if (arg == "--ranks") {
+        options.ranks = parse_ranks(value);
+      } else if (arg == "--gloo-ranks") {
+        options.gloo_ranks = parse_ranks(value);
+      } else if (arg == "--min") {
+        options.min_bytes = parse_size(value);
+      } else if (arg == "--max") {
+        options.max_bytes = parse_size(value);
+      } else if (arg == "--gloo-max") {
+        options.gloo_max_bytes = parse_size(value);
+      } else if (arg == "--factor") {
+        options.factor = std::max(2, std::atoi(value.c_str()));
+      } else if (arg == "--iters") {
+        options.iters = std::max(1, std::atoi(value.c_str()));
+      } else if (arg == "--samples") {
+        options.samples = std::max(1, std::atoi(value.c_str()));
+      } else if (arg == "--gloo-samples") {
+        options.gloo_samples = std::max(1, std::atoi(value.c_str()));
+      } else if (arg == "--gloo-pack") {
+        options.gloo_pack_bytes = static_cast<std::int64_t>(parse_size(value));
       } else {
-        fmt::print(stderr,
-                   "usage: bench_collectives [--ranks 2,4] [--min 4K] [--max 256M] [--factor 4] [--iters N] "
-                   "[--samples N]\n");
+        fmt::print(stderr, "{}", kUsage);
         return 2;
       }
     }
-    for (int n : options.ranks) TANDEM_REQUIRE(n >= 1, InvalidArgument, "bench_collectives: --ranks {}", n);
+    for (int n : options.ranks) TANDEM_REQUIRE(n >= 0, InvalidArgument, "bench_collectives: --ranks {}", n);
+    for (int n : options.gloo_ranks) {
+      TANDEM_REQUIRE(n == 0 || n >= 2, InvalidArgument,
+                     "bench_collectives: --gloo-ranks {}: a Gloo group needs at least 2 processes (0 skips)", n);
+    }
     TANDEM_REQUIRE(options.min_bytes >= 64 && options.min_bytes <= options.max_bytes, InvalidArgument,
                    "bench_collectives: --min must be at least 64 bytes and at most --max");
-    return run(options);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "bench_collectives: {}\n", e.what());
+    return 1;
+  }
+  if (worker_rank >= 0) {
+    try {
+      gloo_rank_main(worker_rank, worker_size, worker_store, options);
+      return 0;
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "bench_collectives: gloo rank {} of {}: {}\n", worker_rank, worker_size, e.what());
+      return 1;
+    }
+  }
+  try {
+    return run(options, forwarded);
   } catch (const std::exception& e) {
     fmt::print(stderr, "bench_collectives: {}\n", e.what());
     return 1;

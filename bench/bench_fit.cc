@@ -3,6 +3,12 @@
 //
 //   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
 //   build/bench/bench_fit --strategy mirrored [--replicas 2] [--models mlp,wide] [--repeat R]
+//   build/bench/bench_fit --strategy multiworker [--models mlp,wide] [--repeat R]
+//
+// --strategy multiworker starts this program again as two worker processes of one intra-op
+// thread each on 127.0.0.1 (TF_CONFIG set as tandem-run sets it), training under
+// MultiWorkerMirroredStrategy (Gloo between the processes, global batch 128 = 64 per worker),
+// beside the same DDP peer: the same shape of job on both sides.
 //
 // --strategy mirrored trains under MirroredStrategy on --replicas logical CPU devices of one
 // intra-op thread each, beside bench/peers/torch_ddp2.sh (PyTorch DDP over Gloo, two processes of
@@ -21,6 +27,8 @@
 // OPENBLAS_CORETYPE set to the kernel set tandem's loader picks (Debian's OpenBLAS otherwise falls
 // back to SSE3 kernels on recent Xeons); and with that plus OPENBLAS_NUM_THREADS=1.
 #include <tandem/keras_like/keras.h>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -51,9 +59,10 @@ struct Options {
   int repeat = 1;   // runs of each side, interleaved; the table shows medians
   bool peer = true;
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
-  std::string strategy = "one";  // or "mirrored"
+  std::string strategy = "one";  // or "mirrored", "multiworker"
   int replicas = 2;              // logical CPU devices under --strategy mirrored
   bool models_given = false;
+  std::string worker_model;  // set in the worker processes of --strategy multiworker
 };
 
 Options parse(int argc, char** argv) {
@@ -71,8 +80,10 @@ Options parse(int argc, char** argv) {
       o.models_given = true;
     } else if (arg == "--strategy") {
       o.strategy = value();
-      TANDEM_REQUIRE(o.strategy == "one" || o.strategy == "mirrored", InvalidArgument,
-                     "--strategy \"{}\": expected one or mirrored", o.strategy);
+      TANDEM_REQUIRE(o.strategy == "one" || o.strategy == "mirrored" || o.strategy == "multiworker", InvalidArgument,
+                     "--strategy \"{}\": expected one, mirrored or multiworker", o.strategy);
+    } else if (arg == "--multiworker-worker") {
+      o.worker_model = value();  // internal: one worker process of --strategy multiworker
     } else if (arg == "--replicas") {
       o.replicas = std::max(1, std::stoi(value()));
     } else if (arg == "--epochs") {
@@ -90,7 +101,7 @@ Options parse(int argc, char** argv) {
     }
   }
   // The DDP peer covers mlp and wide (a CNN under DDP is not among its configurations).
-  if (o.strategy == "mirrored" && !o.models_given) o.models = {"mlp", "wide"};
+  if ((o.strategy == "mirrored" || o.strategy == "multiworker") && !o.models_given) o.models = {"mlp", "wide"};
   return o;
 }
 
@@ -224,10 +235,14 @@ std::optional<Result> median(std::vector<Result> runs) {
 }  // namespace
 
 int run_mirrored(const Options& o);
+int run_multiworker(const Options& o);
+int run_multiworker_worker(const Options& o);
 
 int main(int argc, char** argv) try {
   const Options o = parse(argc, argv);
+  if (!o.worker_model.empty()) return run_multiworker_worker(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
+  if (o.strategy == "multiworker") return run_multiworker(o);
   if (o.threads > 0) devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
@@ -335,6 +350,68 @@ int run_mirrored(const Options& o) {
               "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh as\n"
               "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
               "here). ratio = tandem /s over the peer's.\n",
+              core.c_str());
+  return 0;
+}
+
+// One worker of --strategy multiworker (TF_CONFIG comes from the parent): trains, and the chief
+// prints the fields run_peer_command reads.
+int run_multiworker_worker(const Options& o) {
+  MultiWorkerMirroredStrategy strategy;
+  const auto data = data::fashion_mnist();
+  const Result r = run_tandem(o.worker_model, data, o.epochs, &strategy);
+  if (strategy.worker_rank() == 0) {
+    std::printf("samples_per_s=%.1f test_acc=%.4f wait_ms=%.3f\n", r.samples_per_s, r.test_accuracy,
+                1e3 * r.times.reduce_wait_seconds / static_cast<double>(std::max<std::int64_t>(1, r.times.steps)));
+  }
+  return 0;
+}
+
+// --strategy multiworker: two worker processes of one thread, beside PyTorch DDP (the same).
+int run_multiworker(const Options& o) {
+  std::printf("bench_fit --strategy multiworker: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop "
+              "only, median of %d run(s)\n",
+              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf("CPU:           %s; tandem: MultiWorkerMirroredStrategy, 2 processes x 1 thread, Gloo on 127.0.0.1\n",
+              bench::cpu_model().c_str());
+  std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
+  std::printf("%-5s | %10s %7s | %10s %7s %7s | %10s %7s %7s\n", "model", "tandem /s", "acc", "DDP /s", "acc", "ratio",
+              "DDP** /s", "acc", "ratio");
+  std::printf("%s\n", std::string(86, '-').c_str());
+  int port = 29620;
+  for (const auto& kind : o.models) {
+    std::vector<Result> ours_runs, peer_runs, tuned_runs;
+    for (int r = 0; r < o.repeat; ++r) {
+      port += 2;
+      const auto worker = [&](int rank) {
+        return fmt::format(
+            "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
+            "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {}",
+            port, port + 1, rank, getpid(), kind, o.epochs);
+      };
+      if (auto ours = run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)))) {
+        ours_runs.push_back(*ours);
+      }
+      if (!o.peer) continue;
+      if (auto p = run_ddp_peer(kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      if (auto p = run_ddp_peer(kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
+        tuned_runs.push_back(*p);
+      }
+    }
+    const std::optional<Result> ours = median(ours_runs);
+    TANDEM_REQUIRE(ours.has_value(), Internal, "bench_fit: the tandem workers of model {} did not report", kind);
+    const auto cell = [&](const std::optional<Result>& p) {
+      if (!p) return fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
+      return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", p->samples_per_s, p->test_accuracy,
+                         ours->samples_per_s / p->samples_per_s);
+    };
+    std::printf("%-5s | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s, ours->test_accuracy,
+                cell(median(peer_runs)).c_str(), cell(median(tuned_runs)).c_str());
+    std::fflush(stdout);
+  }
+  std::printf("\nDDP = torch_ddp2.sh as Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and\n"
+              "OPENBLAS_NUM_THREADS=1. ratio = tandem /s over the peer's.\n",
               core.c_str());
   return 0;
 }

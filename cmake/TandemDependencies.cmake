@@ -5,6 +5,8 @@ find_package(Eigen3 3.4 REQUIRED NO_MODULE)
 find_package(fmt REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(ZLIB REQUIRED)
+# Gloo (Debian's libgloo-dev): collectives between processes over TCP (collective/gloo.cc).
+find_package(Gloo CONFIG REQUIRED)
 
 # OpenBLAS is not linked: ops/cpu/gemm.cc loads it at run time so that it can choose the kernel
 # set for this CPU before the library initialises (see the comment there). We only record where

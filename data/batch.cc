@@ -46,6 +46,7 @@ class BatchNode final : public DatasetNode {
     return specs;
   }
   const char* name() const override { return "batch"; }
+  bool reads_files() const override { return input_->reads_files(); }
 
  private:
   class BatchIterator final : public IteratorBase {

@@ -187,6 +187,7 @@ class MapNode final : public DatasetNode {
     return spec_;
   }
   const char* name() const override { return "map"; }
+  bool reads_files() const override { return input_->reads_files(); }
 
  private:
   class MapIterator final : public IteratorBase {
@@ -237,6 +238,7 @@ class RepeatNode final : public DatasetNode {
   }
   std::vector<TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "repeat"; }
+  bool reads_files() const override { return input_->reads_files(); }
   std::shared_ptr<const detail::SliceSource> slice_source() const override { return input_->slice_source(); }
 
  private:
@@ -278,7 +280,9 @@ class RepeatNode final : public DatasetNode {
     bool open_pass() {
       if (input_) return true;
       if (done_ || (count_ >= 0 && passes_ >= count_)) return false;
-      input_ = input_node_->make_iterator(context_);
+      IterateContext context = context_;
+      context.repetition = passes_ == 0 ? context_.repetition : mix_seed(context_.repetition + 1, static_cast<std::uint64_t>(passes_));
+      input_ = input_node_->make_iterator(context);
       pass_empty_ = true;
       return true;
     }
@@ -318,6 +322,7 @@ class TakeNode final : public DatasetNode {
   }
   std::vector<TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "take"; }
+  bool reads_files() const override { return input_->reads_files(); }
   std::shared_ptr<const detail::SliceSource> slice_source() const override { return input_->slice_source(); }
 
  private:
@@ -382,6 +387,7 @@ class SkipNode final : public DatasetNode {
   }
   std::vector<TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "skip"; }
+  bool reads_files() const override { return input_->reads_files(); }
   std::shared_ptr<const detail::SliceSource> slice_source() const override { return input_->slice_source(); }
 
  private:
@@ -444,6 +450,7 @@ class ShardNode final : public DatasetNode {
   }
   std::vector<TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "shard"; }
+  bool reads_files() const override { return input_->reads_files(); }
   std::shared_ptr<const detail::SliceSource> slice_source() const override { return input_->slice_source(); }
 
  private:
@@ -581,9 +588,84 @@ Dataset Dataset::shard(std::int64_t num_shards, std::int64_t index) const {
   return Dataset(std::make_shared<const ShardNode>(node_, num_shards, index));
 }
 
+namespace {
+
+// from_files: the readers' datasets one after another. Each file is read when a pass reaches it;
+// the FILE auto-shard policy (IterateOptions::file_shards) picks every N-th file.
+class FilesNode final : public DatasetNode {
+ public:
+  FilesNode(std::vector<std::string> paths, std::function<Dataset(const std::string&)> reader)
+      : paths_(std::move(paths)), reader_(std::move(reader)) {}
+
+  std::unique_ptr<IteratorBase> make_iterator(const IterateContext& context) const override {
+    return std::make_unique<FilesIterator>(self_as<FilesNode>(), context);
+  }
+  std::int64_t cardinality() const override { return paths_.empty() ? 0 : Dataset::kUnknown; }
+  std::vector<TensorSpec> element_spec() const override {
+    TANDEM_REQUIRE(!paths_.empty(), InvalidArgument, "from_files: the list of files is empty");
+    return read(paths_.front()).element_spec();
+  }
+  const char* name() const override { return "from_files"; }
+  bool reads_files() const override { return true; }
+
+ private:
+  Dataset read(const std::string& path) const {
+    Dataset d = reader_(path);
+    TANDEM_REQUIRE(d.defined(), InvalidArgument, "from_files: the reader returned an empty Dataset for \"{}\"", path);
+    return d;
+  }
+
+  class FilesIterator final : public IteratorBase {
+   public:
+    FilesIterator(std::shared_ptr<const FilesNode> node, IterateContext context)
+        : node_(std::move(node)), context_(context), next_file_(static_cast<std::size_t>(context.options.file_shard_index)) {}
+
+    std::optional<Element> next() override {
+      while (true) {
+        if (!current_) {
+          if (next_file_ >= node_->paths_.size()) return std::nullopt;
+          const Dataset d = node_->read(node_->paths_[next_file_]);
+          next_file_ += static_cast<std::size_t>(context_.options.file_shards);
+          IterateContext inner = context_;
+          inner.options.file_shards = 1;  // the file's own dataset is read whole
+          inner.options.file_shard_index = 0;
+          current_ = d.node()->make_iterator(inner);
+        }
+        if (auto element = current_->next()) return element;
+        current_.reset();
+      }
+    }
+
+   private:
+    std::shared_ptr<const FilesNode> node_;
+    IterateContext context_;
+    std::size_t next_file_;
+    std::unique_ptr<IteratorBase> current_;
+  };
+
+  std::vector<std::string> paths_;
+  std::function<Dataset(const std::string&)> reader_;
+};
+
+}  // namespace
+
+Dataset Dataset::from_files(std::vector<std::string> paths, std::function<Dataset(const std::string& path)> reader) {
+  TANDEM_REQUIRE(reader != nullptr, InvalidArgument, "from_files: no reader function");
+  return Dataset(std::make_shared<const FilesNode>(std::move(paths), std::move(reader)));
+}
+
 std::unique_ptr<Iterator> Dataset::iterate() const {
   return checked(node_, "iterate").make_iterator(IterateContext{});
 }
+
+std::unique_ptr<Iterator> Dataset::iterate(const IterateOptions& options) const {
+  TANDEM_REQUIRE(options.file_shards >= 1 && options.file_shard_index >= 0 && options.file_shard_index < options.file_shards,
+                 InvalidArgument, "iterate: file shard {} of {} is out of range", options.file_shard_index,
+                 options.file_shards);
+  return checked(node_, "iterate").make_iterator(IterateContext{.options = options});
+}
+
+bool Dataset::reads_files() const { return checked(node_, "reads_files").reads_files(); }
 
 std::int64_t Dataset::cardinality() const { return checked(node_, "cardinality").cardinality(); }
 

@@ -44,6 +44,19 @@ struct PrefetchOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
 };
 
+// How one pass is made (Dataset::iterate). The defaults give tf.data's behaviour.
+struct IterateOptions {
+  // Which epoch this pass is. Without it, a reshuffling shuffle draws pass k's order from
+  // mix_seed(seed, k), k counting the passes started on it in this process; with it, from
+  // mix_seed(seed, epoch). Model::fit passes its epoch so that a run resumed from a backup in a
+  // new process sees the orders the interrupted run would have seen.
+  std::optional<std::uint64_t> epoch;
+  // FILE auto-sharding (MultiWorkerMirroredStrategy): a from_files source reads only the files
+  // file_shard_index, file_shard_index + file_shards, ... of its list.
+  std::int64_t file_shards = 1;
+  std::int64_t file_shard_index = 0;
+};
+
 namespace detail {
 class DatasetNode;
 }
@@ -57,6 +70,11 @@ class Dataset {
 
   // One element per index of the components' first dimension, which must be equal (views: no copy).
   static Dataset from_tensor_slices(std::vector<Tensor> components);
+  // The concatenation of reader(path) over the files, in order (tf.data's list of files followed
+  // by interleave with cycle length 1). Under MultiWorkerMirroredStrategy the FILE auto-shard
+  // policy gives each worker every N-th file. The reader runs when a pass reaches the file;
+  // element_spec() reads the first file.
+  static Dataset from_files(std::vector<std::string> paths, std::function<Dataset(const std::string& path)> reader);
   // One element holding the components whole.
   static Dataset from_tensors(std::vector<Tensor> components);
 
@@ -78,6 +96,9 @@ class Dataset {
   Dataset shard(std::int64_t num_shards, std::int64_t index) const;
 
   std::unique_ptr<Iterator> iterate() const;
+  std::unique_ptr<Iterator> iterate(const IterateOptions& options) const;
+  // Whether a pass reads a from_files source (the FILE auto-shard policy applies).
+  bool reads_files() const;
   // Elements in one pass when known without iterating; kInfinite or kUnknown otherwise.
   std::int64_t cardinality() const;
   // dtype and shape of each component; a dimension that varies (the last partial batch) is -1.

@@ -29,6 +29,7 @@ class PrefetchNode final : public DatasetNode {
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::vector<graph::TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "prefetch"; }
+  bool reads_files() const override { return input_->reads_files(); }
 
  private:
   class PrefetchIterator final : public IteratorBase {

@@ -55,7 +55,12 @@ class ShuffleNode final : public DatasetNode {
     // A probe needs one element's shapes, not an order: pass elements through, and leave the
     // epoch counter alone so that the training passes see the orders they would have seen.
     if (context.probe) return input_->make_iterator(context);
-    const std::uint64_t epoch = reshuffle_ ? epochs_.fetch_add(1, std::memory_order_relaxed) : 0;
+    std::uint64_t epoch = 0;
+    if (reshuffle_ && context.options.epoch) {
+      epoch = context.repetition == 0 ? *context.options.epoch : mix_seed(*context.options.epoch, context.repetition);
+    } else if (reshuffle_) {
+      epoch = epochs_.fetch_add(1, std::memory_order_relaxed);
+    }
     std::int64_t reserve = std::min(buffer_size_, kMaxReservedElements);
     if (const auto n = input_->cardinality(); n >= 0) reserve = std::min(reserve, n);
     auto input = input_->make_iterator(context);
@@ -69,6 +74,7 @@ class ShuffleNode final : public DatasetNode {
   std::int64_t cardinality() const override { return input_->cardinality(); }
   std::vector<graph::TensorSpec> element_spec() const override { return input_->element_spec(); }
   const char* name() const override { return "shuffle"; }
+  bool reads_files() const override { return input_->reads_files(); }
   std::shared_ptr<const SliceSource> slice_source() const override { return input_->slice_source(); }
 
  private:

@@ -15,6 +15,7 @@
 #include <system_error>
 
 #include "tandem/base/errors.h"
+#include "tandem/keras_like/detail/model_state.h"
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/saving.h"
 
@@ -166,6 +167,8 @@ Model& Callback::model() const {
                  "this callback has no model: callbacks are attached by fit(), evaluate() and predict()");
   return *model_;
 }
+
+bool Callback::is_chief() const { return model_ == nullptr || model_->distribute_strategy().should_checkpoint(); }
 
 CallbackList::CallbackList(std::vector<CallbackPtr> callbacks, Model* model, const TrainingParams& params)
     : callbacks_(std::move(callbacks)) {
@@ -412,6 +415,7 @@ CSVLogger::~CSVLogger() = default;
 
 void CSVLogger::on_train_begin(Logs& /*logs*/) {
   state_->close();
+  if (!is_chief()) return;
   state_->keys.clear();
   state_->keys_set = false;
   state_->write_header = true;
@@ -428,6 +432,7 @@ void CSVLogger::on_train_begin(Logs& /*logs*/) {
 }
 
 void CSVLogger::on_epoch_end(int epoch, Logs& logs) {
+  if (!is_chief()) return;
   if (state_->file == nullptr) {
     Logs none;
     on_train_begin(none);  // used without fit(): open as fit would have
@@ -470,6 +475,109 @@ void CSVLogger::on_epoch_end(int epoch, Logs& logs) {
 }
 
 void CSVLogger::on_train_end(Logs& /*logs*/) { state_->close(); }
+
+// ----- BackupAndRestore -----
+
+namespace {
+// All of a model's training state as host tensors, in one fixed order on every worker: unique
+// weights, optimizer slots, then iterations and learning rate.
+std::vector<VariablePtr> state_variables(Model& model) {
+  std::vector<VariablePtr> out;
+  for (const auto& w : model.weights()) {
+    if (std::find(out.begin(), out.end(), w) == out.end()) out.push_back(w);
+  }
+  for (const auto& [name, slot] : model.optimizer().slots()) out.push_back(slot);
+  return out;
+}
+}  // namespace
+
+BackupAndRestore::BackupAndRestore(std::string backup_dir, BackupAndRestoreOptions options)
+    : backup_dir_(std::move(backup_dir)), options_(options) {
+  TANDEM_REQUIRE(!backup_dir_.empty(), InvalidArgument, "BackupAndRestore: backup_dir is empty");
+  TANDEM_REQUIRE(options_.save_freq >= 0, InvalidArgument,
+                 "BackupAndRestore \"{}\": save_freq is {}; expected 0 (every epoch) or a number of batches", backup_dir_,
+                 options_.save_freq);
+}
+
+std::string BackupAndRestore::latest_path() const { return (std::filesystem::path(backup_dir_) / "backup.safetensors").string(); }
+std::string BackupAndRestore::previous_path() const {
+  return (std::filesystem::path(backup_dir_) / "backup.previous.safetensors").string();
+}
+
+void BackupAndRestore::on_train_begin(Logs& /*logs*/) {
+  Model& m = model();
+  auto& strategy = m.distribute_strategy();
+  batches_ = 0;
+  restored_from_.clear();
+  // [found, epochs done, step, iterations] decided by the chief, then told to everyone.
+  std::vector<Tensor> header{Tensor::zeros({4}, DType::kI64)};
+  if (is_chief()) {
+    for (const auto& path : {latest_path(), previous_path()}) {
+      if (!std::filesystem::exists(path)) continue;
+      try {
+        const TrainingState state = load_training_checkpoint(m, path);  // checks everything first
+        auto* h = header[0].data<std::int64_t>();
+        h[0] = 1;
+        h[1] = state.epoch;
+        h[2] = state.step;
+        h[3] = m.optimizer().iterations();
+        restored_from_ = path;
+        break;
+      } catch (const Error& e) {
+        // A backup cut short by the crash it is meant to survive: say so, use the one before.
+        std::cerr << fmt::format("BackupAndRestore: ignoring the backup \"{}\": {}\n", path, e.what()) << std::flush;
+      }
+    }
+  }
+  strategy.broadcast_from_chief(header);
+  const auto* h = header[0].data<std::int64_t>();
+  if (h[0] == 0) return;  // nothing to resume: a fresh run
+  if (strategy.num_workers() > 1) {
+    // The chief's restored state, to every worker (they may not see the chief's files).
+    auto variables = state_variables(m);
+    std::vector<Tensor> values;
+    for (const auto& v : variables) values.push_back(v->read_value().to(devices::default_cpu_device()).clone());
+    values.push_back(Tensor::scalar<double>(m.optimizer().learning_rate()));
+    strategy.broadcast_from_chief(values);
+    if (!is_chief()) {
+      for (std::size_t i = 0; i < variables.size(); ++i) variables[i]->assign(values[i]);
+      m.optimizer().set_iterations(h[3]);
+      m.optimizer().set_learning_rate(values.back().item<double>());
+    }
+  }
+  m.state()->resume = detail::ModelState::ResumePoint{.epoch = static_cast<int>(h[1]), .step = h[2]};
+  batches_ = h[3];
+}
+
+void BackupAndRestore::on_epoch_begin(int epoch, Logs& /*logs*/) { epoch_ = epoch; }
+
+void BackupAndRestore::on_train_batch_end(std::int64_t batch, Logs& /*logs*/) {
+  ++batches_;
+  if (options_.save_freq > 0 && batches_ % options_.save_freq == 0) backup(epoch_, batch + 1);
+}
+
+void BackupAndRestore::on_epoch_end(int epoch, Logs& /*logs*/) { backup(epoch + 1, 0); }
+
+void BackupAndRestore::on_train_end(Logs& /*logs*/) {
+  if (!options_.delete_checkpoint || !is_chief()) return;
+  std::error_code ignored;
+  std::filesystem::remove(latest_path(), ignored);
+  std::filesystem::remove(previous_path(), ignored);
+}
+
+void BackupAndRestore::backup(int epochs_done, std::int64_t step) {
+  if (!is_chief()) return;
+  std::error_code error;
+  std::filesystem::create_directories(backup_dir_, error);
+  TANDEM_REQUIRE(!error, Unavailable, "BackupAndRestore: cannot create \"{}\": {}", backup_dir_, error.message());
+  // The newest backup becomes the previous one (a rename: atomic), then the new one is written
+  // (atomically too). A crash at any point leaves at least one complete backup.
+  if (std::filesystem::exists(latest_path())) {
+    std::filesystem::rename(latest_path(), previous_path(), error);
+    TANDEM_REQUIRE(!error, Unavailable, "BackupAndRestore: cannot rename \"{}\": {}", latest_path(), error.message());
+  }
+  save_training_checkpoint(model(), latest_path(), {.epoch = epochs_done, .step = step});
+}
 
 // ----- LearningRateScheduler -----
 

@@ -57,6 +57,11 @@ class Callback {
   virtual void on_predict_batch_begin(std::int64_t /*batch*/, Logs& /*logs*/) {}
   virtual void on_predict_batch_end(std::int64_t /*batch*/, Logs& /*logs*/) {}
 
+ protected:
+  // Whether this process writes files and logs: the chief of a multi-worker job (or the only
+  // worker; also true when the callback is used outside fit).
+  bool is_chief() const;
+
  private:
   Model* model_ = nullptr;
   TrainingParams params_;
@@ -195,7 +200,8 @@ struct CsvLoggerOptions {
   char separator = ',';
   bool append = false;
 };
-// One CSV row per epoch: epoch, then each log value (header from the first epoch's keys).
+// One CSV row per epoch: epoch, then each log value (header from the first epoch's keys). Only
+// the chief writes.
 class CSVLogger : public Callback {
  public:
   explicit CSVLogger(std::string filename, CsvLoggerOptions options = {});
@@ -209,6 +215,48 @@ class CSVLogger : public Callback {
   std::string filename_;
   CsvLoggerOptions options_;
   std::unique_ptr<State> state_;
+};
+
+struct BackupAndRestoreOptions {
+  // Keras's save_freq: 0 ("epoch") backs up at the end of every epoch; N backs up every N
+  // training batches (counted over the whole run) as well.
+  std::int64_t save_freq = 0;
+  // Delete the backups when fit ends normally (a run that fails or is killed keeps them).
+  bool delete_checkpoint = true;
+};
+// Fault tolerance (keras.callbacks.BackupAndRestore): backs training up into `backup_dir`, and
+// when fit starts with a backup there — the previous run was interrupted — resumes from it:
+// weights, optimizer slots and step count, learning rate, epoch, and the position in the data
+// (the epoch's shuffle and the batches already trained; Dropout's randomness follows the step
+// count), so that the finished run equals one that was never interrupted.
+//
+// Two generations are kept (backup.safetensors and backup.previous.safetensors), each written
+// atomically with a checksum: a backup that is truncated or corrupt is reported and the previous
+// one is used. Under MultiWorkerMirroredStrategy only the chief writes and reads backups; on
+// restore it broadcasts the state to the other workers, so they need no shared file system.
+// Every worker must pass the callback (restoring is a collective).
+class BackupAndRestore : public Callback {
+ public:
+  explicit BackupAndRestore(std::string backup_dir, BackupAndRestoreOptions options = {});
+  void on_train_begin(Logs& logs) override;
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_train_end(Logs& logs) override;
+
+  // The files it writes.
+  std::string latest_path() const;
+  std::string previous_path() const;
+  // What the last on_train_begin restored from ("" when it started afresh).
+  const std::string& restored_from() const { return restored_from_; }
+
+ private:
+  void backup(int epochs_done, std::int64_t step);
+  std::string backup_dir_;
+  BackupAndRestoreOptions options_;
+  std::string restored_from_;
+  std::int64_t batches_ = 0;
+  int epoch_ = 0;
 };
 
 // Sets the learning rate at the start of each epoch: schedule(epoch, current_lr) -> new lr.

@@ -13,4 +13,5 @@
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/optimizers.h"
 #include "tandem/keras_like/saving.h"
+#include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"

@@ -168,13 +168,13 @@ Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std:
   Logs logs;
   callbacks.on_test_begin(logs);
   trainer.reset_metrics(detail::Phase::kTest);
-  auto iterator = data.iterate();
+  auto iterator = s.strategy->iterate_for_worker(data, {});
   for (std::int64_t step = 0; total < 0 || step < total; ++step) {
     auto batch = iterator->next();
     if (!batch) break;
     Logs batch_logs;
     callbacks.on_test_batch_begin(step, batch_logs);
-    trainer.test_step(*batch);
+    trainer.test_step(batch->local);
     trainer.write_logs(detail::Phase::kTest, batch_logs);
     callbacks.on_test_batch_end(step, batch_logs);
   }
@@ -316,28 +316,62 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   TANDEM_REQUIRE(steps != 0, InvalidArgument, "model \"{}\": the training data is empty", s.name);
 
   std::vector<CallbackPtr> list = options.callbacks;
-  const auto history = add_defaults(list, options.verbose, /*with_history=*/true);
-  CallbackList callbacks(std::move(list), this, {.epochs = options.epochs, .steps = steps, .verbose = options.verbose});
+  // Under a multi-worker strategy only the chief prints, unless asked otherwise.
+  const int verbose = s.strategy->should_log() ? options.verbose : 0;
+  const auto history = add_defaults(list, verbose, /*with_history=*/true);
+  CallbackList callbacks(std::move(list), this, {.epochs = options.epochs, .steps = steps, .verbose = verbose});
   s.stop_training = false;
+  s.resume.reset();
   Logs train_logs;
-  callbacks.on_train_begin(train_logs);
-  // With steps_per_epoch, one iterator runs across epochs (Keras), restarting when it ends.
-  std::unique_ptr<data::Iterator> iterator;
-  for (int epoch = options.initial_epoch; epoch < options.epochs && !s.stop_training; ++epoch) {
+  callbacks.on_train_begin(train_logs);  // BackupAndRestore may set s.resume
+  int first_epoch = options.initial_epoch;
+  std::int64_t first_step = 0;
+  if (s.resume) {
+    first_epoch = std::max(first_epoch, s.resume->epoch);
+    first_step = s.resume->epoch == first_epoch ? s.resume->step : 0;
+    s.resume.reset();
+  }
+  // Passes over the data are numbered so that a resumed run sees the shuffles and the data
+  // position the interrupted run would have seen: without steps_per_epoch pass = epoch; with it,
+  // one pass runs across epochs (Keras) and the next starts where it ends.
+  std::unique_ptr<strategy::Strategy::WorkerIterator> iterator;
+  std::uint64_t pass = 0;
+  std::int64_t pass_position = 0;  // batches taken from the current pass
+  const auto start_pass = [&](std::uint64_t index) {
+    pass = index;
+    pass_position = 0;
+    iterator = s.strategy->iterate_for_worker(data, {.epoch = index});
+  };
+  if (options.steps_per_epoch && first_epoch > 0) {
+    // Where the interrupted run's single iterator was: whole passes of known length are skipped.
+    const std::int64_t done = std::int64_t{first_epoch} * *options.steps_per_epoch + first_step;
+    const std::int64_t per_pass = data.cardinality();
+    start_pass(per_pass > 0 ? static_cast<std::uint64_t>(done / per_pass) : 0);
+    pass_position = iterator->skip(per_pass > 0 ? done % per_pass : done);
+    first_step = 0;
+  }
+  for (int epoch = first_epoch; epoch < options.epochs && !s.stop_training; ++epoch) {
     Logs epoch_logs;
     callbacks.on_epoch_begin(epoch, epoch_logs);
-    if (!options.steps_per_epoch || iterator == nullptr) iterator = data.iterate();
+    if (!options.steps_per_epoch || iterator == nullptr) start_pass(static_cast<std::uint64_t>(epoch));
     trainer.reset_metrics(detail::Phase::kTrain);
-    for (std::int64_t step = 0; steps < 0 || step < steps; ++step) {
+    std::int64_t step = 0;
+    if (first_step > 0) {
+      step = iterator->skip(first_step);  // resumed mid-epoch
+      pass_position = step;
+      first_step = 0;
+    }
+    for (; steps < 0 || step < steps; ++step) {
       auto batch = iterator->next();
-      if (!batch && options.steps_per_epoch && step > 0) {
-        iterator = data.iterate();  // ran out mid-epoch: start another pass
+      if (!batch && options.steps_per_epoch && pass_position > 0) {
+        start_pass(pass + 1);  // ran out mid-epoch: start another pass
         batch = iterator->next();
       }
       if (!batch) break;
+      ++pass_position;
       Logs batch_logs;
       callbacks.on_train_batch_begin(step, batch_logs);
-      trainer.train_step(*batch);
+      trainer.train_step(batch->local, batch->global_examples);
       trainer.write_logs(detail::Phase::kTrain, batch_logs);
       callbacks.on_train_batch_end(step, batch_logs);
       if (s.stop_training) break;
@@ -388,9 +422,9 @@ Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) 
   TANDEM_REQUIRE(s.compiled, FailedPrecondition, "model \"{}\": call compile() before evaluate()", s.name);
   auto scope = enter_model_scope(s, "evaluate");
   std::vector<CallbackPtr> list = options.callbacks;
-  add_defaults(list, options.verbose, /*with_history=*/false);
-  CallbackList callbacks(std::move(list), this,
-                         {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = options.verbose});
+  const int verbose = s.strategy->should_log() ? options.verbose : 0;
+  add_defaults(list, verbose, /*with_history=*/false);
+  CallbackList callbacks(std::move(list), this, {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = verbose});
   return run_evaluation(s, data, options.steps, callbacks);
 }
 

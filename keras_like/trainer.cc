@@ -409,8 +409,10 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     auto replica = std::make_unique<Replica>();
     replica->index = static_cast<int>(r);
     replica->trainer = this;
-    replica->executor = std::make_unique<graph::Executor>(g.graph, *devices[r],
-                                                          graph::ExecutorOptions{.seed = mix_seed(r), .profile = g.profile});
+    // Random streams differ between all replicas of all workers (Dropout masks).
+    const auto global_replica = static_cast<std::uint64_t>(model.strategy->worker_rank()) * devices.size() + r;
+    replica->executor = std::make_unique<graph::Executor>(
+        g.graph, *devices[r], graph::ExecutorOptions{.seed = mix_seed(global_replica), .profile = g.profile});
     for (const auto& variable : g.variables.variables) {
       TANDEM_REQUIRE(&variable->strategy() == model.strategy, FailedPrecondition,
                      "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "
@@ -500,7 +502,11 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // Scaled by the global batch: the sum over every replica's examples becomes a mean.
     replica.loss_scale_value.data<float>()[0] = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
     feeds.emplace_back(g.loss_scale, replica.loss_scale_value);
-    fetched = replica.executor->run(feeds, g.train_fetches, {.observer = &replica});
+    // Dropout's masks follow the optimizer's step count, not the executor's run count, so that a
+    // run resumed from a backup draws what the interrupted run would have drawn.
+    fetched = replica.executor->run(
+        feeds, g.train_fetches,
+        {.random_step = static_cast<std::uint64_t>(model_.optimizer->iterations()), .observer = &replica});
     const auto scalar = [&](std::size_t i) { return static_cast<double>(fetched[i].item<float>()); };
     replica.sums.loss = scalar(0);
     std::size_t k = 1;
@@ -560,7 +566,6 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     }
     variable->value(r).copy_from(value);
   }
-  train_metrics_->add(r, replica.sums);
   if (r == 0) {
     const auto end = std::chrono::steady_clock::now();
     g.times.reduce_wait_seconds += std::chrono::duration<double>(applying - reducing).count();
@@ -568,12 +573,41 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   }
 }
 
-void Trainer::train_step(const data::Element& batch) {
+void Trainer::add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica) {
+  auto& strategy = *model_.strategy;
+  if (strategy.num_workers() == 1) {
+    for (std::size_t r = 0; r < per_replica.size(); ++r) metrics.add(static_cast<int>(r), per_replica[r]);
+    return;
+  }
+  // One small all-reduce per step: [loss, output losses..., metrics..., examples].
+  StepSums total = per_replica.front();
+  for (std::size_t r = 1; r < per_replica.size(); ++r) {
+    const StepSums& s = per_replica[r];
+    total.loss += s.loss;
+    for (std::size_t j = 0; j < total.output_loss.size(); ++j) total.output_loss[j] += s.output_loss[j];
+    for (std::size_t j = 0; j < total.metrics.size(); ++j) total.metrics[j] += s.metrics[j];
+    total.examples += s.examples;
+  }
+  std::vector<double> values;
+  values.push_back(total.loss);
+  values.insert(values.end(), total.output_loss.begin(), total.output_loss.end());
+  values.insert(values.end(), total.metrics.begin(), total.metrics.end());
+  values.push_back(static_cast<double>(total.examples));
+  strategy.sum_across_workers(values);
+  std::size_t k = 0;
+  total.loss = values[k++];
+  for (auto& v : total.output_loss) v = values[k++];
+  for (auto& v : total.metrics) v = values[k++];
+  total.examples = static_cast<std::int64_t>(values[k]);
+  metrics.add(0, total);
+}
+
+void Trainer::train_step(const data::Element& batch, std::int64_t global_examples) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.train_fetches.empty(), FailedPrecondition,
                  "model \"{}\": training needs a compiled model and data with targets", model_.name);
   const auto start = std::chrono::steady_clock::now();
-  const std::int64_t examples = batch.empty() ? 0 : batch[0].shape()[0];
+  const std::int64_t examples = global_examples;
   const bool update = model_.optimizer->is_update_step();
   auto& strategy = *model_.strategy;
   if (replicas_.size() == 1) {
@@ -585,6 +619,9 @@ void Trainer::train_step(const data::Element& batch) {
       run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update);
     });
   }
+  std::vector<StepSums> sums;
+  for (const auto& replica : replicas_) sums.push_back(replica->sums);
+  add_step_sums(*train_metrics_, sums);
   model_.optimizer->finish_step();
   g.times.steps += 1;
   g.times.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -596,10 +633,15 @@ void Trainer::test_step(const data::Element& batch) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.test_fetches.empty(), FailedPrecondition,
                  "model \"{}\": evaluation needs a compiled model and data with targets", model_.name);
+  std::vector<StepSums> step_sums(replicas_.size());
+  for (auto& sums : step_sums) {
+    sums.output_loss.assign(model_.outputs.size() > 1 ? model_.outputs.size() : 0, 0.0);
+    sums.metrics.assign(g.num_sums - 1 - sums.output_loss.size(), 0.0);
+  }
   const auto body = [&](int r, const data::Element& shard) {
     Replica& replica = *replicas_[static_cast<std::size_t>(r)];
     const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
-    if (rows == 0) return;
+    if (rows == 0) return;  // step_sums[r] stays zero (with the right number of entries)
     auto& feeds = replica.feeds;
     feeds.clear();
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
@@ -613,16 +655,17 @@ void Trainer::test_step(const data::Element& batch) {
     }
     for (; k < g.num_sums; ++k) sums.metrics.push_back(fetched[k].item<float>());
     sums.examples = rows;
-    test_metrics_->add(r, sums);
+    step_sums[static_cast<std::size_t>(r)] = std::move(sums);
   };
   if (replicas_.size() == 1) {
     body(0, batch);
-    return;
+  } else {
+    const auto shards = model_.strategy->split_batch(batch);
+    model_.strategy->run([&](strategy::ReplicaContext& ctx) {
+      body(ctx.replica_id_in_sync_group(), shards[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]);
+    });
   }
-  const auto shards = model_.strategy->split_batch(batch);
-  model_.strategy->run([&](strategy::ReplicaContext& ctx) {
-    body(ctx.replica_id_in_sync_group(), shards[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]);
-  });
+  add_step_sums(*test_metrics_, step_sums);
 }
 
 std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {

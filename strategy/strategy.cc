@@ -150,6 +150,7 @@ Strategy::Scope Strategy::scope() { return Scope(*this); }
 
 std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
   TANDEM_REQUIRE(options.initial_value.defined(), InvalidArgument, "variable \"{}\": no initial value", options.name);
+  agree_on_variable(options);
   std::vector<Tensor> copies;
   copies.reserve(devices_.size());
   for (auto* device : devices_) {
@@ -263,6 +264,34 @@ std::optional<std::vector<data::Element>> Strategy::DistributedIterator::next() 
   auto element = iterator_->next();
   if (!element) return std::nullopt;
   return strategy_.split_batch(*element);
+}
+
+std::int64_t Strategy::WorkerIterator::skip(std::int64_t n) {
+  std::int64_t skipped = 0;
+  while (skipped < n && next()) ++skipped;
+  return skipped;
+}
+
+namespace {
+// One worker: every global batch is this worker's.
+class WholeBatchIterator final : public Strategy::WorkerIterator {
+ public:
+  explicit WholeBatchIterator(std::unique_ptr<data::Iterator> it) : iterator_(std::move(it)) {}
+  std::optional<Strategy::WorkerBatch> next() override {
+    auto element = iterator_->next();
+    if (!element) return std::nullopt;
+    const std::int64_t rows = element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    return Strategy::WorkerBatch{std::move(*element), rows};
+  }
+
+ private:
+  std::unique_ptr<data::Iterator> iterator_;
+};
+}  // namespace
+
+std::unique_ptr<Strategy::WorkerIterator> Strategy::iterate_for_worker(const data::Dataset& dataset,
+                                                                       const data::IterateOptions& options) const {
+  return std::make_unique<WholeBatchIterator>(dataset.iterate(options));
 }
 
 Strategy::DistributedIterator Strategy::experimental_distribute_dataset(const data::Dataset& dataset) const {

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <functional>
+#include <span>
 #include <mutex>
 #include <optional>
 #include <memory>
@@ -105,6 +106,37 @@ class Strategy {
   Tensor reduce(ReduceOp op, const std::vector<Tensor>& per_replica) const;
   // Whether this worker writes checkpoints and logs (the chief; always true on one worker).
   virtual bool should_checkpoint() const { return true; }
+  // Whether this worker prints progress (the chief, unless asked otherwise).
+  virtual bool should_log() const { return true; }
+
+  // --- workers (processes) of a multi-worker job; one worker for the other strategies ---------
+  virtual int num_workers() const { return 1; }
+  virtual int worker_rank() const { return 0; }
+  // Replaces each value by its sum over the workers. Who calls: every worker, the same calls in
+  // the same order, from the thread that runs fit; blocks until all have called (or the
+  // collective timeout). A no-op on one worker.
+  virtual void sum_across_workers(std::span<double> /*values*/) {}
+  // Replaces each host tensor by the chief's. Same rules as sum_across_workers.
+  virtual void broadcast_from_chief(std::span<Tensor> /*host_values*/) {}
+
+  // One worker's share of each global batch, and the global batch's size (what the loss is
+  // scaled by). Returned by iterate_for_worker.
+  struct WorkerBatch {
+    data::Element local;               // this worker's rows, split again among its replicas
+    std::int64_t global_examples = 0;  // rows of the global batch, across every worker
+  };
+  class WorkerIterator {
+   public:
+    virtual ~WorkerIterator() = default;
+    // nullopt at the end (every worker ends at the same step); blocks like data::Iterator::next.
+    virtual std::optional<WorkerBatch> next() = 0;
+    // Skips n global batches (a resumed run); returns how many were skipped.
+    virtual std::int64_t skip(std::int64_t n);
+  };
+  // A pass over `dataset` whose elements are global batches, as fit and evaluate see it: on one
+  // worker each element whole; under MultiWorkerMirroredStrategy this worker's share.
+  virtual std::unique_ptr<WorkerIterator> iterate_for_worker(const data::Dataset& dataset,
+                                                             const data::IterateOptions& options) const;
 
   // The group communicator of one replica (created on first use with the cross-device ops).
   collective::Communicator& communicator(int replica);
@@ -129,6 +161,9 @@ class Strategy {
   DistributedIterator experimental_distribute_dataset(const data::Dataset& dataset) const;
 
  protected:
+  // Called by create_variable before the copies are made: a multi-worker strategy checks that
+  // every worker creates the same variable and broadcasts the chief's initial value.
+  virtual void agree_on_variable(VariableOptions& /*options*/) {}
   // `cross_device_ops` null = chosen for the devices as TensorFlow does (choose_cross_device_ops).
   Strategy(std::string kind, std::vector<devices::Device*> devices,
            std::shared_ptr<CrossDeviceOps> cross_device_ops = nullptr, DistributionOptions distribution = {});

@@ -25,6 +25,10 @@ struct IterateContext {
   // one element). It must leave no trace that later passes could see: a shuffle does not consume
   // an epoch (it passes elements through unshuffled) and a prefetch starts no thread.
   bool probe = false;
+  // Dataset::iterate's options. `repetition` counts the passes a repeat() above has made over its
+  // input (mixed, for nested repeats), so that an epoch's repeated shuffles still differ.
+  IterateOptions options;
+  std::uint64_t repetition = 0;
 };
 
 // The arrays behind a from_tensor_slices dataset.
@@ -72,6 +76,8 @@ class DatasetNode : public std::enable_shared_from_this<DatasetNode> {
   virtual const char* name() const = 0;
   // Non-null when this node's iterators run in row mode over that source (see SliceSource).
   virtual std::shared_ptr<const SliceSource> slice_source() const { return nullptr; }
+  // Whether this node or one below it is a from_files source.
+  virtual bool reads_files() const { return false; }
 
 
  protected:

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,13 @@ struct ModelState {
   std::unique_ptr<Optimizer> optimizer;
   std::vector<CompiledOutput> compiled_outputs;
   bool stop_training = false;
+  // Where fit continues from, set by BackupAndRestore in on_train_begin: the epoch, and the
+  // batches of it already trained (0: the epoch from its start).
+  struct ResumePoint {
+    int epoch = 0;
+    std::int64_t step = 0;
+  };
+  std::optional<ResumePoint> resume;
   std::unique_ptr<Trainer> trainer;
 
   ModelState();
@@ -62,10 +70,11 @@ class Trainer {
   // Whether this trainer's graph takes data of this spec.
   bool accepts(const std::vector<graph::TensorSpec>& element_spec, bool with_targets) const;
 
-  // One optimisation step on a global batch (inputs then targets); updates the weights and adds to
-  // the training metrics.
-  void train_step(const data::Element& batch);
-  // Adds one batch to the test metrics.
+  // One optimisation step on this worker's share of a global batch of `global_examples` rows
+  // (inputs then targets; on one worker the whole batch); updates the weights and adds to the
+  // training metrics (summed across workers: every worker's logs are the global ones).
+  void train_step(const data::Element& batch, std::int64_t global_examples);
+  // Adds one batch (this worker's share) to the test metrics, summed across workers.
   void test_step(const data::Element& batch);
   // The model's outputs for a batch, replicas' shards concatenated in order (host tensors).
   std::vector<Tensor> predict_step(const data::Element& batch);
@@ -83,6 +92,9 @@ class Trainer {
   struct Replica;
   struct Metrics;
   void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update);
+  // Adds each replica's step sums to `metrics`: as they are on one worker; summed across workers
+  // (into replica 0's copies) on several.
+  void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);
   void reduce_bucket(Replica& replica, std::size_t bucket);
 
   ModelState& model_;

@@ -1,5 +1,5 @@
 // samples/common/args.h — the samples' command line: --epochs N --batch N --seed N
-// --strategy one|mirrored --cpu-devices N (and --help), and the strategy they choose.
+// --strategy one|mirrored|multiworker --cpu-devices N (and --help), and the strategy they choose.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
+#include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"
 
 namespace samples {
@@ -60,8 +61,8 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
       a.expect_accuracy = std::stod(std::string(value()));
     } else if (flag == "--strategy") {
       a.strategy = std::string(value());
-      TANDEM_REQUIRE(a.strategy == "one" || a.strategy == "mirrored", InvalidArgument,
-                     "--strategy \"{}\": expected one or mirrored", a.strategy);
+      TANDEM_REQUIRE(a.strategy == "one" || a.strategy == "mirrored" || a.strategy == "multiworker", InvalidArgument,
+                     "--strategy \"{}\": expected one, mirrored or multiworker", a.strategy);
     } else if (flag == "--cpu-devices") {
       a.cpu_devices = static_cast<int>(parse_int(flag, value()));
       TANDEM_REQUIRE(a.cpu_devices >= 1, InvalidArgument, "--cpu-devices must be at least 1");
@@ -71,7 +72,8 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
       std::printf("%s\n  --epochs N   (default %d)\n  --batch N    (default %lld)\n  --seed N     (default 0)\n"
                   "  --verbose N  0 silent, 1 progress bar, 2 one line per epoch (default 1)\n"
                   "  --strategy S  one (OneDeviceStrategy on CPU:0) or mirrored (MirroredStrategy on every GPU,\n"
-                  "                else every logical CPU device; default %s)\n"
+                  "                else every logical CPU device; default %s) or multiworker\n"
+                  "                (MultiWorkerMirroredStrategy: start it with tandem-run, or set TF_CONFIG)\n"
                   "  --cpu-devices N  logical CPU devices (default: one per usable core, at most %d;\n"
                   "                TANDEM_NUM_CPU_DEVICES also sets it)\n"
                   "  --expect-accuracy A  exit with status 3 when the final test accuracy is below A\n",
@@ -105,6 +107,18 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
   // One device keeps every core for itself; mirrored gets one device per core unless told.
   if (cpu_devices == 0 && a.strategy == "mirrored" && std::getenv("TANDEM_NUM_CPU_DEVICES") == nullptr) {
     cpu_devices = std::min(tandem::devices::usable_cpu_cores(), kMaxDefaultCpuDevices);
+  }
+  if (a.strategy == "multiworker") {
+    // One replica per worker on CPU:0 (TF's choice), or --cpu-devices replicas per worker (the
+    // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.
+    tandem::strategy::MultiWorkerOptions options;
+    for (int d = 0; d < a.cpu_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
+    auto multi = std::make_unique<tandem::MultiWorkerMirroredStrategy>(options);
+    if (multi->should_log()) {
+      std::printf("MultiWorkerMirroredStrategy: %d workers, %d replicas in sync (%s)\n", multi->num_workers(),
+                  multi->num_replicas_in_sync(), std::string(multi->cluster_resolver().kind()).c_str());
+    }
+    return multi;
   }
   if (cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = cpu_devices});
   if (a.strategy == "one") return std::make_unique<tandem::OneDeviceStrategy>("CPU:0");

@@ -557,3 +557,55 @@ TEST_CASE("an epoch of the Fashion-MNIST pipeline is fast") {
   // Reported, not asserted: timings are for bench/ (about 35 ms here, most of it the 188 MB of row
   // copies); this case checks the pipeline's output.
 }
+
+namespace {
+std::vector<std::int64_t> collect_with(const Dataset& ds, const tandem::data::IterateOptions& options) {
+  std::vector<std::int64_t> out;
+  auto it = ds.iterate(options);
+  while (auto e = it->next()) out.push_back((*e)[0].item<std::int64_t>());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("iterate with an epoch: a reshuffling shuffle gives that epoch's order in any process") {
+  const Dataset ds = range(50).shuffle(50, 11);
+  // Counted passes 0, 1, 2 ...
+  const auto pass0 = collect(ds), pass1 = collect(ds), pass2 = collect(ds);
+  CHECK(pass0 != pass1);
+  // ... equal the numbered epochs, asked for in any order, without moving the counter.
+  const Dataset fresh = range(50).shuffle(50, 11);
+  CHECK(collect_with(fresh, {.epoch = 2}) == pass2);
+  CHECK(collect_with(fresh, {.epoch = 0}) == pass0);
+  CHECK(collect_with(fresh, {.epoch = 1}) == pass1);
+  CHECK(collect(fresh) == pass0);
+  // The repetitions of one epoch still differ from each other.
+  const auto repeated = collect_with(range(20).shuffle(20, 3).repeat(2), {.epoch = 4});
+  REQUIRE(repeated.size() == 40);
+  CHECK(std::vector<std::int64_t>(repeated.begin(), repeated.begin() + 20) !=
+        std::vector<std::int64_t>(repeated.begin() + 20, repeated.end()));
+}
+
+TEST_CASE("from_files concatenates the readers' datasets; FILE sharding takes every N-th file") {
+  std::vector<std::string> opened;
+  const auto reader = [&](const std::string& path) {
+    opened.push_back(path);
+    const std::int64_t base = std::stoll(path) * 100;
+    return Dataset::from_tensor_slices({Tensor::from_vector<std::int64_t>({base, base + 1}, {2})});
+  };
+  const Dataset ds = Dataset::from_files({"0", "1", "2", "3", "4"}, reader);
+  CHECK(ds.reads_files());
+  CHECK(ds.batch(2).reads_files());
+  CHECK_FALSE(range(3).reads_files());
+  CHECK(ds.cardinality() == Dataset::kUnknown);
+  CHECK(collect(ds) == std::vector<std::int64_t>{0, 1, 100, 101, 200, 201, 300, 301, 400, 401});
+  CHECK(collect_with(ds, {.file_shards = 2, .file_shard_index = 1}) == std::vector<std::int64_t>{100, 101, 300, 301});
+  opened.clear();
+  CHECK(collect_with(ds, {.file_shards = 3, .file_shard_index = 0}) == std::vector<std::int64_t>{0, 1, 300, 301});
+  CHECK(opened == std::vector<std::string>{"0", "3"});  // a worker opens only its files
+  CHECK(error_message<InvalidArgument>([&] { ds.iterate({.file_shards = 2, .file_shard_index = 2}); })
+            .find("file shard 2 of 2") != std::string::npos);
+  CHECK(error_message<InvalidArgument>([] { Dataset::from_files({}, nullptr); }).find("no reader") != std::string::npos);
+  CHECK(error_message<InvalidArgument>([] {
+          (void)Dataset::from_files({}, [](const std::string&) { return Dataset(); }).element_spec();
+        }).find("empty") != std::string::npos);
+}

@@ -1,0 +1,394 @@
+// MultiWorkerMirroredStrategy: the rendezvous, the two Gloo groups, and the worker's share of
+// the data.
+//
+// Two cross-worker communicators, on separate Gloo connections, so that they never interleave:
+//   data:    the gradient buckets and layer updates, issued by local replica 0 (possibly from its
+//            communication thread while backward runs), inside the hierarchical group;
+//   control: everything fit does between steps on the thread that called fit: variable
+//            agreement at creation, the metric sums of each step, the FILE policy's end-of-data
+//            agreement, BackupAndRestore's broadcast.
+#include "tandem/strategy/multi_worker.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "tandem/base/errors.h"
+#include "tandem/collective/gloo.h"
+#include "tandem/collective/rendezvous.h"
+#include "tandem/collective/tcp_store.h"
+
+namespace tandem::strategy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long the destructor waits for the other workers to arrive at the closing barrier: a
+// worker that returns from its last collective must not close its connections while a slower
+// peer still reads from them, but a job that failed must not linger.
+constexpr auto kClosingBarrierTimeout = std::chrono::seconds(30);
+// The variable descriptor compared across workers at creation: name, dtype and shape, as text.
+constexpr std::size_t kDescriptorBytes = 256;
+
+std::chrono::milliseconds collective_timeout(const CommunicationOptions& options) {
+  if (options.timeout_seconds <= 0) return collective::kDefaultTimeout;
+  return std::chrono::milliseconds(static_cast<std::int64_t>(options.timeout_seconds * 1000.0));
+}
+
+std::chrono::milliseconds rendezvous_timeout(const MultiWorkerOptions& options) {
+  if (options.rendezvous_timeout) return *options.rendezvous_timeout;
+  if (const char* env = std::getenv("TANDEM_RENDEZVOUS_TIMEOUT"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const double seconds = std::strtod(env, &end);
+    TANDEM_REQUIRE(end != env && *end == '\0' && seconds > 0, InvalidArgument,
+                   "TANDEM_RENDEZVOUS_TIMEOUT=\"{}\": expected a positive number of seconds", env);
+    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
+  }
+  return collective::kDefaultRendezvousTimeout;
+}
+
+// Rows [begin, begin + count) of every component: views, no copy.
+data::Element slice_rows(const data::Element& batch, std::int64_t begin, std::int64_t count) {
+  data::Element out;
+  out.reserve(batch.size());
+  for (const auto& component : batch) {
+    const std::int64_t n = component.shape()[0];
+    Shape shape = component.shape();
+    shape[0] = count;
+    const std::size_t row_bytes =
+        static_cast<std::size_t>(component.shape().num_elements() / std::max<std::int64_t>(1, n)) *
+        graph::dtype_size(component.dtype());
+    out.emplace_back(shape, component.dtype(), component.buffer(),
+                     component.byte_offset() + static_cast<std::size_t>(begin) * row_bytes);
+  }
+  return out;
+}
+
+// The rows of a global batch of n that replicas [first, first + count) of `replicas` get: the
+// same rule as Strategy::split_batch (the first n % replicas replicas get one more), so that a
+// worker's local split gives every replica exactly the rows it has in the global split.
+std::pair<std::int64_t, std::int64_t> replica_rows(std::int64_t n, std::int64_t replicas, std::int64_t first,
+                                                   std::int64_t count) {
+  const auto rows_before = [&](std::int64_t r) { return r * (n / replicas) + std::min(r, n % replicas); };
+  const std::int64_t begin = rows_before(first);
+  return {begin, rows_before(first + count) - begin};
+}
+
+// The keys of one Gloo group under its own prefix, except the store server's reports of lost
+// ranks (collective::lost_rank_key), which concern the whole job and are read where the server
+// writes them.
+class GroupStore final : public collective::Store {
+ public:
+  GroupStore(std::shared_ptr<collective::Store> inner, std::string prefix)
+      : inner_(std::move(inner)), prefixed_(collective::make_prefix_store(inner_, std::move(prefix))) {}
+  void set(const std::string& key, const std::vector<char>& value) override { route(key).set(key, value); }
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    return route(key).get(key, timeout);
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    if (keys.empty()) return;
+    route(keys.front()).wait(keys, timeout);
+  }
+  bool check(const std::string& key) override { return route(key).check(key); }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return route(key).add(key, delta); }
+  std::string address() const override { return inner_->address(); }
+
+ private:
+  collective::Store& route(const std::string& key) {
+    static const std::string lost = collective::lost_rank_key(0).substr(0, collective::lost_rank_key(0).size() - 1);
+    return key.starts_with(lost) ? *inner_ : *prefixed_;
+  }
+  std::shared_ptr<collective::Store> inner_, prefixed_;
+};
+
+}  // namespace
+
+// The gradient group: local replicas in process, then across workers through Gloo.
+class CollectiveAllReduce final : public CrossDeviceOps {
+ public:
+  CollectiveAllReduce(std::shared_ptr<collective::Store> store, int rank, int workers,
+                      std::vector<std::string> labels, const CommunicationOptions& options)
+      : store_(std::move(store)), rank_(rank), workers_(workers), labels_(std::move(labels)), options_(options) {}
+
+  std::string name() const override { return "CollectiveAllReduce"; }
+
+  std::vector<std::unique_ptr<collective::Communicator>> make_group(
+      const std::vector<devices::Device*>& devices) const override {
+    for (auto* d : devices) {
+      TANDEM_REQUIRE(d->type() == devices::DeviceType::kCPU, Unimplemented,
+                     "MultiWorkerMirroredStrategy: device {} is a GPU; GPU replicas across workers (NCCL) arrive with "
+                     "the GPU backend",
+                     d->short_name());
+    }
+    // Every (re)built group gets its own keys: after an abort, the new connections must not meet
+    // the old ones' addresses in the store.
+    const int generation = generation_++;
+    collective::GlooOptions gloo;
+    gloo.rank = rank_;
+    gloo.size = workers_;
+    gloo.store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
+    gloo.timeout = collective_timeout(options_);
+    gloo.rank_labels = labels_;
+    gloo.bytes_per_pack = options_.bytes_per_pack;
+    auto cross = collective::make_gloo_communicator(std::move(gloo));
+    if (devices.size() == 1) {
+      std::vector<std::unique_ptr<collective::Communicator>> group;
+      group.push_back(std::move(cross));
+      return group;
+    }
+    return collective::make_hierarchical_group(collective::make_in_process_group(static_cast<int>(devices.size())),
+                                               std::move(cross));
+  }
+
+ private:
+  std::shared_ptr<collective::Store> store_;
+  int rank_;
+  int workers_;
+  std::vector<std::string> labels_;
+  CommunicationOptions options_;
+  mutable int generation_ = 0;
+};
+
+struct MultiWorkerMirroredStrategy::Impl {
+  MultiWorkerOptions options;
+  std::shared_ptr<ClusterResolver> resolver;
+  int rank = 0;
+  int workers = 1;
+  int local_replicas = 1;
+  std::vector<std::string> labels;
+  std::vector<devices::Device*> devices;
+  collective::Rendezvous rendezvous;
+  std::unique_ptr<collective::Communicator> control;  // null on a single worker
+  std::shared_ptr<CrossDeviceOps> cross_device_ops;
+  AutoShardPolicy policy = AutoShardPolicy::kAuto;
+
+  static std::unique_ptr<Impl> connect(MultiWorkerOptions options);
+  std::string label(int r) const { return labels.empty() ? fmt::format("rank {}", r) : labels[static_cast<std::size_t>(r)]; }
+  collective::CallOptions call_options() const { return {.timeout = collective_timeout(options.communication_options)}; }
+};
+
+std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::Impl::connect(MultiWorkerOptions options) {
+  auto impl = std::make_unique<Impl>();
+  impl->resolver = options.cluster_resolver ? options.cluster_resolver : std::shared_ptr<ClusterResolver>(resolve_cluster());
+  const ClusterResolver& resolver = *impl->resolver;
+  TANDEM_REQUIRE(resolver.rank() >= 0, InvalidArgument,
+                 "MultiWorkerMirroredStrategy: this process is the {} task {} of the cluster ({}), which does not "
+                 "train; run evaluation in its own program with OneDeviceStrategy",
+                 resolver.task_type(), resolver.task_id(), resolver.kind());
+  TANDEM_REQUIRE(options.communication_options.bytes_per_pack >= 0, InvalidArgument,
+                 "MultiWorkerMirroredStrategy: bytes_per_pack is {}; expected 0 (one pack) or more",
+                 options.communication_options.bytes_per_pack);
+  TANDEM_REQUIRE(options.communication_options.implementation != CommunicationImplementation::kNccl, Unimplemented,
+                 "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas, which arrive with "
+                 "the GPU backend; use kAuto or kRing");
+  impl->rank = resolver.rank();
+  impl->workers = resolver.num_workers();
+  for (int r = 0; r < impl->workers; ++r) impl->labels.push_back(resolver.task_label(r));
+
+  // Workers sharing a machine share its cores: each one's CPU device gets its part, unless the
+  // user chose (TANDEM_INTRA_OP_THREADS) or the devices exist already.
+  const std::vector<std::string> names = options.local_devices.empty() ? std::vector<std::string>{"CPU:0"}
+                                                                        : options.local_devices;
+  if (resolver.local_world_size() > 1 && std::getenv("TANDEM_INTRA_OP_THREADS") == nullptr) {
+    int cpu_devices = static_cast<int>(names.size());
+    if (const char* env = std::getenv("TANDEM_NUM_CPU_DEVICES"); env != nullptr && std::atoi(env) > 0) {
+      cpu_devices = std::atoi(env);
+    }
+    try {
+      devices::set_logical_device_configuration(
+          {.num_cpu_devices = cpu_devices,
+           .intra_op_threads_per_device =
+               std::max(1, devices::usable_cpu_cores() / (resolver.local_world_size() * cpu_devices))});
+    } catch (const FailedPrecondition&) {
+      // Devices were created before the strategy: keep their layout.
+    }
+  }
+  for (const auto& name : names) {
+    devices::Device* d = &devices::get_device(name);
+    for (auto* seen : impl->devices) {
+      TANDEM_REQUIRE(seen != d, InvalidArgument, "MultiWorkerMirroredStrategy: device {} is listed twice", d->short_name());
+    }
+    impl->devices.push_back(d);
+  }
+  impl->local_replicas = static_cast<int>(impl->devices.size());
+
+  if (impl->workers > 1) {
+    collective::RendezvousOptions rv;
+    rv.address = resolver.rendezvous_address();
+    rv.rank = impl->rank;
+    rv.world_size = impl->workers;
+    rv.task_labels = impl->labels;
+    for (int r = 0; r < impl->workers; ++r) rv.task_addresses.push_back(resolver.expected_address(r));
+    rv.timeout = rendezvous_timeout(options);
+    rv.run_id = std::to_string(resolver.restart_count());
+    impl->rendezvous = collective::rendezvous(rv);
+
+    collective::GlooOptions gloo;
+    gloo.rank = impl->rank;
+    gloo.size = impl->workers;
+    gloo.store = std::make_shared<GroupStore>(impl->rendezvous.store, "control/");
+    gloo.timeout = collective_timeout(options.communication_options);
+    gloo.rank_labels = impl->labels;
+    impl->control = collective::make_gloo_communicator(std::move(gloo));
+    impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(impl->rendezvous.store, impl->rank, impl->workers,
+                                                                   impl->labels, options.communication_options);
+  } else {
+    impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
+  }
+  impl->policy = options.auto_shard_policy;
+  impl->options = std::move(options);
+  return impl;
+}
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
+    : MultiWorkerMirroredStrategy(options, Impl::connect(options)) {}
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(std::shared_ptr<ClusterResolver> cluster_resolver,
+                                                         CommunicationOptions communication_options)
+    : MultiWorkerMirroredStrategy(MultiWorkerOptions{.cluster_resolver = std::move(cluster_resolver),
+                                                     .communication_options = communication_options}) {}
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options, std::unique_ptr<Impl> impl)
+    : Strategy("MultiWorkerMirroredStrategy", impl->devices, impl->cross_device_ops, options.distribution),
+      impl_(std::move(impl)) {
+  // The gradient group connects now, on every worker together, so that a problem shows up here
+  // rather than in the middle of the first step.
+  if (impl_->workers > 1) communicator(0);
+}
+
+MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
+  if (impl_->control == nullptr) return;
+  try {
+    impl_->control->barrier({.timeout = std::min<std::chrono::milliseconds>(
+                                 kClosingBarrierTimeout, collective_timeout(impl_->options.communication_options))});
+  } catch (const std::exception&) {
+    // A peer is gone already (the job failed): nothing to wait for.
+  }
+}
+
+int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->workers * impl_->local_replicas; }
+int MultiWorkerMirroredStrategy::num_workers() const { return impl_->workers; }
+int MultiWorkerMirroredStrategy::worker_rank() const { return impl_->rank; }
+bool MultiWorkerMirroredStrategy::should_log() const { return impl_->rank == 0 || impl_->options.log_on_all_workers; }
+const ClusterResolver& MultiWorkerMirroredStrategy::cluster_resolver() const { return *impl_->resolver; }
+AutoShardPolicy MultiWorkerMirroredStrategy::auto_shard_policy() const { return impl_->policy; }
+
+void MultiWorkerMirroredStrategy::agree_on_variable(VariableOptions& options) {
+  if (impl_->control == nullptr) return;
+  auto& control = *impl_->control;
+  // 1. Every worker must be creating the same variable: compare descriptors, naming both sides.
+  const std::string mine = fmt::format("\"{}\" {} {}", options.name, options.initial_value.dtype(), options.initial_value.shape());
+  Tensor descriptor = Tensor::zeros({static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
+  std::memcpy(descriptor.raw_data(), mine.data(), std::min(mine.size(), kDescriptorBytes - 1));
+  Tensor all = Tensor::zeros({impl_->workers * static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
+  control.all_gather(descriptor, all, impl_->call_options());
+  const auto text_of = [&](int r) {
+    const char* p = static_cast<const char*>(all.raw_data()) + static_cast<std::size_t>(r) * kDescriptorBytes;
+    return std::string(p, strnlen(p, kDescriptorBytes));
+  };
+  const std::string chief = text_of(0);
+  for (int r = 1; r < impl_->workers; ++r) {
+    const std::string theirs = text_of(r);
+    TANDEM_REQUIRE(theirs == chief, InvalidArgument,
+                   "MultiWorkerMirroredStrategy: {} creates variable {} where {} creates {}: every worker must build "
+                   "the same model (same layers, in the same order)",
+                   impl_->label(r), theirs, impl_->label(0), chief);
+  }
+  // 2. The chief's initial value everywhere (initializers may draw different numbers elsewhere).
+  const DType dtype = options.initial_value.dtype();
+  if (dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kI32 || dtype == DType::kI64) {
+    Tensor value = options.initial_value.to(devices::default_cpu_device()).clone();
+    control.broadcast(value, 0, impl_->call_options());
+    options.initial_value = value;
+  }
+}
+
+void MultiWorkerMirroredStrategy::sum_across_workers(std::span<double> values) {
+  if (impl_->control == nullptr || values.empty()) return;
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(values.size())}, DType::kF64);
+  std::memcpy(t.raw_data(), values.data(), values.size_bytes());
+  impl_->control->all_reduce(t, collective::ReduceOp::kSum, impl_->call_options());
+  std::memcpy(values.data(), t.raw_data(), values.size_bytes());
+}
+
+void MultiWorkerMirroredStrategy::broadcast_from_chief(std::span<Tensor> host_values) {
+  if (impl_->control == nullptr) return;
+  for (auto& value : host_values) impl_->control->broadcast(value, 0, impl_->call_options());
+}
+
+namespace {
+
+// DATA: every worker runs the whole pipeline and keeps its replicas' rows of each global batch.
+class DataShardIterator final : public Strategy::WorkerIterator {
+ public:
+  DataShardIterator(std::unique_ptr<data::Iterator> it, int workers, int rank, int local_replicas)
+      : iterator_(std::move(it)), workers_(workers), rank_(rank), local_(local_replicas) {}
+  std::optional<Strategy::WorkerBatch> next() override {
+    auto element = iterator_->next();
+    if (!element) return std::nullopt;
+    const std::int64_t n = element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    const auto [begin, count] = replica_rows(n, std::int64_t{workers_} * local_, std::int64_t{rank_} * local_, local_);
+    return Strategy::WorkerBatch{slice_rows(*element, begin, count), n};
+  }
+
+ private:
+  std::unique_ptr<data::Iterator> iterator_;
+  int workers_, rank_, local_;
+};
+
+// FILE and OFF: each worker's batches are its own; the workers agree at every step on the global
+// batch's size and on whether all of them still have data (the first to run out ends the epoch
+// for every worker, so that all run the same number of steps).
+class OwnBatchIterator final : public Strategy::WorkerIterator {
+ public:
+  OwnBatchIterator(std::unique_ptr<data::Iterator> it, Strategy& strategy)
+      : iterator_(std::move(it)), strategy_(strategy) {}
+  std::optional<Strategy::WorkerBatch> next() override {
+    if (ended_) return std::nullopt;
+    auto element = iterator_->next();
+    const std::int64_t rows =
+        !element || element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    double agreed[2] = {static_cast<double>(rows), element ? 1.0 : 0.0};
+    strategy_.sum_across_workers(agreed);
+    if (static_cast<int>(agreed[1]) < strategy_.num_workers()) {
+      ended_ = true;
+      return std::nullopt;
+    }
+    return Strategy::WorkerBatch{std::move(*element), static_cast<std::int64_t>(agreed[0])};
+  }
+
+ private:
+  std::unique_ptr<data::Iterator> iterator_;
+  Strategy& strategy_;
+  bool ended_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::iterate_for_worker(
+    const data::Dataset& dataset, const data::IterateOptions& options) const {
+  if (impl_->workers == 1) return Strategy::iterate_for_worker(dataset, options);
+  AutoShardPolicy policy = impl_->policy;
+  if (policy == AutoShardPolicy::kAuto) policy = dataset.reads_files() ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
+  auto& self = const_cast<MultiWorkerMirroredStrategy&>(*this);  // agreement is a collective
+  switch (policy) {
+    case AutoShardPolicy::kData:
+      return std::make_unique<DataShardIterator>(dataset.iterate(options), impl_->workers, impl_->rank,
+                                                 impl_->local_replicas);
+    case AutoShardPolicy::kFile: {
+      TANDEM_REQUIRE(dataset.reads_files(), InvalidArgument,
+                     "MultiWorkerMirroredStrategy: AutoShardPolicy::kFile needs a dataset that reads files "
+                     "(Dataset::from_files); this one does not. Use kData or kAuto");
+      data::IterateOptions sharded = options;
+      sharded.file_shards = impl_->workers;
+      sharded.file_shard_index = impl_->rank;
+      return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self);
+    }
+    case AutoShardPolicy::kOff:
+    case AutoShardPolicy::kAuto:
+      break;
+  }
+  return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self);
+}
+
+}  // namespace tandem::strategy

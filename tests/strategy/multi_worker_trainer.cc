@@ -1,0 +1,134 @@
+// multi_worker_trainer: the worker program of the multi-worker tests. It trains a small model on
+// fixed synthetic data under the strategy it is told, and writes what the tests compare: the
+// loss after every step (losses-<rank>.txt) and the final weights (weights-<rank>.safetensors).
+//
+//   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
+//                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
+//                        [--timeout SECONDS]
+//
+// --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
+// (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+
+#include <tandem/keras_like/keras.h>
+
+namespace {
+
+using namespace tandem;
+
+struct Args {
+  std::string out = ".";
+  std::string strategy = "multiworker";
+  int epochs = 3;
+  int hidden = 16;
+  int local_devices = 1;
+  long kill_at_step = -1;
+  int victim = 1;
+  std::string backup;
+  long save_freq = 0;
+  double timeout = 0;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--out") a.out = v;
+    else if (k == "--strategy") a.strategy = v;
+    else if (k == "--epochs") a.epochs = std::stoi(v);
+    else if (k == "--hidden") a.hidden = std::stoi(v);
+    else if (k == "--local-devices") a.local_devices = std::stoi(v);
+    else if (k == "--kill-at-step") a.kill_at_step = std::stol(v);
+    else if (k == "--victim") a.victim = std::stoi(v);
+    else if (k == "--backup") a.backup = v;
+    else if (k == "--save-freq") a.save_freq = std::stol(v);
+    else if (k == "--timeout") a.timeout = std::stod(v);
+    else throw InvalidArgument("unknown option " + k);
+  }
+  return a;
+}
+
+// 610 examples of 10 features, 3 classes: the last global batch of 64 has 34 rows, which 3
+// workers cannot split evenly.
+data::Dataset make_data() {
+  constexpr std::int64_t kExamples = 610, kFeatures = 10;
+  Tensor x = Tensor::empty({kExamples, kFeatures}, DType::kF32);
+  Tensor y = Tensor::empty({kExamples}, DType::kI32);
+  std::uint64_t state = 12345;
+  const auto uniform = [&] {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>((state >> 40) & 0xFFFFFF) / static_cast<float>(0x1000000) - 0.5f;
+  };
+  for (std::int64_t i = 0; i < kExamples; ++i) {
+    float score = 0;
+    for (std::int64_t j = 0; j < kFeatures; ++j) {
+      const float v = uniform();
+      x.data<float>()[i * kFeatures + j] = v;
+      score += v * static_cast<float>(j % 3 - 1);
+    }
+    y.data<std::int32_t>()[i] = score > 0.2f ? 2 : score < -0.2f ? 0 : 1;
+  }
+  return data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples, 7).batch(64);
+}
+
+int run(const Args& a) {
+  set_global_seed(42);
+  std::unique_ptr<Strategy> strategy;
+  int rank = 0;
+  if (a.strategy == "one") {
+    strategy = std::make_unique<OneDeviceStrategy>("CPU:0");
+  } else {
+    strategy::MultiWorkerOptions options;
+    options.communication_options.timeout_seconds = a.timeout;
+    for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
+    auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
+    rank = mw->worker_rank();
+    strategy = std::move(mw);
+  }
+  const char* restart = std::getenv("TANDEM_RESTART_COUNT");
+  const bool first_attempt = restart == nullptr || std::string(restart) == "0";
+
+  keras::Model model;
+  {
+    auto scope = strategy->scope();
+    model = keras::Sequential({keras::Input({10}), keras::Dense(a.hidden, "relu"), keras::Dense(3)});
+    model.compile(keras::Adam{.learning_rate = 0.01},
+                  keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  }
+  std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
+  long step = 0;
+  keras::FitOptions fit{.epochs = a.epochs, .verbose = 0};
+  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+      .on_train_batch_end =
+          [&](std::int64_t batch, keras::Logs& logs) {
+            ++step;
+            losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+            if (a.kill_at_step >= 0 && step == a.kill_at_step && first_attempt && rank == a.victim) {
+              std::raise(SIGKILL);
+            }
+          }}));
+  if (!a.backup.empty()) {
+    fit.callbacks.push_back(std::make_shared<keras::BackupAndRestore>(
+        a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
+  }
+  model.fit(make_data(), fit);
+  model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
+  std::cout << "worker " << rank << " done\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << "multi_worker_trainer: error: " << e.what() << "\n";
+    return 1;
+  }
+}

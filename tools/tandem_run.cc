@@ -1,0 +1,884 @@
+// tandem-run — starts the N worker processes of one multi-worker training program on this node
+// (like torchrun), tells each who it is, relays their output line by line, and stops or restarts
+// the whole group when one of them fails.
+//
+//   tandem-run --nproc_per_node 2 -- ./train --epochs 3
+//
+// Each worker learns its place from TF_CONFIG (TensorFlow's cluster spec; worker 0 is the chief
+// and serves the rendezvous store on master_addr:master_port), or, on several nodes without
+// --hosts, from torchrun's variables (MASTER_ADDR, RANK, ...). See tools/README.md.
+//
+// One thread, one poll() loop: the workers' stdout/stderr pipes and a self-pipe that the signal
+// handlers (SIGINT, SIGTERM, SIGHUP, SIGCHLD) write to. Every wait in the loop has a deadline or
+// ends when the workers end, so the launcher never hangs.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+extern char** environ;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr int kUsageExitCode = 2;        // bad command line, as getopt-style tools do
+constexpr int kCannotRunExitCode = 127;  // program not found or not executable, as shells do
+// Each worker holds two pipe descriptors in the launcher; 256 workers stay far below the usual
+// 1024 descriptor limit, and no node runs more workers than that.
+constexpr int kMaxProcsPerNode = 256;
+constexpr double kMaxStopTimeoutSeconds = 86400;
+constexpr int kDefaultMasterPort = 29500;  // torchrun's default
+constexpr auto kDefaultStopTimeout = 30s;
+// A worker that writes a very long line without a newline is relayed in pieces of this size, so
+// the launcher's memory stays bounded.
+constexpr std::size_t kMaxLineBytes = 64 * 1024;
+constexpr std::size_t kReadChunkBytes = 64 * 1024;
+// After every worker has exited, output still buffered in the pipes is relayed; pipes that a
+// worker's own children keep open are read for at most this long.
+constexpr auto kDrainTimeout = 2s;
+// After SIGKILL the kernel normally reports the exit at once; a process stuck in the kernel
+// (uninterruptible I/O) is given up on after this long rather than waited for forever.
+constexpr auto kKillWaitTimeout = 10s;
+// poll() also wakes up this often, in case a SIGCHLD wake-up was lost (full self-pipe).
+constexpr auto kPollInterval = 500ms;
+// How many times to look for a run of free ports for --master_port 0.
+constexpr int kFreePortAttempts = 50;
+
+// The variables the launcher sets; copies inherited from its own environment are dropped so a
+// worker never sees a stale mix (the program's resolver reads TF_CONFIG or torchrun's set).
+constexpr std::string_view kManagedVariables[] = {
+    "TF_CONFIG",
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+    "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"};
+
+constexpr std::string_view kUsage = R"(Usage: tandem-run --nproc_per_node N [options] -- PROGRAM [ARGS...]
+
+Starts N worker processes of PROGRAM on this node for multi-worker training
+(MultiWorkerMirroredStrategy) and relays their output, prefixed "[rank R] ".
+
+Options (--opt value or --opt=value):
+  --nproc_per_node N   workers on this node (required, 1 to 256)
+  --nnodes M           nodes in the job (default 1)
+  --node_rank R        this node's index, 0 to M-1 (default 0)
+  --master_addr A      the chief's host (default 127.0.0.1; with --hosts, default hosts[0])
+  --master_port P      the chief's port (default 29500); local worker i listens on P + i;
+                       0 picks free ports (single node only)
+  --hosts H0,H1,...    one host per node, H0 = master_addr: every worker's address is then
+                       known and TF_CONFIG is set on every node; without it, several nodes
+                       get torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+                       LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) instead of TF_CONFIG
+  --max_restarts K     restart the whole group up to K times after a failure (default 0)
+  --stop_timeout S     seconds stopping workers get before SIGKILL (default 30)
+  --help               print this text
+
+Every worker also gets TANDEM_LOCAL_RANK, TANDEM_LOCAL_WORLD_SIZE, TANDEM_RESTART_COUNT
+(0, then 1, 2, ... after restarts) and TANDEM_LAUNCHER=tandem-run; stdin is /dev/null.
+
+Exit status: 0 when every worker exits 0; else the failed worker's exit code (128 + signal
+when it was killed); 128 + signal when tandem-run itself is stopped by SIGINT, SIGTERM or
+SIGHUP (forwarded to the workers); 2 for a bad command line; 127 when PROGRAM cannot run.
+)";
+
+// A command-line mistake: main prints it on one line and exits 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A fatal problem starting workers (program missing, fork failing): main exits 127 or 1.
+class LaunchError : public std::runtime_error {
+ public:
+  LaunchError(int exit_code, const std::string& message) : std::runtime_error(message), exit_code_(exit_code) {}
+  int exit_code() const { return exit_code_; }
+
+ private:
+  int exit_code_;
+};
+
+struct Options {
+  int nproc_per_node = 0;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = kDefaultMasterPort;
+  int max_restarts = 0;
+  std::chrono::milliseconds stop_timeout = kDefaultStopTimeout;
+  std::vector<std::string> hosts;    // empty: not given
+  std::vector<std::string> program;  // PROGRAM and its arguments
+  bool help = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Command line
+
+int parse_int(std::string_view option, std::string_view text, int min, int max) {
+  int value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (text.empty() || ec != std::errc() || ptr != end || value < min || value > max) {
+    throw UsageError(fmt::format("--{} expects an integer from {} to {}, got '{}'", option, min, max, text));
+  }
+  return value;
+}
+
+std::chrono::milliseconds parse_seconds(std::string_view option, std::string_view text) {
+  const std::string copy(text);
+  char* end = nullptr;
+  errno = 0;
+  const double seconds = copy.empty() ? NAN : std::strtod(copy.c_str(), &end);
+  if (copy.empty() || errno != 0 || end != copy.c_str() + copy.size() || !std::isfinite(seconds) ||
+      seconds < 0 || seconds > kMaxStopTimeoutSeconds) {
+    throw UsageError(fmt::format("--{} expects seconds from 0 to {}, got '{}'", option, kMaxStopTimeoutSeconds, text));
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(seconds * 1000)));
+}
+
+std::vector<std::string> split_hosts(std::string_view text) {
+  std::vector<std::string> hosts;
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = text.find(',', start);
+    const std::string_view host =
+        text.substr(start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
+    if (host.empty()) throw UsageError(fmt::format("--hosts has an empty entry in '{}'", text));
+    hosts.emplace_back(host);
+    if (comma == std::string_view::npos) break;
+    start = comma + 1;
+  }
+  return hosts;
+}
+
+Options parse_command_line(std::span<char* const> args) {
+  Options options;
+  std::map<std::string, std::string, std::less<>> values;  // option name -> value, as given
+  bool saw_separator = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const std::string_view arg = args[i];
+    if (arg == "--") {
+      saw_separator = true;
+      options.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+      break;
+    }
+    if (arg == "--help" || arg == "-h") {
+      options.help = true;
+      return options;
+    }
+    if (!arg.starts_with("--") || arg.size() == 2) {
+      throw UsageError(fmt::format("unexpected argument '{}': options come first, then '--' and the program", arg));
+    }
+    std::string name(arg.substr(2));
+    std::optional<std::string> value;
+    if (const std::size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name.resize(eq);
+    }
+    std::replace(name.begin(), name.end(), '-', '_');  // torchrun accepts --nproc-per-node too
+    static constexpr std::string_view kKnown[] = {"nproc_per_node", "nnodes",       "node_rank",
+                                                  "master_addr",    "master_port",  "max_restarts",
+                                                  "stop_timeout",   "hosts"};
+    if (std::find(std::begin(kKnown), std::end(kKnown), name) == std::end(kKnown)) {
+      throw UsageError(fmt::format("unknown option '{}'", arg));
+    }
+    if (!value) {
+      if (i + 1 >= args.size() || std::string_view(args[i + 1]) == "--") {
+        throw UsageError(fmt::format("option --{} needs a value", name));
+      }
+      value = args[++i];
+    }
+    if (!values.emplace(name, *value).second) throw UsageError(fmt::format("option --{} is given twice", name));
+  }
+
+  const auto get = [&](std::string_view name) -> const std::string* {
+    const auto it = values.find(name);
+    return it == values.end() ? nullptr : &it->second;
+  };
+  if (const auto* v = get("nproc_per_node")) {
+    options.nproc_per_node = parse_int("nproc_per_node", *v, 1, kMaxProcsPerNode);
+  } else {
+    throw UsageError("option --nproc_per_node is required (the number of workers on this node)");
+  }
+  if (const auto* v = get("nnodes")) options.nnodes = parse_int("nnodes", *v, 1, 65536);
+  if (const auto* v = get("node_rank")) options.node_rank = parse_int("node_rank", *v, 0, 65535);
+  if (const auto* v = get("master_port")) options.master_port = parse_int("master_port", *v, 0, 65535);
+  if (const auto* v = get("max_restarts")) options.max_restarts = parse_int("max_restarts", *v, 0, 1000000);
+  if (const auto* v = get("stop_timeout")) options.stop_timeout = parse_seconds("stop_timeout", *v);
+  if (const auto* v = get("hosts")) options.hosts = split_hosts(*v);
+  const std::string* master_addr = get("master_addr");
+  if (master_addr) {
+    if (master_addr->empty()) throw UsageError("option --master_addr is empty");
+    options.master_addr = *master_addr;
+  }
+
+  if (options.node_rank >= options.nnodes) {
+    throw UsageError(fmt::format("--node_rank {} is out of range: with --nnodes {} node ranks are 0 to {}",
+                                 options.node_rank, options.nnodes, options.nnodes - 1));
+  }
+  if (options.master_port != 0 && options.master_port + options.nproc_per_node - 1 > 65535) {
+    throw UsageError(
+        fmt::format("--master_port {} is too high for --nproc_per_node {}: worker ports run to {} (max 65535)",
+                    options.master_port, options.nproc_per_node, options.master_port + options.nproc_per_node - 1));
+  }
+  if (options.master_port == 0 && options.nnodes > 1) {
+    throw UsageError(fmt::format("--master_port 0 (pick free ports) needs --nnodes 1: the other {} nodes could not "
+                                 "know the port picked here",
+                                 options.nnodes - 1));
+  }
+  if (!options.hosts.empty()) {
+    if (static_cast<int>(options.hosts.size()) != options.nnodes) {
+      throw UsageError(fmt::format("--hosts lists {} hosts but --nnodes is {}: give one host per node",
+                                   options.hosts.size(), options.nnodes));
+    }
+    for (std::size_t a = 0; a < options.hosts.size(); ++a) {
+      for (std::size_t b = a + 1; b < options.hosts.size(); ++b) {
+        if (options.hosts[a] == options.hosts[b]) {
+          // Ports are master_port + local index on every node, so two nodes on one host collide.
+          throw UsageError(fmt::format("--hosts lists '{}' for nodes {} and {}: their workers would use the same ports",
+                                       options.hosts[a], a, b));
+        }
+      }
+    }
+    if (!master_addr) {
+      options.master_addr = options.hosts[0];
+    } else if (options.hosts[0] != options.master_addr) {
+      throw UsageError(fmt::format("--hosts starts with '{}' but --master_addr is '{}': node 0 hosts the chief, so "
+                                   "they must be equal",
+                                   options.hosts[0], options.master_addr));
+    }
+  }
+  if (!saw_separator) throw UsageError("missing '--' and the program to run (tandem-run [options] -- PROGRAM ...)");
+  if (options.program.empty() || options.program[0].empty()) {
+    throw UsageError("missing the program to run after '--'");
+  }
+  return options;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small POSIX helpers
+
+std::string errno_text(int error) { return std::strerror(error); }
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+// Writes all of text to fd; gives up quietly when the reader is gone (EPIPE): output that nobody
+// reads must not stop the launcher from managing its workers.
+void write_all(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {  // our stdout was made non-blocking by someone else: wait for room
+        pollfd p{fd, POLLOUT, 0};
+        ::poll(&p, 1, 100);
+        continue;
+      }
+      return;
+    }
+    text.remove_prefix(static_cast<std::size_t>(n));
+  }
+}
+
+void say(std::string_view message) { write_all(STDERR_FILENO, fmt::format("tandem-run: {}\n", message)); }
+
+void close_fd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// "host:port", with IPv6 literals in brackets as URLs and gRPC write them.
+std::string host_port(const std::string& host, int port) {
+  if (host.find(':') != std::string::npos && !host.starts_with('[')) return fmt::format("[{}]:{}", host, port);
+  return fmt::format("{}:{}", host, port);
+}
+
+bool port_is_free(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<std::uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// A port P such that P .. P + count - 1 are free now. The kernel picks P (bind to port 0); the
+// rest are checked by binding them, since every local worker listens on P + its local rank.
+// Binding the wildcard address conflicts with any address's use of the port, so the check covers
+// whichever address the workers bind.
+int pick_free_ports(int count) {
+  for (int attempt = 0; attempt < kFreePortAttempts; ++attempt) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw LaunchError(1, fmt::format("cannot pick a free port: socket: {}", errno_text(errno)));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = 0;
+    socklen_t len = sizeof addr;
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      const int error = errno;
+      ::close(fd);
+      throw LaunchError(1, fmt::format("cannot pick a free port: {}", errno_text(error)));
+    }
+    ::close(fd);
+    const int port = ntohs(addr.sin_port);
+    if (port + count - 1 > 65535) continue;
+    bool all_free = true;
+    for (int k = 0; k < count && all_free; ++k) all_free = port_is_free(port + k);
+    if (all_free) return port;
+  }
+  throw LaunchError(1, fmt::format("cannot find {} consecutive free ports for --master_port 0", count));
+}
+
+// PROGRAM as execve needs it: names without a slash are looked up in PATH, as a shell does.
+std::string resolve_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path_env = std::getenv("PATH");
+  const std::string_view path = path_env ? path_env : "/usr/local/bin:/usr/bin:/bin";
+  for (std::size_t start = 0;;) {
+    const std::size_t colon = path.find(':', start);
+    const std::string_view dir =
+        path.substr(start, colon == std::string_view::npos ? std::string_view::npos : colon - start);
+    // An empty PATH entry means the current directory.
+    const std::string candidate = fmt::format("{}/{}", dir.empty() ? std::string_view(".") : dir, name);
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate;
+    if (colon == std::string_view::npos) break;
+    start = colon + 1;
+  }
+  throw LaunchError(kCannotRunExitCode, fmt::format("cannot find program '{}' in PATH", name));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Signals: the handlers only write the signal number into a pipe that the poll loop reads.
+
+int g_signal_pipe_write = -1;
+
+extern "C" void on_signal(int sig) {
+  const int saved_errno = errno;
+  const auto byte = static_cast<unsigned char>(sig);
+  [[maybe_unused]] const ssize_t ignored = ::write(g_signal_pipe_write, &byte, 1);
+  errno = saved_errno;
+}
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+// Returns the read end of the self-pipe.
+int install_signal_handlers() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw LaunchError(1, fmt::format("cannot create a pipe: {}", errno_text(errno)));
+  }
+  g_signal_pipe_write = fds[1];
+  struct sigaction action{};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+  for (const int sig : kForwardedSignals) ::sigaction(sig, &action, nullptr);
+  ::sigaction(SIGCHLD, &action, nullptr);
+  // A parent may have started us with these blocked; then a stop request would never arrive.
+  sigset_t handled;
+  sigemptyset(&handled);
+  for (const int sig : kForwardedSignals) sigaddset(&handled, sig);
+  sigaddset(&handled, SIGCHLD);
+  ::sigprocmask(SIG_UNBLOCK, &handled, nullptr);
+  // A closed stdout must show up as EPIPE from write, not kill the launcher and orphan workers.
+  struct sigaction ignore{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ::sigaction(SIGPIPE, &ignore, nullptr);
+  return fds[0];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workers
+
+// One of a worker's output pipes, relayed line by line with the worker's prefix.
+struct OutputPipe {
+  int fd = -1;      // read end; -1 once closed
+  int target = -1;  // the launcher's STDOUT_FILENO or STDERR_FILENO
+  std::string pending;  // bytes after the last newline
+
+  void relay(const std::string& prefix, bool at_eof) {
+    std::string out;
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t nl = pending.find('\n', start);
+      if (nl != std::string::npos && nl - start <= kMaxLineBytes) {
+        out.append(prefix).append(pending, start, nl + 1 - start);
+        start = nl + 1;
+      } else if (pending.size() - start >= kMaxLineBytes) {
+        // Too long for one line: relayed in pieces, each ended with a newline so that every
+        // line of the launcher's output starts with a prefix.
+        out.append(prefix).append(pending, start, kMaxLineBytes).push_back('\n');
+        start += kMaxLineBytes;
+      } else {
+        break;
+      }
+    }
+    if (at_eof && start < pending.size()) {  // the last line had no newline
+      out.append(prefix).append(pending, start, std::string::npos).push_back('\n');
+      start = pending.size();
+    }
+    pending.erase(0, start);
+    if (!out.empty()) write_all(target, out);
+  }
+
+  // Reads what is there (one chunk, so one chatty worker cannot starve the others).
+  void read_some(const std::string& prefix) {
+    char buffer[kReadChunkBytes];
+    const ssize_t n = ::read(fd, buffer, sizeof buffer);
+    if (n > 0) {
+      pending.append(buffer, static_cast<std::size_t>(n));
+      relay(prefix, false);
+    } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+      relay(prefix, true);
+      close_fd(fd);
+    }
+  }
+
+  void close_and_flush(const std::string& prefix) {
+    if (fd < 0) return;
+    relay(prefix, true);
+    close_fd(fd);
+  }
+};
+
+struct Worker {
+  int rank = 0;
+  int local_rank = 0;
+  pid_t pid = -1;  // also its process group id
+  bool running = false;
+  int wait_status = 0;
+  std::string prefix;
+  OutputPipe out, err;
+  std::vector<std::string> environment;
+};
+
+// "rank 1 (pid 4242) exited with code 3" / "... was killed by signal 9 (SIGKILL)".
+std::string describe_exit(const Worker& w) {
+  if (WIFSIGNALED(w.wait_status)) {
+    const int sig = WTERMSIG(w.wait_status);
+    return fmt::format("rank {} (pid {}) was killed by signal {} ({})", w.rank, w.pid, sig, signal_name(sig));
+  }
+  return fmt::format("rank {} (pid {}) exited with code {}", w.rank, w.pid, WEXITSTATUS(w.wait_status));
+}
+
+int exit_code_of(int wait_status) {
+  if (WIFSIGNALED(wait_status)) return 128 + WTERMSIG(wait_status);
+  return WEXITSTATUS(wait_status);
+}
+
+bool succeeded(int wait_status) { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0; }
+
+bool is_managed(std::string_view entry) {
+  const std::size_t eq = entry.find('=');
+  const std::string_view name = entry.substr(0, eq);
+  return std::find(std::begin(kManagedVariables), std::end(kManagedVariables), name) != std::end(kManagedVariables);
+}
+
+struct AttemptOutcome {
+  enum class Kind { kSucceeded, kWorkerFailed, kSignalled };
+  Kind kind = Kind::kSucceeded;
+  int exit_code = 0;
+  std::string failure;  // describe_exit of the first failed worker
+};
+
+class Launcher {
+ public:
+  Launcher(Options options, int signal_pipe) : options_(std::move(options)), signal_pipe_(signal_pipe) {
+    program_path_ = resolve_program(options_.program[0]);
+    if (options_.master_port == 0) options_.master_port = pick_free_ports(options_.nproc_per_node);
+    devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull_ < 0) throw LaunchError(1, fmt::format("cannot open /dev/null: {}", errno_text(errno)));
+  }
+  ~Launcher() { close_fd(devnull_); }
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  // Runs the group, restarting it after failures while restarts remain; returns the exit code.
+  int run() {
+    for (int restart = 0;; ++restart) {
+      const AttemptOutcome outcome = run_attempt(restart);
+      switch (outcome.kind) {
+        case AttemptOutcome::Kind::kSucceeded: return 0;
+        case AttemptOutcome::Kind::kSignalled: return outcome.exit_code;
+        case AttemptOutcome::Kind::kWorkerFailed: break;
+      }
+      if (restart >= options_.max_restarts) {
+        say(fmt::format("failed: {}", outcome.failure));
+        return outcome.exit_code;
+      }
+      // A signal that arrived while stopping the failed group ends the job instead.
+      if (const int sig = take_pending_terminating_signal()) {
+        say(fmt::format("received {}; not restarting", signal_name(sig)));
+        return 128 + sig;
+      }
+      say(fmt::format("restarting all {} workers (restart {} of {})", options_.nproc_per_node, restart + 1,
+                      options_.max_restarts));
+    }
+  }
+
+ private:
+  int world_size() const { return options_.nnodes * options_.nproc_per_node; }
+
+  // The environment of local worker `local_rank`, on attempt `restart`.
+  std::vector<std::string> make_environment(int local_rank, int restart) const {
+    std::vector<std::string> env;
+    for (char** e = environ; *e; ++e) {
+      if (!is_managed(*e)) env.emplace_back(*e);
+    }
+    const int n = options_.nproc_per_node;
+    const int rank = options_.node_rank * n + local_rank;
+    const bool addresses_known = options_.nnodes == 1 || !options_.hosts.empty();
+    if (addresses_known) {
+      nlohmann::json workers = nlohmann::json::array();
+      for (int node = 0; node < options_.nnodes; ++node) {
+        const std::string& host =
+            options_.hosts.empty() ? options_.master_addr : options_.hosts[static_cast<std::size_t>(node)];
+        for (int k = 0; k < n; ++k) workers.push_back(host_port(host, options_.master_port + k));
+      }
+      const nlohmann::json tf_config = {{"cluster", {{"worker", workers}}},
+                                        {"task", {{"type", "worker"}, {"index", rank}}}};
+      env.push_back("TF_CONFIG=" + tf_config.dump());
+    } else {
+      env.push_back("MASTER_ADDR=" + options_.master_addr);
+      env.push_back(fmt::format("MASTER_PORT={}", options_.master_port));
+      env.push_back(fmt::format("RANK={}", rank));
+      env.push_back(fmt::format("WORLD_SIZE={}", world_size()));
+      env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
+      env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", n));
+      env.push_back(fmt::format("GROUP_RANK={}", options_.node_rank));
+    }
+    env.push_back(fmt::format("TANDEM_LOCAL_RANK={}", local_rank));
+    env.push_back(fmt::format("TANDEM_LOCAL_WORLD_SIZE={}", n));
+    env.push_back(fmt::format("TANDEM_RESTART_COUNT={}", restart));
+    env.push_back("TANDEM_LAUNCHER=tandem-run");
+    return env;
+  }
+
+  // Starts one worker in its own process group, its stdout/stderr on fresh pipes.
+  void spawn(Worker& w) {
+    std::vector<char*> argv;
+    argv.reserve(options_.program.size() + 1);
+    for (auto& a : options_.program) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<char*> envp;
+    envp.reserve(w.environment.size() + 1);
+    for (auto& e : w.environment) envp.push_back(e.data());
+    envp.push_back(nullptr);
+
+    int out[2], err[2], exec_error[2];
+    if (::pipe2(out, O_CLOEXEC) != 0) throw LaunchError(1, fmt::format("cannot create a pipe: {}", errno_text(errno)));
+    if (::pipe2(err, O_CLOEXEC) != 0) {
+      const int e = errno;
+      ::close(out[0]), ::close(out[1]);
+      throw LaunchError(1, fmt::format("cannot create a pipe: {}", errno_text(e)));
+    }
+    if (::pipe2(exec_error, O_CLOEXEC) != 0) {
+      const int e = errno;
+      ::close(out[0]), ::close(out[1]), ::close(err[0]), ::close(err[1]);
+      throw LaunchError(1, fmt::format("cannot create a pipe: {}", errno_text(e)));
+    }
+
+    // Signals stay blocked across fork so the child cannot run our handlers (which would write
+    // into the launcher's self-pipe) before it resets them.
+    sigset_t all, saved;
+    sigfillset(&all);
+    ::sigprocmask(SIG_BLOCK, &all, &saved);
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      // Child: only async-signal-safe calls until execve.
+      ::setpgid(0, 0);  // its own group: a stop signal reaches the worker's children too
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // die with a SIGKILLed launcher
+      if (::getppid() != parent) ::_exit(kCannotRunExitCode);  // the launcher died before prctl
+      struct sigaction dfl{};
+      dfl.sa_handler = SIG_DFL;
+      sigemptyset(&dfl.sa_mask);
+      for (const int sig : kForwardedSignals) ::sigaction(sig, &dfl, nullptr);
+      ::sigaction(SIGCHLD, &dfl, nullptr);
+      ::sigaction(SIGPIPE, &dfl, nullptr);
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      ::dup2(devnull_, STDIN_FILENO);
+      ::dup2(out[1], STDOUT_FILENO);
+      ::dup2(err[1], STDERR_FILENO);
+      ::execve(program_path_.c_str(), argv.data(), envp.data());
+      const int error = errno;
+      [[maybe_unused]] const ssize_t ignored = ::write(exec_error[1], &error, sizeof error);
+      ::_exit(kCannotRunExitCode);
+    }
+    const int fork_error = errno;
+    ::sigprocmask(SIG_SETMASK, &saved, nullptr);
+    ::close(out[1]);
+    ::close(err[1]);
+    ::close(exec_error[1]);
+    if (pid < 0) {
+      ::close(out[0]), ::close(err[0]), ::close(exec_error[0]);
+      throw LaunchError(1, fmt::format("cannot start rank {}: fork: {}", w.rank, errno_text(fork_error)));
+    }
+    ::setpgid(pid, pid);  // also here, so the group exists before we might signal it
+    w.pid = pid;
+    w.running = true;
+    w.out.fd = out[0];
+    w.out.target = STDOUT_FILENO;
+    w.err.fd = err[0];
+    w.err.target = STDERR_FILENO;
+    ::fcntl(w.out.fd, F_SETFL, O_NONBLOCK);
+    ::fcntl(w.err.fd, F_SETFL, O_NONBLOCK);
+
+    // Ends at execve (close-on-exec) or carries execve's errno: bounded by the child's few calls.
+    int exec_errno = 0;
+    ssize_t n;
+    do {
+      n = ::read(exec_error[0], &exec_errno, sizeof exec_errno);
+    } while (n < 0 && errno == EINTR);
+    ::close(exec_error[0]);
+    if (n == static_cast<ssize_t>(sizeof exec_errno)) {
+      throw LaunchError(kCannotRunExitCode,
+                        fmt::format("cannot execute '{}': {}", program_path_, errno_text(exec_errno)));
+    }
+  }
+
+  // Sends sig to every worker's process group (the worker and the processes it started).
+  void signal_groups(std::vector<Worker>& workers, int sig, bool only_running) {
+    for (Worker& w : workers) {
+      if (w.pid <= 0 || (only_running && !w.running)) continue;
+      if (::kill(-w.pid, sig) != 0 && w.running) ::kill(w.pid, sig);
+    }
+  }
+
+  // Reaps every exited worker; returns the workers reaped in this call.
+  std::vector<Worker*> reap(std::vector<Worker>& workers) {
+    std::vector<Worker*> reaped;
+    for (;;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;  // 0: none exited yet; -1/ECHILD: no children left
+      for (Worker& w : workers) {
+        if (w.pid == pid && w.running) {
+          w.running = false;
+          w.wait_status = status;
+          reaped.push_back(&w);
+        }
+      }
+    }
+    return reaped;
+  }
+
+  // Returns a forwarded signal that is waiting in the self-pipe, or 0.
+  int take_pending_terminating_signal() {
+    int found = 0;
+    unsigned char buffer[64];
+    for (ssize_t n; (n = ::read(signal_pipe_, buffer, sizeof buffer)) > 0;) {
+      for (ssize_t i = 0; i < n; ++i) {
+        if (buffer[i] != SIGCHLD && found == 0) found = buffer[i];
+      }
+    }
+    return found;
+  }
+
+  AttemptOutcome run_attempt(int restart) {
+    const int n = options_.nproc_per_node;
+    std::vector<Worker> workers(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      Worker& w = workers[static_cast<std::size_t>(i)];
+      w.local_rank = i;
+      w.rank = options_.node_rank * n + i;
+      w.prefix = fmt::format("[rank {}] ", w.rank);
+      w.environment = make_environment(i, restart);
+    }
+
+    AttemptOutcome outcome;
+    bool stopping = false;  // a failure or a signal: the rest are being stopped
+    bool killed = false;    // SIGKILL sent
+    int launcher_signal = 0;
+    Clock::time_point stop_deadline{}, kill_deadline{};
+    std::optional<Clock::time_point> drain_deadline;
+    std::optional<std::string> launch_error;
+    int launch_error_code = 0;
+
+    const auto begin_stop = [&](int sig) {
+      signal_groups(workers, sig, /*only_running=*/false);
+      if (!stopping) stop_deadline = Clock::now() + options_.stop_timeout;
+      stopping = true;
+    };
+
+    for (Worker& w : workers) {
+      try {
+        spawn(w);
+      } catch (const LaunchError& e) {
+        // The ones already started are stopped like after a failure; then the error is fatal.
+        launch_error = e.what();
+        launch_error_code = e.exit_code();
+        break;
+      }
+    }
+    if (launch_error) begin_stop(SIGTERM);
+
+    for (;;) {
+      const Clock::time_point now = Clock::now();
+      const bool any_running = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; });
+      const bool any_open = std::any_of(workers.begin(), workers.end(),
+                                        [](const Worker& w) { return w.out.fd >= 0 || w.err.fd >= 0; });
+      if (!any_running) {
+        if (!drain_deadline) drain_deadline = now + kDrainTimeout;
+        if (!any_open || now >= *drain_deadline) break;
+      }
+      if (stopping && !killed && now >= stop_deadline) {
+        for (const Worker& w : workers) {
+          if (w.running) {
+            say(fmt::format("rank {} (pid {}) did not stop within {:g} s; sending SIGKILL", w.rank, w.pid,
+                            std::chrono::duration<double>(options_.stop_timeout).count()));
+          }
+        }
+        signal_groups(workers, SIGKILL, /*only_running=*/false);
+        killed = true;
+        kill_deadline = now + kKillWaitTimeout;
+      }
+      if (killed && now >= kill_deadline && any_running) {
+        for (const Worker& w : workers) {
+          if (w.running) {
+            say(fmt::format("rank {} (pid {}) did not exit after SIGKILL; giving up on it", w.rank, w.pid));
+          }
+        }
+        break;
+      }
+
+      Clock::time_point wake = now + kPollInterval;
+      if (!any_running) wake = std::min(wake, *drain_deadline);
+      if (stopping && !killed) wake = std::min(wake, stop_deadline);
+      if (killed) wake = std::min(wake, kill_deadline);
+      const auto timeout_ms = std::chrono::ceil<std::chrono::milliseconds>(wake - now).count();
+
+      std::vector<pollfd> fds;
+      std::vector<OutputPipe*> pipes;
+      std::vector<const Worker*> owners;
+      fds.push_back({signal_pipe_, POLLIN, 0});
+      for (Worker& w : workers) {
+        for (OutputPipe* p : {&w.out, &w.err}) {
+          if (p->fd < 0) continue;
+          fds.push_back({p->fd, POLLIN, 0});
+          pipes.push_back(p);
+          owners.push_back(&w);
+        }
+      }
+      const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(std::max<std::int64_t>(timeout_ms, 0)));
+      if (ready < 0 && errno != EINTR) {
+        say(fmt::format("poll failed: {}; stopping the workers", errno_text(errno)));
+        begin_stop(SIGKILL);
+        killed = true;
+        kill_deadline = Clock::now() + kKillWaitTimeout;
+        continue;
+      }
+
+      if (ready > 0 && fds[0].revents != 0) {
+        unsigned char buffer[64];
+        for (ssize_t got; (got = ::read(signal_pipe_, buffer, sizeof buffer)) > 0;) {
+          for (ssize_t i = 0; i < got; ++i) {
+            const int sig = buffer[i];
+            if (sig == SIGCHLD) continue;
+            if (launcher_signal == 0) {
+              launcher_signal = sig;
+              say(fmt::format("received {}; forwarding it to the workers", signal_name(sig)));
+              begin_stop(sig);
+            } else if (!killed) {
+              // A second Ctrl-C means "now": do not wait for the stop timeout.
+              say(fmt::format("received {} again; killing the workers", signal_name(sig)));
+              signal_groups(workers, SIGKILL, /*only_running=*/false);
+              killed = true;
+              kill_deadline = Clock::now() + kKillWaitTimeout;
+            }
+          }
+        }
+      }
+      for (std::size_t i = 1; ready > 0 && i < fds.size(); ++i) {
+        if (fds[i].revents != 0) pipes[i - 1]->read_some(owners[i - 1]->prefix);
+      }
+
+      for (Worker* w : reap(workers)) {
+        if (succeeded(w->wait_status) || stopping) continue;  // exits caused by stopping are expected
+        outcome.kind = AttemptOutcome::Kind::kWorkerFailed;
+        outcome.exit_code = exit_code_of(w->wait_status);
+        outcome.failure = describe_exit(*w);
+        say(outcome.failure);
+        begin_stop(SIGTERM);
+      }
+    }
+
+    for (Worker& w : workers) {
+      w.out.close_and_flush(w.prefix);
+      w.err.close_and_flush(w.prefix);
+    }
+    // A stopped group leaves nothing behind: stragglers among the workers' own children (which
+    // may have ignored SIGTERM) would hold the ports the next attempt needs.
+    if (stopping && !killed) signal_groups(workers, SIGKILL, /*only_running=*/false);
+
+    if (launch_error) throw LaunchError(launch_error_code, *launch_error);
+    if (launcher_signal != 0) {
+      outcome.kind = AttemptOutcome::Kind::kSignalled;
+      outcome.exit_code = 128 + launcher_signal;
+    }
+    return outcome;
+  }
+
+  Options options_;
+  int signal_pipe_;
+  std::string program_path_;
+  int devnull_ = -1;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_command_line(std::span<char* const>(argv + 1, static_cast<std::size_t>(std::max(argc - 1, 0))));
+  } catch (const UsageError& e) {
+    write_all(STDERR_FILENO, fmt::format("tandem-run: {} (see tandem-run --help)\n", e.what()));
+    return kUsageExitCode;
+  }
+  if (options.help) {
+    write_all(STDOUT_FILENO, kUsage);
+    return 0;
+  }
+  try {
+    const int signal_pipe = install_signal_handlers();
+    Launcher launcher(std::move(options), signal_pipe);
+    return launcher.run();
+  } catch (const LaunchError& e) {
+    say(fmt::format("failed: {}", e.what()));
+    return e.exit_code();
+  } catch (const std::exception& e) {
+    say(fmt::format("internal error: {}", e.what()));
+    return 1;
+  }
+}
