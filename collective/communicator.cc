@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "tandem/collective/detail/common.h"
+#include "tandem/devices/device.h"
 
 namespace tandem::collective {
 
@@ -35,6 +38,43 @@ std::string call_label(OpKind kind, std::uint64_t sequence_number) {
 
 std::string ranks_of(const std::vector<int>& ranks, int size) {
   return fmt::format("{} {} of {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "), size);
+}
+
+Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kMaxTimeout);
+}
+
+std::string format_duration(std::chrono::milliseconds d) {
+  const auto ms = d.count();
+  if (ms < 1000) return fmt::format("{} ms", ms);
+  if (ms % 1000 == 0) return fmt::format("{} s", ms / 1000);
+  return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0);
+}
+
+std::string quoted_list(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("\"{}\"", k);
+  }
+  return out;
+}
+
+std::string host_tensor_problem(const Tensor& t, std::string_view what, std::string_view backend) {
+  if (!t.defined()) return fmt::format("{} is undefined", what);
+  if (!t.device().host_accessible()) {
+    return fmt::format("{} is on {}; {} works on host memory (CPU devices)", what, t.device().short_name(), backend);
+  }
+  return {};
+}
+
+std::string in_out_problem(const Tensor& input, const Tensor& output, std::string_view backend) {
+  std::string problem = host_tensor_problem(input, "the input", backend);
+  if (problem.empty()) problem = host_tensor_problem(output, "the output", backend);
+  if (problem.empty() && output.dtype() != input.dtype()) {
+    problem = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
+  }
+  return problem;
 }
 
 namespace {

@@ -57,8 +57,12 @@ namespace tandem::collective {
 namespace {
 
 using detail::OpKind;
-using Clock = std::chrono::steady_clock;
+using detail::Clock;
+using detail::format_duration;
 using std::chrono::milliseconds;
+
+// How tensor-check messages name this backend: "... works on host memory (CPU devices)".
+constexpr std::string_view kBackendName = "the gloo communicator";
 
 // How often a failed rank looks at the store for the others' reports.
 constexpr auto kReportPoll = milliseconds(20);
@@ -67,11 +71,6 @@ constexpr std::size_t kMaxCachedAllreduces = 64;
 constexpr std::size_t kStagingAlignBytes = 64;
 // How often the monitor looks at the sockets of a call in flight.
 constexpr auto kMonitorInterval = milliseconds(50);
-
-std::string format_duration(milliseconds d) {
-  if (d.count() % 1000 == 0) return fmt::format("{} s", d.count() / 1000);
-  return fmt::format("{} ms", d.count());
-}
 
 // Gloo's messages start with "[file.cc:123] "; ours name the call instead.
 std::string gloo_message(std::string_view what) {
@@ -400,7 +399,9 @@ class GlooCommunicator final : public Communicator {
     std::string problem;
     for (std::size_t i = 0; i < tensors.size() && problem.empty(); ++i) {
       // (Formatted only when there is a problem: the steady state allocates nothing.)
-      if (!usable(tensors[i])) problem = host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()));
+      if (!usable(tensors[i])) {
+        problem = detail::host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
+      }
       if (problem.empty() && tensors[i].dtype() != call.dtype) {
         problem = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
                               tensors.size(), tensors[i].dtype(), call.dtype);
@@ -443,7 +444,7 @@ class GlooCommunicator final : public Communicator {
     Call call = begin(OpKind::kBroadcast, options);
     call.root = root;
     call.dtype = tensor.dtype();
-    std::string problem = host_tensor_problem(tensor, "the tensor");
+    std::string problem = detail::host_tensor_problem(tensor, "the tensor", kBackendName);
     if (problem.empty()) call.elements = tensor.num_elements();
     if (problem.empty() && (root < 0 || root >= config_.size)) {
       problem = fmt::format("root {} is not a rank of this group of {}", root, config_.size);
@@ -464,7 +465,7 @@ class GlooCommunicator final : public Communicator {
   void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     Call call = begin(OpKind::kAllGather, options);
     call.dtype = input.dtype();
-    std::string problem = in_out_problem(input, output);
+    std::string problem = detail::in_out_problem(input, output, kBackendName);
     if (problem.empty()) {
       call.elements = input.num_elements();
       problem = detail::check_all_gather_shapes(input.shape(), output.shape(), config_.size).value_or("");
@@ -492,7 +493,7 @@ class GlooCommunicator final : public Communicator {
     Call call = begin(OpKind::kReduceScatter, options);
     call.reduce = op;
     call.dtype = input.dtype();
-    std::string problem = in_out_problem(input, output);
+    std::string problem = detail::in_out_problem(input, output, kBackendName);
     if (problem.empty()) {
       call.elements = input.num_elements();
       problem = detail::check_reduce_scatter_shapes(input.shape(), output.shape(), config_.size).value_or("");
@@ -943,24 +944,6 @@ class GlooCommunicator final : public Communicator {
   }
 
   static bool usable(const Tensor& t) { return t.defined() && t.device().host_accessible(); }
-
-  static std::string host_tensor_problem(const Tensor& t, std::string_view what) {
-    if (!t.defined()) return fmt::format("{} is undefined", what);
-    if (!t.device().host_accessible()) {
-      return fmt::format("{} is on {}; the gloo communicator works on host memory (CPU devices)", what,
-                         t.device().short_name());
-    }
-    return {};
-  }
-
-  static std::string in_out_problem(const Tensor& input, const Tensor& output) {
-    std::string problem = host_tensor_problem(input, "the input");
-    if (problem.empty()) problem = host_tensor_problem(output, "the output");
-    if (problem.empty() && output.dtype() != input.dtype()) {
-      problem = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
-    }
-    return problem;
-  }
 
   const Config config_;
   std::shared_ptr<gloo::transport::Device> device_;

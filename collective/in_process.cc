@@ -44,7 +44,11 @@ namespace tandem::collective {
 namespace {
 
 using detail::OpKind;
-using Clock = std::chrono::steady_clock;
+using detail::Clock;
+using detail::deadline_after;
+
+// How tensor-check messages name this backend: "... works on host memory (CPU devices)".
+constexpr std::string_view kBackendName = "the in-process group";
 
 // Chunk boundaries fall on multiples of 64 bytes (one cache line, one AVX-512 vector), so that two
 // ranks never write into the same cache line and the vector loops start aligned where the buffer
@@ -56,12 +60,6 @@ constexpr std::size_t kBlockBytes = 4096;
 // come in bursts, and a thread woken from a condition variable on a VM takes tens of microseconds.
 // When the group has more ranks than cores, polling only delays the ranks it waits for.
 constexpr auto kSpin = std::chrono::microseconds(100);
-
-// Timeouts beyond a year are a year: the clock arithmetic must not overflow.
-Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  constexpr auto kLongest = std::chrono::milliseconds(std::chrono::hours(24 * 365));
-  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kLongest);
-}
 
 // --- reduction kernels -----------------------------------------------------------------------
 // Plain loops over restrict pointers: GCC vectorises each to AVX-512 under -march=native.
@@ -379,7 +377,7 @@ class InProcessCommunicator final : public Communicator {
     slot.dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
     for (std::size_t i = 0; i < tensors.size() && slot.error.empty(); ++i) {
       const Tensor& t = tensors[i];
-      slot.error = host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()));
+      slot.error = detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
       if (slot.error.empty() && t.dtype() != slot.dtype) {
         slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype",
                                  i, tensors.size(), t.dtype(), slot.dtype);
@@ -411,7 +409,7 @@ class InProcessCommunicator final : public Communicator {
     Slot& slot = *call.slot;
     slot.root = root;
     slot.dtype = tensor.dtype();
-    slot.error = host_tensor_problem(tensor, "the tensor");
+    slot.error = detail::host_tensor_problem(tensor, "the tensor", kBackendName);
     if (slot.error.empty() && (root < 0 || root >= size())) {
       slot.error = fmt::format("root {} is not a rank of this group of {}", root, size());
     }
@@ -436,7 +434,7 @@ class InProcessCommunicator final : public Communicator {
     Call call = begin(OpKind::kAllGather, options);
     Slot& slot = *call.slot;
     slot.dtype = input.dtype();
-    slot.error = in_out_problem(input, output);
+    slot.error = detail::in_out_problem(input, output, kBackendName);
     if (slot.error.empty()) {
       slot.error = detail::check_all_gather_shapes(input.shape(), output.shape(), size()).value_or("");
     }
@@ -463,7 +461,7 @@ class InProcessCommunicator final : public Communicator {
     Slot& slot = *call.slot;
     slot.reduce = op;
     slot.dtype = input.dtype();
-    slot.error = in_out_problem(input, output);
+    slot.error = detail::in_out_problem(input, output, kBackendName);
     if (slot.error.empty()) {
       slot.error = detail::check_reduce_scatter_shapes(input.shape(), output.shape(), size()).value_or("");
     }
@@ -625,25 +623,6 @@ class InProcessCommunicator final : public Communicator {
     if (n == 0) return;
     slot.segments.push_back({static_cast<std::byte*>(t.raw_data()), n});
     slot.elements += n;
-  }
-
-  static std::string host_tensor_problem(const Tensor& t, std::string_view what) {
-    if (!t.defined()) return fmt::format("{} is undefined", what);
-    if (!t.device().host_accessible()) {
-      return fmt::format("{} is on {}; the in-process group works on host memory (CPU devices)", what,
-                         t.device().short_name());
-    }
-    return {};
-  }
-
-  // all_gather's and reduce_scatter's input and output: both in host memory, of one dtype.
-  static std::string in_out_problem(const Tensor& input, const Tensor& output) {
-    std::string problem = host_tensor_problem(input, "the input");
-    if (problem.empty()) problem = host_tensor_problem(output, "the output");
-    if (problem.empty() && output.dtype() != input.dtype()) {
-      problem = fmt::format("the output has dtype {}, the input {}", output.dtype(), input.dtype());
-    }
-    return problem;
   }
 
   static std::string not_reducible(DType dtype) {

@@ -58,7 +58,8 @@ namespace {
 using devices::detail::ScopedCudaDevice;
 
 using detail::OpKind;
-using Clock = std::chrono::steady_clock;
+using detail::Clock;
+using detail::deadline_after;
 
 // NCCL's entry points, named as in nccl.h so that checked expressions read like NCCL code.
 struct NcclApi {
@@ -139,11 +140,6 @@ const NcclApi& nccl_or_throw(std::string_view what) {
 constexpr auto kSpin = std::chrono::microseconds(200);
 constexpr auto kLongestNap = std::chrono::microseconds(1000);
 constexpr int kPollsPerQuery = 64;
-
-Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  constexpr auto kLongest = std::chrono::milliseconds(std::chrono::hours(24 * 365));
-  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kLongest);
-}
 
 ncclDataType_t nccl_dtype(DType dtype) {
   switch (dtype) {

@@ -9,22 +9,13 @@
 #include <charconv>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/detail/common.h"
 
 namespace tandem::collective {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Timeouts beyond a year are a year: the clock arithmetic must not overflow.
-constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
-
-// "250 ms", "5 s", "2.5 s": how messages print a timeout.
-std::string format_duration(std::chrono::milliseconds d) {
-  const auto ms = d.count();
-  if (ms < 1000) return fmt::format("{} ms", ms);
-  if (ms % 1000 == 0) return fmt::format("{} s", ms / 1000);
-  return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0);
-}
+using detail::Clock;
+using detail::format_duration;
 
 std::vector<char> to_bytes(std::string_view s) { return std::vector<char>(s.begin(), s.end()); }
 
@@ -93,7 +84,7 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
                  "rendezvous at {}: port 0 cannot be found by the other {} rank(s); give the chief a fixed port",
                  options.address, options.world_size - 1);
 
-  const auto timeout = std::clamp(options.timeout, std::chrono::milliseconds(0), kMaxTimeout);
+  const auto timeout = std::clamp(options.timeout, std::chrono::milliseconds(0), detail::kMaxTimeout);
   const Clock::time_point deadline = Clock::now() + timeout;
   const auto remaining = [&] {
     return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));

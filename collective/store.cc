@@ -7,36 +7,15 @@
 #include <unordered_map>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/detail/common.h"
 #include "tandem/collective/store.h"
 
 namespace tandem::collective {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Timeouts beyond a year are a year: the clock arithmetic must not overflow.
-constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
-
-Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kMaxTimeout);
-}
-
-// "250 ms", "5 s", "2.5 s": how messages print a timeout.
-std::string format_duration(std::chrono::milliseconds d) {
-  const auto ms = d.count();
-  if (ms < 1000) return fmt::format("{} ms", ms);
-  if (ms % 1000 == 0) return fmt::format("{} s", ms / 1000);
-  return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0);
-}
-
-std::string quoted_list(const std::vector<std::string>& keys) {
-  std::string out;
-  for (const auto& k : keys) {
-    if (!out.empty()) out += ", ";
-    out += fmt::format("\"{}\"", k);
-  }
-  return out;
-}
+using detail::deadline_after;
+using detail::format_duration;
+using detail::quoted_list;
 
 class InMemoryStore final : public Store {
  public:

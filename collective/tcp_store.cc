@@ -38,15 +38,17 @@
 #include <utility>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/detail/common.h"
 
 namespace tandem::collective {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using detail::Clock;
+using detail::deadline_after;
+using detail::format_duration;
+using detail::quoted_list;
 using Deadline = Clock::time_point;
 
-// Timeouts beyond a year are a year: the clock arithmetic must not overflow.
-constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
 // A frame this large is a protocol error (or someone else's protocol on our port), not a value.
 constexpr std::uint32_t kMaxFrameBytes = 256u << 20;
 // Key and value of one set, leaving room in the frame for the fields around them.
@@ -58,27 +60,6 @@ constexpr auto kCancelTimeout = std::chrono::seconds(5);
 // Idle connections a client keeps for later calls; more concurrent callers than this open and
 // close their own.
 constexpr std::size_t kMaxIdleConnections = 8;
-
-Deadline deadline_after(std::chrono::milliseconds timeout) {
-  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kMaxTimeout);
-}
-
-// "250 ms", "5 s", "2.5 s": how messages print a timeout.
-std::string format_duration(std::chrono::milliseconds d) {
-  const auto ms = d.count();
-  if (ms < 1000) return fmt::format("{} ms", ms);
-  if (ms % 1000 == 0) return fmt::format("{} s", ms / 1000);
-  return fmt::format("{:.1f} s", static_cast<double>(ms) / 1000.0);
-}
-
-std::string quoted_list(const std::vector<std::string>& keys) {
-  std::string out;
-  for (const auto& k : keys) {
-    if (!out.empty()) out += ", ";
-    out += fmt::format("\"{}\"", k);
-  }
-  return out;
-}
 
 // "connection refused": strerror, thread-safe, in the lower case messages use mid-sentence.
 std::string socket_error_text(int err) {

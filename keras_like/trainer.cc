@@ -16,6 +16,7 @@
 // gradient is computed, while backward goes on; otherwise all buckets are reduced after backward.
 // Every replica then applies the same reduced gradients to its own copies.
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -81,6 +82,31 @@ void scale_in_place(Tensor& value, double factor) {
     for (std::int64_t i = 0; i < host.num_elements(); ++i) p[i] = static_cast<T>(p[i] * factor);
   });
   if (host.raw_data() != value.raw_data()) value.copy_from(host);
+}
+
+// StepSums as a flat tensor of `dtype` and back: [loss, output losses..., metrics..., examples].
+void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype) {
+  const auto n = static_cast<std::int64_t>(2 + sums.output_loss.size() + sums.metrics.size());
+  if (!out.defined() || out.num_elements() != n || out.dtype() != dtype) out = Tensor::empty({n}, dtype);
+  graph::dispatch<graph::FloatTypes>(dtype, "step sums", [&]<class T>() {
+    T* p = out.data<T>();
+    *p++ = static_cast<T>(sums.loss);
+    for (double v : sums.output_loss) *p++ = static_cast<T>(v);
+    for (double v : sums.metrics) *p++ = static_cast<T>(v);
+    *p = static_cast<T>(sums.examples);
+  });
+}
+
+StepSums sums_from_tensor(const StepSums& shape, const Tensor& t) {
+  StepSums sums = shape;
+  graph::dispatch<graph::FloatTypes>(t.dtype(), "step sums", [&]<class T>() {
+    const T* p = t.data<T>();
+    sums.loss = static_cast<double>(*p++);
+    for (double& v : sums.output_loss) v = static_cast<double>(*p++);
+    for (double& v : sums.metrics) v = static_cast<double>(*p++);
+    sums.examples = static_cast<std::int64_t>(std::llround(static_cast<double>(*p)));
+  });
+  return sums;
 }
 
 }  // namespace
@@ -196,6 +222,11 @@ struct Trainer::Replica : graph::NodeObserver {
   bool overlap = false;
   std::unique_ptr<CommThread> comm;
   StepSums sums;
+  // With several workers, the step's sums ride along with the last gradient bucket's all-reduce
+  // (one tensor appended to its span, in the bucket's dtype), so that the logs need no collective
+  // of their own: [loss, output losses..., metrics..., examples].
+  Tensor sums_tensor;
+  bool sums_in_last_bucket = false;
 
   // A node finished: record its gradients, and hand every bucket that is now complete (in order)
   // to the communication thread, except the last: backward is over when it completes, so the
@@ -421,7 +452,9 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
       replica->executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
     }
     replica->loss_scale_value = Tensor::scalar<float>(1.0f);
-    replica->overlap = model.strategy->distribution_options().overlap_communication && devices.size() > 1;
+    // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
+    replica->overlap =
+        model.strategy->distribution_options().overlap_communication && model.strategy->num_replicas_in_sync() > 1;
     if (replica->overlap) replica->comm = std::make_unique<CommThread>();
     replicas_.push_back(std::move(replica));
   }
@@ -474,11 +507,14 @@ void Trainer::reduce_bucket(Replica& replica, std::size_t bucket) {
     optimizer.add_accumulated(replica.index, k, replica.grads[k]);
     tensors.push_back(replica.grads[k]);
   }
+  const bool with_sums = replica.sums_in_last_bucket && bucket == graphs_->buckets.order.back();
+  if (with_sums) tensors.push_back(replica.sums_tensor);
   auto& comm = model_.strategy->communicator(replica.index);
   if (comm.size() > 1) {
     comm.all_reduce(tensors, collective::ReduceOp::kSum,
                     {.timeout = model_.strategy->distribution_options().collective_timeout});
   }
+  if (with_sums) replica.sums = sums_from_tensor(replica.sums, replica.sums_tensor);
 }
 
 void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update) {
@@ -531,6 +567,8 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     replica.sums.metrics.assign(g.num_sums - 1 - replica.sums.output_loss.size(), 0.0);
   }
 
+  replica.sums_in_last_bucket = update && model_.strategy->num_workers() > 1 && !plan.order.empty();
+  if (replica.sums_in_last_bucket) sums_to_tensor(replica.sums, replica.sums_tensor, g.trainable.front()->dtype());
   const auto reducing = std::chrono::steady_clock::now();
   if (update) {
     if (replica.overlap && rows > 0) {
@@ -619,9 +657,13 @@ void Trainer::train_step(const data::Element& batch, std::int64_t global_example
       run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update);
     });
   }
-  std::vector<StepSums> sums;
-  for (const auto& replica : replicas_) sums.push_back(replica->sums);
-  add_step_sums(*train_metrics_, sums);
+  if (replicas_.front()->sums_in_last_bucket) {
+    train_metrics_->add(0, replicas_.front()->sums);  // already summed over every replica
+  } else {
+    std::vector<StepSums> sums;
+    for (const auto& replica : replicas_) sums.push_back(replica->sums);
+    add_step_sums(*train_metrics_, sums);
+  }
   model_.optimizer->finish_step();
   g.times.steps += 1;
   g.times.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

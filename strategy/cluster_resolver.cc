@@ -94,6 +94,28 @@ std::optional<int> optional_int_variable(const EnvironmentLookup& env, std::stri
   return int_variable(prefix, name, *text, min, max);
 }
 
+// The comma-separated parts of text, empty ones included: "a,,b" has three, "" has one.
+std::vector<std::string_view> split_at_commas(std::string_view text) {
+  std::vector<std::string_view> parts;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    auto comma = text.find(',', start);
+    if (comma == std::string_view::npos) comma = text.size();
+    parts.push_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return parts;
+}
+
+// The first character of text that is neither a letter, a digit nor one of `punctuation`.
+std::optional<char> first_character_not_in(std::string_view text, std::string_view punctuation) {
+  for (char c : text) {
+    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) != 0 || punctuation.find(c) != std::string_view::npos;
+    if (!allowed) return c;
+  }
+  return std::nullopt;
+}
+
 // Why host cannot be a host name or (unbracketed) IP address; nullopt when it can.
 std::optional<std::string> host_problem(std::string_view host, bool bracketed) {
   if (host.empty()) return std::string("empty host");
@@ -101,21 +123,17 @@ std::optional<std::string> host_problem(std::string_view host, bool bracketed) {
     if (host.find(':') == std::string_view::npos) {
       return fmt::format("brackets are for IPv6 addresses, and \"{}\" is not one", host);
     }
-    for (char c : host) {
-      // Hex digits, ':' and '.' (an embedded IPv4 part), and '%zone' such as %eth0.
-      const bool ok = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == ':' || c == '.' ||
-                      c == '%';
-      if (!ok) return fmt::format("the IPv6 address has the character '{}'", c);
+    // Hex digits, ':' and '.' (an embedded IPv4 part), and '%zone' such as %eth0.
+    if (auto c = first_character_not_in(host, ":.%")) {
+      return fmt::format("the IPv6 address has the character '{}'", *c);
     }
     return std::nullopt;
   }
   if (host.find(':') != std::string_view::npos) {
     return fmt::format("an IPv6 host must be in brackets, as in [{}]:2222", host);
   }
-  for (char c : host) {
-    const bool ok = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '.' || c == '-' ||
-                    c == '_';
-    if (!ok) return fmt::format("the host has the character '{}', which no host name has", c);
+  if (auto c = first_character_not_in(host, ".-_")) {
+    return fmt::format("the host has the character '{}', which no host name has", *c);
   }
   return std::nullopt;
 }
@@ -275,12 +293,7 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
       pos = close + 1;
       if (body.empty()) fail(fmt::format("empty brackets in {}", quote(pattern)));
       Group numbers;
-      std::size_t part_start = 0;
-      while (part_start <= body.size()) {
-        auto comma = body.find(',', part_start);
-        if (comma == std::string_view::npos) comma = body.size();
-        const std::string_view part = body.substr(part_start, comma - part_start);
-        part_start = comma + 1;
+      for (const std::string_view part : split_at_commas(body)) {
         const auto dash = part.find('-');
         const std::string_view lo_text = part.substr(0, dash);
         const std::string_view hi_text =
@@ -339,12 +352,7 @@ std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_node) {
   };
   if (text.empty()) fail("it is empty");
   std::vector<int> counts;
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    auto comma = text.find(',', start);
-    if (comma == std::string_view::npos) comma = text.size();
-    const std::string_view item = text.substr(start, comma - start);
-    start = comma + 1;
+  for (const std::string_view item : split_at_commas(text)) {
     std::string_view count_text = item;
     std::int64_t repeat = 1;
     if (const auto paren = item.find('('); paren != std::string_view::npos) {
@@ -616,6 +624,14 @@ TorchrunClusterResolver::TorchrunClusterResolver(const EnvironmentLookup& env) {
   int port = port_variable(kPrefix, "MASTER_PORT", master_port);
   if (auto override_port = get(env, kRendezvousPortVariable)) {
     port = port_variable(kPrefix, kRendezvousPortVariable, *override_port);
+  } else if (get(env, "TORCHELASTIC_USE_AGENT_STORE") == std::optional<std::string>("True")) {
+    // torchrun's agent serves PyTorch's own TCPStore on MASTER_PORT (it tells its workers so
+    // with this variable): ours goes on the next port.
+    TANDEM_REQUIRE(port < 65535, InvalidArgument,
+                   "{}: MASTER_PORT is 65535 and torchrun's agent serves it; set {} to a free port for tandem's "
+                   "rendezvous",
+                   kPrefix, kRendezvousPortVariable);
+    port += 1;
   }
   rendezvous_address_ = join_host_port(host, port);
 

@@ -188,8 +188,9 @@ class TFConfigClusterResolver final : public ClusterResolver {
 
 // torchrun / torch.distributed.launch: MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE are
 // required; LOCAL_RANK (default 0), LOCAL_WORLD_SIZE and GROUP_RANK (the node's index) are read
-// when set. The rendezvous address is MASTER_ADDR:MASTER_PORT unless TANDEM_RENDEZVOUS_PORT
-// gives another port: recent torchrun agents already serve their own TCPStore on MASTER_PORT.
+// when set. The rendezvous address is MASTER_ADDR:MASTER_PORT, or MASTER_PORT + 1 when
+// TORCHELASTIC_USE_AGENT_STORE=True (torchrun's agent then serves PyTorch's TCPStore on
+// MASTER_PORT), or TANDEM_RENDEZVOUS_PORT when set.
 class TorchrunClusterResolver final : public ClusterResolver {
  public:
   // InvalidArgument naming the missing variable, or quoting one that is not a valid integer or

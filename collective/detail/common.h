@@ -1,8 +1,10 @@
 // tandem/collective/detail/common.h — what the collective backends share: operation names for
-// messages, the ranks-list wording of timeouts, and the shape rules of all_gather/reduce_scatter.
-// Not part of the public contract.
+// messages, the ranks-list wording of timeouts, deadlines and how messages print durations and
+// keys, the host-memory checks of the CPU backends, and the shape rules of
+// all_gather/reduce_scatter. Not part of the public contract.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,6 +25,27 @@ std::string call_label(OpKind kind, std::uint64_t sequence_number);
 
 // "rank 3 of 4" or "ranks 1, 3 of 4".
 std::string ranks_of(const std::vector<int>& ranks, int size);
+
+// The clock every collective deadline is measured on.
+using Clock = std::chrono::steady_clock;
+
+// Timeouts beyond a year are a year: the clock arithmetic must not overflow.
+constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
+
+// now + timeout, with the timeout clamped to [0, kMaxTimeout].
+Clock::time_point deadline_after(std::chrono::milliseconds timeout);
+
+// "250 ms", "5 s", "2.5 s": how messages print a timeout.
+std::string format_duration(std::chrono::milliseconds d);
+
+// `"a", "b"`: how messages list store keys.
+std::string quoted_list(const std::vector<std::string>& keys);
+
+// Why tensor `what` cannot be used by `backend` ("the gloo communicator"), or "" if it can.
+std::string host_tensor_problem(const Tensor& t, std::string_view what, std::string_view backend);
+
+// all_gather's and reduce_scatter's input and output: both in host memory, of one dtype; "" if so.
+std::string in_out_problem(const Tensor& input, const Tensor& output, std::string_view backend);
 
 // Checks the shapes of all_gather(input, output) in a group of `size`: output's first dimension is
 // size x input's, the other dimensions equal (a scalar input gathers into a vector of `size`).

@@ -567,21 +567,8 @@ int worker_main(int argc, char** argv) {
     }
     auto comm = make_gloo_communicator(options);
     Tensor t = Tensor::zeros({1 << 18}, kFloat32);
-    if (scenario == "kill" || scenario == "store") {
-      // Reduce until something fails; the test kills a rank once every rank has done a few.
-      for (int i = 0;; ++i) {
-        if (i == 3) store->set(fmt::format("ready/{}", rank), {'1'});
-        const auto start = Clock::now();
-        try {
-          comm->all_reduce(t, ReduceOp::kSum);
-        } catch (...) {
-          call_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
-          throw;
-        }
-      }
-    } else if (scenario == "hang") {
-      comm->all_reduce(t, ReduceOp::kSum);
-      if (rank == 2) std::this_thread::sleep_for(60s);  // the test kills it
+    // all_reduce(t); if it throws, call_ms is how long it took to fail.
+    const auto timed_all_reduce = [&] {
       const auto start = Clock::now();
       try {
         comm->all_reduce(t, ReduceOp::kSum);
@@ -589,6 +576,17 @@ int worker_main(int argc, char** argv) {
         call_ms = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
         throw;
       }
+    };
+    if (scenario == "kill" || scenario == "store") {
+      // Reduce until something fails; the test kills a rank once every rank has done a few.
+      for (int i = 0;; ++i) {
+        if (i == 3) store->set(fmt::format("ready/{}", rank), {'1'});
+        timed_all_reduce();
+      }
+    } else if (scenario == "hang") {
+      comm->all_reduce(t, ReduceOp::kSum);
+      if (rank == 2) std::this_thread::sleep_for(60s);  // the test kills it
+      timed_all_reduce();
     } else if (scenario == "mismatch") {
       std::vector<Tensor> bucket = {Tensor::zeros({1000}, kFloat32), Tensor::zeros({rank == 0 ? 90 : 100}, kFloat32),
                                     Tensor::zeros({200}, kFloat32)};

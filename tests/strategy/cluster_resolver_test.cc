@@ -338,6 +338,14 @@ TEST_CASE("torchrun: ranks from RANK/WORLD_SIZE, the chief at MASTER_ADDR:MASTER
   CHECK_CONTAINS(invalid_argument([&] { (void)r.task_label(8); }),
                  "torchrun: rank 8 is out of range: there are 8 training processes");
 
+  // Under torchrun's agent store, MASTER_PORT is PyTorch's TCPStore: ours takes the next port,
+  // unless TANDEM_RENDEZVOUS_PORT says otherwise.
+  auto agent = torchrun_vars();
+  agent["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  CHECK(TorchrunClusterResolver(env_of(agent)).rendezvous_address() == "10.0.0.1:29501");
+  agent["TANDEM_RENDEZVOUS_PORT"] = "31000";
+  CHECK(TorchrunClusterResolver(env_of(agent)).rendezvous_address() == "10.0.0.1:31000");
+
   auto minimal = torchrun_vars();
   minimal.erase("LOCAL_RANK");
   minimal.erase("LOCAL_WORLD_SIZE");

@@ -172,7 +172,7 @@ void check_weights_equal(const std::string& path, const std::string& reference_p
   }
 }
 
-void check_losses_equal(const std::string& path, const std::string& reference_path) {
+void check_losses_equal(const std::string& path, const std::string& reference_path, int expected_lines = 30) {
   std::ifstream ours(path), ref(reference_path);
   std::string a, b;
   int lines = 0;
@@ -190,7 +190,7 @@ void check_losses_equal(const std::string& path, const std::string& reference_pa
     CHECK(std::abs(la - lb) <= kTolerance * std::abs(lb));
     ++lines;
   }
-  CHECK(lines == 30);  // 3 epochs of 10 global batches
+  CHECK(lines == expected_lines);  // by default 3 epochs of 10 global batches
   CHECK_FALSE(std::getline(ours, a));
 }
 
@@ -221,6 +221,24 @@ TEST_CASE("2 workers of 2 local replicas each (hierarchical all-reduce) equal on
     check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r), ref + "/weights-0.safetensors");
     check_losses_equal(fmt::format("{}/losses-{}.txt", dir.path().string(), r), ref + "/losses-0.txt");
   }
+}
+
+TEST_CASE("FILE auto-sharding: each worker reads its files; all stop at the step the first runs out") {
+  testing::TempDir dir;
+  const auto codes = run_workers(dir.path().string(), 2, {"--files", "1"});
+  INFO(describe_logs(dir.path().string(), 2));
+  REQUIRE(codes[0] == 0);
+  REQUIRE(codes[1] == 0);
+  // Worker 0 reads files 0, 2, 4 (366 examples, 6 batches of 64 or fewer), worker 1 files 1, 3
+  // (244 examples, 4 batches): every epoch has 4 steps on both.
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream losses(fmt::format("{}/losses-{}.txt", dir.path().string(), r));
+    int lines = 0;
+    for (std::string line; std::getline(losses, line);) ++lines;
+    CHECK(lines == 12);
+  }
+  check_weights_equal(dir.path().string() + "/weights-1.safetensors", dir.path().string() + "/weights-0.safetensors");
+  check_losses_equal(dir.path().string() + "/losses-1.txt", dir.path().string() + "/losses-0.txt", 12);
 }
 
 TEST_CASE("a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the job resumes and ends as if uninterrupted") {

@@ -4,7 +4,7 @@
 //
 //   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
-//                        [--timeout SECONDS]
+//                        [--timeout SECONDS] [--files 1]
 //
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
@@ -32,6 +32,7 @@ struct Args {
   std::string backup;
   long save_freq = 0;
   double timeout = 0;
+  bool files = false;  // the data as 5 "files" (Dataset::from_files): the FILE auto-shard policy
 };
 
 Args parse(int argc, char** argv) {
@@ -48,6 +49,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--backup") a.backup = v;
     else if (k == "--save-freq") a.save_freq = std::stol(v);
     else if (k == "--timeout") a.timeout = std::stod(v);
+    else if (k == "--files") a.files = v == "1";
     else throw InvalidArgument("unknown option " + k);
   }
   return a;
@@ -55,7 +57,7 @@ Args parse(int argc, char** argv) {
 
 // 610 examples of 10 features, 3 classes: the last global batch of 64 has 34 rows, which 3
 // workers cannot split evenly.
-data::Dataset make_data() {
+data::Dataset make_data(bool files) {
   constexpr std::int64_t kExamples = 610, kFeatures = 10;
   Tensor x = Tensor::empty({kExamples, kFeatures}, DType::kF32);
   Tensor y = Tensor::empty({kExamples}, DType::kI32);
@@ -72,6 +74,22 @@ data::Dataset make_data() {
       score += v * static_cast<float>(j % 3 - 1);
     }
     y.data<std::int32_t>()[i] = score > 0.2f ? 2 : score < -0.2f ? 0 : 1;
+  }
+  if (files) {
+    // Five "files" of 122 examples: file k is rows [122 k, 122 (k + 1)).
+    constexpr std::int64_t kPerFile = kExamples / 5;
+    const auto rows = [](const Tensor& t, std::int64_t k) {
+      Shape shape = t.shape();
+      shape[0] = kPerFile;
+      const std::size_t row_bytes = t.nbytes() / static_cast<std::size_t>(kExamples);
+      return Tensor(shape, t.dtype(), t.buffer(), t.byte_offset() + static_cast<std::size_t>(k * kPerFile) * row_bytes);
+    };
+    return data::Dataset::from_files({"0", "1", "2", "3", "4"},
+                                     [=](const std::string& path) {
+                                       const std::int64_t k = std::stoll(path);
+                                       return data::Dataset::from_tensor_slices({rows(x, k), rows(y, k)});
+                                     })
+        .batch(64);
   }
   return data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples, 7).batch(64);
 }
@@ -116,7 +134,7 @@ int run(const Args& a) {
     fit.callbacks.push_back(std::make_shared<keras::BackupAndRestore>(
         a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
   }
-  model.fit(make_data(), fit);
+  model.fit(make_data(a.files), fit);
   model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
   std::cout << "worker " << rank << " done\n";
   return 0;
