@@ -1,7 +1,8 @@
 // bench_collectives — all_reduce (SUM, float32, in place) of the in-process group, one thread per
 // rank, next to the memory-copy bandwidth the same threads reach in the same run on buffers of
-// the same size; then the Gloo communicator across processes next to raw Gloo in the same
-// processes. See bench/README.md for what the ceiling is and why.
+// the same size; then the Gloo communicator across processes next to raw Gloo and the
+// shared-memory communicator in the same processes. See bench/README.md for what the ceiling is
+// and why.
 //
 //   bench_collectives [--ranks 2,4] [--gloo-ranks 2,4] [--min 4K] [--max 256M] [--gloo-max 64M]
 //                     [--factor 4] [--iters N] [--samples N] [--gloo-samples 9] [--gloo-check]
@@ -28,11 +29,13 @@
 // ADDRESS` plus the same options). Each process holds two Gloo meshes, each with its own
 // buffers: tandem's (make_gloo_communicator, Communicator::all_reduce) and a raw one
 // (gloo::rendezvous::Context over the same store under another prefix, gloo::allreduce ring with
-// the options built once per size, as a careful direct user would). Their samples alternate,
-// order swapped every sample; a sample starts after a barrier and is the slowest rank's time
-// (an all-reduce MAX of the ranks' elapsed times, outside the timed region). ours/raw is the
-// throughput ratio raw time / our time of each back-to-back pair of samples (median and range
-// over --gloo-samples pairs).
+// the options built once per size, as a careful direct user would); and, as a third column,
+// tandem's shared-memory communicator (make_shared_memory_communicator, default slot_bytes),
+// which needs no network at all. Their samples alternate, the order rotated every sample; a
+// sample starts after a barrier and is the slowest rank's time (an all-reduce MAX of the ranks'
+// elapsed times, outside the timed region). ours/raw is the throughput ratio raw time / our time
+// of each back-to-back pair of samples (median and range over --gloo-samples pairs); shm/raw
+// likewise for the shared-memory communicator.
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/math.h>
@@ -60,6 +63,7 @@
 #include "machine_info.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/gloo.h"
+#include "tandem/collective/shared_memory.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"
 
@@ -362,11 +366,13 @@ struct GlooRow {
   int calls = 0;            // per sample, each variant
   double ours_seconds = 0;  // per call, median over samples
   double raw_seconds = 0;   // per call, median over samples
+  double shm_seconds = 0;   // per call, median over samples
   // raw / ours of each sample pair (the two variants' samples taken back to back): the median,
   // the lowest and the highest. Pairing cancels the slow drifts of a shared machine.
   double ratio = 0;
   double ratio_low = 0;
   double ratio_high = 0;
+  double shm_ratio = 0;  // raw / shm, the median over sample pairs
 };
 
 std::vector<std::size_t> gloo_sizes(const Options& options) {
@@ -396,6 +402,8 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
   gloo_options.bytes_per_pack = options.gloo_pack_bytes;
   auto ours = collective::make_gloo_communicator(gloo_options);
   RawGloo raw(rank, n, store);
+  auto shm = collective::make_shared_memory_communicator(
+      {.rank = rank, .size = n, .store = store, .timeout = kGlooTimeout});
 
   // Both must compute the right sum: the bench times correct collectives. Rank r holds r + 1.
   {
@@ -403,15 +411,18 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
     const float expected = static_cast<float>(n * (n + 1) / 2);
     Tensor a = Tensor::filled<float>({count}, static_cast<float>(rank + 1));
     Tensor b = Tensor::filled<float>({count}, static_cast<float>(rank + 1));
+    Tensor c = Tensor::filled<float>({count}, static_cast<float>(rank + 1));
     ours->all_reduce(a, collective::ReduceOp::kSum);
     RawGloo::Allreduce(raw, b.data<float>(), static_cast<std::size_t>(count))();
-    int wrong[2] = {0, 0};
+    shm->all_reduce(c, collective::ReduceOp::kSum);
+    int wrong[3] = {0, 0, 0};
     for (float x : a.to_vector<float>()) wrong[0] += x != expected;
     for (float x : b.to_vector<float>()) wrong[1] += x != expected;
-    if (wrong[0] + wrong[1] > 0) {
-      throw Internal(fmt::format("bench_collectives: gloo all_reduce over {} processes gave {} wrong values (tandem) "
-                                 "and {} (raw gloo) on rank {}",
-                                 n, wrong[0], wrong[1], rank));
+    for (float x : c.to_vector<float>()) wrong[2] += x != expected;
+    if (wrong[0] + wrong[1] + wrong[2] > 0) {
+      throw Internal(fmt::format("bench_collectives: all_reduce over {} processes gave {} wrong values (tandem gloo), "
+                                 "{} (raw gloo) and {} (shared memory) on rank {}",
+                                 n, wrong[0], wrong[1], wrong[2], rank));
     }
   }
 
@@ -420,14 +431,18 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
     const std::int64_t count = static_cast<std::int64_t>(bytes / sizeof(float));
     Tensor ours_buffer = Tensor::filled<float>({count}, 1e-3f);
     Tensor raw_buffer = Tensor::filled<float>({count}, 1e-3f);
+    Tensor shm_buffer = Tensor::filled<float>({count}, 1e-3f);
     RawGloo::Allreduce raw_all_reduce(raw, raw_buffer.data<float>(), static_cast<std::size_t>(count));
     const auto ours_all_reduce = [&] { ours->all_reduce(ours_buffer, collective::ReduceOp::kSum); };
+    const auto shm_all_reduce = [&] { shm->all_reduce(shm_buffer, collective::ReduceOp::kSum); };
 
-    // Calls per sample, from timed warm-up pairs (one call of each) until they add up to
-    // kGlooWarmupSeconds: one pair alone is too noisy here (small calls take 0.1 or 0.6 ms,
-    // depending on the scheduler). The slowest rank's total decides, so all ranks agree.
+    // Calls per sample, from timed warm-up pairs (one call of each Gloo variant) until they add
+    // up to kGlooWarmupSeconds: one pair alone is too noisy here (small calls take 0.1 or 0.6 ms,
+    // depending on the scheduler). The slowest rank's total decides, so all ranks agree. The
+    // shared-memory variant makes the same number of calls (it is faster: its samples are shorter).
     ours_all_reduce();
     raw_all_reduce();
+    shm_all_reduce();
     double warm_total = 0;
     int warm_pairs = 0;
     while (warm_total < kGlooWarmupSeconds && warm_pairs < 1000) {
@@ -443,27 +458,33 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
                           ? options.iters
                           : static_cast<int>(std::clamp(2 * kGlooSampleSeconds / std::max(warm, 1e-7), 1.0, 20000.0));
 
-    std::vector<double> samples[2];  // ours, raw
+    std::vector<double> samples[3];  // ours, raw, shm
     for (int sample = 0; sample < options.gloo_samples; ++sample) {
-      for (int turn = 0; turn < 2; ++turn) {
-        const int which = (sample + turn) % 2;  // ours first on even samples, raw first on odd
+      for (int turn = 0; turn < 3; ++turn) {
+        const int which = (sample + turn) % 3;  // the order rotates every sample
         raw.barrier();
         const auto start = Clock::now();
         for (int i = 0; i < calls; ++i) {
           if (which == 0) {
             ours_all_reduce();
-          } else {
+          } else if (which == 1) {
             raw_all_reduce();
+          } else {
+            shm_all_reduce();
           }
         }
         const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
         samples[which].push_back(raw.max(elapsed) / calls);
       }
     }
-    std::vector<double> ratios;
-    for (std::size_t k = 0; k < samples[0].size(); ++k) ratios.push_back(samples[1][k] / samples[0][k]);
-    rows.push_back({bytes, calls, median(samples[0]), median(samples[1]), median(ratios),
-                    *std::min_element(ratios.begin(), ratios.end()), *std::max_element(ratios.begin(), ratios.end())});
+    std::vector<double> ratios, shm_ratios;
+    for (std::size_t k = 0; k < samples[0].size(); ++k) {
+      ratios.push_back(samples[1][k] / samples[0][k]);
+      shm_ratios.push_back(samples[1][k] / samples[2][k]);
+    }
+    rows.push_back({bytes, calls, median(samples[0]), median(samples[1]), median(samples[2]), median(ratios),
+                    *std::min_element(ratios.begin(), ratios.end()), *std::max_element(ratios.begin(), ratios.end()),
+                    median(shm_ratios)});
   }
   raw.barrier();  // nobody tears its mesh down while another rank still reads from it
   return rows;
@@ -546,16 +567,17 @@ std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, c
 }
 
 void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options) {
-  const int rule = 130;
-  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1, {} processes{}{}{}\n", n,
+  const int rule = 167;
+  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}{}{}\n", n,
              n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
              options.gloo_check ? ", ours with check_consistency" : "",
              options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
   fmt::print("{:-<{}}\n", "", rule);
-  fmt::print("{:>8} {:>10} {:>6} | {:<33} | {:<33} | {}\n", "", "", "", "tandem", "raw gloo", "ours/raw");
-  fmt::print("{:>8} {:>10} {:>6} | {:>11} {:>10} {:>10} | {:>11} {:>10} {:>10} | {:>6} {:>11}\n", "size", "count",
-             "calls", "time us", "algbw GB/s", "busbw GB/s", "time us", "algbw GB/s", "busbw GB/s", "median",
-             "range");
+  fmt::print("{:>8} {:>10} {:>6} | {:<33} | {:<33} | {:<18} | {:<33} | {}\n", "", "", "", "tandem gloo", "raw gloo",
+             "ours/raw", "tandem shm", "shm/raw");
+  fmt::print("{:>8} {:>10} {:>6} | {:>11} {:>10} {:>10} | {:>11} {:>10} {:>10} | {:>6} {:>11} | {:>11} {:>10} {:>10} | {:>7}\n",
+             "size", "count", "calls", "time us", "algbw GB/s", "busbw GB/s", "time us", "algbw GB/s", "busbw GB/s",
+             "median", "range", "time us", "algbw GB/s", "busbw GB/s", "median");
   fmt::print("{:-<{}}\n", "", rule);
   double worst_large = 0;
   bool any_large = false;
@@ -564,15 +586,18 @@ void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options)
     const double bus = 2.0 * (n - 1) / n;
     const double ours_alg = bytes / row.ours_seconds / 1e9;
     const double raw_alg = bytes / row.raw_seconds / 1e9;
+    const double shm_alg = bytes / row.shm_seconds / 1e9;
     const double ratio = row.ratio;
     if (row.bytes >= (16u << 20)) {
       worst_large = any_large ? std::min(worst_large, ratio) : ratio;
       any_large = true;
     }
-    fmt::print("{:>8} {:>10} {:>6} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>6.2f} {:>11}\n",
+    fmt::print("{:>8} {:>10} {:>6} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>6.2f} {:>11} | "
+               "{:>11.1f} {:>10.3f} {:>10.3f} | {:>7.2f}\n",
                size_text(row.bytes), row.bytes / sizeof(float), row.calls, row.ours_seconds * 1e6, ours_alg,
                ours_alg * bus, row.raw_seconds * 1e6, raw_alg, raw_alg * bus, ratio,
-               fmt::format("{:.2f}-{:.2f}", row.ratio_low, row.ratio_high));
+               fmt::format("{:.2f}-{:.2f}", row.ratio_low, row.ratio_high), row.shm_seconds * 1e6, shm_alg,
+               shm_alg * bus, row.shm_ratio);
   }
   fmt::print("{:-<{}}\n", "", rule);
   if (any_large) {
@@ -596,8 +621,9 @@ int run(const Options& options, const std::vector<std::string>& argv) {
              "               same bytes per thread (read + written); an in-place all-reduce moves >= 2 n bytes:\n"
              "               bound busbw = copy GB/s * (n-1)/n^2; ratio = busbw / bound (bench/README.md)\n");
   fmt::print("gloo:          tandem's make_gloo_communicator vs raw gloo::allreduce (ring, options made once per size)\n"
-             "               in the same processes; {} samples of each, alternating ({} per sample, at least 1 call);\n"
-             "               ours/raw = raw time / our time of each back-to-back pair: median and range\n",
+             "               and make_shared_memory_communicator (shm), in the same processes; {} samples of each,\n"
+             "               rotating ({} per sample, at least 1 call); ours/raw = raw time / our time of each\n"
+             "               back-to-back pair: median and range; shm/raw likewise\n",
              options.gloo_samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~50 ms of calls");
   for (int n : options.ranks) {
     if (n == 0) continue;

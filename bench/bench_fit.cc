@@ -7,8 +7,9 @@
 //
 // --strategy multiworker starts this program again as two worker processes of one intra-op
 // thread each on 127.0.0.1 (TF_CONFIG set as tandem-run sets it), training under
-// MultiWorkerMirroredStrategy (Gloo between the processes, global batch 128 = 64 per worker),
-// beside the same DDP peer: the same shape of job on both sides.
+// MultiWorkerMirroredStrategy (global batch 128 = 64 per worker), beside the same DDP peer: the
+// same shape of job on both sides. tandem runs twice: as it chooses (AUTO: shared memory between
+// workers of one machine) and with Gloo's ring over TCP (kRing), the peer's transport.
 //
 // --strategy mirrored trains under MirroredStrategy on --replicas logical CPU devices of one
 // intra-op thread each, beside bench/peers/torch_ddp2.sh (PyTorch DDP over Gloo, two processes of
@@ -63,6 +64,7 @@ struct Options {
   int replicas = 2;              // logical CPU devices under --strategy mirrored
   bool models_given = false;
   std::string worker_model;  // set in the worker processes of --strategy multiworker
+  bool worker_ring = false;  // those workers use Gloo (RING) instead of the default (shared memory here)
 };
 
 Options parse(int argc, char** argv) {
@@ -84,6 +86,8 @@ Options parse(int argc, char** argv) {
                      "--strategy \"{}\": expected one, mirrored or multiworker", o.strategy);
     } else if (arg == "--multiworker-worker") {
       o.worker_model = value();  // internal: one worker process of --strategy multiworker
+    } else if (arg == "--multiworker-ring") {
+      o.worker_ring = true;  // internal: that worker uses CommunicationImplementation::kRing
     } else if (arg == "--replicas") {
       o.replicas = std::max(1, std::stoi(value()));
     } else if (arg == "--epochs") {
@@ -357,7 +361,9 @@ int run_mirrored(const Options& o) {
 // One worker of --strategy multiworker (TF_CONFIG comes from the parent): trains, and the chief
 // prints the fields run_peer_command reads.
 int run_multiworker_worker(const Options& o) {
-  MultiWorkerMirroredStrategy strategy;
+  strategy::MultiWorkerOptions options;
+  if (o.worker_ring) options.communication_options.implementation = strategy::CommunicationImplementation::kRing;
+  MultiWorkerMirroredStrategy strategy(options);
   const auto data = data::fashion_mnist();
   const Result r = run_tandem(o.worker_model, data, o.epochs, &strategy);
   if (strategy.worker_rank() == 0) {
@@ -376,42 +382,48 @@ int run_multiworker(const Options& o) {
               bench::cpu_model().c_str());
   std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
-  std::printf("%-5s | %10s %7s | %10s %7s %7s | %10s %7s %7s\n", "model", "tandem /s", "acc", "DDP /s", "acc", "ratio",
-              "DDP** /s", "acc", "ratio");
-  std::printf("%s\n", std::string(86, '-').c_str());
+  std::printf("%-5s | %10s %7s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s\n", "model", "tandem /s", "acc",
+              "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc", "ratio", "ring");
+  std::printf("%s\n", std::string(124, '-').c_str());
   int port = 29620;
   for (const auto& kind : o.models) {
-    std::vector<Result> ours_runs, peer_runs, tuned_runs;
+    std::vector<Result> ours_runs, ring_runs, peer_runs, tuned_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      port += 2;
-      const auto worker = [&](int rank) {
-        return fmt::format(
-            "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
-            "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {}",
-            port, port + 1, rank, getpid(), kind, o.epochs);
+      const auto run_pair = [&](bool ring) {
+        port += 2;
+        const auto worker = [&](int rank) {
+          return fmt::format(
+              "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
+              "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {}{}",
+              port, port + 1, rank, getpid(), kind, o.epochs, ring ? " --multiworker-ring" : "");
+        };
+        return run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)));
       };
-      if (auto ours = run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)))) {
-        ours_runs.push_back(*ours);
-      }
+      if (auto ours = run_pair(false)) ours_runs.push_back(*ours);
+      if (auto ring = run_pair(true)) ring_runs.push_back(*ring);
       if (!o.peer) continue;
       if (auto p = run_ddp_peer(kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
       if (auto p = run_ddp_peer(kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
         tuned_runs.push_back(*p);
       }
     }
-    const std::optional<Result> ours = median(ours_runs);
-    TANDEM_REQUIRE(ours.has_value(), Internal, "bench_fit: the tandem workers of model {} did not report", kind);
+    const std::optional<Result> ours = median(ours_runs), ring = median(ring_runs);
+    TANDEM_REQUIRE(ours.has_value() && ring.has_value(), Internal,
+                   "bench_fit: the tandem workers of model {} did not report", kind);
     const auto cell = [&](const std::optional<Result>& p) {
-      if (!p) return fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
-      return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", p->samples_per_s, p->test_accuracy,
-                         ours->samples_per_s / p->samples_per_s);
+      if (!p) return fmt::format("{:>10} {:>7} {:>7} {:>7}", "-", "-", "-", "-");
+      return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x {:>6.2f}x", p->samples_per_s, p->test_accuracy,
+                         ours->samples_per_s / p->samples_per_s, ring->samples_per_s / p->samples_per_s);
     };
-    std::printf("%-5s | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s, ours->test_accuracy,
-                cell(median(peer_runs)).c_str(), cell(median(tuned_runs)).c_str());
+    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s, ours->test_accuracy,
+                ring->samples_per_s, ring->test_accuracy, cell(median(peer_runs)).c_str(),
+                cell(median(tuned_runs)).c_str());
     std::fflush(stdout);
   }
-  std::printf("\nDDP = torch_ddp2.sh as Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and\n"
-              "OPENBLAS_NUM_THREADS=1. ratio = tandem /s over the peer's.\n",
+  std::printf("\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
+              "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh as Debian\n"
+              "installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s over\n"
+              "the peer's; ring = ring /s over the peer's.\n",
               core.c_str());
   return 0;
 }

@@ -16,6 +16,7 @@
 #include "tandem/base/errors.h"
 #include "tandem/collective/gloo.h"
 #include "tandem/collective/rendezvous.h"
+#include "tandem/collective/shared_memory.h"
 #include "tandem/collective/tcp_store.h"
 
 namespace tandem::strategy {
@@ -106,9 +107,16 @@ class GroupStore final : public collective::Store {
 // The gradient group: local replicas in process, then across workers through Gloo.
 class CollectiveAllReduce final : public CrossDeviceOps {
  public:
+  // shared_memory: the workers' gradients meet in a segment of this machine's memory instead of
+  // going through TCP (every worker must be on this machine).
   CollectiveAllReduce(std::shared_ptr<collective::Store> store, int rank, int workers,
-                      std::vector<std::string> labels, const CommunicationOptions& options)
-      : store_(std::move(store)), rank_(rank), workers_(workers), labels_(std::move(labels)), options_(options) {}
+                      std::vector<std::string> labels, const CommunicationOptions& options, bool shared_memory)
+      : store_(std::move(store)),
+        rank_(rank),
+        workers_(workers),
+        labels_(std::move(labels)),
+        options_(options),
+        shared_memory_(shared_memory) {}
 
   std::string name() const override { return "CollectiveAllReduce"; }
 
@@ -123,14 +131,26 @@ class CollectiveAllReduce final : public CrossDeviceOps {
     // Every (re)built group gets its own keys: after an abort, the new connections must not meet
     // the old ones' addresses in the store.
     const int generation = generation_++;
-    collective::GlooOptions gloo;
-    gloo.rank = rank_;
-    gloo.size = workers_;
-    gloo.store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
-    gloo.timeout = collective_timeout(options_);
-    gloo.rank_labels = labels_;
-    gloo.bytes_per_pack = options_.bytes_per_pack;
-    auto cross = collective::make_gloo_communicator(std::move(gloo));
+    auto group_store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
+    std::unique_ptr<collective::Communicator> cross;
+    if (shared_memory_) {
+      collective::SharedMemoryOptions shm;
+      shm.rank = rank_;
+      shm.size = workers_;
+      shm.store = std::move(group_store);
+      shm.timeout = collective_timeout(options_);
+      shm.rank_labels = labels_;
+      cross = collective::make_shared_memory_communicator(std::move(shm));
+    } else {
+      collective::GlooOptions gloo;
+      gloo.rank = rank_;
+      gloo.size = workers_;
+      gloo.store = std::move(group_store);
+      gloo.timeout = collective_timeout(options_);
+      gloo.rank_labels = labels_;
+      gloo.bytes_per_pack = options_.bytes_per_pack;
+      cross = collective::make_gloo_communicator(std::move(gloo));
+    }
     if (devices.size() == 1) {
       std::vector<std::unique_ptr<collective::Communicator>> group;
       group.push_back(std::move(cross));
@@ -146,6 +166,7 @@ class CollectiveAllReduce final : public CrossDeviceOps {
   int workers_;
   std::vector<std::string> labels_;
   CommunicationOptions options_;
+  bool shared_memory_;
   mutable int generation_ = 0;
 };
 
@@ -230,8 +251,19 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     gloo.timeout = collective_timeout(options.communication_options);
     gloo.rank_labels = impl->labels;
     impl->control = collective::make_gloo_communicator(std::move(gloo));
+    // Workers that all share this machine exchange gradients through its memory (TCP over
+    // loopback costs a kernel copy of every byte, twice): AUTO picks shared memory then.
+    const auto implementation = options.communication_options.implementation;
+    const bool all_local = resolver.local_world_size() == impl->workers;
+    TANDEM_REQUIRE(implementation != CommunicationImplementation::kSharedMemory || all_local, InvalidArgument,
+                   "MultiWorkerMirroredStrategy: CommunicationImplementation::kSharedMemory needs every worker on "
+                   "this machine; {} of the {} workers are ({}: hosts as the cluster spec spells them)",
+                   resolver.local_world_size(), impl->workers, resolver.kind());
+    const bool shared_memory = implementation == CommunicationImplementation::kSharedMemory ||
+                               (implementation == CommunicationImplementation::kAuto && all_local);
     impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(impl->rendezvous.store, impl->rank, impl->workers,
-                                                                   impl->labels, options.communication_options);
+                                                                   impl->labels, options.communication_options,
+                                                                   shared_memory);
   } else {
     impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
   }

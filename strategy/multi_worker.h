@@ -43,9 +43,11 @@ namespace tandem::strategy {
 
 // TF's tf.distribute.experimental.CommunicationImplementation.
 enum class CommunicationImplementation {
-  kAuto,  // NCCL for GPU replicas (when built with CUDA), else RING
-  kRing,  // Gloo's ring all-reduce over TCP
-  kNccl,  // NCCL across processes (GPU replicas only)
+  kAuto,          // shared memory when every worker runs on this machine, else RING (NCCL for GPU
+                  // replicas once the GPU backend lands)
+  kRing,          // Gloo's ring all-reduce over TCP
+  kNccl,          // NCCL across processes (GPU replicas only)
+  kSharedMemory,  // tandem's addition: a segment shared by the workers of one machine
 };
 
 // TF's tf.distribute.experimental.CommunicationOptions.

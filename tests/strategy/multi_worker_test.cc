@@ -198,10 +198,13 @@ void check_losses_equal(const std::string& path, const std::string& reference_pa
 
 TEST_CASE("2 and 3 workers give the per-step losses and final weights of one device") {
   const std::string ref = reference_dir();
-  for (const int workers : {2, 3}) {
+  // AUTO is shared memory here (every worker on this machine); RING is Gloo over TCP.
+  for (const auto& [workers, implementation] :
+       std::vector<std::pair<int, std::string>>{{2, "auto"}, {3, "auto"}, {2, "ring"}, {3, "ring"}}) {
     CAPTURE(workers);
+    CAPTURE(implementation);
     testing::TempDir dir;
-    const auto codes = run_workers(dir.path().string(), workers, {});
+    const auto codes = run_workers(dir.path().string(), workers, {"--implementation", implementation});
     INFO(describe_logs(dir.path().string(), workers));
     for (int r = 0; r < workers; ++r) {
       REQUIRE(codes[static_cast<std::size_t>(r)] == 0);
@@ -223,6 +226,19 @@ TEST_CASE("2 workers of 2 local replicas each (hierarchical all-reduce) equal on
   }
 }
 
+TEST_CASE("variables start as the chief's everywhere: a worker whose initializers draw other numbers still agrees") {
+  const std::string ref = reference_dir();
+  testing::TempDir dir;
+  const std::string d = dir.path().string();
+  const auto codes = run_workers(d, 2, {}, {{1, {"--seed", "99"}}});
+  INFO(describe_logs(d, 2));
+  REQUIRE(codes[0] == 0);
+  REQUIRE(codes[1] == 0);
+  for (int r = 0; r < 2; ++r) {
+    check_weights_equal(fmt::format("{}/weights-{}.safetensors", d, r), ref + "/weights-0.safetensors");
+  }
+}
+
 TEST_CASE("FILE auto-sharding: each worker reads its files; all stop at the step the first runs out") {
   testing::TempDir dir;
   const auto codes = run_workers(dir.path().string(), 2, {"--files", "1"});
@@ -239,6 +255,21 @@ TEST_CASE("FILE auto-sharding: each worker reads its files; all stop at the step
   }
   check_weights_equal(dir.path().string() + "/weights-1.safetensors", dir.path().string() + "/weights-0.safetensors");
   check_losses_equal(dir.path().string() + "/losses-1.txt", dir.path().string() + "/losses-0.txt", 12);
+}
+
+TEST_CASE("only the chief prints progress and writes CSV logs and checkpoints") {
+  testing::TempDir dir;
+  const std::string d = dir.path().string();
+  const auto codes = run_workers(d, 2, {"--verbose", "2", "--writers", "1"});
+  INFO(describe_logs(d, 2));
+  REQUIRE(codes[0] == 0);
+  REQUIRE(codes[1] == 0);
+  CHECK(read_file(d + "/log-0.txt").find("Epoch 3/3") != std::string::npos);
+  CHECK(read_file(d + "/log-1.txt").find("Epoch") == std::string::npos);
+  CHECK(std::filesystem::exists(d + "/log-of-0.csv"));
+  CHECK(std::filesystem::exists(d + "/checkpoint-of-0.weights.safetensors"));
+  CHECK_FALSE(std::filesystem::exists(d + "/log-of-1.csv"));
+  CHECK_FALSE(std::filesystem::exists(d + "/checkpoint-of-1.weights.safetensors"));
 }
 
 TEST_CASE("a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the job resumes and ends as if uninterrupted") {
@@ -265,17 +296,21 @@ TEST_CASE("a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the j
 }
 
 TEST_CASE("without restarts, the surviving worker fails within the timeout naming the lost rank") {
-  testing::TempDir dir;
-  const auto start = Clock::now();
-  const auto codes = run_workers(dir.path().string(), 2, {"--kill-at-step", "5", "--timeout", "20"});
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  const std::string survivor = read_file(dir.path().string() + "/log-0.txt");
-  INFO(survivor);
-  CHECK(codes[1] == 128 + SIGKILL);
-  CHECK(codes[0] == 1);
-  CHECK(survivor.find("worker 1") != std::string::npos);
-  CHECK(survivor.find("died") != std::string::npos);
-  CHECK(seconds < 20 + 15);
+  for (const std::string implementation : {"auto", "ring"}) {
+    CAPTURE(implementation);
+    testing::TempDir dir;
+    const auto start = Clock::now();
+    const auto codes = run_workers(dir.path().string(), 2,
+                                   {"--kill-at-step", "5", "--timeout", "20", "--implementation", implementation});
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    const std::string survivor = read_file(dir.path().string() + "/log-0.txt");
+    INFO(survivor);
+    CHECK(codes[1] == 128 + SIGKILL);
+    CHECK(codes[0] == 1);
+    CHECK(survivor.find("worker 1") != std::string::npos);
+    CHECK(survivor.find("died") != std::string::npos);
+    CHECK(seconds < 20 + 15);
+  }
 }
 
 TEST_CASE("a worker that never arrives: the others fail at the rendezvous deadline naming it and its address") {

@@ -4,7 +4,8 @@
 //
 //   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
-//                        [--timeout SECONDS] [--files 1]
+//                        [--timeout SECONDS] [--files 1] [--verbose 2] [--writers 1]
+//                        [--implementation auto|ring|shm] [--seed S]
 //
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
@@ -33,6 +34,10 @@ struct Args {
   long save_freq = 0;
   double timeout = 0;
   bool files = false;  // the data as 5 "files" (Dataset::from_files): the FILE auto-shard policy
+  int verbose = 0;
+  std::uint64_t seed = 42;  // the global seed (initializers)
+  std::string implementation = "auto";  // auto, ring, shm
+  bool writers = false;  // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
 };
 
 Args parse(int argc, char** argv) {
@@ -50,6 +55,10 @@ Args parse(int argc, char** argv) {
     else if (k == "--save-freq") a.save_freq = std::stol(v);
     else if (k == "--timeout") a.timeout = std::stod(v);
     else if (k == "--files") a.files = v == "1";
+    else if (k == "--verbose") a.verbose = std::stoi(v);
+    else if (k == "--seed") a.seed = std::stoull(v);
+    else if (k == "--implementation") a.implementation = v;
+    else if (k == "--writers") a.writers = v == "1";
     else throw InvalidArgument("unknown option " + k);
   }
   return a;
@@ -95,7 +104,7 @@ data::Dataset make_data(bool files) {
 }
 
 int run(const Args& a) {
-  set_global_seed(42);
+  set_global_seed(a.seed);
   std::unique_ptr<Strategy> strategy;
   int rank = 0;
   if (a.strategy == "one") {
@@ -103,6 +112,10 @@ int run(const Args& a) {
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
+    using Impl = strategy::CommunicationImplementation;
+    options.communication_options.implementation = a.implementation == "ring"  ? Impl::kRing
+                                                   : a.implementation == "shm" ? Impl::kSharedMemory
+                                                                               : Impl::kAuto;
     for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
     rank = mw->worker_rank();
@@ -120,7 +133,12 @@ int run(const Args& a) {
   }
   std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
   long step = 0;
-  keras::FitOptions fit{.epochs = a.epochs, .verbose = 0};
+  keras::FitOptions fit{.epochs = a.epochs, .verbose = a.verbose};
+  if (a.writers) {
+    fit.callbacks.push_back(std::make_shared<keras::CSVLogger>(fmt::format("{}/log-of-{}.csv", a.out, rank)));
+    fit.callbacks.push_back(std::make_shared<keras::ModelCheckpoint>(
+        fmt::format("{}/checkpoint-of-{}.weights.safetensors", a.out, rank), keras::ModelCheckpointOptions{.monitor = "loss"}));
+  }
   fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
       .on_train_batch_end =
           [&](std::int64_t batch, keras::Logs& logs) {
