@@ -1,4 +1,5 @@
-// tandem/tandem.h — everything a program needs, in one include.
+// tandem/tandem.h — the graph API in one include (tensors, graphs, autodiff, executor, ops). The
+// Keras-style API, strategies included, is <tandem/keras_like/keras.h>.
 #pragma once
 
 #include "tandem/base/errors.h"

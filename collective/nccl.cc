@@ -1,4 +1,5 @@
-// The NCCL group: GPU replicas of one process, one communicator per GPU (ncclCommInitAll).
+// The NCCL group: GPU replicas of one process, one communicator per GPU (ncclCommInitAll), or one
+// rank of a group spanning processes, one GPU each (ncclCommInitRankConfig, meeting through a Store).
 //
 // One thread per rank. Like nccl-tests with one thread per GPU, every rank issues each collective
 // from its own thread, concurrently with its peers: a rank's call enqueues NCCL's kernel on its
@@ -14,6 +15,18 @@
 // throws Unavailable. Each rank records the sequence number of the collective it last issued,
 // so a timeout names the ranks that never issued it.
 //
+// A group across processes shares nothing but the store, so the group's state travels through it
+// (keys under "tandem/nccl/<generation>/"): the first rank to fail writes "failure" (its rank, the
+// kind, the message), and a rank that waits in a collective for longer than kPeerPoll reads that
+// key every kPeerPoll, and the TCP store's lost keys every kLostPoll, so that one rank's abort,
+// error or death ends its peers' calls too (NCCL itself would leave them waiting for the dead
+// peer). A rank that fails also writes how many collectives it issued ("issued/<rank>"); a rank
+// whose call times out reads those counts for a short grace to name the ranks that never issued
+// it. Its communicator is non-blocking (config.blocking = 0), so that neither the initialisation
+// nor the first collective (where NCCL connects the peers) can block past a deadline: NCCL calls
+// may then return ncclInProgress, and the thread polls ncclCommGetAsyncError until the work is
+// enqueued.
+//
 // NCCL is loaded with dlopen on first use, not linked: libnccl is 200 MB, most programs never
 // make a GPU group, and a build made here must start where NCCL is not installed.
 //
@@ -24,29 +37,36 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-
 #include "tandem/base/spin.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/nccl_process_options.h"
+#include "tandem/collective/gloo.h"
+#include "tandem/collective/store.h"
+#include "tandem/collective/tcp_store.h"
 #include "tandem/devices/detail/cuda_check.h"
 #include "tandem/devices/device.h"
 
 // TANDEM_NCCL_CHECK(expr, where, comm): every NCCL call goes through this. A failure throws with
 // the call, file:line, NCCL's error string and its last error message for `comm` (may be null),
 // and `where` (the rank and its GPU). Bad arguments are InvalidArgument, a peer or the system
-// failing Unavailable, anything else Internal.
+// failing Unavailable, anything else Internal. ncclInProgress is no failure: a non-blocking
+// communicator's call has been accepted and goes on in the background (the caller then polls
+// ncclCommGetAsyncError); blocking communicators never return it.
 #define TANDEM_NCCL_CHECK(expr, where, comm)                                                          \
   do {                                                                                                \
     const ncclResult_t tandem_nccl_status = (expr);                                                   \
-    if (tandem_nccl_status != ncclSuccess) [[unlikely]] {                                             \
+    if (tandem_nccl_status != ncclSuccess && tandem_nccl_status != ncclInProgress) [[unlikely]] {     \
       ::tandem::collective::throw_nccl_error(tandem_nccl_status, #expr, __FILE__, __LINE__, (where), \
                                              (comm));                                                 \
     }                                                                                                 \
@@ -60,6 +80,8 @@ using devices::detail::ScopedCudaDevice;
 using detail::OpKind;
 using detail::Clock;
 using detail::deadline_after;
+using detail::format_duration;
+using std::chrono::milliseconds;
 
 // NCCL's entry points, named as in nccl.h so that checked expressions read like NCCL code.
 struct NcclApi {
@@ -76,12 +98,19 @@ struct NcclApi {
   decltype(&::ncclReduceScatter) ncclReduceScatter = nullptr;
   decltype(&::ncclGroupStart) ncclGroupStart = nullptr;
   decltype(&::ncclGroupEnd) ncclGroupEnd = nullptr;
+  // Only groups across processes use these (ncclCommInitRankConfig and ncclCommFinalize arrived
+  // in 2.14); null in an older libnccl, which still serves make_nccl_group.
+  decltype(&::ncclGetUniqueId) ncclGetUniqueId = nullptr;
+  decltype(&::ncclCommInitRankConfig) ncclCommInitRankConfig = nullptr;
+  decltype(&::ncclCommFinalize) ncclCommFinalize = nullptr;
   int version = 0;
   std::string problem;  // empty when loaded
 };
 
 // ncclAvg and ncclBfloat16 arrived in 2.10.
 constexpr int kOldestNccl = 21000;
+// Non-blocking communicators (ncclConfig_t::blocking, ncclInProgress) arrived in 2.14.
+constexpr int kOldestNonBlockingNccl = 21400;
 
 const NcclApi& nccl() {
   static const NcclApi api = [] {
@@ -121,6 +150,10 @@ const NcclApi& nccl() {
     load(a.ncclGroupStart, "ncclGroupStart");
     load(a.ncclGroupEnd, "ncclGroupEnd");
     if (!complete) return a;
+    a.ncclGetUniqueId = reinterpret_cast<decltype(a.ncclGetUniqueId)>(dlsym(handle, "ncclGetUniqueId"));
+    a.ncclCommInitRankConfig =
+        reinterpret_cast<decltype(a.ncclCommInitRankConfig)>(dlsym(handle, "ncclCommInitRankConfig"));
+    a.ncclCommFinalize = reinterpret_cast<decltype(a.ncclCommFinalize)>(dlsym(handle, "ncclCommFinalize"));
     if (a.ncclGetVersion(&a.version) != ncclSuccess || a.version < kOldestNccl) {
       a.problem = fmt::format("libnccl is version code {}; tandem needs {} (2.10) or later", a.version, kOldestNccl);
     }
@@ -140,6 +173,19 @@ const NcclApi& nccl_or_throw(std::string_view what) {
 constexpr auto kSpin = std::chrono::microseconds(200);
 constexpr auto kLongestNap = std::chrono::microseconds(1000);
 constexpr int kPollsPerQuery = 64;
+// A group across processes: a call that has waited this long reads the store for a peer's failure
+// (one request), and again every as long; the lost keys of the TCP store (one request per peer)
+// are read every kLostPoll.
+constexpr auto kPeerPoll = milliseconds(100);
+constexpr auto kLostPoll = milliseconds(1000);
+// How often a timed-out rank reads the others' reports, and a joining rank NCCL's progress.
+constexpr auto kReportPoll = milliseconds(20);
+constexpr auto kInitPoll = milliseconds(1);
+// How long a healthy non-blocking communicator may take to finalize before it is aborted instead.
+constexpr auto kFinalizeGrace = std::chrono::seconds(10);
+
+std::vector<char> bytes_of(std::string_view s) { return {s.begin(), s.end()}; }
+std::string string_of(const std::vector<char>& v) { return {v.begin(), v.end()}; }
 
 ncclDataType_t nccl_dtype(DType dtype) {
   switch (dtype) {
@@ -164,15 +210,36 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   throw Internal("unknown ReduceOp");
 }
 
+// How a group across processes reaches its peers.
+struct ProcessPeers {
+  int rank = 0;                     // this process's rank
+  std::shared_ptr<Store> store;
+  std::string prefix;               // "tandem/nccl/<generation>/"
+  std::vector<std::string> labels;  // one per rank, or empty ("rank r of n")
+  milliseconds timeout = kDefaultTimeout;  // for calls that keep CallOptions' default
+  // Per rank: its lost key (tcp_store.h) was set before this group formed, by an earlier process
+  // of that rank (the key stays for the store's lifetime): it says nothing about this group.
+  std::vector<bool> stale_lost;
+};
+
 // What the ranks share: their communicators (destroyed together, when the last rank's
-// Communicator goes), what each rank issued last, and the failure that ended the group.
+// Communicator goes), what each rank issued last, and the failure that ended the group. The ranks
+// held here are the group's "local" ranks: all of them for make_nccl_group, this process's one
+// for a group across processes (whose peers are reached through the store).
 class NcclGroup {
  public:
-  explicit NcclGroup(std::vector<int> devices)
-      : devices_(std::move(devices)),
-        comms_(devices_.size(), nullptr),
-        aborted_(devices_.size(), false),
-        issued_(std::make_unique<std::atomic<std::uint64_t>[]>(devices_.size())) {}
+  enum class FailureKind { kAbort, kTimeout, kError };
+
+  // GPU replicas of one process: rank i on devices[i].
+  explicit NcclGroup(std::vector<int> devices) : size_(static_cast<int>(devices.size())), devices_(std::move(devices)) {
+    for (int r = 0; r < size_; ++r) ranks_.push_back(r);
+    allocate();
+  }
+  // One rank of a group across processes, on `device`; its communicator comes with set_comm.
+  NcclGroup(int size, int device, ProcessPeers peers) : size_(size), devices_{device}, peers_(std::move(peers)) {
+    ranks_.push_back(peers_->rank);
+    allocate();
+  }
 
   ~NcclGroup() {
     // Destroying a communicator flushes its pending work; after a failure that work may wait
@@ -183,53 +250,104 @@ class NcclGroup {
       if (comms_[i] == nullptr || aborted_[i]) continue;
       if (failed()) {
         api.ncclCommAbort(comms_[i]);
-      } else {
+      } else if (blocking_) {
         api.ncclCommDestroy(comms_[i]);
+      } else {
+        finalize_and_destroy(comms_[i]);
       }
     }
   }
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
 
-  int size() const { return static_cast<int>(devices_.size()); }
-  int device(int rank) const { return devices_[static_cast<std::size_t>(rank)]; }
+  // The whole group's size; local ranks are indexed from 0 (as comms()).
+  int size() const { return size_; }
+  int rank(int local) const { return ranks_[static_cast<std::size_t>(local)]; }
+  int device(int local) const { return devices_[static_cast<std::size_t>(local)]; }
   ncclComm_t* comms() { return comms_.data(); }
-  ncclComm_t comm(int rank) const { return comms_[static_cast<std::size_t>(rank)]; }
+  ncclComm_t comm(int local) const { return comms_[static_cast<std::size_t>(local)]; }
+  // A group across processes: its initialised (non-blocking) communicator.
+  void set_comm(ncclComm_t comm) {
+    comms_[0] = comm;
+    blocking_ = false;
+  }
+  bool across_processes() const { return peers_.has_value(); }
+  bool has_labels() const { return peers_ && !peers_->labels.empty(); }
+  milliseconds default_timeout() const { return peers_ ? peers_->timeout : kDefaultTimeout; }
+
+  // "rank 1 of 2", or its label.
+  std::string label(int rank) const {
+    if (peers_ && !peers_->labels.empty()) return peers_->labels[static_cast<std::size_t>(rank)];
+    return fmt::format("rank {} of {}", rank, size_);
+  }
+  // "rank 1 of 4" / "ranks 1, 3 of 4", or their labels.
+  std::string names(const std::vector<int>& ranks) const {
+    if (!peers_ || peers_->labels.empty()) return detail::ranks_of(ranks, size_);
+    std::vector<std::string> labels;
+    for (int r : ranks) labels.push_back(label(r));
+    return fmt::format("{}", fmt::join(labels, ", "));
+  }
 
   // Called by a rank's own thread once it has aborted its communicator.
-  void mark_aborted(int rank) { aborted_[static_cast<std::size_t>(rank)] = true; }
-  bool is_aborted(int rank) const { return aborted_[static_cast<std::size_t>(rank)]; }
+  void mark_aborted(int local) { aborted_[static_cast<std::size_t>(local)] = true; }
+  bool is_aborted(int local) const { return aborted_[static_cast<std::size_t>(local)]; }
 
-  void record_issue(int rank, std::uint64_t seq) {
-    issued_[static_cast<std::size_t>(rank)].store(seq + 1, std::memory_order_relaxed);
+  void record_issue(int local, std::uint64_t seq) {
+    issued_[static_cast<std::size_t>(local)].store(seq + 1, std::memory_order_relaxed);
   }
-  // The ranks that have not issued collective number `seq`.
-  std::vector<int> missing(std::uint64_t seq) const {
-    std::vector<int> ranks;
+
+  // Why collective `call` (number `seq`, waited for `timeout` on `where`) did not complete: the
+  // ranks that never issued it, or that it did not complete although all did. A group across
+  // processes asks the store (this takes up to kFailureReportGrace).
+  std::string diagnose_timeout(std::uint64_t seq, const std::string& call, milliseconds timeout,
+                               std::string_view where) {
+    if (peers_) return diagnose_through_store(seq, call, timeout, where);
+    std::vector<int> missing;
     for (int q = 0; q < size(); ++q) {
-      if (issued_[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) < seq + 1) ranks.push_back(q);
+      if (issued_[static_cast<std::size_t>(q)].load(std::memory_order_relaxed) < seq + 1) missing.push_back(q);
     }
-    return ranks;
+    if (missing.empty()) {
+      return fmt::format("every rank issued it, but it did not complete on {} within {} ms", where, timeout.count());
+    }
+    return fmt::format("{} did not arrive within {} ms", names(missing), timeout.count());
   }
-
-  enum class FailureKind { kAbort, kTimeout, kError };
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   // Records the group's failure (the first one stays). Any thread. `call` and `seq` name the call
-  // that failed (not for aborts); `message` is the abort's reason, or what went wrong.
-  void fail(FailureKind kind, std::uint64_t seq, std::string call, std::string message) {
-    std::lock_guard lock(mutex_);
-    if (failed_.load(std::memory_order_relaxed)) return;
-    failure_kind_ = kind;
-    failure_seq_ = seq;
-    failure_call_ = std::move(call);
-    failure_message_ = std::move(message);
-    failed_.store(true, std::memory_order_release);
+  // that failed (not for aborts); `message` is the abort's reason, or what went wrong. A group
+  // across processes tells its peers through the store (once), unless the failure came from a
+  // peer (`origin`: the peer that failed) or was seen in the store by every rank alike
+  // (`tell_peers` false: a lost process, an unreachable store). Every failure here publishes how
+  // many collectives this rank issued, for a peer whose call timed out.
+  void fail(FailureKind kind, std::uint64_t seq, std::string call, std::string message, std::string origin = {},
+            bool tell_peers = true) {
+    const bool first_here = origin.empty() && tell_peers;
+    std::string published;
+    {
+      std::lock_guard lock(mutex_);
+      if (failed_.load(std::memory_order_relaxed)) return;
+      failure_kind_ = kind;
+      failure_seq_ = seq;
+      failure_call_ = std::move(call);
+      failure_message_ = std::move(message);
+      failure_origin_ = std::move(origin);
+      if (peers_ && first_here) published = failure_message_;
+      failed_.store(true, std::memory_order_release);
+    }
+    if (!peers_) return;
+    publish_issued();
+    if (first_here) publish_failure(kind, published);
   }
   // The error a call `call` (number `seq`) throws once the group has failed: DeadlineExceeded
-  // when it is the collective that timed out, else Unavailable.
+  // when it is the collective that timed out here, else Unavailable.
   [[noreturn]] void throw_failure(const std::string& call, std::uint64_t seq) const {
     std::lock_guard lock(mutex_);
+    if (!failure_origin_.empty()) {
+      if (failure_kind_ == FailureKind::kAbort) {
+        throw Unavailable(fmt::format("{}: the group was aborted by {}: {}", call, failure_origin_, failure_message_));
+      }
+      throw Unavailable(fmt::format("{}: the group failed at {}: {}", call, failure_origin_, failure_message_));
+    }
     switch (failure_kind_) {
       case FailureKind::kTimeout:
         if (failure_seq_ == seq) throw DeadlineExceeded(fmt::format("{}: {}", call, failure_message_));
@@ -242,17 +360,173 @@ class NcclGroup {
     throw Unavailable(fmt::format("{}: the group was aborted: {}", call, failure_message_));
   }
 
+  // A group across processes: whether a peer failed (its record in the store) or, with
+  // `with_lost`, died (the TCP store's lost key); such a failure becomes this group's. Only this
+  // process's rank thread calls it, while it waits.
+  void check_peers(bool with_lost) {
+    if (!peers_ || failed()) return;
+    Store& store = *peers_->store;
+    try {
+      const std::string key = peers_->prefix + "failure";
+      if (store.check(key)) {
+        const std::string record = string_of(store.get(key, kPeerPoll));
+        // "<rank>\n<a|e|t>\n<message>"
+        const auto first = record.find('\n');
+        const auto second = first == std::string::npos ? first : record.find('\n', first + 1);
+        if (second != std::string::npos) {
+          const int q = std::atoi(record.substr(0, first).c_str());
+          const char kind = record[first + 1];
+          if (q != peers_->rank && q >= 0 && q < size_) {
+            fail(kind == 'a' ? FailureKind::kAbort : FailureKind::kError, 0, "", record.substr(second + 1), label(q));
+            return;
+          }
+        }
+      }
+      if (!with_lost) return;
+      std::vector<int> lost;
+      for (int q = 0; q < size_; ++q) {
+        if (q != peers_->rank && !lost_before(q) && store.check(lost_rank_key(q))) lost.push_back(q);
+      }
+      if (!lost.empty()) {
+        fail(FailureKind::kError, 0, "", lost_message(lost), "", /*tell_peers=*/false);
+      }
+    } catch (const std::exception& e) {
+      fail(FailureKind::kError, 0, "", store_unreachable_message(e.what()), "", /*tell_peers=*/false);
+    }
+  }
+
  private:
-  std::vector<int> devices_;
+  void allocate() {
+    comms_.assign(devices_.size(), nullptr);
+    aborted_.assign(devices_.size(), false);
+    issued_ = std::make_unique<std::atomic<std::uint64_t>[]>(devices_.size());
+  }
+
+  // A healthy non-blocking communicator: ncclCommFinalize flushes its work (in the background),
+  // then ncclCommDestroy frees it without waiting for anyone; one that does not finalize within
+  // kFinalizeGrace (a peer gone meanwhile) is aborted.
+  static void finalize_and_destroy(ncclComm_t comm) {
+    const NcclApi& api = nccl();
+    const ncclResult_t started = api.ncclCommFinalize(comm);
+    ncclResult_t state = started;
+    if (started == ncclSuccess || started == ncclInProgress) {
+      const auto deadline = Clock::now() + kFinalizeGrace;
+      while (api.ncclCommGetAsyncError(comm, &state) == ncclSuccess && state == ncclInProgress &&
+             Clock::now() < deadline) {
+        std::this_thread::sleep_for(kInitPoll);
+      }
+    }
+    if (state == ncclSuccess) {
+      api.ncclCommDestroy(comm);
+    } else {
+      api.ncclCommAbort(comm);
+    }
+  }
+
+  bool lost_before(int rank) const {
+    const auto r = static_cast<std::size_t>(rank);
+    return r < peers_->stale_lost.size() && peers_->stale_lost[r];
+  }
+
+  std::uint64_t issued_here() const { return issued_[0].load(std::memory_order_relaxed); }
+
+  // "issued/<rank>" = how many collectives this rank issued (decimal). Never throws: a store that
+  // cannot be reached is diagnosed by whoever reads it.
+  void publish_issued() {
+    try {
+      peers_->store->set(peers_->prefix + fmt::format("issued/{}", peers_->rank),
+                         bytes_of(std::to_string(issued_here())));
+    } catch (const std::exception&) {
+    }
+  }
+
+  // "failure" = "<rank>\n<a|e|t>\n<message>", written by the first rank to fail (an atomic
+  // counter decides), once per process. Never throws.
+  void publish_failure(FailureKind kind, const std::string& message) {
+    if (published_.exchange(true)) return;
+    try {
+      Store& store = *peers_->store;
+      if (store.add(peers_->prefix + "failures", 1) != 1) return;
+      const char k = kind == FailureKind::kAbort ? 'a' : kind == FailureKind::kTimeout ? 't' : 'e';
+      store.set(peers_->prefix + "failure", bytes_of(fmt::format("{}\n{}\n{}", peers_->rank, k, message)));
+    } catch (const std::exception&) {
+    }
+  }
+
+  std::string lost_message(const std::vector<int>& lost) const {
+    return fmt::format("lost {}: {} process died (the store saw its connection close)", names(lost),
+                       lost.size() == 1 ? "its" : "their");
+  }
+
+  std::string store_unreachable_message(std::string_view error) const {
+    return fmt::format("the store at {} is unreachable ({}), so the process serving it ({} in a tandem job, the "
+                       "chief) has probably died",
+                       peers_->store->address(), error, label(0));
+  }
+
+  // Publishes this rank's count and its timeout (so that peers waiting in the same call fail now
+  // and report theirs), then reads the peers' counts and lost keys for a short grace.
+  std::string diagnose_through_store(std::uint64_t seq, const std::string& call, milliseconds timeout,
+                                     std::string_view where) {
+    publish_issued();
+    publish_failure(FailureKind::kTimeout, fmt::format("{} timed out there after {}", call, format_duration(timeout)));
+    Store& store = *peers_->store;
+    const int me = peers_->rank;
+    std::vector<std::optional<std::uint64_t>> issued(static_cast<std::size_t>(size_));
+    std::vector<bool> lost(static_cast<std::size_t>(size_), false);
+    issued[static_cast<std::size_t>(me)] = issued_here();
+    const milliseconds grace = std::min(kFailureReportGrace, std::max(timeout, milliseconds(200)));
+    const auto deadline = Clock::now() + grace;
+    while (true) {
+      try {
+        for (int q = 0; q < size_; ++q) {
+          const auto qu = static_cast<std::size_t>(q);
+          const std::string key = peers_->prefix + fmt::format("issued/{}", q);
+          if (!issued[qu] && store.check(key)) {
+            issued[qu] = std::strtoull(string_of(store.get(key, grace)).c_str(), nullptr, 10);
+          }
+          if (q != me && !lost[qu] && !lost_before(q) && store.check(lost_rank_key(q))) lost[qu] = true;
+        }
+      } catch (const std::exception& e) {
+        return fmt::format("it did not complete on {} within {} ms, and {}", where, timeout.count(),
+                           store_unreachable_message(e.what()));
+      }
+      bool accounted = true;
+      for (std::size_t q = 0; q < issued.size(); ++q) accounted = accounted && (issued[q] || lost[q]);
+      if (accounted || Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(kReportPoll);
+    }
+    std::vector<int> dead, missing;
+    for (int q = 0; q < size_; ++q) {
+      const auto qu = static_cast<std::size_t>(q);
+      if (lost[qu]) {
+        dead.push_back(q);
+      } else if (!issued[qu] || *issued[qu] < seq + 1) {
+        missing.push_back(q);
+      }
+    }
+    const std::string late = fmt::format("{} did not arrive within {} ms", names(missing), timeout.count());
+    if (!dead.empty()) return missing.empty() ? lost_message(dead) : fmt::format("{}; {}", lost_message(dead), late);
+    if (!missing.empty()) return late;
+    return fmt::format("every rank issued it, but it did not complete on {} within {} ms", where, timeout.count());
+  }
+
+  int size_;
+  std::vector<int> devices_;  // per local rank
+  std::vector<int> ranks_;    // per local rank: its rank in the group
   std::vector<ncclComm_t> comms_;
-  std::vector<bool> aborted_;  // per rank, written by its own thread (or at construction)
+  std::vector<bool> aborted_;  // per local rank, written by its own thread (or at construction)
   std::unique_ptr<std::atomic<std::uint64_t>[]> issued_;
+  bool blocking_ = true;  // ncclCommInitAll's communicators block; a process group's do not
+  std::optional<ProcessPeers> peers_;
+  std::atomic<bool> published_{false};
   mutable std::mutex mutex_;
   std::atomic<bool> failed_{false};
   FailureKind failure_kind_ = FailureKind::kAbort;  // the failure fields are guarded by mutex_
   std::uint64_t failure_seq_ = 0;
   std::string failure_call_;
   std::string failure_message_;
+  std::string failure_origin_;  // the peer that failed first, when one did ("rank 0 of 2")
 };
 
 [[noreturn]] void throw_nccl_error(ncclResult_t status, const char* expr, const char* file, int line,
@@ -271,14 +545,24 @@ class NcclGroup {
   }
 }
 
+// How messages name a rank: "rank 1 of 2 (GPU:1)", "worker 1 (rank 1 of 2, GPU:0)".
+std::string describe_rank(const NcclGroup& group, int rank, int ordinal) {
+  if (group.has_labels()) {
+    return fmt::format("{} (rank {} of {}, GPU:{})", group.label(rank), rank, group.size(), ordinal);
+  }
+  return fmt::format("rank {} of {} (GPU:{})", rank, group.size(), ordinal);
+}
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(std::shared_ptr<NcclGroup> group, int rank)
+  // The group's local rank `local` (its only one, for a group across processes).
+  NcclCommunicator(std::shared_ptr<NcclGroup> group, int local)
       : group_(std::move(group)),
-        rank_(rank),
-        ordinal_(group_->device(rank)),
-        comm_(group_->comm(rank)),
-        where_(fmt::format("rank {} of {} (GPU:{})", rank, group_->size(), ordinal_)),
+        local_(local),
+        rank_(group_->rank(local)),
+        ordinal_(group_->device(local)),
+        comm_(group_->comm(local)),
+        where_(describe_rank(*group_, rank_, ordinal_)),
         device_(&devices::get_device(fmt::format("GPU:{}", ordinal_))) {
     ScopedCudaDevice guard(ordinal_, where_);
     TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where_);
@@ -396,8 +680,9 @@ class NcclCommunicator final : public Communicator {
   Call begin(OpKind kind, const CallOptions& options) {
     Call call;
     call.kind = kind;
-    call.deadline = deadline_after(options.timeout);
-    call.timeout = options.timeout;
+    // A call that keeps the default timeout gets the group's (NcclProcessOptions::timeout).
+    call.timeout = options.timeout == kDefaultTimeout ? group_->default_timeout() : options.timeout;
+    call.deadline = deadline_after(call.timeout);
     call.seq = seq_.fetch_add(1, std::memory_order_relaxed);
     if (group_->failed()) {
       abort_own_communicator();
@@ -434,7 +719,7 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void run(const Call& call, Enqueue&& enqueue) {
     ScopedCudaDevice guard(ordinal_, where_);
-    group_->record_issue(rank_, call.seq);
+    group_->record_issue(local_, call.seq);
     try {
       auto compute = static_cast<cudaStream_t>(device_->compute_stream().native_handle());
       TANDEM_CUDA_CHECK(cudaEventRecord(inputs_ready_, compute), where_);
@@ -449,43 +734,63 @@ class NcclCommunicator final : public Communicator {
     wait(call);
   }
 
-  // Polls the communication stream until it is done, the group fails, or the deadline passes.
+  // Polls the communication stream until it is done, the group fails, or the deadline passes. A
+  // non-blocking communicator (a group across processes) may still be enqueueing the call in the
+  // background (ncclInProgress): until it has, the stream says nothing. A group across processes
+  // also reads the store for its peers' failures once the call has waited kPeerPoll.
   void wait(const Call& call) {
     const NcclApi& api = nccl();
-    const auto spin_until = Clock::now() + kSpin;
+    const auto start = Clock::now();
+    const auto spin_until = start + kSpin;
+    auto next_peer_poll = start + kPeerPoll;
+    auto next_lost_poll = start + kLostPoll;
     auto nap = std::chrono::microseconds(10);
     while (true) {
-      const cudaError_t status = cudaStreamQuery(stream_);
-      if (status == cudaSuccess) return;
-      if (status != cudaErrorNotReady) {
-        group_->fail(NcclGroup::FailureKind::kError, call.seq, call.label(),
-                     fmt::format("{} failed on {}: CUDA error {}", call.label(), where_, cudaGetErrorString(status)));
-        abort_own_communicator();
-        TANDEM_CUDA_CHECK(status, where_);
-      }
       ncclResult_t async = ncclSuccess;
-      if (api.ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      const bool queried = api.ncclCommGetAsyncError(comm_, &async) == ncclSuccess;
+      if (!queried || async != ncclInProgress) {
+        const cudaError_t status = cudaStreamQuery(stream_);
+        if (status == cudaSuccess) return;
+        if (status != cudaErrorNotReady) {
+          group_->fail(NcclGroup::FailureKind::kError, call.seq, call.label(),
+                       fmt::format("{} failed on {}: CUDA error {}", call.label(), where_, cudaGetErrorString(status)));
+          abort_own_communicator();
+          TANDEM_CUDA_CHECK(status, where_);
+        }
+      }
+      if (queried && async != ncclSuccess && async != ncclInProgress) {
         const std::string message = fmt::format("{} on {}: NCCL reported {}: {}", call.label(), where_,
                                                 api.ncclGetErrorString(async), api.ncclGetLastError(comm_));
+        // Across processes, a peer that died or failed explains NCCL's error better than NCCL does.
+        if (group_->across_processes()) {
+          group_->check_peers(/*with_lost=*/true);
+          if (group_->failed()) {
+            abort_own_communicator();
+            group_->throw_failure(call.label(), call.seq);
+          }
+        }
         group_->fail(NcclGroup::FailureKind::kError, call.seq, call.label(), message);
         abort_own_communicator();
         throw Unavailable(message);
+      }
+      const auto now = Clock::now();
+      if (group_->across_processes() && now >= next_peer_poll) {
+        const bool with_lost = now >= next_lost_poll;
+        group_->check_peers(with_lost);
+        next_peer_poll = now + kPeerPoll;
+        if (with_lost) next_lost_poll = now + kLostPoll;
       }
       if (group_->failed()) {
         abort_own_communicator();
         group_->throw_failure(call.label(), call.seq);
       }
-      const auto now = Clock::now();
       if (now >= call.deadline) {
-        const std::vector<int> missing = group_->missing(call.seq);
-        const std::string message =
-            missing.empty()
-                ? fmt::format("every rank issued it, but it did not complete on {} within {} ms", where_,
-                              call.timeout.count())
-                : fmt::format("{} did not arrive within {} ms", detail::ranks_of(missing, size()), call.timeout.count());
+        const std::string message = group_->diagnose_timeout(call.seq, call.label(), call.timeout, where_);
         group_->fail(NcclGroup::FailureKind::kTimeout, call.seq, call.label(), message);
         abort_own_communicator();
-        throw DeadlineExceeded(fmt::format("{}: {}", call.label(), message));
+        // A peer's failure may have arrived while this rank diagnosed its own: then fail() kept
+        // that one, and this call reports it.
+        group_->throw_failure(call.label(), call.seq);
       }
       if (now < spin_until) {
         for (int i = 0; i < kPollsPerQuery; ++i) cpu_relax();
@@ -499,16 +804,17 @@ class NcclCommunicator final : public Communicator {
   // ncclCommAbort also stops this rank's kernels that wait for peers. Only this rank's thread
   // calls it, and at most once.
   void abort_own_communicator() {
-    if (group_->is_aborted(rank_)) return;
+    if (group_->is_aborted(local_)) return;
     nccl().ncclCommAbort(comm_);
-    group_->mark_aborted(rank_);
+    group_->mark_aborted(local_);
   }
 
   std::shared_ptr<NcclGroup> group_;
+  const int local_;  // index among the group's local ranks
   const int rank_;
   const int ordinal_;
   ncclComm_t comm_;
-  const std::string where_;  // "rank 1 of 2 (GPU:1)"
+  const std::string where_;  // "rank 1 of 2 (GPU:1)", "worker 1 (rank 1 of 2, GPU:0)"
   devices::Device* device_;
   std::atomic<std::uint64_t> seq_{0};
   cudaStream_t stream_ = nullptr;  // the communication stream
@@ -538,6 +844,130 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
     communicators.push_back(std::make_unique<NcclCommunicator>(group, rank));
   }
   return communicators;
+}
+
+std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions options) {
+  // Everything that needs no GPU first, so that a bad option is the same error in every build.
+  detail::check_nccl_process_options(options);
+  const int rank = options.rank;
+  const int size = options.size;
+  const int ordinal = options.cuda_device;
+  const auto label = [&](int r) {
+    return options.rank_labels.empty() ? fmt::format("rank {} of {}", r, size)
+                                       : options.rank_labels[static_cast<std::size_t>(r)];
+  };
+  const std::string who = fmt::format("make_nccl_process_communicator on {} (CUDA device {})", label(rank), ordinal);
+  const NcclApi& api = nccl_or_throw(who);
+  TANDEM_REQUIRE(api.version >= kOldestNonBlockingNccl && api.ncclGetUniqueId != nullptr &&
+                     api.ncclCommInitRankConfig != nullptr && api.ncclCommFinalize != nullptr,
+                 FailedPrecondition,
+                 "{}: libnccl is version code {}; a group across processes needs {} (2.14) or later, whose "
+                 "non-blocking initialisation a timeout can stop",
+                 who, api.version, kOldestNonBlockingNccl);
+  const int gpus = devices::num_gpus();
+  TANDEM_REQUIRE(gpus > 0, FailedPrecondition, "{}: no usable GPU ({})", who, devices::gpu_discovery_message());
+  TANDEM_REQUIRE(ordinal < gpus, InvalidArgument, "{}: there is no CUDA device {} ({} GPUs)", who, ordinal, gpus);
+  const auto deadline = deadline_after(options.timeout);
+  const auto remaining = [&] {
+    return std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - Clock::now()));
+  };
+
+  // Rank 0's unique id says where NCCL's own bootstrap listens: made before the store is touched,
+  // so that an NCCL failure is not mistaken for the store's.
+  ncclUniqueId id{};
+  if (rank == 0) TANDEM_NCCL_CHECK(api.ncclGetUniqueId(&id), who, nullptr);
+
+  Store& store = *options.store;
+  std::string prefix;
+  std::vector<bool> stale_lost;
+  try {
+    const std::int64_t generation = store.add(fmt::format("tandem/nccl/generation/{}", rank), 1);
+    prefix = fmt::format("tandem/nccl/{}/", generation);
+    // The id before the arrival: once rank 0 has arrived, its id is there.
+    if (rank == 0) store.set(prefix + "id", std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
+    store.set(prefix + fmt::format("arrived/{}", rank), bytes_of(label(rank)));
+    std::vector<std::string> arrivals;
+    for (int q = 0; q < size; ++q) arrivals.push_back(prefix + fmt::format("arrived/{}", q));
+    try {
+      store.wait(arrivals, remaining());
+    } catch (const DeadlineExceeded&) {
+      std::vector<std::string> missing;
+      for (int q = 0; q < size; ++q) {
+        if (!store.check(arrivals[static_cast<std::size_t>(q)])) missing.push_back(label(q));
+      }
+      throw DeadlineExceeded(fmt::format("{}: {} did not arrive at the store {} within {}{}", who,
+                                         fmt::join(missing, ", "), store.address(), format_duration(options.timeout),
+                                         store.check(prefix + "id") ? "" : " (rank 0 publishes NCCL's unique id)"));
+    }
+    if (rank != 0) {
+      const std::vector<char> value = store.get(prefix + "id", remaining());
+      TANDEM_REQUIRE(value.size() == sizeof(id.internal), DataLoss,
+                     "{}: NCCL's unique id under \"{}id\" in the store {} has {} bytes; it has {}", who, prefix,
+                     store.address(), value.size(), sizeof(id.internal));
+      std::memcpy(id.internal, value.data(), sizeof(id.internal));
+    }
+    for (int q = 0; q < size; ++q) stale_lost.push_back(q != rank && store.check(lost_rank_key(q)));
+  } catch (const Unavailable& e) {
+    throw Unavailable(fmt::format("{}: the store is unreachable: {}", who, e.what()));
+  }
+
+  auto group = std::make_shared<NcclGroup>(
+      size, ordinal, ProcessPeers{.rank = rank, .store = options.store, .prefix = prefix, .labels = options.rank_labels,
+                                  .timeout = options.timeout, .stale_lost = std::move(stale_lost)});
+  const std::string where = describe_rank(*group, rank, ordinal);
+  ncclComm_t comm = nullptr;
+  {
+    ScopedCudaDevice guard(ordinal, where);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    // A failure here fails the group (its peers, joining too, stop waiting) and frees the
+    // communicator; the message is taken before that (ncclGetLastError reads the communicator).
+    const auto fail_group = [&](NcclGroup::FailureKind kind, const std::string& message) {
+      group->fail(kind, 0, who, message);
+      if (comm != nullptr) api.ncclCommAbort(comm);
+    };
+    const auto check = [&](ncclResult_t status, const char* expr) {
+      if (status == ncclSuccess || status == ncclInProgress) return;
+      try {
+        throw_nccl_error(status, expr, __FILE__, __LINE__, where, comm);
+      } catch (const Error& e) {
+        fail_group(NcclGroup::FailureKind::kError, e.what());
+        throw;
+      }
+    };
+    check(api.ncclCommInitRankConfig(&comm, size, id, rank, &config),
+          "ncclCommInitRankConfig(&comm, size, id, rank, &config)");
+    auto next_peer_poll = Clock::now() + kPeerPoll;
+    auto next_lost_poll = Clock::now() + kLostPoll;
+    while (true) {
+      ncclResult_t state = ncclInProgress;
+      check(api.ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError(comm, &state)");
+      if (state == ncclSuccess) break;
+      check(state, "ncclCommInitRankConfig (in the background)");
+      const auto now = Clock::now();
+      if (now >= next_peer_poll) {
+        const bool with_lost = now >= next_lost_poll;
+        group->check_peers(with_lost);
+        next_peer_poll = now + kPeerPoll;
+        if (with_lost) next_lost_poll = now + kLostPoll;
+      }
+      if (group->failed()) {
+        api.ncclCommAbort(comm);
+        group->throw_failure(who, 0);
+      }
+      if (now >= deadline) {
+        const std::string message = fmt::format(
+            "NCCL's initialisation did not complete within {}, though every rank reached the store {} (can the "
+            "ranks' hosts reach each other on NCCL's interface? NCCL_DEBUG=INFO tells)",
+            format_duration(options.timeout), store.address());
+        fail_group(NcclGroup::FailureKind::kTimeout, message);
+        throw DeadlineExceeded(fmt::format("{}: {}", who, message));
+      }
+      std::this_thread::sleep_for(kInitPoll);
+    }
+  }
+  group->set_comm(comm);
+  return std::make_unique<NcclCommunicator>(group, 0);
 }
 
 bool nccl_available() { return nccl().problem.empty() && devices::num_gpus() > 0; }

@@ -42,7 +42,9 @@ class Names {
   // "worker 2 (expected at 10.0.0.3:2222)".
   std::string label_and_address(int rank) const {
     const auto r = static_cast<std::size_t>(rank);
-    if (r < options_.task_addresses.size() && !options_.task_addresses[r].empty()) {
+    // A label that already shows the address ("worker 2 (10.0.0.3:2222)") is not repeated.
+    if (r < options_.task_addresses.size() && !options_.task_addresses[r].empty() &&
+        label(rank).find(options_.task_addresses[r]) == std::string::npos) {
       return fmt::format("{} (expected at {})", label(rank), options_.task_addresses[r]);
     }
     return label(rank);

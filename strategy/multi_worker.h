@@ -53,7 +53,8 @@ enum class CommunicationImplementation {
 // TF's tf.distribute.experimental.CommunicationOptions.
 struct CommunicationOptions {
   CommunicationImplementation implementation = CommunicationImplementation::kAuto;
-  // All-reduces larger than this are split into packs issued in turn (0: one pack).
+  // Gloo all-reduces larger than this are split into packs issued in turn (0: one pack). Shared
+  // memory always works through its slots, piece by piece.
   std::int64_t bytes_per_pack = 0;
   // How long a collective waits for the other workers before DeadlineExceeded (0: the default,
   // collective::kDefaultTimeout, 5 minutes).
