@@ -523,8 +523,10 @@ void BackupAndRestore::on_train_begin(Logs& /*logs*/) {
         h[3] = m.optimizer().iterations();
         restored_from_ = path;
         break;
-      } catch (const Error& e) {
+      } catch (const DataLoss& e) {
         // A backup cut short by the crash it is meant to survive: say so, use the one before.
+        // (A backup of another model is the user's mistake: load_training_checkpoint's
+        // InvalidArgument goes up, rather than a silent fresh start.)
         std::cerr << fmt::format("BackupAndRestore: ignoring the backup \"{}\": {}\n", path, e.what()) << std::flush;
       }
     }

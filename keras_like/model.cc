@@ -326,6 +326,7 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   callbacks.on_train_begin(train_logs);  // BackupAndRestore may set s.resume
   int first_epoch = options.initial_epoch;
   std::int64_t first_step = 0;
+  const bool resumed = s.resume.has_value();
   if (s.resume) {
     first_epoch = std::max(first_epoch, s.resume->epoch);
     first_step = s.resume->epoch == first_epoch ? s.resume->step : 0;
@@ -342,23 +343,28 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
     pass_position = 0;
     iterator = s.strategy->iterate_for_worker(data, {.epoch = index});
   };
-  if (options.steps_per_epoch && first_epoch > 0) {
+  if (resumed && options.steps_per_epoch && first_epoch > 0) {
     // Where the interrupted run's single iterator was: whole passes of known length are skipped.
     const std::int64_t done = std::int64_t{first_epoch} * *options.steps_per_epoch + first_step;
     const std::int64_t per_pass = data.cardinality();
     start_pass(per_pass > 0 ? static_cast<std::uint64_t>(done / per_pass) : 0);
     pass_position = iterator->skip(per_pass > 0 ? done % per_pass : done);
-    first_step = 0;
   }
+  // With steps_per_epoch the iterator is in place already; without, the epoch's pass is skipped into.
+  const bool skip_in_first_epoch = !options.steps_per_epoch;
   for (int epoch = first_epoch; epoch < options.epochs && !s.stop_training; ++epoch) {
     Logs epoch_logs;
     callbacks.on_epoch_begin(epoch, epoch_logs);
     if (!options.steps_per_epoch || iterator == nullptr) start_pass(static_cast<std::uint64_t>(epoch));
     trainer.reset_metrics(detail::Phase::kTrain);
     std::int64_t step = 0;
-    if (first_step > 0) {
-      step = iterator->skip(first_step);  // resumed mid-epoch
-      pass_position = step;
+    if (first_step > 0) {  // resumed mid-epoch
+      if (skip_in_first_epoch) {
+        step = iterator->skip(first_step);
+        pass_position = step;
+      } else {
+        step = first_step;
+      }
       first_step = 0;
     }
     for (; steps < 0 || step < steps; ++step) {

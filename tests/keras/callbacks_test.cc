@@ -788,3 +788,116 @@ TEST_CASE("fit() with TerminateOnNaN stops within the epoch") {
   CHECK(history.epoch.size() == 1);
   CHECK(out.text() == "Batch 1: Invalid loss, terminating training\n");
 }
+
+namespace {
+
+// A run of `epochs` epochs on shuffled data with Dropout (so the data order and the random masks
+// both matter), stopped by an exception after `stop_after` steps when given; backed up to `dir`.
+struct BackupRun {
+  std::vector<Tensor> weights;
+  int steps = 0;              // steps this run trained
+  std::string restored_from;  // the backup it resumed from ("" if none)
+};
+
+BackupRun run_with_backup(const std::string& dir, std::optional<int> stop_after, keras::BackupAndRestoreOptions options,
+                          std::optional<std::int64_t> steps_per_epoch) {
+  set_global_seed(5);
+  auto x = keras::Input({3});
+  // Fixed names: the resumed model must match the backup's names (a new process would give the
+  // same automatic names; a second model in this process would not).
+  auto y = keras::Dense(2, {.name = "out"})(keras::Dropout(0.3)(keras::Dense(8, "relu", {.name = "hidden"})(x)));
+  keras::Model model(x, y);
+  model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
+  std::vector<float> xs, ys;
+  for (int i = 0; i < 40; ++i) {
+    xs.insert(xs.end(), {0.1f * static_cast<float>(i % 7), 0.05f * static_cast<float>(i % 5), 0.3f});
+    ys.insert(ys.end(), {0.2f * static_cast<float>(i % 3), -0.1f});
+  }
+  const auto data = data::Dataset::from_tensor_slices({Tensor::from_vector<float>(xs, {40, 3}),
+                                                       Tensor::from_vector<float>(ys, {40, 2})})
+                        .shuffle(40, 9)
+                        .batch(4);
+  int steps = 0;
+  keras::FitOptions fit{.epochs = 3, .verbose = 0, .steps_per_epoch = steps_per_epoch};
+  auto backup = std::make_shared<keras::BackupAndRestore>(dir, options);
+  fit.callbacks.push_back(backup);
+  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+      .on_train_batch_end = [&](std::int64_t, Logs&) {
+        ++steps;
+        if (stop_after && steps == *stop_after) throw Unavailable("simulated crash");
+      }}));
+  try {
+    model.fit(data, fit);
+  } catch (const Unavailable&) {
+    CHECK(stop_after.has_value());
+  }
+  return {model.get_weights(), steps, backup->restored_from()};
+}
+
+void check_same_weights(const BackupRun& run, const BackupRun& reference) {
+  const auto& a = run.weights;
+  const auto& b = reference.weights;
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i].to_vector<float>() == b[i].to_vector<float>());
+}
+
+}  // namespace
+
+TEST_CASE("BackupAndRestore: a run interrupted mid-epoch and resumed ends exactly as an uninterrupted one") {
+  for (const std::optional<std::int64_t> steps_per_epoch : {std::optional<std::int64_t>{}, std::optional<std::int64_t>{7}}) {
+    CAPTURE(steps_per_epoch.value_or(0));
+    TempDir reference_dir, dir;
+    const auto reference = run_with_backup(reference_dir.path().string(), std::nullopt, {.save_freq = 3}, steps_per_epoch);
+    // Nothing left behind by a finished run (delete_checkpoint).
+    CHECK(reference_dir.entries().empty());
+    // Crash after 13 steps (mid second epoch); backups at 3, 6, 9, 12 and at each epoch's end.
+    (void)run_with_backup(dir.path().string(), 13, {.save_freq = 3}, steps_per_epoch);
+    CHECK(fs::exists(dir.path() / "backup.safetensors"));
+    const auto resumed = run_with_backup(dir.path().string(), std::nullopt, {.save_freq = 3}, steps_per_epoch);
+    // It resumed from the backup at step 12 (not from the start) and trained only what was left.
+    CHECK(resumed.restored_from == (dir.path() / "backup.safetensors").string());
+    CHECK(resumed.steps == reference.steps - 12);
+    check_same_weights(resumed, reference);
+    CHECK_FALSE(fs::exists(dir.path() / "backup.safetensors"));
+  }
+}
+
+TEST_CASE("BackupAndRestore: a corrupt newest backup is reported and the previous one used") {
+  TempDir reference_dir, dir;
+  const auto reference = run_with_backup(reference_dir.path().string(), std::nullopt, {}, std::nullopt);
+  (void)run_with_backup(dir.path().string(), 25, {}, std::nullopt);  // epochs 1 and 2 backed up, then a crash
+  const auto latest = dir.path() / "backup.safetensors";
+  REQUIRE(fs::exists(latest));
+  REQUIRE(fs::exists(dir.path() / "backup.previous.safetensors"));
+  {
+    std::fstream f(latest, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');  // one flipped byte in the data: the checksum no longer matches
+  }
+  std::ostringstream captured;
+  auto* previous = std::cerr.rdbuf(captured.rdbuf());
+  const auto resumed = run_with_backup(dir.path().string(), std::nullopt, {}, std::nullopt);
+  std::cerr.rdbuf(previous);
+  CHECK(captured.str().find("ignoring the backup") != std::string::npos);
+  CHECK(captured.str().find("checksum") != std::string::npos);
+  CHECK(resumed.restored_from == (dir.path() / "backup.previous.safetensors").string());
+  CHECK(resumed.steps == reference.steps - 10);  // the previous backup: the end of epoch 1
+  check_same_weights(resumed, reference);
+}
+
+TEST_CASE("BackupAndRestore: a backup of another model is an error, not a reason to start afresh") {
+  TempDir dir;
+  (void)run_with_backup(dir.path().string(), 25, {}, std::nullopt);
+  auto x = keras::Input({3});
+  keras::Model other(x, keras::Dense(2, {.name = "out"})(keras::Dense(9, "relu", {.name = "hidden"})(x)));
+  other.compile(keras::Adam{.learning_rate = 0.01}, "mse");
+  const auto data = data::Dataset::from_tensor_slices({Tensor::zeros({8, 3}, DType::kF32), Tensor::zeros({8, 2}, DType::kF32)}).batch(4);
+  keras::FitOptions fit{.epochs = 3, .verbose = 0};
+  fit.callbacks.push_back(std::make_shared<keras::BackupAndRestore>(dir.path().string()));
+  CHECK_THROWS_AS(other.fit(data, fit), InvalidArgument);
+}
+
+TEST_CASE("BackupAndRestore: bad options") {
+  CHECK_THROWS_AS(keras::BackupAndRestore(""), InvalidArgument);
+  CHECK_THROWS_AS(keras::BackupAndRestore("dir", {.save_freq = -1}), InvalidArgument);
+}
