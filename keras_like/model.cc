@@ -295,7 +295,8 @@ void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef
     out.metrics = resolved;
     s.compiled_outputs.push_back(std::move(out));
   }
-  s.optimizer = std::make_unique<Optimizer>(optimizer.spec());
+  s.optimizer = optimizer.loss_scale_optimizer() ? std::make_unique<Optimizer>(*optimizer.loss_scale_optimizer())
+                                                 : std::make_unique<Optimizer>(optimizer.spec());
   s.trainer.reset();  // the graph depends on the losses and metrics
   s.compiled = true;
 }

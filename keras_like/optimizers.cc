@@ -6,7 +6,10 @@
 #include "tandem/keras_like/optimizers.h"
 
 #include <array>
+#include <atomic>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "tandem/strategy/strategy.h"
 
@@ -40,6 +43,62 @@ void add_into(Tensor& dst, const Tensor& src) {
       for (std::int64_t i = b; i < e; ++i) d[i] += s[i];
     });
   });
+}
+
+// Whether every element of every gradient is finite: one read pass, on the device's threads.
+// The exponent bits are tested as integers, so the loop vectorises (an OR reduction) and does
+// not depend on the compiler honouring isfinite().
+template <class T>
+bool range_finite(const T* p, std::int64_t b, std::int64_t e) {
+  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+  constexpr Bits kExponent = static_cast<Bits>(sizeof(T) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  Bits bad = 0;
+  for (std::int64_t i = b; i < e; ++i) {
+    Bits bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    bad |= static_cast<Bits>((bits & kExponent) == kExponent);
+  }
+  return bad == 0;
+}
+
+bool all_finite(const std::vector<Tensor>& gradients) {
+  for (const Tensor& grad : gradients) {
+    std::atomic<bool> finite{true};
+    graph::dispatch<graph::FloatTypes>(grad.dtype(), "loss_scale_optimizer finiteness check", [&]<class T>() {
+      const T* g = static_cast<const T*>(grad.raw_data());
+      grad.device().parallel_for(grad.num_elements(), kUpdateGrain, [&](std::int64_t b, std::int64_t e) {
+        if (!range_finite(g, b, e)) finite.store(false, std::memory_order_relaxed);
+      });
+    });
+    if (!finite.load()) return false;
+  }
+  return true;
+}
+
+// One replica's copy of a scalar state variable, read and written without a kernel.
+template <class T>
+T read_scalar(const Tensor& copy) {
+  return copy.device().host_accessible() ? copy.data<T>()[0] : copy.item<T>();
+}
+template <class T>
+void write_scalar(Tensor& copy, T value) {
+  if (copy.device().host_accessible()) {
+    copy.data<T>()[0] = value;
+  } else {
+    copy.copy_from(Tensor::scalar<T>(value));
+  }
+}
+
+std::string rule_name(const OptimizerSpec& spec) {
+  return std::visit(
+      [](const auto& o) -> std::string {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGD>) return "sgd";
+        if constexpr (std::is_same_v<O, Adam>) return "adam";
+        if constexpr (std::is_same_v<O, AdamW>) return "adamw";
+        if constexpr (std::is_same_v<O, RMSprop>) return "rmsprop";
+      },
+      spec);
 }
 
 double learning_rate_of(const OptimizerSpec& spec) {
@@ -203,18 +262,26 @@ Optimizer::Optimizer(OptimizerSpec spec)
   set_learning_rate(learning_rate_);
 }
 
+Optimizer::Optimizer(LossScaleOptimizer spec) : Optimizer(spec.inner_optimizer) {
+  loss_scale_ = std::move(spec);
+  TANDEM_REQUIRE(std::isfinite(loss_scale_->initial_scale) && loss_scale_->initial_scale > 0, InvalidArgument,
+                 "{}: initial_scale must be a positive finite number; got {}", name(), loss_scale_->initial_scale);
+  TANDEM_REQUIRE(loss_scale_->initial_scale <= static_cast<double>(std::numeric_limits<float>::max()) &&
+                     static_cast<float>(loss_scale_->initial_scale) > 0,
+                 InvalidArgument, "{}: initial_scale {} is outside float32's range (the scale is kept as float32)",
+                 name(), loss_scale_->initial_scale);
+  TANDEM_REQUIRE(loss_scale_->dynamic_growth_steps >= 1, InvalidArgument,
+                 "{}: dynamic_growth_steps must be at least 1; got {}", name(), loss_scale_->dynamic_growth_steps);
+  // A skipped step would also have to drop the accumulated micro-steps; not supported yet.
+  TANDEM_REQUIRE(accumulation_steps_ == 1, Unimplemented,
+                 "{}: the inner optimizer's gradient_accumulation_steps ({}) is not supported under loss scaling",
+                 name(), accumulation_steps_);
+}
+
 Optimizer::~Optimizer() = default;
 
 std::string Optimizer::name() const {
-  return std::visit(
-      [](const auto& o) -> std::string {
-        using O = std::decay_t<decltype(o)>;
-        if constexpr (std::is_same_v<O, SGD>) return "sgd";
-        if constexpr (std::is_same_v<O, Adam>) return "adam";
-        if constexpr (std::is_same_v<O, AdamW>) return "adamw";
-        if constexpr (std::is_same_v<O, RMSprop>) return "rmsprop";
-      },
-      spec_);
+  return loss_scale_ ? fmt::format("loss_scale_optimizer({})", rule_name(spec_)) : rule_name(spec_);
 }
 
 void Optimizer::set_learning_rate(double learning_rate) {
@@ -228,6 +295,22 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
   TANDEM_REQUIRE(variables_.empty(), FailedPrecondition,
                  "{}: already built for {} variables; an optimizer serves one model", name(), variables_.size());
   const auto names = slot_names(spec_);
+  if (loss_scale_ && !variables.empty()) {
+    // Keras's own variables of the LossScaleOptimizer, one copy per replica like the slots.
+    strategy::Strategy& owner = variables.front()->strategy();
+    strategy::VariableOptions scale;
+    scale.name = "loss_scale_optimizer/dynamic_scale";
+    scale.initial_value = Tensor::scalar<float>(static_cast<float>(loss_scale_->initial_scale));
+    scale.trainable = false;
+    dynamic_scale_ = owner.create_variable(std::move(scale));
+    strategy::VariableOptions counter;
+    counter.name = "loss_scale_optimizer/step_counter";
+    counter.initial_value = Tensor::scalar<std::int64_t>(0);
+    counter.trainable = false;
+    step_counter_ = owner.create_variable(std::move(counter));
+    slot_list_.emplace_back(dynamic_scale_->name(), dynamic_scale_);
+    slot_list_.emplace_back(step_counter_->name(), step_counter_);
+  }
   for (const auto& variable : variables) {
     strategy::Strategy& owner = variable->strategy();
     TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == &owner, FailedPrecondition,
@@ -268,13 +351,51 @@ void Optimizer::add_accumulated(int replica, std::size_t index, Tensor& gradient
   add_into(gradient, accumulators_.at(index)->value(replica));
 }
 
-void Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
+double Optimizer::loss_scale(int replica) const {
+  if (!loss_scale_) return 1.0;
+  if (!dynamic_scale_) return static_cast<double>(static_cast<float>(loss_scale_->initial_scale));
+  return static_cast<double>(read_scalar<float>(dynamic_scale_->value(replica)));
+}
+
+std::int64_t Optimizer::loss_scale_step_counter(int replica) const {
+  if (!step_counter_) return 0;
+  return read_scalar<std::int64_t>(step_counter_->value(replica));
+}
+
+bool Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
+  if (!loss_scale_ || !dynamic_scale_) {
+    update(replica, gradients, 1.0);
+    return true;
+  }
+  TANDEM_REQUIRE(gradients.size() == variables_.size(), InvalidArgument, "{}: {} gradients for {} variables", name(),
+                 gradients.size(), variables_.size());
+  Tensor& scale_copy = dynamic_scale_->value(replica);
+  Tensor& counter_copy = step_counter_->value(replica);
+  const float scale = read_scalar<float>(scale_copy);
+  if (!all_finite(gradients)) {
+    write_scalar(scale_copy, scale * 0.5f);
+    write_scalar(counter_copy, std::int64_t{0});
+    return false;
+  }
+  update(replica, gradients, 1.0 / static_cast<double>(scale));
+  const std::int64_t counter = read_scalar<std::int64_t>(counter_copy);
+  if (counter + 1 >= loss_scale_->dynamic_growth_steps) {
+    write_scalar(scale_copy, scale * 2.0f);
+    write_scalar(counter_copy, std::int64_t{0});
+  } else {
+    write_scalar(counter_copy, counter + 1);
+  }
+  return true;
+}
+
+void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double unscale) {
   TANDEM_REQUIRE(gradients.size() == variables_.size(), InvalidArgument, "{}: {} gradients for {} variables", name(),
                  gradients.size(), variables_.size());
   const Clip clip = clip_of(spec_);
   // With accumulation the gradients are sums over the accumulated steps: their mean is what
-  // Keras clips and applies.
-  const double mean_scale = 1.0 / static_cast<double>(accumulation_steps_);
+  // Keras clips and applies. Under loss scaling they are also divided by the scale (a power of
+  // two: exact), folded into the same factor so that unscaling costs no pass of its own.
+  const double mean_scale = unscale / static_cast<double>(accumulation_steps_);
   const double lr = learning_rate_;
   const auto t = static_cast<double>(iterations_ + 1);
 

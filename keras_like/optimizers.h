@@ -2,6 +2,7 @@
 //
 //   model.compile("adam", ...);                                      // Adam{} defaults
 //   model.compile(keras::SGD{.learning_rate = 0.1, .momentum = 0.9, .nesterov = true}, ...);
+//   model.compile(keras::LossScaleOptimizer{.inner_optimizer = keras::Adam{}}, ...);  // float16
 //
 // The update of each variable runs as one fused pass over its elements on the replica's device
 // (clip, decay, moments and the step together). Every replica applies the same (all-reduced)
@@ -66,6 +67,24 @@ struct RMSprop {
 
 using OptimizerSpec = std::variant<SGD, Adam, AdamW, RMSprop>;
 
+// Keras 3's LossScaleOptimizer: dynamic loss scaling around another optimizer, so that small
+// float16 gradients do not underflow. Every training step, fit() multiplies the loss by the
+// current scale and, after the gradient all-reduce, checks the gradients:
+//   - all finite: applies them divided by the scale (exact: the scale is a power of two) through
+//     the inner optimizer, and counts the step; after dynamic_growth_steps such steps in a row the
+//     scale doubles and the count restarts;
+//   - any inf or NaN: the step is skipped (weights, slots and iterations unchanged), the scale
+//     halves and the count restarts. As in Keras 3 there is no floor.
+// The scale and the count are optimizer state (Keras's dynamic_scale and step_counter): training
+// checkpoints and BackupAndRestore keep them. Every replica sees the same all-reduced gradients,
+// so all replicas take the same decision without another exchange. The inner optimizer may not
+// use gradient_accumulation_steps (Unimplemented).
+struct LossScaleOptimizer {
+  OptimizerSpec inner_optimizer = Adam{};
+  double initial_scale = 32768.0;  // 2^15
+  int dynamic_growth_steps = 2000;
+};
+
 // An optimizer as compile() takes it: "sgd", "adam", "adamw", "rmsprop" (Keras defaults) or an
 // object. An unknown name throws InvalidArgument listing the known ones.
 class OptimizerRef {
@@ -76,11 +95,17 @@ class OptimizerRef {
   template <class O>
     requires std::is_constructible_v<OptimizerSpec, O>
   OptimizerRef(O optimizer) : spec_(std::move(optimizer)) {}  // NOLINT
+  OptimizerRef(LossScaleOptimizer optimizer)                     // NOLINT
+      : spec_(optimizer.inner_optimizer), loss_scale_(std::move(optimizer)) {}
 
+  // The optimizer that updates the weights (the inner one under loss scaling).
   const OptimizerSpec& spec() const { return spec_; }
+  // Set when the optimizer is a LossScaleOptimizer.
+  const std::optional<LossScaleOptimizer>& loss_scale_optimizer() const { return loss_scale_; }
 
  private:
   OptimizerSpec spec_;
+  std::optional<LossScaleOptimizer> loss_scale_;
 };
 
 // The optimizer a compiled model owns. Thread-safety: apply() for different replicas may run
@@ -88,10 +113,15 @@ class OptimizerRef {
 class Optimizer {
  public:
   explicit Optimizer(OptimizerSpec spec);
+  // Loss scaling around spec.inner_optimizer. Throws InvalidArgument for a scale that is not a
+  // positive finite number or dynamic_growth_steps < 1.
+  explicit Optimizer(LossScaleOptimizer spec);
   ~Optimizer();
 
+  // The optimizer that updates the weights (the inner one under loss scaling).
   const OptimizerSpec& spec() const { return spec_; }
-  std::string name() const;  // "adam"
+  const std::optional<LossScaleOptimizer>& loss_scale_optimizer() const { return loss_scale_; }
+  std::string name() const;  // "adam"; "loss_scale_optimizer(adam)" under loss scaling
   double learning_rate() const { return learning_rate_; }
   void set_learning_rate(double learning_rate);
   // Steps applied so far (Keras's optimizer.iterations).
@@ -106,7 +136,18 @@ class Optimizer {
   // shape) to replica `replica`'s copies. Does not advance iterations. With gradient
   // accumulation, call it on update steps only, with the gradients summed over the accumulated
   // steps (add_accumulated); it divides by the step count and clears this replica's accumulators.
-  void apply(int replica, const std::vector<Tensor>& gradients);
+  // Under loss scaling the gradients are those of the scaled loss: a finite step applies them
+  // unscaled and counts it in replica's copy of the loss-scale state, a non-finite one changes
+  // only that state (see LossScaleOptimizer). Returns whether the weights were updated (false
+  // only for a skipped step: then do not call finish_step()). Every replica must get the same
+  // gradients, so that their loss-scale states stay equal.
+  bool apply(int replica, const std::vector<Tensor>& gradients);
+
+  // The factor the training loss is multiplied by: the current dynamic scale (replica's copy;
+  // all copies are equal), 1 without loss scaling; the initial scale before build().
+  double loss_scale(int replica = 0) const;
+  // Finite steps since the scale last changed (Keras's step_counter); 0 without loss scaling.
+  std::int64_t loss_scale_step_counter(int replica = 0) const;
 
   // Gradient accumulation (1 when off).
   int accumulation_steps() const { return accumulation_steps_; }
@@ -119,7 +160,9 @@ class Optimizer {
   // Ends a step: iterations += 1. Call once per step after every replica's apply().
   void finish_step() { ++iterations_; }
 
-  // Slot variables by name ("dense/kernel/m"), for checkpoints.
+  // Slot variables by name ("dense/kernel/m"), for checkpoints. Under loss scaling the list
+  // starts with "loss_scale_optimizer/dynamic_scale" (float32) and
+  // "loss_scale_optimizer/step_counter" (int64), scalars.
   const std::vector<std::pair<std::string, VariablePtr>>& slots() const { return slot_list_; }
   const std::vector<VariablePtr>& variables() const { return variables_; }
 
@@ -133,6 +176,11 @@ class Optimizer {
   std::vector<std::pair<std::string, VariablePtr>> slot_list_;
   int accumulation_steps_ = 1;
   std::vector<VariablePtr> accumulators_;  // per variable, when accumulating
+  std::optional<LossScaleOptimizer> loss_scale_;
+  VariablePtr dynamic_scale_, step_counter_;  // built with the slots, under loss scaling
+
+  // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).
+  void update(int replica, const std::vector<Tensor>& gradients, double unscale);
 };
 
 }  // namespace tandem::keras

@@ -8,7 +8,11 @@
 // Each replica runs its own Executor of the graph on its device, bound to its copies of the
 // variables, on its shard of the global batch. loss_scale is fed as 1 / global batch size: each
 // replica sums its examples' losses and scales by the global batch, so the gradients summed over
-// replicas are the gradient of the mean, and equal one device's on the same examples.
+// replicas are the gradient of the mean, and equal one device's on the same examples. Under a
+// LossScaleOptimizer the fed value is also multiplied by the current loss scale (a power of two,
+// so the gradients are exactly scaled); the optimizer checks the reduced gradients, unscales
+// them as it applies them, or skips the step (every replica sees the same reduced values, so all
+// take the same decision). The logged loss sums are taken before the scaling.
 //
 // Gradients are all-reduced in buckets, in the order backward produces them (reverse layer
 // order; the first bucket small, then up to DistributionOptions::bucket_bytes, as PyTorch DDP
@@ -219,6 +223,7 @@ struct Trainer::Replica : graph::NodeObserver {
   std::vector<int> bucket_pending;
   std::size_t next_bucket = 0;  // position in BucketPlan::order of the next bucket to reduce
   bool reduce_now = false;      // this step reduces gradients (not an accumulation micro-step)
+  bool applied = true;          // false when loss scaling skipped this step (non-finite gradients)
   bool overlap = false;
   std::unique_ptr<CommThread> comm;
   StepSums sums;
@@ -536,7 +541,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
     // Scaled by the global batch: the sum over every replica's examples becomes a mean.
-    replica.loss_scale_value.data<float>()[0] = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
+    float loss_scale = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
+    if (model_.optimizer->loss_scale_optimizer()) loss_scale *= static_cast<float>(model_.optimizer->loss_scale(r));
+    replica.loss_scale_value.data<float>()[0] = loss_scale;
     feeds.emplace_back(g.loss_scale, replica.loss_scale_value);
     // Dropout's masks follow the optimizer's step count, not the executor's run count, so that a
     // run resumed from a backup draws what the interrupted run would have drawn.
@@ -580,8 +587,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   }
   const auto applying = std::chrono::steady_clock::now();
   auto& optimizer = *model_.optimizer;
+  replica.applied = true;
   if (update) {
-    optimizer.apply(r, replica.grads);
+    replica.applied = optimizer.apply(r, replica.grads);
   } else {
     optimizer.accumulate(r, replica.grads);  // a micro-step: no all-reduce (DDP's no_sync)
   }
@@ -664,7 +672,12 @@ void Trainer::train_step(const data::Element& batch, std::int64_t global_example
     for (const auto& replica : replicas_) sums.push_back(replica->sums);
     add_step_sums(*train_metrics_, sums);
   }
-  model_.optimizer->finish_step();
+  // A step skipped by loss scaling does not count (Keras: iterations are the inner optimizer's).
+  for (const auto& replica : replicas_) {
+    TANDEM_ASSERT(replica->applied == replicas_.front()->applied,
+                  "model \"{}\": loss scaling skipped the step on some replicas only", model_.name);
+  }
+  if (replicas_.front()->applied) model_.optimizer->finish_step();
   g.times.steps += 1;
   g.times.step_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# One-shot check on a machine with an NVIDIA GPU: configures and builds tandem with CUDA for sm_90,
+# runs the GPU test suites, the GPU rows of bench_fit (once it has a GPU device) and, where
+# PyTorch sees the GPU, the PyTorch eager peer on that GPU; prints one table.
+#
+#   scripts/gpu_check.sh OUTDIR
+#
+# Writes OUTDIR/table.md (the table, also printed on stdout) and OUTDIR/log.txt (everything).
+# Progress lines go to stderr. Exit status 0 when every step that ran passed (a test that skips,
+# e.g. the two-GPU NCCL test on a one-GPU machine, is reported, not counted as a failure).
+#
+# The GPU machine has the CUDA toolkit, CMake and PyTorch but no Debian -dev packages and no
+# network: when the system lacks the packages, the build uses the tree that
+# scripts/fetch-gpu-deps.sh unpacked (carry `.gpu-deps` along).
+#
+# Every step runs under `timeout`, within a total budget, so that the script never hangs.
+# Environment:
+#   TANDEM_GPU_DEPS=DIR                   the fetched tree (default .gpu-deps; DIR/root is used)
+#   TANDEM_GPU_CHECK_FORCE_LOCAL_DEPS=1   use DIR/root even when the system has the packages
+#   TANDEM_GPU_BUILD_DIR=DIR              build folder (default build-gpu)
+#   TANDEM_BUILD_JOBS=N                   build parallelism (default: all cores)
+#   TANDEM_GPU_CHECK_BUDGET_S=S           total time budget in seconds (default 480)
+#   TANDEM_GPU_CHECK_TARGETS="t1 t2"      build only these targets (default: everything)
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/gpu_check.sh OUTDIR" >&2
+  exit 2
+fi
+out=$1
+src=$(cd "$(dirname "$0")/.." && pwd)
+cd "$src"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log="$out/log.txt"
+table="$out/table.md"
+: >"$log"
+
+budget=${TANDEM_GPU_CHECK_BUDGET_S:-480}
+# Python and PyTorch run with the caller's library path, not with the fetched tree's.
+orig_ld_library_path=${LD_LIBRARY_PATH-}
+start=$(date +%s)
+jobs=${TANDEM_BUILD_JOBS:-$(nproc)}
+build=${TANDEM_GPU_BUILD_DIR:-build-gpu}
+deps=${TANDEM_GPU_DEPS:-.gpu-deps}
+deps_root="$(cd "$src" && realpath -m "$deps")/root"
+
+rows=()       # table rows, "| item | result | detail |"
+failures=0
+
+note() { echo "gpu_check: $*" >&2; echo "=== $* ($(date +%T))" >>"$log"; }
+row() { rows+=("| $1 | $2 | $3 |"); }
+fail_row() { row "$1" "**FAIL**" "$2"; failures=$((failures + 1)); }
+# Seconds left of the budget, keeping `reserve` seconds back for the steps after this one.
+left() { local r=$((budget - ($(date +%s) - start) - ${1:-0})); [ $r -lt 5 ] && r=5; echo $r; }
+# run SECONDS CMD...: runs CMD with its output in the log, killed after SECONDS.
+run() { local s=$1; shift; echo "\$ $*" >>"$log"; timeout -k 10 "$s" "$@" >>"$log" 2>&1; }
+# When a step ran out of time, say so instead of printing a bare exit status.
+why() { case $1 in 124|137) echo "timed out after ${2}s" ;; *) echo "exit $1" ;; esac; }
+
+# --- the GPU --------------------------------------------------------------------------------
+note "GPU"
+gpu_present=0
+if command -v nvidia-smi >/dev/null; then
+  gpu=$(timeout -k 5 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>>"$log")
+  if [ -n "$gpu" ]; then
+    gpu_present=1
+    row "GPU" "$(echo "$gpu" | head -1 | cut -d, -f1)" "$(echo "$gpu" | wc -l) GPU(s); $(echo "$gpu" | head -1 | cut -d, -f2-) (memory, driver)"
+  else
+    row "GPU" "none" "nvidia-smi found no GPU"
+  fi
+else
+  row "GPU" "none" "no nvidia-smi: GPU tests will report skipped"
+fi
+echo "GPU: ${gpu:-none}" >>"$log"
+
+# --- dependencies: the system's Debian packages, or the fetched tree -----------------------
+system_has_deps() {
+  local f
+  for f in /usr/include/eigen3/Eigen/Core /usr/include/fmt/core.h /usr/include/nlohmann/json.hpp \
+           /usr/include/doctest/doctest.h /usr/include/zlib.h /usr/include/gloo/config.h \
+           /usr/share/cmake/Gloo/GlooConfig.cmake; do
+    [ -e "$f" ] || return 1
+  done
+}
+cmake_deps=()
+if [ "${TANDEM_GPU_CHECK_FORCE_LOCAL_DEPS:-0}" != 1 ] && system_has_deps; then
+  row "dependencies" "system" "Debian packages installed"
+elif [ -f "$deps_root/.tandem-gpu-deps" ]; then
+  prefix="$deps_root/usr"
+  export CMAKE_PREFIX_PATH="$prefix${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  # The linker resolves libgloo's own needs (hiredis, ibverbs, libnl) and the programs load
+  # libfmt and libgloo from here. The system's folders come first, so that a library the system
+  # has (libz.so.1, newer there than Debian 12's) is the system's.
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu:$prefix/lib/x86_64-linux-gnu:$deps_root/lib/x86_64-linux-gnu:$prefix/lib"
+  cmake_deps=(-DCMAKE_PREFIX_PATH="$prefix")
+  why_local="system lacks the packages"
+  [ "${TANDEM_GPU_CHECK_FORCE_LOCAL_DEPS:-0}" = 1 ] && why_local="forced by TANDEM_GPU_CHECK_FORCE_LOCAL_DEPS"
+  row "dependencies" "$deps/root" "$why_local; $(du -sh "$deps_root" 2>/dev/null | cut -f1)"
+  echo "CMAKE_PREFIX_PATH=$CMAKE_PREFIX_PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH" >>"$log"
+else
+  fail_row "dependencies" "system lacks the Debian -dev packages and $deps/root is missing: run scripts/fetch-gpu-deps.sh on a Debian 12 machine and carry $deps"
+fi
+
+# --- configure and build --------------------------------------------------------------------
+built=0
+if [ $failures -eq 0 ]; then
+  note "configure ($build)"
+  generator=()
+  command -v ninja >/dev/null && generator=(-G Ninja)
+  t0=$(date +%s)
+  budget_s=$(left 300)
+  [ "$budget_s" -gt 180 ] && budget_s=180
+  run "$budget_s" cmake --fresh -S "$src" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DTANDEM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DTANDEM_BUILD_SAMPLES=ON -DTANDEM_BUILD_BENCH=ON \
+    -DTANDEM_BUILD_TESTS=ON "${cmake_deps[@]}"
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    cuda=$(grep -o 'tandem: CUDA [^ ]* found' "$log" | tail -1 | cut -d' ' -f3)
+    row "configure" "ok" "CUDA ${cuda:-?}, sm_90, $(( $(date +%s) - t0 ))s"
+    note "build (-j$jobs)"
+    t0=$(date +%s)
+    targets=()
+    for t in ${TANDEM_GPU_CHECK_TARGETS:-}; do targets+=(--target "$t"); done
+    # Keep about three minutes for the tests and the peers.
+    budget_s=$(left 180)
+    run "$budget_s" cmake --build "$build" -j"$jobs" "${targets[@]}"
+    rc=$?
+    warnings=$(grep -c 'warning:' "$log")
+    if [ $rc -eq 0 ]; then
+      built=1
+      row "build" "ok" "$(( $(date +%s) - t0 ))s, -j$jobs, $warnings compiler warning(s)${TANDEM_GPU_CHECK_TARGETS:+, targets: $TANDEM_GPU_CHECK_TARGETS}"
+    else
+      fail_row "build" "$(why $rc "$budget_s") after $(( $(date +%s) - t0 ))s; see log.txt"
+    fi
+  else
+    fail_row "configure" "$(why $rc "$budget_s"); see log.txt"
+  fi
+fi
+
+# --- GPU test suites --------------------------------------------------------------------------
+if [ $built -eq 1 ]; then
+  note "GPU tests"
+  # Every registered test whose name says GPU, CUDA or NCCL; later suites join by their names.
+  mapfile -t tests < <(ctest --test-dir "$build" -N 2>>"$log" | sed -n 's/^ *Test *#[0-9]*: *//p' | grep -Ei 'gpu|cuda|nccl')
+  [ ${#tests[@]} -eq 0 ] && fail_row "GPU tests" "ctest lists no test named gpu, cuda or nccl"
+  for t in "${tests[@]}"; do
+    if [ -n "${TANDEM_GPU_CHECK_TARGETS:-}" ] && [ ! -x "$(find "$build/tests" -name "$t" -type f 2>/dev/null | head -1)" ]; then
+      row "test $t" "not built" "not among TANDEM_GPU_CHECK_TARGETS"
+      continue
+    fi
+    budget_s=$(left 120)
+    [ "$budget_s" -gt 300 ] && budget_s=300
+    tlog=$(mktemp)
+    t0=$(date +%s)
+    timeout -k 10 "$budget_s" ctest --test-dir "$build" -R "^${t}\$" -V --timeout "$budget_s" >"$tlog" 2>&1
+    rc=$?
+    cat "$tlog" >>"$log"
+    secs=$(( $(date +%s) - t0 ))
+    if grep -q 'tests passed, 0 tests failed' "$tlog" && ! grep -q '\*\*\*Skipped\|Skipped *[0-9.]* sec' "$tlog"; then
+      row "test $t" "passed" "${secs}s"
+    elif grep -q 'Skipped' "$tlog"; then
+      reason=$(grep -o 'skipped: .*' "$tlog" | head -1 | sed 's/|/\\|/g')
+      row "test $t" "skipped" "${reason:-exit 77}"
+    elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+      fail_row "test $t" "timed out after ${budget_s}s"
+    else
+      fail_row "test $t" "failed after ${secs}s; see log.txt"
+    fi
+    rm -f "$tlog"
+  done
+fi
+
+# --- bench_fit on the GPU ---------------------------------------------------------------------
+# bench_fit learns a GPU device with the CUDA kernels; until its source names one, say so rather
+# than run it on the CPU.
+models=(mlp wide cnn)
+if grep -q -- '--device' "$src/bench/bench_fit.cc"; then
+  if [ $built -eq 1 ] && [ -x "$build/bench/bench_fit" ]; then
+    note "bench_fit on the GPU"
+    budget_s=$(left 90)
+    [ "$budget_s" -gt 240 ] && budget_s=240
+    if run "$budget_s" "$build/bench/bench_fit" --device gpu --models mlp,wide,cnn --no-peer; then
+      row "bench_fit GPU" "ran" "mlp, wide, cnn; rows in log.txt"
+    else
+      fail_row "bench_fit GPU" "$(why $? "$budget_s"); see log.txt"
+    fi
+  else
+    row "bench_fit GPU" "not run" "bench_fit was not built"
+  fi
+else
+  for m in "${models[@]}"; do
+    row "bench_fit GPU $m" "not run" "no GPU kernels yet (bench_fit has no GPU device)"
+  done
+fi
+
+# --- the PyTorch eager peer on the GPU ----------------------------------------------------------
+data=/usr/share/datasets/fashion-mnist
+[ -f "$data/train-images-idx3-ubyte.gz" ] || data="$deps_root/usr/share/datasets/fashion-mnist"
+note "PyTorch peer"
+if ! LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 60 python3 -c "import torch; assert torch.cuda.is_available()" >>"$log" 2>&1; then
+  row "PyTorch eager" "not run" "python3 cannot import torch, or torch sees no GPU"
+elif [ ! -f "$data/train-images-idx3-ubyte.gz" ]; then
+  fail_row "PyTorch eager" "no Fashion-MNIST in /usr/share/datasets or $deps/root (run scripts/fetch-gpu-deps.sh)"
+else
+  torch_version=$(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 60 python3 -c "import torch; print(torch.__version__)" 2>>"$log")
+  for precision in float32 bf16; do
+    for m in "${models[@]}"; do
+      budget_s=$(left 10)
+      [ "$budget_s" -gt 120 ] && budget_s=120
+      line=$(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 10 "$budget_s" python3 "$src/scripts/torch_fmnist_gpu.py" --model "$m" \
+               --precision "$precision" --data "$data" 2>>"$log")
+      rc=$?
+      echo "$line" >>"$log"
+      if [ $rc -eq 0 ] && [[ $line == *samples_per_s=* ]]; then
+        sps=$(echo "$line" | grep -o 'samples_per_s=[0-9]*' | cut -d= -f2)
+        acc=$(echo "$line" | grep -o 'test_acc=[0-9.]*' | cut -d= -f2)
+        row "PyTorch eager $m $precision" "$sps samples/s" "test acc $acc; torch $torch_version, batch 128, 1 epoch; tandem GPU: n/a, so no ratio"
+      else
+        fail_row "PyTorch eager $m $precision" "$(why $rc "$budget_s"); see log.txt"
+      fi
+    done
+  done
+fi
+
+# --- the table ------------------------------------------------------------------------------
+total=$(( $(date +%s) - start ))
+{
+  echo "## tandem GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), git $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo "| item | result | detail |"
+  echo "|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+  echo
+  echo "$failures failure(s); ${total}s in all (budget ${budget}s)."
+} >"$table"
+cat "$table" | tee -a "$log"
+[ $failures -eq 0 ]
