@@ -56,7 +56,7 @@ left() { local r=$((budget - ($(date +%s) - start) - ${1:-0})); [ $r -lt 5 ] && 
 # run SECONDS CMD...: runs CMD with its output in the log, killed after SECONDS.
 run() { local s=$1; shift; echo "\$ $*" >>"$log"; timeout -k 10 "$s" "$@" >>"$log" 2>&1; }
 # When a step ran out of time, say so instead of printing a bare exit status.
-why() { case $1 in 124|137) echo "timed out after ${2}s" ;; *) echo "exit $1" ;; esac; }
+why() { case $1 in 124|137) echo "timed out (limit ${2}s)" ;; *) echo "exit $1" ;; esac; }
 
 # --- the GPU --------------------------------------------------------------------------------
 note "GPU"
