@@ -50,6 +50,7 @@
 #include <thread>
 
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"
 
@@ -57,6 +58,7 @@ namespace tandem::collective {
 namespace {
 
 using detail::OpKind;
+using detail::reducible;
 using detail::Clock;
 using detail::format_duration;
 using std::chrono::milliseconds;
@@ -79,10 +81,6 @@ std::string gloo_message(std::string_view what) {
     if (end != std::string_view::npos) what.remove_prefix(end + 2);
   }
   return std::string(what);
-}
-
-bool reducible(DType dtype) {
-  return dtype == kFloat32 || dtype == kFloat64 || dtype == kInt32 || dtype == kInt64;
 }
 
 std::string not_reducible(DType dtype) {

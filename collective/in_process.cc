@@ -38,12 +38,19 @@
 #include "tandem/base/spin.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/devices/device.h"
 
 namespace tandem::collective {
 namespace {
 
+using detail::combine2;
+using detail::combine_into;
+using detail::dispatch_reduction;
+using detail::divide;
 using detail::OpKind;
+using detail::part_of;
+using detail::reducible;
 using detail::Clock;
 using detail::deadline_after;
 
@@ -61,41 +68,7 @@ constexpr std::size_t kBlockBytes = 4096;
 // When the group has more ranks than cores, polling only delays the ranks it waits for.
 constexpr auto kSpin = std::chrono::microseconds(100);
 
-// --- reduction kernels -----------------------------------------------------------------------
-// Plain loops over restrict pointers: GCC vectorises each to AVX-512 under -march=native.
-
-template <class T>
-struct Sum {
-  static T apply(T a, T b) {
-    if constexpr (std::is_integral_v<T>) {  // wraps like the hardware, without signed-overflow UB
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-    } else {
-      return a + b;
-    }
-  }
-};
-template <class T>
-struct Max {
-  static T apply(T a, T b) { return a < b ? b : a; }
-};
-template <class T>
-struct Min {
-  static T apply(T a, T b) { return b < a ? b : a; }
-};
-
-template <class T, class Op>
-void combine2(T* __restrict out, const T* __restrict a, const T* __restrict b, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) out[i] = Op::apply(a[i], b[i]);
-}
-template <class T, class Op>
-void combine_into(T* __restrict acc, const T* __restrict a, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) acc[i] = Op::apply(acc[i], a[i]);
-}
-template <class T>
-void divide(T* __restrict acc, T divisor, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
-}
+// --- reduction kernels (the element-wise ones are in detail/reduce_kernels.h) -----------------
 
 // Two ranks, in place: one pass that reads both buffers and writes both.
 template <class T, class Op, bool kMean>
@@ -129,31 +102,6 @@ void reduce_blocks(const void* const* inputs, int n, void* const* outputs, int m
       std::memcpy(static_cast<T*>(outputs[q]) + base, acc, static_cast<std::size_t>(len) * sizeof(T));
     }
   }
-}
-
-// Calls fn.template operator()<T, Op, kMean>() for the dtype and reduction.
-template <class Fn>
-void dispatch_reduction(DType dtype, ReduceOp op, std::string_view what, Fn&& fn) {
-  graph::dispatch<graph::NumericTypes>(dtype, what, [&]<class T>() {
-    switch (op) {
-      case ReduceOp::kSum: fn.template operator()<T, Sum<T>, false>(); break;
-      case ReduceOp::kMean: fn.template operator()<T, Sum<T>, true>(); break;
-      case ReduceOp::kMax: fn.template operator()<T, Max<T>, false>(); break;
-      case ReduceOp::kMin: fn.template operator()<T, Min<T>, false>(); break;
-    }
-  });
-}
-
-bool reducible(DType dtype) {
-  return dtype == kFloat32 || dtype == kFloat64 || dtype == kInt32 || dtype == kInt64;
-}
-
-// [begin, end) of chunk `rank` when `total` items, `align` to a chunk, are split `size` ways.
-std::pair<std::int64_t, std::int64_t> chunk_of(std::int64_t total, int size, int rank, std::int64_t align) {
-  const std::int64_t per_rank = (total + size - 1) / size;
-  const std::int64_t chunk = (per_rank + align - 1) / align * align;
-  const std::int64_t begin = std::min(total, chunk * rank);
-  return {begin, std::min(total, begin + chunk)};
 }
 
 // --- the group's shared state ----------------------------------------------------------------
@@ -391,7 +339,7 @@ class InProcessCommunicator final : public Communicator {
       if (n == 1 || slot.elements == 0) return;
       const std::int64_t esize = static_cast<std::int64_t>(dtype_size(slot.dtype));
       const auto [begin, end] =
-          chunk_of(slot.elements, n, rank_, static_cast<std::int64_t>(kChunkAlignBytes) / esize);
+          part_of(slot.elements, n, rank_, static_cast<std::int64_t>(kChunkAlignBytes) / esize);
       dispatch_reduction(slot.dtype, op, "in-process collective", [&]<class T, class Op, bool kMean>() {
         for_each_run(call.phase, begin, end, esize, [&](std::int64_t count) {
           if (n == 2) {
@@ -420,7 +368,7 @@ class InProcessCommunicator final : public Communicator {
       // Rank r copies chunk r of the root's buffer into every other rank's: the root's
       // bandwidth is shared by all ranks instead of each rank pulling the whole buffer alone.
       const std::int64_t bytes = slot.elements * static_cast<std::int64_t>(dtype_size(slot.dtype));
-      const auto [begin, end] = chunk_of(bytes, size(), rank_, static_cast<std::int64_t>(kChunkAlignBytes));
+      const auto [begin, end] = part_of(bytes, size(), rank_, static_cast<std::int64_t>(kChunkAlignBytes));
       if (begin == end) return;
       const std::byte* source = group_->slot(call.phase, root).segments[0].data + begin;
       for (int q = 0; q < size(); ++q) {

@@ -86,6 +86,7 @@
 
 #include "tandem/base/spin.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/devices/device.h"
 
 namespace tandem::collective {
@@ -93,7 +94,13 @@ namespace {
 
 using detail::Clock;
 using detail::format_duration;
+using detail::combine2;
+using detail::combine_into;
+using detail::dispatch_reduction;
+using detail::divide;
 using detail::OpKind;
+using detail::part_of;
+using detail::reducible;
 using std::chrono::milliseconds;
 
 // How tensor-check messages name this backend: "... works on host memory (CPU devices)".
@@ -309,41 +316,7 @@ bool process_alive(const RankHeader& header) {
   return header.start_time == 0 || s->start_time == 0 || s->start_time == header.start_time;
 }
 
-// --- reduction kernels ---------------------------------------------------------------------------
-// Plain loops over restrict pointers: GCC vectorises them.
-
-template <class T>
-struct Sum {
-  static T apply(T a, T b) {
-    if constexpr (std::is_integral_v<T>) {  // wraps like the hardware, without signed-overflow UB
-      using U = std::make_unsigned_t<T>;
-      return static_cast<T>(static_cast<U>(a) + static_cast<U>(b));
-    } else {
-      return a + b;
-    }
-  }
-};
-template <class T>
-struct Max {
-  static T apply(T a, T b) { return a < b ? b : a; }
-};
-template <class T>
-struct Min {
-  static T apply(T a, T b) { return b < a ? b : a; }
-};
-
-template <class T, class Op>
-void combine2(T* __restrict out, const T* __restrict a, const T* __restrict b, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) out[i] = Op::apply(a[i], b[i]);
-}
-template <class T, class Op>
-void combine_into(T* __restrict acc, const T* __restrict a, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) acc[i] = Op::apply(acc[i], a[i]);
-}
-template <class T>
-void divide(T* __restrict acc, T divisor, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
-}
+// --- reduction (the element-wise kernels are in detail/reduce_kernels.h) -------------------------
 
 // out[i] = ((in[0][i] op in[1][i]) op in[2][i]) ... for `count` elements, block by block so that
 // the output block stays in L1 while every input is folded into it. MEAN divides by n at the end.
@@ -368,32 +341,14 @@ using ReduceFn = void (*)(void*, const void* const*, int, std::int64_t);
 
 ReduceFn reduce_function(DType dtype, ReduceOp op) {
   ReduceFn fn = nullptr;
-  graph::dispatch<graph::NumericTypes>(dtype, "shared-memory reduction", [&]<class T>() {
-    switch (op) {
-      case ReduceOp::kSum: fn = &reduce_into<T, Sum<T>, false>; break;
-      case ReduceOp::kMean: fn = &reduce_into<T, Sum<T>, true>; break;
-      case ReduceOp::kMax: fn = &reduce_into<T, Max<T>, false>; break;
-      case ReduceOp::kMin: fn = &reduce_into<T, Min<T>, false>; break;
-    }
-  });
+  dispatch_reduction(dtype, op, "shared-memory reduction",
+                     [&]<class T, class Op, bool kMean>() { fn = &reduce_into<T, Op, kMean>; });
   return fn;
-}
-
-bool reducible(DType dtype) {
-  return dtype == kFloat32 || dtype == kFloat64 || dtype == kInt32 || dtype == kInt64;
 }
 
 std::string not_reducible(DType dtype) {
   return fmt::format(
       "{} tensors cannot be reduced; the shared-memory communicator reduces float32, float64, int32 and int64", dtype);
-}
-
-// [begin, end) of part `rank` when `total` items, `align` to a part, are split `size` ways.
-std::pair<std::int64_t, std::int64_t> part_of(std::int64_t total, int size, int rank, std::int64_t align) {
-  const std::int64_t per_rank = (total + size - 1) / size;
-  const std::int64_t part = (per_rank + align - 1) / align * align;
-  const std::int64_t begin = std::min(total, part * rank);
-  return {begin, std::min(total, begin + part)};
 }
 
 // A position in the logical buffer of a span of tensors (their bytes concatenated).
