@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include "tandem/collective/detail/common.h"
+
+#include <fmt/ranges.h>
 #include "tandem/devices/device.h"
 
 namespace tandem::collective {
@@ -38,6 +40,18 @@ std::string call_label(OpKind kind, std::uint64_t sequence_number) {
 
 std::string ranks_of(const std::vector<int>& ranks, int size) {
   return fmt::format("{} {} of {}", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "), size);
+}
+
+std::string rank_label(const std::vector<std::string>& labels, int rank) {
+  if (labels.empty()) return fmt::format("rank {}", rank);
+  return labels[static_cast<std::size_t>(rank)];
+}
+
+std::string rank_names(const std::vector<std::string>& labels, const std::vector<int>& ranks, int size) {
+  if (labels.empty()) return ranks_of(ranks, size);
+  std::vector<std::string> named;
+  for (int r : ranks) named.push_back(rank_label(labels, r));
+  return fmt::format("{}", fmt::join(named, ", "));
 }
 
 Clock::time_point deadline_after(std::chrono::milliseconds timeout) {

@@ -601,16 +601,10 @@ class GlooCommunicator final : public Communicator {
     return fmt::format("gloo {}{} on {}", detail::call_label(call.kind, call.seq), details, label(config_.rank));
   }
 
-  std::string label(int rank) const {
-    if (config_.labels.empty()) return fmt::format("rank {}", rank);
-    return config_.labels[static_cast<std::size_t>(rank)];
-  }
+  std::string label(int rank) const { return detail::rank_label(config_.labels, rank); }
 
   std::string names(const std::vector<int>& ranks) const {
-    if (config_.labels.empty()) return detail::ranks_of(ranks, config_.size);
-    std::vector<std::string> labels;
-    for (int r : ranks) labels.push_back(label(r));
-    return fmt::format("{}", fmt::join(labels, ", "));
+    return detail::rank_names(config_.labels, ranks, config_.size);
   }
 
   std::string key(std::string_view suffix) const { return config_.prefix + std::string(suffix); }

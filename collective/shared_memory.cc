@@ -642,17 +642,11 @@ class SharedMemoryCommunicator final : public Communicator {
   }
   static bool usable(const Tensor& t) { return t.defined() && t.device().host_accessible(); }
 
-  std::string label(int rank) const {
-    if (config_.labels.empty()) return fmt::format("rank {}", rank);
-    return config_.labels[static_cast<std::size_t>(rank)];
-  }
+  std::string label(int rank) const { return detail::rank_label(config_.labels, rank); }
 
   // "rank 2 of 3", "ranks 1, 2 of 3", or the labels.
   std::string names(const std::vector<int>& ranks) const {
-    if (config_.labels.empty()) return detail::ranks_of(ranks, config_.size);
-    std::vector<std::string> labels;
-    for (int r : ranks) labels.push_back(label(r));
-    return fmt::format("{}", fmt::join(labels, ", "));
+    return detail::rank_names(config_.labels, ranks, config_.size);
   }
 
   // "shared-memory all_reduce #12 (float32, 262144 elements) on worker 0".

@@ -25,6 +25,10 @@ std::string call_label(OpKind kind, std::uint64_t sequence_number);
 
 // "rank 3 of 4" or "ranks 1, 3 of 4".
 std::string ranks_of(const std::vector<int>& ranks, int size);
+// How a group with these rank labels (empty: none) names rank r ("worker 1 (10.0.0.2:2222)", or
+// "rank 1"), and a list of ranks (the labels joined, or ranks_of).
+std::string rank_label(const std::vector<std::string>& labels, int rank);
+std::string rank_names(const std::vector<std::string>& labels, const std::vector<int>& ranks, int size);
 
 // The clock every collective deadline is measured on.
 using Clock = std::chrono::steady_clock;
