@@ -84,14 +84,14 @@ std::string gloo_message(std::string_view what) {
 }
 
 std::string not_reducible(DType dtype) {
-  return fmt::format("{} tensors cannot be reduced; gloo reduces float32, float64, int32 and int64", dtype);
+  return fmt::format("{} tensors cannot be reduced; gloo reduces float32, float64, float16, bfloat16, int32 and int64", dtype);
 }
 
 using ReduceFn = void (*)(void*, const void*, const void*, std::size_t);
 
 ReduceFn reduce_function(DType dtype, ReduceOp op) {
   ReduceFn fn = nullptr;
-  graph::dispatch<graph::NumericTypes>(dtype, "gloo all_reduce", [&]<class T>() {
+  graph::dispatch<detail::ReducibleTypes>(dtype, "gloo all_reduce", [&]<class T>() {
     switch (op) {
       case ReduceOp::kSum:
       case ReduceOp::kMean: fn = static_cast<ReduceFn>(&gloo::sum<T>); break;
@@ -103,7 +103,7 @@ ReduceFn reduce_function(DType dtype, ReduceOp op) {
 }
 
 void divide_in_place(void* data, std::int64_t n, DType dtype, int divisor) {
-  graph::dispatch<graph::NumericTypes>(dtype, "gloo MEAN", [&]<class T>() {
+  graph::dispatch<detail::ReducibleTypes>(dtype, "gloo MEAN", [&]<class T>() {
     T* __restrict p = static_cast<T*>(data);
     const T d = static_cast<T>(divisor);
     for (std::int64_t i = 0; i < n; ++i) p[i] = p[i] / d;
@@ -674,7 +674,7 @@ class GlooCommunicator final : public Communicator {
     entry.buffer = buffer.get();
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> outputs;
     outputs.push_back(std::move(buffer));
-    graph::dispatch<graph::NumericTypes>(dtype, "gloo all_reduce",
+    graph::dispatch<detail::ReducibleTypes>(dtype, "gloo all_reduce",
                                          [&]<class T>() { entry.options->setOutputs<T>(std::move(outputs)); });
     if (allreduce_cache_.size() < kMaxCachedAllreduces) {
       allreduce_cache_.push_back(std::move(entry));

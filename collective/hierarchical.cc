@@ -15,12 +15,13 @@
 
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/reduce_kernels.h"
 
 namespace tandem::collective {
 namespace {
 
 void divide_in_place(Tensor& t, int divisor) {
-  graph::dispatch<graph::NumericTypes>(t.dtype(), "hierarchical MEAN", [&]<class T>() {
+  graph::dispatch<detail::ReducibleTypes>(t.dtype(), "hierarchical MEAN", [&]<class T>() {
     T* __restrict p = static_cast<T*>(t.raw_data());
     const T d = static_cast<T>(divisor);
     const std::int64_t n = t.num_elements();

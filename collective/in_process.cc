@@ -574,7 +574,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
   static std::string not_reducible(DType dtype) {
-    return fmt::format("{} tensors cannot be reduced; the in-process group reduces float32, float64, int32 and int64",
+    return fmt::format("{} tensors cannot be reduced; the in-process group reduces float32, float64, float16, bfloat16, int32 and int64",
                        dtype);
   }
 

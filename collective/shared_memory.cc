@@ -348,7 +348,7 @@ ReduceFn reduce_function(DType dtype, ReduceOp op) {
 
 std::string not_reducible(DType dtype) {
   return fmt::format(
-      "{} tensors cannot be reduced; the shared-memory communicator reduces float32, float64, int32 and int64", dtype);
+      "{} tensors cannot be reduced; the shared-memory communicator reduces float32, float64, float16, bfloat16, int32 and int64", dtype);
 }
 
 // A position in the logical buffer of a span of tensors (their bytes concatenated).

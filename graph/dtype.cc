@@ -1,5 +1,7 @@
 #include "tandem/graph/dtype.h"
 
+#include "tandem/graph/detail/low_precision_types.h"
+
 namespace tandem::graph {
 
 std::string_view dtype_name(DType dtype) {
@@ -27,6 +29,20 @@ std::size_t dtype_size(DType dtype) {
 
 bool is_floating(DType dtype) {
   return dtype == DType::kF32 || dtype == DType::kF64 || dtype == DType::kF16 || dtype == DType::kBF16;
+}
+
+void widen_to_float32(DType from, const void* src, float* dst, std::int64_t n) {
+  dispatch<LowPrecisionTypes>(from, "widen_to_float32", [&]<class T>() {
+    const T* in = static_cast<const T*>(src);
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(in[i]);
+  });
+}
+
+void narrow_from_float32(const float* src, DType to, void* dst, std::int64_t n) {
+  dispatch<LowPrecisionTypes>(to, "narrow_from_float32", [&]<class T>() {
+    T* out = static_cast<T*>(dst);
+    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(src[i]);
+  });
 }
 
 DType parse_dtype(std::string_view name) {

@@ -21,8 +21,8 @@ enum class DType : std::uint8_t {
   kI32,
   kI64,
   kU8,    // also the storage of booleans (Equal's result)
-  kF16,   // storage only until the mixed-precision kernels arrive
-  kBF16,  // storage only until the mixed-precision kernels arrive
+  kF16,   // IEEE half: 10-bit mantissa, range +-65504 (needs loss scaling for gradients)
+  kBF16,  // bfloat16: float32's range with an 8-bit mantissa
 };
 
 inline constexpr DType kFloat32 = DType::kF32;
@@ -34,9 +34,20 @@ inline constexpr DType kUInt8 = DType::kU8;
 std::string_view dtype_name(DType dtype);  // "float32", "int64", ... (TF's names)
 std::size_t dtype_size(DType dtype);       // bytes per element
 bool is_floating(DType dtype);             // gradients flow only through these
+// float16 or bfloat16: the compute dtypes of mixed precision. CPU kernels without their own
+// 16-bit code compute them in float32 and round each output once (see OpRegistry::add_kernel).
+constexpr bool is_low_precision(DType dtype) { return dtype == DType::kF16 || dtype == DType::kBF16; }
 // Parses TF's names ("float32", "float", "int64", "uint8", ...); throws InvalidArgument.
 DType parse_dtype(std::string_view name);
 
+// Converts n elements between float32 and float16/bfloat16 (round to nearest even; NaN stays
+// NaN, overflow becomes inf). Host memory only. Throws InvalidArgument for other dtypes.
+void widen_to_float32(DType from, const void* src, float* dst, std::int64_t n);
+void narrow_from_float32(const float* src, DType to, void* dst, std::int64_t n);
+
+// C++ types of the dtypes. float16 and bfloat16 map to Eigen::half and Eigen::bfloat16 in
+// graph/detail/low_precision_types.h, which kernels and tests include (Eigen is not a public
+// dependency).
 template <class T>
 struct DTypeOf;
 template <> struct DTypeOf<float> { static constexpr DType value = DType::kF32; };

@@ -31,6 +31,11 @@ struct Executor::Plan {
     int forward_from = -1;      // slot forwarded into outputs[0] when kernel is null
     std::vector<const Tensor*> inputs;
     std::vector<Tensor*> outputs;
+    // LowPrecision::kWidenToFloat32 with a 16-bit input or output: the kernel runs on float32
+    // copies (allocated at the first run of the plan, reused after).
+    bool widen = false;
+    std::vector<Tensor> wide_inputs;   // per input: a float32 copy, or undefined
+    std::vector<Tensor> wide_outputs;  // per output: a float32 buffer, or undefined
   };
 
   std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
@@ -47,6 +52,61 @@ struct Executor::Plan {
   int arena_slot_count = 0;
   PlanStats stats;
 };
+
+// A kernel that computes 16-bit tensors in float32: widen the 16-bit inputs into float32
+// copies, let the kernel write float32 outputs, round each back once. The copies belong to the
+// step and are reused by later runs (shapes are fixed per plan).
+void Executor::run_kernel(Plan& plan, std::size_t step_index, KernelContext& original) {
+  Plan::Step& step = plan.steps[step_index];
+  if (!step.widen) {
+    step.kernel(original);
+    return;
+  }
+  devices::Device& device = device_;
+  const std::size_t num_inputs = step.inputs.size();
+  const std::size_t num_outputs = step.outputs.size();
+  if (step.wide_inputs.empty() && step.wide_outputs.empty()) {
+    step.wide_inputs.resize(num_inputs);
+    step.wide_outputs.resize(num_outputs);
+    for (std::size_t i = 0; i < num_inputs; ++i) {
+      if (is_low_precision(step.inputs[i]->dtype())) {
+        step.wide_inputs[i] = Tensor::empty(step.inputs[i]->shape(), DType::kF32, device);
+      }
+    }
+    for (std::size_t i = 0; i < num_outputs; ++i) {
+      if (is_low_precision(step.outputs[i]->dtype())) {
+        step.wide_outputs[i] = Tensor::empty(step.outputs[i]->shape(), DType::kF32, device);
+      }
+    }
+  }
+  std::vector<const Tensor*> inputs(step.inputs.begin(), step.inputs.end());
+  std::vector<Tensor*> outputs(step.outputs.begin(), step.outputs.end());
+  for (std::size_t i = 0; i < num_inputs; ++i) {
+    if (!step.wide_inputs[i].defined()) continue;
+    const Tensor& in = *step.inputs[i];
+    Tensor& wide = step.wide_inputs[i];
+    if (wide.shape() != in.shape()) wide = Tensor::empty(in.shape(), DType::kF32, device);
+    device.parallel_for(in.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
+      widen_to_float32(in.dtype(), static_cast<const char*>(in.raw_data()) + b * 2,
+                       static_cast<float*>(wide.raw_data()) + b, e - b);
+    });
+    inputs[i] = &wide;
+  }
+  for (std::size_t i = 0; i < num_outputs; ++i) {
+    if (step.wide_outputs[i].defined()) outputs[i] = &step.wide_outputs[i];
+  }
+  KernelContext context(original.node(), device, inputs.data(), outputs.data(), original.random_seed());
+  step.kernel(context);
+  for (std::size_t i = 0; i < num_outputs; ++i) {
+    if (!step.wide_outputs[i].defined()) continue;
+    Tensor& out = *step.outputs[i];
+    const Tensor& wide = step.wide_outputs[i];
+    device.parallel_for(out.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
+      narrow_from_float32(static_cast<const float*>(wide.raw_data()) + b, out.dtype(),
+                          static_cast<char*>(out.raw_data()) + b * 2, e - b);
+    });
+  }
+}
 
 Executor::Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options)
     : graph_(std::move(graph)), device_(device), options_(options) {
@@ -244,6 +304,16 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
       step.kernel = node.op->kernel(device_.type());
       TANDEM_REQUIRE(step.kernel != nullptr, Unimplemented, "{}: op {} has no {} kernel yet", node.label(),
                      node.op->name, devices::device_type_name(device_.type()));
+      if (node.op->options(device_.type()).low_precision == LowPrecision::kWidenToFloat32) {
+        for (int i = 0; i < static_cast<int>(outputs.size()); ++i) {
+          step.widen = step.widen || is_low_precision(outputs[static_cast<std::size_t>(i)].dtype);
+        }
+        for (const auto& in : node.inputs) step.widen = step.widen || is_low_precision(in.dtype());
+        // Widening converts on the host; other devices need 16-bit kernels of their own.
+        TANDEM_REQUIRE(!step.widen || device_.type() == devices::DeviceType::kCPU, Unimplemented,
+                       "{}: op {} has no float16/bfloat16 kernel on {}", node.label(), node.op->name,
+                       devices::device_type_name(device_.type()));
+      }
     }
     plan->steps.push_back(std::move(step));
   }
@@ -333,7 +403,8 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   const std::uint64_t step = options.random_step.value_or(step_);
   ++step_;
   const std::uint64_t run_seed = mix64(options_.seed ^ mix64(step));
-  for (auto& st : plan.steps) {
+  for (std::size_t index = 0; index < plan.steps.size(); ++index) {
+    auto& st = plan.steps[index];
     if (st.kernel == nullptr) {
       const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
       *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
@@ -343,12 +414,12 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
                           mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)));
     if (!options_.profile) {
-      st.kernel(context);
+      run_kernel(plan, index, context);
       if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
-    st.kernel(context);
+    run_kernel(plan, index, context);
     device_.synchronize();
     auto& entry = profile_[st.node->op];
     entry.calls += 1;

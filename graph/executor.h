@@ -70,6 +70,8 @@ struct PlanStats {
 
 using Feed = std::pair<Output, Tensor>;
 
+class KernelContext;
+
 class Executor {
  public:
   Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options = {});
@@ -106,6 +108,8 @@ class Executor {
   Plan& plan_for(std::span<const Feed> feeds, std::span<const Output> fetches);
   std::unique_ptr<Plan> build_plan(std::span<const Feed> feeds, std::span<const Output> fetches);
   void ensure_arena(Plan& plan);
+  // Runs one step's kernel, widening 16-bit tensors to float32 where the kernel asks for it.
+  void run_kernel(Plan& plan, std::size_t step, KernelContext& context);
   const Tensor& constant_on_device(const Node& node);
 
   std::shared_ptr<const Graph> graph_;

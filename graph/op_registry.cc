@@ -68,11 +68,12 @@ void OpRegistry::add(OpDef def) {
   by_name_.emplace(stored.name, &stored);
 }
 
-void OpRegistry::add_kernel(std::string_view op, devices::DeviceType type, KernelFn kernel) {
+void OpRegistry::add_kernel(std::string_view op, devices::DeviceType type, KernelFn kernel, KernelOptions options) {
   std::unique_lock lock(mutex_);
   const auto it = by_name_.find(std::string(op));
   TANDEM_ASSERT(it != by_name_.end(), "kernel for unregistered op {}", op);
   it->second->kernels[static_cast<std::size_t>(type)] = kernel;
+  it->second->kernel_options[static_cast<std::size_t>(type)] = options;
 }
 
 const OpDef* OpRegistry::find(std::string_view name) const {

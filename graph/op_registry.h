@@ -109,6 +109,20 @@ using ShapeFn = std::vector<TensorSpec> (*)(ShapeContext&);
 using GradFn = std::vector<Output> (*)(GradContext&);
 using KernelFn = void (*)(KernelContext&);
 
+// How a kernel treats float16/bfloat16 tensors.
+enum class LowPrecision {
+  // The executor hands the kernel float32 copies of 16-bit inputs and outputs and rounds each
+  // output once afterwards: the kernel computes in float32 (what XLA:CPU and oneDNN do for
+  // bfloat16 on CPUs without native 16-bit arithmetic). The default on CPU devices.
+  kWidenToFloat32,
+  // The kernel reads and writes 16-bit tensors itself (Cast; GPU kernels).
+  kNative,
+};
+
+struct KernelOptions {
+  LowPrecision low_precision = LowPrecision::kWidenToFloat32;
+};
+
 enum class OpKind {
   kKernel,       // computed by a kernel
   kPlaceholder,  // fed at run time
@@ -127,9 +141,11 @@ struct OpDef {
   // >= 0: output 0 is a view of this input (Reshape, Identity); no kernel runs and no memory is planned.
   int forwards_input = -1;
   std::array<KernelFn, 2> kernels{};  // indexed by DeviceType
+  std::array<KernelOptions, 2> kernel_options{};
 
   static constexpr int kVariadic = -1;
   KernelFn kernel(devices::DeviceType type) const { return kernels[static_cast<std::size_t>(type)]; }
+  const KernelOptions& options(devices::DeviceType type) const { return kernel_options[static_cast<std::size_t>(type)]; }
 };
 
 // The process-wide table of ops. Registration is thread-safe; OpDef pointers stay valid forever.
@@ -139,7 +155,7 @@ class OpRegistry {
 
   // Throws AlreadyExists when the name is taken.
   void add(OpDef def);
-  void add_kernel(std::string_view op, devices::DeviceType type, KernelFn kernel);
+  void add_kernel(std::string_view op, devices::DeviceType type, KernelFn kernel, KernelOptions options = {});
   // Throws InvalidArgument for an unknown op, suggesting the closest known name.
   const OpDef& get(std::string_view name) const;
   const OpDef* find(std::string_view name) const;

@@ -157,6 +157,9 @@ Output apply_activation(std::string_view activation, Output x, std::string_view 
   if (activation == "relu") return ops::relu(x);
   if (activation == "sigmoid") return ops::sigmoid(x);
   if (activation == "tanh") return ops::tanh(x);
+  // Softmax of 16-bit logits in float32, and a float32 result (Keras's advice for the output
+  // layer of a mixed-precision model, done for the user).
+  if (graph::is_low_precision(x.dtype())) x = ops::cast(x, DType::kF32);
   return ops::softmax(x);
 }
 

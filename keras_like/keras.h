@@ -10,6 +10,7 @@
 #include "tandem/keras_like/layers.h"
 #include "tandem/keras_like/losses.h"
 #include "tandem/keras_like/metrics.h"
+#include "tandem/keras_like/mixed_precision.h"
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/optimizers.h"
 #include "tandem/keras_like/saving.h"

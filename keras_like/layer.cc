@@ -5,6 +5,7 @@
 #include <mutex>
 
 #include "tandem/base/random.h"
+#include "tandem/ops/ops.h"
 #include "tandem/strategy/strategy.h"
 
 namespace tandem::keras {
@@ -60,6 +61,18 @@ KerasTensor Input(const Shape& shape, DType dtype, std::string name) {
 }
 
 Output CallContext::read(const VariablePtr& variable) {
+  const Output node = read_variable(variable);
+  if (!autocast_dtype_ || !graph::is_floating(node.dtype()) || node.dtype() == *autocast_dtype_) return node;
+  auto it = variables_.casts.find(variable.get());
+  if (it != variables_.casts.end() && it->second.dtype() == *autocast_dtype_) return it->second;
+  // One cast per variable and graph, made outside any layer's name scope would be nicer to read;
+  // it is made where the first reader is, which is where Keras's AutoCastVariable reads too.
+  const Output cast = ops::cast(node, *autocast_dtype_);
+  variables_.casts[variable.get()] = cast;
+  return cast;
+}
+
+Output CallContext::read_variable(const VariablePtr& variable) {
   TANDEM_REQUIRE(variable != nullptr, InvalidArgument, "CallContext::read of a null variable");
   auto it = variables_.nodes.find(variable.get());
   if (it != variables_.nodes.end()) return it->second;
@@ -121,6 +134,24 @@ VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
   return created;
 }
 
+std::vector<Output> LayerImpl::call_with_policy(CallContext& ctx, std::vector<Output> inputs) {
+  if (!autocast()) return call(ctx, inputs);
+  const DType compute = dtype_policy_.compute_dtype();
+  for (auto& in : inputs) {
+    const bool cast = graph::is_floating(in.dtype()) && in.dtype() != compute &&
+                      (dtype_policy_.is_mixed() || graph::is_low_precision(in.dtype()));
+    if (cast) in = ops::cast(in, compute);
+  }
+  if (!dtype_policy_.is_mixed()) return call(ctx, inputs);
+  struct Restore {
+    CallContext& ctx;
+    std::optional<DType> previous;
+    ~Restore() { ctx.set_autocast_dtype(previous); }
+  } restore{ctx, ctx.autocast_dtype()};
+  ctx.set_autocast_dtype(compute);
+  return call(ctx, inputs);
+}
+
 void LayerImpl::ensure_built(const std::vector<TensorSpec>& inputs) {
   const int n = static_cast<int>(inputs.size());
   TANDEM_REQUIRE(n >= min_inputs() && (max_inputs() < 0 || n <= max_inputs()), InvalidArgument,
@@ -147,7 +178,7 @@ std::vector<KerasTensor> LayerImpl::call_symbolic(const std::vector<KerasTensor>
   CallContext context(scratch, /*training=*/false, variables);
   std::vector<Output> placeholders;
   for (const auto& spec : specs) placeholders.push_back(scratch.placeholder(spec.dtype, spec.shape, "input"));
-  const auto outputs = call(context, placeholders);
+  const auto outputs = call_with_policy(context, placeholders);
   auto node = std::make_shared<detail::LayerNode>();
   node->layer = shared_from_this();
   node->inputs = inputs;

@@ -24,6 +24,7 @@
 
 #include "tandem/graph/graph.h"
 #include "tandem/keras_like/initializers.h"
+#include "tandem/keras_like/mixed_precision.h"
 #include "tandem/strategy/variable.h"
 
 namespace tandem::keras {
@@ -71,6 +72,7 @@ class CallContext {
   struct VariableNodes {
     std::unordered_map<const Variable*, Output> nodes;
     std::vector<VariablePtr> variables;  // in first-use order
+    std::unordered_map<const Variable*, Output> casts;  // autocast reads, one per variable
   };
 
   CallContext(Graph& graph, bool training, VariableNodes& variables)
@@ -78,8 +80,14 @@ class CallContext {
 
   Graph& graph() const { return graph_; }
   bool training() const { return training_; }
-  // The node reading `variable` in this graph (a Variable node, made on first use).
+  // The node reading `variable` in this graph (a Variable node, made on first use). While a
+  // layer with a mixed policy is being called, a floating variable is read through a cast to the
+  // layer's compute dtype (Keras's AutoCastVariable); read_variable() always gives the variable.
   Output read(const VariablePtr& variable);
+  Output read_variable(const VariablePtr& variable);
+  // The dtype read() casts floating variables to; unset outside mixed-policy layer calls.
+  void set_autocast_dtype(std::optional<DType> dtype) { autocast_dtype_ = dtype; }
+  std::optional<DType> autocast_dtype() const { return autocast_dtype_; }
   // After a training step, `variable` takes the value `new_value` computed in this step
   // (BatchNormalization's moving statistics). Only collected in the training pass.
   void add_update(const VariablePtr& variable, Output new_value);
@@ -90,6 +98,7 @@ class CallContext {
   bool training_;
   VariableNodes& variables_;
   std::vector<std::pair<VariablePtr, Output>> updates_;
+  std::optional<DType> autocast_dtype_;
 };
 
 struct WeightOptions {
@@ -114,6 +123,13 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // A frozen layer's weights are not trained (they still count as weights).
   bool trainable() const { return trainable_; }
   void set_trainable(bool trainable) { trainable_ = trainable; }
+  // The dtype policy: the global one when the layer was made (see mixed_precision.h).
+  const mixed_precision::Policy& dtype_policy() const { return dtype_policy_; }
+  void set_dtype_policy(const mixed_precision::Policy& policy) { dtype_policy_ = policy; }
+  DType compute_dtype() const { return dtype_policy_.compute_dtype(); }
+  // Whether the model casts this layer's floating inputs to its compute dtype and reads its
+  // variables through casts. BatchNormalization says no: it computes in float32 itself.
+  virtual bool autocast() const { return true; }
 
   // Creates the weights for inputs of these specs (batch dimension unknown). Called once, on the
   // first call, under the strategy scope active then.
@@ -121,6 +137,10 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // Adds the layer's computation on `inputs` to ctx.graph() and returns its outputs. Throws
   // InvalidArgument naming the layer for inputs it cannot take.
   virtual std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) = 0;
+  // call() under the layer's dtype policy, which is how models call layers: Keras's autocast. A
+  // mixed-policy layer computes in its compute dtype (floating inputs cast down, variables read
+  // through casts); a layer computing in float32 or wider casts 16-bit inputs up.
+  std::vector<Output> call_with_policy(CallContext& ctx, std::vector<Output> inputs);
   // How many inputs a call takes: [min_inputs(), max_inputs()] (max -1: any number).
   virtual int min_inputs() const { return 1; }
   virtual int max_inputs() const { return 1; }
@@ -149,6 +169,7 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   std::string name_;
   bool built_ = false;
   bool trainable_ = true;
+  mixed_precision::Policy dtype_policy_ = mixed_precision::global_policy();
   std::vector<VariablePtr> weights_;
 };
 
@@ -177,6 +198,12 @@ class Layer {
   LayerImpl* operator->() const { return &impl(); }
   const std::string& name() const { return impl().name(); }
   const std::shared_ptr<LayerImpl>& ptr() const { return impl_; }
+  // Gives this layer its own dtype policy ("float32" for an output layer under a mixed policy,
+  // Keras's `dtype="float32"`). Returns the handle, so it chains: Dense(10).set_dtype_policy("float32").
+  const Layer& set_dtype_policy(std::string_view policy) const {
+    impl().set_dtype_policy(mixed_precision::Policy(policy));
+    return *this;
+  }
 
  private:
   std::shared_ptr<LayerImpl> impl_;

@@ -295,8 +295,20 @@ void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef
     out.metrics = resolved;
     s.compiled_outputs.push_back(std::move(out));
   }
-  s.optimizer = optimizer.loss_scale_optimizer() ? std::make_unique<Optimizer>(*optimizer.loss_scale_optimizer())
-                                                 : std::make_unique<Optimizer>(optimizer.spec());
+  // Keras 3: under mixed_float16, compile() wraps the optimizer in a LossScaleOptimizer (float16
+  // gradients underflow without one). bfloat16 has float32's exponent range and needs none.
+  const auto float16_layer = [](const Layer& layer) {
+    return layer->dtype_policy().compute_dtype() == DType::kF16 && layer->dtype_policy().is_mixed();
+  };
+  const bool computes_in_float16 = std::any_of(s.layers.begin(), s.layers.end(), float16_layer) ||
+                                   std::any_of(s.pending_layers.begin(), s.pending_layers.end(), float16_layer);
+  if (optimizer.loss_scale_optimizer()) {
+    s.optimizer = std::make_unique<Optimizer>(*optimizer.loss_scale_optimizer());
+  } else if (computes_in_float16) {
+    s.optimizer = std::make_unique<Optimizer>(LossScaleOptimizer{.inner_optimizer = optimizer.spec()});
+  } else {
+    s.optimizer = std::make_unique<Optimizer>(optimizer.spec());
+  }
   s.trainer.reset();  // the graph depends on the losses and metrics
   s.compiled = true;
 }

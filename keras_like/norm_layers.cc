@@ -56,8 +56,14 @@ class BatchNormalizationImpl final : public LayerImpl {
                                    .trainable = false});
   }
 
+  // Keras 3 computes batch normalization of 16-bit inputs in float32 (the variance of
+  // activations loses too much in 8 mantissa bits) and casts the result to the compute dtype.
+  bool autocast() const override { return false; }
+
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
-    const Output x = inputs[0];
+    const DType out_dtype = graph::is_floating(inputs[0].dtype()) && dtype_policy().is_mixed() ? compute_dtype()
+                                                                                              : inputs[0].dtype();
+    const Output x = graph::is_low_precision(inputs[0].dtype()) ? ops::cast(inputs[0], DType::kF32) : inputs[0];
     const Shape& in = x.shape();
     const std::int64_t channels = moving_mean_->shape()[0];
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == channels, InvalidArgument,
@@ -77,7 +83,7 @@ class BatchNormalizationImpl final : public LayerImpl {
       ctx.add_update(moving_mean_, moving_average(moving_mean, outs.batch_mean));
       ctx.add_update(moving_variance_, moving_average(moving_variance, outs.batch_variance));
     }
-    return {outs.y};
+    return {outs.y.dtype() == out_dtype ? outs.y : ops::cast(outs.y, out_dtype)};
   }
 
  private:

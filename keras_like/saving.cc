@@ -601,8 +601,16 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
                  epoch);
   state.epoch = static_cast<int>(epoch);
   state.step = parse_metadata_int(content, path, "step");
+  // Loss scaling is a wrapper: a mixed_float16 run's checkpoint (loss_scale_optimizer(adam)) loads
+  // into a float32 model compiled with adam, and the other way round. Only the scale state is
+  // left out (dropped, or started at the initial scale).
+  const auto without_loss_scaling = [](std::string_view name) {
+    constexpr std::string_view kWrapper = "loss_scale_optimizer(";
+    if (name.starts_with(kWrapper) && name.ends_with(")")) name = name.substr(kWrapper.size(), name.size() - kWrapper.size() - 1);
+    return std::string(name);
+  };
   if (const auto it = content.metadata.find("optimizer"); it != content.metadata.end()) {
-    TANDEM_REQUIRE(it->second == optimizer.name(), InvalidArgument,
+    TANDEM_REQUIRE(without_loss_scaling(it->second) == without_loss_scaling(optimizer.name()), InvalidArgument,
                    "load_training_checkpoint \"{}\": the checkpoint holds the state of optimizer \"{}\"; model \"{}\" "
                    "was compiled with \"{}\"",
                    path, it->second, model.name(), optimizer.name());
@@ -651,6 +659,11 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
   for (const auto& [name, tensor] : file) {
     if (!used.contains(name)) extra.push_back(name);
   }
+  const auto is_loss_scale_state = [](const std::string& name) {
+    return std::string_view(name).starts_with(fmt::format("{}loss_scale_optimizer/", kOptimizerPrefix));
+  };
+  std::erase_if(extra, is_loss_scale_state);
+  std::erase_if(missing, is_loss_scale_state);
   if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
     throw InvalidArgument(fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
                                       "the model and its {} optimizer ({}); nothing was loaded",

@@ -49,7 +49,7 @@ std::vector<Output> forward(ModelState& model, CallContext& ctx, const std::vect
     std::vector<Output> ins;
     for (const auto& in : node->inputs) ins.push_back(values.at(in.node().get())[static_cast<std::size_t>(in.index())]);
     auto scope = ctx.graph().name_scope(node->layer->name());
-    auto outs = node->layer->call(ctx, ins);
+    auto outs = node->layer->call_with_policy(ctx, ins);
     TANDEM_ASSERT(outs.size() == node->outputs.size(), "{} returned {} outputs, {} when built", node->layer->name(),
                   outs.size(), node->outputs.size());
     values[node.get()] = std::move(outs);
@@ -232,6 +232,9 @@ struct Trainer::Replica : graph::NodeObserver {
   // of their own: [loss, output losses..., metrics..., examples].
   Tensor sums_tensor;
   bool sums_in_last_bucket = false;
+  // DistributionOptions::gradient_all_reduce_dtype: per bucket, its gradients rounded to 16 bits
+  // in one buffer (made at the first step).
+  std::vector<Tensor> compressed;
 
   // A node finished: record its gradients, and hand every bucket that is now complete (in order)
   // to the communication thread, except the last: backward is over when it completes, so the
@@ -348,6 +351,12 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     auto scope = graph.name_scope("infer");
     infer_outputs = forward(model, infer_ctx, inputs);
   }
+  // 16-bit outputs (a mixed policy) are handed out, and taken by losses and metrics, as float32.
+  for (auto* outputs : {&train_outputs, &infer_outputs}) {
+    for (auto& o : *outputs) {
+      if (graph::is_low_precision(o.dtype())) o = ops::cast(o, DType::kF32);
+    }
+  }
   g.predict_fetches = infer_outputs;
   g.updates = train_ctx.updates();
 
@@ -394,7 +403,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
       }
     }
     std::vector<Output> xs;
-    for (const auto& w : g.trainable) xs.push_back(train_ctx.read(w));
+    for (const auto& w : g.trainable) xs.push_back(train_ctx.read_variable(w));
     const Output scaled = train_total * ops::cast(g.loss_scale, train_total.dtype());
     auto grads = graph::gradients({&scaled, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
     // A gradient that other nodes still read (or a view of one) gets its own buffer, so that it can
@@ -513,13 +522,52 @@ void Trainer::reduce_bucket(Replica& replica, std::size_t bucket) {
     tensors.push_back(replica.grads[k]);
   }
   const bool with_sums = replica.sums_in_last_bucket && bucket == graphs_->buckets.order.back();
-  if (with_sums) tensors.push_back(replica.sums_tensor);
   auto& comm = model_.strategy->communicator(replica.index);
-  if (comm.size() > 1) {
-    comm.all_reduce(tensors, collective::ReduceOp::kSum,
-                    {.timeout = model_.strategy->distribution_options().collective_timeout});
+  const auto& options = model_.strategy->distribution_options();
+  const collective::CallOptions call{.timeout = options.collective_timeout};
+  if (comm.size() > 1 && options.gradient_all_reduce_dtype && tensors.front().dtype() == DType::kF32) {
+    reduce_compressed(replica, bucket, tensors, *options.gradient_all_reduce_dtype);
+    if (with_sums) comm.all_reduce({&replica.sums_tensor, 1}, collective::ReduceOp::kSum, call);
+  } else {
+    if (with_sums) tensors.push_back(replica.sums_tensor);
+    if (comm.size() > 1) comm.all_reduce(tensors, collective::ReduceOp::kSum, call);
   }
   if (with_sums) replica.sums = sums_from_tensor(replica.sums, replica.sums_tensor);
+}
+
+// The bucket's float32 gradients, all-reduced as 16-bit values: narrowed into one buffer, summed,
+// widened back in place.
+void Trainer::reduce_compressed(Replica& replica, std::size_t bucket, std::span<Tensor> grads, DType wire) {
+  TANDEM_REQUIRE(graph::is_low_precision(wire), InvalidArgument,
+                 "DistributionOptions::gradient_all_reduce_dtype is {}; expected float16 or bfloat16", wire);
+  std::int64_t elements = 0;
+  for (const auto& g : grads) {
+    TANDEM_REQUIRE(g.device().host_accessible(), Unimplemented,
+                   "gradient compression to {} on {} needs a device cast kernel; unset "
+                   "DistributionOptions::gradient_all_reduce_dtype",
+                   wire, g.device().name().short_form());
+    elements += g.num_elements();
+  }
+  auto& buffers = replica.compressed;
+  if (buffers.size() != graphs_->buckets.buckets.size()) buffers.assign(graphs_->buckets.buckets.size(), Tensor());
+  Tensor& buffer = buffers[bucket];
+  if (!buffer.defined() || buffer.num_elements() != elements || buffer.dtype() != wire) {
+    buffer = Tensor::empty({elements}, wire, grads.front().device());
+  }
+  auto* wire_bytes = static_cast<std::byte*>(buffer.raw_data());
+  std::int64_t offset = 0;
+  for (const auto& g : grads) {
+    graph::narrow_from_float32(static_cast<const float*>(g.raw_data()), wire, wire_bytes + offset * 2, g.num_elements());
+    offset += g.num_elements();
+  }
+  model_.strategy->communicator(replica.index)
+      .all_reduce({&buffer, 1}, collective::ReduceOp::kSum,
+                  {.timeout = model_.strategy->distribution_options().collective_timeout});
+  offset = 0;
+  for (auto& g : grads) {
+    graph::widen_to_float32(wire, wire_bytes + offset * 2, static_cast<float*>(g.raw_data()), g.num_elements());
+    offset += g.num_elements();
+  }
 }
 
 void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "tandem/graph/detail/low_precision_types.h"
 #include "tandem/ops/detail/op_util.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/math_ops.h"
@@ -38,7 +39,13 @@ Output stop_gradient(Output x) { return add_op("StopGradient", {x}); }
 Output scalar_like(Output x, double value) {
   TANDEM_REQUIRE(x.defined(), InvalidArgument, "scalar_like: x is undefined");
   Tensor t;
-  graph::dispatch<graph::NumericTypes>(x.dtype(), "scalar_like", [&]<class T>() { t = Tensor::scalar<T>(static_cast<T>(value)); });
+  graph::dispatch<graph::EveryType>(x.dtype(), "scalar_like", [&]<class T>() {
+    if constexpr (graph::is_low_precision(graph::dtype_of<T>)) {
+      t = Tensor::scalar<T>(static_cast<T>(static_cast<float>(value)));
+    } else {
+      t = Tensor::scalar<T>(static_cast<T>(value));
+    }
+  });
   return x.graph->constant(t, "scalar");
 }
 
@@ -99,8 +106,6 @@ std::vector<TensorSpec> transpose_shape(ShapeContext& ctx) {
 
 std::vector<TensorSpec> cast_shape(ShapeContext& ctx) {
   const DType to = ctx.attrs().get<DType>("dtype");
-  const auto supported = [](DType d) { return d != DType::kF16 && d != DType::kBF16; };
-  ctx.require(supported(ctx.dtype(0)) && supported(to), "casting {} to {} is not supported yet", ctx.dtype(0), to);
   return {TensorSpec{to, ctx.shape(0)}};
 }
 

@@ -57,8 +57,7 @@ namespace {
 
 void require_numeric(ShapeContext& ctx, int i) {
   const DType d = ctx.dtype(i);
-  ctx.require(d == DType::kF32 || d == DType::kF64 || d == DType::kI32 || d == DType::kI64,
-              "input {} has dtype {}; expected float32, float64, int32 or int64", i, d);
+  ctx.require(d != DType::kU8, "input {} has dtype {}; expected float32, float64, float16, bfloat16, int32 or int64", i, d);
 }
 
 std::vector<TensorSpec> binary_shape(ShapeContext& ctx) {

@@ -1,6 +1,6 @@
 // A small CNN on Fashion-MNIST: Conv 32 3x3, max-pool, Conv 64 3x3, max-pool, Dense 128, Dense 10.
 //
-//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored] [--cpu-devices N] [--dtype-policy P]
 //                            [--expect-accuracy A]
 #include <tandem/keras_like/keras.h>
 

@@ -44,6 +44,12 @@ struct DistributionOptions {
   // after backward (false).
   bool overlap_communication = true;
   std::chrono::milliseconds collective_timeout = collective::kDefaultTimeout;
+  // The dtype gradients travel in. Unset (the default): their own dtype, float32 under the mixed
+  // policies. kBF16 or kF16 (a mixed policy's compute dtype) halves the bytes on the wire, like
+  // PyTorch DDP's bf16/fp16_compress_hook: each replica rounds its gradients to 16 bits, the sum
+  // is formed in 16 bits, and every replica widens the result back before the optimizer.
+  // Gradients that must stay exact (float64) are never compressed.
+  std::optional<graph::DType> gradient_all_reduce_dtype;
 };
 
 // What a function run by Strategy::run sees: which replica it is, and collective operations

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "tandem/collective/communicator.h"
+#include "tandem/graph/detail/low_precision_types.h"
 #include "tandem/graph/dtype.h"
 
 namespace tandem::collective::detail {
@@ -53,11 +54,15 @@ void divide(T* __restrict acc, T divisor, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
 }
 
+// What the host backends reduce. float16 and bfloat16 (compressed gradients) combine through
+// float, rounding after each rank's contribution, as NCCL's ring does.
+using ReducibleTypes = graph::TypeList<float, double, std::int32_t, std::int64_t, Eigen::half, Eigen::bfloat16>;
+
 // Calls fn.template operator()<T, Op, kMean>() for the dtype and reduction (MEAN is a SUM that
 // the caller divides when kMean).
 template <class Fn>
 void dispatch_reduction(DType dtype, ReduceOp op, std::string_view what, Fn&& fn) {
-  graph::dispatch<graph::NumericTypes>(dtype, what, [&]<class T>() {
+  graph::dispatch<ReducibleTypes>(dtype, what, [&]<class T>() {
     switch (op) {
       case ReduceOp::kSum: fn.template operator()<T, Sum<T>, false>(); break;
       case ReduceOp::kMean: fn.template operator()<T, Sum<T>, true>(); break;
@@ -69,7 +74,7 @@ void dispatch_reduction(DType dtype, ReduceOp op, std::string_view what, Fn&& fn
 
 // The dtypes the host backends reduce.
 inline bool reducible(DType dtype) {
-  return dtype == kFloat32 || dtype == kFloat64 || dtype == kInt32 || dtype == kInt64;
+  return dtype == kFloat32 || dtype == kFloat64 || dtype == kInt32 || dtype == kInt64 || graph::is_low_precision(dtype);
 }
 
 // [begin, end) of part `rank` when `total` items, `align` to a part, are split `size` ways.

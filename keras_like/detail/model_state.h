@@ -96,6 +96,7 @@ class Trainer {
   // (into replica 0's copies) on several.
   void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);
   void reduce_bucket(Replica& replica, std::size_t bucket);
+  void reduce_compressed(Replica& replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
 
   ModelState& model_;
   std::vector<graph::TensorSpec> element_spec_;

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "tandem/graph/detail/low_precision_types.h"
 #include "tandem/ops/cpu/broadcast.h"
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/registration.h"
@@ -61,12 +62,15 @@ void copy_kernel(KernelContext& ctx) {
 void cast_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
-  graph::dispatch<AllTypes>(x.dtype(), ctx.label(), [&]<class From>() {
-    graph::dispatch<AllTypes>(y.dtype(), ctx.label(), [&]<class To>() {
+  // Every pair of dtypes, 16-bit ones included; those convert through float (one rounding, since
+  // float holds every float16 and bfloat16 value exactly).
+  graph::dispatch<graph::EveryType>(x.dtype(), ctx.label(), [&]<class From>() {
+    graph::dispatch<graph::EveryType>(y.dtype(), ctx.label(), [&]<class To>() {
       const From* px = static_cast<const From*>(x.raw_data());
       To* py = static_cast<To*>(y.raw_data());
+      using Via = std::conditional_t<std::is_floating_point_v<From> || std::is_integral_v<From>, From, float>;
       parallel_elements(ctx, x.num_elements(), [&](std::int64_t begin, std::int64_t end) {
-        for (std::int64_t i = begin; i < end; ++i) py[i] = static_cast<To>(px[i]);
+        for (std::int64_t i = begin; i < end; ++i) py[i] = static_cast<To>(static_cast<Via>(px[i]));
       });
     });
   });
@@ -162,8 +166,8 @@ void register_array_cpu_kernels() {
   using devices::DeviceType;
   auto& r = graph::OpRegistry::global();
   r.add_kernel("Transpose", DeviceType::kCPU, transpose_kernel);
-  r.add_kernel("Copy", DeviceType::kCPU, copy_kernel);
-  r.add_kernel("Cast", DeviceType::kCPU, cast_kernel);
+  r.add_kernel("Copy", DeviceType::kCPU, copy_kernel, {.low_precision = graph::LowPrecision::kNative});  // bytes
+  r.add_kernel("Cast", DeviceType::kCPU, cast_kernel, {.low_precision = graph::LowPrecision::kNative});
   r.add_kernel("ArgMax", DeviceType::kCPU, argmax_kernel);
   r.add_kernel("Equal", DeviceType::kCPU, equal_kernel);
   r.add_kernel("OneHot", DeviceType::kCPU, one_hot_kernel);

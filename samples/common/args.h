@@ -13,6 +13,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
+#include "tandem/keras_like/mixed_precision.h"
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"
 
@@ -26,6 +27,7 @@ struct Args {
   double expect_accuracy = 0.0;  // exit non-zero when the test accuracy ends below this
   std::string strategy = "mirrored";  // "one" or "mirrored"
   int cpu_devices = 0;                // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
+  std::string dtype_policy = "float32";  // keras::mixed_precision's global policy, set by parse_args
   bool help = false;
 };
 
@@ -66,6 +68,9 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
     } else if (flag == "--cpu-devices") {
       a.cpu_devices = static_cast<int>(parse_int(flag, value()));
       TANDEM_REQUIRE(a.cpu_devices >= 1, InvalidArgument, "--cpu-devices must be at least 1");
+    } else if (flag == "--dtype-policy") {
+      a.dtype_policy = std::string(value());
+      tandem::keras::mixed_precision::Policy{a.dtype_policy};  // rejects an unknown name now
     } else if (flag == "--verbose") {
       a.verbose = static_cast<int>(parse_int(flag, value()));
     } else if (flag == "--help" || flag == "-h") {
@@ -76,6 +81,8 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
                   "                (MultiWorkerMirroredStrategy: start it with tandem-run, or set TF_CONFIG)\n"
                   "  --cpu-devices N  logical CPU devices (default: one per usable core, at most %d;\n"
                   "                TANDEM_NUM_CPU_DEVICES also sets it)\n"
+                  "  --dtype-policy P  float32 (default), mixed_bfloat16 or mixed_float16 (compute in 16 bits,\n"
+                  "                weights in float32; mixed_float16 adds loss scaling)\n"
                   "  --expect-accuracy A  exit with status 3 when the final test accuracy is below A\n",
                   usage, defaults.epochs, static_cast<long long>(defaults.batch), defaults.strategy.c_str(),
                   kMaxDefaultCpuDevices);
@@ -84,6 +91,7 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) 
       throw tandem::InvalidArgument(fmt::format("unknown argument \"{}\" (see --help)", flag));
     }
   }
+  tandem::keras::mixed_precision::set_global_policy(a.dtype_policy);
   return a;
 }
 

@@ -307,7 +307,7 @@ TEST_CASE("bad options and bad arguments") {
     Tensor t = Tensor::zeros({4}, DType::kU8);
     c.all_reduce(t, ReduceOp::kSum);
   });
-  CHECK(error_as<InvalidArgument>(errors[0]).find("uint8 tensors cannot be reduced; gloo reduces float32, float64, int32 and int64") !=
+  CHECK(error_as<InvalidArgument>(errors[0]).find("uint8 tensors cannot be reduced; gloo reduces float32, float64, float16, bfloat16, int32 and int64") !=
         std::string::npos);
   Group other = make_gloo_group(2);
   errors = on_ranks(other, [&](Communicator& c) {

@@ -256,7 +256,7 @@ std::uint64_t battery(Communicator& c) {
   } catch (const InvalidArgument& e) {
     const std::string expected =
         fmt::format("rank {}: uint8 tensors cannot be reduced; the shared-memory communicator reduces float32, float64, "
-                    "int32 and int64",
+                    "float16, bfloat16, int32 and int64",
                     n - 1);
     if (std::string_view(e.what()).find(expected) == std::string_view::npos) {
       throw std::runtime_error(fmt::format("unexpected message: {}", e.what()));

@@ -324,9 +324,23 @@ TEST_CASE("LossScaleOptimizer's scale and counter are saved in and restored from
   CHECK(fresh.optimizer().loss_scale() == 1024.0);
   CHECK(fresh.optimizer().loss_scale_step_counter() == 2);
 
-  // The plain inner optimizer's model refuses it (and the reverse), naming the optimizers.
+  // Loss scaling wraps the optimizer: the plain inner optimizer's model (a float32 model resuming
+  // a mixed_float16 run) takes the weights, slots and iterations and leaves the scale behind...
   Model adam = make_model(one, Adam{.learning_rate = 0.01});
-  CHECK_THROWS_WITH_AS(load_training_checkpoint(adam, path), doctest::Contains("loss_scale_optimizer(adam)"),
+  load_training_checkpoint(adam, path);
+  CHECK(adam.optimizer().iterations() == 8);
+  CHECK_FALSE(adam.optimizer().loss_scale_optimizer().has_value());
+  // ...and a loss-scaled model resuming a plain checkpoint starts from its initial scale.
+  const std::string plain_path = path + ".plain";
+  save_training_checkpoint(adam, plain_path, {.epoch = 1, .step = 0});
+  Model scaled = make_model(one, optimizer);
+  load_training_checkpoint(scaled, plain_path);
+  CHECK(scaled.optimizer().iterations() == 8);
+  CHECK(scaled.optimizer().loss_scale() == optimizer.initial_scale);
+  std::filesystem::remove(plain_path);
+  // Another inner optimizer is still refused, naming both.
+  Model sgd = make_model(one, SGD{});
+  CHECK_THROWS_WITH_AS(load_training_checkpoint(sgd, path), doctest::Contains("loss_scale_optimizer(adam)"),
                        InvalidArgument);
 }
 

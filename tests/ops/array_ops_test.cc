@@ -3,6 +3,10 @@
 
 #include "op_test_harness.h"
 #include "tandem/graph/autodiff.h"
+#include "tandem/graph/detail/low_precision_types.h"
+
+#include <cmath>
+#include <limits>
 
 using namespace tandem;
 using namespace tandem::testing;
@@ -97,6 +101,84 @@ TEST_CASE("Cast between float types carries the gradient; to int truncates") {
   auto out = ex.run({{x, Tensor::from_vector<float>({1.9f, -1.9f, 0.2f, 7.0f}, {4})}}, {i, u});
   CHECK(out[0].to_vector<std::int32_t>() == std::vector<std::int32_t>{1, -1, 0, 7});
   CHECK(out[1].to_vector<std::uint8_t>() == std::vector<std::uint8_t>{1, 255, 0, 7});
+}
+
+TEST_CASE("Cast to and from float16 and bfloat16: round to nearest even, overflow, NaN, gradients in the source dtype") {
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {8}, "x");
+  auto h = ops::cast(x, DType::kF16);
+  auto b = ops::cast(x, DType::kBF16);
+  auto h_back = ops::cast(h, kFloat32);
+  auto b_back = ops::cast(b, kFloat32);
+  auto b_to_h = ops::cast(b, DType::kF16);  // 16 bits to 16 bits, through float
+  auto b_to_i = ops::cast(b, kInt32);
+  graph::Executor ex(g, devices::default_cpu_device());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // 1 + 2^-11 is halfway between two float16 values (ties to even: 1); 1 + 3 * 2^-11 rounds up.
+  // 1 + 2^-8 is halfway between two bfloat16 values. 70000 overflows float16 but not bfloat16.
+  const std::vector<float> values{1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-8f, 70000.0f, -2.5f, nan, -inf, 3.0e38f};
+  auto out = ex.run({{x, Tensor::from_vector<float>(values, {8})}}, {h_back, b_back, b_to_h, b_to_i, h, b});
+  const auto hv = out[0].to_vector<float>();
+  const auto bv = out[1].to_vector<float>();
+  CHECK(hv[0] == 1.0f);
+  CHECK(hv[1] == 1.0f + 0x1p-9f);
+  CHECK(hv[3] == inf);
+  CHECK(hv[4] == -2.5f);
+  CHECK(std::isnan(hv[5]));
+  CHECK(hv[6] == -inf);
+  CHECK(bv[2] == 1.0f);
+  CHECK(bv[3] == 70144.0f);  // bfloat16 keeps float32's range: 70000 rounds to 137 * 2^9
+  CHECK(std::isnan(bv[5]));
+  CHECK(std::isfinite(bv[7]));
+  CHECK(out[2].dtype() == DType::kF16);
+  CHECK(static_cast<float>(out[2].to_vector<graph::float16>()[4]) == -2.5f);
+  CHECK(out[3].to_vector<std::int32_t>()[4] == -2);
+  CHECK(out[4].nbytes() == 16);
+  CHECK(out[5].nbytes() == 16);
+
+  // The gradient of a cast comes back in the source dtype.
+  auto loss = ops::reduce_sum(ops::mul(b, b));
+  const std::vector<Output> xs{x};
+  auto grads = graph::gradients({&loss, 1}, xs);
+  CHECK(grads[0].dtype() == kFloat32);
+  graph::Executor grad_ex(g, devices::default_cpu_device());
+  const std::vector<float> ramp{1, 2, 3, 4, 5, 6, 7, 8};
+  auto grad = grad_ex.run({{x, Tensor::from_vector<float>(ramp, {8})}}, {grads[0]});
+  CHECK(grad[0].to_vector<float>() == std::vector<float>{2, 4, 6, 8, 10, 12, 14, 16});
+}
+
+TEST_CASE("a kernel without 16-bit code runs on float32 copies and rounds once: same result, every run") {
+  // MatMul has no 16-bit CPU code: the executor widens its inputs, runs the float32 kernel and
+  // rounds the output. Compare with the float32 product rounded once.
+  auto g = std::make_shared<Graph>();
+  auto a = g->placeholder(DType::kBF16, {3, 5}, "a");
+  auto b = g->placeholder(DType::kBF16, {5, 2}, "b");
+  auto c = ops::matmul(a, b);
+  CHECK(c.dtype() == DType::kBF16);
+  std::vector<graph::bfloat16> av, bv;
+  std::vector<float> af, bf;
+  for (int i = 0; i < 15; ++i) {
+    av.emplace_back(0.37f * static_cast<float>(i) - 2.0f);
+    af.push_back(static_cast<float>(av.back()));
+  }
+  for (int i = 0; i < 10; ++i) {
+    bv.emplace_back(0.71f - 0.13f * static_cast<float>(i));
+    bf.push_back(static_cast<float>(bv.back()));
+  }
+  graph::Executor ex(g, devices::default_cpu_device());
+  const Tensor at = Tensor::from_vector(av, {3, 5}), bt = Tensor::from_vector(bv, {5, 2});
+  for (int run = 0; run < 2; ++run) {  // the second run reuses the float32 copies
+    const auto got = ex.run({{a, at}, {b, bt}}, {c})[0].to_vector<graph::bfloat16>();
+    for (int i = 0; i < 3; ++i) {
+      for (int j = 0; j < 2; ++j) {
+        float want = 0;
+        for (int k = 0; k < 5; ++k) want += af[static_cast<std::size_t>(i * 5 + k)] * bf[static_cast<std::size_t>(k * 2 + j)];
+        CHECK(static_cast<float>(got[static_cast<std::size_t>(i * 2 + j)]) ==
+              doctest::Approx(static_cast<float>(graph::bfloat16(want))).epsilon(1e-6));
+      }
+    }
+  }
 }
 
 TEST_CASE("ArgMax, Equal and OneHot (no gradients)") {

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "tandem/graph/autodiff.h"
+#include "tandem/graph/detail/low_precision_types.h"
 
 namespace tandem::testing {
 
@@ -26,9 +27,15 @@ double RefTensor::at(std::initializer_list<std::int64_t> index) const { return v
 
 RefTensor to_ref(const Tensor& t) {
   RefTensor r(t.shape());
-  graph::dispatch<graph::AllTypes>(t.dtype(), "to_ref", [&]<class T>() {
+  graph::dispatch<graph::EveryType>(t.dtype(), "to_ref", [&]<class T>() {
     const auto v = t.to_vector<T>();
-    for (std::size_t i = 0; i < v.size(); ++i) r.values[i] = static_cast<double>(v[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if constexpr (graph::is_low_precision(graph::dtype_of<T>)) {
+        r.values[i] = static_cast<double>(static_cast<float>(v[i]));
+      } else {
+        r.values[i] = static_cast<double>(v[i]);
+      }
+    }
   });
   return r;
 }
@@ -86,9 +93,15 @@ bool is_float_input(const InputSpec& spec) {
 
 Tensor make_tensor(const RefTensor& r, DType dtype) {
   Tensor t;
-  graph::dispatch<graph::AllTypes>(dtype, "make_tensor", [&]<class T>() {
+  graph::dispatch<graph::EveryType>(dtype, "make_tensor", [&]<class T>() {
     std::vector<T> v(r.values.size());
-    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<T>(r.values[i]);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if constexpr (graph::is_low_precision(graph::dtype_of<T>)) {
+        v[i] = static_cast<T>(static_cast<float>(r.values[i]));
+      } else {
+        v[i] = static_cast<T>(r.values[i]);
+      }
+    }
     t = Tensor::from_vector<T>(v, r.shape);
   });
   return t;
@@ -153,7 +166,7 @@ void compare(const OpCase& c, const char* pass, std::size_t output, const RefTen
   for (std::int64_t i = 0; i < got.size(); ++i) {
     const double g = got[i];
     const double w = want[i];
-    const bool ok = std::abs(g - w) <= tolerance * (1.0 + std::abs(w)) || (std::isnan(g) && std::isnan(w));
+    const bool ok = g == w || std::abs(g - w) <= tolerance * (1.0 + std::abs(w)) || (std::isnan(g) && std::isnan(w));
     if (!ok && reported++ < 5) {
       CHECK_MESSAGE(ok, "element ", i, ": got ", g, ", reference ", w);
     }
@@ -181,9 +194,31 @@ void run_op_case(const OpCase& c) {
       compare(c, dt == DType::kF64 ? "float64 forward" : "float32 forward", k, to_ref(got[k]), expected[k], tol);
     }
   }
+
+  // 3: the 16-bit passes, against the reference on the rounded inputs.
+  if (c.check_low_precision) {
+    for (const DType dt : {DType::kBF16, DType::kF16}) {
+      std::vector<RefTensor> rounded = values;
+      for (std::size_t i = 0; i < rounded.size(); ++i) {
+        if (is_float_input(c.inputs[i])) rounded[i] = to_ref(make_tensor(values[i], dt));
+      }
+      const auto want = c.reference(rounded);
+      Instance instance(c, dt, false, rng);
+      const auto got = instance.run(values, instance.outputs);
+      REQUIRE(got.size() == want.size());
+      const char* pass = dt == DType::kBF16 ? "bfloat16 forward" : "float16 forward";
+      for (std::size_t k = 0; k < got.size(); ++k) {
+        const bool is_float = graph::is_floating(got[k].dtype());
+        // A 16-bit output is rounded to its own type; a float32 one (a loss) is not.
+        const bool low = graph::is_low_precision(got[k].dtype());
+        const double tol = !is_float ? 0.0 : !low ? c.f32_tolerance * 10 : dt == DType::kBF16 ? c.bf16_tolerance : c.f16_tolerance;
+        compare(c, pass, k, to_ref(got[k]), want[k], tol);
+      }
+    }
+  }
   if (!c.check_gradient) return;
 
-  // 3: autodiff against central differences, in float64.
+  // 4: autodiff against central differences, in float64.
   Instance instance(c, DType::kF64, true, rng);
   std::vector<Output> fetches{instance.loss};
   for (const auto& g : instance.grads) fetches.push_back(g);

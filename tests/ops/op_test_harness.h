@@ -2,7 +2,9 @@
 // float64 reference written as plain loops, and run_op_case checks
 //   1. the float64 kernel against the reference (tight tolerance),
 //   2. the float32 kernel against the reference (float32 tolerance),
-//   3. the gradient of every differentiable input, from autodiff, against central finite
+//   3. the float16 and bfloat16 forward passes against the reference computed on the inputs
+//      rounded to that type (so the tolerance measures the kernel, not the input rounding),
+//   4. the gradient of every differentiable input, from autodiff, against central finite
 //      differences of a random projection of the outputs, in float64,
 // on random inputs that are never zero and that keep away from the op's kinks.
 #pragma once
@@ -90,6 +92,11 @@ struct OpCase {
   bool check_gradient = true;
   double f64_tolerance = 1e-10;  // |got - want| <= tol * (1 + |want|)
   double f32_tolerance = 2e-5;
+  // 16-bit passes: the output is rounded once (bfloat16 keeps 8 significant bits, 2^-9 relative
+  // error; float16 11 bits, 2^-12), plus the float32 computation's error.
+  bool check_low_precision = true;
+  double bf16_tolerance = 8e-3;
+  double f16_tolerance = 1e-3;
   double gradient_tolerance = 1e-6;
   double finite_difference_step = 1e-6;
   // Gradient check of at most this many elements per input (sampled), to bound the run time.
@@ -99,7 +106,7 @@ struct OpCase {
 // Runs the three checks with doctest's CHECK; failures name the case, output and element.
 void run_op_case(const OpCase& test_case);
 
-// Reads a float64 or float32 or integer tensor into a RefTensor.
+// Reads a tensor of any dtype into a RefTensor.
 RefTensor to_ref(const graph::Tensor& t);
 
 }  // namespace tandem::testing
