@@ -1,15 +1,21 @@
 #include "tandem/devices/allocator.h"
 
 #include <cstdlib>
+#include <tuple>
 
 #include "tandem/base/errors.h"
 
 namespace tandem::devices {
 
 AllocatorStats Allocator::stats() const {
-  return {bytes_in_use_.load(std::memory_order_relaxed),
-          peak_bytes_in_use_.load(std::memory_order_relaxed),
-          num_allocations_.load(std::memory_order_relaxed)};
+  AllocatorStats s{bytes_in_use_.load(std::memory_order_relaxed), peak_bytes_in_use_.load(std::memory_order_relaxed),
+                   num_allocations_.load(std::memory_order_relaxed)};
+  std::tie(s.bytes_reserved, s.peak_bytes_reserved) = reserved_bytes();
+  return s;
+}
+
+std::pair<std::int64_t, std::int64_t> Allocator::reserved_bytes() const {
+  return {bytes_in_use_.load(std::memory_order_relaxed), peak_bytes_in_use_.load(std::memory_order_relaxed)};
 }
 
 void Allocator::reset_peak_bytes_in_use() {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace tandem::devices {
 
@@ -15,6 +16,10 @@ struct AllocatorStats {
   std::int64_t bytes_in_use = 0;
   std::int64_t peak_bytes_in_use = 0;
   std::int64_t num_allocations = 0;  // calls to allocate() since the device was created
+  // Memory taken from the system: in use plus what a caching allocator keeps for reuse (GPUs);
+  // equal to bytes_in_use where nothing is cached (CPUs).
+  std::int64_t bytes_reserved = 0;
+  std::int64_t peak_bytes_reserved = 0;
 };
 
 // Thread-safe. allocate() throws ResourceExhausted (naming the device, the request and what is in
@@ -28,10 +33,14 @@ class Allocator {
   AllocatorStats stats() const;
   // Starts a new peak measurement from the current use.
   void reset_peak_bytes_in_use();
+  // Gives memory kept for reuse back to the system (torch.cuda.empty_cache()); no-op on CPUs.
+  virtual void empty_cache() {}
 
  protected:
   void record_allocation(std::size_t bytes);
   void record_deallocation(std::size_t bytes);
+  // (reserved, peak reserved) for stats(); the default is the in-use counters.
+  virtual std::pair<std::int64_t, std::int64_t> reserved_bytes() const;
 
  private:
   std::atomic<std::int64_t> bytes_in_use_{0};

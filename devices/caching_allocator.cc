@@ -127,6 +127,11 @@ void CachingAllocator::release_cache_locked() {
   free_.clear();
 }
 
+std::pair<std::int64_t, std::int64_t> CachingAllocator::reserved_bytes() const {
+  std::lock_guard lock(mutex_);
+  return {stats_.reserved_bytes, stats_.peak_reserved_bytes};
+}
+
 CachingAllocatorStats CachingAllocator::caching_stats() const {
   std::lock_guard lock(mutex_);
   return stats_;

@@ -1,10 +1,14 @@
-// The CUDA device: cudaMalloc'd memory, one non-blocking compute stream, synchronous copies.
-// A caching allocator, a communication stream and asynchronous copies come with the GPU backend.
+// The CUDA device: memory from a caching allocator over cudaMalloc, a compute and a communication
+// stream (non-blocking), events between them, page-locked staging memory and asynchronous
+// host-to-device copies. Blocking copies run on the compute stream, so they see its kernels' results.
 #include "tandem/devices/detail/cuda_device.h"
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+
 #include "tandem/base/errors.h"
+#include "tandem/devices/detail/caching_allocator.h"
 #include "tandem/devices/detail/cuda_check.h"
 
 namespace tandem::devices::detail {
@@ -17,28 +21,34 @@ DeviceName gpu_name(int index) {
   return name;
 }
 
-class CudaAllocator final : public Allocator {
+// cudaMalloc / cudaFree under the caching allocator. cudaMalloc's out-of-memory error is
+// cleared (it is not sticky) and reported as nullptr, so the cache can be flushed and retried.
+class CudaRawMemory final : public RawDeviceMemory {
  public:
-  CudaAllocator(int index, std::string name) : index_(index), name_(std::move(name)) {}
-  void* allocate(std::size_t bytes, std::size_t /*alignment: cudaMalloc gives 256*/) override {
+  CudaRawMemory(int index, std::string name) : index_(index), name_(std::move(name)) {}
+  void* allocate(std::size_t bytes) override {
     ScopedCudaDevice guard(index_, name_);
     void* pointer = nullptr;
-    const cudaError_t status = cudaMalloc(&pointer, bytes == 0 ? 1 : bytes);
+    const cudaError_t status = cudaMalloc(&pointer, bytes);
     if (status == cudaErrorMemoryAllocation) {
-      cudaGetLastError();  // clear the sticky-free error so later calls work
-      std::size_t free_bytes = 0, total_bytes = 0;
-      cudaMemGetInfo(&free_bytes, &total_bytes);
-      throw ResourceExhausted(fmt::format("{}: out of GPU memory allocating {} bytes ({} free of {})", name_,
-                                          bytes, free_bytes, total_bytes));
+      cudaGetLastError();
+      return nullptr;
     }
     TANDEM_CUDA_CHECK(status, name_);
-    record_allocation(bytes);
     return pointer;
   }
-  void deallocate(void* pointer, std::size_t bytes) noexcept override {
-    if (pointer == nullptr) return;
+  void free(void* pointer, std::size_t /*bytes*/) noexcept override {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(index_);
     cudaFree(pointer);
-    record_deallocation(bytes);
+    cudaSetDevice(previous);
+  }
+  std::pair<std::size_t, std::size_t> memory_info() override {
+    ScopedCudaDevice guard(index_, name_);
+    std::size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) cudaGetLastError();
+    return {free_bytes, total_bytes};
   }
 
  private:
@@ -63,15 +73,53 @@ class CudaStream final : public Stream {
   cudaStream_t stream_ = nullptr;
 };
 
+cudaStream_t native(Stream& stream) { return static_cast<cudaStream_t>(stream.native_handle()); }
+
+// Timing off: an event without timing is a lighter synchronisation object.
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(int index, std::string name) : index_(index), name_(std::move(name)) {
+    ScopedCudaDevice guard(index_, name_);
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), name_);
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void record(Stream& stream) override {
+    ScopedCudaDevice guard(index_, name_);
+    TANDEM_CUDA_CHECK(cudaEventRecord(event_, native(stream)), name_);
+  }
+  void wait(Stream& stream) override {
+    ScopedCudaDevice guard(index_, name_);
+    TANDEM_CUDA_CHECK(cudaStreamWaitEvent(native(stream), event_, 0), name_);
+  }
+  void synchronize() override { TANDEM_CUDA_CHECK(cudaEventSynchronize(event_), name_); }
+  bool done() override {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) {
+      cudaGetLastError();
+      return false;
+    }
+    TANDEM_CUDA_CHECK(status, name_);
+    return true;
+  }
+
+ private:
+  int index_;
+  std::string name_;
+  cudaEvent_t event_ = nullptr;
+};
+
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(int index)
       : Device(gpu_name(index)),
-        allocator_(index, gpu_name(index).short_form()),
-        stream_(index, gpu_name(index).short_form()) {}
+        allocator_(gpu_name(index).short_form(), std::make_unique<CudaRawMemory>(index, gpu_name(index).short_form())),
+        compute_(index, gpu_name(index).short_form()),
+        communication_(index, gpu_name(index).short_form()) {}
 
   Allocator& allocator() override { return allocator_; }
-  Stream& compute_stream() override { return stream_; }
+  Stream& compute_stream() override { return compute_; }
+  Stream& communication_stream() override { return communication_; }
+  std::unique_ptr<Event> create_event() override { return std::make_unique<CudaEvent>(index(), short_name()); }
   bool host_accessible() const override { return false; }
 
   void copy_from_host(void* device_dst, const void* host_src, std::size_t bytes) override {
@@ -83,11 +131,31 @@ class CudaDevice final : public Device {
   void copy_on_device(void* device_dst, const void* device_src, std::size_t bytes) override {
     copy(device_dst, device_src, bytes, cudaMemcpyDeviceToDevice);
   }
+  void copy_from_host_async(void* device_dst, const void* host_src, std::size_t bytes, Stream& stream) override {
+    if (bytes == 0) return;
+    ScopedCudaDevice guard(index(), short_name());
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, native(stream)),
+                      short_name());
+  }
+  void* allocate_pinned_host(std::size_t bytes) override {
+    ScopedCudaDevice guard(index(), short_name());
+    void* pointer = nullptr;
+    const cudaError_t status = cudaHostAlloc(&pointer, std::max<std::size_t>(bytes, 1), cudaHostAllocPortable);
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      throw ResourceExhausted(fmt::format("{}: out of page-locked host memory allocating {} bytes", short_name(), bytes));
+    }
+    TANDEM_CUDA_CHECK(status, short_name());
+    return pointer;
+  }
+  void free_pinned_host(void* pointer, std::size_t /*bytes*/) noexcept override {
+    if (pointer != nullptr) cudaFreeHost(pointer);
+  }
   void fill_zero(void* device_dst, std::size_t bytes) override {
     if (bytes == 0) return;
     ScopedCudaDevice guard(index(), short_name());
-    TANDEM_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, stream_.get()), short_name());
-    stream_.synchronize();
+    TANDEM_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, compute_.get()), short_name());
+    compute_.synchronize();
   }
   void synchronize() override {
     ScopedCudaDevice guard(index(), short_name());
@@ -98,12 +166,13 @@ class CudaDevice final : public Device {
   void copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return;
     ScopedCudaDevice guard(index(), short_name());
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, stream_.get()), short_name());
-    stream_.synchronize();
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, compute_.get()), short_name());
+    compute_.synchronize();
   }
 
-  CudaAllocator allocator_;
-  CudaStream stream_;
+  CachingAllocator allocator_;
+  CudaStream compute_;
+  CudaStream communication_;
 };
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -42,6 +43,47 @@ class Stream {
   virtual void* native_handle() const = 0;
 };
 
+class Device;
+
+// A point in a stream's work (cudaEvent_t): record it on one stream, make another wait for it, or
+// block the host until it is reached. On CPU devices streams run inline, so every recorded event
+// is already reached.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Captures the work queued on `stream` so far. Callers: the thread that owns the stream.
+  virtual void record(Stream& stream) = 0;
+  // Work queued on `stream` from now on starts after the recorded point. Does not block the host.
+  virtual void wait(Stream& stream) = 0;
+  // Blocks the calling thread until the recorded point is reached.
+  virtual void synchronize() = 0;
+  // Whether the recorded point has been reached (never blocks).
+  virtual bool done() = 0;
+};
+
+// Page-locked host memory for a device's asynchronous copies (cudaHostAlloc on GPUs, ordinary
+// aligned memory on CPUs): a copy from it overlaps compute, where one from pageable memory is
+// staged by the driver and blocks. Freed when the buffer goes away; the caller makes sure no copy
+// still reads it (synchronize an Event recorded after the copy).
+class PinnedHostBuffer {
+ public:
+  PinnedHostBuffer() = default;
+  PinnedHostBuffer(Device& device, std::size_t bytes);
+  ~PinnedHostBuffer();
+  PinnedHostBuffer(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer& operator=(PinnedHostBuffer&& other) noexcept;
+  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
+  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+
+  void* data() const { return data_; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -57,7 +99,12 @@ class Device {
   std::string short_name() const { return name_.short_form(); }
 
   virtual Allocator& allocator() = 0;
+  // Kernels run in order on the compute stream. Collectives run on the communication stream,
+  // made to wait (with an Event) for the compute work that produced their inputs, so that
+  // all-reduces overlap backward. On CPU devices both are the same inline stream.
   virtual Stream& compute_stream() = 0;
+  virtual Stream& communication_stream() { return compute_stream(); }
+  virtual std::unique_ptr<Event> create_event();
   // True when the host can read and write this device's memory directly (CPU devices).
   virtual bool host_accessible() const = 0;
 
@@ -67,6 +114,15 @@ class Device {
   virtual void copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) = 0;
   virtual void copy_on_device(void* device_dst, const void* device_src, std::size_t bytes) = 0;
   virtual void fill_zero(void* device_dst, std::size_t bytes) = 0;
+
+  // A host-to-device copy queued on `stream`, returning at once on GPUs (immediately done on
+  // CPUs). The source must stay unchanged until the copy has run: record an Event after it.
+  // From a PinnedHostBuffer the copy overlaps kernels on other streams (the input pipeline's
+  // next batch while this one computes). Callers: the thread that owns `stream`.
+  virtual void copy_from_host_async(void* device_dst, const void* host_src, std::size_t bytes, Stream& stream);
+  // Page-locked host memory; use PinnedHostBuffer rather than these.
+  virtual void* allocate_pinned_host(std::size_t bytes);
+  virtual void free_pinned_host(void* pointer, std::size_t bytes) noexcept;
 
   // Blocks until all work queued on this device's streams has finished.
   virtual void synchronize() = 0;

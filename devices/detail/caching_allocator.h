@@ -71,12 +71,15 @@ class CachingAllocator final : public Allocator {
 
   // A block for work on `stream`; its free list is that stream's.
   void* allocate_on(StreamHandle stream, std::size_t bytes);
-  // Gives every cached block back to the raw allocator (torch.cuda.empty_cache()).
-  void empty_cache();
+  // empty_cache() (below) gives every cached block back to the raw allocator.
   CachingAllocatorStats caching_stats() const;
+  void empty_cache() override;
 
   // The size class a request is rounded to.
   static std::size_t size_class(std::size_t bytes);
+
+ protected:
+  std::pair<std::int64_t, std::int64_t> reserved_bytes() const override;
 
  private:
   struct Block {

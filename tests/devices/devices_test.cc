@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <cstring>
+
 #include <algorithm>
 #include <atomic>
 #include <numeric>
@@ -73,6 +75,28 @@ TEST_CASE("an impossible allocation is ResourceExhausted naming the device") {
   auto& device = devices::get_device("CPU:0");
   CHECK_THROWS_WITH_AS(device.allocator().allocate(std::size_t{1} << 62), doctest::Contains("CPU:0: out of host memory"),
                        ResourceExhausted);
+}
+
+TEST_CASE("CPU devices: one inline stream, events already reached, pinned staging and async copies done at once") {
+  auto& cpu = devices::default_cpu_device();
+  CHECK(&cpu.communication_stream() == &cpu.compute_stream());
+  auto event = cpu.create_event();
+  event->record(cpu.compute_stream());
+  event->wait(cpu.communication_stream());
+  CHECK(event->done());
+  event->synchronize();
+  devices::PinnedHostBuffer staging(cpu, 1000);
+  CHECK(staging.bytes() == 1000);
+  CHECK(reinterpret_cast<std::uintptr_t>(staging.data()) % devices::kDefaultAlignmentBytes == 0);
+  std::vector<std::uint8_t> source(1000);
+  for (std::size_t i = 0; i < source.size(); ++i) source[i] = static_cast<std::uint8_t>(i * 7);
+  cpu.copy_from_host_async(staging.data(), source.data(), source.size(), cpu.compute_stream());
+  CHECK(std::memcmp(staging.data(), source.data(), source.size()) == 0);
+  devices::PinnedHostBuffer moved = std::move(staging);
+  CHECK(staging.data() == nullptr);
+  CHECK(moved.bytes() == 1000);
+  const auto stats = cpu.allocator().stats();
+  CHECK(stats.bytes_reserved == stats.bytes_in_use);  // nothing cached on CPUs
 }
 
 TEST_CASE("copies between devices and tensor helpers") {
