@@ -4,6 +4,11 @@
 //   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
 //   build/bench/bench_fit --strategy mirrored [--replicas 2] [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --strategy multiworker [--models mlp,wide] [--repeat R]
+//   build/bench/bench_fit --device gpu [--models mlp,wide,cnn] [--data DIR] [--gpu-peer-command CMD] [--no-peer]
+//
+// --device gpu trains on GPU:0 (OneDeviceStrategy) in float32 and under mixed_bfloat16, beside
+// scripts/torch_fmnist_gpu.py (PyTorch eager on the same GPU, float32 and bf16 autocast) run in
+// the same invocation, and prints the ratios. CUDA graphs are not built yet: their column says so.
 //
 // --strategy multiworker starts this program again as two worker processes of one intra-op
 // thread each on 127.0.0.1 (TF_CONFIG set as tandem-run sets it), training under
@@ -65,6 +70,10 @@ struct Options {
   bool models_given = false;
   std::string worker_model;  // set in the worker processes of --strategy multiworker
   bool worker_ring = false;  // those workers use Gloo (RING) instead of the default (shared memory here)
+  std::string device = "cpu";  // or "gpu"
+  std::string data_dir = data::kDebianFashionMnistDir;
+  // How to start the GPU peer (a command prefix: gpu_check.sh adds the environment PyTorch needs).
+  std::string gpu_peer_command = "python3 " TANDEM_BENCH_PEER_DIR "/../../scripts/torch_fmnist_gpu.py";
 };
 
 Options parse(int argc, char** argv) {
@@ -98,6 +107,14 @@ Options parse(int argc, char** argv) {
       o.repeat = std::max(1, std::stoi(value()));
     } else if (arg == "--no-peer") {
       o.peer = false;
+    } else if (arg == "--device") {
+      o.device = value();
+      TANDEM_REQUIRE(o.device == "cpu" || o.device == "gpu", InvalidArgument, "--device \"{}\": expected cpu or gpu",
+                     o.device);
+    } else if (arg == "--data") {
+      o.data_dir = value();
+    } else if (arg == "--gpu-peer-command") {
+      o.gpu_peer_command = value();
     } else if (arg == "--peer-script") {
       o.peer_script = value();
     } else {
@@ -128,8 +145,9 @@ struct Result {
 
 // One training run; under `strategy` (its scope) when given, else the default strategy.
 Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, int epochs,
-                  Strategy* strategy = nullptr) {
+                  Strategy* strategy = nullptr, const char* policy = "float32") {
   set_global_seed(0);
+  keras::mixed_precision::PolicyScope policy_scope(policy);
   const auto make = [&] {
     auto model = build(kind);
     model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true},
@@ -241,12 +259,14 @@ std::optional<Result> median(std::vector<Result> runs) {
 int run_mirrored(const Options& o);
 int run_multiworker(const Options& o);
 int run_multiworker_worker(const Options& o);
+int run_gpu(const Options& o);
 
 int main(int argc, char** argv) try {
   const Options o = parse(argc, argv);
   if (!o.worker_model.empty()) return run_multiworker_worker(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.strategy == "multiworker") return run_multiworker(o);
+  if (o.device == "gpu") return run_gpu(o);
   if (o.threads > 0) devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
@@ -296,6 +316,45 @@ int main(int argc, char** argv) try {
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());
   return 1;
+}
+
+// --device gpu: tandem on GPU:0 in float32 and mixed_bfloat16 beside PyTorch eager on that GPU.
+int run_gpu(const Options& o) {
+  TANDEM_REQUIRE(devices::num_gpus() > 0, FailedPrecondition, "--device gpu: no GPU ({})", devices::gpu_discovery_message());
+  const auto data = data::fashion_mnist(o.data_dir);
+  std::printf("bench_fit --device gpu: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d "
+              "run(s)\n",
+              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf("GPU:  %s\npeer: %s\n\n", devices::gpu_discovery_message().c_str(),
+              o.peer ? o.gpu_peer_command.c_str() : "(skipped)");
+  std::printf("%-6s %-15s | %12s %8s | %12s %8s %7s | %s\n", "model", "precision", "tandem /s", "acc", "torch /s", "acc",
+              "ratio", "CUDA graphs");
+  std::printf("%s\n", std::string(96, '-').c_str());
+  OneDeviceStrategy gpu("GPU:0");
+  for (const auto& kind : o.models) {
+    for (const auto& [policy, peer_precision] : {std::pair{"float32", "float32"}, std::pair{"mixed_bfloat16", "bf16"}}) {
+      std::vector<Result> ours_runs, peer_runs;
+      for (int r = 0; r < o.repeat; ++r) {
+        ours_runs.push_back(run_tandem(kind, data, o.epochs, &gpu, policy));
+        if (!o.peer) continue;
+        if (auto p = run_peer_command(fmt::format("{} --model {} --precision {} --epochs {} --batch {} --data {} 2>&1",
+                                                  o.gpu_peer_command, kind, peer_precision, o.epochs, kBatch, o.data_dir))) {
+          peer_runs.push_back(*p);
+        }
+      }
+      const Result ours = *median(ours_runs);
+      const auto peer = median(peer_runs);
+      const std::string peer_cell =
+          peer ? fmt::format("{:>12.0f} {:>8.4f} {:>6.2f}x", peer->samples_per_s, peer->test_accuracy,
+                             ours.samples_per_s / peer->samples_per_s)
+               : fmt::format("{:>12} {:>8} {:>7}", "-", "-", "-");
+      std::printf("%-6s %-15s | %12.0f %8.4f | %s | %s\n", kind.c_str(), policy, ours.samples_per_s, ours.test_accuracy,
+                  peer_cell.c_str(), "not built yet");
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\nratio = tandem samples/s over PyTorch eager's on the same GPU (torch: float32, or bf16 autocast).\n");
+  return 0;
 }
 
 // --strategy mirrored: tandem's MirroredStrategy (with and without overlap) beside PyTorch DDP.

@@ -35,7 +35,18 @@ if(NOT TANDEM_CUDA STREQUAL "OFF")
       message(STATUS "tandem: NCCL not found; GPU replicas would have no collective backend")
       set(TANDEM_NCCL_LIBRARY "")
     endif()
-    message(STATUS "tandem: CUDA ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR}; GPU parts are built")
+    # The GPU kernels: nvcc from the same toolkit, sm_90 (H100/H200) SASS plus PTX by default.
+    if(NOT CMAKE_CUDA_COMPILER)
+      set(CMAKE_CUDA_COMPILER ${CUDAToolkit_BIN_DIR}/nvcc)
+    endif()
+    if(NOT CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 17)  # what this CMake knows how to ask nvcc for; the .cu code needs no more
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    message(STATUS "tandem: CUDA ${CUDAToolkit_VERSION} found at ${CUDAToolkit_BIN_DIR}; GPU parts are built "
+                   "(CUDA architectures: ${CMAKE_CUDA_ARCHITECTURES})")
   elseif(TANDEM_CUDA STREQUAL "ON")
     message(FATAL_ERROR "tandem: TANDEM_CUDA=ON but no CUDA toolkit was found "
                         "(set CUDAToolkit_ROOT, or use -DTANDEM_CUDA=AUTO)")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <span>
 
 #include "tandem/devices/device_name.h"
 #include "tandem/graph/memory_planner.h"
@@ -36,6 +37,9 @@ struct Executor::Plan {
     bool widen = false;
     std::vector<Tensor> wide_inputs;   // per input: a float32 copy, or undefined
     std::vector<Tensor> wide_outputs;  // per output: a float32 buffer, or undefined
+    // No kernel for this device (a GPU): the CPU kernel runs on host copies.
+    bool on_host = false;
+    std::vector<Tensor> host_inputs, host_outputs;
   };
 
   std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
@@ -53,59 +57,93 @@ struct Executor::Plan {
   PlanStats stats;
 };
 
-// A kernel that computes 16-bit tensors in float32: widen the 16-bit inputs into float32
-// copies, let the kernel write float32 outputs, round each back once. The copies belong to the
-// step and are reused by later runs (shapes are fixed per plan).
+namespace {
+
+// Runs `kernel` on `device` (a CPU device) for tensors there, widening 16-bit inputs and outputs
+// to float32 copies when `widen`: the kernel computes in float32 and each output is rounded once.
+// The copies live in `wide_inputs` / `wide_outputs` and are reused while their shapes last.
+void run_on_cpu(KernelFn kernel, const Node& node, devices::Device& device, std::span<const Tensor* const> in,
+                std::span<Tensor* const> out, std::uint64_t seed, bool widen, std::vector<Tensor>& wide_inputs,
+                std::vector<Tensor>& wide_outputs) {
+  std::vector<const Tensor*> inputs(in.begin(), in.end());
+  std::vector<Tensor*> outputs(out.begin(), out.end());
+  if (widen) {
+    wide_inputs.resize(inputs.size());
+    wide_outputs.resize(outputs.size());
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      const Tensor& x = *inputs[i];
+      if (!is_low_precision(x.dtype())) continue;
+      Tensor& wide = wide_inputs[i];
+      if (!wide.defined() || wide.shape() != x.shape()) wide = Tensor::empty(x.shape(), DType::kF32, device);
+      device.parallel_for(x.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
+        widen_to_float32(x.dtype(), static_cast<const char*>(x.raw_data()) + b * 2,
+                         static_cast<float*>(wide.raw_data()) + b, e - b);
+      });
+      inputs[i] = &wide;
+    }
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const Tensor& y = *outputs[i];
+      if (!is_low_precision(y.dtype())) continue;
+      Tensor& wide = wide_outputs[i];
+      if (!wide.defined() || wide.shape() != y.shape()) wide = Tensor::empty(y.shape(), DType::kF32, device);
+      outputs[i] = &wide;
+    }
+  }
+  KernelContext context(node, device, inputs.data(), outputs.data(), seed);
+  kernel(context);
+  if (!widen) return;
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i] == out[i]) continue;
+    Tensor& y = *out[i];
+    const Tensor& wide = *outputs[i];
+    device.parallel_for(y.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
+      narrow_from_float32(static_cast<const float*>(wide.raw_data()) + b, y.dtype(),
+                          static_cast<char*>(y.raw_data()) + b * 2, e - b);
+    });
+  }
+}
+
+}  // namespace
+
+// Most steps call their kernel directly. Two kinds need help:
+//   widen:   a CPU kernel without 16-bit code, given 16-bit tensors (run_on_cpu widens them);
+//   on_host: an op with no kernel for this (GPU) device: its inputs are copied to the host, the
+//            CPU kernel runs there, and the outputs are copied back. Correct but slow (two copies
+//            and a synchronisation); `TANDEM_PROFILE` names such ops, and the GPU kernels cover the
+//            ops of dense models.
 void Executor::run_kernel(Plan& plan, std::size_t step_index, KernelContext& original) {
   Plan::Step& step = plan.steps[step_index];
-  if (!step.widen) {
+  if (!step.widen && !step.on_host) {
     step.kernel(original);
     return;
   }
-  devices::Device& device = device_;
-  const std::size_t num_inputs = step.inputs.size();
-  const std::size_t num_outputs = step.outputs.size();
-  if (step.wide_inputs.empty() && step.wide_outputs.empty()) {
-    step.wide_inputs.resize(num_inputs);
-    step.wide_outputs.resize(num_outputs);
-    for (std::size_t i = 0; i < num_inputs; ++i) {
-      if (is_low_precision(step.inputs[i]->dtype())) {
-        step.wide_inputs[i] = Tensor::empty(step.inputs[i]->shape(), DType::kF32, device);
-      }
+  std::span<const Tensor* const> inputs(step.inputs);
+  std::span<Tensor* const> outputs(step.outputs);
+  if (!step.on_host) {
+    run_on_cpu(step.kernel, original.node(), device_, inputs, outputs, original.random_seed(), true, step.wide_inputs,
+               step.wide_outputs);
+    return;
+  }
+  devices::Device& host = devices::default_cpu_device();
+  step.host_inputs.resize(inputs.size());
+  step.host_outputs.resize(outputs.size());
+  std::vector<const Tensor*> host_in;
+  std::vector<Tensor*> host_out;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    step.host_inputs[i] = inputs[i]->to(host);
+    host_in.push_back(&step.host_inputs[i]);
+  }
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    Tensor& h = step.host_outputs[i];
+    if (!h.defined() || h.shape() != outputs[i]->shape() || h.dtype() != outputs[i]->dtype()) {
+      h = Tensor::empty(outputs[i]->shape(), outputs[i]->dtype(), host);
     }
-    for (std::size_t i = 0; i < num_outputs; ++i) {
-      if (is_low_precision(step.outputs[i]->dtype())) {
-        step.wide_outputs[i] = Tensor::empty(step.outputs[i]->shape(), DType::kF32, device);
-      }
-    }
+    host_out.push_back(&h);
   }
-  std::vector<const Tensor*> inputs(step.inputs.begin(), step.inputs.end());
-  std::vector<Tensor*> outputs(step.outputs.begin(), step.outputs.end());
-  for (std::size_t i = 0; i < num_inputs; ++i) {
-    if (!step.wide_inputs[i].defined()) continue;
-    const Tensor& in = *step.inputs[i];
-    Tensor& wide = step.wide_inputs[i];
-    if (wide.shape() != in.shape()) wide = Tensor::empty(in.shape(), DType::kF32, device);
-    device.parallel_for(in.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
-      widen_to_float32(in.dtype(), static_cast<const char*>(in.raw_data()) + b * 2,
-                       static_cast<float*>(wide.raw_data()) + b, e - b);
-    });
-    inputs[i] = &wide;
-  }
-  for (std::size_t i = 0; i < num_outputs; ++i) {
-    if (step.wide_outputs[i].defined()) outputs[i] = &step.wide_outputs[i];
-  }
-  KernelContext context(original.node(), device, inputs.data(), outputs.data(), original.random_seed());
-  step.kernel(context);
-  for (std::size_t i = 0; i < num_outputs; ++i) {
-    if (!step.wide_outputs[i].defined()) continue;
-    Tensor& out = *step.outputs[i];
-    const Tensor& wide = step.wide_outputs[i];
-    device.parallel_for(out.num_elements(), 32 * 1024, [&](std::int64_t b, std::int64_t e) {
-      narrow_from_float32(static_cast<const float*>(wide.raw_data()) + b, out.dtype(),
-                          static_cast<char*>(out.raw_data()) + b * 2, e - b);
-    });
-  }
+  run_on_cpu(step.kernel, original.node(), host, host_in, host_out, original.random_seed(), step.widen,
+             step.wide_inputs, step.wide_outputs);
+  for (std::size_t i = 0; i < outputs.size(); ++i) outputs[i]->copy_from(step.host_outputs[i]);
+  for (auto& t : step.host_inputs) t = Tensor();  // do not pin the inputs until the next run
 }
 
 Executor::Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options)
@@ -302,15 +340,21 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
       forward_root[static_cast<std::size_t>(first)] = root;
     } else {
       step.kernel = node.op->kernel(device_.type());
+      devices::DeviceType kernel_device = device_.type();
+      if (step.kernel == nullptr && device_.type() != devices::DeviceType::kCPU) {
+        step.kernel = node.op->kernel(devices::DeviceType::kCPU);
+        step.on_host = step.kernel != nullptr;
+        kernel_device = devices::DeviceType::kCPU;
+      }
       TANDEM_REQUIRE(step.kernel != nullptr, Unimplemented, "{}: op {} has no {} kernel yet", node.label(),
                      node.op->name, devices::device_type_name(device_.type()));
-      if (node.op->options(device_.type()).low_precision == LowPrecision::kWidenToFloat32) {
+      if (node.op->options(kernel_device).low_precision == LowPrecision::kWidenToFloat32) {
         for (int i = 0; i < static_cast<int>(outputs.size()); ++i) {
           step.widen = step.widen || is_low_precision(outputs[static_cast<std::size_t>(i)].dtype);
         }
         for (const auto& in : node.inputs) step.widen = step.widen || is_low_precision(in.dtype());
-        // Widening converts on the host; other devices need 16-bit kernels of their own.
-        TANDEM_REQUIRE(!step.widen || device_.type() == devices::DeviceType::kCPU, Unimplemented,
+        // Widening converts on the host; a device kernel must take 16-bit tensors itself.
+        TANDEM_REQUIRE(!step.widen || kernel_device == devices::DeviceType::kCPU, Unimplemented,
                        "{}: op {} has no float16/bfloat16 kernel on {}", node.label(), node.op->name,
                        devices::device_type_name(device_.type()));
       }
@@ -361,6 +405,12 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     plan->arena_offsets[static_cast<std::size_t>(request_slots[r])] = memory.offsets[r];
   }
   plan->arena_slot_count = static_cast<int>(requests.size());
+  for (const auto& st : plan->steps) {
+    if (st.on_host && std::find(plan->stats.ops_on_host.begin(), plan->stats.ops_on_host.end(), st.node->op->name) ==
+                          plan->stats.ops_on_host.end()) {
+      plan->stats.ops_on_host.push_back(st.node->op->name);
+    }
+  }
   plan->stats.nodes_run = static_cast<int>(std::count_if(plan->steps.begin(), plan->steps.end(),
                                                          [](const Plan::Step& s) { return s.kernel != nullptr; }));
   plan->stats.nodes_in_graph = num_nodes;

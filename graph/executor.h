@@ -66,6 +66,8 @@ struct PlanStats {
   std::int64_t arena_bytes = 0;     // peak bytes of intermediates, with reuse
   std::int64_t unshared_bytes = 0;  // what one buffer per intermediate would need
   int plans_cached = 0;
+  // Ops without a kernel for the executor's device (GPU) that run on host copies, by op name.
+  std::vector<std::string> ops_on_host;
 };
 
 using Feed = std::pair<Output, Tensor>;

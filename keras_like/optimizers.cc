@@ -11,6 +11,8 @@
 #include <cstring>
 #include <limits>
 
+#include "tandem/ops/detail/device_update.h"
+#include "tandem/ops/detail/update_rules.h"
 #include "tandem/strategy/strategy.h"
 
 namespace tandem::keras {
@@ -36,6 +38,9 @@ int accumulation_steps_of(const OptimizerSpec& spec) {
 
 // dst += src, element-wise, on the device's threads.
 void add_into(Tensor& dst, const Tensor& src) {
+  TANDEM_REQUIRE(dst.device().host_accessible(), Unimplemented,
+                 "gradient_accumulation_steps on {}: accumulation runs on host memory only so far",
+                 dst.device().short_name());
   graph::dispatch<graph::FloatTypes>(dst.dtype(), "gradient accumulation", [&]<class T>() {
     T* __restrict d = static_cast<T*>(dst.raw_data());
     const T* __restrict s = static_cast<const T*>(src.raw_data());
@@ -62,6 +67,9 @@ bool range_finite(const T* p, std::int64_t b, std::int64_t e) {
 }
 
 bool all_finite(const std::vector<Tensor>& gradients) {
+  if (!gradients.empty() && !gradients.front().device().host_accessible()) {
+    return ops::detail::all_finite_on_device(gradients);
+  }
   for (const Tensor& grad : gradients) {
     std::atomic<bool> finite{true};
     graph::dispatch<graph::FloatTypes>(grad.dtype(), "loss_scale_optimizer finiteness check", [&]<class T>() {
@@ -143,93 +151,41 @@ double squared_norm(devices::Device& device, const T* g, std::int64_t n) {
   return total;
 }
 
-// The update rules over elements [b, e). Scalars come by value and arrays as restrict pointers,
-// so the loops vectorise (a captured reference would be reloaded after every store).
-template <class T>
-struct GradientTransform {
-  T scale;         // 1, or the norm clipping factor
-  T clip_value;    // used when clip is set
-  bool clip;
-  T operator()(T g) const {
-    g *= scale;
-    return clip ? std::min(std::max(g, -clip_value), clip_value) : g;
-  }
-};
+// The update rules over elements [b, e): ops/detail/update_rules.h's element functions (shared
+// with the CUDA kernel), with the option branches hoisted out of the loops so that they vectorise.
+using ops::detail::AdamStep;
+using ops::detail::GradientTransform;
+using ops::detail::RmspropStep;
+using ops::detail::SgdStep;
 
-template <class T>
-struct SgdStep {
-  T rate, momentum;
-  bool nesterov;
-};
 template <class T>
 void sgd_update(T* __restrict var, T* __restrict m, const T* __restrict g, std::int64_t b, std::int64_t e, SgdStep<T> s,
                 GradientTransform<T> gt) {
   if (m == nullptr) {
-    for (std::int64_t i = b; i < e; ++i) var[i] -= s.rate * gt(g[i]);
+    for (std::int64_t i = b; i < e; ++i) ops::detail::sgd_plain(var[i], gt(g[i]), s);
     return;
   }
-  for (std::int64_t i = b; i < e; ++i) {
-    const T gi = gt(g[i]);
-    m[i] = s.momentum * m[i] - s.rate * gi;
-    var[i] += s.nesterov ? s.momentum * m[i] - s.rate * gi : m[i];
-  }
+  for (std::int64_t i = b; i < e; ++i) ops::detail::sgd_momentum(var[i], m[i], gt(g[i]), s);
 }
 
-template <class T>
-struct RmspropStep {
-  T rate, rho, momentum, epsilon;
-};
 template <class T>
 void rmsprop_update(T* __restrict var, T* __restrict velocity, T* __restrict mom, T* __restrict average,
                     const T* __restrict g, std::int64_t b, std::int64_t e, RmspropStep<T> s, GradientTransform<T> gt) {
   for (std::int64_t i = b; i < e; ++i) {
-    const T gi = gt(g[i]);
-    velocity[i] = s.rho * velocity[i] + (T(1) - s.rho) * gi * gi;
-    T denominator = velocity[i] + s.epsilon;
-    if (average != nullptr) {
-      average[i] = s.rho * average[i] + (T(1) - s.rho) * gi;
-      denominator = velocity[i] - average[i] * average[i] + s.epsilon;
-    }
-    const T increment = s.rate * gi / std::sqrt(denominator);
-    if (mom != nullptr) {
-      mom[i] = s.momentum * mom[i] + increment;
-      var[i] -= mom[i];
-    } else {
-      var[i] -= increment;
-    }
+    ops::detail::rmsprop_element(var[i], velocity[i], mom != nullptr ? mom + i : nullptr,
+                                 average != nullptr ? average + i : nullptr, gt(g[i]), s);
   }
 }
 
 template <class T>
-struct AdamStep {
-  T alpha, one_minus_beta_1, one_minus_beta_2, epsilon, decay;
-};
-template <class T>
 void adam_update(T* __restrict var, T* __restrict m, T* __restrict v, T* __restrict v_hat, const T* __restrict g,
                  std::int64_t b, std::int64_t e, AdamStep<T> s, GradientTransform<T> gt) {
   if (v_hat == nullptr && !gt.clip && s.decay == T(0)) {
-    // The common case, kept branch-free for the vectoriser.
     const T scale = gt.scale;
-    for (std::int64_t i = b; i < e; ++i) {
-      const T gi = g[i] * scale;
-      m[i] += (gi - m[i]) * s.one_minus_beta_1;
-      v[i] += (gi * gi - v[i]) * s.one_minus_beta_2;
-      var[i] -= m[i] * s.alpha / (std::sqrt(v[i]) + s.epsilon);
-    }
+    for (std::int64_t i = b; i < e; ++i) ops::detail::adam_plain(var[i], m[i], v[i], g[i] * scale, s);
     return;
   }
-  for (std::int64_t i = b; i < e; ++i) {
-    const T gi = gt(g[i]);
-    var[i] -= var[i] * s.decay;
-    m[i] += (gi - m[i]) * s.one_minus_beta_1;
-    v[i] += (gi * gi - v[i]) * s.one_minus_beta_2;
-    T second_moment = v[i];
-    if (v_hat != nullptr) {
-      v_hat[i] = std::max(v_hat[i], v[i]);
-      second_moment = v_hat[i];
-    }
-    var[i] -= m[i] * s.alpha / (std::sqrt(second_moment) + s.epsilon);
-  }
+  for (std::int64_t i = b; i < e; ++i) ops::detail::adam_general(var[i], m[i], v[i], v_hat != nullptr ? v_hat + i : nullptr, gt(g[i]), s);
 }
 
 }  // namespace
@@ -404,6 +360,10 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   if (clip.global_clipnorm && !clip.clipnorm) {
     double total = 0;
     for (std::size_t i = 0; i < gradients.size(); ++i) {
+      if (!gradients[i].device().host_accessible()) {
+        total += ops::detail::squared_norm_on_device(gradients[i]);
+        continue;
+      }
       graph::dispatch<graph::FloatTypes>(gradients[i].dtype(), "optimizer", [&]<class T>() {
         total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()), gradients[i].num_elements());
       });
@@ -412,6 +372,11 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
     if (norm > *clip.global_clipnorm) global_scale = *clip.global_clipnorm / norm;
   }
   global_scale *= mean_scale;
+
+  if (!variables_.empty() && !variables_.front()->value(replica).device().host_accessible()) {
+    update_on_device(replica, gradients, global_scale, mean_scale);
+    return;
+  }
 
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     Tensor& w = variables_[vi]->value(replica);
@@ -465,6 +430,94 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
           },
           spec_);
     });
+  }
+  for (auto& acc : accumulators_) {
+    Tensor& a = acc->value(replica);
+    a.device().fill_zero(a.raw_data(), a.nbytes());
+  }
+}
+
+// The same step for variables in GPU memory: the rule's scalars as in update(), then one fused
+// kernel launch for all variables (per variable under clipnorm, whose factor differs).
+void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale,
+                                 double mean_scale) {
+  const Clip clip = clip_of(spec_);
+  const double lr = learning_rate_;
+  const auto t = static_cast<double>(iterations_ + 1);
+  ops::detail::UpdateParams params;
+  params.clip = clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm;
+  params.clip_value = clip.clipvalue.value_or(0);
+  std::visit(
+      [&](const auto& o) {
+        using O = std::decay_t<decltype(o)>;
+        if constexpr (std::is_same_v<O, SGD>) {
+          params.rule = ops::detail::UpdateRule::kSgd;
+          params.rate = lr;
+          params.momentum = o.momentum;
+          params.nesterov = o.nesterov;
+        } else if constexpr (std::is_same_v<O, RMSprop>) {
+          params.rule = ops::detail::UpdateRule::kRmsprop;
+          params.rate = lr;
+          params.rho = o.rho;
+          params.momentum = o.momentum;
+          params.epsilon = o.epsilon;
+        } else {
+          params.rule = ops::detail::UpdateRule::kAdam;
+          if constexpr (std::is_same_v<O, AdamW>) params.decay = o.weight_decay * lr;
+          const double beta1_power = std::pow(o.beta_1, t), beta2_power = std::pow(o.beta_2, t);
+          params.rate = lr * std::sqrt(1.0 - beta2_power) / (1.0 - beta1_power);
+          params.beta_1_complement = 1.0 - o.beta_1;
+          params.beta_2_complement = 1.0 - o.beta_2;
+          params.epsilon = o.epsilon;
+        }
+      },
+      spec_);
+  const auto slot_count = [&](std::size_t vi) { return slots_[vi].size(); };
+  std::vector<ops::detail::UpdateTensor> tensors;
+  for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
+    Tensor& w = variables_[vi]->value(replica);
+    const Tensor& grad = gradients[vi];
+    TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
+                   "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", name(), variables_[vi]->name(),
+                   grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+    ops::detail::UpdateTensor u;
+    u.var = w.raw_data();
+    u.grad = grad.raw_data();
+    u.elements = w.num_elements();
+    // Slot order per rule (slot_names): SGD {momentum}; RMSprop {velocity, [momentum], [average]};
+    // Adam {m, v, [v_hat]}. The kernel's RMSprop wants {velocity, momentum, average} by position.
+    const auto slot_data = [&](std::size_t s) { return slots_[vi][s]->value(replica).raw_data(); };
+    std::visit(
+        [&](const auto& o) {
+          using O = std::decay_t<decltype(o)>;
+          if constexpr (std::is_same_v<O, RMSprop>) {
+            u.slots[0] = slot_data(0);
+            std::size_t next = 1;
+            if (o.momentum > 0) u.slots[1] = slot_data(next++);
+            if (o.centered) u.slots[2] = slot_data(next++);
+          } else {
+            for (std::size_t s = 0; s < slot_count(vi); ++s) u.slots[s] = slot_data(s);
+          }
+        },
+        spec_);
+    tensors.push_back(u);
+  }
+  auto& device = variables_.front()->value(replica).device();
+  const DType dtype = variables_.front()->dtype();
+  const bool uniform_dtype = std::all_of(variables_.begin(), variables_.end(), [&](const auto& v) { return v->dtype() == dtype; });
+  if (!clip.clipnorm && uniform_dtype) {
+    params.gradient_scale = global_scale;
+    ops::detail::apply_update_on_device(device, dtype, params, tensors);
+  } else {
+    for (std::size_t vi = 0; vi < tensors.size(); ++vi) {
+      double scale = global_scale;
+      if (clip.clipnorm) {
+        const double norm = std::sqrt(ops::detail::squared_norm_on_device(gradients[vi])) * mean_scale;
+        if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
+      }
+      params.gradient_scale = scale;
+      ops::detail::apply_update_on_device(device, variables_[vi]->dtype(), params, {&tensors[vi], 1});
+    }
   }
   for (auto& acc : accumulators_) {
     Tensor& a = acc->value(replica);

@@ -181,6 +181,8 @@ class Optimizer {
 
   // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).
   void update(int replica, const std::vector<Tensor>& gradients, double unscale);
+  // update() for variables in GPU memory: one fused kernel for all of them.
+  void update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale, double mean_scale);
 };
 
 }  // namespace tandem::keras

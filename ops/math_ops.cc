@@ -2,6 +2,10 @@
 // cpu/math_kernels.cc.
 #include "tandem/ops/math_ops.h"
 
+#include <atomic>
+#include <cstdlib>
+#include <string_view>
+
 #include <algorithm>
 
 #include "tandem/ops/array_ops.h"
@@ -41,6 +45,19 @@ graph::Attrs reduce_attrs(const ReduceOptions& options) {
 Output reduce_sum(Output x, const ReduceOptions& options) { return add_op("Sum", {x}, reduce_attrs(options)); }
 Output reduce_mean(Output x, const ReduceOptions& options) { return add_op("Mean", {x}, reduce_attrs(options)); }
 Output reduce_max(Output x, const ReduceOptions& options) { return add_op("Max", {x}, reduce_attrs(options)); }
+
+namespace {
+std::atomic<bool>& tf32_flag() {
+  static std::atomic<bool> flag = [] {
+    const char* env = std::getenv("TANDEM_ALLOW_TF32");
+    return env != nullptr && std::string_view(env) == "1";
+  }();
+  return flag;
+}
+}  // namespace
+
+void enable_tensor_float_32_execution(bool enabled) { tf32_flag().store(enabled); }
+bool tensor_float_32_execution_enabled() { return tf32_flag().load(); }
 
 Output matmul(Output a, Output b, const MatMulOptions& options) {
   return add_op("MatMul", {a, b}, {{"transpose_a", options.transpose_a}, {"transpose_b", options.transpose_b}});

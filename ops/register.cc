@@ -16,6 +16,9 @@ void register_all() {
     detail::register_math_cpu_kernels();
     detail::register_nn_cpu_kernels();
     detail::register_conv_cpu_kernels();
+#if TANDEM_HAVE_CUDA
+    detail::register_cuda_kernels();
+#endif
   });
 }
 

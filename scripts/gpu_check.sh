@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot check on a machine with an NVIDIA GPU: configures and builds tandem with CUDA for sm_90,
-# runs the GPU test suites, the GPU rows of bench_fit (once it has a GPU device) and, where
-# PyTorch sees the GPU, the PyTorch eager peer on that GPU; prints one table.
+# runs the GPU test suites, and bench_fit --device gpu (mlp, wide, cnn in float32 and
+# mixed_bfloat16) beside the PyTorch eager peer on that GPU where PyTorch sees it; prints one table.
 #
 #   scripts/gpu_check.sh OUTDIR
 #
@@ -171,56 +171,42 @@ if [ $built -eq 1 ]; then
   done
 fi
 
-# --- bench_fit on the GPU ---------------------------------------------------------------------
-# bench_fit learns a GPU device with the CUDA kernels; until its source names one, say so rather
-# than run it on the CPU.
-models=(mlp wide cnn)
-if grep -q -- '--device' "$src/bench/bench_fit.cc"; then
-  if [ $built -eq 1 ] && [ -x "$build/bench/bench_fit" ]; then
-    note "bench_fit on the GPU"
-    budget_s=$(left 90)
-    [ "$budget_s" -gt 240 ] && budget_s=240
-    if run "$budget_s" "$build/bench/bench_fit" --device gpu --models mlp,wide,cnn --no-peer; then
-      row "bench_fit GPU" "ran" "mlp, wide, cnn; rows in log.txt"
-    else
-      fail_row "bench_fit GPU" "$(why $? "$budget_s"); see log.txt"
-    fi
-  else
-    row "bench_fit GPU" "not run" "bench_fit was not built"
-  fi
-else
-  for m in "${models[@]}"; do
-    row "bench_fit GPU $m" "not run" "no GPU kernels yet (bench_fit has no GPU device)"
-  done
-fi
-
-# --- the PyTorch eager peer on the GPU ----------------------------------------------------------
+# --- bench_fit on the GPU, beside PyTorch eager on the same GPU --------------------------------
+# bench_fit --device gpu trains mlp, wide and cnn on GPU:0 in float32 and mixed_bfloat16 and runs
+# scripts/torch_fmnist_gpu.py (PyTorch eager, float32 and bf16 autocast) in the same invocation;
+# each of its rows becomes a table row with the ratio.
 data=/usr/share/datasets/fashion-mnist
 [ -f "$data/train-images-idx3-ubyte.gz" ] || data="$deps_root/usr/share/datasets/fashion-mnist"
-note "PyTorch peer"
+note "bench_fit on the GPU"
+peer_args=()
 if ! LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 60 python3 -c "import torch; assert torch.cuda.is_available()" >>"$log" 2>&1; then
   row "PyTorch eager" "not run" "python3 cannot import torch, or torch sees no GPU"
-elif [ ! -f "$data/train-images-idx3-ubyte.gz" ]; then
-  fail_row "PyTorch eager" "no Fashion-MNIST in /usr/share/datasets or $deps/root (run scripts/fetch-gpu-deps.sh)"
+  peer_args=(--no-peer)
 else
   torch_version=$(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 60 python3 -c "import torch; print(torch.__version__)" 2>>"$log")
-  for precision in float32 bf16; do
-    for m in "${models[@]}"; do
-      budget_s=$(left 10)
-      [ "$budget_s" -gt 120 ] && budget_s=120
-      line=$(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 10 "$budget_s" python3 "$src/scripts/torch_fmnist_gpu.py" --model "$m" \
-               --precision "$precision" --data "$data" 2>>"$log")
-      rc=$?
-      echo "$line" >>"$log"
-      if [ $rc -eq 0 ] && [[ $line == *samples_per_s=* ]]; then
-        sps=$(echo "$line" | grep -o 'samples_per_s=[0-9]*' | cut -d= -f2)
-        acc=$(echo "$line" | grep -o 'test_acc=[0-9.]*' | cut -d= -f2)
-        row "PyTorch eager $m $precision" "$sps samples/s" "test acc $acc; torch $torch_version, batch 128, 1 epoch; tandem GPU: n/a, so no ratio"
-      else
-        fail_row "PyTorch eager $m $precision" "$(why $rc "$budget_s"); see log.txt"
-      fi
-    done
-  done
+  peer_args=(--gpu-peer-command "env LD_LIBRARY_PATH=$orig_ld_library_path python3 $src/scripts/torch_fmnist_gpu.py")
+  row "PyTorch eager" "torch $torch_version" "same GPU, batch 128, 1 epoch, run by bench_fit beside tandem"
+fi
+if [ $gpu_present -eq 0 ]; then
+  row "bench_fit GPU" "not run" "no GPU"
+elif [ ! -f "$data/train-images-idx3-ubyte.gz" ]; then
+  fail_row "bench_fit GPU" "no Fashion-MNIST in /usr/share/datasets or $deps/root (run scripts/fetch-gpu-deps.sh)"
+elif [ $built -eq 1 ] && [ -x "$build/bench/bench_fit" ]; then
+  budget_s=$(left 15)
+  [ "$budget_s" -gt 300 ] && budget_s=300
+  bench_out="$out/bench_fit_gpu.txt"
+  echo "\$ bench_fit --device gpu" >>"$log"
+  timeout -k 10 "$budget_s" "$build/bench/bench_fit" --device gpu --models mlp,wide,cnn --data "$data" "${peer_args[@]}" \
+    >"$bench_out" 2>>"$log"
+  rc=$?
+  cat "$bench_out" >>"$log"
+  # Rows look like: "mlp    float32         |      123456   0.8400 |      45678   0.8300   2.70x | not built yet"
+  while read -r m precision _ sps acc _ tsps tacc ratio _; do
+    row "bench_fit GPU $m $precision" "$sps samples/s" "test acc $acc; PyTorch eager $tsps samples/s (acc $tacc): $ratio"
+  done < <(grep -E '^(mlp|wide|cnn) ' "$bench_out")
+  [ $rc -ne 0 ] && fail_row "bench_fit GPU" "$(why $rc "$budget_s"); see log.txt"
+else
+  row "bench_fit GPU" "not run" "bench_fit was not built"
 fi
 
 # --- the table ------------------------------------------------------------------------------

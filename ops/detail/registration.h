@@ -15,5 +15,7 @@ void register_array_cpu_kernels();
 void register_math_cpu_kernels();
 void register_nn_cpu_kernels();
 void register_conv_cpu_kernels();
+// CUDA builds only (ops/cuda/cuda_kernels.cc).
+void register_cuda_kernels();
 
 }  // namespace tandem::ops::detail

@@ -1,10 +1,13 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <random>
 #include <thread>
 
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/executor.h"
+#include "tandem/graph/op_registry.h"
 #include "tandem/ops/ops.h"
 
 using namespace tandem;
@@ -203,4 +206,69 @@ TEST_CASE("a node placed on a GPU cannot run on a CPU executor") {
   Executor ex(g, devices::default_cpu_device());
   CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2}, kFloat32)}}, {y}), doctest::Contains("is placed on GPU:0"),
                        FailedPrecondition);
+}
+
+namespace {
+
+// A device of type GPU whose memory is host memory, reachable only through the copy functions
+// (as a real GPU's): the executor must run ops without a GPU kernel on host copies.
+class FakeGpu final : public devices::Device {
+ public:
+  FakeGpu() : Device(make_name()), allocator_("GPU:7 (fake)") {}
+  devices::Allocator& allocator() override { return allocator_; }
+  devices::Stream& compute_stream() override { return devices::default_cpu_device().compute_stream(); }
+  bool host_accessible() const override { return false; }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_on_device(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void fill_zero(void* dst, std::size_t bytes) override { std::memset(dst, 0, bytes); }
+  void synchronize() override {}
+
+ private:
+  static devices::DeviceName make_name() {
+    devices::DeviceName name;
+    name.type = devices::DeviceType::kGPU;
+    name.index = 7;
+    return name;
+  }
+  devices::CpuAllocator allocator_;
+};
+
+}  // namespace
+
+TEST_CASE("ops without a kernel for the executor's device run on host copies, with the same results") {
+  // Dropout has no GPU kernel (in any build), so this graph runs entirely through the host
+  // fallback on the fake GPU, in float32 and in bfloat16 (widened to float32 on the host).
+  ops::register_all();
+  const bool dropout_has_no_gpu_kernel = graph::OpRegistry::global().get("Dropout").kernel(devices::DeviceType::kGPU) == nullptr;
+  REQUIRE(dropout_has_no_gpu_kernel);
+  FakeGpu gpu;
+  for (const DType dtype : {kFloat32, DType::kBF16}) {
+    CAPTURE(graph::dtype_name(dtype));
+    auto g = std::make_shared<Graph>();
+    auto x = g->placeholder(dtype, {4, 33}, "x");
+    auto y = ops::dropout(ops::dropout(x, {.rate = 0.25, .seed = 5}), {.rate = 0.5, .seed = 6});
+    Tensor xv = random_tensor({4, 33}, 1);
+    if (dtype != kFloat32) {
+      auto cg = std::make_shared<Graph>();
+      auto p = cg->placeholder(kFloat32, xv.shape(), "p");
+      auto c = ops::cast(p, dtype);
+      Executor e(cg, devices::default_cpu_device());
+      xv = e.run({{p, xv}}, {c})[0];
+    }
+    Executor cpu(g, devices::default_cpu_device());
+    Executor fake(g, gpu);
+    const std::vector<graph::Feed> feeds{{x, xv}};
+    const std::vector<Output> fetches{y};
+    const Tensor want = cpu.run(feeds, fetches, {.random_step = 3})[0];
+    for (int run = 0; run < 2; ++run) {  // the second run reuses the host buffers
+      const auto got = fake.run(feeds, fetches, {.random_step = 3});
+      CHECK(&got[0].device() == &gpu);
+      const Tensor host = got[0].to(devices::default_cpu_device());
+      CHECK(host.dtype() == dtype);
+      CHECK(std::memcmp(host.raw_data(), want.raw_data(), want.nbytes()) == 0);
+    }
+    const auto stats = fake.last_plan_stats();
+    CHECK(stats.ops_on_host == std::vector<std::string>{"Dropout"});
+  }
 }

@@ -119,7 +119,8 @@ struct Instance {
   std::vector<Output> grads;
   std::unique_ptr<Executor> executor;
 
-  Instance(const OpCase& c, DType float_dtype, bool with_gradient, std::mt19937_64& rng) {
+  Instance(const OpCase& c, DType float_dtype, bool with_gradient, std::mt19937_64& rng,
+           devices::Device& device = devices::default_cpu_device()) {
     for (const auto& spec : c.inputs) {
       const DType dt = is_float_input(spec) ? float_dtype : spec.index_dtype;
       input_dtypes.push_back(dt);
@@ -148,7 +149,7 @@ struct Instance {
       }
       grads = graph::gradients({&loss, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
     }
-    executor = std::make_unique<Executor>(graph, devices::default_cpu_device());
+    executor = std::make_unique<Executor>(graph, device);
   }
 
   std::vector<Tensor> run(const std::vector<RefTensor>& values, const std::vector<Output>& fetches) {
@@ -173,6 +174,44 @@ void compare(const OpCase& c, const char* pass, std::size_t output, const RefTen
   }
   CHECK_MESSAGE(reported == 0, reported, " element(s) outside tolerance ", tolerance);
 }
+
+#if TANDEM_OP_TEST_GPU
+// The GPU pass (ops_gpu_test): every output, and in float32/float64 every gradient, computed by
+// the GPU kernels against the CPU kernels on the same inputs and projection. Ops without a GPU
+// kernel run through the executor's host fallback and match exactly.
+void compare_gpu_with_cpu(const OpCase& c, const std::vector<RefTensor>& values, const std::mt19937_64& rng) {
+  auto* gpu = devices::list_logical_devices(devices::DeviceType::kGPU).front();
+  for (const DType dt : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    const bool low = graph::is_low_precision(dt);
+    if (low && !c.check_low_precision) continue;
+    const bool with_gradient = c.check_gradient && !low;
+    std::mt19937_64 cpu_rng = rng, gpu_rng = rng;  // the same projection weights
+    Instance cpu(c, dt, with_gradient, cpu_rng);
+    Instance device(c, dt, with_gradient, gpu_rng, *gpu);
+    std::vector<Output> cpu_fetches = cpu.outputs, gpu_fetches = device.outputs;
+    cpu_fetches.insert(cpu_fetches.end(), cpu.grads.begin(), cpu.grads.end());
+    gpu_fetches.insert(gpu_fetches.end(), device.grads.begin(), device.grads.end());
+    const auto want = cpu.run(values, cpu_fetches);
+    const auto got = device.run(values, gpu_fetches);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t k = 0; k < got.size(); ++k) {
+      const bool is_gradient = k >= cpu.outputs.size();
+      const bool is_float = graph::is_floating(got[k].dtype());
+      double tol = 0.0;
+      if (is_float) {
+        switch (got[k].dtype()) {
+          case DType::kF64: tol = 1e-9; break;
+          case DType::kBF16: tol = c.bf16_tolerance; break;
+          case DType::kF16: tol = c.f16_tolerance; break;
+          default: tol = std::max(c.f32_tolerance, 1e-5) * (is_gradient ? 20 : 5); break;
+        }
+      }
+      const std::string pass = fmt::format("GPU against CPU, {} {}", graph::dtype_name(dt), is_gradient ? "gradient" : "forward");
+      compare(c, pass.c_str(), k, to_ref(got[k]), to_ref(want[k]), tol);
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -216,6 +255,9 @@ void run_op_case(const OpCase& c) {
       }
     }
   }
+#if TANDEM_OP_TEST_GPU
+  compare_gpu_with_cpu(c, values, rng);
+#endif
   if (!c.check_gradient) return;
 
   // 4: autodiff against central differences, in float64.

@@ -1,0 +1,117 @@
+#include "tandem/ops/cuda/cublas.h"
+
+#include <cublas_v2.h>
+#include <dlfcn.h>
+
+#include <map>
+#include <mutex>
+
+#include "tandem/base/errors.h"
+#include "tandem/devices/detail/cuda_check.h"
+#include "tandem/ops/math_ops.h"
+
+namespace tandem::ops::cuda {
+namespace {
+
+struct CublasApi {
+  decltype(&::cublasCreate_v2) create = nullptr;
+  decltype(&::cublasSetStream_v2) set_stream = nullptr;
+  // cublasGemmEx is overloaded in C++ (a deprecated cudaDataType compute type): name the C one.
+  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                                    const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                                    cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+  GemmEx gemm_ex = nullptr;
+  decltype(&::cublasGetStatusName) status_name = nullptr;
+  std::string problem;  // empty when loaded
+};
+
+const CublasApi& cublas() {
+  static const CublasApi api = [] {
+    CublasApi a;
+    void* handle = nullptr;
+    std::string tried;
+    for (const char* path : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) {
+      handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+      if (handle != nullptr) break;
+      const char* why = dlerror();
+      tried += fmt::format("{}{}", tried.empty() ? "" : "; ", why != nullptr ? why : path);
+    }
+    if (handle == nullptr) {
+      a.problem = fmt::format("libcublas could not be loaded ({}); it comes with the CUDA toolkit", tried);
+      return a;
+    }
+    const auto load = [&]<class Fn>(Fn& fn, const char* name) {
+      fn = reinterpret_cast<Fn>(dlsym(handle, name));
+      if (fn == nullptr && a.problem.empty()) a.problem = fmt::format("libcublas has no {}", name);
+    };
+    load(a.create, "cublasCreate_v2");
+    load(a.set_stream, "cublasSetStream_v2");
+    load(a.gemm_ex, "cublasGemmEx");
+    load(a.status_name, "cublasGetStatusName");
+    return a;
+  }();
+  return api;
+}
+
+#define TANDEM_CUBLAS_CHECK(expr, device_name)                                                               \
+  do {                                                                                                       \
+    const cublasStatus_t tandem_cublas_status = (expr);                                                      \
+    if (tandem_cublas_status != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                        \
+      throw ::tandem::Internal(::fmt::format("{}:{}: cuBLAS call `{}` failed on {}: {}", __FILE__, __LINE__, \
+                                             #expr, (device_name),                                           \
+                                             cublas().status_name(tandem_cublas_status)));                   \
+    }                                                                                                        \
+  } while (0)
+
+// One handle per device, made on first use with that device current. A device's kernels are
+// queued by one replica thread at a time, so a handle is never used concurrently.
+cublasHandle_t handle_for(int device, const std::string& name) {
+  static std::mutex mutex;
+  static std::map<int, cublasHandle_t> handles;
+  std::lock_guard lock(mutex);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  devices::detail::ScopedCudaDevice guard(device, name);
+  cublasHandle_t h = nullptr;
+  TANDEM_CUBLAS_CHECK(cublas().create(&h), name);
+  handles.emplace(device, h);
+  return h;
+}
+
+}  // namespace
+
+void gemm(int device, const std::string& device_name, cudaStream_t stream, const GemmCall& call) {
+  const auto& api = cublas();
+  TANDEM_REQUIRE(api.problem.empty(), FailedPrecondition, "MatMul on {} needs cuBLAS: {}", device_name, api.problem);
+  cublasHandle_t h = handle_for(device, device_name);
+  devices::detail::ScopedCudaDevice guard(device, device_name);
+  TANDEM_CUBLAS_CHECK(api.set_stream(h, stream), device_name);
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS reads each row-major
+  // matrix as its column-major transpose, so the operands swap and keep their own transposes.
+  const cublasOperation_t op_b = call.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = call.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const auto m = static_cast<int>(call.n), n = static_cast<int>(call.m), k = static_cast<int>(call.k);
+  const auto ld_b = static_cast<int>(call.ldb), ld_a = static_cast<int>(call.lda), ld_c = static_cast<int>(call.n);
+  if (call.dtype == graph::DType::kF64) {
+    const double one = 1.0, zero = 0.0;
+    TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, CUDA_R_64F, ld_b, call.a, CUDA_R_64F, ld_a,
+                                    &zero, call.c, CUDA_R_64F, ld_c, CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT),
+                        device_name);
+    return;
+  }
+  cudaDataType_t type = CUDA_R_32F;
+  cublasComputeType_t compute = tensor_float_32_execution_enabled() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  if (call.dtype == graph::DType::kF16) {
+    type = CUDA_R_16F;
+    compute = CUBLAS_COMPUTE_32F;
+  } else if (call.dtype == graph::DType::kBF16) {
+    type = CUDA_R_16BF;
+    compute = CUBLAS_COMPUTE_32F;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, type, ld_b, call.a, type, ld_a, &zero, call.c,
+                                  type, ld_c, compute, CUBLAS_GEMM_DEFAULT),
+                      device_name);
+}
+
+}  // namespace tandem::ops::cuda

@@ -1,0 +1,657 @@
+// GPU kernels of the engine's ops: each reads its KernelContext (shapes, attrs, device pointers),
+// and queues the launcher of ops/cuda/kernels.cu (or cuBLAS) on the device's compute stream.
+// Nothing here synchronises, except SparseSoftmaxCrossEntropyWithLogits, which must report a bad
+// label as an error naming its row. Ops without a GPU kernel (Dropout, BatchNormalization, the
+// dense and sigmoid cross-entropies, OneHot, MaxGrad) run through the executor's host fallback
+// (graph/executor.cc): correct, but with a copy each way.
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <vector>
+
+#include "tandem/devices/detail/cuda_check.h"
+#include "tandem/graph/op_registry.h"
+#include "tandem/ops/cpu/conv_geometry.h"
+#include "tandem/ops/cuda/cublas.h"
+#include "tandem/ops/cuda/launchers.h"
+#include "tandem/ops/detail/device_update.h"
+#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/nn_ops.h"
+
+namespace tandem::ops::cuda {
+namespace {
+
+using graph::DType;
+using graph::KernelContext;
+using graph::Shape;
+using graph::Tensor;
+
+static_assert(static_cast<int>(ElementType::kF32) == static_cast<int>(DType::kF32));
+static_assert(static_cast<int>(ElementType::kF64) == static_cast<int>(DType::kF64));
+static_assert(static_cast<int>(ElementType::kI32) == static_cast<int>(DType::kI32));
+static_assert(static_cast<int>(ElementType::kI64) == static_cast<int>(DType::kI64));
+static_assert(static_cast<int>(ElementType::kU8) == static_cast<int>(DType::kU8));
+static_assert(static_cast<int>(ElementType::kF16) == static_cast<int>(DType::kF16));
+static_assert(static_cast<int>(ElementType::kBF16) == static_cast<int>(DType::kBF16));
+static_assert(static_cast<int>(Activation::kRelu) == static_cast<int>(ops::Activation::kRelu));
+static_assert(static_cast<int>(Activation::kTanh) == static_cast<int>(ops::Activation::kTanh));
+
+ElementType type_of(const Tensor& t) { return static_cast<ElementType>(t.dtype()); }
+cudaStream_t stream_of(KernelContext& ctx) { return static_cast<cudaStream_t>(ctx.device().compute_stream().native_handle()); }
+
+// Launch errors (a bad configuration, a missing sm_90 image) surface here, naming the node.
+void check_launch(KernelContext& ctx) {
+  const cudaError_t status = last_launch_error();
+  if (status != cudaSuccess) [[unlikely]] {
+    throw Internal(fmt::format("{}: CUDA kernel launch failed on {}: {} ({})", ctx.label(), ctx.device().short_name(),
+                               cudaGetErrorName(status), cudaGetErrorString(status)));
+  }
+}
+
+void require_types(KernelContext& ctx, const Tensor& t, std::initializer_list<DType> accepted) {
+  if (std::find(accepted.begin(), accepted.end(), t.dtype()) != accepted.end()) return;
+  graph::detail::throw_unsupported_dtype(fmt::format("{} on {}", ctx.label(), ctx.device().short_name()), t.dtype(),
+                                         accepted);
+}
+constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
+constexpr std::initializer_list<DType> kNumeric = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16, DType::kI32,
+                                                   DType::kI64};
+
+// Strides of `in` walked as `out` (right-aligned; 0 where broadcast).
+void set_strides(const Shape& out, const Shape& in, std::int64_t* strides) {
+  std::int64_t stride = 1;
+  for (int d = out.rank() - 1; d >= 0; --d) {
+    const int di = d - (out.rank() - in.rank());
+    if (di < 0) {
+      strides[d] = 0;
+      continue;
+    }
+    strides[d] = in[di] == 1 && out[d] != 1 ? 0 : stride;
+    stride *= in[di];
+  }
+}
+
+BroadcastArgs broadcast_args(const Shape& out, const Shape& a, const Shape* b) {
+  BroadcastArgs args;
+  args.rank = out.rank();
+  for (int d = 0; d < out.rank(); ++d) args.dims[d] = out[d];
+  set_strides(out, a, args.strides[0]);
+  if (b != nullptr) set_strides(out, *b, args.strides[1]);
+  args.elements = out.num_elements();
+  if (args.rank == 0) {  // a scalar: one element at offset 0
+    args.rank = 1;
+    args.dims[0] = 1;
+  }
+  return args;
+}
+
+// ---- Element-wise ------------------------------------------------------------------------------
+
+template <BinaryOp kOp>
+void binary_kernel(KernelContext& ctx) {
+  const Tensor& a = ctx.input(0);
+  const Tensor& b = ctx.input(1);
+  Tensor& out = ctx.output(0);
+  require_types(ctx, a, kNumeric);
+  binary(kOp, type_of(a), broadcast_args(out.shape(), a.shape(), &b.shape()), a.raw_data(), b.raw_data(),
+         out.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+template <UnaryOp kOp>
+void unary_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const bool float_only = kOp == UnaryOp::kSqrt || kOp == UnaryOp::kExp || kOp == UnaryOp::kLog ||
+                          kOp == UnaryOp::kSigmoid || kOp == UnaryOp::kTanh || kOp == UnaryOp::kRelu;
+  require_types(ctx, x, float_only ? kFloat : kNumeric);
+  unary(kOp, type_of(x), x.raw_data(), ctx.output(0).raw_data(), x.num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+template <Activation kActivation>
+void activation_grad_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  activation_grad(kActivation, type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.input(1).raw_data(),
+                  ctx.output(0).raw_data(), ctx.input(0).num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void add_n_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kNumeric);
+  Tensor& out = ctx.output(0);
+  std::vector<const void*> inputs;
+  for (int i = 0; i < ctx.num_inputs(); ++i) inputs.push_back(ctx.input(i).raw_data());
+  for (std::size_t first = 0; first < inputs.size(); first += kMaxAddN) {
+    const int count = static_cast<int>(std::min<std::size_t>(kMaxAddN, inputs.size() - first));
+    add_n(type_of(out), inputs.data() + first, count, first > 0, out.raw_data(), out.num_elements(), stream_of(ctx));
+  }
+  check_launch(ctx);
+}
+
+void cast_kernel(KernelContext& ctx) {
+  cast(type_of(ctx.input(0)), type_of(ctx.output(0)), ctx.input(0).raw_data(), ctx.output(0).raw_data(),
+       ctx.input(0).num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void copy_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  if (x.nbytes() == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice,
+                                    stream_of(ctx)),
+                    ctx.device().short_name());
+}
+
+void fill_kernel(KernelContext& ctx) {
+  Tensor& y = ctx.output(0);
+  fill(type_of(y), ctx.attrs().get<double>("value"), y.raw_data(), y.num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+template <int kValue>
+void fill_like_kernel(KernelContext& ctx) {
+  Tensor& y = ctx.output(0);
+  fill(type_of(y), static_cast<double>(kValue), y.raw_data(), y.num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void transpose_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  Tensor& y = ctx.output(0);
+  const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
+  std::array<std::int64_t, kMaxRank> in_strides{};
+  std::int64_t stride = 1;
+  for (int d = x.shape().rank() - 1; d >= 0; --d) {
+    in_strides[static_cast<std::size_t>(d)] = stride;
+    stride *= x.shape()[d];
+  }
+  BroadcastArgs args = broadcast_args(y.shape(), y.shape(), nullptr);
+  for (int d = 0; d < y.shape().rank(); ++d) args.strides[0][d] = in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
+  broadcast(type_of(x), args, x.raw_data(), 1.0, y.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// ---- Reductions ----------------------------------------------------------------------------------
+
+ReduceArgs reduce_args(const Shape& in, const std::vector<int>& axes) {
+  ReduceArgs args;
+  std::array<std::int64_t, kMaxRank> strides{};
+  std::int64_t stride = 1;
+  for (int d = in.rank() - 1; d >= 0; --d) {
+    strides[static_cast<std::size_t>(d)] = stride;
+    stride *= in[d];
+  }
+  args.out_elements = 1;
+  args.reduced_elements = 1;
+  for (int d = 0; d < in.rank(); ++d) {
+    if (std::find(axes.begin(), axes.end(), d) != axes.end()) {
+      args.reduced_dims[args.reduced_rank] = in[d];
+      args.reduced_strides[args.reduced_rank++] = strides[static_cast<std::size_t>(d)];
+      args.reduced_elements *= in[d];
+    } else {
+      args.kept_dims[args.kept_rank] = in[d];
+      args.kept_strides[args.kept_rank++] = strides[static_cast<std::size_t>(d)];
+      args.out_elements *= in[d];
+    }
+  }
+  return args;
+}
+
+std::vector<int> reduction_axes(KernelContext& ctx, int rank) {
+  const auto& axes = ctx.attrs().get<std::vector<std::int64_t>>("axes");
+  std::vector<int> out;
+  if (axes.empty()) {
+    for (int d = 0; d < rank; ++d) out.push_back(d);
+  } else {
+    for (auto a : axes) out.push_back(static_cast<int>(a < 0 ? a + rank : a));
+  }
+  return out;
+}
+
+template <ReduceKind kKind>
+void reduce_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kNumeric);
+  reduce(kKind, type_of(x), reduce_args(x.shape(), reduction_axes(ctx, x.shape().rank())), x.raw_data(),
+         ctx.output(0).raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// SumGrad / MeanGrad (dy, x): dy stretched over the reduced axes (and divided by their size).
+template <ReduceKind kKind>
+void reduce_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  const Tensor& x = ctx.input(1);
+  Tensor& dx = ctx.output(0);
+  require_types(ctx, dy, kNumeric);
+  const auto axes = reduction_axes(ctx, x.shape().rank());
+  Shape kept;
+  std::int64_t count = 1;
+  for (int d = 0; d < x.shape().rank(); ++d) {
+    const bool reduced = std::find(axes.begin(), axes.end(), d) != axes.end();
+    kept.push_back(reduced ? 1 : x.shape()[d]);
+    if (reduced) count *= x.shape()[d];
+  }
+  const double scale = kKind == ReduceKind::kMean ? 1.0 / static_cast<double>(std::max<std::int64_t>(1, count)) : 1.0;
+  broadcast(type_of(dy), broadcast_args(dx.shape(), kept, nullptr), dy.raw_data(), scale, dx.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void sum_to_shape_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const Shape& like = ctx.input(1).shape();
+  require_types(ctx, x, kNumeric);
+  std::vector<int> axes;
+  for (int d = 0; d < x.shape().rank(); ++d) {
+    const int dl = d - (x.shape().rank() - like.rank());
+    if (dl < 0 || (like[dl] == 1 && x.shape()[d] != 1)) axes.push_back(d);
+  }
+  reduce(ReduceKind::kSum, type_of(x), reduce_args(x.shape(), axes), x.raw_data(), ctx.output(0).raw_data(),
+         stream_of(ctx));
+  check_launch(ctx);
+}
+
+void argmax_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kNumeric);
+  const int rank = x.shape().rank();
+  const auto raw_axis = ctx.attrs().get_int("axis");
+  const int axis = static_cast<int>(raw_axis < 0 ? raw_axis + rank : raw_axis);
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < axis; ++d) outer *= x.shape()[d];
+  for (int d = axis + 1; d < rank; ++d) inner *= x.shape()[d];
+  argmax(type_of(x), x.raw_data(), static_cast<std::int64_t*>(ctx.output(0).raw_data()), outer, x.shape()[axis], inner,
+         stream_of(ctx));
+  check_launch(ctx);
+}
+
+// ---- nn ------------------------------------------------------------------------------------------
+
+std::pair<std::int64_t, std::int64_t> rows_cols(const Tensor& t) {
+  const std::int64_t cols = t.shape().rank() == 0 ? 1 : t.shape().dim(-1);
+  return {cols > 0 ? t.num_elements() / cols : 0, cols};
+}
+
+Activation activation_attr(KernelContext& ctx) {
+  return static_cast<Activation>(ops::parse_activation(ctx.attrs().get<std::string>("activation")));
+}
+
+template <bool kWithActivation>
+void bias_add_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  const auto [rows, cols] = rows_cols(ctx.input(0));
+  bias_activation(kWithActivation ? activation_attr(ctx) : Activation::kLinear, type_of(ctx.input(0)),
+                  ctx.input(0).raw_data(), ctx.input(1).raw_data(), ctx.output(0).raw_data(), rows, cols,
+                  stream_of(ctx));
+  check_launch(ctx);
+}
+
+void bias_add_grad_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  const auto [rows, cols] = rows_cols(ctx.input(0));
+  bias_activation_grad(Activation::kLinear, type_of(ctx.input(0)), ctx.input(0).raw_data(), nullptr, nullptr,
+                       ctx.output(0).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+void bias_activation_grad_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  const auto [rows, cols] = rows_cols(ctx.input(0));
+  bias_activation_grad(activation_attr(ctx), type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.input(1).raw_data(),
+                       ctx.output(0).raw_data(), ctx.output(1).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+void matmul_kernel(KernelContext& ctx) {
+  const Tensor& a = ctx.input(0);
+  const Tensor& b = ctx.input(1);
+  require_types(ctx, a, kFloat);
+  GemmCall call;
+  call.dtype = a.dtype();
+  call.transpose_a = ctx.attrs().get_bool_or("transpose_a", false);
+  call.transpose_b = ctx.attrs().get_bool_or("transpose_b", false);
+  call.m = call.transpose_a ? a.shape()[1] : a.shape()[0];
+  call.k = call.transpose_a ? a.shape()[0] : a.shape()[1];
+  call.n = call.transpose_b ? b.shape()[0] : b.shape()[1];
+  call.lda = a.shape()[1];
+  call.ldb = b.shape()[1];
+  call.a = a.raw_data();
+  call.b = b.raw_data();
+  call.c = ctx.output(0).raw_data();
+  if (call.m * call.n == 0) return;
+  if (call.k == 0) {
+    fill(type_of(a), 0.0, call.c, call.m * call.n, stream_of(ctx));
+    check_launch(ctx);
+    return;
+  }
+  gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+}
+
+// FusedMatMul: the product by cuBLAS, then bias and activation in place (one extra pass; a
+// cuBLASLt epilogue would fold it into the product).
+void fused_matmul_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const Tensor& w = ctx.input(1);
+  require_types(ctx, x, kFloat);
+  GemmCall call;
+  call.dtype = x.dtype();
+  call.m = x.shape()[0];
+  call.k = x.shape()[1];
+  call.n = w.shape()[1];
+  call.lda = call.k;
+  call.ldb = call.n;
+  call.a = x.raw_data();
+  call.b = w.raw_data();
+  call.c = ctx.output(0).raw_data();
+  if (call.m * call.n == 0) return;
+  if (call.k == 0) {
+    fill(type_of(x), 0.0, call.c, call.m * call.n, stream_of(ctx));
+  } else {
+    gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+  }
+  bias_activation(activation_attr(ctx), type_of(x), call.c, ctx.input(2).raw_data(), call.c, call.m, call.n,
+                  stream_of(ctx));
+  check_launch(ctx);
+}
+
+template <bool kLog>
+void softmax_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  const auto [rows, cols] = rows_cols(ctx.input(0));
+  softmax(kLog, type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.output(0).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+template <bool kLog>
+void softmax_grad_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  const auto [rows, cols] = rows_cols(ctx.input(0));
+  softmax_grad(kLog, type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.input(1).raw_data(), ctx.output(0).raw_data(),
+               rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+// The bad-label check needs the device's answer before the step goes on: one small copy back.
+void sparse_xent_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const Tensor& labels = ctx.input(1);
+  require_types(ctx, x, kFloat);
+  require_types(ctx, labels, {DType::kI32, DType::kI64});
+  const std::int64_t rows = x.shape()[0], classes = x.shape()[1];
+  if (rows == 0) return;
+  Tensor flag = Tensor::empty({1}, DType::kI64, ctx.device());
+  const auto none = static_cast<unsigned long long>(rows);
+  auto* bad_row = static_cast<unsigned long long*>(flag.raw_data());
+  const std::string name = ctx.device().short_name();
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(bad_row, &none, sizeof(none), cudaMemcpyHostToDevice, stream_of(ctx)), name);
+  sparse_softmax_cross_entropy(type_of(x), type_of(labels), x.raw_data(), labels.raw_data(), ctx.output(0).raw_data(),
+                               ctx.output(1).raw_data(), rows, classes, bad_row, stream_of(ctx));
+  check_launch(ctx);
+  unsigned long long first_bad = none;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(&first_bad, bad_row, sizeof(first_bad), cudaMemcpyDeviceToHost, stream_of(ctx)), name);
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)), name);
+  if (first_bad != none) {
+    std::int64_t label = 0;
+    const auto offset = static_cast<std::size_t>(first_bad) * graph::dtype_size(labels.dtype());
+    TANDEM_CUDA_CHECK(cudaMemcpy(&label, static_cast<const char*>(labels.raw_data()) + offset,
+                                 graph::dtype_size(labels.dtype()), cudaMemcpyDeviceToHost),
+                      name);
+    if (labels.dtype() == DType::kI32) {
+      std::int32_t narrow = 0;
+      std::memcpy(&narrow, &label, sizeof(narrow));
+      label = narrow;
+    }
+    throw InvalidArgument(fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", ctx.label(), label,
+                                      first_bad, classes));
+  }
+}
+
+// ---- Convolution (im2col + cuBLAS) and pooling -----------------------------------------------------
+
+WindowGeometry flatten(const detail::Window2DGeometry& g) {
+  return {g.batch, g.in_h, g.in_w, g.in_c, g.k_h, g.k_w, g.stride_h, g.stride_w, g.out_h, g.out_w, g.pad_top, g.pad_left};
+}
+detail::Window2DGeometry conv_geometry(KernelContext& ctx, const Shape& x, const Shape& filter) {
+  return detail::make_window_geometry(x, filter[0], filter[1], filter[3], detail::read_window_attrs(ctx.attrs(), false));
+}
+detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
+  const auto attrs = detail::read_window_attrs(ctx.attrs(), true);
+  return detail::make_window_geometry(x, attrs.pool_size[0], attrs.pool_size[1], x[3], attrs);
+}
+
+// The patch matrix of x, in the caching allocator's memory (freed to the compute stream's list,
+// so a later allocation reuses it only after this step's kernels).
+Tensor patches(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x) {
+  Tensor col = Tensor::empty({g.out_pixels(), g.patch_size()}, x.dtype(), ctx.device());
+  im2col(type_of(x), flatten(g), x.raw_data(), col.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+  return col;
+}
+
+// y[pixels, out_c] = col[pixels, patch] @ filter[patch, out_c] (HWIO is [patch, out_c] row-major).
+void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter, void* y) {
+  GemmCall call;
+  call.dtype = x.dtype();
+  call.m = g.out_pixels();
+  call.k = g.patch_size();
+  call.n = g.out_c;
+  if (call.m * call.n == 0) return;
+  if (call.k == 0) {
+    fill(type_of(x), 0.0, y, call.m * call.n, stream_of(ctx));
+    check_launch(ctx);
+    return;
+  }
+  const Tensor col = patches(ctx, g, x);
+  call.lda = call.k;
+  call.ldb = call.n;
+  call.a = col.raw_data();
+  call.b = filter.raw_data();
+  call.c = y;
+  gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+}
+
+void conv2d_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  conv_forward(ctx, conv_geometry(ctx, x.shape(), ctx.input(1).shape()), x, ctx.input(1), ctx.output(0).raw_data());
+}
+
+void fused_conv2d_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
+  Tensor& y = ctx.output(0);
+  conv_forward(ctx, g, x, ctx.input(1), y.raw_data());
+  bias_activation(activation_attr(ctx), type_of(x), y.raw_data(), ctx.input(2).raw_data(), y.raw_data(), g.out_pixels(),
+                  g.out_c, stream_of(ctx));
+  check_launch(ctx);
+}
+
+// Conv2DBackpropInput(x_like, filter, dy): dcol = dy @ filter^T, dx = col2im(dcol).
+void conv2d_backprop_input_kernel(KernelContext& ctx) {
+  const Tensor& filter = ctx.input(1);
+  const Tensor& dy = ctx.input(2);
+  require_types(ctx, filter, kFloat);
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), filter.shape());
+  Tensor& dx = ctx.output(0);
+  if (dx.num_elements() == 0) return;
+  Tensor dcol = Tensor::empty({g.out_pixels(), g.patch_size()}, dy.dtype(), ctx.device());
+  if (g.out_pixels() * g.patch_size() > 0) {
+    if (g.out_c == 0) {
+      fill(type_of(dy), 0.0, dcol.raw_data(), dcol.num_elements(), stream_of(ctx));
+    } else {
+      GemmCall call;
+      call.dtype = dy.dtype();
+      call.transpose_b = true;
+      call.m = g.out_pixels();
+      call.k = g.out_c;
+      call.n = g.patch_size();
+      call.lda = g.out_c;
+      call.ldb = g.out_c;
+      call.a = dy.raw_data();
+      call.b = filter.raw_data();
+      call.c = dcol.raw_data();
+      gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+    }
+  }
+  col2im(type_of(dy), flatten(g), dcol.raw_data(), dx.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// Conv2DBackpropFilter(x, filter_like, dy): dfilter[patch, out_c] = col^T @ dy.
+void conv2d_backprop_filter_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const Tensor& dy = ctx.input(2);
+  require_types(ctx, x, kFloat);
+  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
+  Tensor& dw = ctx.output(0);
+  if (dw.num_elements() == 0) return;
+  if (g.out_pixels() == 0) {
+    fill(type_of(x), 0.0, dw.raw_data(), dw.num_elements(), stream_of(ctx));
+    check_launch(ctx);
+    return;
+  }
+  const Tensor col = patches(ctx, g, x);
+  GemmCall call;
+  call.dtype = x.dtype();
+  call.transpose_a = true;
+  call.m = g.patch_size();
+  call.k = g.out_pixels();
+  call.n = g.out_c;
+  call.lda = g.patch_size();
+  call.ldb = g.out_c;
+  call.a = col.raw_data();
+  call.b = dy.raw_data();
+  call.c = dw.raw_data();
+  gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+}
+
+template <bool kAverage>
+void pool_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  pool(kAverage, type_of(x), flatten(pool_geometry(ctx, x.shape())), x.raw_data(), ctx.output(0).raw_data(),
+       stream_of(ctx));
+  check_launch(ctx);
+}
+
+void max_pool_grad_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  max_pool_grad(type_of(x), flatten(pool_geometry(ctx, x.shape())), x.raw_data(), ctx.input(2).raw_data(),
+                ctx.output(0).raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void avg_pool_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(1);
+  require_types(ctx, dy, kFloat);
+  avg_pool_grad(type_of(dy), flatten(pool_geometry(ctx, ctx.input(0).shape())), dy.raw_data(), ctx.output(0).raw_data(),
+                stream_of(ctx));
+  check_launch(ctx);
+}
+
+}  // namespace
+}  // namespace tandem::ops::cuda
+
+namespace tandem::ops::detail {
+
+void apply_update_on_device(devices::Device& device, graph::DType dtype, const UpdateParams& params,
+                            std::span<const UpdateTensor> tensors) {
+  TANDEM_REQUIRE(dtype == graph::DType::kF32 || dtype == graph::DType::kF64, Unimplemented,
+                 "optimizer updates on {}: {} variables (float32 and float64 are supported)", device.short_name(), dtype);
+  const auto stream = static_cast<cudaStream_t>(device.compute_stream().native_handle());
+  devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
+  for (std::size_t first = 0; first < tensors.size(); first += kMaxUpdateTensors) {
+    const int count = static_cast<int>(std::min<std::size_t>(kMaxUpdateTensors, tensors.size() - first));
+    cuda::apply_update(static_cast<cuda::ElementType>(dtype), params, tensors.data() + first, count, stream);
+    const cudaError_t status = cuda::last_launch_error();
+    TANDEM_CUDA_CHECK(status, device.short_name());
+  }
+}
+
+double squared_norm_on_device(const graph::Tensor& t) {
+  auto& device = t.device();
+  const auto stream = static_cast<cudaStream_t>(device.compute_stream().native_handle());
+  devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
+  graph::Tensor sum = graph::Tensor::zeros({1}, graph::DType::kF64, device);
+  cuda::squared_norm(static_cast<cuda::ElementType>(t.dtype()), t.raw_data(), t.num_elements(),
+                     static_cast<double*>(sum.raw_data()), stream);
+  TANDEM_CUDA_CHECK(cuda::last_launch_error(), device.short_name());
+  return sum.to_vector<double>()[0];
+}
+
+bool all_finite_on_device(std::span<const graph::Tensor> tensors) {
+  if (tensors.empty()) return true;
+  auto& device = tensors.front().device();
+  const auto stream = static_cast<cudaStream_t>(device.compute_stream().native_handle());
+  devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
+  graph::Tensor flag = graph::Tensor::zeros({1}, graph::DType::kI32, device);
+  for (const auto& t : tensors) {
+    cuda::check_finite(static_cast<cuda::ElementType>(t.dtype()), t.raw_data(), t.num_elements(),
+                       static_cast<int*>(flag.raw_data()), stream);
+  }
+  TANDEM_CUDA_CHECK(cuda::last_launch_error(), device.short_name());
+  return flag.to_vector<std::int32_t>()[0] == 0;
+}
+
+void register_cuda_kernels() {
+  using namespace tandem::ops::cuda;
+  auto& r = graph::OpRegistry::global();
+  const auto add = [&](std::string_view op, graph::KernelFn fn) {
+    r.add_kernel(op, devices::DeviceType::kGPU, fn, {.low_precision = graph::LowPrecision::kNative});
+  };
+  add("Add", binary_kernel<BinaryOp::kAdd>);
+  add("Sub", binary_kernel<BinaryOp::kSub>);
+  add("Mul", binary_kernel<BinaryOp::kMul>);
+  add("Div", binary_kernel<BinaryOp::kDiv>);
+  add("Equal", binary_kernel<BinaryOp::kEqual>);
+  add("Neg", unary_kernel<UnaryOp::kNeg>);
+  add("Square", unary_kernel<UnaryOp::kSquare>);
+  add("Abs", unary_kernel<UnaryOp::kAbs>);
+  add("Sqrt", unary_kernel<UnaryOp::kSqrt>);
+  add("Exp", unary_kernel<UnaryOp::kExp>);
+  add("Log", unary_kernel<UnaryOp::kLog>);
+  add("Sign", unary_kernel<UnaryOp::kSign>);
+  add("Relu", unary_kernel<UnaryOp::kRelu>);
+  add("Sigmoid", unary_kernel<UnaryOp::kSigmoid>);
+  add("Tanh", unary_kernel<UnaryOp::kTanh>);
+  add("ReluGrad", activation_grad_kernel<cuda::Activation::kRelu>);
+  add("SigmoidGrad", activation_grad_kernel<cuda::Activation::kSigmoid>);
+  add("TanhGrad", activation_grad_kernel<cuda::Activation::kTanh>);
+  add("AddN", add_n_kernel);
+  add("Cast", cast_kernel);
+  add("Copy", copy_kernel);
+  add("Fill", fill_kernel);
+  add("ZerosLike", fill_like_kernel<0>);
+  add("OnesLike", fill_like_kernel<1>);
+  add("Transpose", transpose_kernel);
+  add("Sum", reduce_kernel<ReduceKind::kSum>);
+  add("Mean", reduce_kernel<ReduceKind::kMean>);
+  add("Max", reduce_kernel<ReduceKind::kMax>);
+  add("SumGrad", reduce_grad_kernel<ReduceKind::kSum>);
+  add("MeanGrad", reduce_grad_kernel<ReduceKind::kMean>);
+  add("SumToShape", sum_to_shape_kernel);
+  add("ArgMax", argmax_kernel);
+  add("MatMul", matmul_kernel);
+  add("FusedMatMul", fused_matmul_kernel);
+  add("BiasAdd", bias_add_kernel<false>);
+  add("BiasActivation", bias_add_kernel<true>);
+  add("BiasAddGrad", bias_add_grad_kernel);
+  add("BiasActivationGrad", bias_activation_grad_kernel);
+  add("Softmax", softmax_kernel<false>);
+  add("LogSoftmax", softmax_kernel<true>);
+  add("SoftmaxGrad", softmax_grad_kernel<false>);
+  add("LogSoftmaxGrad", softmax_grad_kernel<true>);
+  add("SparseSoftmaxCrossEntropyWithLogits", sparse_xent_kernel);
+  add("Conv2D", conv2d_kernel);
+  add("FusedConv2D", fused_conv2d_kernel);
+  add("Conv2DBackpropInput", conv2d_backprop_input_kernel);
+  add("Conv2DBackpropFilter", conv2d_backprop_filter_kernel);
+  add("MaxPool2D", pool_kernel<false>);
+  add("AvgPool2D", pool_kernel<true>);
+  add("MaxPool2DGrad", max_pool_grad_kernel);
+  add("AvgPool2DGrad", avg_pool_grad_kernel);
+}
+
+}  // namespace tandem::ops::detail

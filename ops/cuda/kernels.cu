@@ -1,0 +1,848 @@
+// CUDA kernels of the engine's ops (host entry points: launchers.h).
+//
+// 16-bit types (__half, __nv_bfloat16) are loaded into float, computed in float and rounded once
+// when stored, like the CPU path; float64 computes in double. Element-wise kernels use a
+// grid-stride loop over a capped grid; row-wise kernels (softmax, cross-entropy) use one block per
+// row with shared-memory reductions; column sums (bias gradients) use 32 columns per block and a
+// fixed split of the rows, so results do not depend on scheduling (no atomics on values).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "tandem/ops/cuda/launchers.h"
+#include "tandem/ops/detail/update_rules.h"
+
+namespace tandem::ops::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr std::int64_t kMaxBlocks = 65535;
+
+inline int blocks_for(std::int64_t n) {
+  const std::int64_t b = (n + kThreads - 1) / kThreads;
+  return static_cast<int>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
+}
+
+// What T computes in.
+template <class T>
+struct ComputeOf {
+  using type = T;
+};
+template <>
+struct ComputeOf<__half> {
+  using type = float;
+};
+template <>
+struct ComputeOf<__nv_bfloat16> {
+  using type = float;
+};
+template <class T>
+using compute_t = typename ComputeOf<T>::type;
+
+template <class T>
+__device__ __forceinline__ compute_t<T> load(const T* p, std::int64_t i) {
+  return static_cast<compute_t<T>>(p[i]);
+}
+template <class T, class C>
+__device__ __forceinline__ void store(T* p, std::int64_t i, C value) {
+  if constexpr (std::is_same_v<T, __half>) {
+    p[i] = __float2half_rn(static_cast<float>(value));
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    p[i] = __float2bfloat16_rn(static_cast<float>(value));
+  } else {
+    p[i] = static_cast<T>(value);
+  }
+}
+
+__device__ __forceinline__ float d_exp(float x) { return expf(x); }
+__device__ __forceinline__ double d_exp(double x) { return exp(x); }
+__device__ __forceinline__ float d_log(float x) { return logf(x); }
+__device__ __forceinline__ double d_log(double x) { return log(x); }
+__device__ __forceinline__ float d_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double d_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float d_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double d_tanh(double x) { return tanh(x); }
+
+#define TANDEM_GRID_STRIDE(i, n) \
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+
+// ---- Element-wise ------------------------------------------------------------------------------
+
+template <class C>
+__device__ __forceinline__ C apply_binary(BinaryOp op, C a, C b) {
+  switch (op) {
+    case BinaryOp::kAdd: return a + b;
+    case BinaryOp::kSub: return a - b;
+    case BinaryOp::kMul: return a * b;
+    case BinaryOp::kDiv: return a / b;
+    case BinaryOp::kEqual: return a == b ? C(1) : C(0);
+  }
+  return C(0);
+}
+
+template <class T, class Out>
+__global__ void binary_kernel(BinaryOp op, BroadcastArgs args, const T* a, const T* b, Out* out) {
+  TANDEM_GRID_STRIDE(i, args.elements) {
+    std::int64_t rest = i, oa = 0, ob = 0;
+    for (int d = args.rank - 1; d >= 0; --d) {
+      const std::int64_t index = rest % args.dims[d];
+      rest /= args.dims[d];
+      oa += index * args.strides[0][d];
+      ob += index * args.strides[1][d];
+    }
+    store(out, i, apply_binary(op, load(a, oa), load(b, ob)));
+  }
+}
+
+template <class T>
+__global__ void broadcast_kernel(BroadcastArgs args, const T* x, double scale, T* out) {
+  TANDEM_GRID_STRIDE(i, args.elements) {
+    std::int64_t rest = i, offset = 0;
+    for (int d = args.rank - 1; d >= 0; --d) {
+      offset += (rest % args.dims[d]) * args.strides[0][d];
+      rest /= args.dims[d];
+    }
+    if (scale == 1.0) {
+      out[i] = x[offset];
+    } else {
+      store(out, i, load(x, offset) * static_cast<compute_t<T>>(scale));
+    }
+  }
+}
+
+template <class C>
+__device__ __forceinline__ C apply_unary(UnaryOp op, C x) {
+  switch (op) {
+    case UnaryOp::kNeg: return -x;
+    case UnaryOp::kSquare: return x * x;
+    case UnaryOp::kAbs: return x < C(0) ? -x : x;
+    case UnaryOp::kSign: return static_cast<C>((x > C(0)) - (x < C(0)));
+    case UnaryOp::kRelu: return x > C(0) ? x : C(0);
+    default: break;
+  }
+  if constexpr (std::is_floating_point_v<C>) {
+    switch (op) {
+      case UnaryOp::kSqrt: return d_sqrt(x);
+      case UnaryOp::kExp: return d_exp(x);
+      case UnaryOp::kLog: return d_log(x);
+      case UnaryOp::kSigmoid: return C(1) / (C(1) + d_exp(-x));  // exp overflow gives exactly 0
+      case UnaryOp::kTanh: return d_tanh(x);
+      default: break;
+    }
+  }
+  return x;
+}
+
+template <class T>
+__global__ void unary_kernel(UnaryOp op, const T* x, T* y, std::int64_t n) {
+  TANDEM_GRID_STRIDE(i, n) { store(y, i, apply_unary(op, load(x, i))); }
+}
+
+template <class C>
+__device__ __forceinline__ C activation_backward(Activation a, C dy, C y) {
+  switch (a) {
+    case Activation::kLinear: return dy;
+    case Activation::kRelu: return y > C(0) ? dy : C(0);
+    case Activation::kSigmoid: return dy * y * (C(1) - y);
+    case Activation::kTanh: return dy * (C(1) - y * y);
+  }
+  return dy;
+}
+
+template <class C>
+__device__ __forceinline__ C activate(Activation a, C z) {
+  switch (a) {
+    case Activation::kLinear: return z;
+    case Activation::kRelu: return z > C(0) ? z : C(0);
+    case Activation::kSigmoid: return C(1) / (C(1) + d_exp(-z));
+    case Activation::kTanh: return d_tanh(z);
+  }
+  return z;
+}
+
+template <class T>
+__global__ void activation_grad_kernel(Activation a, const T* dy, const T* y, T* dx, std::int64_t n) {
+  TANDEM_GRID_STRIDE(i, n) { store(dx, i, activation_backward(a, load(dy, i), load(y, i))); }
+}
+
+template <class T>
+struct AddNInputs {
+  const T* p[kMaxAddN];
+};
+template <class T>
+__global__ void add_n_kernel(AddNInputs<T> in, int count, bool accumulate, T* out, std::int64_t n) {
+  TANDEM_GRID_STRIDE(i, n) {
+    compute_t<T> sum = accumulate ? load(out, i) : compute_t<T>(0);
+    for (int k = 0; k < count; ++k) sum += load(in.p[k], i);
+    store(out, i, sum);
+  }
+}
+
+template <class From, class To>
+__global__ void cast_kernel(const From* x, To* y, std::int64_t n) {
+  TANDEM_GRID_STRIDE(i, n) {
+    if constexpr (std::is_integral_v<From> && std::is_integral_v<To>) {
+      y[i] = static_cast<To>(x[i]);
+    } else if constexpr (std::is_same_v<From, double> || std::is_same_v<To, double> || std::is_integral_v<From>) {
+      // Through double: exact for every float and every int32; int64 beyond 2^53 rounds, as a
+      // cast to a floating type must.
+      if constexpr (std::is_integral_v<To>) {
+        y[i] = static_cast<To>(static_cast<double>(load(x, i)));
+      } else {
+        store(y, i, static_cast<double>(load(x, i)));
+      }
+    } else {
+      // float, float16, bfloat16 to float, float16, bfloat16 or an integer: through float (which
+      // holds every 16-bit value exactly), one rounding.
+      if constexpr (std::is_integral_v<To>) {
+        y[i] = static_cast<To>(static_cast<float>(load(x, i)));
+      } else {
+        store(y, i, static_cast<float>(load(x, i)));
+      }
+    }
+  }
+}
+
+template <class T>
+__global__ void fill_kernel(double value, T* y, std::int64_t n) {
+  TANDEM_GRID_STRIDE(i, n) {
+    if constexpr (std::is_integral_v<T>) {
+      y[i] = static_cast<T>(value);
+    } else {
+      store(y, i, static_cast<compute_t<T>>(value));
+    }
+  }
+}
+
+template <class T>
+__global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, T* y, std::int64_t rows, std::int64_t cols) {
+  TANDEM_GRID_STRIDE(i, rows * cols) { store(y, i, activate(a, load(x, i) + load(bias, i % cols))); }
+}
+
+// Column sums of dz (= dy * act'(y), written when dz is not null) over rows: a block covers 32
+// columns with 8 row groups; each thread sums rows r = group, group + 8, ...; the 8 partials meet
+// in shared memory in a fixed order.
+constexpr int kColumnsPerBlock = 32;
+constexpr int kRowGroups = 8;
+template <class T>
+__global__ void bias_grad_kernel(Activation a, const T* dy, const T* y, T* dz, T* db, std::int64_t rows, std::int64_t cols) {
+  using C = compute_t<T>;
+  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  __shared__ Acc partial[kRowGroups][kColumnsPerBlock];
+  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
+  Acc sum = 0;
+  if (c < cols) {
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
+      const std::int64_t i = r * cols + c;
+      C g = load(dy, i);
+      if (y != nullptr) g = activation_backward(a, g, load(y, i));
+      if (dz != nullptr) store(dz, i, g);
+      sum += static_cast<Acc>(g);
+    }
+  }
+  partial[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    Acc total = 0;
+    for (int g = 0; g < kRowGroups; ++g) total += partial[g][threadIdx.x];
+    store(db, c, total);
+  }
+}
+
+// ---- Reductions --------------------------------------------------------------------------------
+
+template <class T>
+__global__ void reduce_kernel(ReduceKind kind, ReduceArgs args, const T* x, T* out) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(o, args.out_elements) {
+    std::int64_t rest = o, base = 0;
+    for (int d = args.kept_rank - 1; d >= 0; --d) {
+      base += (rest % args.kept_dims[d]) * args.kept_strides[d];
+      rest /= args.kept_dims[d];
+    }
+    C acc = 0;
+    bool first = true;
+    for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
+      std::int64_t rr = r, offset = base;
+      for (int d = args.reduced_rank - 1; d >= 0; --d) {
+        offset += (rr % args.reduced_dims[d]) * args.reduced_strides[d];
+        rr /= args.reduced_dims[d];
+      }
+      const C v = load(x, offset);
+      if (kind == ReduceKind::kMax) {
+        acc = first || v > acc ? v : acc;
+      } else {
+        acc += v;
+      }
+      first = false;
+    }
+    if (kind == ReduceKind::kMax && first) {
+      if constexpr (std::is_floating_point_v<C>) acc = -INFINITY;  // empty: the lowest value
+    }
+    if (kind == ReduceKind::kMean && args.reduced_elements > 0) acc = acc / static_cast<C>(args.reduced_elements);
+    store(out, o, acc);
+  }
+}
+
+// ---- Row-wise: softmax and cross-entropy ---------------------------------------------------------
+
+// Block-wide reductions over kThreads threads; every thread gets the result.
+template <class C>
+__device__ C block_max(C v, C* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) shared[threadIdx.x] = shared[threadIdx.x] > shared[threadIdx.x + s] ? shared[threadIdx.x] : shared[threadIdx.x + s];
+    __syncthreads();
+  }
+  const C result = shared[0];
+  __syncthreads();
+  return result;
+}
+template <class C>
+__device__ C block_sum(C v, C* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kThreads / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
+    __syncthreads();
+  }
+  const C result = shared[0];
+  __syncthreads();
+  return result;
+}
+
+template <class T>
+__global__ void softmax_kernel(bool log_softmax, const T* x, T* y, std::int64_t cols) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  T* yr = y + row * cols;
+  C max = -INFINITY;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) max = load(xr, c) > max ? load(xr, c) : max;
+  max = block_max(max, shared);
+  C sum = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) sum += d_exp(load(xr, c) - max);
+  sum = block_sum(sum, shared);
+  const C log_sum = d_log(sum);
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    const C shifted = load(xr, c) - max;
+    store(yr, c, log_softmax ? shifted - log_sum : d_exp(shifted) / sum);
+  }
+}
+
+template <class T>
+__global__ void softmax_grad_kernel(bool log_softmax, const T* dy, const T* y, T* dx, std::int64_t cols) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  C s = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) s += log_softmax ? load(dy, o + c) : load(dy, o + c) * load(y, o + c);
+  s = block_sum(s, shared);
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    const C g = load(dy, o + c), yv = load(y, o + c);
+    store(dx, o + c, log_softmax ? g - d_exp(yv) * s : yv * (g - s));
+  }
+}
+
+template <class T, class L>
+__global__ void sparse_xent_kernel(const T* x, const L* labels, T* loss, T* backprop, std::int64_t classes,
+                                   unsigned long long* bad_row) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * classes;
+  T* bp = backprop + row * classes;
+  const auto label = static_cast<std::int64_t>(labels[row]);
+  if (label < 0 || label >= classes) {
+    if (threadIdx.x == 0) {
+      atomicMin(bad_row, static_cast<unsigned long long>(row));
+      store(loss, row, C(NAN));
+    }
+    for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) store(bp, c, C(NAN));
+    return;
+  }
+  C max = -INFINITY;
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) max = load(xr, c) > max ? load(xr, c) : max;
+  max = block_max(max, shared);
+  C sum = 0;
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) sum += d_exp(load(xr, c) - max);
+  sum = block_sum(sum, shared);  // >= 1: the maximum contributes exp(0)
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) {
+    const C p = d_exp(load(xr, c) - max) / sum;
+    store(bp, c, c == label ? p - C(1) : p);
+  }
+  if (threadIdx.x == 0) store(loss, row, d_log(sum) - (load(xr, label) - max));
+}
+
+template <class T>
+__global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer, std::int64_t axis, std::int64_t inner) {
+  TANDEM_GRID_STRIDE(i, outer * inner) {
+    const std::int64_t o = i / inner, in = i % inner;
+    const T* base = x + o * axis * inner + in;
+    std::int64_t best = 0;
+    auto best_value = load(base, 0);
+    for (std::int64_t a = 1; a < axis; ++a) {
+      const auto v = load(base, a * inner);
+      if (v > best_value) {
+        best_value = v;
+        best = a;
+      }
+    }
+    out[i] = best;
+  }
+}
+
+// ---- Windows: im2col, col2im, pooling ----------------------------------------------------------
+
+template <class T>
+__global__ void im2col_kernel(WindowGeometry g, const T* x, T* col) {
+  const std::int64_t patch = g.k_h * g.k_w * g.in_c;
+  const std::int64_t total = g.batch * g.out_h * g.out_w * patch;
+  TANDEM_GRID_STRIDE(i, total) {
+    const std::int64_t pixel = i / patch, e = i % patch;
+    const std::int64_t c = e % g.in_c, kx = (e / g.in_c) % g.k_w, ky = e / (g.in_c * g.k_w);
+    const std::int64_t ow = pixel % g.out_w, oh = (pixel / g.out_w) % g.out_h, n = pixel / (g.out_w * g.out_h);
+    const std::int64_t h = oh * g.stride_h - g.pad_top + ky, w = ow * g.stride_w - g.pad_left + kx;
+    const bool inside = h >= 0 && h < g.in_h && w >= 0 && w < g.in_w;
+    col[i] = inside ? x[((n * g.in_h + h) * g.in_w + w) * g.in_c + c] : T(0.0f);
+  }
+}
+
+// The output rows [lo, hi) whose windows (stride s, size k, padding pad) contain input row h.
+__device__ __forceinline__ void covering(std::int64_t h, std::int64_t k, std::int64_t s, std::int64_t pad,
+                                         std::int64_t out, std::int64_t& lo, std::int64_t& hi) {
+  // o * s - pad <= h < o * s - pad + k  <=>  (h + pad - k) / s < o <= (h + pad) / s
+  const std::int64_t top = h + pad;
+  lo = top - k + 1 <= 0 ? 0 : (top - k + 1 + s - 1) / s;
+  hi = top / s + 1;
+  if (hi > out) hi = out;
+}
+
+template <class T>
+__global__ void col2im_kernel(WindowGeometry g, const T* dcol, T* dx) {
+  using C = compute_t<T>;
+  const std::int64_t patch = g.k_h * g.k_w * g.in_c;
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  TANDEM_GRID_STRIDE(i, total) {
+    const std::int64_t c = i % g.in_c, w = (i / g.in_c) % g.in_w, h = (i / (g.in_c * g.in_w)) % g.in_h;
+    const std::int64_t n = i / (g.in_c * g.in_w * g.in_h);
+    std::int64_t oh0, oh1, ow0, ow1;
+    covering(h, g.k_h, g.stride_h, g.pad_top, g.out_h, oh0, oh1);
+    covering(w, g.k_w, g.stride_w, g.pad_left, g.out_w, ow0, ow1);
+    C sum = 0;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh) {
+      const std::int64_t ky = h + g.pad_top - oh * g.stride_h;
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        const std::int64_t kx = w + g.pad_left - ow * g.stride_w;
+        const std::int64_t pixel = (n * g.out_h + oh) * g.out_w + ow;
+        sum += load(dcol, pixel * patch + (ky * g.k_w + kx) * g.in_c + c);
+      }
+    }
+    store(dx, i, sum);
+  }
+}
+
+template <class T>
+__global__ void pool_kernel(bool average, WindowGeometry g, const T* x, T* y) {
+  using C = compute_t<T>;
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.in_c;
+  TANDEM_GRID_STRIDE(i, total) {
+    const std::int64_t c = i % g.in_c, ow = (i / g.in_c) % g.out_w, oh = (i / (g.in_c * g.out_w)) % g.out_h;
+    const std::int64_t n = i / (g.in_c * g.out_w * g.out_h);
+    const std::int64_t top = oh * g.stride_h - g.pad_top, left = ow * g.stride_w - g.pad_left;
+    const std::int64_t h0 = top < 0 ? 0 : top, h1 = top + g.k_h < g.in_h ? top + g.k_h : g.in_h;
+    const std::int64_t w0 = left < 0 ? 0 : left, w1 = left + g.k_w < g.in_w ? left + g.k_w : g.in_w;
+    C acc = average ? C(0) : C(-INFINITY);
+    for (std::int64_t h = h0; h < h1; ++h) {
+      for (std::int64_t w = w0; w < w1; ++w) {
+        const C v = load(x, ((n * g.in_h + h) * g.in_w + w) * g.in_c + c);
+        acc = average ? acc + v : (v > acc ? v : acc);
+      }
+    }
+    if (average) acc = acc / static_cast<C>((h1 - h0) * (w1 - w0));
+    store(y, i, acc);
+  }
+}
+
+template <class T>
+__global__ void pool_grad_kernel(bool average, WindowGeometry g, const T* x, const T* dy, T* dx) {
+  using C = compute_t<T>;
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  TANDEM_GRID_STRIDE(i, total) {
+    const std::int64_t c = i % g.in_c, w = (i / g.in_c) % g.in_w, h = (i / (g.in_c * g.in_w)) % g.in_h;
+    const std::int64_t n = i / (g.in_c * g.in_w * g.in_h);
+    std::int64_t oh0, oh1, ow0, ow1;
+    covering(h, g.k_h, g.stride_h, g.pad_top, g.out_h, oh0, oh1);
+    covering(w, g.k_w, g.stride_w, g.pad_left, g.out_w, ow0, ow1);
+    C sum = 0;
+    for (std::int64_t oh = oh0; oh < oh1; ++oh) {
+      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
+        const std::int64_t top = oh * g.stride_h - g.pad_top, left = ow * g.stride_w - g.pad_left;
+        const std::int64_t h0 = top < 0 ? 0 : top, h1 = top + g.k_h < g.in_h ? top + g.k_h : g.in_h;
+        const std::int64_t w0 = left < 0 ? 0 : left, w1 = left + g.k_w < g.in_w ? left + g.k_w : g.in_w;
+        const C grad = load(dy, ((n * g.out_h + oh) * g.out_w + ow) * g.in_c + c);
+        if (average) {
+          sum += grad / static_cast<C>((h1 - h0) * (w1 - w0));
+          continue;
+        }
+        // This window's first maximum, in the CPU kernel's scan order (rows, then columns).
+        C best = C(-INFINITY);
+        std::int64_t best_h = -1, best_w = -1;
+        for (std::int64_t hh = h0; hh < h1; ++hh) {
+          for (std::int64_t ww = w0; ww < w1; ++ww) {
+            const C v = load(x, ((n * g.in_h + hh) * g.in_w + ww) * g.in_c + c);
+            if (v > best) {
+              best = v;
+              best_h = hh;
+              best_w = ww;
+            }
+          }
+        }
+        if (best_h == h && best_w == w) sum += grad;
+      }
+    }
+    store(dx, i, sum);
+  }
+}
+
+// ---- Optimizer updates ---------------------------------------------------------------------------
+
+struct UpdateBatch {
+  UpdateTensor tensors[kMaxUpdateTensors];
+};
+
+// blockIdx.y picks the tensor; x covers its elements with a grid-stride loop.
+template <class T>
+__global__ void update_kernel(UpdateParams p, UpdateBatch batch) {
+  const UpdateTensor& t = batch.tensors[blockIdx.y];
+  const std::int64_t elements = t.elements;
+  T* var = static_cast<T*>(t.var);
+  const T* g = static_cast<const T*>(t.grad);
+  T* s0 = static_cast<T*>(t.slots[0]);
+  T* s1 = static_cast<T*>(t.slots[1]);
+  T* s2 = static_cast<T*>(t.slots[2]);
+  const detail::GradientTransform<T> gt{static_cast<T>(p.gradient_scale), static_cast<T>(p.clip_value), p.clip};
+  TANDEM_GRID_STRIDE(i, elements) {
+    const T gi = gt(g[i]);
+    switch (p.rule) {
+      case UpdateRule::kSgd: {
+        const detail::SgdStep<T> s{static_cast<T>(p.rate), static_cast<T>(p.momentum), p.nesterov};
+        if (s0 == nullptr) {
+          detail::sgd_plain(var[i], gi, s);
+        } else {
+          detail::sgd_momentum(var[i], s0[i], gi, s);
+        }
+        break;
+      }
+      case UpdateRule::kRmsprop: {
+        const detail::RmspropStep<T> s{static_cast<T>(p.rate), static_cast<T>(p.rho), static_cast<T>(p.momentum),
+                                       static_cast<T>(p.epsilon)};
+        detail::rmsprop_element(var[i], s0[i], s1 != nullptr ? s1 + i : nullptr, s2 != nullptr ? s2 + i : nullptr, gi, s);
+        break;
+      }
+      case UpdateRule::kAdam: {
+        const detail::AdamStep<T> s{static_cast<T>(p.rate), static_cast<T>(p.beta_1_complement),
+                                    static_cast<T>(p.beta_2_complement), static_cast<T>(p.epsilon),
+                                    static_cast<T>(p.decay)};
+        detail::adam_general(var[i], s0[i], s1[i], s2 != nullptr ? s2 + i : nullptr, gi, s);
+        break;
+      }
+    }
+  }
+}
+
+template <class T>
+__global__ void squared_norm_kernel(const T* x, std::int64_t n, double* out) {
+  __shared__ double shared[kThreads];
+  double s = 0;
+  TANDEM_GRID_STRIDE(i, n) {
+    const double v = static_cast<double>(load(x, i));
+    s += v * v;
+  }
+  s = block_sum(s, shared);
+  if (threadIdx.x == 0) atomicAdd(out, s);  // order varies: clipping needs no bitwise repeatability
+}
+
+template <class T>
+__global__ void check_finite_kernel(const T* x, std::int64_t n, int* flag) {
+  TANDEM_GRID_STRIDE(i, n) {
+    const auto v = load(x, i);
+    if (!isfinite(static_cast<double>(v))) *flag = 1;
+  }
+}
+
+// ---- Dispatch ------------------------------------------------------------------------------------
+
+template <class F>
+void with_float_type(ElementType type, F&& f) {
+  switch (type) {
+    case ElementType::kF32: f(static_cast<float*>(nullptr)); break;
+    case ElementType::kF64: f(static_cast<double*>(nullptr)); break;
+    case ElementType::kF16: f(static_cast<__half*>(nullptr)); break;
+    case ElementType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
+    default: break;  // cuda_kernels.cc accepts only the types a launcher supports
+  }
+}
+template <class F>
+void with_numeric_type(ElementType type, F&& f) {
+  switch (type) {
+    case ElementType::kI32: f(static_cast<std::int32_t*>(nullptr)); break;
+    case ElementType::kI64: f(static_cast<std::int64_t*>(nullptr)); break;
+    default: with_float_type(type, f); break;
+  }
+}
+template <class F>
+void with_any_type(ElementType type, F&& f) {
+  if (type == ElementType::kU8) {
+    f(static_cast<std::uint8_t*>(nullptr));
+  } else {
+    with_numeric_type(type, f);
+  }
+}
+
+}  // namespace
+
+void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void* a, const void* b, void* out,
+            cudaStream_t stream) {
+  if (args.elements == 0) return;
+  with_any_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (op == BinaryOp::kEqual) {
+      binary_kernel<T, std::uint8_t><<<blocks_for(args.elements), kThreads, 0, stream>>>(
+          op, args, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<std::uint8_t*>(out));
+    } else {
+      binary_kernel<T, T><<<blocks_for(args.elements), kThreads, 0, stream>>>(op, args, static_cast<const T*>(a),
+                                                                              static_cast<const T*>(b), static_cast<T*>(out));
+    }
+  });
+}
+
+void broadcast(ElementType type, const BroadcastArgs& args, const void* x, double scale, void* out,
+               cudaStream_t stream) {
+  if (args.elements == 0) return;
+  with_any_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    broadcast_kernel<T><<<blocks_for(args.elements), kThreads, 0, stream>>>(args, static_cast<const T*>(x), scale,
+                                                                           static_cast<T*>(out));
+  });
+}
+
+void unary(UnaryOp op, ElementType type, const void* x, void* y, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  with_numeric_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    unary_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(op, static_cast<const T*>(x), static_cast<T*>(y), n);
+  });
+}
+
+void activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dx, std::int64_t n,
+                     cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    activation_grad_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(activation, static_cast<const T*>(dy),
+                                                                     static_cast<const T*>(y), static_cast<T*>(dx), n);
+  });
+}
+
+void add_n(ElementType type, const void* const* inputs, int count, bool accumulate, void* out, std::int64_t n,
+           cudaStream_t stream) {
+  if (n == 0) return;
+  with_numeric_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    AddNInputs<T> in{};
+    for (int k = 0; k < count; ++k) in.p[k] = static_cast<const T*>(inputs[k]);
+    add_n_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(in, count, accumulate, static_cast<T*>(out), n);
+  });
+}
+
+void cast(ElementType from, ElementType to, const void* x, void* y, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  with_any_type(from, [&](auto* from_tag) {
+    using From = std::remove_pointer_t<decltype(from_tag)>;
+    with_any_type(to, [&](auto* to_tag) {
+      using To = std::remove_pointer_t<decltype(to_tag)>;
+      cast_kernel<From, To><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const From*>(x), static_cast<To*>(y), n);
+    });
+  });
+}
+
+void fill(ElementType type, double value, void* y, std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  with_any_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    fill_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(value, static_cast<T*>(y), n);
+  });
+}
+
+void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* y,
+                     std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    bias_activation_kernel<T><<<blocks_for(rows * cols), kThreads, 0, stream>>>(
+        activation, static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), rows, cols);
+  });
+}
+
+void bias_activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dz, void* db,
+                          std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
+  if (cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const dim3 block(kColumnsPerBlock, kRowGroups);
+    const auto grid = static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock);
+    bias_grad_kernel<T><<<grid, block, 0, stream>>>(activation, static_cast<const T*>(dy), static_cast<const T*>(y),
+                                                    static_cast<T*>(dz), static_cast<T*>(db), rows, cols);
+  });
+}
+
+void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const void* x, void* out, cudaStream_t stream) {
+  if (args.out_elements == 0) return;
+  with_numeric_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    reduce_kernel<T><<<blocks_for(args.out_elements), kThreads, 0, stream>>>(kind, args, static_cast<const T*>(x),
+                                                                            static_cast<T*>(out));
+  });
+}
+
+void softmax(bool log, ElementType type, const void* x, void* y, std::int64_t rows, std::int64_t cols,
+             cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    softmax_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(log, static_cast<const T*>(x),
+                                                                            static_cast<T*>(y), cols);
+  });
+}
+
+void softmax_grad(bool log, ElementType type, const void* dy, const void* y, void* dx, std::int64_t rows,
+                  std::int64_t cols, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    softmax_grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        log, static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dx), cols);
+  });
+}
+
+void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, const void* x, const void* labels,
+                                  void* loss, void* backprop, std::int64_t rows, std::int64_t classes,
+                                  unsigned long long* bad_row, cudaStream_t stream) {
+  if (rows == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const auto launch = [&](auto* label_tag) {
+      using L = std::remove_pointer_t<decltype(label_tag)>;
+      sparse_xent_kernel<T, L><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const L*>(labels), static_cast<T*>(loss), static_cast<T*>(backprop),
+          classes, bad_row);
+    };
+    if (label_type == ElementType::kI32) {
+      launch(static_cast<std::int32_t*>(nullptr));
+    } else {
+      launch(static_cast<std::int64_t*>(nullptr));
+    }
+  });
+}
+
+void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,
+            std::int64_t inner, cudaStream_t stream) {
+  if (outer * inner == 0 || axis == 0) return;
+  with_numeric_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    argmax_kernel<T><<<blocks_for(outer * inner), kThreads, 0, stream>>>(static_cast<const T*>(x), out, outer, axis, inner);
+  });
+}
+
+void im2col(ElementType type, const WindowGeometry& g, const void* x, void* col, cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.k_h * g.k_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    im2col_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(g, static_cast<const T*>(x), static_cast<T*>(col));
+  });
+}
+
+void col2im(ElementType type, const WindowGeometry& g, const void* dcol, void* dx, cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    col2im_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(g, static_cast<const T*>(dcol), static_cast<T*>(dx));
+  });
+}
+
+void pool(bool average, ElementType type, const WindowGeometry& g, const void* x, void* y, cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    pool_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(average, g, static_cast<const T*>(x), static_cast<T*>(y));
+  });
+}
+
+void max_pool_grad(ElementType type, const WindowGeometry& g, const void* x, const void* dy, void* dx,
+                   cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    pool_grad_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(false, g, static_cast<const T*>(x),
+                                                                   static_cast<const T*>(dy), static_cast<T*>(dx));
+  });
+}
+
+void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, void* dx, cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    pool_grad_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(true, g, nullptr, static_cast<const T*>(dy),
+                                                                   static_cast<T*>(dx));
+  });
+}
+
+void apply_update(ElementType type, const UpdateParams& params, const UpdateTensor* tensors, int count,
+                  cudaStream_t stream) {
+  if (count == 0) return;
+  UpdateBatch batch{};
+  std::int64_t largest = 0;
+  for (int k = 0; k < count; ++k) {
+    batch.tensors[k] = tensors[k];
+    largest = tensors[k].elements > largest ? tensors[k].elements : largest;
+  }
+  if (largest == 0) return;
+  const dim3 grid(static_cast<unsigned>(blocks_for(largest)), static_cast<unsigned>(count));
+  if (type == ElementType::kF64) {
+    update_kernel<double><<<grid, kThreads, 0, stream>>>(params, batch);
+  } else {
+    update_kernel<float><<<grid, kThreads, 0, stream>>>(params, batch);
+  }
+}
+
+void squared_norm(ElementType type, const void* x, std::int64_t n, double* out, cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    squared_norm_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), n, out);
+  });
+}
+
+void check_finite(ElementType type, const void* x, std::int64_t n, int* flag, cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    check_finite_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), n, flag);
+  });
+}
+
+cudaError_t last_launch_error() { return cudaGetLastError(); }
+
+}  // namespace tandem::ops::cuda

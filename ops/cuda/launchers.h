@@ -1,0 +1,134 @@
+// tandem/ops/cuda/launchers.h — the CUDA kernels' host entry points.
+//
+// The .cu files see only this header and CUDA's own: no fmt, Eigen or tandem types reach nvcc,
+// which keeps device compilation fast and free of host-library warnings. cuda_kernels.cc turns a
+// KernelContext into these calls. Every launcher queues work on `stream` and returns at once;
+// none synchronises except where it says so. Shapes are validated by the ops' shape functions
+// before a launcher is reached.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "tandem/ops/detail/update_rules.h"
+
+namespace tandem::ops::cuda {
+
+// graph::DType's values, mirrored (static_assert in cuda_kernels.cc).
+enum class ElementType : std::uint8_t { kF32, kF64, kI32, kI64, kU8, kF16, kBF16 };
+
+inline constexpr int kMaxRank = 8;
+
+// An n-dimensional walk over an output with up to two inputs broadcast into it: per output
+// dimension, each input's stride in elements (0 where it is broadcast).
+struct BroadcastArgs {
+  int rank = 0;
+  std::int64_t dims[kMaxRank] = {};
+  std::int64_t strides[2][kMaxRank] = {};
+  std::int64_t elements = 0;
+};
+
+enum class BinaryOp : std::uint8_t { kAdd, kSub, kMul, kDiv, kEqual };
+enum class UnaryOp : std::uint8_t { kNeg, kSquare, kAbs, kSqrt, kExp, kLog, kSign, kRelu, kSigmoid, kTanh };
+// ops::Activation's values.
+enum class Activation : std::uint8_t { kLinear, kRelu, kSigmoid, kTanh };
+
+// out = a op b (kEqual writes uint8).
+void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void* a, const void* b, void* out,
+            cudaStream_t stream);
+// out[i] = x[offset of i under args.strides[0]] * scale: broadcasting (SumGrad, MeanGrad) and
+// permuting (Transpose) in one kernel.
+void broadcast(ElementType type, const BroadcastArgs& args, const void* x, double scale, void* out,
+               cudaStream_t stream);
+void unary(UnaryOp op, ElementType type, const void* x, void* y, std::int64_t n, cudaStream_t stream);
+// dx = dy * act'(y), from the activation's output y.
+void activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dx, std::int64_t n,
+                     cudaStream_t stream);
+// out = sum of `count` inputs (count <= kMaxAddN per call; the caller chains larger sums).
+inline constexpr int kMaxAddN = 16;
+void add_n(ElementType type, const void* const* inputs, int count, bool accumulate, void* out, std::int64_t n,
+           cudaStream_t stream);
+void cast(ElementType from, ElementType to, const void* x, void* y, std::int64_t n, cudaStream_t stream);
+void fill(ElementType type, double value, void* y, std::int64_t n, cudaStream_t stream);
+
+// y[r, c] = act(x[r, c] + bias[c]) (x may be y).
+void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* y,
+                     std::int64_t rows, std::int64_t cols, cudaStream_t stream);
+// dz = dy * act'(y) (unless dz is null: BiasAddGrad) and db[c] = sum over rows of dz[r, c].
+void bias_activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dz, void* db,
+                          std::int64_t rows, std::int64_t cols, cudaStream_t stream);
+
+// A reduction: each output element reduces the input over `reduced` dimensions, starting at the
+// offset its `kept` index gives. Covers Sum/Mean/Max over any axes and SumToShape.
+enum class ReduceKind : std::uint8_t { kSum, kMean, kMax };
+struct ReduceArgs {
+  int kept_rank = 0;
+  std::int64_t kept_dims[kMaxRank] = {};
+  std::int64_t kept_strides[kMaxRank] = {};  // input strides of the kept dimensions
+  int reduced_rank = 0;
+  std::int64_t reduced_dims[kMaxRank] = {};
+  std::int64_t reduced_strides[kMaxRank] = {};
+  std::int64_t out_elements = 0;
+  std::int64_t reduced_elements = 0;
+};
+void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const void* x, void* out, cudaStream_t stream);
+
+// Row-wise over [rows, cols]: softmax or log-softmax.
+void softmax(bool log, ElementType type, const void* x, void* y, std::int64_t rows, std::int64_t cols,
+             cudaStream_t stream);
+// SoftmaxGrad: dx = y * (dy - sum(dy * y)); LogSoftmaxGrad: dx = dy - exp(y) * sum(dy).
+void softmax_grad(bool log, ElementType type, const void* dy, const void* y, void* dx, std::int64_t rows,
+                  std::int64_t cols, cudaStream_t stream);
+// loss[r] = logsumexp(x[r]) - x[r, label]; backprop = softmax(x) - onehot(label). A label outside
+// [0, classes) sets *bad_row (device memory, initialised by the caller to rows) to the smallest
+// such row, and that row's outputs to NaN.
+void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, const void* x, const void* labels,
+                                  void* loss, void* backprop, std::int64_t rows, std::int64_t classes,
+                                  unsigned long long* bad_row, cudaStream_t stream);
+// out[o, i] = argmax over a of x[o, a, i] (int64; the first of equal maxima).
+void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,
+            std::int64_t inner, cudaStream_t stream);
+
+// 2-D windows over NHWC tensors (convolution as im2col + GEMM, pooling); the geometry of
+// ops/cpu/conv_geometry.h, flattened.
+struct WindowGeometry {
+  std::int64_t batch = 0, in_h = 0, in_w = 0, in_c = 0;
+  std::int64_t k_h = 0, k_w = 0;
+  std::int64_t stride_h = 1, stride_w = 1;
+  std::int64_t out_h = 0, out_w = 0;
+  std::int64_t pad_top = 0, pad_left = 0;
+};
+// col[pixel, (ky * k_w + kx) * in_c + c] = x[n, oh * s_h - pad_top + ky, ow * s_w - pad_left + kx, c]
+// (0 outside the image): the patch matrix [batch * out_h * out_w, k_h * k_w * in_c].
+void im2col(ElementType type, const WindowGeometry& g, const void* x, void* col, cudaStream_t stream);
+// The adjoint: dx[n, h, w, c] = sum of dcol over the patches that read (h, w, c). Gathers, so no
+// atomics: each input element is written once.
+void col2im(ElementType type, const WindowGeometry& g, const void* dcol, void* dx, cudaStream_t stream);
+// Max or average over each window (average counts only the cells inside the image).
+void pool(bool average, ElementType type, const WindowGeometry& g, const void* x, void* y, cudaStream_t stream);
+// MaxPool2DGrad: each window's dy goes to its first maximum (scan order), summed per input cell.
+void max_pool_grad(ElementType type, const WindowGeometry& g, const void* x, const void* dy, void* dx,
+                   cudaStream_t stream);
+// AvgPool2DGrad: dy / (cells in the window) to every cell of the window, summed per input cell.
+void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, void* dx, cudaStream_t stream);
+
+// One optimizer step over many tensors in one launch: UpdateTensor and UpdateParams are in
+// ops/detail/update_rules.h.
+using detail::UpdateParams;
+using detail::UpdateRule;
+using detail::UpdateTensor;
+using detail::kMaxUpdateTensors;
+// Applies the rule to every tensor of `tensors` (count <= kMaxUpdateTensors; null slots where a
+// rule's option is off).
+void apply_update(ElementType type, const UpdateParams& params, const UpdateTensor* tensors, int count,
+                  cudaStream_t stream);
+// Sum of squares of n elements into *out (device, double), for clipping by norm.
+void squared_norm(ElementType type, const void* x, std::int64_t n, double* out, cudaStream_t stream);
+// Sets *flag (device int, initialised to 0 by the caller) to 1 when any element is inf or NaN.
+void check_finite(ElementType type, const void* x, std::int64_t n, int* flag, cudaStream_t stream);
+
+// The last launch's error, as cudaGetLastError (cuda_kernels.cc checks it after every kernel).
+cudaError_t last_launch_error();
+
+}  // namespace tandem::ops::cuda

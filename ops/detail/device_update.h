@@ -1,0 +1,23 @@
+// tandem/ops/detail/device_update.h — optimizer steps and gradient checks on tensors in GPU memory.
+//
+// keras_like's Optimizer calls these when its variables live on a GPU. CUDA builds implement them
+// with one fused kernel launch per kMaxUpdateTensors tensors (ops/cuda/kernels.cu, the update
+// rules of update_rules.h that the CPU loops use too); other builds throw Unimplemented. Every
+// call queues work on the device's compute stream; the reads (norm, finiteness) then wait for it.
+#pragma once
+
+#include <span>
+
+#include "tandem/graph/tensor.h"
+#include "tandem/ops/detail/update_rules.h"
+
+namespace tandem::ops::detail {
+
+void apply_update_on_device(devices::Device& device, graph::DType dtype, const UpdateParams& params,
+                            std::span<const UpdateTensor> tensors);
+// Sum of squares of the elements (blocks until known).
+double squared_norm_on_device(const graph::Tensor& t);
+// Whether every element of every tensor is finite (blocks until known).
+bool all_finite_on_device(std::span<const graph::Tensor> tensors);
+
+}  // namespace tandem::ops::detail

@@ -1,0 +1,102 @@
+// Training on a GPU (OneDeviceStrategy("GPU:0")) against the same model on the CPU: float32 and
+// mixed_bfloat16, SGD with momentum and Adam, with the fused GPU optimizer update. Where no GPU
+// is usable the program exits 77, which CTest reports as skipped.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "tandem/base/random.h"
+#include "tandem/keras_like/keras.h"
+
+using namespace tandem;
+using namespace tandem::keras;
+
+namespace {
+
+struct Data {
+  Tensor x, y;
+};
+Data classification_data(std::int64_t n) {
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> xs(static_cast<std::size_t>(n * 16));
+  std::vector<std::int64_t> ys(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    float score = 0;
+    for (int f = 0; f < 16; ++f) {
+      const float v = normal(rng);
+      xs[static_cast<std::size_t>(i * 16 + f)] = v;
+      score += (f % 3 == 0 ? 1.0f : -0.5f) * v;
+    }
+    ys[static_cast<std::size_t>(i)] = score > 1.0f ? 2 : score > -1.0f ? 1 : 0;
+  }
+  return {Tensor::from_vector(xs, {n, 16}), Tensor::from_vector(ys, {n})};
+}
+
+struct Run {
+  std::vector<double> loss;
+  std::vector<Tensor> weights;
+};
+
+Run train(const std::string& device, const char* policy, OptimizerRef optimizer) {
+  mixed_precision::PolicyScope scope(policy);
+  OneDeviceStrategy strategy(device);
+  Model model;
+  {
+    auto s = strategy.scope();
+    set_global_seed(3);
+    model = Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
+    model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  }
+  const auto data = classification_data(1024);
+  auto history = model.fit(data.x, data.y, {.batch_size = 64, .epochs = 3, .verbose = 0, .shuffle = false});
+  return {history.at("loss"), model.get_weights()};
+}
+
+void check_close(const Run& gpu, const Run& cpu, double loss_tolerance, double weight_tolerance) {
+  REQUIRE(gpu.loss.size() == cpu.loss.size());
+  for (std::size_t e = 0; e < gpu.loss.size(); ++e) {
+    CAPTURE(e);
+    CHECK(std::abs(gpu.loss[e] - cpu.loss[e]) <= loss_tolerance * (1 + std::abs(cpu.loss[e])));
+  }
+  REQUIRE(gpu.weights.size() == cpu.weights.size());
+  for (std::size_t i = 0; i < gpu.weights.size(); ++i) {
+    const auto a = gpu.weights[i].to_vector<float>();
+    const auto b = cpu.weights[i].to_vector<float>();
+    double diff = 0, norm = 0;
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      diff += (a[k] - b[k]) * (a[k] - b[k]);
+      norm += b[k] * b[k];
+    }
+    CAPTURE(i);
+    CHECK(std::sqrt(diff) <= weight_tolerance * std::sqrt(norm) + 1e-6);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("float32 training on the GPU follows the CPU (SGD with momentum, Adam)") {
+  check_close(train("GPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}),
+              train("CPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}), 1e-4, 1e-3);
+  check_close(train("GPU:0", "float32", Adam{.learning_rate = 0.005}), train("CPU:0", "float32", Adam{.learning_rate = 0.005}),
+              1e-4, 1e-3);
+}
+
+TEST_CASE("mixed_bfloat16 training on the GPU stays close to the CPU's") {
+  const Run gpu = train("GPU:0", "mixed_bfloat16", Adam{.learning_rate = 0.005});
+  const Run cpu = train("CPU:0", "mixed_bfloat16", Adam{.learning_rate = 0.005});
+  CHECK(gpu.loss.back() < gpu.loss.front());
+  check_close(gpu, cpu, 3e-2, 5e-2);
+}
+
+int main(int argc, char** argv) {
+  if (devices::num_gpus() == 0) {
+    std::printf("skipped: no GPU (%s)\n", devices::gpu_discovery_message().c_str());
+    return 77;
+  }
+  doctest::Context context(argc, argv);
+  return context.run();
+}
