@@ -35,6 +35,7 @@
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/op_registry.h"
 #include "tandem/keras_like/detail/model_state.h"
+#include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/ops.h"
 
 namespace tandem::keras::detail {
@@ -541,23 +542,23 @@ void Trainer::reduce_compressed(Replica& replica, std::size_t bucket, std::span<
   TANDEM_REQUIRE(graph::is_low_precision(wire), InvalidArgument,
                  "DistributionOptions::gradient_all_reduce_dtype is {}; expected float16 or bfloat16", wire);
   std::int64_t elements = 0;
-  for (const auto& g : grads) {
-    TANDEM_REQUIRE(g.device().host_accessible(), Unimplemented,
-                   "gradient compression to {} on {} needs a device cast kernel; unset "
-                   "DistributionOptions::gradient_all_reduce_dtype",
-                   wire, g.device().name().short_form());
-    elements += g.num_elements();
-  }
+  for (const auto& g : grads) elements += g.num_elements();
+  auto& device = grads.front().device();
+  const bool on_host = device.host_accessible();
   auto& buffers = replica.compressed;
   if (buffers.size() != graphs_->buckets.buckets.size()) buffers.assign(graphs_->buckets.buckets.size(), Tensor());
   Tensor& buffer = buffers[bucket];
   if (!buffer.defined() || buffer.num_elements() != elements || buffer.dtype() != wire) {
-    buffer = Tensor::empty({elements}, wire, grads.front().device());
+    buffer = Tensor::empty({elements}, wire, device);
   }
   auto* wire_bytes = static_cast<std::byte*>(buffer.raw_data());
   std::int64_t offset = 0;
   for (const auto& g : grads) {
-    graph::narrow_from_float32(static_cast<const float*>(g.raw_data()), wire, wire_bytes + offset * 2, g.num_elements());
+    if (on_host) {
+      graph::narrow_from_float32(static_cast<const float*>(g.raw_data()), wire, wire_bytes + offset * 2, g.num_elements());
+    } else {
+      ops::detail::convert_on_device(device, g.raw_data(), DType::kF32, wire_bytes + offset * 2, wire, g.num_elements());
+    }
     offset += g.num_elements();
   }
   model_.strategy->communicator(replica.index)
@@ -565,7 +566,11 @@ void Trainer::reduce_compressed(Replica& replica, std::size_t bucket, std::span<
                   {.timeout = model_.strategy->distribution_options().collective_timeout});
   offset = 0;
   for (auto& g : grads) {
-    graph::widen_to_float32(wire, wire_bytes + offset * 2, static_cast<float*>(g.raw_data()), g.num_elements());
+    if (on_host) {
+      graph::widen_to_float32(wire, wire_bytes + offset * 2, static_cast<float*>(g.raw_data()), g.num_elements());
+    } else {
+      ops::detail::convert_on_device(device, wire_bytes + offset * 2, wire, g.raw_data(), DType::kF32, g.num_elements());
+    }
     offset += g.num_elements();
   }
 }

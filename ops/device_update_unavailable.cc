@@ -16,4 +16,9 @@ bool all_finite_on_device(std::span<const graph::Tensor> tensors) {
                                   tensors.empty() ? std::string("a GPU") : tensors.front().device().short_name()));
 }
 
+void convert_on_device(devices::Device& device, const void* /*from*/, graph::DType /*from_dtype*/, void* /*to*/,
+                       graph::DType /*to_dtype*/, std::int64_t /*n*/) {
+  throw Unimplemented(fmt::format("conversions on {}: tandem was built without CUDA", device.short_name()));
+}
+
 }  // namespace tandem::ops::detail

@@ -595,6 +595,14 @@ bool all_finite_on_device(std::span<const graph::Tensor> tensors) {
   return flag.to_vector<std::int32_t>()[0] == 0;
 }
 
+void convert_on_device(devices::Device& device, const void* from, graph::DType from_dtype, void* to,
+                       graph::DType to_dtype, std::int64_t n) {
+  devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
+  cuda::cast(static_cast<cuda::ElementType>(from_dtype), static_cast<cuda::ElementType>(to_dtype), from, to, n,
+             static_cast<cudaStream_t>(device.compute_stream().native_handle()));
+  TANDEM_CUDA_CHECK(cuda::last_launch_error(), device.short_name());
+}
+
 void register_cuda_kernels() {
   using namespace tandem::ops::cuda;
   auto& r = graph::OpRegistry::global();

@@ -1,4 +1,5 @@
-// tandem/ops/detail/device_update.h — optimizer steps and gradient checks on tensors in GPU memory.
+// tandem/ops/detail/device_update.h — optimizer steps, gradient checks and conversions on tensors in
+// GPU memory.
 //
 // keras_like's Optimizer calls these when its variables live on a GPU. CUDA builds implement them
 // with one fused kernel launch per kMaxUpdateTensors tensors (ops/cuda/kernels.cu, the update
@@ -19,5 +20,9 @@ void apply_update_on_device(devices::Device& device, graph::DType dtype, const U
 double squared_norm_on_device(const graph::Tensor& t);
 // Whether every element of every tensor is finite (blocks until known).
 bool all_finite_on_device(std::span<const graph::Tensor> tensors);
+// Converts n elements of device memory between dtypes (rounding to nearest even), queued on the
+// device's compute stream: gradient compression's narrowing and widening.
+void convert_on_device(devices::Device& device, const void* from, graph::DType from_dtype, void* to,
+                       graph::DType to_dtype, std::int64_t n);
 
 }  // namespace tandem::ops::detail
