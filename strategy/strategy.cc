@@ -15,8 +15,8 @@ namespace {
 thread_local std::vector<Strategy*> tls_scope_stack;
 std::atomic<int> g_strategy_count{0};
 
-// Whether ops/ has CUDA kernels (the GPU backend issue turns this on with them).
-constexpr bool kGpuKernelsBuilt = false;
+// Whether ops/ has CUDA kernels: CUDA builds register them (ops/cuda/).
+constexpr bool kGpuKernelsBuilt = TANDEM_HAVE_CUDA != 0;
 // Replica threads poll this long for the next step before they sleep: longer than the gap
 // between two training steps, short enough that an idle strategy is idle.
 constexpr auto kReplicaSpin = std::chrono::milliseconds(5);
@@ -36,8 +36,8 @@ class DefaultStrategy final : public Strategy {
 std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& names) {
   std::vector<devices::Device*> out;
   if (names.empty()) {
-    // GPUs count only when this build can run a model on them: until the GPU kernels exist,
-    // a machine with GPUs trains on its CPU devices rather than failing at the first op.
+    // GPUs count only when this build can run a model on them: a build without CUDA on a
+    // machine with GPUs trains on its CPU devices rather than failing at the first op.
     if (kGpuKernelsBuilt) out = devices::list_logical_devices(devices::DeviceType::kGPU);
     if (out.empty()) out = devices::list_logical_devices(devices::DeviceType::kCPU);
     return out;

@@ -1,9 +1,8 @@
 // GPU kernels of the engine's ops: each reads its KernelContext (shapes, attrs, device pointers),
 // and queues the launcher of ops/cuda/kernels.cu (or cuBLAS) on the device's compute stream.
 // Nothing here synchronises, except SparseSoftmaxCrossEntropyWithLogits, which must report a bad
-// label as an error naming its row. Ops without a GPU kernel (Dropout, BatchNormalization, the
-// dense and sigmoid cross-entropies, OneHot, MaxGrad) run through the executor's host fallback
-// (graph/executor.cc): correct, but with a copy each way.
+// label as an error naming its row. Ops without a GPU kernel (MaxGrad) run through the executor's
+// host fallback (graph/executor.cc): correct, but with a copy each way.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -406,6 +405,101 @@ void sparse_xent_kernel(KernelContext& ctx) {
   }
 }
 
+void xent_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  softmax_cross_entropy(type_of(x), x.raw_data(), ctx.input(1).raw_data(), ctx.output(0).raw_data(),
+                        ctx.output(1).raw_data(), x.shape()[0], x.shape()[1], stream_of(ctx));
+  check_launch(ctx);
+}
+
+void sigmoid_xent_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  sigmoid_cross_entropy(type_of(x), x.raw_data(), ctx.input(1).raw_data(), ctx.output(0).raw_data(), x.num_elements(),
+                        stream_of(ctx));
+  check_launch(ctx);
+}
+
+void sigmoid_xent_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  require_types(ctx, dy, kFloat);
+  sigmoid_cross_entropy_grad(type_of(dy), dy.raw_data(), ctx.input(1).raw_data(), ctx.input(2).raw_data(),
+                             ctx.output(0).raw_data(), ctx.output(1).raw_data(), dy.num_elements(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+std::uint64_t mix64(std::uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ULL;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// The CPU kernel's mask for the same (executor seed, node, step, attr seed): see nn_kernels.cc.
+void dropout_kernel(KernelContext& ctx) {
+  const double rate = ctx.attrs().get_float_or("rate", 0.5);
+  const auto seed = static_cast<std::uint64_t>(ctx.attrs().get_int_or("seed", 0));
+  const bool training = ctx.attrs().get_bool_or("training", true);
+  TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)", ctx.label(),
+                 rate);
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  const std::int64_t n = x.num_elements();
+  if (!training || rate == 0.0) {
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice,
+                                      stream_of(ctx)),
+                      ctx.device().short_name());
+    fill(type_of(x), 1.0, ctx.output(1).raw_data(), n, stream_of(ctx));
+    check_launch(ctx);
+    return;
+  }
+  constexpr double kTwoPow53 = 9007199254740992.0;
+  constexpr std::uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
+  const auto threshold = static_cast<std::uint64_t>(rate * kTwoPow53);
+  const std::uint64_t key = mix64(ctx.random_seed() ^ mix64(seed + kGoldenGamma));
+  // The CPU rounds 1 / (1 - rate) to its compute type (float for 16-bit tensors) first.
+  const double scale = x.dtype() == DType::kF64 ? 1.0 / (1.0 - rate) : static_cast<double>(static_cast<float>(1.0 / (1.0 - rate)));
+  dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, key, threshold, scale,
+          stream_of(ctx));
+  check_launch(ctx);
+}
+
+void one_hot_kernel(KernelContext& ctx) {
+  const Tensor& indices = ctx.input(0);
+  require_types(ctx, indices, {DType::kI32, DType::kI64, DType::kU8});
+  const std::int64_t depth = ctx.attrs().get_int("depth");
+  one_hot(type_of(indices), indices.raw_data(), static_cast<float*>(ctx.output(0).raw_data()), indices.num_elements(),
+          depth, static_cast<float>(ctx.attrs().get_float_or("on_value", 1.0)),
+          static_cast<float>(ctx.attrs().get_float_or("off_value", 0.0)), stream_of(ctx));
+  check_launch(ctx);
+}
+
+void batch_norm_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  const auto [rows, channels] = rows_cols(x);
+  batch_norm(type_of(x), ctx.attrs().get_bool_or("training", true), ctx.attrs().get_float_or("epsilon", 1e-3),
+             x.raw_data(), ctx.input(1).raw_data(), ctx.input(2).raw_data(), ctx.input(3).raw_data(),
+             ctx.input(4).raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), ctx.output(2).raw_data(),
+             ctx.output(3).raw_data(), ctx.output(4).raw_data(), rows, channels, stream_of(ctx));
+  check_launch(ctx);
+}
+
+void batch_norm_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  require_types(ctx, dy, kFloat);
+  const auto [rows, channels] = rows_cols(dy);
+  const bool has_stat_grads = ctx.num_inputs() == 7;
+  batch_norm_grad(type_of(dy), ctx.attrs().get_bool_or("training", true), dy.raw_data(), ctx.input(1).raw_data(),
+                  ctx.input(2).raw_data(), ctx.input(3).raw_data(), ctx.input(4).raw_data(),
+                  has_stat_grads ? ctx.input(5).raw_data() : nullptr, has_stat_grads ? ctx.input(6).raw_data() : nullptr,
+                  ctx.output(0).raw_data(), ctx.output(1).raw_data(), ctx.output(2).raw_data(), ctx.output(3).raw_data(),
+                  ctx.output(4).raw_data(), rows, channels, stream_of(ctx));
+  check_launch(ctx);
+}
+
 // ---- Convolution (im2col + cuBLAS) and pooling -----------------------------------------------------
 
 WindowGeometry flatten(const detail::Window2DGeometry& g) {
@@ -652,6 +746,13 @@ void register_cuda_kernels() {
   add("SoftmaxGrad", softmax_grad_kernel<false>);
   add("LogSoftmaxGrad", softmax_grad_kernel<true>);
   add("SparseSoftmaxCrossEntropyWithLogits", sparse_xent_kernel);
+  add("SoftmaxCrossEntropyWithLogits", xent_kernel);
+  add("SigmoidCrossEntropyWithLogits", sigmoid_xent_kernel);
+  add("SigmoidCrossEntropyWithLogitsGrad", sigmoid_xent_grad_kernel);
+  add("Dropout", dropout_kernel);
+  add("OneHot", one_hot_kernel);
+  add("FusedBatchNorm", batch_norm_kernel);
+  add("FusedBatchNormGrad", batch_norm_grad_kernel);
   add("Conv2D", conv2d_kernel);
   add("FusedConv2D", fused_conv2d_kernel);
   add("Conv2DBackpropInput", conv2d_backprop_input_kernel);

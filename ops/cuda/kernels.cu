@@ -381,6 +381,197 @@ __global__ void sparse_xent_kernel(const T* x, const L* labels, T* loss, T* back
 }
 
 template <class T>
+__global__ void xent_kernel(const T* x, const T* z, T* loss, T* backprop, std::int64_t classes) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t o = blockIdx.x * classes;
+  C max = -INFINITY;
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) max = load(x, o + c) > max ? load(x, o + c) : max;
+  max = block_max(max, shared);
+  C sum = 0, zsum = 0;
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) {
+    sum += d_exp(load(x, o + c) - max);
+    zsum += load(z, o + c);
+  }
+  sum = block_sum(sum, shared);
+  zsum = block_sum(zsum, shared);
+  const C log_sum = d_log(sum);
+  C l = 0;
+  for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) {
+    const C shifted = load(x, o + c) - max, zc = load(z, o + c);
+    l += zc * (shifted - log_sum);
+    store(backprop, o + c, d_exp(shifted) * (zsum / sum) - zc);
+  }
+  l = block_sum(l, shared);
+  if (threadIdx.x == 0) store(loss, blockIdx.x, -l);
+}
+
+template <class T>
+__global__ void sigmoid_xent_kernel(const T* x, const T* z, T* loss, std::int64_t n) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(i, n) {
+    const C xv = load(x, i), zv = load(z, i);
+    const C ax = xv < C(0) ? -xv : xv;
+    store(loss, i, (xv > C(0) ? xv : C(0)) - xv * zv + d_log(C(1) + d_exp(-ax)));
+  }
+}
+
+template <class T>
+__global__ void sigmoid_xent_grad_kernel(const T* dy, const T* x, const T* z, T* dx, T* dz, std::int64_t n) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(i, n) {
+    const C g = load(dy, i), xv = load(x, i);
+    store(dx, i, g * (C(1) / (C(1) + d_exp(-xv)) - load(z, i)));
+    store(dz, i, -g * xv);
+  }
+}
+
+__device__ __forceinline__ std::uint64_t mix64(std::uint64_t z) {
+  z ^= z >> 30;
+  z *= 0xbf58476d1ce4e5b9ULL;
+  z ^= z >> 27;
+  z *= 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+constexpr std::uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
+
+template <class T>
+__global__ void dropout_kernel(const T* x, T* y, T* mask, std::int64_t n, std::uint64_t key, std::uint64_t threshold,
+                               compute_t<T> scale) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(i, n) {
+    const std::uint64_t bits = mix64(key + static_cast<std::uint64_t>(i) * kGoldenGamma) >> 11;
+    const C keep = bits >= threshold ? scale : C(0);
+    store(mask, i, keep);
+    store(y, i, load(x, i) * keep);
+  }
+}
+
+template <class I>
+__global__ void one_hot_kernel(const I* indices, float* out, std::int64_t rows, std::int64_t depth, float on, float off) {
+  TANDEM_GRID_STRIDE(i, rows * depth) {
+    const std::int64_t r = i / depth, k = i % depth;
+    out[i] = static_cast<std::int64_t>(indices[r]) == k ? on : off;
+  }
+}
+
+// Per-channel sums in double over rows (K quantities), 32 channels x 8 row groups per block, in a
+// fixed order: the batch-norm statistics and gradient sums.
+template <class T>
+__global__ void batch_norm_stats_kernel(bool training, double epsilon, const T* x, const T* scale, const T* mean_in,
+                                        const T* variance_in, T* batch_mean, T* batch_variance, T* saved_mean,
+                                        T* saved_inv_std, double* coef, std::int64_t rows, std::int64_t channels) {
+  __shared__ double partial[2][kRowGroups][kColumnsPerBlock];
+  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
+  double s = 0, s2 = 0;
+  if (training && c < channels) {
+    const double shift = rows > 0 ? static_cast<double>(load(x, c)) : 0.0;
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
+      const double d = static_cast<double>(load(x, r * channels + c)) - shift;
+      s += d;
+      s2 += d * d;
+    }
+  }
+  partial[0][threadIdx.y][threadIdx.x] = s;
+  partial[1][threadIdx.y][threadIdx.x] = s2;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= channels) return;
+  double mean, variance;
+  if (training) {
+    double sum = 0, sum2 = 0;
+    for (int g = 0; g < kRowGroups; ++g) {
+      sum += partial[0][g][threadIdx.x];
+      sum2 += partial[1][g][threadIdx.x];
+    }
+    const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
+    const double shifted_mean = sum * inv_rows;
+    variance = sum2 * inv_rows - shifted_mean * shifted_mean;
+    variance = variance > 0.0 ? variance : 0.0;
+    mean = (rows > 0 ? static_cast<double>(load(x, c)) : 0.0) + shifted_mean;
+  } else {
+    mean = static_cast<double>(load(mean_in, c));
+    variance = static_cast<double>(load(variance_in, c));
+  }
+  const double inv_std = 1.0 / sqrt(variance + epsilon);
+  store(batch_mean, c, mean);
+  store(saved_mean, c, mean);
+  store(batch_variance, c, variance);
+  store(saved_inv_std, c, inv_std);
+  // The CPU kernel rounds mean and coef to T before applying them: do the same.
+  coef[c] = static_cast<double>(static_cast<compute_t<T>>(static_cast<double>(load(scale, c)) * inv_std));
+}
+
+template <class T>
+__global__ void batch_norm_apply_kernel(const T* x, const T* mean, const double* coef, const T* offset, T* y,
+                                        std::int64_t rows, std::int64_t channels) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(i, rows * channels) {
+    const std::int64_t c = i % channels;
+    store(y, i, (load(x, i) - load(mean, c)) * static_cast<C>(coef[c]) + load(offset, c));
+  }
+}
+
+template <class T>
+__global__ void batch_norm_grad_sums_kernel(bool training, const T* dy, const T* x, const T* scale, const T* mean,
+                                            const T* inv_std, const T* dbatch_mean, const T* dbatch_variance,
+                                            double* coef, T* dscale, T* doffset, T* dmean, T* dvariance,
+                                            std::int64_t rows, std::int64_t channels) {
+  __shared__ double partial[2][kRowGroups][kColumnsPerBlock];
+  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
+  double s = 0, s2 = 0;
+  if (c < channels) {
+    const double m = static_cast<double>(load(mean, c));
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
+      const double g = static_cast<double>(load(dy, r * channels + c));
+      s += g;
+      s2 += g * (static_cast<double>(load(x, r * channels + c)) - m);
+    }
+  }
+  partial[0][threadIdx.y][threadIdx.x] = s;
+  partial[1][threadIdx.y][threadIdx.x] = s2;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= channels) return;
+  double sum_dy = 0, sum_dyx = 0;
+  for (int g = 0; g < kRowGroups; ++g) {
+    sum_dy += partial[0][g][threadIdx.x];
+    sum_dyx += partial[1][g][threadIdx.x];
+  }
+  const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
+  const double r = static_cast<double>(load(inv_std, c));
+  const double ds = r * sum_dyx;
+  const double a = static_cast<double>(load(scale, c)) * r;
+  const double dbm = dbatch_mean != nullptr ? static_cast<double>(load(dbatch_mean, c)) : 0.0;
+  const double dbv = dbatch_variance != nullptr ? static_cast<double>(load(dbatch_variance, c)) : 0.0;
+  using C = compute_t<T>;
+  // Rounded to T like the CPU kernel's coefficients.
+  coef[c] = static_cast<double>(static_cast<C>(a));
+  if (training) {
+    coef[channels + c] = static_cast<double>(static_cast<C>((-a * r * ds + 2.0 * dbv) * inv_rows));
+    coef[2 * channels + c] = static_cast<double>(static_cast<C>((-a * sum_dy + dbm) * inv_rows));
+    store(dmean, c, 0.0);
+    store(dvariance, c, 0.0);
+  } else {
+    coef[channels + c] = 0.0;
+    coef[2 * channels + c] = 0.0;
+    store(dmean, c, -a * sum_dy + dbm);
+    store(dvariance, c, -0.5 * a * r * ds + dbv);
+  }
+  store(dscale, c, ds);
+  store(doffset, c, sum_dy);
+}
+
+template <class T>
+__global__ void batch_norm_grad_apply_kernel(const T* dy, const T* x, const T* mean, const double* coef, T* dx,
+                                             std::int64_t rows, std::int64_t channels) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(i, rows * channels) {
+    const std::int64_t c = i % channels;
+    const C a = static_cast<C>(coef[c]), b = static_cast<C>(coef[channels + c]), d = static_cast<C>(coef[2 * channels + c]);
+    store(dx, i, a * load(dy, i) + b * (load(x, i) - load(mean, c)) + d);
+  }
+}
+
+template <class T>
 __global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer, std::int64_t axis, std::int64_t inner) {
   TANDEM_GRID_STRIDE(i, outer * inner) {
     const std::int64_t o = i / inner, in = i % inner;
@@ -750,6 +941,117 @@ void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, cons
       launch(static_cast<std::int64_t*>(nullptr));
     }
   });
+}
+
+void softmax_cross_entropy(ElementType type, const void* x, const void* z, void* loss, void* backprop,
+                           std::int64_t rows, std::int64_t classes, cudaStream_t stream) {
+  if (rows == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    xent_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(z), static_cast<T*>(loss), static_cast<T*>(backprop), classes);
+  });
+}
+
+void sigmoid_cross_entropy(ElementType type, const void* x, const void* z, void* loss, std::int64_t n,
+                           cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    sigmoid_xent_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(z),
+                                                                   static_cast<T*>(loss), n);
+  });
+}
+
+void sigmoid_cross_entropy_grad(ElementType type, const void* dy, const void* x, const void* z, void* dx, void* dz,
+                                std::int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    sigmoid_xent_grad_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(z), static_cast<T*>(dx),
+        static_cast<T*>(dz), n);
+  });
+}
+
+void dropout(ElementType type, const void* x, void* y, void* mask, std::int64_t n, std::uint64_t key,
+             std::uint64_t threshold, double scale, cudaStream_t stream) {
+  if (n == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    dropout_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y),
+                                                             static_cast<T*>(mask), n, key, threshold,
+                                                             static_cast<compute_t<T>>(scale));
+  });
+}
+
+void one_hot(ElementType index_type, const void* indices, float* out, std::int64_t rows, std::int64_t depth, float on,
+             float off, cudaStream_t stream) {
+  if (rows * depth == 0) return;
+  const auto launch = [&](auto* tag) {
+    using I = std::remove_pointer_t<decltype(tag)>;
+    one_hot_kernel<I><<<blocks_for(rows * depth), kThreads, 0, stream>>>(static_cast<const I*>(indices), out, rows, depth,
+                                                                        on, off);
+  };
+  switch (index_type) {
+    case ElementType::kI32: launch(static_cast<std::int32_t*>(nullptr)); break;
+    case ElementType::kU8: launch(static_cast<std::uint8_t*>(nullptr)); break;
+    default: launch(static_cast<std::int64_t*>(nullptr)); break;
+  }
+}
+
+void batch_norm(ElementType type, bool training, double epsilon, const void* x, const void* scale, const void* offset,
+                const void* mean_in, const void* variance_in, void* y, void* batch_mean, void* batch_variance,
+                void* saved_mean, void* saved_inv_std, std::int64_t rows, std::int64_t channels, cudaStream_t stream) {
+  if (channels == 0) return;
+  double* coef = nullptr;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&coef), static_cast<std::size_t>(channels) * sizeof(double), stream) !=
+      cudaSuccess) {
+    return;  // the error stays set: the caller's launch check reports it
+  }
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const dim3 block(kColumnsPerBlock, kRowGroups);
+    const auto grid = static_cast<unsigned>((channels + kColumnsPerBlock - 1) / kColumnsPerBlock);
+    batch_norm_stats_kernel<T><<<grid, block, 0, stream>>>(
+        training, epsilon, static_cast<const T*>(x), static_cast<const T*>(scale), static_cast<const T*>(mean_in),
+        static_cast<const T*>(variance_in), static_cast<T*>(batch_mean), static_cast<T*>(batch_variance),
+        static_cast<T*>(saved_mean), static_cast<T*>(saved_inv_std), coef, rows, channels);
+    if (rows > 0) {
+      batch_norm_apply_kernel<T><<<blocks_for(rows * channels), kThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const T*>(saved_mean), coef, static_cast<const T*>(offset),
+          static_cast<T*>(y), rows, channels);
+    }
+  });
+  cudaFreeAsync(coef, stream);
+}
+
+void batch_norm_grad(ElementType type, bool training, const void* dy, const void* x, const void* scale,
+                     const void* mean, const void* inv_std, const void* dbatch_mean, const void* dbatch_variance,
+                     void* dx, void* dscale, void* doffset, void* dmean, void* dvariance, std::int64_t rows,
+                     std::int64_t channels, cudaStream_t stream) {
+  if (channels == 0) return;
+  double* coef = nullptr;
+  if (cudaMallocAsync(reinterpret_cast<void**>(&coef), static_cast<std::size_t>(3 * channels) * sizeof(double),
+                      stream) != cudaSuccess) {
+    return;
+  }
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const dim3 block(kColumnsPerBlock, kRowGroups);
+    const auto grid = static_cast<unsigned>((channels + kColumnsPerBlock - 1) / kColumnsPerBlock);
+    batch_norm_grad_sums_kernel<T><<<grid, block, 0, stream>>>(
+        training, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(scale),
+        static_cast<const T*>(mean), static_cast<const T*>(inv_std), static_cast<const T*>(dbatch_mean),
+        static_cast<const T*>(dbatch_variance), coef, static_cast<T*>(dscale), static_cast<T*>(doffset),
+        static_cast<T*>(dmean), static_cast<T*>(dvariance), rows, channels);
+    if (rows > 0) {
+      batch_norm_grad_apply_kernel<T><<<blocks_for(rows * channels), kThreads, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), coef, static_cast<T*>(dx),
+          rows, channels);
+    }
+  });
+  cudaFreeAsync(coef, stream);
 }
 
 void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,

@@ -86,6 +86,33 @@ void softmax_grad(bool log, ElementType type, const void* dy, const void* y, voi
 void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, const void* x, const void* labels,
                                   void* loss, void* backprop, std::int64_t rows, std::int64_t classes,
                                   unsigned long long* bad_row, cudaStream_t stream);
+// Dense labels: loss[r] = -sum(z * log_softmax(x)); backprop = softmax(x) * sum(z) - z.
+void softmax_cross_entropy(ElementType type, const void* x, const void* z, void* loss, void* backprop,
+                           std::int64_t rows, std::int64_t classes, cudaStream_t stream);
+// max(x, 0) - x * z + log(1 + exp(-|x|)); its gradient (dy * (sigmoid(x) - z), -dy * x).
+void sigmoid_cross_entropy(ElementType type, const void* x, const void* z, void* loss, std::int64_t n,
+                           cudaStream_t stream);
+void sigmoid_cross_entropy_grad(ElementType type, const void* dy, const void* x, const void* z, void* dx, void* dz,
+                                std::int64_t n, cudaStream_t stream);
+// Dropout with the CPU kernel's counter-based hash: the same (key, element) keeps the same
+// elements on both devices. keep when the 53-bit hash >= threshold; y = x * scale, mask = scale.
+void dropout(ElementType type, const void* x, void* y, void* mask, std::int64_t n, std::uint64_t key,
+             std::uint64_t threshold, double scale, cudaStream_t stream);
+// out[r, :] = off, out[r, index[r]] = on (float32 out; an index outside [0, depth) leaves all off).
+void one_hot(ElementType index_type, const void* indices, float* out, std::int64_t rows, std::int64_t depth, float on,
+             float off, cudaStream_t stream);
+// FusedBatchNorm over [rows, channels] (the CPU kernel's formulas, statistics in double with the
+// shift by row 0): training computes batch_mean/variance, saved_mean/inv_std from x; inference
+// takes them from mean_in/variance_in. Then y = (x - mean) * scale * inv_std + offset.
+void batch_norm(ElementType type, bool training, double epsilon, const void* x, const void* scale, const void* offset,
+                const void* mean_in, const void* variance_in, void* y, void* batch_mean, void* batch_variance,
+                void* saved_mean, void* saved_inv_std, std::int64_t rows, std::int64_t channels, cudaStream_t stream);
+// FusedBatchNormGrad: dx, dscale, doffset, dmean, dvariance (the CPU kernel's formulas);
+// dbatch_mean / dbatch_variance may be null.
+void batch_norm_grad(ElementType type, bool training, const void* dy, const void* x, const void* scale,
+                     const void* mean, const void* inv_std, const void* dbatch_mean, const void* dbatch_variance,
+                     void* dx, void* dscale, void* doffset, void* dmean, void* dvariance, std::int64_t rows,
+                     std::int64_t channels, cudaStream_t stream);
 // out[o, i] = argmax over a of x[o, a, i] (int64; the first of equal maxima).
 void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,
             std::int64_t inner, cudaStream_t stream);
