@@ -20,7 +20,12 @@
 namespace tandem::collective {
 namespace {
 
+// MEAN divides once, at the end, on the host: device tensors (GPU replicas) are summed only (the
+// trainer's all-reduces are sums); a MEAN of GPU tensors says so rather than touching device memory.
 void divide_in_place(Tensor& t, int divisor) {
+  TANDEM_REQUIRE(t.device().host_accessible(), Unimplemented,
+                 "hierarchical all_reduce MEAN of tensors on {}: only SUM is supported for GPU replicas; divide after "
+                 "a SUM", t.device().short_name());
   graph::dispatch<detail::ReducibleTypes>(t.dtype(), "hierarchical MEAN", [&]<class T>() {
     T* __restrict p = static_cast<T*>(t.raw_data());
     const T d = static_cast<T>(divisor);

@@ -36,6 +36,22 @@ std::chrono::milliseconds collective_timeout(const CommunicationOptions& options
   return std::chrono::milliseconds(static_cast<std::int64_t>(options.timeout_seconds * 1000.0));
 }
 
+// TF's default: every GPU of the worker. Several workers on one machine (tandem-run
+// --nproc_per_node, torchrun) take one GPU each, by local rank. Without GPUs (or GPU kernels):
+// CPU:0. A CUDA build has GPU kernels (ops/cuda/).
+std::vector<std::string> default_worker_devices(const ClusterResolver& resolver) {
+  const auto gpus = TANDEM_HAVE_CUDA ? devices::list_logical_devices(devices::DeviceType::kGPU)
+                                     : std::vector<devices::Device*>{};
+  if (gpus.empty()) return {"CPU:0"};
+  if (resolver.local_world_size() > 1) {
+    const auto index = static_cast<std::size_t>(resolver.local_rank()) % gpus.size();
+    return {gpus[index]->short_name()};
+  }
+  std::vector<std::string> names;
+  for (const auto* g : gpus) names.push_back(g->short_name());
+  return names;
+}
+
 std::chrono::milliseconds rendezvous_timeout(const MultiWorkerOptions& options) {
   if (options.rendezvous_timeout) return *options.rendezvous_timeout;
   if (const char* env = std::getenv("TANDEM_RENDEZVOUS_TIMEOUT"); env != nullptr && *env != '\0') {
@@ -122,16 +138,20 @@ class CollectiveAllReduce final : public CrossDeviceOps {
 
   std::vector<std::unique_ptr<collective::Communicator>> make_group(
       const std::vector<devices::Device*>& devices) const override {
-    for (auto* d : devices) {
-      TANDEM_REQUIRE(d->type() == devices::DeviceType::kCPU, Unimplemented,
-                     "MultiWorkerMirroredStrategy: device {} is a GPU; GPU replicas across workers (NCCL) arrive with "
-                     "the GPU backend",
-                     d->short_name());
-    }
+    const bool gpus = std::all_of(devices.begin(), devices.end(),
+                                  [](const devices::Device* d) { return d->type() == devices::DeviceType::kGPU; });
+    const bool cpus = std::all_of(devices.begin(), devices.end(),
+                                  [](const devices::Device* d) { return d->type() == devices::DeviceType::kCPU; });
+    TANDEM_REQUIRE(gpus || cpus, InvalidArgument,
+                   "MultiWorkerMirroredStrategy: the local devices mix CPUs and GPUs; give one kind");
     // Every (re)built group gets its own keys: after an abort, the new connections must not meet
     // the old ones' addresses in the store.
     const int generation = generation_++;
     auto group_store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
+    if (gpus) return make_gpu_group(devices, std::move(group_store));
+    TANDEM_REQUIRE(options_.implementation != CommunicationImplementation::kNccl, InvalidArgument,
+                   "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas; this worker's "
+                   "devices are CPUs (use kAuto, kRing or kSharedMemory)");
     std::unique_ptr<collective::Communicator> cross;
     if (shared_memory_) {
       collective::SharedMemoryOptions shm;
@@ -161,6 +181,35 @@ class CollectiveAllReduce final : public CrossDeviceOps {
   }
 
  private:
+  // GPU replicas: NCCL between the workers (one process communicator per worker, on its first
+  // GPU, the unique id through the rendezvous store), and NCCL among a worker's own GPUs.
+  std::vector<std::unique_ptr<collective::Communicator>> make_gpu_group(const std::vector<devices::Device*>& devices,
+                                                                        std::shared_ptr<GroupStore> group_store) const {
+    const auto implementation = options_.implementation;
+    TANDEM_REQUIRE(implementation == CommunicationImplementation::kAuto ||
+                       implementation == CommunicationImplementation::kNccl,
+                   InvalidArgument,
+                   "MultiWorkerMirroredStrategy: GPU replicas exchange gradients through NCCL; "
+                   "CommunicationImplementation {} reduces host memory only (use kAuto or kNccl)",
+                   implementation == CommunicationImplementation::kRing ? "kRing" : "kSharedMemory");
+    collective::NcclProcessOptions nccl;
+    nccl.rank = rank_;
+    nccl.size = workers_;
+    nccl.cuda_device = devices.front()->index();
+    nccl.store = std::move(group_store);
+    nccl.timeout = collective_timeout(options_);
+    nccl.rank_labels = labels_;
+    auto cross = collective::make_nccl_process_communicator(std::move(nccl));
+    if (devices.size() == 1) {
+      std::vector<std::unique_ptr<collective::Communicator>> group;
+      group.push_back(std::move(cross));
+      return group;
+    }
+    std::vector<int> ordinals;
+    for (const auto* d : devices) ordinals.push_back(d->index());
+    return collective::make_hierarchical_group(collective::make_nccl_group(ordinals), std::move(cross));
+  }
+
   std::shared_ptr<collective::Store> store_;
   int rank_;
   int workers_;
@@ -199,17 +248,14 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
   TANDEM_REQUIRE(options.communication_options.bytes_per_pack >= 0, InvalidArgument,
                  "MultiWorkerMirroredStrategy: bytes_per_pack is {}; expected 0 (one pack) or more",
                  options.communication_options.bytes_per_pack);
-  TANDEM_REQUIRE(options.communication_options.implementation != CommunicationImplementation::kNccl, Unimplemented,
-                 "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas, which arrive with "
-                 "the GPU backend; use kAuto or kRing");
   impl->rank = resolver.rank();
   impl->workers = resolver.num_workers();
   for (int r = 0; r < impl->workers; ++r) impl->labels.push_back(resolver.task_label(r));
 
   // Workers sharing a machine share its cores: each one's CPU device gets its part, unless the
   // user chose (TANDEM_INTRA_OP_THREADS) or the devices exist already.
-  const std::vector<std::string> names = options.local_devices.empty() ? std::vector<std::string>{"CPU:0"}
-                                                                        : options.local_devices;
+  const std::vector<std::string> names =
+      options.local_devices.empty() ? default_worker_devices(resolver) : options.local_devices;
   if (resolver.local_world_size() > 1 && std::getenv("TANDEM_INTRA_OP_THREADS") == nullptr) {
     int cpu_devices = static_cast<int>(names.size());
     if (const char* env = std::getenv("TANDEM_NUM_CPU_DEVICES"); env != nullptr && std::atoi(env) > 0) {

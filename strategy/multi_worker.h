@@ -43,8 +43,8 @@ namespace tandem::strategy {
 
 // TF's tf.distribute.experimental.CommunicationImplementation.
 enum class CommunicationImplementation {
-  kAuto,          // shared memory when every worker runs on this machine, else RING (NCCL for GPU
-                  // replicas once the GPU backend lands)
+  kAuto,          // GPU replicas: NCCL; CPU replicas: shared memory when every worker runs on
+                  // this machine, else RING
   kRing,          // Gloo's ring all-reduce over TCP
   kNccl,          // NCCL across processes (GPU replicas only)
   kSharedMemory,  // tandem's addition: a segment shared by the workers of one machine
@@ -74,8 +74,9 @@ struct MultiWorkerOptions {
   // or else a single local worker).
   std::shared_ptr<ClusterResolver> cluster_resolver;
   CommunicationOptions communication_options;
-  // This worker's replica devices; default: "CPU:0" (TF's choice for a worker without GPUs).
-  // Several devices make a hierarchical all-reduce.
+  // This worker's replica devices; default: every local GPU, or one GPU per worker (by local
+  // rank) when several workers share the machine, or "CPU:0" without GPUs (TF's choices).
+  // Several devices make a hierarchical all-reduce (NCCL within the worker for GPUs).
   std::vector<std::string> local_devices;
   AutoShardPolicy auto_shard_policy = AutoShardPolicy::kAuto;
   DistributionOptions distribution;

@@ -341,6 +341,18 @@ TEST_CASE("a worker with a different model: every worker names both sides") {
   }
 }
 
+TEST_CASE("kNccl with CPU replicas is refused on every worker, saying what it needs") {
+  testing::TempDir dir;
+  const auto codes = run_workers(dir.path().string(), 2, {"--timeout", "20", "--implementation", "nccl"}, {});
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = read_file(fmt::format("{}/log-{}.txt", dir.path().string(), r));
+    INFO(log);
+    CHECK(codes[static_cast<std::size_t>(r)] == 1);
+    CHECK(log.find("CommunicationImplementation::kNccl needs GPU replicas; this worker's devices are CPUs") !=
+          std::string::npos);
+  }
+}
+
 TEST_CASE("a bad TF_CONFIG is refused quoting the offending part") {
   testing::TempDir dir;
   Process p = spawn(TANDEM_MW_TRAINER, {"--out", dir.path().string()},

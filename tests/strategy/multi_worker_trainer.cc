@@ -5,7 +5,7 @@
 //   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
 //                        [--timeout SECONDS] [--files 1] [--verbose 2] [--writers 1]
-//                        [--implementation auto|ring|shm] [--seed S]
+//                        [--implementation auto|ring|shm|nccl] [--seed S]
 //
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
@@ -36,7 +36,7 @@ struct Args {
   bool files = false;  // the data as 5 "files" (Dataset::from_files): the FILE auto-shard policy
   int verbose = 0;
   std::uint64_t seed = 42;  // the global seed (initializers)
-  std::string implementation = "auto";  // auto, ring, shm
+  std::string implementation = "auto";  // auto, ring, shm, nccl
   bool writers = false;  // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
 };
 
@@ -113,9 +113,10 @@ int run(const Args& a) {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
     using Impl = strategy::CommunicationImplementation;
-    options.communication_options.implementation = a.implementation == "ring"  ? Impl::kRing
-                                                   : a.implementation == "shm" ? Impl::kSharedMemory
-                                                                               : Impl::kAuto;
+    options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
+                                                   : a.implementation == "shm"  ? Impl::kSharedMemory
+                                                   : a.implementation == "nccl" ? Impl::kNccl
+                                                                                : Impl::kAuto;
     for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
     rank = mw->worker_rank();
