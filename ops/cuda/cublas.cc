@@ -8,6 +8,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/devices/detail/cuda_check.h"
+#include "tandem/ops/cuda/element_math.h"
 #include "tandem/ops/math_ops.h"
 
 namespace tandem::ops::cuda {
@@ -86,12 +87,12 @@ void gemm(int device, const std::string& device_name, cudaStream_t stream, const
   cublasHandle_t h = handle_for(device, device_name);
   devices::detail::ScopedCudaDevice guard(device, device_name);
   TANDEM_CUBLAS_CHECK(api.set_stream(h, stream), device_name);
-  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS reads each row-major
-  // matrix as its column-major transpose, so the operands swap and keep their own transposes.
-  const cublasOperation_t op_b = call.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_a = call.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const auto m = static_cast<int>(call.n), n = static_cast<int>(call.m), k = static_cast<int>(call.k);
-  const auto ld_b = static_cast<int>(call.ldb), ld_a = static_cast<int>(call.lda), ld_c = static_cast<int>(call.n);
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (element_math.h).
+  const ColumnMajorGemm cm = column_major_gemm(call.transpose_a, call.transpose_b, call.m, call.n, call.k, call.lda, call.ldb);
+  const cublasOperation_t op_b = cm.transpose_first ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_a = cm.transpose_second ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const auto m = static_cast<int>(cm.m), n = static_cast<int>(cm.n), k = static_cast<int>(cm.k);
+  const auto ld_b = static_cast<int>(cm.ld_first), ld_a = static_cast<int>(cm.ld_second), ld_c = static_cast<int>(cm.ldc);
   if (call.dtype == graph::DType::kF64) {
     const double one = 1.0, zero = 0.0;
     TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, CUDA_R_64F, ld_b, call.a, CUDA_R_64F, ld_a,

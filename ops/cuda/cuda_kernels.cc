@@ -12,6 +12,7 @@
 #include "tandem/graph/op_registry.h"
 #include "tandem/ops/cpu/conv_geometry.h"
 #include "tandem/ops/cuda/cublas.h"
+#include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/detail/registration.h"
@@ -55,34 +56,6 @@ void require_types(KernelContext& ctx, const Tensor& t, std::initializer_list<DT
 constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
 constexpr std::initializer_list<DType> kNumeric = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16, DType::kI32,
                                                    DType::kI64};
-
-// Strides of `in` walked as `out` (right-aligned; 0 where broadcast).
-void set_strides(const Shape& out, const Shape& in, std::int64_t* strides) {
-  std::int64_t stride = 1;
-  for (int d = out.rank() - 1; d >= 0; --d) {
-    const int di = d - (out.rank() - in.rank());
-    if (di < 0) {
-      strides[d] = 0;
-      continue;
-    }
-    strides[d] = in[di] == 1 && out[d] != 1 ? 0 : stride;
-    stride *= in[di];
-  }
-}
-
-BroadcastArgs broadcast_args(const Shape& out, const Shape& a, const Shape* b) {
-  BroadcastArgs args;
-  args.rank = out.rank();
-  for (int d = 0; d < out.rank(); ++d) args.dims[d] = out[d];
-  set_strides(out, a, args.strides[0]);
-  if (b != nullptr) set_strides(out, *b, args.strides[1]);
-  args.elements = out.num_elements();
-  if (args.rank == 0) {  // a scalar: one element at offset 0
-    args.rank = 1;
-    args.dims[0] = 1;
-  }
-  return args;
-}
 
 // ---- Element-wise ------------------------------------------------------------------------------
 
@@ -158,43 +131,12 @@ void transpose_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
   const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
-  std::array<std::int64_t, kMaxRank> in_strides{};
-  std::int64_t stride = 1;
-  for (int d = x.shape().rank() - 1; d >= 0; --d) {
-    in_strides[static_cast<std::size_t>(d)] = stride;
-    stride *= x.shape()[d];
-  }
-  BroadcastArgs args = broadcast_args(y.shape(), y.shape(), nullptr);
-  for (int d = 0; d < y.shape().rank(); ++d) args.strides[0][d] = in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
+  const BroadcastArgs args = transpose_args(x.shape(), y.shape(), perm);
   broadcast(type_of(x), args, x.raw_data(), 1.0, y.raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
 // ---- Reductions ----------------------------------------------------------------------------------
-
-ReduceArgs reduce_args(const Shape& in, const std::vector<int>& axes) {
-  ReduceArgs args;
-  std::array<std::int64_t, kMaxRank> strides{};
-  std::int64_t stride = 1;
-  for (int d = in.rank() - 1; d >= 0; --d) {
-    strides[static_cast<std::size_t>(d)] = stride;
-    stride *= in[d];
-  }
-  args.out_elements = 1;
-  args.reduced_elements = 1;
-  for (int d = 0; d < in.rank(); ++d) {
-    if (std::find(axes.begin(), axes.end(), d) != axes.end()) {
-      args.reduced_dims[args.reduced_rank] = in[d];
-      args.reduced_strides[args.reduced_rank++] = strides[static_cast<std::size_t>(d)];
-      args.reduced_elements *= in[d];
-    } else {
-      args.kept_dims[args.kept_rank] = in[d];
-      args.kept_strides[args.kept_rank++] = strides[static_cast<std::size_t>(d)];
-      args.out_elements *= in[d];
-    }
-  }
-  return args;
-}
 
 std::vector<int> reduction_axes(KernelContext& ctx, int rank) {
   const auto& axes = ctx.attrs().get<std::vector<std::int64_t>>("axes");
@@ -240,11 +182,7 @@ void sum_to_shape_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Shape& like = ctx.input(1).shape();
   require_types(ctx, x, kNumeric);
-  std::vector<int> axes;
-  for (int d = 0; d < x.shape().rank(); ++d) {
-    const int dl = d - (x.shape().rank() - like.rank());
-    if (dl < 0 || (like[dl] == 1 && x.shape()[d] != 1)) axes.push_back(d);
-  }
+  const std::vector<int> axes = sum_to_shape_axes(x.shape(), like);
   reduce(ReduceKind::kSum, type_of(x), reduce_args(x.shape(), axes), x.raw_data(), ctx.output(0).raw_data(),
          stream_of(ctx));
   check_launch(ctx);
@@ -502,9 +440,6 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
 
 // ---- Convolution (im2col + cuBLAS) and pooling -----------------------------------------------------
 
-WindowGeometry flatten(const detail::Window2DGeometry& g) {
-  return {g.batch, g.in_h, g.in_w, g.in_c, g.k_h, g.k_w, g.stride_h, g.stride_w, g.out_h, g.out_w, g.pad_top, g.pad_left};
-}
 detail::Window2DGeometry conv_geometry(KernelContext& ctx, const Shape& x, const Shape& filter) {
   return detail::make_window_geometry(x, filter[0], filter[1], filter[3], detail::read_window_attrs(ctx.attrs(), false));
 }

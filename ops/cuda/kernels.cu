@@ -87,25 +87,14 @@ __device__ __forceinline__ C apply_binary(BinaryOp op, C a, C b) {
 template <class T, class Out>
 __global__ void binary_kernel(BinaryOp op, BroadcastArgs args, const T* a, const T* b, Out* out) {
   TANDEM_GRID_STRIDE(i, args.elements) {
-    std::int64_t rest = i, oa = 0, ob = 0;
-    for (int d = args.rank - 1; d >= 0; --d) {
-      const std::int64_t index = rest % args.dims[d];
-      rest /= args.dims[d];
-      oa += index * args.strides[0][d];
-      ob += index * args.strides[1][d];
-    }
-    store(out, i, apply_binary(op, load(a, oa), load(b, ob)));
+    store(out, i, apply_binary(op, load(a, broadcast_offset(args, i, 0)), load(b, broadcast_offset(args, i, 1))));
   }
 }
 
 template <class T>
 __global__ void broadcast_kernel(BroadcastArgs args, const T* x, double scale, T* out) {
   TANDEM_GRID_STRIDE(i, args.elements) {
-    std::int64_t rest = i, offset = 0;
-    for (int d = args.rank - 1; d >= 0; --d) {
-      offset += (rest % args.dims[d]) * args.strides[0][d];
-      rest /= args.dims[d];
-    }
+    const std::int64_t offset = broadcast_offset(args, i, 0);
     if (scale == 1.0) {
       out[i] = x[offset];
     } else {
@@ -259,29 +248,19 @@ template <class T>
 __global__ void reduce_kernel(ReduceKind kind, ReduceArgs args, const T* x, T* out) {
   using C = compute_t<T>;
   TANDEM_GRID_STRIDE(o, args.out_elements) {
-    std::int64_t rest = o, base = 0;
-    for (int d = args.kept_rank - 1; d >= 0; --d) {
-      base += (rest % args.kept_dims[d]) * args.kept_strides[d];
-      rest /= args.kept_dims[d];
-    }
+    const std::int64_t base = reduce_base(args, o);
     C acc = 0;
-    bool first = true;
+    if (kind == ReduceKind::kMax) {
+      if constexpr (std::is_floating_point_v<C>) acc = -INFINITY;  // empty: the lowest value
+      if (args.reduced_elements > 0) acc = load(x, base);
+    }
     for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
-      std::int64_t rr = r, offset = base;
-      for (int d = args.reduced_rank - 1; d >= 0; --d) {
-        offset += (rr % args.reduced_dims[d]) * args.reduced_strides[d];
-        rr /= args.reduced_dims[d];
-      }
-      const C v = load(x, offset);
+      const C v = load(x, reduce_offset(args, base, r));
       if (kind == ReduceKind::kMax) {
-        acc = first || v > acc ? v : acc;
+        acc = v > acc ? v : acc;
       } else {
         acc += v;
       }
-      first = false;
-    }
-    if (kind == ReduceKind::kMax && first) {
-      if constexpr (std::is_floating_point_v<C>) acc = -INFINITY;  // empty: the lowest value
     }
     if (kind == ReduceKind::kMean && args.reduced_elements > 0) acc = acc / static_cast<C>(args.reduced_elements);
     store(out, o, acc);
@@ -593,48 +572,20 @@ __global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer,
 
 template <class T>
 __global__ void im2col_kernel(WindowGeometry g, const T* x, T* col) {
-  const std::int64_t patch = g.k_h * g.k_w * g.in_c;
-  const std::int64_t total = g.batch * g.out_h * g.out_w * patch;
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.k_h * g.k_w * g.in_c;
   TANDEM_GRID_STRIDE(i, total) {
-    const std::int64_t pixel = i / patch, e = i % patch;
-    const std::int64_t c = e % g.in_c, kx = (e / g.in_c) % g.k_w, ky = e / (g.in_c * g.k_w);
-    const std::int64_t ow = pixel % g.out_w, oh = (pixel / g.out_w) % g.out_h, n = pixel / (g.out_w * g.out_h);
-    const std::int64_t h = oh * g.stride_h - g.pad_top + ky, w = ow * g.stride_w - g.pad_left + kx;
-    const bool inside = h >= 0 && h < g.in_h && w >= 0 && w < g.in_w;
-    col[i] = inside ? x[((n * g.in_h + h) * g.in_w + w) * g.in_c + c] : T(0.0f);
+    const std::int64_t source = im2col_source(g, i);
+    col[i] = source >= 0 ? x[source] : T(0.0f);
   }
-}
-
-// The output rows [lo, hi) whose windows (stride s, size k, padding pad) contain input row h.
-__device__ __forceinline__ void covering(std::int64_t h, std::int64_t k, std::int64_t s, std::int64_t pad,
-                                         std::int64_t out, std::int64_t& lo, std::int64_t& hi) {
-  // o * s - pad <= h < o * s - pad + k  <=>  (h + pad - k) / s < o <= (h + pad) / s
-  const std::int64_t top = h + pad;
-  lo = top - k + 1 <= 0 ? 0 : (top - k + 1 + s - 1) / s;
-  hi = top / s + 1;
-  if (hi > out) hi = out;
 }
 
 template <class T>
 __global__ void col2im_kernel(WindowGeometry g, const T* dcol, T* dx) {
   using C = compute_t<T>;
-  const std::int64_t patch = g.k_h * g.k_w * g.in_c;
   const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
   TANDEM_GRID_STRIDE(i, total) {
-    const std::int64_t c = i % g.in_c, w = (i / g.in_c) % g.in_w, h = (i / (g.in_c * g.in_w)) % g.in_h;
-    const std::int64_t n = i / (g.in_c * g.in_w * g.in_h);
-    std::int64_t oh0, oh1, ow0, ow1;
-    covering(h, g.k_h, g.stride_h, g.pad_top, g.out_h, oh0, oh1);
-    covering(w, g.k_w, g.stride_w, g.pad_left, g.out_w, ow0, ow1);
     C sum = 0;
-    for (std::int64_t oh = oh0; oh < oh1; ++oh) {
-      const std::int64_t ky = h + g.pad_top - oh * g.stride_h;
-      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
-        const std::int64_t kx = w + g.pad_left - ow * g.stride_w;
-        const std::int64_t pixel = (n * g.out_h + oh) * g.out_w + ow;
-        sum += load(dcol, pixel * patch + (ky * g.k_w + kx) * g.in_c + c);
-      }
-    }
+    for_each_col2im_source(g, i, [&](std::int64_t source) { sum += load(dcol, source); });
     store(dx, i, sum);
   }
 }
@@ -644,19 +595,16 @@ __global__ void pool_kernel(bool average, WindowGeometry g, const T* x, T* y) {
   using C = compute_t<T>;
   const std::int64_t total = g.batch * g.out_h * g.out_w * g.in_c;
   TANDEM_GRID_STRIDE(i, total) {
-    const std::int64_t c = i % g.in_c, ow = (i / g.in_c) % g.out_w, oh = (i / (g.in_c * g.out_w)) % g.out_h;
-    const std::int64_t n = i / (g.in_c * g.out_w * g.out_h);
-    const std::int64_t top = oh * g.stride_h - g.pad_top, left = ow * g.stride_w - g.pad_left;
-    const std::int64_t h0 = top < 0 ? 0 : top, h1 = top + g.k_h < g.in_h ? top + g.k_h : g.in_h;
-    const std::int64_t w0 = left < 0 ? 0 : left, w1 = left + g.k_w < g.in_w ? left + g.k_w : g.in_w;
+    const Pixel p = pixel_of(i, g.out_h, g.out_w, g.in_c);
+    const Window win = window_at(g, p.h, p.w);
     C acc = average ? C(0) : C(-INFINITY);
-    for (std::int64_t h = h0; h < h1; ++h) {
-      for (std::int64_t w = w0; w < w1; ++w) {
-        const C v = load(x, ((n * g.in_h + h) * g.in_w + w) * g.in_c + c);
+    for (std::int64_t h = win.h0; h < win.h1; ++h) {
+      for (std::int64_t w = win.w0; w < win.w1; ++w) {
+        const C v = load(x, ((p.n * g.in_h + h) * g.in_w + w) * g.in_c + p.c);
         acc = average ? acc + v : (v > acc ? v : acc);
       }
     }
-    if (average) acc = acc / static_cast<C>((h1 - h0) * (w1 - w0));
+    if (average) acc = acc / static_cast<C>(win.count());
     store(y, i, acc);
   }
 }
@@ -666,38 +614,29 @@ __global__ void pool_grad_kernel(bool average, WindowGeometry g, const T* x, con
   using C = compute_t<T>;
   const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
   TANDEM_GRID_STRIDE(i, total) {
-    const std::int64_t c = i % g.in_c, w = (i / g.in_c) % g.in_w, h = (i / (g.in_c * g.in_w)) % g.in_h;
-    const std::int64_t n = i / (g.in_c * g.in_w * g.in_h);
-    std::int64_t oh0, oh1, ow0, ow1;
-    covering(h, g.k_h, g.stride_h, g.pad_top, g.out_h, oh0, oh1);
-    covering(w, g.k_w, g.stride_w, g.pad_left, g.out_w, ow0, ow1);
+    const Pixel p = pixel_of(i, g.in_h, g.in_w, g.in_c);
     C sum = 0;
-    for (std::int64_t oh = oh0; oh < oh1; ++oh) {
-      for (std::int64_t ow = ow0; ow < ow1; ++ow) {
-        const std::int64_t top = oh * g.stride_h - g.pad_top, left = ow * g.stride_w - g.pad_left;
-        const std::int64_t h0 = top < 0 ? 0 : top, h1 = top + g.k_h < g.in_h ? top + g.k_h : g.in_h;
-        const std::int64_t w0 = left < 0 ? 0 : left, w1 = left + g.k_w < g.in_w ? left + g.k_w : g.in_w;
-        const C grad = load(dy, ((n * g.out_h + oh) * g.out_w + ow) * g.in_c + c);
-        if (average) {
-          sum += grad / static_cast<C>((h1 - h0) * (w1 - w0));
-          continue;
-        }
-        // This window's first maximum, in the CPU kernel's scan order (rows, then columns).
-        C best = C(-INFINITY);
-        std::int64_t best_h = -1, best_w = -1;
-        for (std::int64_t hh = h0; hh < h1; ++hh) {
-          for (std::int64_t ww = w0; ww < w1; ++ww) {
-            const C v = load(x, ((n * g.in_h + hh) * g.in_w + ww) * g.in_c + c);
-            if (v > best) {
-              best = v;
-              best_h = hh;
-              best_w = ww;
-            }
+    for_each_pool_window_of(g, i, [&](std::int64_t out, const Window& win) {
+      const C grad = load(dy, out);
+      if (average) {
+        sum += grad / static_cast<C>(win.count());
+        return;
+      }
+      // This window's first maximum, in the CPU kernel's scan order (rows, then columns).
+      C best = C(-INFINITY);
+      std::int64_t best_h = -1, best_w = -1;
+      for (std::int64_t h = win.h0; h < win.h1; ++h) {
+        for (std::int64_t w = win.w0; w < win.w1; ++w) {
+          const C v = load(x, ((p.n * g.in_h + h) * g.in_w + w) * g.in_c + p.c);
+          if (v > best) {
+            best = v;
+            best_h = h;
+            best_w = w;
           }
         }
-        if (best_h == h && best_w == w) sum += grad;
       }
-    }
+      if (best_h == p.h && best_w == p.w) sum += grad;
+    });
     store(dx, i, sum);
   }
 }

@@ -11,23 +11,13 @@
 
 #include <cstdint>
 
+#include "tandem/ops/cuda/element_math.h"  // BroadcastArgs, ReduceArgs, WindowGeometry
 #include "tandem/ops/detail/update_rules.h"
 
 namespace tandem::ops::cuda {
 
 // graph::DType's values, mirrored (static_assert in cuda_kernels.cc).
 enum class ElementType : std::uint8_t { kF32, kF64, kI32, kI64, kU8, kF16, kBF16 };
-
-inline constexpr int kMaxRank = 8;
-
-// An n-dimensional walk over an output with up to two inputs broadcast into it: per output
-// dimension, each input's stride in elements (0 where it is broadcast).
-struct BroadcastArgs {
-  int rank = 0;
-  std::int64_t dims[kMaxRank] = {};
-  std::int64_t strides[2][kMaxRank] = {};
-  std::int64_t elements = 0;
-};
 
 enum class BinaryOp : std::uint8_t { kAdd, kSub, kMul, kDiv, kEqual };
 enum class UnaryOp : std::uint8_t { kNeg, kSquare, kAbs, kSqrt, kExp, kLog, kSign, kRelu, kSigmoid, kTanh };
@@ -59,19 +49,8 @@ void bias_activation(Activation activation, ElementType type, const void* x, con
 void bias_activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dz, void* db,
                           std::int64_t rows, std::int64_t cols, cudaStream_t stream);
 
-// A reduction: each output element reduces the input over `reduced` dimensions, starting at the
-// offset its `kept` index gives. Covers Sum/Mean/Max over any axes and SumToShape.
+// Sum/Mean/Max over any axes and SumToShape (ReduceArgs: element_math.h).
 enum class ReduceKind : std::uint8_t { kSum, kMean, kMax };
-struct ReduceArgs {
-  int kept_rank = 0;
-  std::int64_t kept_dims[kMaxRank] = {};
-  std::int64_t kept_strides[kMaxRank] = {};  // input strides of the kept dimensions
-  int reduced_rank = 0;
-  std::int64_t reduced_dims[kMaxRank] = {};
-  std::int64_t reduced_strides[kMaxRank] = {};
-  std::int64_t out_elements = 0;
-  std::int64_t reduced_elements = 0;
-};
 void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const void* x, void* out, cudaStream_t stream);
 
 // Row-wise over [rows, cols]: softmax or log-softmax.
@@ -117,15 +96,7 @@ void batch_norm_grad(ElementType type, bool training, const void* dy, const void
 void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,
             std::int64_t inner, cudaStream_t stream);
 
-// 2-D windows over NHWC tensors (convolution as im2col + GEMM, pooling); the geometry of
-// ops/cpu/conv_geometry.h, flattened.
-struct WindowGeometry {
-  std::int64_t batch = 0, in_h = 0, in_w = 0, in_c = 0;
-  std::int64_t k_h = 0, k_w = 0;
-  std::int64_t stride_h = 1, stride_w = 1;
-  std::int64_t out_h = 0, out_w = 0;
-  std::int64_t pad_top = 0, pad_left = 0;
-};
+// Convolution as im2col + GEMM, and pooling (WindowGeometry: element_math.h).
 // col[pixel, (ky * k_w + kx) * in_c + c] = x[n, oh * s_h - pad_top + ky, ow * s_w - pad_left + kx, c]
 // (0 outside the image): the patch matrix [batch * out_h * out_w, k_h * k_w * in_c].
 void im2col(ElementType type, const WindowGeometry& g, const void* x, void* col, cudaStream_t stream);
