@@ -108,6 +108,27 @@ class CudaEvent final : public Event {
   cudaEvent_t event_ = nullptr;
 };
 
+class CudaGraphWork final : public CapturedWork {
+ public:
+  CudaGraphWork(int index, std::string name, cudaGraph_t graph, cudaGraphExec_t exec, cudaStream_t stream)
+      : index_(index), name_(std::move(name)), graph_(graph), exec_(exec), stream_(stream) {}
+  ~CudaGraphWork() override {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  void replay() override {
+    ScopedCudaDevice guard(index_, name_);
+    TANDEM_CUDA_CHECK(cudaGraphLaunch(exec_, stream_), name_);
+  }
+
+ private:
+  int index_;
+  std::string name_;
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  cudaStream_t stream_;
+};
+
 class CudaDevice final : public Device {
  public:
   explicit CudaDevice(int index)
@@ -120,6 +141,38 @@ class CudaDevice final : public Device {
   Stream& compute_stream() override { return compute_; }
   Stream& communication_stream() override { return communication_; }
   std::unique_ptr<Event> create_event() override { return std::make_unique<CudaEvent>(index(), short_name()); }
+  // Relaxed mode: the caching allocator may still call cudaMalloc on a cache miss while recording
+  // (an allocation is not stream work, so the graph does not hold it).
+  std::unique_ptr<CapturedWork> capture(FunctionRef<void()> work, std::string* why) override {
+    ScopedCudaDevice guard(index(), short_name());
+    const cudaStream_t stream = compute_.get();
+    TANDEM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), short_name());
+    std::string failure;
+    try {
+      work();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    if (failure.empty() && ended != cudaSuccess) {
+      failure = fmt::format("cudaStreamEndCapture: {} ({})", cudaGetErrorName(ended), cudaGetErrorString(ended));
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (failure.empty()) {
+      const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+      if (made != cudaSuccess) {
+        failure = fmt::format("cudaGraphInstantiate: {} ({})", cudaGetErrorName(made), cudaGetErrorString(made));
+      }
+    }
+    if (!failure.empty()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      cudaGetLastError();  // a failed capture leaves an error set: clear it, the device is fine
+      if (why != nullptr) *why = failure;
+      return nullptr;
+    }
+    return std::make_unique<CudaGraphWork>(index(), short_name(), graph, exec, stream);
+  }
   bool host_accessible() const override { return false; }
 
   void copy_from_host(void* device_dst, const void* host_src, std::size_t bytes) override {

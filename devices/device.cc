@@ -27,6 +27,11 @@ void Device::parallel_for(std::int64_t n, std::int64_t /*min_grain*/,
 
 std::unique_ptr<Event> Device::create_event() { return std::make_unique<InlineEvent>(); }
 
+std::unique_ptr<CapturedWork> Device::capture(FunctionRef<void()> /*work*/, std::string* why) {
+  if (why != nullptr) *why = fmt::format("{} runs its work inline; there is nothing to capture", short_name());
+  return nullptr;
+}
+
 void Device::copy_from_host_async(void* device_dst, const void* host_src, std::size_t bytes, Stream& /*stream*/) {
   copy_from_host(device_dst, host_src, bytes);
 }

@@ -61,6 +61,15 @@ class Event {
   virtual bool done() = 0;
 };
 
+// Device work recorded once and replayed (a CUDA graph): see Device::capture.
+class CapturedWork {
+ public:
+  virtual ~CapturedWork() = default;
+  // Queues the recorded work again, on the stream it was recorded from. Does not block. Callers:
+  // the thread that owns that stream.
+  virtual void replay() = 0;
+};
+
 // Page-locked host memory for a device's asynchronous copies (cudaHostAlloc on GPUs, ordinary
 // aligned memory on CPUs): a copy from it overlaps compute, where one from pageable memory is
 // staged by the driver and blocks. Freed when the buffer goes away; the caller makes sure no copy
@@ -105,6 +114,12 @@ class Device {
   virtual Stream& compute_stream() = 0;
   virtual Stream& communication_stream() { return compute_stream(); }
   virtual std::unique_ptr<Event> create_event();
+  // Records the device work `work` queues on the compute stream, without running it, for replay
+  // (CUDA graphs: cudaStreamBeginCapture ... cudaGraphInstantiate). Returns null, with the reason
+  // in *why, where the device cannot capture (CPUs) or when `work` did something a capture cannot
+  // hold (it synchronised, or threw): the device stays usable, and the caller runs the work
+  // normally instead. Callers: the thread that owns the compute stream.
+  virtual std::unique_ptr<CapturedWork> capture(FunctionRef<void()> work, std::string* why);
   // True when the host can read and write this device's memory directly (CPU devices).
   virtual bool host_accessible() const = 0;
 

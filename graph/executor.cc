@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string_view>
 #include <span>
 
 #include "tandem/devices/device_name.h"
@@ -25,6 +29,10 @@ std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finaliser
 
 }  // namespace
 
+// Eager runs of a plan before its kernels are recorded as a CUDA graph: the first run plans
+// memory and warms the allocator's cache, the second confirms the addresses are stable.
+constexpr int kGraphWarmupRuns = 2;
+
 struct Executor::Plan {
   struct Step {
     const Node* node = nullptr;
@@ -40,7 +48,20 @@ struct Executor::Plan {
     // No kernel for this device (a GPU): the CPU kernel runs on host copies.
     bool on_host = false;
     std::vector<Tensor> host_inputs, host_outputs;
+    bool capturable = false;  // a device kernel whose work can be recorded (CUDA graphs)
+    KernelState state;        // scratch memory and deferred checks, kept across runs
   };
+
+  // CUDA graphs: after kGraphWarmupRuns runs, the kernels' work is recorded once and replayed.
+  // Feeds are copied into buffers of their own so that every replay reads the same addresses;
+  // the recording is dropped when the arena or a variable's storage moves.
+  bool graph_eligible = false;
+  int runs = 0;
+  std::unique_ptr<devices::CapturedWork> captured;
+  bool capture_failed = false;
+  std::vector<Tensor> feed_buffers;               // per feed slot (indexed like slots)
+  std::vector<const void*> captured_addresses;    // arena and variables when recorded
+  std::vector<std::function<void()>> captured_checks;
 
   std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
   std::vector<TensorSpec> specs;  // concrete spec per slot
@@ -149,6 +170,9 @@ void Executor::run_kernel(Plan& plan, std::size_t step_index, KernelContext& ori
 Executor::Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options)
     : graph_(std::move(graph)), device_(device), options_(options) {
   TANDEM_REQUIRE(graph_ != nullptr, InvalidArgument, "Executor needs a graph");
+  if (const char* env = std::getenv("TANDEM_CUDA_GRAPHS"); env != nullptr && std::string_view(env) == "0") {
+    options_.cuda_graphs = false;
+  }
 }
 
 Executor::~Executor() = default;
@@ -358,6 +382,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
                        "{}: op {} has no float16/bfloat16 kernel on {}", node.label(), node.op->name,
                        devices::device_type_name(device_.type()));
       }
+      step.capturable = kernel_device == devices::DeviceType::kGPU && !step.widen &&
+                        node.op->options(kernel_device).capturable;
     }
     plan->steps.push_back(std::move(step));
   }
@@ -405,12 +431,16 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     plan->arena_offsets[static_cast<std::size_t>(request_slots[r])] = memory.offsets[r];
   }
   plan->arena_slot_count = static_cast<int>(requests.size());
+  plan->graph_eligible = options_.cuda_graphs && device_.type() == devices::DeviceType::kGPU &&
+                         std::all_of(plan->steps.begin(), plan->steps.end(),
+                                     [](const Plan::Step& st) { return st.kernel == nullptr || st.capturable; });
   for (const auto& st : plan->steps) {
     if (st.on_host && std::find(plan->stats.ops_on_host.begin(), plan->stats.ops_on_host.end(), st.node->op->name) ==
                           plan->stats.ops_on_host.end()) {
       plan->stats.ops_on_host.push_back(st.node->op->name);
     }
   }
+  plan->stats.graph_eligible = plan->graph_eligible;
   plan->stats.nodes_run = static_cast<int>(std::count_if(plan->steps.begin(), plan->steps.end(),
                                                          [](const Plan::Step& s) { return s.kernel != nullptr; }));
   plan->stats.nodes_in_graph = num_nodes;
@@ -438,10 +468,22 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   ensure_arena(plan);
 
   // Bind this run's feeds (sorted by node in the plan, so match by node id) and variables.
+  const bool use_graph = plan.graph_eligible && !plan.capture_failed;
+  if (use_graph && plan.feed_buffers.size() != plan.slots.size()) plan.feed_buffers.resize(plan.slots.size());
   for (const auto& [output, tensor] : feeds) {
     const int s = plan.slot_of_node[static_cast<std::size_t>(output.node)];
     if (s < 0) continue;  // fed but not needed
-    plan.slots[static_cast<std::size_t>(s)] = &tensor.device() == &device_ ? tensor : tensor.to(device_);
+    if (!use_graph) {
+      plan.slots[static_cast<std::size_t>(s)] = &tensor.device() == &device_ ? tensor : tensor.to(device_);
+      continue;
+    }
+    // Recorded work reads fixed addresses: copy the feed into this slot's own buffer.
+    Tensor& buffer = plan.feed_buffers[static_cast<std::size_t>(s)];
+    if (!buffer.defined() || buffer.shape() != tensor.shape() || buffer.dtype() != tensor.dtype()) {
+      buffer = Tensor::empty(tensor.shape(), tensor.dtype(), device_);
+    }
+    buffer.copy_from(tensor);
+    plan.slots[static_cast<std::size_t>(s)] = buffer;
   }
   for (const auto& [s, node_id] : plan.variable_slots) {
     const auto it = variables_.find(node_id);
@@ -453,30 +495,95 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   const std::uint64_t step = options.random_step.value_or(step_);
   ++step_;
   const std::uint64_t run_seed = mix64(options_.seed ^ mix64(step));
+  // Forwarding nodes (views) are host bookkeeping, done on every run.
+  const auto forward = [&](Plan::Step& st) {
+    const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
+    *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
+  };
+  const auto queue_kernel = [&](std::size_t index) {
+    auto& st = plan.steps[index];
+    KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
+                          mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)), &st.state);
+    run_kernel(plan, index, context);
+  };
+  const auto run_checks = [](std::vector<std::function<void()>>& checks) {
+    for (auto& check : checks) check();
+  };
+
+  if (use_graph && plan.runs >= kGraphWarmupRuns && !options_.profile) {
+    std::vector<const void*> addresses{plan.arena ? plan.arena->data() : nullptr};
+    for (const auto& [s, node_id] : plan.variable_slots) addresses.push_back(plan.slots[static_cast<std::size_t>(s)].raw_data());
+    if (plan.captured != nullptr && addresses != plan.captured_addresses) plan.captured.reset();
+    if (plan.captured == nullptr) {
+      for (auto& st : plan.steps) st.state.deferred.clear();
+      std::string why;
+      plan.captured = device_.capture(
+          [&] {
+            for (std::size_t index = 0; index < plan.steps.size(); ++index) {
+              if (plan.steps[index].kernel == nullptr) {
+                forward(plan.steps[index]);
+              } else {
+                queue_kernel(index);
+              }
+            }
+          },
+          &why);
+      if (plan.captured == nullptr) {
+        plan.capture_failed = true;
+        std::fprintf(stderr, "tandem: CUDA graph capture failed on %s (%s); this plan runs without graphs\n",
+                     device_.short_name().c_str(), why.c_str());
+      } else {
+        plan.captured_addresses = std::move(addresses);
+        plan.captured_checks.clear();
+        for (auto& st : plan.steps) {
+          for (auto& check : st.state.deferred) plan.captured_checks.push_back(std::move(check));
+          st.state.deferred.clear();
+        }
+      }
+    }
+    if (plan.captured != nullptr) {
+      plan.captured->replay();
+      ++plan.runs;
+      for (auto& st : plan.steps) {
+        if (st.kernel == nullptr) forward(st);
+        if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
+      }
+      run_checks(plan.captured_checks);
+      return collect_results(plan);
+    }
+  }
+
   for (std::size_t index = 0; index < plan.steps.size(); ++index) {
     auto& st = plan.steps[index];
     if (st.kernel == nullptr) {
-      const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
-      *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
+      forward(st);
       if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
       continue;
     }
-    KernelContext context(*st.node, device_, st.inputs.data(), st.outputs.data(),
-                          mix64(run_seed ^ static_cast<std::uint64_t>(st.node->id)));
     if (!options_.profile) {
-      run_kernel(plan, index, context);
+      queue_kernel(index);
       if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
       continue;
     }
     const auto start = std::chrono::steady_clock::now();
-    run_kernel(plan, index, context);
+    queue_kernel(index);
     device_.synchronize();
     auto& entry = profile_[st.node->op];
     entry.calls += 1;
     entry.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
   }
+  ++plan.runs;
+  std::vector<std::function<void()>> checks;
+  for (auto& st : plan.steps) {
+    for (auto& check : st.state.deferred) checks.push_back(std::move(check));
+    st.state.deferred.clear();
+  }
+  run_checks(checks);
+  return collect_results(plan);
+}
 
+std::vector<Tensor> Executor::collect_results(Plan& plan) {
   std::vector<Tensor> results;
   results.reserve(plan.fetch_slots.size());
   for (const int s : plan.fetch_slots) results.push_back(plan.slots[static_cast<std::size_t>(s)]);

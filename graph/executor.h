@@ -35,6 +35,11 @@ struct ExecutorOptions {
   std::uint64_t seed = 0;  // mixed into every random op's stream (replicas pass different seeds)
   // Time every kernel and keep totals per op (profile()). Costs two clock reads per node.
   bool profile = false;
+  // On GPUs, after two runs of a plan, record its kernels once as a CUDA graph and replay that:
+  // one launch per run instead of one per node. Only for plans whose every kernel can be
+  // recorded (no host fallback, no random op); a failed recording falls back to normal runs with
+  // a one-line warning. TANDEM_CUDA_GRAPHS=0 turns it off for every executor. Ignored on CPUs.
+  bool cuda_graphs = true;
 };
 
 // Kernel time per op, summed over the nodes and runs of an executor.
@@ -68,6 +73,8 @@ struct PlanStats {
   int plans_cached = 0;
   // Ops without a kernel for the executor's device (GPU) that run on host copies, by op name.
   std::vector<std::string> ops_on_host;
+  // Whether the plan's kernels may be recorded as a CUDA graph (ExecutorOptions::cuda_graphs).
+  bool graph_eligible = false;
 };
 
 using Feed = std::pair<Output, Tensor>;
@@ -112,6 +119,8 @@ class Executor {
   void ensure_arena(Plan& plan);
   // Runs one step's kernel, widening 16-bit tensors to float32 where the kernel asks for it.
   void run_kernel(Plan& plan, std::size_t step, KernelContext& context);
+  // The run's fetched values; lets go of feeds and views until the next run.
+  std::vector<Tensor> collect_results(Plan& plan);
   const Tensor& constant_on_device(const Node& node);
 
   std::shared_ptr<const Graph> graph_;

@@ -68,6 +68,24 @@ void OpRegistry::add(OpDef def) {
   by_name_.emplace(stored.name, &stored);
 }
 
+Tensor& KernelContext::scratch(std::size_t index, const Shape& shape, DType dtype) {
+  TANDEM_ASSERT(state_ != nullptr, "{}: scratch memory outside an executor", label());
+  if (state_->scratch.size() <= index) state_->scratch.resize(index + 1);
+  Tensor& t = state_->scratch[index];
+  if (!t.defined() || t.shape() != shape || t.dtype() != dtype || &t.device() != &device_) {
+    t = Tensor::empty(shape, dtype, device_);
+  }
+  return t;
+}
+
+void KernelContext::defer(std::function<void()> check) {
+  if (state_ == nullptr) {
+    check();
+    return;
+  }
+  state_->deferred.push_back(std::move(check));
+}
+
 void OpRegistry::add_kernel(std::string_view op, devices::DeviceType type, KernelFn kernel, KernelOptions options) {
   std::unique_lock lock(mutex_);
   const auto it = by_name_.find(std::string(op));

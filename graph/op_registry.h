@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <shared_mutex>
 #include <string>
 #include <string_view>
@@ -79,12 +80,21 @@ class GradContext {
   const std::vector<Output>& output_grads_;
 };
 
+// Per-step state the executor keeps for a kernel across runs (see KernelContext::scratch and
+// KernelContext::defer).
+struct KernelState {
+  std::vector<Tensor> scratch;
+  // Checks that read device results (a bad label found by a GPU kernel), run once the step's work
+  // is queued: after the whole run, and after every replay of captured work.
+  std::vector<std::function<void()>> deferred;
+};
+
 // What a kernel sees: its node, its inputs, and outputs already allocated to the planned shape.
 class KernelContext {
  public:
   KernelContext(const Node& node, devices::Device& device, const Tensor* const* inputs, Tensor* const* outputs,
-                std::uint64_t random_seed)
-      : node_(node), device_(device), inputs_(inputs), outputs_(outputs), random_seed_(random_seed) {}
+                std::uint64_t random_seed, KernelState* state = nullptr)
+      : node_(node), device_(device), inputs_(inputs), outputs_(outputs), random_seed_(random_seed), state_(state) {}
 
   const Node& node() const { return node_; }
   const std::string& label() const { return node_.label(); }
@@ -97,12 +107,22 @@ class KernelContext {
   // Differs between nodes, executors (replicas) and steps; fixed by RunOptions::random_step.
   std::uint64_t random_seed() const { return random_seed_; }
 
+  // Device memory of this node that keeps its address from run to run (so captured work can use
+  // it): scratch(i, shape, dtype) is made on first use and remade only when shape or dtype change.
+  Tensor& scratch(std::size_t index, const Shape& shape, DType dtype);
+  // Queues a check to run once the run's work is queued (it may synchronise the device): how a
+  // GPU kernel reports a bad input it found on the device without waiting in the middle of the
+  // step. Checks registered while the executor captures a step (CUDA graphs) run after each
+  // replay; a kernel that defers must therefore register the same check on every run.
+  void defer(std::function<void()> check);
+
  private:
   const Node& node_;
   devices::Device& device_;
   const Tensor* const* inputs_;
   Tensor* const* outputs_;
   std::uint64_t random_seed_;
+  KernelState* state_;
 };
 
 using ShapeFn = std::vector<TensorSpec> (*)(ShapeContext&);
@@ -121,6 +141,10 @@ enum class LowPrecision {
 
 struct KernelOptions {
   LowPrecision low_precision = LowPrecision::kWidenToFloat32;
+  // Whether the executor may record the kernel's device work once and replay it (CUDA graphs):
+  // false for kernels that synchronise the host or whose work differs between runs beyond their
+  // inputs' values (random ops take the step in their seed).
+  bool capturable = true;
 };
 
 enum class OpKind {

@@ -309,6 +309,7 @@ void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef
   } else {
     s.optimizer = std::make_unique<Optimizer>(optimizer.spec());
   }
+  s.cuda_graphs = options.cuda_graphs;
   s.trainer.reset();  // the graph depends on the losses and metrics
   s.compiled = true;
 }

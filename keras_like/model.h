@@ -47,6 +47,10 @@ class LossList {
 struct CompileOptions {
   // Weight of each output's loss in the total (default 1 each).
   std::vector<double> loss_weights;
+  // On GPUs, record each replica's step as a CUDA graph after two steps and replay it (one launch
+  // a step instead of one per op); false runs every kernel each step. TANDEM_CUDA_GRAPHS=0 also
+  // turns it off. Models with Dropout run without graphs (their masks change every step).
+  bool cuda_graphs = true;
 };
 
 struct FitOptions {

@@ -458,7 +458,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     // Random streams differ between all replicas of all workers (Dropout masks).
     const auto global_replica = static_cast<std::uint64_t>(model.strategy->worker_rank()) * devices.size() + r;
     replica->executor = std::make_unique<graph::Executor>(
-        g.graph, *devices[r], graph::ExecutorOptions{.seed = mix_seed(global_replica), .profile = g.profile});
+        g.graph, *devices[r], graph::ExecutorOptions{.seed = mix_seed(global_replica), .profile = g.profile, .cuda_graphs = model.cuda_graphs});
     for (const auto& variable : g.variables.variables) {
       TANDEM_REQUIRE(&variable->strategy() == model.strategy, FailedPrecondition,
                      "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "

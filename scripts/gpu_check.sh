@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot check on a machine with an NVIDIA GPU: configures and builds tandem with CUDA for sm_90,
 # runs the GPU test suites, and bench_fit --device gpu (mlp, wide, cnn in float32 and
-# mixed_bfloat16) beside the PyTorch eager peer on that GPU where PyTorch sees it; prints one table.
+# mixed_bfloat16, with and without CUDA graphs) beside the PyTorch eager peer on that GPU where
+# PyTorch sees it; prints one table.
 #
 #   scripts/gpu_check.sh OUTDIR
 #
@@ -172,7 +173,8 @@ if [ $built -eq 1 ]; then
 fi
 
 # --- bench_fit on the GPU, beside PyTorch eager on the same GPU --------------------------------
-# bench_fit --device gpu trains mlp, wide and cnn on GPU:0 in float32 and mixed_bfloat16 and runs
+# bench_fit --device gpu trains mlp, wide and cnn on GPU:0 in float32 and mixed_bfloat16, with and
+# without CUDA graphs, and runs
 # scripts/torch_fmnist_gpu.py (PyTorch eager, float32 and bf16 autocast) in the same invocation;
 # each of its rows becomes a table row with the ratio.
 data=/usr/share/datasets/fashion-mnist
@@ -200,9 +202,9 @@ elif [ $built -eq 1 ] && [ -x "$build/bench/bench_fit" ]; then
     >"$bench_out" 2>>"$log"
   rc=$?
   cat "$bench_out" >>"$log"
-  # Rows look like: "mlp    float32         |      123456   0.8400 |      45678   0.8300   2.70x | not built yet"
-  while read -r m precision _ sps acc _ tsps tacc ratio _; do
-    row "bench_fit GPU $m $precision" "$sps samples/s" "test acc $acc; PyTorch eager $tsps samples/s (acc $tacc): $ratio"
+  # Rows look like: "mlp    float32         |  123456   0.8400 |  98765 |  45678   0.8300 |  2.70x  2.16x"
+  while read -r m precision _ gsps acc _ esps _ tsps tacc _ ratio eratio; do
+    row "bench_fit GPU $m $precision" "$gsps samples/s" "test acc $acc; without CUDA graphs $esps/s; PyTorch eager $tsps/s (acc $tacc); ratio $ratio (no graphs $eratio)"
   done < <(grep -E '^(mlp|wide|cnn) ' "$bench_out")
   [ $rc -ne 0 ] && fail_row "bench_fit GPU" "$(why $rc "$budget_s"); see log.txt"
 else

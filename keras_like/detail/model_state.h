@@ -42,6 +42,7 @@ struct ModelState {
   bool compiled = false;
   std::unique_ptr<Optimizer> optimizer;
   std::vector<CompiledOutput> compiled_outputs;
+  bool cuda_graphs = true;  // CompileOptions::cuda_graphs
   bool stop_training = false;
   // Where fit continues from, set by BackupAndRestore in on_train_begin: the epoch, and the
   // batches of it already trained (0: the epoch from its start).

@@ -1,8 +1,9 @@
 // GPU kernels of the engine's ops: each reads its KernelContext (shapes, attrs, device pointers),
 // and queues the launcher of ops/cuda/kernels.cu (or cuBLAS) on the device's compute stream.
-// Nothing here synchronises, except SparseSoftmaxCrossEntropyWithLogits, which must report a bad
-// label as an error naming its row. Ops without a GPU kernel (MaxGrad) run through the executor's
-// host fallback (graph/executor.cc): correct, but with a copy each way.
+// Nothing here synchronises: SparseSoftmaxCrossEntropyWithLogits reports a bad label through a
+// deferred check (KernelContext::defer), so every kernel but Dropout's can be recorded in a CUDA
+// graph. Ops without a GPU kernel (MaxGrad) run through the executor's host fallback
+// (graph/executor.cc): correct, but with a copy each way.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -308,7 +309,9 @@ void softmax_grad_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// The bad-label check needs the device's answer before the step goes on: one small copy back.
+// A bad label is found on the device (the smallest bad row, in a flag of this node's scratch
+// memory) and reported by a deferred check once the step is queued: the kernel itself does not
+// wait, so it can be recorded in a CUDA graph.
 void sparse_xent_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Tensor& labels = ctx.input(1);
@@ -316,31 +319,32 @@ void sparse_xent_kernel(KernelContext& ctx) {
   require_types(ctx, labels, {DType::kI32, DType::kI64});
   const std::int64_t rows = x.shape()[0], classes = x.shape()[1];
   if (rows == 0) return;
-  Tensor flag = Tensor::empty({1}, DType::kI64, ctx.device());
-  const auto none = static_cast<unsigned long long>(rows);
-  auto* bad_row = static_cast<unsigned long long*>(flag.raw_data());
-  const std::string name = ctx.device().short_name();
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(bad_row, &none, sizeof(none), cudaMemcpyHostToDevice, stream_of(ctx)), name);
+  Tensor& flag = ctx.scratch(0, {1}, DType::kI64);
+  fill(ElementType::kI64, static_cast<double>(rows), flag.raw_data(), 1, stream_of(ctx));
   sparse_softmax_cross_entropy(type_of(x), type_of(labels), x.raw_data(), labels.raw_data(), ctx.output(0).raw_data(),
-                               ctx.output(1).raw_data(), rows, classes, bad_row, stream_of(ctx));
+                               ctx.output(1).raw_data(), rows, classes,
+                               static_cast<unsigned long long*>(flag.raw_data()), stream_of(ctx));
   check_launch(ctx);
-  unsigned long long first_bad = none;
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(&first_bad, bad_row, sizeof(first_bad), cudaMemcpyDeviceToHost, stream_of(ctx)), name);
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(stream_of(ctx)), name);
-  if (first_bad != none) {
-    std::int64_t label = 0;
-    const auto offset = static_cast<std::size_t>(first_bad) * graph::dtype_size(labels.dtype());
-    TANDEM_CUDA_CHECK(cudaMemcpy(&label, static_cast<const char*>(labels.raw_data()) + offset,
-                                 graph::dtype_size(labels.dtype()), cudaMemcpyDeviceToHost),
-                      name);
-    if (labels.dtype() == DType::kI32) {
+  devices::Device* device = &ctx.device();
+  const void* flag_data = flag.raw_data();
+  const void* label_data = labels.raw_data();
+  const DType label_dtype = labels.dtype();
+  std::string label = ctx.label();
+  ctx.defer([=] {
+    std::int64_t first_bad = rows;
+    device->copy_to_host(&first_bad, flag_data, sizeof(first_bad));  // waits for the kernel
+    if (first_bad == rows) return;
+    std::int64_t value = 0;
+    if (label_dtype == DType::kI32) {
       std::int32_t narrow = 0;
-      std::memcpy(&narrow, &label, sizeof(narrow));
-      label = narrow;
+      device->copy_to_host(&narrow, static_cast<const std::int32_t*>(label_data) + first_bad, sizeof(narrow));
+      value = narrow;
+    } else {
+      device->copy_to_host(&value, static_cast<const std::int64_t*>(label_data) + first_bad, sizeof(value));
     }
-    throw InvalidArgument(fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", ctx.label(), label,
+    throw InvalidArgument(fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value,
                                       first_bad, classes));
-  }
+  });
 }
 
 void xent_kernel(KernelContext& ctx) {
@@ -448,10 +452,10 @@ detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
   return detail::make_window_geometry(x, attrs.pool_size[0], attrs.pool_size[1], x[3], attrs);
 }
 
-// The patch matrix of x, in the caching allocator's memory (freed to the compute stream's list,
-// so a later allocation reuses it only after this step's kernels).
-Tensor patches(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x) {
-  Tensor col = Tensor::empty({g.out_pixels(), g.patch_size()}, x.dtype(), ctx.device());
+// The patch matrix of x, in this node's scratch memory (kept across runs: its address must not
+// change under a CUDA graph, and nothing else may take it between replays).
+Tensor& patches(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x) {
+  Tensor& col = ctx.scratch(0, {g.out_pixels(), g.patch_size()}, x.dtype());
   im2col(type_of(x), flatten(g), x.raw_data(), col.raw_data(), stream_of(ctx));
   check_launch(ctx);
   return col;
@@ -470,7 +474,7 @@ void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const T
     check_launch(ctx);
     return;
   }
-  const Tensor col = patches(ctx, g, x);
+  const Tensor& col = patches(ctx, g, x);
   call.lda = call.k;
   call.ldb = call.n;
   call.a = col.raw_data();
@@ -504,7 +508,7 @@ void conv2d_backprop_input_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, ctx.input(0).shape(), filter.shape());
   Tensor& dx = ctx.output(0);
   if (dx.num_elements() == 0) return;
-  Tensor dcol = Tensor::empty({g.out_pixels(), g.patch_size()}, dy.dtype(), ctx.device());
+  Tensor& dcol = ctx.scratch(0, {g.out_pixels(), g.patch_size()}, dy.dtype());
   if (g.out_pixels() * g.patch_size() > 0) {
     if (g.out_c == 0) {
       fill(type_of(dy), 0.0, dcol.raw_data(), dcol.num_elements(), stream_of(ctx));
@@ -540,7 +544,7 @@ void conv2d_backprop_filter_kernel(KernelContext& ctx) {
     check_launch(ctx);
     return;
   }
-  const Tensor col = patches(ctx, g, x);
+  const Tensor& col = patches(ctx, g, x);
   GemmCall call;
   call.dtype = x.dtype();
   call.transpose_a = true;
@@ -638,6 +642,11 @@ void register_cuda_kernels() {
   const auto add = [&](std::string_view op, graph::KernelFn fn) {
     r.add_kernel(op, devices::DeviceType::kGPU, fn, {.low_precision = graph::LowPrecision::kNative});
   };
+  // Random ops take the step in their seed: a recorded graph would replay one mask forever.
+  const auto add_uncapturable = [&](std::string_view op, graph::KernelFn fn) {
+    r.add_kernel(op, devices::DeviceType::kGPU, fn,
+                 {.low_precision = graph::LowPrecision::kNative, .capturable = false});
+  };
   add("Add", binary_kernel<BinaryOp::kAdd>);
   add("Sub", binary_kernel<BinaryOp::kSub>);
   add("Mul", binary_kernel<BinaryOp::kMul>);
@@ -684,7 +693,7 @@ void register_cuda_kernels() {
   add("SoftmaxCrossEntropyWithLogits", xent_kernel);
   add("SigmoidCrossEntropyWithLogits", sigmoid_xent_kernel);
   add("SigmoidCrossEntropyWithLogitsGrad", sigmoid_xent_grad_kernel);
-  add("Dropout", dropout_kernel);
+  add_uncapturable("Dropout", dropout_kernel);
   add("OneHot", one_hot_kernel);
   add("FusedBatchNorm", batch_norm_kernel);
   add("FusedBatchNormGrad", batch_norm_grad_kernel);
