@@ -83,6 +83,14 @@ bool all_finite(const std::vector<Tensor>& gradients) {
   return true;
 }
 
+// A gradient must match its variable's copy in shape, dtype and device.
+void require_matching_gradient(const std::string& optimizer, const strategy::Variable& variable, const Tensor& w,
+                               const Tensor& grad) {
+  TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
+                 "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", optimizer, variable.name(),
+                 grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+}
+
 // One replica's copy of a scalar state variable, read and written without a kernel.
 template <class T>
 T read_scalar(const Tensor& copy) {
@@ -381,9 +389,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     Tensor& w = variables_[vi]->value(replica);
     const Tensor& grad = gradients[vi];
-    TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
-                   "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", name(), variables_[vi]->name(),
-                   grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+    require_matching_gradient(name(), *variables_[vi], w, grad);
     auto& device = w.device();
     graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
       const std::int64_t n = w.num_elements();
@@ -477,9 +483,7 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     Tensor& w = variables_[vi]->value(replica);
     const Tensor& grad = gradients[vi];
-    TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
-                   "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", name(), variables_[vi]->name(),
-                   grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+    require_matching_gradient(name(), *variables_[vi], w, grad);
     ops::detail::UpdateTensor u;
     u.var = w.raw_data();
     u.grad = grad.raw_data();

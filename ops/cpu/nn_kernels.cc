@@ -16,6 +16,7 @@
 #include "tandem/ops/cpu/bias_activation.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
+#include "tandem/ops/detail/dropout_hash.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -45,15 +46,6 @@ T* scratch_buffer(std::size_t n, int slot) {
   return buffer.data();
 }
 
-// splitmix64's finaliser: a bijective 64-bit mix with full avalanche.
-inline std::uint64_t mix64(std::uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xbf58476d1ce4e5b9ULL;
-  z ^= z >> 27;
-  z *= 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-constexpr std::uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
 
 // dy * act'(z), from the activation's output y.
 template <Activation A, class T>
@@ -469,11 +461,9 @@ void dropout_kernel(KernelContext& ctx) {
       });
       return;
     }
-    // 53 random bits against rate * 2^53: exact in a double, never overflows for rate < 1.
-    constexpr double kTwoPow53 = 9007199254740992.0;
-    const auto threshold = static_cast<std::uint64_t>(rate * kTwoPow53);
+    const std::uint64_t threshold = detail::dropout_threshold(rate);
     const T scale = static_cast<T>(1.0 / (1.0 - rate));
-    const std::uint64_t key = mix64(ctx.random_seed() ^ mix64(seed + kGoldenGamma));
+    const std::uint64_t key = detail::dropout_key(ctx.random_seed(), seed);
     parallel_elements(ctx, n, [&](std::int64_t begin, std::int64_t end) {
       // Locals, not captures: the stores through mask and y could alias a captured T, which
       // would force a reload per element and keep the loop from vectorising.
@@ -484,7 +474,7 @@ void dropout_kernel(KernelContext& ctx) {
       const std::uint64_t drop_below = threshold;
       const std::uint64_t stream = key;
       for (std::int64_t i = begin; i < end; ++i) {
-        const std::uint64_t bits = mix64(stream + static_cast<std::uint64_t>(i) * kGoldenGamma) >> 11;
+        const std::uint64_t bits = detail::dropout_bits(stream, i);
         const T keep = bits >= drop_below ? keep_scale : T(0);
         keep_mask[i] = keep;
         out[i] = in[i] * keep;

@@ -16,6 +16,7 @@
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
+#include "tandem/ops/detail/dropout_hash.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -371,14 +372,6 @@ void sigmoid_xent_grad_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-std::uint64_t mix64(std::uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xbf58476d1ce4e5b9ULL;
-  z ^= z >> 27;
-  z *= 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
 // The CPU kernel's mask for the same (executor seed, node, step, attr seed): see nn_kernels.cc.
 void dropout_kernel(KernelContext& ctx) {
   const double rate = ctx.attrs().get_float_or("rate", 0.5);
@@ -397,10 +390,8 @@ void dropout_kernel(KernelContext& ctx) {
     check_launch(ctx);
     return;
   }
-  constexpr double kTwoPow53 = 9007199254740992.0;
-  constexpr std::uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
-  const auto threshold = static_cast<std::uint64_t>(rate * kTwoPow53);
-  const std::uint64_t key = mix64(ctx.random_seed() ^ mix64(seed + kGoldenGamma));
+  const std::uint64_t threshold = detail::dropout_threshold(rate);
+  const std::uint64_t key = detail::dropout_key(ctx.random_seed(), seed);
   // The CPU rounds 1 / (1 - rate) to its compute type (float for 16-bit tensors) first.
   const double scale = x.dtype() == DType::kF64 ? 1.0 / (1.0 - rate) : static_cast<double>(static_cast<float>(1.0 / (1.0 - rate)));
   dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, key, threshold, scale,

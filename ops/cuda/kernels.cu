@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "tandem/ops/cuda/launchers.h"
+#include "tandem/ops/detail/dropout_hash.h"
 #include "tandem/ops/detail/update_rules.h"
 
 namespace tandem::ops::cuda {
@@ -405,21 +406,13 @@ __global__ void sigmoid_xent_grad_kernel(const T* dy, const T* x, const T* z, T*
   }
 }
 
-__device__ __forceinline__ std::uint64_t mix64(std::uint64_t z) {
-  z ^= z >> 30;
-  z *= 0xbf58476d1ce4e5b9ULL;
-  z ^= z >> 27;
-  z *= 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-constexpr std::uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
 
 template <class T>
 __global__ void dropout_kernel(const T* x, T* y, T* mask, std::int64_t n, std::uint64_t key, std::uint64_t threshold,
                                compute_t<T> scale) {
   using C = compute_t<T>;
   TANDEM_GRID_STRIDE(i, n) {
-    const std::uint64_t bits = mix64(key + static_cast<std::uint64_t>(i) * kGoldenGamma) >> 11;
+    const std::uint64_t bits = detail::dropout_bits(key, i);
     const C keep = bits >= threshold ? scale : C(0);
     store(mask, i, keep);
     store(y, i, load(x, i) * keep);

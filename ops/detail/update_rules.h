@@ -6,12 +6,11 @@
 // reference would be reloaded after every store.
 #pragma once
 
-#if defined(__CUDACC__)
-#define TANDEM_HOST_DEVICE __host__ __device__
-#else
-#define TANDEM_HOST_DEVICE
+#if !defined(__CUDACC__)
 #include <cmath>
 #endif
+
+#include "tandem/ops/detail/host_device.h"
 
 namespace tandem::ops::detail {
 
