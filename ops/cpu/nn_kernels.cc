@@ -16,7 +16,7 @@
 #include "tandem/ops/cpu/bias_activation.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
-#include "tandem/ops/detail/dropout_hash.h"
+#include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -444,26 +444,22 @@ void sigmoid_xent_grad_kernel(KernelContext& ctx) {
 // so the mask does not depend on how the elements are split over threads, and the same
 // (executor seed, node, step, attr seed) gives the same mask.
 void dropout_kernel(KernelContext& ctx) {
-  const double rate = ctx.attrs().get_float_or("rate", 0.5);
-  const auto seed = static_cast<std::uint64_t>(ctx.attrs().get_int_or("seed", 0));
-  const bool training = ctx.attrs().get_bool_or("training", true);
-  TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)", ctx.label(),
-                 rate);
+  const detail::DropoutRun run = detail::read_dropout(ctx);
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const T* x = in_ptr<T>(ctx, 0);
     T* y = out_ptr<T>(ctx, 0);
     T* mask = out_ptr<T>(ctx, 1);
     const std::int64_t n = ctx.input(0).num_elements();
-    if (!training || rate == 0.0) {
+    if (!run.active) {
       parallel_elements(ctx, n, [&](std::int64_t begin, std::int64_t end) {
         std::copy(x + begin, x + end, y + begin);
         std::fill(mask + begin, mask + end, T(1));
       });
       return;
     }
-    const std::uint64_t threshold = detail::dropout_threshold(rate);
-    const T scale = static_cast<T>(1.0 / (1.0 - rate));
-    const std::uint64_t key = detail::dropout_key(ctx.random_seed(), seed);
+    const std::uint64_t threshold = run.threshold;
+    const T scale = static_cast<T>(1.0 / (1.0 - run.rate));
+    const std::uint64_t key = run.key;
     parallel_elements(ctx, n, [&](std::int64_t begin, std::int64_t end) {
       // Locals, not captures: the stores through mask and y could alias a captured T, which
       // would force a reload per element and keep the loop from vectorising.

@@ -16,7 +16,7 @@
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
-#include "tandem/ops/detail/dropout_hash.h"
+#include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -374,15 +374,11 @@ void sigmoid_xent_grad_kernel(KernelContext& ctx) {
 
 // The CPU kernel's mask for the same (executor seed, node, step, attr seed): see nn_kernels.cc.
 void dropout_kernel(KernelContext& ctx) {
-  const double rate = ctx.attrs().get_float_or("rate", 0.5);
-  const auto seed = static_cast<std::uint64_t>(ctx.attrs().get_int_or("seed", 0));
-  const bool training = ctx.attrs().get_bool_or("training", true);
-  TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)", ctx.label(),
-                 rate);
+  const detail::DropoutRun run = detail::read_dropout(ctx);
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
   const std::int64_t n = x.num_elements();
-  if (!training || rate == 0.0) {
+  if (!run.active) {
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice,
                                       stream_of(ctx)),
                       ctx.device().short_name());
@@ -390,11 +386,10 @@ void dropout_kernel(KernelContext& ctx) {
     check_launch(ctx);
     return;
   }
-  const std::uint64_t threshold = detail::dropout_threshold(rate);
-  const std::uint64_t key = detail::dropout_key(ctx.random_seed(), seed);
   // The CPU rounds 1 / (1 - rate) to its compute type (float for 16-bit tensors) first.
-  const double scale = x.dtype() == DType::kF64 ? 1.0 / (1.0 - rate) : static_cast<double>(static_cast<float>(1.0 / (1.0 - rate)));
-  dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, key, threshold, scale,
+  const double exact = 1.0 / (1.0 - run.rate);
+  const double scale = x.dtype() == DType::kF64 ? exact : static_cast<double>(static_cast<float>(exact));
+  dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, run.key, run.threshold, scale,
           stream_of(ctx));
   check_launch(ctx);
 }
