@@ -52,6 +52,20 @@ std::vector<std::string> default_worker_devices(const ClusterResolver& resolver)
   return names;
 }
 
+// The options of one worker's communicator to the others (GlooOptions, SharedMemoryOptions,
+// NcclProcessOptions): the five fields every cross-process backend takes, set in one place.
+template <class Options>
+Options member_options(int rank, int workers, std::shared_ptr<collective::Store> store,
+                       std::chrono::milliseconds timeout, const std::vector<std::string>& labels) {
+  Options options;
+  options.rank = rank;
+  options.size = workers;
+  options.store = std::move(store);
+  options.timeout = timeout;
+  options.rank_labels = labels;
+  return options;
+}
+
 std::chrono::milliseconds rendezvous_timeout(const MultiWorkerOptions& options) {
   if (options.rendezvous_timeout) return *options.rendezvous_timeout;
   if (const char* env = std::getenv("TANDEM_RENDEZVOUS_TIMEOUT"); env != nullptr && *env != '\0') {
@@ -154,20 +168,11 @@ class CollectiveAllReduce final : public CrossDeviceOps {
                    "devices are CPUs (use kAuto, kRing or kSharedMemory)");
     std::unique_ptr<collective::Communicator> cross;
     if (shared_memory_) {
-      collective::SharedMemoryOptions shm;
-      shm.rank = rank_;
-      shm.size = workers_;
-      shm.store = std::move(group_store);
-      shm.timeout = collective_timeout(options_);
-      shm.rank_labels = labels_;
-      cross = collective::make_shared_memory_communicator(std::move(shm));
+      cross = collective::make_shared_memory_communicator(member_options<collective::SharedMemoryOptions>(
+          rank_, workers_, std::move(group_store), collective_timeout(options_), labels_));
     } else {
-      collective::GlooOptions gloo;
-      gloo.rank = rank_;
-      gloo.size = workers_;
-      gloo.store = std::move(group_store);
-      gloo.timeout = collective_timeout(options_);
-      gloo.rank_labels = labels_;
+      auto gloo = member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
+                                                          collective_timeout(options_), labels_);
       gloo.bytes_per_pack = options_.bytes_per_pack;
       cross = collective::make_gloo_communicator(std::move(gloo));
     }
@@ -192,13 +197,9 @@ class CollectiveAllReduce final : public CrossDeviceOps {
                    "MultiWorkerMirroredStrategy: GPU replicas exchange gradients through NCCL; "
                    "CommunicationImplementation {} reduces host memory only (use kAuto or kNccl)",
                    implementation == CommunicationImplementation::kRing ? "kRing" : "kSharedMemory");
-    collective::NcclProcessOptions nccl;
-    nccl.rank = rank_;
-    nccl.size = workers_;
+    auto nccl = member_options<collective::NcclProcessOptions>(rank_, workers_, std::move(group_store),
+                                                                collective_timeout(options_), labels_);
     nccl.cuda_device = devices.front()->index();
-    nccl.store = std::move(group_store);
-    nccl.timeout = collective_timeout(options_);
-    nccl.rank_labels = labels_;
     auto cross = collective::make_nccl_process_communicator(std::move(nccl));
     if (devices.size() == 1) {
       std::vector<std::unique_ptr<collective::Communicator>> group;
@@ -290,13 +291,9 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     rv.run_id = std::to_string(resolver.restart_count());
     impl->rendezvous = collective::rendezvous(rv);
 
-    collective::GlooOptions gloo;
-    gloo.rank = impl->rank;
-    gloo.size = impl->workers;
-    gloo.store = std::make_shared<GroupStore>(impl->rendezvous.store, "control/");
-    gloo.timeout = collective_timeout(options.communication_options);
-    gloo.rank_labels = impl->labels;
-    impl->control = collective::make_gloo_communicator(std::move(gloo));
+    impl->control = collective::make_gloo_communicator(member_options<collective::GlooOptions>(
+        impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
+        collective_timeout(options.communication_options), impl->labels));
     // Workers that all share this machine exchange gradients through its memory (TCP over
     // loopback costs a kernel copy of every byte, twice): AUTO picks shared memory then.
     const auto implementation = options.communication_options.implementation;
