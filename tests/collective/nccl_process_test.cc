@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/worker_processes.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/store.h"
 #include "tandem/collective/tcp_store.h"
@@ -175,50 +176,22 @@ struct Outcome {
   long long call_ms = 0;
 };
 
-// Two worker processes of `scenario` against a store served by this process.
+// Two worker processes of `scenario` (testing::WorkerProcesses; no <size> argument: always two).
 class Job {
  public:
-  explicit Job(std::string scenario) : scenario_(std::move(scenario)) {
-    char pattern[] = "/tmp/nccl_process_test_XXXXXX";
-    REQUIRE(mkdtemp(pattern) != nullptr);
-    dir_ = pattern;
-    server_ = TcpStoreServer::start("127.0.0.1", 0);
-    store_ = connect_tcp_store(server_->address());
-    for (int r = 0; r < kRanks; ++r) spawn(r);
-  }
+  explicit Job(std::string scenario)
+      : workers_({.flag = std::string(kWorkerFlag), .scenario = std::move(scenario), .size = kRanks, .pass_size = false}) {}
 
-  ~Job() {
-    for (pid_t pid : pids_) {
-      if (pid > 0) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, nullptr, 0);
-      }
-    }
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
-  }
-
-  Store& store() { return *store_; }
-  void kill(int rank) {
-    pid_t& pid = pids_[static_cast<std::size_t>(rank)];
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-    pid = -1;
-  }
+  Store& store() { return workers_.store(); }
+  void kill(int rank) { workers_.kill(rank); }
 
   // Waits (up to `limit`) for the ranks' processes to exit and reads their outcomes.
   std::vector<Outcome> wait(const std::vector<int>& ranks, std::chrono::seconds limit) {
     const auto deadline = Clock::now() + limit;
     std::vector<Outcome> outcomes;
     for (int r : ranks) {
-      pid_t& pid = pids_[static_cast<std::size_t>(r)];
-      int status = 0;
-      while (pid > 0 && ::waitpid(pid, &status, WNOHANG) == 0) {
-        if (Clock::now() > deadline) FAIL("rank " << r << " did not finish within " << limit.count() << " s");
-        std::this_thread::sleep_for(20ms);
-      }
-      pid = -1;
-      std::ifstream in(result_path(r));
+      workers_.wait_exit(r, deadline, limit);
+      std::ifstream in(workers_.result_path(r));
       Outcome o;
       std::getline(in, o.type);
       std::getline(in, o.message);
@@ -229,25 +202,7 @@ class Job {
   }
 
  private:
-  std::string result_path(int rank) const { return fmt::format("{}/rank{}.txt", dir_, rank); }
-
-  void spawn(int rank) {
-    std::vector<std::string> args = {"/proc/self/exe", std::string(kWorkerFlag), scenario_, server_->address(),
-                                     std::to_string(rank), result_path(rank)};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
-    REQUIRE_MESSAGE(rc == 0, "posix_spawn failed: " << std::strerror(rc));
-    pids_.push_back(pid);
-  }
-
-  std::string scenario_;
-  std::string dir_;
-  std::unique_ptr<TcpStoreServer> server_;
-  std::shared_ptr<Store> store_;
-  std::vector<pid_t> pids_;
+  testing::WorkerProcesses workers_;
 };
 
 }  // namespace

@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/worker_processes.h"
 #include "on_ranks.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/shared_memory.h"
@@ -386,37 +387,26 @@ int worker_main(int argc, char** argv) {
   return 0;
 }
 
-// Runs `size` worker processes of `scenario` against a store served by this process.
+// `size` worker processes of `scenario` (testing::WorkerProcesses): each connects to the store,
+// makes its communicator, runs the scenario and writes one outcome line per step to its file.
 class Job {
  public:
-  Job(std::string scenario, int size) : scenario_(std::move(scenario)), size_(size) {
-    char pattern[] = "/tmp/shared_memory_test_XXXXXX";
-    REQUIRE(mkdtemp(pattern) != nullptr);
-    dir_ = pattern;
-    server_ = TcpStoreServer::start("127.0.0.1", 0);
-    store_ = connect_tcp_store(server_->address());
-    for (int r = 0; r < size; ++r) spawn(r);
-    all_pids_ = pids_;
-  }
+  Job(std::string scenario, int size)
+      : workers_({.flag = std::string(kWorkerFlag), .scenario = std::move(scenario), .size = size}) {}
 
+  // However the workers ended, none left its segment behind: every worker still running is
+  // killed and reaped first (a killed process's segment must be gone too).
   ~Job() {
-    for (pid_t pid : pids_) {
-      if (pid > 0) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, nullptr, 0);
-      }
+    for (int r = 0; r < static_cast<int>(workers_.spawned().size()); ++r) {
+      if (std::find(done_.begin(), done_.end(), r) == done_.end()) workers_.kill(r);
     }
-    // However the workers ended, none left its segment behind.
-    for (pid_t pid : all_pids_) CHECK(segments_of(pid).empty());
-    std::error_code ignored;
-    std::filesystem::remove_all(dir_, ignored);
+    for (pid_t pid : workers_.spawned()) CHECK(segments_of(pid).empty());
   }
 
-  Store& store() { return *store_; }
+  Store& store() { return workers_.store(); }
   void kill(int rank) {
-    ::kill(pids_[static_cast<std::size_t>(rank)], SIGKILL);
-    ::waitpid(pids_[static_cast<std::size_t>(rank)], nullptr, 0);
-    pids_[static_cast<std::size_t>(rank)] = -1;
+    workers_.kill(rank);
+    done_.push_back(rank);
   }
 
   // Waits (up to `limit`) for the ranks' processes to exit and reads their outcomes, one list per rank.
@@ -424,14 +414,9 @@ class Job {
     const auto deadline = Clock::now() + limit;
     std::vector<std::vector<Outcome>> outcomes;
     for (int r : ranks) {
-      pid_t& pid = pids_[static_cast<std::size_t>(r)];
-      int status = 0;
-      while (pid > 0 && ::waitpid(pid, &status, WNOHANG) == 0) {
-        if (Clock::now() > deadline) FAIL("rank " << r << " did not finish within " << limit.count() << " s");
-        std::this_thread::sleep_for(20ms);
-      }
-      pid = -1;
-      std::ifstream in(result_path(r));
+      workers_.wait_exit(r, deadline, limit);
+      done_.push_back(r);
+      std::ifstream in(workers_.result_path(r));
       std::vector<Outcome> lines;
       for (std::string line; std::getline(in, line);) {
         const auto tab1 = line.find('\t');
@@ -446,27 +431,8 @@ class Job {
   }
 
  private:
-  std::string result_path(int rank) const { return fmt::format("{}/rank{}.txt", dir_, rank); }
-
-  void spawn(int rank) {
-    std::vector<std::string> args = {"/proc/self/exe", std::string(kWorkerFlag), scenario_, server_->address(),
-                                     std::to_string(rank), std::to_string(size_), result_path(rank)};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    const int rc = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), environ);
-    REQUIRE_MESSAGE(rc == 0, "posix_spawn failed: " << std::strerror(rc));
-    pids_.push_back(pid);
-  }
-
-  std::string scenario_;
-  int size_;
-  std::string dir_;
-  std::unique_ptr<TcpStoreServer> server_;
-  std::shared_ptr<Store> store_;
-  std::vector<pid_t> pids_;
-  std::vector<pid_t> all_pids_;
+  testing::WorkerProcesses workers_;
+  std::vector<int> done_;  // ranks killed or waited for
 };
 
 std::vector<int> all_ranks(int n) {
