@@ -1,5 +1,6 @@
 // Training on a GPU (OneDeviceStrategy("GPU:0")) against the same model on the CPU: float32 and
-// mixed_bfloat16, SGD with momentum and Adam, with the fused GPU optimizer update. Where no GPU
+// mixed_bfloat16, SGD with momentum and Adam, with the fused GPU optimizer update; and the same GPU
+// training with and without CUDA graphs. Where no GPU
 // is usable the program exits 77, which CTest reports as skipped.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
@@ -41,7 +42,7 @@ struct Run {
   std::vector<Tensor> weights;
 };
 
-Run train(const std::string& device, const char* policy, OptimizerRef optimizer) {
+Run train(const std::string& device, const char* policy, OptimizerRef optimizer, bool cuda_graphs = true) {
   mixed_precision::PolicyScope scope(policy);
   OneDeviceStrategy strategy(device);
   Model model;
@@ -49,7 +50,8 @@ Run train(const std::string& device, const char* policy, OptimizerRef optimizer)
     auto s = strategy.scope();
     set_global_seed(3);
     model = Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
-    model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+    model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"},
+                  {.cuda_graphs = cuda_graphs});
   }
   const auto data = classification_data(1024);
   auto history = model.fit(data.x, data.y, {.batch_size = 64, .epochs = 3, .verbose = 0, .shuffle = false});
@@ -90,6 +92,13 @@ TEST_CASE("mixed_bfloat16 training on the GPU stays close to the CPU's") {
   const Run cpu = train("CPU:0", "mixed_bfloat16", Adam{.learning_rate = 0.005});
   CHECK(gpu.loss.back() < gpu.loss.front());
   check_close(gpu, cpu, 3e-2, 5e-2);
+}
+
+TEST_CASE("CUDA graphs replay what the eager runs compute: the same losses and weights") {
+  // 16 steps an epoch: the graph is recorded at the third step and replayed after.
+  const Run graphs = train("GPU:0", "float32", Adam{.learning_rate = 0.005}, /*cuda_graphs=*/true);
+  const Run eager = train("GPU:0", "float32", Adam{.learning_rate = 0.005}, /*cuda_graphs=*/false);
+  check_close(graphs, eager, 1e-6, 1e-6);
 }
 
 int main(int argc, char** argv) {
