@@ -2,8 +2,8 @@
 // and queues the launcher of ops/cuda/kernels.cu (or cuBLAS) on the device's compute stream.
 // Nothing here synchronises: SparseSoftmaxCrossEntropyWithLogits reports a bad label through a
 // deferred check (KernelContext::defer), so every kernel but Dropout's can be recorded in a CUDA
-// graph. Ops without a GPU kernel (MaxGrad) run through the executor's host fallback
-// (graph/executor.cc): correct, but with a copy each way.
+// graph. Every op of the engine has a GPU kernel; an op added later for CPUs only runs through
+// the executor's host fallback (graph/executor.cc): correct, but with a copy each way.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -177,6 +177,17 @@ void reduce_grad_kernel(KernelContext& ctx) {
   }
   const double scale = kKind == ReduceKind::kMean ? 1.0 / static_cast<double>(std::max<std::int64_t>(1, count)) : 1.0;
   broadcast(type_of(dy), broadcast_args(dx.shape(), kept, nullptr), dy.raw_data(), scale, dx.raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// MaxGrad (dy, x, y): every input element is written by the thread of its output.
+void max_grad_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(1);
+  require_types(ctx, x, kNumeric);
+  Tensor& dx = ctx.output(0);
+  if (dx.num_elements() == 0) return;
+  max_grad(type_of(x), reduce_args(x.shape(), reduction_axes(ctx, x.shape().rank())), ctx.input(0).raw_data(),
+           x.raw_data(), ctx.input(2).raw_data(), dx.raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -663,6 +674,7 @@ void register_cuda_kernels() {
   add("Max", reduce_kernel<ReduceKind::kMax>);
   add("SumGrad", reduce_grad_kernel<ReduceKind::kSum>);
   add("MeanGrad", reduce_grad_kernel<ReduceKind::kMean>);
+  add("MaxGrad", max_grad_kernel);
   add("SumToShape", sum_to_shape_kernel);
   add("ArgMax", argmax_kernel);
   add("MatMul", matmul_kernel);

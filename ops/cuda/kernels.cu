@@ -268,6 +268,22 @@ __global__ void reduce_kernel(ReduceKind kind, ReduceArgs args, const T* x, T* o
   }
 }
 
+template <class T>
+__global__ void max_grad_kernel(ReduceArgs args, const T* dy, const T* x, const T* y, T* dx) {
+  using C = compute_t<T>;
+  TANDEM_GRID_STRIDE(o, args.out_elements) {
+    const std::int64_t base = reduce_base(args, o);
+    const C best = load(y, o);
+    std::int64_t ties = 0;
+    for (std::int64_t r = 0; r < args.reduced_elements; ++r) ties += load(x, reduce_offset(args, base, r)) == best ? 1 : 0;
+    const C share = ties > 0 ? load(dy, o) / static_cast<C>(ties) : C(0);
+    for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
+      const std::int64_t i = reduce_offset(args, base, r);
+      store(dx, i, load(x, i) == best ? share : C(0));
+    }
+  }
+}
+
 // ---- Row-wise: softmax and cross-entropy ---------------------------------------------------------
 
 // Block-wide reductions over kThreads threads; every thread gets the result.
@@ -832,6 +848,16 @@ void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const voi
     using T = std::remove_pointer_t<decltype(tag)>;
     reduce_kernel<T><<<blocks_for(args.out_elements), kThreads, 0, stream>>>(kind, args, static_cast<const T*>(x),
                                                                             static_cast<T*>(out));
+  });
+}
+
+void max_grad(ElementType type, const ReduceArgs& args, const void* dy, const void* x, const void* y, void* dx,
+              cudaStream_t stream) {
+  if (args.out_elements == 0) return;
+  with_numeric_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    max_grad_kernel<T><<<blocks_for(args.out_elements), kThreads, 0, stream>>>(
+        args, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(y), static_cast<T*>(dx));
   });
 }
 

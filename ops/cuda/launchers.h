@@ -52,6 +52,10 @@ void bias_activation_grad(Activation activation, ElementType type, const void* d
 // Sum/Mean/Max over any axes and SumToShape (ReduceArgs: element_math.h).
 enum class ReduceKind : std::uint8_t { kSum, kMean, kMax };
 void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const void* x, void* out, cudaStream_t stream);
+// MaxGrad: dx = dy[o] / (ties of y[o]) where x equals its reduction's maximum y[o], else 0 (TF
+// splits the gradient equally between ties). One thread per output writes its reduced elements.
+void max_grad(ElementType type, const ReduceArgs& args, const void* dy, const void* x, const void* y, void* dx,
+              cudaStream_t stream);
 
 // Row-wise over [rows, cols]: softmax or log-softmax.
 void softmax(bool log, ElementType type, const void* x, void* y, std::int64_t rows, std::int64_t cols,

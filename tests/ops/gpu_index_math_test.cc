@@ -180,6 +180,40 @@ TEST_CASE("reductions over any set of axes, and SumToShape, visit what the CPU k
   }
 }
 
+TEST_CASE("MaxGrad: each output's thread splits its gradient between the ties, as the CPU kernel does") {
+  const Shape shape{3, 4, 5};
+  std::vector<float> xv(static_cast<std::size_t>(shape.num_elements()));
+  std::mt19937_64 rng(9);
+  std::uniform_int_distribution<int> small(0, 3);  // many ties
+  for (auto& v : xv) v = static_cast<float>(small(rng));
+  for (const std::vector<int>& axes : std::vector<std::vector<int>>{{1}, {0, 2}, {2}, {0, 1, 2}}) {
+    CAPTURE(axes.size());
+    auto g = std::make_shared<Graph>();
+    auto x = g->placeholder(kFloat32, shape, "x");
+    std::vector<std::int64_t> list(axes.begin(), axes.end());
+    auto y = ops::reduce_max(x, {.axes = list});
+    auto dy = g->placeholder(kFloat32, y.shape(), "dy");
+    auto dx = g->add("MaxGrad", {dy, x, y}, g->node(y.node).attrs);
+    const auto dyv = random_values(y.shape().num_elements(), 11);
+    const std::vector<graph::Feed> feeds{{x, tensor(xv, shape)}, {dy, tensor(dyv, y.shape())}};
+    const auto yv = run_cpu(g, feeds, y);
+    const ReduceArgs args = reduce_args(shape, axes);
+    std::vector<float> got(xv.size(), -1.0f);
+    for (std::int64_t o = 0; o < args.out_elements; ++o) {
+      const std::int64_t base = reduce_base(args, o);
+      const float best = yv[static_cast<std::size_t>(o)];
+      std::int64_t ties = 0;
+      for (std::int64_t r = 0; r < args.reduced_elements; ++r) ties += xv[static_cast<std::size_t>(reduce_offset(args, base, r))] == best;
+      const float share = dyv[static_cast<std::size_t>(o)] / static_cast<float>(ties);
+      for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
+        const auto i = static_cast<std::size_t>(reduce_offset(args, base, r));
+        got[i] = xv[i] == best ? share : 0.0f;
+      }
+    }
+    check_close(got, run_cpu(g, feeds, dx));
+  }
+}
+
 TEST_CASE("cuBLAS's column-major call computes the row-major product for every transpose combination") {
   const std::int64_t m = 5, n = 3, k = 4;
   for (const bool ta : {false, true}) {
