@@ -95,4 +95,14 @@ inline Window2DGeometry make_window_geometry(const graph::Shape& x, std::int64_t
   return g;
 }
 
+// A convolution node's geometry: x NHWC, filter HWIO, the node's strides and padding.
+inline Window2DGeometry conv_geometry(const graph::Attrs& attrs, const graph::Shape& x, const graph::Shape& filter) {
+  return make_window_geometry(x, filter[0], filter[1], filter[3], read_window_attrs(attrs, false));
+}
+// A pooling node's geometry (out_c = in_c).
+inline Window2DGeometry pool_geometry(const graph::Attrs& attrs, const graph::Shape& x) {
+  const WindowAttrs window = read_window_attrs(attrs, true);
+  return make_window_geometry(x, window.pool_size[0], window.pool_size[1], x[3], window);
+}
+
 }  // namespace tandem::ops::detail

@@ -56,13 +56,10 @@ thread_local ScratchBuffer tls_pool_arg;
 // --- geometry --------------------------------------------------------------------------------
 
 Window2DGeometry conv_geometry(const KernelContext& ctx, const Shape& x, const Shape& filter) {
-  return detail::make_window_geometry(x, filter[0], filter[1], filter[3], detail::read_window_attrs(ctx.attrs(), false));
+  return detail::conv_geometry(ctx.attrs(), x, filter);
 }
 
-Window2DGeometry pool_geometry(const KernelContext& ctx, const Shape& x) {
-  const auto attrs = detail::read_window_attrs(ctx.attrs(), true);
-  return detail::make_window_geometry(x, attrs.pool_size[0], attrs.pool_size[1], x[3], attrs);
-}
+Window2DGeometry pool_geometry(const KernelContext& ctx, const Shape& x) { return detail::pool_geometry(ctx.attrs(), x); }
 
 // Rows of a patch-matrix chunk: about kColChunkBytes, and no more than an even share per thread.
 std::int64_t chunk_rows(std::int64_t row_elements, std::size_t element_size, std::int64_t total_rows, int threads) {

@@ -6,6 +6,7 @@
 #include "tandem/ops/cpu/broadcast.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
+#include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/registration.h"
 
 namespace tandem::ops::cpu {
@@ -114,18 +115,6 @@ void add_n_kernel(KernelContext& ctx) {
 
 // ----- reductions -----
 
-std::vector<int> reduction_axes(const graph::Attrs& attrs, int rank) {
-  const auto& axes = attrs.get<std::vector<std::int64_t>>("axes");
-  std::vector<int> out;
-  if (axes.empty()) {
-    for (int d = 0; d < rank; ++d) out.push_back(d);
-    return out;
-  }
-  for (auto a : axes) out.push_back(static_cast<int>(a < 0 ? a + rank : a));
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 enum class Reduce { kSum, kMean, kMax };
 
 template <class T>
@@ -195,7 +184,7 @@ template <Reduce kind>
 void reduce_kernel(KernelContext& ctx) {
   graph::dispatch<NumericTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const Tensor& x = ctx.input(0);
-    reduce_into<T>(ctx, x, reduction_axes(ctx.attrs(), x.shape().rank()), kind, out_ptr<T>(ctx, 0));
+    reduce_into<T>(ctx, x, detail::reduction_axes(ctx.attrs(), x.shape().rank()), kind, out_ptr<T>(ctx, 0));
   });
 }
 
@@ -206,7 +195,7 @@ void reduce_grad_kernel(KernelContext& ctx) {
     const Tensor& dy = ctx.input(0);
     const Tensor& x = ctx.input(1);
     Tensor& dx = ctx.output(0);
-    const auto axes = reduction_axes(ctx.attrs(), x.shape().rank());
+    const auto axes = detail::reduction_axes(ctx.attrs(), x.shape().rank());
     const Shape kept = keep_dims_shape(x.shape(), axes);
     std::int64_t count = 1;
     for (int a : axes) count *= x.shape()[a];
@@ -234,7 +223,7 @@ void max_grad_kernel(KernelContext& ctx) {
     const Tensor& x = ctx.input(1);
     const Tensor& y = ctx.input(2);
     Tensor& dx = ctx.output(0);
-    const auto axes = reduction_axes(ctx.attrs(), x.shape().rank());
+    const auto axes = detail::reduction_axes(ctx.attrs(), x.shape().rank());
     const Shape kept = keep_dims_shape(x.shape(), axes);
     const auto layout = make_broadcast_layout(x.shape(), {&kept});
     const T* px = static_cast<const T*>(x.raw_data());
@@ -263,12 +252,7 @@ void sum_to_shape_kernel(KernelContext& ctx) {
   graph::dispatch<NumericTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const Tensor& x = ctx.input(0);
     const Shape& like = ctx.input(1).shape();
-    const Shape& xs = x.shape();
-    std::vector<int> axes;
-    for (int d = 0; d < xs.rank(); ++d) {
-      const int dl = d - (xs.rank() - like.rank());
-      if (dl < 0 || (like[dl] == 1 && xs[d] != 1)) axes.push_back(d);
-    }
+    const std::vector<int> axes = detail::sum_to_shape_axes(x.shape(), like);
     T* out = out_ptr<T>(ctx, 0);
     if (axes.empty()) {
       std::copy_n(static_cast<const T*>(x.raw_data()), x.num_elements(), out);

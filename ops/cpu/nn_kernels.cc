@@ -17,6 +17,7 @@
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/dropout_attrs.h"
+#include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -61,15 +62,8 @@ inline T activation_backward(T dy, T y) {
   }
 }
 
-// Rows and columns of a tensor seen as [elements / last dimension, last dimension].
-struct RowsCols {
-  std::int64_t rows = 0;
-  std::int64_t cols = 0;
-};
-RowsCols rows_cols(const Tensor& t) {
-  const std::int64_t cols = t.shape().rank() == 0 ? 1 : t.shape().dim(-1);
-  return {cols > 0 ? t.num_elements() / cols : 0, cols};
-}
+using detail::RowsCols;
+RowsCols rows_cols(const Tensor& t) { return detail::rows_cols(t.shape()); }
 
 template <class T>
 const T* in_data(KernelContext& ctx, int i) {

@@ -16,6 +16,7 @@
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
+#include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
@@ -140,22 +141,11 @@ void transpose_kernel(KernelContext& ctx) {
 
 // ---- Reductions ----------------------------------------------------------------------------------
 
-std::vector<int> reduction_axes(KernelContext& ctx, int rank) {
-  const auto& axes = ctx.attrs().get<std::vector<std::int64_t>>("axes");
-  std::vector<int> out;
-  if (axes.empty()) {
-    for (int d = 0; d < rank; ++d) out.push_back(d);
-  } else {
-    for (auto a : axes) out.push_back(static_cast<int>(a < 0 ? a + rank : a));
-  }
-  return out;
-}
-
 template <ReduceKind kKind>
 void reduce_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kNumeric);
-  reduce(kKind, type_of(x), reduce_args(x.shape(), reduction_axes(ctx, x.shape().rank())), x.raw_data(),
+  reduce(kKind, type_of(x), reduce_args(x.shape(), detail::reduction_axes(ctx.attrs(), x.shape().rank())), x.raw_data(),
          ctx.output(0).raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
@@ -167,7 +157,7 @@ void reduce_grad_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(1);
   Tensor& dx = ctx.output(0);
   require_types(ctx, dy, kNumeric);
-  const auto axes = reduction_axes(ctx, x.shape().rank());
+  const auto axes = detail::reduction_axes(ctx.attrs(), x.shape().rank());
   Shape kept;
   std::int64_t count = 1;
   for (int d = 0; d < x.shape().rank(); ++d) {
@@ -186,7 +176,7 @@ void max_grad_kernel(KernelContext& ctx) {
   require_types(ctx, x, kNumeric);
   Tensor& dx = ctx.output(0);
   if (dx.num_elements() == 0) return;
-  max_grad(type_of(x), reduce_args(x.shape(), reduction_axes(ctx, x.shape().rank())), ctx.input(0).raw_data(),
+  max_grad(type_of(x), reduce_args(x.shape(), detail::reduction_axes(ctx.attrs(), x.shape().rank())), ctx.input(0).raw_data(),
            x.raw_data(), ctx.input(2).raw_data(), dx.raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
@@ -195,7 +185,7 @@ void sum_to_shape_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Shape& like = ctx.input(1).shape();
   require_types(ctx, x, kNumeric);
-  const std::vector<int> axes = sum_to_shape_axes(x.shape(), like);
+  const std::vector<int> axes = detail::sum_to_shape_axes(x.shape(), like);
   reduce(ReduceKind::kSum, type_of(x), reduce_args(x.shape(), axes), x.raw_data(), ctx.output(0).raw_data(),
          stream_of(ctx));
   check_launch(ctx);
@@ -217,10 +207,7 @@ void argmax_kernel(KernelContext& ctx) {
 
 // ---- nn ------------------------------------------------------------------------------------------
 
-std::pair<std::int64_t, std::int64_t> rows_cols(const Tensor& t) {
-  const std::int64_t cols = t.shape().rank() == 0 ? 1 : t.shape().dim(-1);
-  return {cols > 0 ? t.num_elements() / cols : 0, cols};
-}
+detail::RowsCols rows_cols(const Tensor& t) { return detail::rows_cols(t.shape()); }
 
 Activation activation_attr(KernelContext& ctx) {
   return static_cast<Activation>(ops::parse_activation(ctx.attrs().get<std::string>("activation")));
@@ -442,12 +429,9 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
 // ---- Convolution (im2col + cuBLAS) and pooling -----------------------------------------------------
 
 detail::Window2DGeometry conv_geometry(KernelContext& ctx, const Shape& x, const Shape& filter) {
-  return detail::make_window_geometry(x, filter[0], filter[1], filter[3], detail::read_window_attrs(ctx.attrs(), false));
+  return detail::conv_geometry(ctx.attrs(), x, filter);
 }
-detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
-  const auto attrs = detail::read_window_attrs(ctx.attrs(), true);
-  return detail::make_window_geometry(x, attrs.pool_size[0], attrs.pool_size[1], x[3], attrs);
-}
+detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) { return detail::pool_geometry(ctx.attrs(), x); }
 
 // The patch matrix of x, in this node's scratch memory (kept across runs: its address must not
 // change under a CUDA graph, and nothing else may take it between replays).

@@ -82,16 +82,6 @@ inline ReduceArgs reduce_args(const graph::Shape& in, const std::vector<int>& ax
   return args;
 }
 
-// The axes SumToShape(x, like) sums: those broadcasting added or stretched.
-inline std::vector<int> sum_to_shape_axes(const graph::Shape& x, const graph::Shape& like) {
-  std::vector<int> axes;
-  for (int d = 0; d < x.rank(); ++d) {
-    const int dl = d - (x.rank() - like.rank());
-    if (dl < 0 || (like[dl] == 1 && x[d] != 1)) axes.push_back(d);
-  }
-  return axes;
-}
-
 inline WindowGeometry flatten(const detail::Window2DGeometry& g) {
   return {g.batch, g.in_h, g.in_w, g.in_c, g.k_h, g.k_w, g.stride_h, g.stride_w, g.out_h, g.out_w, g.pad_top, g.pad_left};
 }

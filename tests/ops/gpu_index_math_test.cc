@@ -13,6 +13,7 @@
 #include "tandem/graph/graph.h"
 #include "tandem/ops/cuda/element_math.h"
 #include "tandem/ops/cuda/index_args.h"
+#include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/ops.h"
 
 using namespace tandem;
@@ -176,7 +177,7 @@ TEST_CASE("reductions over any set of axes, and SumToShape, visit what the CPU k
     auto l = g->placeholder(kFloat32, like, "like");
     auto y = ops::sum_to_shape_of(x, l);
     const auto want = run_cpu(g, {{x, tensor(xv, shape)}, {l, Tensor::zeros(like, kFloat32)}}, y);
-    check_close(emulate(sum_to_shape_axes(shape, like)), want);
+    check_close(emulate(ops::detail::sum_to_shape_axes(shape, like)), want);
   }
 }
 
