@@ -48,6 +48,7 @@
 
 #include "machine_info.h"
 #include "tandem/ops/cpu/gemm.h"
+#include "tandem/ops/cuda/cudnn.h"
 
 namespace {
 
@@ -325,8 +326,8 @@ int run_gpu(const Options& o) {
   std::printf("bench_fit --device gpu: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d "
               "run(s)\n",
               static_cast<long long>(kBatch), o.epochs, o.repeat);
-  std::printf("GPU:  %s\npeer: %s\n\n", devices::gpu_discovery_message().c_str(),
-              o.peer ? o.gpu_peer_command.c_str() : "(skipped)");
+  std::printf("GPU:  %s\ncuDNN: %s\npeer: %s\n\n", devices::gpu_discovery_message().c_str(),
+              ops::cuda::cudnn_status().c_str(), o.peer ? o.gpu_peer_command.c_str() : "(skipped)");
   std::printf("%-6s %-15s | %12s %8s | %12s | %12s %8s | %7s %7s\n", "model", "precision", "graphs /s", "acc",
               "no graphs /s", "torch /s", "acc", "ratio", "ratio-");
   std::printf("%s\n", std::string(100, '-').c_str());

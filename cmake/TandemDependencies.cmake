@@ -21,6 +21,7 @@ else()
 endif()
 
 set(TANDEM_HAVE_CUDA 0)
+set(TANDEM_HAVE_CUDNN 0)
 if(NOT TANDEM_CUDA STREQUAL "OFF")
   if(NOT DEFINED CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
     set(CUDAToolkit_ROOT /usr/local/cuda)
@@ -34,6 +35,28 @@ if(NOT TANDEM_CUDA STREQUAL "OFF")
     if(NOT TANDEM_NCCL_LIBRARY OR NOT TANDEM_NCCL_INCLUDE_DIR)
       message(STATUS "tandem: NCCL not found; GPU replicas would have no collective backend")
       set(TANDEM_NCCL_LIBRARY "")
+    endif()
+    # cuDNN 9 for convolution and pooling (ops/cuda/cudnn.cc): only its header is needed to build,
+    # libcudnn is loaded with dlopen at run time. The toolkit may carry it; on machines where only
+    # PyTorch's wheel has it, pass -DTANDEM_CUDNN_INCLUDE_DIR=.../site-packages/nvidia/cudnn/include.
+    # Without it the GPU kernels use im2col + cuBLAS and tandem's pooling kernels.
+    set(TANDEM_CUDNN_INCLUDE_DIR "" CACHE PATH "Folder holding cuDNN 9's cudnn.h (default: the CUDA toolkit's)")
+    find_path(TANDEM_CUDNN_HEADER_DIR cudnn_version.h HINTS ${TANDEM_CUDNN_INCLUDE_DIR} ${CUDAToolkit_INCLUDE_DIRS}
+              NO_CACHE)
+    string(REGEX REPLACE "/$" "" TANDEM_CUDNN_HEADER_DIR "${TANDEM_CUDNN_HEADER_DIR}")
+    if(TANDEM_CUDNN_HEADER_DIR AND EXISTS "${TANDEM_CUDNN_HEADER_DIR}/cudnn.h")
+      file(STRINGS "${TANDEM_CUDNN_HEADER_DIR}/cudnn_version.h" tandem_cudnn_major REGEX "^#define CUDNN_MAJOR +[0-9]+")
+      string(REGEX REPLACE "^#define CUDNN_MAJOR +([0-9]+).*" "\\1" tandem_cudnn_major "${tandem_cudnn_major}")
+      if(tandem_cudnn_major STREQUAL "9")
+        set(TANDEM_HAVE_CUDNN 1)
+        message(STATUS "tandem: cuDNN 9 header found in ${TANDEM_CUDNN_HEADER_DIR}; libcudnn is loaded at run time")
+      else()
+        message(STATUS "tandem: cudnn.h in ${TANDEM_CUDNN_HEADER_DIR} is cuDNN ${tandem_cudnn_major}, not 9; "
+                       "convolution and pooling use tandem's kernels")
+      endif()
+    else()
+      message(STATUS "tandem: cuDNN's cudnn.h not found (set TANDEM_CUDNN_INCLUDE_DIR); "
+                     "convolution and pooling use tandem's kernels")
     endif()
     # The GPU kernels: nvcc from the same toolkit, sm_90 (H100/H200) SASS plus PTX by default.
     if(NOT CMAKE_CUDA_COMPILER)

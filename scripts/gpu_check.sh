@@ -14,6 +14,12 @@
 # network: when the system lacks the packages, the build uses the tree that
 # scripts/fetch-gpu-deps.sh unpacked (carry `.gpu-deps` along).
 #
+# cuDNN (convolution and pooling; tandem loads libcudnn with dlopen and falls back to its own
+# kernels without it) is taken from the CUDA toolkit when it has it, else from PyTorch's pip
+# package nvidia-cudnn-cu13 (site-packages/nvidia/cudnn): its lib folder goes on LD_LIBRARY_PATH
+# for tandem's programs and its include folder to CMake (TANDEM_CUDNN_INCLUDE_DIR). ops_gpu_test
+# runs twice, with cuDNN and with TANDEM_CUDNN=0 (im2col + cuBLAS), both against the CPU kernels.
+#
 # Every step runs under `timeout`, within a total budget, so that the script never hangs.
 # Environment:
 #   TANDEM_GPU_DEPS=DIR                   the fetched tree (default .gpu-deps; DIR/root is used)
@@ -103,6 +109,48 @@ else
   fail_row "dependencies" "system lacks the Debian -dev packages and $deps/root is missing: run scripts/fetch-gpu-deps.sh on a Debian 12 machine and carry $deps"
 fi
 
+# --- cuDNN: the toolkit's, or the one in PyTorch's pip package ---------------------------------
+note "cuDNN"
+cuda_home=/usr/local/cuda
+if command -v nvcc >/dev/null; then cuda_home=$(cd "$(dirname "$(command -v nvcc)")/.." && pwd); fi
+# site-packages/nvidia/cudnn as Python sees it (a namespace package: ask __path__), else a glob.
+pip_cudnn=$(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 60 python3 -c \
+  "import nvidia.cudnn as m; print(list(m.__path__)[0])" 2>>"$log")
+if [ -z "$pip_cudnn" ] || [ ! -e "$pip_cudnn/lib/libcudnn.so.9" ]; then
+  pip_cudnn=""
+  for d in $(LD_LIBRARY_PATH=$orig_ld_library_path timeout -k 5 30 python3 -c \
+               "import site; print(' '.join(site.getsitepackages() + [site.getusersitepackages()]))" 2>>"$log") \
+           /usr/local/lib/python3*/dist-packages /usr/lib/python3*/dist-packages /usr/local/lib/python3*/site-packages; do
+    if [ -e "$d/nvidia/cudnn/lib/libcudnn.so.9" ]; then pip_cudnn="$d/nvidia/cudnn"; break; fi
+  done
+fi
+echo "cuDNN: toolkit $cuda_home; pip package: ${pip_cudnn:-none}" >>"$log"
+cudnn_header="none"
+if [ -e "$cuda_home/include/cudnn.h" ]; then
+  cudnn_header="toolkit"
+elif [ -n "$pip_cudnn" ] && [ -e "$pip_cudnn/include/cudnn.h" ]; then
+  cudnn_header="$pip_cudnn/include"
+  cmake_deps+=(-DTANDEM_CUDNN_INCLUDE_DIR="$pip_cudnn/include")
+fi
+cudnn_library="none"
+if [ -e "$cuda_home/lib64/libcudnn.so.9" ] || [ -e "$cuda_home/lib/libcudnn.so.9" ] || \
+   ldconfig -p 2>/dev/null | grep -q 'libcudnn\.so\.9 '; then
+  cudnn_library="system"
+  for d in "$cuda_home/lib64" "$cuda_home/lib"; do
+    [ -e "$d/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && break
+  done
+elif [ -n "$pip_cudnn" ]; then
+  cudnn_library="$pip_cudnn/lib"
+  # Only tandem's programs: Python and PyTorch keep the caller's path (orig_ld_library_path).
+  export LD_LIBRARY_PATH="$pip_cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+if [ "$cudnn_header" = none ] || [ "$cudnn_library" = none ]; then
+  row "cuDNN" "not found" "header: $cudnn_header, library: $cudnn_library; convolution and pooling use tandem's kernels"
+else
+  row "cuDNN" "found" "header: $cudnn_header, library: $cudnn_library (loaded with dlopen)"
+fi
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH-}" >>"$log"
+
 # --- configure and build --------------------------------------------------------------------
 built=0
 if [ $failures -eq 0 ]; then
@@ -145,30 +193,43 @@ if [ $built -eq 1 ]; then
   # Every registered test whose name says GPU, CUDA or NCCL; later suites join by their names.
   mapfile -t tests < <(ctest --test-dir "$build" -N 2>>"$log" | sed -n 's/^ *Test *#[0-9]*: *//p' | grep -Ei 'gpu|cuda|nccl')
   [ ${#tests[@]} -eq 0 ] && fail_row "GPU tests" "ctest lists no test named gpu, cuda or nccl"
-  for t in "${tests[@]}"; do
+  # run_test NAME LABEL [VAR=value ...]: one table row for one suite, under the given environment.
+  run_test() {
+    local t=$1 label=$2
+    shift 2
     if [ -n "${TANDEM_GPU_CHECK_TARGETS:-}" ] && [ ! -x "$(find "$build/tests" -name "$t" -type f 2>/dev/null | head -1)" ]; then
-      row "test $t" "not built" "not among TANDEM_GPU_CHECK_TARGETS"
-      continue
+      row "$label" "not built" "not among TANDEM_GPU_CHECK_TARGETS"
+      return
     fi
     budget_s=$(left 120)
     [ "$budget_s" -gt 300 ] && budget_s=300
     tlog=$(mktemp)
     t0=$(date +%s)
-    timeout -k 10 "$budget_s" ctest --test-dir "$build" -R "^${t}\$" -V --timeout "$budget_s" >"$tlog" 2>&1
+    [ $# -gt 0 ] && echo "(environment: $*)" >>"$log"
+    env "$@" timeout -k 10 "$budget_s" ctest --test-dir "$build" -R "^${t}\$" -V --timeout "$budget_s" >"$tlog" 2>&1
     rc=$?
     cat "$tlog" >>"$log"
     secs=$(( $(date +%s) - t0 ))
     if grep -q 'tests passed, 0 tests failed' "$tlog" && ! grep -q '\*\*\*Skipped\|Skipped *[0-9.]* sec' "$tlog"; then
-      row "test $t" "passed" "${secs}s"
+      row "$label" "passed" "${secs}s"
     elif grep -q 'Skipped' "$tlog"; then
       reason=$(grep -o 'skipped: .*' "$tlog" | head -1 | sed 's/|/\\|/g')
-      row "test $t" "skipped" "${reason:-exit 77}"
+      row "$label" "skipped" "${reason:-exit 77}"
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
-      fail_row "test $t" "timed out after ${budget_s}s"
+      fail_row "$label" "timed out after ${budget_s}s"
     else
-      fail_row "test $t" "failed after ${secs}s; see log.txt"
+      fail_row "$label" "failed after ${secs}s; see log.txt"
     fi
     rm -f "$tlog"
+  }
+  for t in "${tests[@]}"; do
+    if [ "$t" = ops_gpu_test ]; then
+      # Both convolution paths against the CPU kernels: cuDNN where its plan accepts, then none.
+      run_test "$t" "test $t (cuDNN where planned)"
+      run_test "$t" "test $t with TANDEM_CUDNN=0 (im2col + cuBLAS)" TANDEM_CUDNN=0
+    else
+      run_test "$t" "test $t"
+    fi
   done
 fi
 
@@ -209,6 +270,29 @@ elif [ $built -eq 1 ] && [ -x "$build/bench/bench_fit" ]; then
   [ $rc -ne 0 ] && fail_row "bench_fit GPU" "$(why $rc "$budget_s"); see log.txt"
 else
   row "bench_fit GPU" "not run" "bench_fit was not built"
+fi
+
+# --- what tandem's programs report about cuDNN -------------------------------------------------
+# bench_fit's GPU header has a "cuDNN: <status>" line; without a GPU run, the plan test's
+# cudnn_status case prints the same status (it needs no GPU).
+cudnn_status=""
+[ -f "${bench_out:-/nonexistent}" ] && cudnn_status=$(sed -n 's/^cuDNN: //p' "$bench_out" | head -1)
+status_source="bench_fit --device gpu"
+plan_test="$build/tests/ops/ops_cudnn_plan_test"
+if [ -z "$cudnn_status" ] && [ $built -eq 1 ] && [ -x "$plan_test" ]; then
+  cudnn_status=$(timeout -k 5 60 "$plan_test" -tc='cudnn_status*' -s 2>>"$log" | sed -n 's/.*cudnn_status(): //p' | head -1)
+  status_source="ops_cudnn_plan_test (no GPU run)"
+fi
+if [ -n "$cudnn_status" ]; then
+  case $cudnn_status in
+    loaded*) verdict="loaded" ;;
+    "turned off"*) verdict="off" ;;
+    "not built"*) verdict="not built" ;;
+    *) verdict="not loaded" ;;
+  esac
+  row "cuDNN status" "$verdict" "$(echo "$cudnn_status" | sed 's/|/\\|/g'); reported by $status_source"
+else
+  row "cuDNN status" "not reported" "neither bench_fit --device gpu nor ops_cudnn_plan_test ran"
 fi
 
 # --- the table ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // GPU kernels of the engine's ops: each reads its KernelContext (shapes, attrs, device pointers),
-// and queues the launcher of ops/cuda/kernels.cu (or cuBLAS) on the device's compute stream.
+// and queues the launcher of ops/cuda/kernels.cu (or cuBLAS, or cuDNN) on the device's compute stream.
 // Nothing here synchronises: SparseSoftmaxCrossEntropyWithLogits reports a bad label through a
 // deferred check (KernelContext::defer), so every kernel but Dropout's can be recorded in a CUDA
 // graph. Every op of the engine has a GPU kernel; an op added later for CPUs only runs through
@@ -13,12 +13,14 @@
 #include "tandem/graph/op_registry.h"
 #include "tandem/ops/cpu/conv_geometry.h"
 #include "tandem/ops/cuda/cublas.h"
+#include "tandem/ops/cuda/cudnn.h"
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/registration.h"
+#include "tandem/ops/math_ops.h"
 #include "tandem/ops/nn_ops.h"
 
 namespace tandem::ops::cuda {
@@ -426,12 +428,70 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// ---- Convolution (im2col + cuBLAS) and pooling -----------------------------------------------------
+// ---- Convolution and pooling: cuDNN where its plan accepts, else im2col + cuBLAS and our kernels ----
+//
+// Each kernel asks detail::plan_cudnn (ops/detail/cudnn_plan.h) whether cuDNN can take its case;
+// when cuDNN is loaded and the plan and an algorithm say yes, cuDNN runs it, otherwise the
+// im2col + cuBLAS convolution and the pooling kernels of kernels.cu do. Both paths keep their
+// temporaries in this node's scratch memory (fixed addresses under CUDA graphs), in separate slots.
 
 detail::Window2DGeometry conv_geometry(KernelContext& ctx, const Shape& x, const Shape& filter) {
   return detail::conv_geometry(ctx.attrs(), x, filter);
 }
 detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) { return detail::pool_geometry(ctx.attrs(), x); }
+
+// Scratch slots: 0 is the fallback's patch matrix; the cuDNN path uses the others.
+constexpr std::size_t kCudnnFilterSlot = 1;     // the filter (or its gradient) as KRSC
+constexpr std::size_t kCudnnWorkspaceSlot = 2;  // the algorithm's workspace
+
+CudnnTarget cudnn_target(KernelContext& ctx) {
+  return {ctx.device().index(), ctx.device().short_name(), stream_of(ctx)};
+}
+
+// The plan of this node's case, or a refusal when cuDNN is not usable in this process.
+detail::CudnnPlan cudnn_plan(detail::CudnnWindowOp op, const detail::Window2DGeometry& g, DType dtype) {
+  if (!cudnn_enabled()) {
+    detail::CudnnPlan plan;
+    plan.op = op;
+    plan.fallback_reason = cudnn_status();
+    return plan;
+  }
+  return detail::plan_cudnn(op, g, dtype, tensor_float_32_execution_enabled());
+}
+
+// `from` permuted by `perm` into `to` (Transpose's launcher; shapes from the tensors).
+void permute(KernelContext& ctx, const Tensor& from, const std::array<std::int64_t, 4>& perm, Tensor& to) {
+  const std::vector<std::int64_t> p(perm.begin(), perm.end());
+  broadcast(type_of(from), transpose_args(from.shape(), to.shape(), p), from.raw_data(), 1.0, to.raw_data(),
+            stream_of(ctx));
+  check_launch(ctx);
+}
+
+// The filter as cuDNN reads it: HWIO permuted to KRSC (OHWI) in scratch, unless it already is.
+const void* krsc_filter(KernelContext& ctx, const detail::CudnnPlan& plan, const Tensor& filter) {
+  if (plan.filter_is_krsc) return filter.raw_data();
+  const Shape& f = filter.shape();
+  Tensor& krsc = ctx.scratch(kCudnnFilterSlot, {f[3], f[0], f[1], f[2]}, filter.dtype());
+  permute(ctx, filter, detail::kHwioToKrsc, krsc);
+  return krsc.raw_data();
+}
+
+// Runs a convolution direction through cuDNN when the plan and cuDNN's heuristics allow; false
+// means nothing was queued and the caller's fallback runs. `run(target, workspace, bytes)` makes
+// the call.
+template <class Run>
+bool try_cudnn_conv(KernelContext& ctx, CudnnConvDirection direction, const detail::CudnnPlan& plan, Run&& run) {
+  if (!plan.use_cudnn) return false;
+  const CudnnTarget target = cudnn_target(ctx);
+  const std::optional<std::size_t> bytes = cudnn_conv_prepare(target, direction, plan);
+  if (!bytes) return false;
+  void* workspace = nullptr;
+  if (*bytes > 0) {
+    workspace = ctx.scratch(kCudnnWorkspaceSlot, {static_cast<std::int64_t>(*bytes)}, DType::kU8).raw_data();
+  }
+  run(target, workspace, *bytes);
+  return true;
+}
 
 // The patch matrix of x, in this node's scratch memory (kept across runs: its address must not
 // change under a CUDA graph, and nothing else may take it between replays).
@@ -442,8 +502,19 @@ Tensor& patches(KernelContext& ctx, const detail::Window2DGeometry& g, const Ten
   return col;
 }
 
+// y = conv(x, filter) through cuDNN: x NHWC, the filter permuted to KRSC, y NHWC.
+bool conv_forward_cudnn(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter,
+                        void* y) {
+  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kConv2D, g, x.dtype());
+  const auto direction = CudnnConvDirection::kForward;
+  return try_cudnn_conv(ctx, direction, plan, [&](const CudnnTarget& target, void* ws, std::size_t n) {
+    cudnn_conv(target, direction, plan, x.raw_data(), krsc_filter(ctx, plan, filter), y, ws, n);
+  });
+}
+
 // y[pixels, out_c] = col[pixels, patch] @ filter[patch, out_c] (HWIO is [patch, out_c] row-major).
-void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter, void* y) {
+void conv_forward_gemm(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter,
+                       void* y) {
   GemmCall call;
   call.dtype = x.dtype();
   call.m = g.out_pixels();
@@ -464,12 +535,19 @@ void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const T
   gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
 }
 
+void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter, void* y) {
+  const bool cudnn = conv_forward_cudnn(ctx, g, x, filter, y);
+  if (!cudnn) conv_forward_gemm(ctx, g, x, filter, y);
+  count_cudnn_path(cudnn);
+}
+
 void conv2d_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
   conv_forward(ctx, conv_geometry(ctx, x.shape(), ctx.input(1).shape()), x, ctx.input(1), ctx.output(0).raw_data());
 }
 
+// FusedConv2D: the convolution (cuDNN or GEMM), then bias and activation in place.
 void fused_conv2d_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
@@ -481,7 +559,8 @@ void fused_conv2d_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// Conv2DBackpropInput(x_like, filter, dy): dcol = dy @ filter^T, dx = col2im(dcol).
+// Conv2DBackpropInput(x_like, filter, dy): cuDNN's data gradient, or dcol = dy @ filter^T and
+// dx = col2im(dcol).
 void conv2d_backprop_input_kernel(KernelContext& ctx) {
   const Tensor& filter = ctx.input(1);
   const Tensor& dy = ctx.input(2);
@@ -489,6 +568,13 @@ void conv2d_backprop_input_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, ctx.input(0).shape(), filter.shape());
   Tensor& dx = ctx.output(0);
   if (dx.num_elements() == 0) return;
+  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kConv2D, g, dy.dtype());
+  const auto direction = CudnnConvDirection::kBackwardData;
+  const bool cudnn = try_cudnn_conv(ctx, direction, plan, [&](const CudnnTarget& target, void* ws, std::size_t n) {
+    cudnn_conv(target, direction, plan, dy.raw_data(), krsc_filter(ctx, plan, filter), dx.raw_data(), ws, n);
+  });
+  count_cudnn_path(cudnn);
+  if (cudnn) return;
   Tensor& dcol = ctx.scratch(0, {g.out_pixels(), g.patch_size()}, dy.dtype());
   if (g.out_pixels() * g.patch_size() > 0) {
     if (g.out_c == 0) {
@@ -512,7 +598,8 @@ void conv2d_backprop_input_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// Conv2DBackpropFilter(x, filter_like, dy): dfilter[patch, out_c] = col^T @ dy.
+// Conv2DBackpropFilter(x, filter_like, dy): cuDNN's filter gradient (KRSC, permuted back to HWIO),
+// or dfilter[patch, out_c] = col^T @ dy.
 void conv2d_backprop_filter_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Tensor& dy = ctx.input(2);
@@ -520,6 +607,20 @@ void conv2d_backprop_filter_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
   Tensor& dw = ctx.output(0);
   if (dw.num_elements() == 0) return;
+  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kConv2D, g, x.dtype());
+  const auto direction = CudnnConvDirection::kBackwardFilter;
+  const bool cudnn = try_cudnn_conv(ctx, direction, plan, [&](const CudnnTarget& target, void* ws, std::size_t n) {
+    if (plan.filter_is_krsc) {
+      cudnn_conv(target, direction, plan, x.raw_data(), dy.raw_data(), dw.raw_data(), ws, n);
+      return;
+    }
+    const Shape& f = dw.shape();
+    Tensor& krsc = ctx.scratch(kCudnnFilterSlot, {f[3], f[0], f[1], f[2]}, dw.dtype());
+    cudnn_conv(target, direction, plan, x.raw_data(), dy.raw_data(), krsc.raw_data(), ws, n);
+    permute(ctx, krsc, detail::kKrscToHwio, dw);
+  });
+  count_cudnn_path(cudnn);
+  if (cudnn) return;
   if (g.out_pixels() == 0) {
     fill(type_of(x), 0.0, dw.raw_data(), dw.num_elements(), stream_of(ctx));
     check_launch(ctx);
@@ -544,24 +645,44 @@ template <bool kAverage>
 void pool_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
-  pool(kAverage, type_of(x), flatten(pool_geometry(ctx, x.shape())), x.raw_data(), ctx.output(0).raw_data(),
-       stream_of(ctx));
+  const auto g = pool_geometry(ctx, x.shape());
+  const detail::CudnnPlan plan =
+      cudnn_plan(kAverage ? detail::CudnnWindowOp::kAvgPool2D : detail::CudnnWindowOp::kMaxPool2D, g, x.dtype());
+  count_cudnn_path(plan.use_cudnn);
+  if (plan.use_cudnn) {
+    cudnn_pool_forward(cudnn_target(ctx), plan, x.raw_data(), ctx.output(0).raw_data());
+    return;
+  }
+  pool(kAverage, type_of(x), flatten(g), x.raw_data(), ctx.output(0).raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
+// Always tandem's kernel: the plan refuses MaxPool2DGrad, since cuDNN's choice between tied
+// maxima is unspecified and ours is the first in scan order, as on CPUs. It asks anyway, so
+// that the rule lives in one place and the run is counted.
 void max_pool_grad_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
-  max_pool_grad(type_of(x), flatten(pool_geometry(ctx, x.shape())), x.raw_data(), ctx.input(2).raw_data(),
-                ctx.output(0).raw_data(), stream_of(ctx));
+  const auto g = pool_geometry(ctx, x.shape());
+  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kMaxPool2DGrad, g, x.dtype());
+  TANDEM_ASSERT(!plan.use_cudnn, "{}: MaxPool2DGrad has no cuDNN path", ctx.label());
+  count_cudnn_path(false);
+  max_pool_grad(type_of(x), flatten(g), x.raw_data(), ctx.input(2).raw_data(), ctx.output(0).raw_data(),
+                stream_of(ctx));
   check_launch(ctx);
 }
 
 void avg_pool_grad_kernel(KernelContext& ctx) {
   const Tensor& dy = ctx.input(1);
   require_types(ctx, dy, kFloat);
-  avg_pool_grad(type_of(dy), flatten(pool_geometry(ctx, ctx.input(0).shape())), dy.raw_data(), ctx.output(0).raw_data(),
-                stream_of(ctx));
+  const auto g = pool_geometry(ctx, ctx.input(0).shape());
+  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kAvgPool2DGrad, g, dy.dtype());
+  count_cudnn_path(plan.use_cudnn);
+  if (plan.use_cudnn) {
+    cudnn_avg_pool_backward(cudnn_target(ctx), plan, ctx.input(0).raw_data(), dy.raw_data(), ctx.output(0).raw_data());
+    return;
+  }
+  avg_pool_grad(type_of(dy), flatten(g), dy.raw_data(), ctx.output(0).raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
