@@ -21,6 +21,12 @@ std::string_view reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+void Communicator::all_reduce_on_device(std::span<Tensor> /*tensors*/, ReduceOp /*op*/) {
+  throw Unimplemented(fmt::format("{} communicator: all-reduces queued on a device stream need NCCL within one "
+                                  "process",
+                                  backend()));
+}
+
 namespace detail {
 
 std::string_view op_kind_name(OpKind kind) {

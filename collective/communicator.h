@@ -51,6 +51,16 @@ class Communicator {
   void all_reduce(Tensor& tensor, ReduceOp op, const CallOptions& options = {}) {
     all_reduce(std::span<Tensor>(&tensor, 1), op, options);
   }
+  // Device-side all-reduce, for work recorded in a CUDA graph (a trainer's whole step): queues
+  // the all-reduce of `tensors` (as all_reduce: one logical buffer, one dtype, on this rank's
+  // device) after the work queued so far on the device's compute stream, makes the compute
+  // stream wait for its result, and returns at once: its completion, and a peer's failure, show
+  // only through the compute stream, which the caller waits for. Every rank must make the same
+  // calls in the same order. Backends that cannot (all but NCCL within one process) throw
+  // Unimplemented; enqueues_on_device() tells beforehand.
+  virtual bool enqueues_on_device() const { return false; }
+  virtual void all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op);
+
   // Copies root's tensor into every other rank's tensor (same dtype and element count).
   virtual void broadcast(Tensor& tensor, int root, const CallOptions& options = {}) = 0;
   // Every rank's input concatenated along dimension 0, in rank order, into output

@@ -567,15 +567,18 @@ class NcclCommunicator final : public Communicator {
     ScopedCudaDevice guard(ordinal_, where_);
     TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), where_);
     TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming), where_);
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&outputs_ready_, cudaEventDisableTiming), where_);
     TANDEM_CUDA_CHECK(cudaMalloc(&barrier_word_, sizeof(std::int32_t)), where_);
     TANDEM_CUDA_CHECK(cudaMemset(barrier_word_, 0, sizeof(std::int32_t)), where_);
   }
 
-  // Every call waits for its work, so the stream is idle here.
+  // Calls other than all_reduce_on_device wait for their work; work queued on the device may
+  // still be pending, and cudaStreamDestroy lets it finish before the stream's resources go.
   ~NcclCommunicator() override {
     ScopedCudaDevice guard(ordinal_, where_);
     cudaFree(barrier_word_);
     cudaEventDestroy(inputs_ready_);
+    cudaEventDestroy(outputs_ready_);
     cudaStreamDestroy(stream_);
   }
 
@@ -586,23 +589,26 @@ class NcclCommunicator final : public Communicator {
 
   void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     const Call call = begin(OpKind::kAllReduce, options);
-    check_arguments(call, [&] {
-      for (std::size_t i = 0; i < tensors.size(); ++i) {
-        check_on_device(call, tensors[i], fmt::format("tensor {} of {}", i, tensors.size()));
-        TANDEM_REQUIRE(tensors[i].dtype() == tensors[0].dtype(), InvalidArgument,
-                       "{} on {}: tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype",
-                       call.label(), where_, i, tensors.size(), tensors[i].dtype(), tensors[0].dtype());
-      }
-    });
-    run(call, [&] {
-      const NcclApi& api = nccl();
-      TANDEM_NCCL_CHECK(api.ncclGroupStart(), where_, comm_);
-      for (Tensor& t : tensors) {
-        TANDEM_NCCL_CHECK(api.ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.num_elements()),
-                                            nccl_dtype(t.dtype()), nccl_op(op), comm_, stream_),
-                          where_, comm_);
-      }
-      TANDEM_NCCL_CHECK(api.ncclGroupEnd(), where_, comm_);
+    check_all_reduce_arguments(call, tensors);
+    run(call, [&] { enqueue_all_reduce(tensors, op); });
+  }
+
+  // Within one process only: a group across processes runs non-blocking communicators, whose
+  // calls may return before NCCL has accepted them (ncclInProgress), which a recording cannot hold.
+  bool enqueues_on_device() const override { return !group_->across_processes(); }
+
+  void all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op) override {
+    TANDEM_REQUIRE(enqueues_on_device(), Unimplemented,
+                   "nccl on {}: all-reduces queued on the device need a group within one process", where_);
+    const Call call = begin(OpKind::kAllReduce, {});
+    check_all_reduce_arguments(call, tensors);
+    // compute -> communication stream -> compute: the fork and join a recording keeps.
+    issue(call, [&] {
+      enqueue_all_reduce(tensors, op);
+      TANDEM_CUDA_CHECK(cudaEventRecord(outputs_ready_, stream_), where_);
+      TANDEM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(device_->compute_stream().native_handle()),
+                                            outputs_ready_, 0),
+                        where_);
     });
   }
 
@@ -714,10 +720,40 @@ class NcclCommunicator final : public Communicator {
                    call.label(), where_, output.dtype(), input.dtype());
   }
 
-  // Orders the call after the compute stream's work, enqueues it, and waits for it. Any failure
-  // fails the group, so that the peers stop waiting for this rank.
+  void check_all_reduce_arguments(const Call& call, std::span<Tensor> tensors) {
+    check_arguments(call, [&] {
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        check_on_device(call, tensors[i], fmt::format("tensor {} of {}", i, tensors.size()));
+        TANDEM_REQUIRE(tensors[i].dtype() == tensors[0].dtype(), InvalidArgument,
+                       "{} on {}: tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype",
+                       call.label(), where_, i, tensors.size(), tensors[i].dtype(), tensors[0].dtype());
+      }
+    });
+  }
+
+  // The tensors' all-reduces on the communication stream, grouped into one launch.
+  void enqueue_all_reduce(std::span<Tensor> tensors, ReduceOp op) {
+    const NcclApi& api = nccl();
+    TANDEM_NCCL_CHECK(api.ncclGroupStart(), where_, comm_);
+    for (Tensor& t : tensors) {
+      TANDEM_NCCL_CHECK(api.ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.num_elements()),
+                                          nccl_dtype(t.dtype()), nccl_op(op), comm_, stream_),
+                        where_, comm_);
+    }
+    TANDEM_NCCL_CHECK(api.ncclGroupEnd(), where_, comm_);
+  }
+
+  // Orders the call after the compute stream's work, enqueues it, and waits for it.
   template <class Enqueue>
   void run(const Call& call, Enqueue&& enqueue) {
+    issue(call, std::forward<Enqueue>(enqueue));
+    wait(call);
+  }
+
+  // Orders the call after the compute stream's work and enqueues it, without waiting. Any failure
+  // fails the group, so that the peers stop waiting for this rank.
+  template <class Enqueue>
+  void issue(const Call& call, Enqueue&& enqueue) {
     ScopedCudaDevice guard(ordinal_, where_);
     group_->record_issue(local_, call.seq);
     try {
@@ -731,7 +767,6 @@ class NcclCommunicator final : public Communicator {
       abort_own_communicator();
       throw;
     }
-    wait(call);
   }
 
   // Polls the communication stream until it is done, the group fails, or the deadline passes. A
@@ -819,6 +854,7 @@ class NcclCommunicator final : public Communicator {
   std::atomic<std::uint64_t> seq_{0};
   cudaStream_t stream_ = nullptr;  // the communication stream
   cudaEvent_t inputs_ready_ = nullptr;
+  cudaEvent_t outputs_ready_ = nullptr;  // all_reduce_on_device's result, for the compute stream
   void* barrier_word_ = nullptr;
 };
 

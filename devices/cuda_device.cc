@@ -135,11 +135,13 @@ class CudaDevice final : public Device {
       : Device(gpu_name(index)),
         allocator_(gpu_name(index).short_form(), std::make_unique<CudaRawMemory>(index, gpu_name(index).short_form())),
         compute_(index, gpu_name(index).short_form()),
-        communication_(index, gpu_name(index).short_form()) {}
+        communication_(index, gpu_name(index).short_form()),
+        input_(index, gpu_name(index).short_form()) {}
 
   Allocator& allocator() override { return allocator_; }
   Stream& compute_stream() override { return compute_; }
   Stream& communication_stream() override { return communication_; }
+  Stream& input_stream() override { return input_; }
   std::unique_ptr<Event> create_event() override { return std::make_unique<CudaEvent>(index(), short_name()); }
   // Relaxed mode: the caching allocator may still call cudaMalloc on a cache miss while recording
   // (an allocation is not stream work, so the graph does not hold it).
@@ -181,13 +183,24 @@ class CudaDevice final : public Device {
   void copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) override {
     copy(host_dst, device_src, bytes, cudaMemcpyDeviceToHost);
   }
+  // Ordered on the compute stream like a kernel, without waiting: nothing on the host depends on
+  // it until a copy to the host, which synchronises.
   void copy_on_device(void* device_dst, const void* device_src, std::size_t bytes) override {
-    copy(device_dst, device_src, bytes, cudaMemcpyDeviceToDevice);
+    if (bytes == 0) return;
+    ScopedCudaDevice guard(index(), short_name());
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(device_dst, device_src, bytes, cudaMemcpyDeviceToDevice, compute_.get()),
+                      short_name());
   }
   void copy_from_host_async(void* device_dst, const void* host_src, std::size_t bytes, Stream& stream) override {
     if (bytes == 0) return;
     ScopedCudaDevice guard(index(), short_name());
     TANDEM_CUDA_CHECK(cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, native(stream)),
+                      short_name());
+  }
+  void copy_to_host_async(void* host_dst, const void* device_src, std::size_t bytes, Stream& stream) override {
+    if (bytes == 0) return;
+    ScopedCudaDevice guard(index(), short_name());
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, native(stream)),
                       short_name());
   }
   void* allocate_pinned_host(std::size_t bytes) override {
@@ -208,7 +221,6 @@ class CudaDevice final : public Device {
     if (bytes == 0) return;
     ScopedCudaDevice guard(index(), short_name());
     TANDEM_CUDA_CHECK(cudaMemsetAsync(device_dst, 0, bytes, compute_.get()), short_name());
-    compute_.synchronize();
   }
   void synchronize() override {
     ScopedCudaDevice guard(index(), short_name());
@@ -226,6 +238,7 @@ class CudaDevice final : public Device {
   CachingAllocator allocator_;
   CudaStream compute_;
   CudaStream communication_;
+  CudaStream input_;
 };
 
 }  // namespace

@@ -36,6 +36,10 @@ void Device::copy_from_host_async(void* device_dst, const void* host_src, std::s
   copy_from_host(device_dst, host_src, bytes);
 }
 
+void Device::copy_to_host_async(void* host_dst, const void* device_src, std::size_t bytes, Stream& /*stream*/) {
+  copy_to_host(host_dst, device_src, bytes);
+}
+
 void* Device::allocate_pinned_host(std::size_t bytes) {
   const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + kDefaultAlignmentBytes - 1) / kDefaultAlignmentBytes *
                               kDefaultAlignmentBytes;

@@ -113,6 +113,10 @@ class Device {
   // all-reduces overlap backward. On CPU devices both are the same inline stream.
   virtual Stream& compute_stream() = 0;
   virtual Stream& communication_stream() { return compute_stream(); }
+  // Host-to-device copies of input batches staged ahead of their step (strategy's
+  // fetch_to_device), so that they overlap the kernels of the step before; the compute stream
+  // waits for them with an Event.
+  virtual Stream& input_stream() { return compute_stream(); }
   virtual std::unique_ptr<Event> create_event();
   // Records the device work `work` queues on the compute stream, without running it, for replay
   // (CUDA graphs: cudaStreamBeginCapture ... cudaGraphInstantiate). Returns null, with the reason
@@ -123,8 +127,11 @@ class Device {
   // True when the host can read and write this device's memory directly (CPU devices).
   virtual bool host_accessible() const = 0;
 
-  // Copies. Callers: any thread that owns the memory involved. Each call blocks until the copy
-  // is complete (asynchronous copies arrive with the GPU backend's input pipeline).
+  // Copies. Callers: any thread that owns the memory involved. Copies that touch host memory
+  // block until they are complete (the host side may be freed or read at once). Copies within the
+  // device and fill_zero are queued on the compute stream and return at once on GPUs, ordered
+  // like kernels: a later kernel or host read (copy_to_host) sees their result, and they can be
+  // recorded in a CUDA graph.
   virtual void copy_from_host(void* device_dst, const void* host_src, std::size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) = 0;
   virtual void copy_on_device(void* device_dst, const void* device_src, std::size_t bytes) = 0;
@@ -135,6 +142,11 @@ class Device {
   // From a PinnedHostBuffer the copy overlaps kernels on other streams (the input pipeline's
   // next batch while this one computes). Callers: the thread that owns `stream`.
   virtual void copy_from_host_async(void* device_dst, const void* host_src, std::size_t bytes, Stream& stream);
+  // A device-to-host copy queued on `stream`, returning at once on GPUs (done at once on CPUs):
+  // several small reads then cost one synchronisation instead of one each. The destination must
+  // stay valid, and is not to be read, until the copy has run (synchronize the stream or an
+  // Event recorded after it); into a PinnedHostBuffer the copy is direct.
+  virtual void copy_to_host_async(void* host_dst, const void* device_src, std::size_t bytes, Stream& stream);
   // Page-locked host memory; use PinnedHostBuffer rather than these.
   virtual void* allocate_pinned_host(std::size_t bytes);
   virtual void free_pinned_host(void* pointer, std::size_t bytes) noexcept;

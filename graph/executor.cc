@@ -60,7 +60,9 @@ struct Executor::Plan {
   std::unique_ptr<devices::CapturedWork> captured;
   bool capture_failed = false;
   std::vector<Tensor> feed_buffers;               // per feed slot (indexed like slots)
-  std::vector<const void*> captured_addresses;    // arena and variables when recorded
+  std::vector<const void*> captured_addresses;    // arena, variables and the tail's memory when recorded
+  bool captured_tail = false;                     // whether the recording holds a RunOptions::tail
+  Tensor fault_word;                              // GPU plans: KernelContext::fault_word
   std::vector<std::function<void()>> captured_checks;
 
   std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
@@ -441,6 +443,10 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     }
   }
   plan->stats.graph_eligible = plan->graph_eligible;
+  if (!device_.host_accessible()) {
+    plan->fault_word = Tensor::zeros({1}, DType::kI32, device_);
+    for (auto& st : plan->steps) st.state.fault_word = plan->fault_word.raw_data();
+  }
   plan->stats.nodes_run = static_cast<int>(std::count_if(plan->steps.begin(), plan->steps.end(),
                                                          [](const Plan::Step& s) { return s.kernel != nullptr; }));
   plan->stats.nodes_in_graph = num_nodes;
@@ -509,16 +515,32 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   const auto run_checks = [](std::vector<std::function<void()>>& checks) {
     for (auto& check : checks) check();
   };
+  const auto clear_fault_word = [&] {
+    if (plan.fault_word.defined()) device_.fill_zero(plan.fault_word.raw_data(), plan.fault_word.nbytes());
+  };
+  const auto queue_tail = [&] {
+    if (!options.tail) return;
+    std::vector<Tensor> fetched;
+    fetched.reserve(plan.fetch_slots.size());
+    for (const int s : plan.fetch_slots) fetched.push_back(plan.slots[static_cast<std::size_t>(s)]);
+    options.tail(TailContext{.fetched = fetched,
+                             .fault_word = plan.fault_word.defined() ? plan.fault_word.raw_data() : nullptr});
+  };
 
   if (use_graph && plan.runs >= kGraphWarmupRuns && !options_.profile) {
     std::vector<const void*> addresses{plan.arena ? plan.arena->data() : nullptr};
     for (const auto& [s, node_id] : plan.variable_slots) addresses.push_back(plan.slots[static_cast<std::size_t>(s)].raw_data());
-    if (plan.captured != nullptr && addresses != plan.captured_addresses) plan.captured.reset();
+    addresses.insert(addresses.end(), options.tail_addresses.begin(), options.tail_addresses.end());
+    const bool with_tail = static_cast<bool>(options.tail);
+    if (plan.captured != nullptr && (addresses != plan.captured_addresses || with_tail != plan.captured_tail)) {
+      plan.captured.reset();
+    }
     if (plan.captured == nullptr) {
       for (auto& st : plan.steps) st.state.deferred.clear();
       std::string why;
       plan.captured = device_.capture(
           [&] {
+            clear_fault_word();
             for (std::size_t index = 0; index < plan.steps.size(); ++index) {
               if (plan.steps[index].kernel == nullptr) {
                 forward(plan.steps[index]);
@@ -526,6 +548,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
                 queue_kernel(index);
               }
             }
+            queue_tail();
           },
           &why);
       if (plan.captured == nullptr) {
@@ -534,6 +557,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
                      device_.short_name().c_str(), why.c_str());
       } else {
         plan.captured_addresses = std::move(addresses);
+        plan.captured_tail = with_tail;
         plan.captured_checks.clear();
         for (auto& st : plan.steps) {
           for (auto& check : st.state.deferred) plan.captured_checks.push_back(std::move(check));
@@ -553,6 +577,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     }
   }
 
+  clear_fault_word();
   for (std::size_t index = 0; index < plan.steps.size(); ++index) {
     auto& st = plan.steps[index];
     if (st.kernel == nullptr) {
@@ -573,6 +598,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     entry.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
   }
+  queue_tail();
   ++plan.runs;
   std::vector<std::function<void()>> checks;
   for (auto& st : plan.steps) {

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -58,11 +59,28 @@ class NodeObserver {
   virtual void node_done(int node_id, std::span<Tensor* const> outputs) = 0;
 };
 
+// What RunOptions::tail is given.
+struct TailContext {
+  std::span<const Tensor> fetched;  // the run's fetches (the values it will return)
+  const void* fault_word = nullptr;  // the plan's fault word (KernelContext::fault_word); null on CPUs
+};
+
 struct RunOptions {
   // Random ops (Dropout) draw from a stream keyed by (seed, node, step); the step counts runs.
   // Setting it replays a step's randomness exactly (gradient checks, deterministic tests).
   std::optional<std::uint64_t> random_step;
   NodeObserver* observer = nullptr;
+  // Device work queued right after the plan's kernels, as part of the run (a trainer's gradient
+  // all-reduce and optimizer update: the whole training step). When the plan is recorded as a
+  // CUDA graph the tail is recorded into the same graph and replayed with it, not called again:
+  // it must queue the same work on every call, and read what changes from step to step from
+  // device memory. Otherwise it is called on every run, after the kernels, before the deferred
+  // checks. It must not block on the device.
+  std::function<void(const TailContext&)> tail;
+  // Memory the tail uses outside the plan (the variables and optimizer slots it updates): the
+  // graph is recorded again when any of it moves. Give the same list, in the same order, on
+  // every run with a tail.
+  std::vector<const void*> tail_addresses;
 };
 
 struct PlanStats {

@@ -87,6 +87,8 @@ struct KernelState {
   // Checks that read device results (a bad label found by a GPU kernel), run once the step's work
   // is queued: after the whole run, and after every replay of captured work.
   std::vector<std::function<void()>> deferred;
+  // The plan's fault word (KernelContext::fault_word), set by the executor.
+  void* fault_word = nullptr;
 };
 
 // What a kernel sees: its node, its inputs, and outputs already allocated to the planned shape.
@@ -115,6 +117,12 @@ class KernelContext {
   // step. Checks registered while the executor captures a step (CUDA graphs) run after each
   // replay; a kernel that defers must therefore register the same check on every run.
   void defer(std::function<void()> check);
+  // A device int that the executor zeroes at the start of every run of a GPU plan (inside its
+  // CUDA graph too) and that a kernel finding bad input on the device sets to non-zero, besides
+  // its deferred check: device work queued after the plan in the same graph (the optimizer update
+  // of a whole-step graph) reads it and leaves the weights alone. Null on CPUs, whose kernels
+  // throw at once.
+  void* fault_word() const { return state_ != nullptr ? state_->fault_word : nullptr; }
 
  private:
   const Node& node_;

@@ -174,7 +174,7 @@ Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std:
     if (!batch) break;
     Logs batch_logs;
     callbacks.on_test_batch_begin(step, batch_logs);
-    trainer.test_step(batch->local);
+    trainer.test_step(*batch);
     trainer.write_logs(detail::Phase::kTest, batch_logs);
     callbacks.on_test_batch_end(step, batch_logs);
   }
@@ -391,7 +391,7 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
       ++pass_position;
       Logs batch_logs;
       callbacks.on_train_batch_begin(step, batch_logs);
-      trainer.train_step(batch->local, batch->global_examples);
+      trainer.train_step(*batch);
       trainer.write_logs(detail::Phase::kTrain, batch_logs);
       callbacks.on_train_batch_end(step, batch_logs);
       if (s.stop_training) break;

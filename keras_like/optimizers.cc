@@ -16,6 +16,17 @@
 #include "tandem/strategy/strategy.h"
 
 namespace tandem::keras {
+
+// One replica's staged numbers: written into page-locked memory by the host, copied to the device
+// on the compute stream ahead of the step (`copied` marks that copy, so that the next step's
+// write waits for it rather than changing the bytes under it).
+struct Optimizer::StagedParams {
+  devices::PinnedHostBuffer host;
+  Tensor on_device;
+  std::unique_ptr<devices::Event> copied;
+  bool copy_pending = false;
+};
+
 namespace {
 
 constexpr std::string_view kKnownOptimizers = "sgd, adam, adamw, rmsprop";
@@ -443,16 +454,15 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   }
 }
 
-// The same step for variables in GPU memory: the rule's scalars as in update(), then one fused
-// kernel launch for all variables (per variable under clipnorm, whose factor differs).
-void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale,
-                                 double mean_scale) {
+// The fused kernel's numbers: the rule's scalars as update() computes them for the coming step.
+ops::detail::UpdateParams Optimizer::device_update_params(double global_scale) const {
   const Clip clip = clip_of(spec_);
   const double lr = learning_rate_;
   const auto t = static_cast<double>(iterations_ + 1);
   ops::detail::UpdateParams params;
   params.clip = clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm;
   params.clip_value = clip.clipvalue.value_or(0);
+  params.gradient_scale = global_scale;
   std::visit(
       [&](const auto& o) {
         using O = std::decay_t<decltype(o)>;
@@ -478,10 +488,16 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
         }
       },
       spec_);
-  const auto slot_count = [&](std::size_t vi) { return slots_[vi].size(); };
+  return params;
+}
+
+std::vector<ops::detail::UpdateTensor> Optimizer::device_update_tensors(int replica,
+                                                                        const std::vector<Tensor>& gradients) const {
+  TANDEM_REQUIRE(gradients.size() == variables_.size(), InvalidArgument, "{}: {} gradients for {} variables", name(),
+                 gradients.size(), variables_.size());
   std::vector<ops::detail::UpdateTensor> tensors;
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
-    Tensor& w = variables_[vi]->value(replica);
+    const Tensor& w = variables_[vi]->value(replica);
     const Tensor& grad = gradients[vi];
     require_matching_gradient(name(), *variables_[vi], w, grad);
     ops::detail::UpdateTensor u;
@@ -500,17 +516,26 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
             if (o.momentum > 0) u.slots[1] = slot_data(next++);
             if (o.centered) u.slots[2] = slot_data(next++);
           } else {
-            for (std::size_t s = 0; s < slot_count(vi); ++s) u.slots[s] = slot_data(s);
+            for (std::size_t s = 0; s < slots_[vi].size(); ++s) u.slots[s] = slot_data(s);
           }
         },
         spec_);
     tensors.push_back(u);
   }
+  return tensors;
+}
+
+// The same step for variables in GPU memory: one fused kernel launch for all variables (per
+// variable under clipnorm, whose factor differs).
+void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale,
+                                 double mean_scale) {
+  const Clip clip = clip_of(spec_);
+  ops::detail::UpdateParams params = device_update_params(global_scale);
+  const auto tensors = device_update_tensors(replica, gradients);
   auto& device = variables_.front()->value(replica).device();
   const DType dtype = variables_.front()->dtype();
   const bool uniform_dtype = std::all_of(variables_.begin(), variables_.end(), [&](const auto& v) { return v->dtype() == dtype; });
   if (!clip.clipnorm && uniform_dtype) {
-    params.gradient_scale = global_scale;
     ops::detail::apply_update_on_device(device, dtype, params, tensors);
   } else {
     for (std::size_t vi = 0; vi < tensors.size(); ++vi) {
@@ -527,6 +552,66 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
     Tensor& a = acc->value(replica);
     a.device().fill_zero(a.raw_data(), a.nbytes());
   }
+}
+
+// --- Updates recorded in CUDA graphs ---------------------------------------------------------------
+
+bool Optimizer::can_update_from_device_memory(int replica) const {
+  if (variables_.empty() || loss_scale_ || accumulation_steps_ != 1) return false;
+  const Clip clip = clip_of(spec_);
+  if (clip.clipnorm || clip.global_clipnorm) return false;
+  const Tensor& first = variables_.front()->value(replica);
+  if (first.device().host_accessible()) return false;
+  const DType dtype = first.dtype();
+  if (dtype != DType::kF32 && dtype != DType::kF64) return false;
+  return std::all_of(variables_.begin(), variables_.end(), [&](const auto& v) { return v->dtype() == dtype; });
+}
+
+void Optimizer::stage_update_params(int replica) {
+  TANDEM_REQUIRE(can_update_from_device_memory(replica), FailedPrecondition,
+                 "{}: replica {}'s update cannot read its numbers from device memory", name(), replica);
+  if (staged_params_.size() <= static_cast<std::size_t>(replica)) staged_params_.resize(static_cast<std::size_t>(replica) + 1);
+  auto& staged = staged_params_[static_cast<std::size_t>(replica)];
+  auto& device = variables_.front()->value(replica).device();
+  constexpr std::size_t kBytes = sizeof(ops::detail::UpdateParams);
+  if (staged == nullptr) {
+    staged = std::make_unique<StagedParams>();
+    staged->host = devices::PinnedHostBuffer(device, kBytes);
+    staged->on_device = Tensor::empty({static_cast<std::int64_t>(kBytes)}, DType::kU8, device);
+    staged->copied = device.create_event();
+  }
+  if (staged->copy_pending) staged->copied->synchronize();
+  const ops::detail::UpdateParams params = device_update_params(1.0);
+  std::memcpy(staged->host.data(), &params, kBytes);
+  device.copy_from_host_async(staged->on_device.raw_data(), staged->host.data(), kBytes, device.compute_stream());
+  staged->copied->record(device.compute_stream());
+  staged->copy_pending = true;
+}
+
+void Optimizer::queue_update_from_device_memory(int replica, const std::vector<Tensor>& gradients,
+                                                const void* fault_word) {
+  TANDEM_REQUIRE(staged_params_.size() > static_cast<std::size_t>(replica) &&
+                     staged_params_[static_cast<std::size_t>(replica)] != nullptr,
+                 FailedPrecondition, "{}: replica {}'s update numbers were never staged (stage_update_params)", name(),
+                 replica);
+  const auto tensors = device_update_tensors(replica, gradients);
+  auto& device = variables_.front()->value(replica).device();
+  // params by value are ignored by the kernel (it reads the staged copy); passed for completeness.
+  ops::detail::apply_update_on_device(
+      device, variables_.front()->dtype(), device_update_params(1.0), tensors,
+      {.params = staged_params_[static_cast<std::size_t>(replica)]->on_device.raw_data(), .fault_word = fault_word});
+}
+
+std::vector<const void*> Optimizer::update_addresses(int replica) const {
+  std::vector<const void*> addresses;
+  for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
+    addresses.push_back(variables_[vi]->value(replica).raw_data());
+    for (const auto& slot : slots_[vi]) addresses.push_back(slot->value(replica).raw_data());
+  }
+  if (staged_params_.size() > static_cast<std::size_t>(replica) && staged_params_[static_cast<std::size_t>(replica)]) {
+    addresses.push_back(staged_params_[static_cast<std::size_t>(replica)]->on_device.raw_data());
+  }
+  return addresses;
 }
 
 }  // namespace tandem::keras

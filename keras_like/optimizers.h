@@ -20,6 +20,11 @@
 #include "tandem/graph/tensor.h"
 #include "tandem/strategy/variable.h"
 
+namespace tandem::ops::detail {
+struct UpdateParams;
+struct UpdateTensor;
+}  // namespace tandem::ops::detail
+
 namespace tandem::keras {
 
 using VariablePtr = std::shared_ptr<strategy::Variable>;
@@ -160,6 +165,25 @@ class Optimizer {
   // Ends a step: iterations += 1. Call once per step after every replica's apply().
   void finish_step() { ++iterations_; }
 
+  // --- Updates recorded in a CUDA graph (the trainer's whole-step graphs) ---------------------
+  // A graph replays its kernels with the arguments they were recorded with, so the numbers that
+  // change from step to step (the learning rate, Adam's bias corrections) must come from device
+  // memory. Whether replica's update can: its variables are on a GPU, all of one dtype, and
+  // nothing in the step needs the host (no loss scaling, no clipping by norm, no accumulation).
+  bool can_update_from_device_memory(int replica) const;
+  // Copies the coming step's numbers (as apply() would compute them at the current iterations())
+  // into replica's device memory, queued on its compute stream before the step's work. Callers:
+  // replica's thread, once per step, before the step is queued or replayed. Does not wait for the
+  // device, except for the previous step's copy still pending.
+  void stage_update_params(int replica);
+  // Queues replica's update reading the numbers stage_update_params wrote: one fused launch, the
+  // same work on every call, no host waits; the device skips it when *fault_word (device memory,
+  // may be null) is non-zero. Does not advance iterations (finish_step() does).
+  void queue_update_from_device_memory(int replica, const std::vector<Tensor>& gradients, const void* fault_word);
+  // The device memory queue_update_from_device_memory touches besides the gradients (variables,
+  // slots, the staged numbers): a recording holding it is stale when any of it moves.
+  std::vector<const void*> update_addresses(int replica) const;
+
   // Slot variables by name ("dense/kernel/m"), for checkpoints. Under loss scaling the list
   // starts with "loss_scale_optimizer/dynamic_scale" (float32) and
   // "loss_scale_optimizer/step_counter" (int64), scalars.
@@ -178,11 +202,17 @@ class Optimizer {
   std::vector<VariablePtr> accumulators_;  // per variable, when accumulating
   std::optional<LossScaleOptimizer> loss_scale_;
   VariablePtr dynamic_scale_, step_counter_;  // built with the slots, under loss scaling
+  struct StagedParams;  // per replica: stage_update_params's pinned and device copies
+  std::vector<std::unique_ptr<StagedParams>> staged_params_;
 
   // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).
   void update(int replica, const std::vector<Tensor>& gradients, double unscale);
   // update() for variables in GPU memory: one fused kernel for all of them.
   void update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale, double mean_scale);
+  // The fused kernel's numbers for the coming step (gradient_scale = global_scale).
+  ops::detail::UpdateParams device_update_params(double global_scale) const;
+  // The fused kernel's tensors: replica's variables and slots with these gradients.
+  std::vector<ops::detail::UpdateTensor> device_update_tensors(int replica, const std::vector<Tensor>& gradients) const;
 };
 
 }  // namespace tandem::keras

@@ -217,7 +217,14 @@ struct Trainer::Replica : graph::NodeObserver {
   Trainer* trainer = nullptr;
   std::unique_ptr<graph::Executor> executor;
   std::vector<graph::Feed> feeds;
+  // The loss's factor (1 / global batch, times the loss scale) as fed: on the replica's device,
+  // rewritten only when it changes (a host feed would be one more copy, and on GPUs one more
+  // synchronisation, per step).
   Tensor loss_scale_value;
+  float loss_scale_fed = 0;
+  // The step's scalars read from a GPU: copied here together, one synchronisation for all.
+  devices::PinnedHostBuffer scalar_staging;
+  std::vector<Tensor> tail_grads;  // whole-step work: the gradients among the fetches
   // This step's gradients: views of the executor's outputs, or zeros for an empty shard.
   std::vector<Tensor> grads;
   std::vector<Tensor> zero_grads;
@@ -256,57 +263,37 @@ struct Trainer::Replica : graph::NodeObserver {
   }
 };
 
-// Metric state of one phase: SyncOnRead scalars per (loss, output loss, metric), plus the example
-// count, one copy per replica; reading sums the copies (TF's metrics under a strategy).
+// Metric state of one phase: per replica, the sums of (loss, output losses..., metrics...) and of
+// the examples; reading sums the replicas' parts (TF keeps metrics as SyncOnRead variables). The
+// parts are host doubles, not device variables: no kernel reads them, and on a GPU each bump of a
+// device scalar would synchronise the host with the device, several times a step.
 struct Trainer::Metrics {
-  std::vector<VariablePtr> sums;  // [loss, output losses..., metrics...]
-  VariablePtr count;
+  std::vector<std::vector<double>> sums;  // per replica: [loss, output losses..., metrics...]
+  std::vector<double> counts;             // per replica: examples
 
-  Metrics(strategy::Strategy& strategy, std::size_t num_sums, const std::string& phase) {
-    const auto make = [&](const std::string& name) {
-      strategy::VariableOptions options;
-      options.name = fmt::format("metrics/{}/{}", phase, name);
-      options.initial_value = Tensor::scalar<double>(0.0);
-      options.trainable = false;
-      options.synchronization = strategy::VariableSynchronization::kOnRead;
-      options.aggregation = strategy::VariableAggregation::kSum;
-      return strategy.create_variable(std::move(options));
-    };
-    for (std::size_t i = 0; i < num_sums; ++i) sums.push_back(make(fmt::format("sum_{}", i)));
-    count = make("count");
-  }
+  Metrics(std::size_t replicas, std::size_t num_sums)
+      : sums(replicas, std::vector<double>(num_sums, 0.0)), counts(replicas, 0.0) {}
   void reset() {
-    for (auto& v : sums) v->assign(Tensor::scalar<double>(0.0));
-    count->assign(Tensor::scalar<double>(0.0));
+    for (auto& part : sums) std::fill(part.begin(), part.end(), 0.0);
+    std::fill(counts.begin(), counts.end(), 0.0);
   }
-  // Called by replica `r` (its own copies only).
+  // Replica `r`'s part only: replicas may add concurrently.
   void add(int r, const StepSums& step) {
-    const auto bump = [&](const VariablePtr& v, double value) {
-      Tensor& copy = v->value(r);
-      if (copy.device().host_accessible()) {
-        copy.data<double>()[0] += value;
-      } else {
-        const double total = copy.item<double>() + value;
-        copy.copy_from(Tensor::scalar<double>(total));
-      }
-    };
+    auto& part = sums[static_cast<std::size_t>(r)];
     std::size_t k = 0;
-    bump(sums[k++], step.loss);
-    for (double v : step.output_loss) bump(sums[k++], v);
-    for (double v : step.metrics) bump(sums[k++], v);
-    bump(count, static_cast<double>(step.examples));
+    part[k++] += step.loss;
+    for (double v : step.output_loss) part[k++] += v;
+    for (double v : step.metrics) part[k++] += v;
+    counts[static_cast<std::size_t>(r)] += static_cast<double>(step.examples);
   }
-  double read(std::size_t i) const { return total(*sums[i]); }
-  double examples() const { return total(*count); }
-  // The copies' sum (what read_value() gives), without a host copy when they are in host memory:
-  // the progress bar reads every metric after every batch.
-  static double total(const Variable& v) {
+  double read(std::size_t i) const {
     double t = 0;
-    for (int r = 0; r < v.num_replicas(); ++r) {
-      const Tensor& copy = v.value(r);
-      if (!copy.device().host_accessible()) return v.read_value().item<double>();
-      t += copy.data<double>()[0];
-    }
+    for (const auto& part : sums) t += part[i];
+    return t;
+  }
+  double examples() const {
+    double t = 0;
+    for (double c : counts) t += c;
     return t;
   }
 };
@@ -466,7 +453,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
                      model.name, variable->name(), variable->strategy().name(), model.strategy->name());
       replica->executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
     }
-    replica->loss_scale_value = Tensor::scalar<float>(1.0f);
+    replica->loss_scale_value = Tensor::zeros({}, DType::kF32, *devices[r]);
     // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
     replica->overlap =
         model.strategy->distribution_options().overlap_communication && model.strategy->num_replicas_in_sync() > 1;
@@ -474,8 +461,8 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     replicas_.push_back(std::move(replica));
   }
   if (with_targets && model.compiled) {
-    train_metrics_ = std::make_unique<Metrics>(*model.strategy, g.num_sums, "train");
-    test_metrics_ = std::make_unique<Metrics>(*model.strategy, g.num_sums, "test");
+    train_metrics_ = std::make_unique<Metrics>(replicas_.size(), g.num_sums);
+    test_metrics_ = std::make_unique<Metrics>(replicas_.size(), g.num_sums);
   }
 }
 
@@ -575,7 +562,76 @@ void Trainer::reduce_compressed(Replica& replica, std::size_t bucket, std::span<
   }
 }
 
-void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update) {
+// A GPU replica's whole training step as device work in one executor run: forward and backward,
+// the gradient all-reduce queued on the device (NCCL), the optimizer update reading its numbers
+// from device memory, the layers' moving statistics copied into their variables. Nothing in it
+// waits for the host, so the executor records it as one CUDA graph and replays it. It needs a
+// step with no host decision in it: no loss scaling or clipping by norm (they read gradients on
+// the host), no accumulation, one worker, no compressed all-reduce; and with several replicas, a
+// communicator that queues on the device and no moving statistics (their all-reduce is weighted
+// by each replica's examples). Other steps run as before, in parts.
+bool Trainer::runs_whole_step(int r) const {
+  auto& strategy = *model_.strategy;
+  const Replica& replica = *replicas_[static_cast<std::size_t>(r)];
+  if (!model_.cuda_graphs || replica.executor->device().host_accessible()) return false;
+  if (strategy.num_workers() > 1 || strategy.distribution_options().gradient_all_reduce_dtype) return false;
+  if (!model_.optimizer->can_update_from_device_memory(r)) return false;
+  if (replicas_.size() > 1) {
+    if (!graphs_->updates.empty()) return false;
+    if (!strategy.communicator(r).enqueues_on_device()) return false;
+  }
+  return true;
+}
+
+void Trainer::whole_step_work(Replica& replica, graph::RunOptions& options) {
+  auto& g = *graphs_;
+  const int r = replica.index;
+  auto& optimizer = *model_.optimizer;
+  optimizer.stage_update_params(r);
+  options.observer = nullptr;  // no buckets are handed to the communication thread
+  options.tail_addresses = optimizer.update_addresses(r);
+  for (const auto& [variable, output] : g.updates) options.tail_addresses.push_back(variable->value(r).raw_data());
+  options.tail = [this, &replica](const graph::TailContext& tail) {
+    auto& graphs = *graphs_;
+    const int rr = replica.index;
+    auto& grads = replica.tail_grads;
+    grads.assign(tail.fetched.begin() + static_cast<std::ptrdiff_t>(graphs.num_sums),
+                 tail.fetched.begin() + static_cast<std::ptrdiff_t>(graphs.num_sums + graphs.trainable.size()));
+    if (replicas_.size() > 1) {
+      // One call: NCCL groups the tensors into one launch (no bucketing: nothing overlaps backward
+      // here, the whole step is one graph).
+      model_.strategy->communicator(rr).all_reduce_on_device(grads, collective::ReduceOp::kSum);
+    }
+    model_.optimizer->queue_update_from_device_memory(rr, grads, tail.fault_word);
+    for (std::size_t u = 0; u < graphs.updates.size(); ++u) {
+      graphs.updates[u].first->value(rr).copy_from(tail.fetched[graphs.num_sums + graphs.trainable.size() + u]);
+    }
+  };
+}
+
+std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const Tensor> fetched) {
+  const std::size_t n = graphs_->num_sums;
+  std::vector<double> values(n);
+  if (n == 0) return values;
+  auto& device = fetched.front().device();
+  if (device.host_accessible()) {
+    for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<double>(fetched[i].item<float>());
+    return values;
+  }
+  if (replica.scalar_staging.bytes() < n * sizeof(float)) replica.scalar_staging = devices::PinnedHostBuffer(device, n * sizeof(float));
+  auto* staged = static_cast<float*>(replica.scalar_staging.data());
+  for (std::size_t i = 0; i < n; ++i) {
+    TANDEM_ASSERT(fetched[i].dtype() == DType::kF32 && fetched[i].num_elements() == 1,
+                  "model \"{}\": step scalar {} is {} {}", model_.name, i, fetched[i].dtype(), fetched[i].shape());
+    device.copy_to_host_async(staged + i, fetched[i].raw_data(), sizeof(float), device.compute_stream());
+  }
+  device.compute_stream().synchronize();
+  for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<double>(staged[i]);
+  return values;
+}
+
+void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update,
+                               bool whole_step) {
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
   const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
@@ -596,21 +652,30 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // Scaled by the global batch: the sum over every replica's examples becomes a mean.
     float loss_scale = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
     if (model_.optimizer->loss_scale_optimizer()) loss_scale *= static_cast<float>(model_.optimizer->loss_scale(r));
-    replica.loss_scale_value.data<float>()[0] = loss_scale;
+    if (loss_scale != replica.loss_scale_fed) {
+      replica.loss_scale_value.copy_from(Tensor::scalar<float>(loss_scale));
+      replica.loss_scale_fed = loss_scale;
+    }
     feeds.emplace_back(g.loss_scale, replica.loss_scale_value);
     // Dropout's masks follow the optimizer's step count, not the executor's run count, so that a
     // run resumed from a backup draws what the interrupted run would have drawn.
-    fetched = replica.executor->run(
-        feeds, g.train_fetches,
-        {.random_step = static_cast<std::uint64_t>(model_.optimizer->iterations()), .observer = &replica});
-    const auto scalar = [&](std::size_t i) { return static_cast<double>(fetched[i].item<float>()); };
-    replica.sums.loss = scalar(0);
+    graph::RunOptions run_options{.random_step = static_cast<std::uint64_t>(model_.optimizer->iterations()),
+                                  .observer = &replica};
+    if (whole_step) whole_step_work(replica, run_options);
+    fetched = replica.executor->run(feeds, g.train_fetches, run_options);
+    const auto scalars = read_step_scalars(replica, fetched);
+    replica.sums.loss = scalars[0];
     std::size_t k = 1;
     if (model_.outputs.size() > 1) {
-      for (std::size_t j = 0; j < model_.outputs.size(); ++j) replica.sums.output_loss.push_back(scalar(k++));
+      for (std::size_t j = 0; j < model_.outputs.size(); ++j) replica.sums.output_loss.push_back(scalars[k++]);
     }
-    for (; k < g.num_sums; ++k) replica.sums.metrics.push_back(scalar(k));
+    for (; k < g.num_sums; ++k) replica.sums.metrics.push_back(scalars[k]);
     replica.sums.examples = rows;
+    if (whole_step) {  // the gradients were reduced and applied inside the run
+      replica.applied = true;
+      replica.sums_in_last_bucket = false;
+      return;
+    }
   } else {
     // An empty shard (the last batch had fewer examples than replicas): nothing to run, but the
     // replica still takes part in every collective, with zero gradients.
@@ -701,21 +766,37 @@ void Trainer::add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica
   metrics.add(0, total);
 }
 
-void Trainer::train_step(const data::Element& batch, std::int64_t global_examples) {
+std::vector<data::Element> Trainer::shards_of(const strategy::Strategy::WorkerBatch& batch) const {
+  if (!batch.replica_shards.empty()) {
+    TANDEM_ASSERT(batch.replica_shards.size() == replicas_.size(), "model \"{}\": {} staged shards for {} replicas",
+                  model_.name, batch.replica_shards.size(), replicas_.size());
+    return batch.replica_shards;
+  }
+  if (replicas_.size() == 1) return {batch.local};
+  return model_.strategy->split_batch(batch.local);
+}
+
+void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.train_fetches.empty(), FailedPrecondition,
                  "model \"{}\": training needs a compiled model and data with targets", model_.name);
   const auto start = std::chrono::steady_clock::now();
-  const std::int64_t examples = global_examples;
+  const std::int64_t examples = batch.global_examples;
   const bool update = model_.optimizer->is_update_step();
   auto& strategy = *model_.strategy;
+  const auto shards = shards_of(batch);
+  // Every replica or none: their collectives must match. An empty shard (a last batch smaller
+  // than the replica count) runs the step in parts.
+  bool whole_step = update;
+  for (std::size_t r = 0; r < replicas_.size() && whole_step; ++r) {
+    whole_step = !shards[r].empty() && shards[r][0].shape()[0] > 0 && runs_whole_step(static_cast<int>(r));
+  }
   if (replicas_.size() == 1) {
-    run_replica_step(0, batch, examples, update);
+    run_replica_step(0, shards.front(), examples, update, whole_step);
   } else {
-    const auto shards = strategy.split_batch(batch);
     strategy.run([&](strategy::ReplicaContext& ctx) {
       const int r = ctx.replica_id_in_sync_group();
-      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update);
+      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step);
     });
   }
   if (replicas_.front()->sums_in_last_bucket) {
@@ -737,7 +818,7 @@ void Trainer::train_step(const data::Element& batch, std::int64_t global_example
 
 TrainingTimes Trainer::times() const { return graphs_->times; }
 
-void Trainer::test_step(const data::Element& batch) {
+void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.test_fetches.empty(), FailedPrecondition,
                  "model \"{}\": evaluation needs a compiled model and data with targets", model_.name);
@@ -755,20 +836,21 @@ void Trainer::test_step(const data::Element& batch) {
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
     const auto fetched = replica.executor->run(feeds, g.test_fetches);
+    const auto scalars = read_step_scalars(replica, fetched);
     StepSums sums;
-    sums.loss = fetched[0].item<float>();
+    sums.loss = scalars[0];
     std::size_t k = 1;
     if (model_.outputs.size() > 1) {
-      for (std::size_t j = 0; j < model_.outputs.size(); ++j) sums.output_loss.push_back(fetched[k++].item<float>());
+      for (std::size_t j = 0; j < model_.outputs.size(); ++j) sums.output_loss.push_back(scalars[k++]);
     }
-    for (; k < g.num_sums; ++k) sums.metrics.push_back(fetched[k].item<float>());
+    for (; k < g.num_sums; ++k) sums.metrics.push_back(scalars[k]);
     sums.examples = rows;
     step_sums[static_cast<std::size_t>(r)] = std::move(sums);
   };
+  const auto shards = shards_of(batch);
   if (replicas_.size() == 1) {
-    body(0, batch);
+    body(0, shards.front());
   } else {
-    const auto shards = model_.strategy->split_batch(batch);
     model_.strategy->run([&](strategy::ReplicaContext& ctx) {
       body(ctx.replica_id_in_sync_group(), shards[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]);
     });

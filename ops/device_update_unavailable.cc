@@ -5,7 +5,7 @@
 namespace tandem::ops::detail {
 
 void apply_update_on_device(devices::Device& device, graph::DType /*dtype*/, const UpdateParams& /*params*/,
-                            std::span<const UpdateTensor> /*tensors*/) {
+                            std::span<const UpdateTensor> /*tensors*/, const ParamsInMemory& /*in_memory*/) {
   throw Unimplemented(fmt::format("optimizer updates on {}: tandem was built without CUDA", device.short_name()));
 }
 double squared_norm_on_device(const graph::Tensor& t) {

@@ -440,9 +440,9 @@ class OwnBatchIterator final : public Strategy::WorkerIterator {
 
 }  // namespace
 
-std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::iterate_for_worker(
+std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_batches(
     const data::Dataset& dataset, const data::IterateOptions& options) const {
-  if (impl_->workers == 1) return Strategy::iterate_for_worker(dataset, options);
+  if (impl_->workers == 1) return Strategy::worker_batches(dataset, options);
   AutoShardPolicy policy = impl_->policy;
   if (policy == AutoShardPolicy::kAuto) policy = dataset.reads_files() ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
   auto& self = const_cast<MultiWorkerMirroredStrategy&>(*this);  // agreement is a collective

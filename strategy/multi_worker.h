@@ -105,10 +105,10 @@ class MultiWorkerMirroredStrategy final : public Strategy {
 
   void sum_across_workers(std::span<double> values) override;
   void broadcast_from_chief(std::span<Tensor> host_values) override;
-  std::unique_ptr<WorkerIterator> iterate_for_worker(const data::Dataset& dataset,
-                                                     const data::IterateOptions& options) const override;
 
  protected:
+  std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
+                                                 const data::IterateOptions& options) const override;
   void agree_on_variable(VariableOptions& options) override;
 
  private:

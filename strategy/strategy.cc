@@ -1,5 +1,6 @@
 #include "tandem/strategy/strategy.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <thread>
@@ -7,7 +8,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/base/spin.h"
-
+#include "tandem/strategy/detail/device_staging.h"
 
 namespace tandem::strategy {
 namespace {
@@ -129,6 +130,8 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices, std:
   TANDEM_REQUIRE(distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0, InvalidArgument,
                  "{}: bucket sizes must be positive (got {} and {} bytes)", name_, distribution_.first_bucket_bytes,
                  distribution_.bucket_bytes);
+  TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
+                 "{}: device_prefetch_batches must be at least 1; got {}", name_, distribution_.device_prefetch_batches);
   if (cross_device_ops_ == nullptr) cross_device_ops_ = choose_cross_device_ops(devices_);
 }
 
@@ -289,9 +292,27 @@ class WholeBatchIterator final : public Strategy::WorkerIterator {
 };
 }  // namespace
 
+std::unique_ptr<Strategy::WorkerIterator> Strategy::worker_batches(const data::Dataset& dataset,
+                                                                   const data::IterateOptions& options) const {
+  return std::make_unique<WholeBatchIterator>(dataset.iterate(options));
+}
+
+bool Strategy::fetches_to_device() const {
+  switch (distribution_.fetch_to_device) {
+    case FetchToDevice::kNever: return false;
+    case FetchToDevice::kAlways: return true;
+    case FetchToDevice::kAuto: break;
+  }
+  return std::any_of(devices_.begin(), devices_.end(), [](const devices::Device* d) { return !d->host_accessible(); });
+}
+
 std::unique_ptr<Strategy::WorkerIterator> Strategy::iterate_for_worker(const data::Dataset& dataset,
                                                                        const data::IterateOptions& options) const {
-  return std::make_unique<WholeBatchIterator>(dataset.iterate(options));
+  auto batches = worker_batches(dataset, options);
+  if (!fetches_to_device()) return batches;
+  return detail::stage_on_devices(std::move(batches), devices_,
+                                  [this](const data::Element& batch) { return split_batch(batch); },
+                                  {.batches_ahead = distribution_.device_prefetch_batches, .owner = name_});
 }
 
 Strategy::DistributedIterator Strategy::experimental_distribute_dataset(const data::Dataset& dataset) const {

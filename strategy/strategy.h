@@ -34,6 +34,9 @@ using collective::ReduceOp;
 class Strategy;
 
 // How a strategy's replicas exchange gradients during fit (the DDP reducer's knobs).
+enum class FetchToDevice { kAuto, kNever, kAlways };
+inline constexpr int kDefaultDevicePrefetchBatches = 2;
+
 struct DistributionOptions {
   // Gradients are packed into buckets in reverse layer order; each bucket is all-reduced as soon
   // as its last gradient is computed. The first bucket is small so that communication starts
@@ -50,6 +53,17 @@ struct DistributionOptions {
   // is formed in 16 bits, and every replica widens the result back before the optimizer.
   // Gradients that must stay exact (float64) are never compressed.
   std::optional<graph::DType> gradient_all_reduce_dtype;
+  // Input batches copied to the replicas' devices ahead of the step that uses them (TF's
+  // InputOptions.experimental_fetch_to_device, PyTorch's pin_memory + non_blocking copies): a
+  // staging thread splits each batch into replica shards, packs them into page-locked memory and
+  // queues their host-to-device copies on each device's input stream while the current step
+  // computes. kAuto stages for devices the host cannot address (GPUs); kAlways on every device
+  // (on CPUs a copy the step could have skipped, for testing); kNever feeds host tensors, copied
+  // when the step starts.
+  FetchToDevice fetch_to_device = FetchToDevice::kAuto;
+  // Batches staged ahead of the one being trained on (each holds a copy of the batch in pinned
+  // host memory and on every replica device).
+  int device_prefetch_batches = kDefaultDevicePrefetchBatches;
 };
 
 // What a function run by Strategy::run sees: which replica it is, and collective operations
@@ -130,6 +144,14 @@ class Strategy {
   struct WorkerBatch {
     data::Element local;               // this worker's rows, split again among its replicas
     std::int64_t global_examples = 0;  // rows of the global batch, across every worker
+    // When the batch was fetched to the devices (DistributionOptions::fetch_to_device): `local`
+    // split as split_batch splits it, each shard already on its replica's device, ready for the
+    // replica's compute stream (which waits for the copy). Empty otherwise.
+    std::vector<data::Element> replica_shards;
+    // Keeps the staging buffers of replica_shards; when the last copy of the batch goes, they are
+    // reused for a later batch once each device has finished the work queued so far. Drop a
+    // batch after queueing the step that reads it.
+    std::shared_ptr<const void> staging;
   };
   class WorkerIterator {
    public:
@@ -140,9 +162,13 @@ class Strategy {
     virtual std::int64_t skip(std::int64_t n);
   };
   // A pass over `dataset` whose elements are global batches, as fit and evaluate see it: on one
-  // worker each element whole; under MultiWorkerMirroredStrategy this worker's share.
-  virtual std::unique_ptr<WorkerIterator> iterate_for_worker(const data::Dataset& dataset,
-                                                             const data::IterateOptions& options) const;
+  // worker each element whole; under MultiWorkerMirroredStrategy this worker's share; fetched to
+  // the replicas' devices ahead of use as DistributionOptions::fetch_to_device asks. Callers: the
+  // thread that runs the steps; next() blocks until a batch is ready.
+  std::unique_ptr<WorkerIterator> iterate_for_worker(const data::Dataset& dataset,
+                                                     const data::IterateOptions& options) const;
+  // Whether iterate_for_worker stages batches on the devices (fetch_to_device resolved).
+  bool fetches_to_device() const;
 
   // The group communicator of one replica (created on first use with the cross-device ops).
   collective::Communicator& communicator(int replica);
@@ -170,6 +196,9 @@ class Strategy {
   // Called by create_variable before the copies are made: a multi-worker strategy checks that
   // every worker creates the same variable and broadcasts the chief's initial value.
   virtual void agree_on_variable(VariableOptions& /*options*/) {}
+  // This worker's batches in host memory, before any staging (iterate_for_worker's source).
+  virtual std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
+                                                         const data::IterateOptions& options) const;
   // `cross_device_ops` null = chosen for the devices as TensorFlow does (choose_cross_device_ops).
   Strategy(std::string kind, std::vector<devices::Device*> devices,
            std::shared_ptr<CrossDeviceOps> cross_device_ops = nullptr, DistributionOptions distribution = {});

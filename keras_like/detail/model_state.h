@@ -74,9 +74,10 @@ class Trainer {
   // One optimisation step on this worker's share of a global batch of `global_examples` rows
   // (inputs then targets; on one worker the whole batch); updates the weights and adds to the
   // training metrics (summed across workers: every worker's logs are the global ones).
-  void train_step(const data::Element& batch, std::int64_t global_examples);
+  // The batch's replica_shards are used when it was staged on the devices.
+  void train_step(const strategy::Strategy::WorkerBatch& batch);
   // Adds one batch (this worker's share) to the test metrics, summed across workers.
-  void test_step(const data::Element& batch);
+  void test_step(const strategy::Strategy::WorkerBatch& batch);
   // The model's outputs for a batch, replicas' shards concatenated in order (host tensors).
   std::vector<Tensor> predict_step(const data::Element& batch);
 
@@ -92,10 +93,20 @@ class Trainer {
   struct Graphs;
   struct Replica;
   struct Metrics;
-  void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update);
+  // The batch's shard for each replica: the staged ones, or split_batch's views of `local`.
+  std::vector<data::Element> shards_of(const strategy::Strategy::WorkerBatch& batch) const;
+  // whole_step: the step runs as one piece of device work (runs_whole_step; every replica alike).
+  void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update,
+                        bool whole_step);
   // Adds each replica's step sums to `metrics`: as they are on one worker; summed across workers
   // (into replica 0's copies) on several.
   void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);
+  // Whether replica r's training step runs as one piece of device work (see trainer.cc).
+  bool runs_whole_step(int r) const;
+  // Sets options.tail (and its addresses) to queue the step's all-reduce and update after backward.
+  void whole_step_work(Replica& replica, graph::RunOptions& options);
+  // The step's fetched scalars [loss, output losses..., metrics...].
+  std::vector<double> read_step_scalars(Replica& replica, std::span<const Tensor> fetched);
   void reduce_bucket(Replica& replica, std::size_t bucket);
   void reduce_compressed(Replica& replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
 

@@ -324,7 +324,8 @@ void sparse_xent_kernel(KernelContext& ctx) {
   fill(ElementType::kI64, static_cast<double>(rows), flag.raw_data(), 1, stream_of(ctx));
   sparse_softmax_cross_entropy(type_of(x), type_of(labels), x.raw_data(), labels.raw_data(), ctx.output(0).raw_data(),
                                ctx.output(1).raw_data(), rows, classes,
-                               static_cast<unsigned long long*>(flag.raw_data()), stream_of(ctx));
+                               static_cast<unsigned long long*>(flag.raw_data()), static_cast<int*>(ctx.fault_word()),
+                               stream_of(ctx));
   check_launch(ctx);
   devices::Device* device = &ctx.device();
   const void* flag_data = flag.raw_data();
@@ -692,14 +693,15 @@ void avg_pool_grad_kernel(KernelContext& ctx) {
 namespace tandem::ops::detail {
 
 void apply_update_on_device(devices::Device& device, graph::DType dtype, const UpdateParams& params,
-                            std::span<const UpdateTensor> tensors) {
+                            std::span<const UpdateTensor> tensors, const ParamsInMemory& in_memory) {
   TANDEM_REQUIRE(dtype == graph::DType::kF32 || dtype == graph::DType::kF64, Unimplemented,
                  "optimizer updates on {}: {} variables (float32 and float64 are supported)", device.short_name(), dtype);
   const auto stream = static_cast<cudaStream_t>(device.compute_stream().native_handle());
   devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
   for (std::size_t first = 0; first < tensors.size(); first += kMaxUpdateTensors) {
     const int count = static_cast<int>(std::min<std::size_t>(kMaxUpdateTensors, tensors.size() - first));
-    cuda::apply_update(static_cast<cuda::ElementType>(dtype), params, tensors.data() + first, count, stream);
+    cuda::apply_update(static_cast<cuda::ElementType>(dtype), params, static_cast<const UpdateParams*>(in_memory.params),
+                       static_cast<const int*>(in_memory.fault_word), tensors.data() + first, count, stream);
     const cudaError_t status = cuda::last_launch_error();
     TANDEM_CUDA_CHECK(status, device.short_name());
   }

@@ -348,7 +348,7 @@ __global__ void softmax_grad_kernel(bool log_softmax, const T* dy, const T* y, T
 
 template <class T, class L>
 __global__ void sparse_xent_kernel(const T* x, const L* labels, T* loss, T* backprop, std::int64_t classes,
-                                   unsigned long long* bad_row) {
+                                   unsigned long long* bad_row, int* fault) {
   using C = compute_t<T>;
   __shared__ C shared[kThreads];
   const std::int64_t row = blockIdx.x;
@@ -358,6 +358,7 @@ __global__ void sparse_xent_kernel(const T* x, const L* labels, T* loss, T* back
   if (label < 0 || label >= classes) {
     if (threadIdx.x == 0) {
       atomicMin(bad_row, static_cast<unsigned long long>(row));
+      if (fault != nullptr) *fault = 1;  // every writer writes the same value
       store(loss, row, C(NAN));
     }
     for (std::int64_t c = threadIdx.x; c < classes; c += kThreads) store(bp, c, C(NAN));
@@ -658,7 +659,9 @@ struct UpdateBatch {
 
 // blockIdx.y picks the tensor; x covers its elements with a grid-stride loop.
 template <class T>
-__global__ void update_kernel(UpdateParams p, UpdateBatch batch) {
+__global__ void update_kernel(UpdateParams by_value, const UpdateParams* in_memory, const int* fault, UpdateBatch batch) {
+  if (fault != nullptr && *fault != 0) return;  // the step found bad input: leave the weights as they were
+  const UpdateParams& p = in_memory != nullptr ? *in_memory : by_value;
   const UpdateTensor& t = batch.tensors[blockIdx.y];
   const std::int64_t elements = t.elements;
   T* var = static_cast<T*>(t.var);
@@ -883,7 +886,7 @@ void softmax_grad(bool log, ElementType type, const void* dy, const void* y, voi
 
 void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, const void* x, const void* labels,
                                   void* loss, void* backprop, std::int64_t rows, std::int64_t classes,
-                                  unsigned long long* bad_row, cudaStream_t stream) {
+                                  unsigned long long* bad_row, int* fault, cudaStream_t stream) {
   if (rows == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -891,7 +894,7 @@ void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, cons
       using L = std::remove_pointer_t<decltype(label_tag)>;
       sparse_xent_kernel<T, L><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
           static_cast<const T*>(x), static_cast<const L*>(labels), static_cast<T*>(loss), static_cast<T*>(backprop),
-          classes, bad_row);
+          classes, bad_row, fault);
     };
     if (label_type == ElementType::kI32) {
       launch(static_cast<std::int32_t*>(nullptr));
@@ -1069,8 +1072,8 @@ void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, vo
   });
 }
 
-void apply_update(ElementType type, const UpdateParams& params, const UpdateTensor* tensors, int count,
-                  cudaStream_t stream) {
+void apply_update(ElementType type, const UpdateParams& params, const UpdateParams* params_in_memory, const int* fault,
+                  const UpdateTensor* tensors, int count, cudaStream_t stream) {
   if (count == 0) return;
   UpdateBatch batch{};
   std::int64_t largest = 0;
@@ -1081,9 +1084,9 @@ void apply_update(ElementType type, const UpdateParams& params, const UpdateTens
   if (largest == 0) return;
   const dim3 grid(static_cast<unsigned>(blocks_for(largest)), static_cast<unsigned>(count));
   if (type == ElementType::kF64) {
-    update_kernel<double><<<grid, kThreads, 0, stream>>>(params, batch);
+    update_kernel<double><<<grid, kThreads, 0, stream>>>(params, params_in_memory, fault, batch);
   } else {
-    update_kernel<float><<<grid, kThreads, 0, stream>>>(params, batch);
+    update_kernel<float><<<grid, kThreads, 0, stream>>>(params, params_in_memory, fault, batch);
   }
 }
 

@@ -68,7 +68,7 @@ void softmax_grad(bool log, ElementType type, const void* dy, const void* y, voi
 // such row, and that row's outputs to NaN.
 void sparse_softmax_cross_entropy(ElementType type, ElementType label_type, const void* x, const void* labels,
                                   void* loss, void* backprop, std::int64_t rows, std::int64_t classes,
-                                  unsigned long long* bad_row, cudaStream_t stream);
+                                  unsigned long long* bad_row, int* fault, cudaStream_t stream);
 // Dense labels: loss[r] = -sum(z * log_softmax(x)); backprop = softmax(x) * sum(z) - z.
 void softmax_cross_entropy(ElementType type, const void* x, const void* z, void* loss, void* backprop,
                            std::int64_t rows, std::int64_t classes, cudaStream_t stream);
@@ -122,9 +122,11 @@ using detail::UpdateRule;
 using detail::UpdateTensor;
 using detail::kMaxUpdateTensors;
 // Applies the rule to every tensor of `tensors` (count <= kMaxUpdateTensors; null slots where a
-// rule's option is off).
-void apply_update(ElementType type, const UpdateParams& params, const UpdateTensor* tensors, int count,
-                  cudaStream_t stream);
+// rule's option is off). The rule's numbers come from `params`, or, when params_in_memory is set,
+// from that device memory as the kernel runs (a CUDA graph replays the launch with the step's own
+// learning rate). Nothing changes when `fault` (device, may be null) is non-zero.
+void apply_update(ElementType type, const UpdateParams& params, const UpdateParams* params_in_memory, const int* fault,
+                  const UpdateTensor* tensors, int count, cudaStream_t stream);
 // Sum of squares of n elements into *out (device, double), for clipping by norm.
 void squared_norm(ElementType type, const void* x, std::int64_t n, double* out, cudaStream_t stream);
 // Sets *flag (device int, initialised to 0 by the caller) to 1 when any element is inf or NaN.

@@ -14,8 +14,16 @@
 
 namespace tandem::ops::detail {
 
+// Where a launch recorded in a CUDA graph reads what changes from step to step (both in the
+// device's memory, or null): the UpdateParams (then `params` passed by value is ignored), and the
+// step's fault word (graph::KernelContext::fault_word): non-zero, the update leaves every tensor
+// as it was.
+struct ParamsInMemory {
+  const void* params = nullptr;
+  const void* fault_word = nullptr;
+};
 void apply_update_on_device(devices::Device& device, graph::DType dtype, const UpdateParams& params,
-                            std::span<const UpdateTensor> tensors);
+                            std::span<const UpdateTensor> tensors, const ParamsInMemory& in_memory = {});
 // Sum of squares of the elements (blocks until known).
 double squared_norm_on_device(const graph::Tensor& t);
 // Whether every element of every tensor is finite (blocks until known).

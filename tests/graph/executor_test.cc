@@ -246,13 +246,17 @@ void host_only_kernel(graph::KernelContext& ctx) {
 }
 std::vector<graph::TensorSpec> same_spec(graph::ShapeContext& ctx) { return {ctx.input(0)}; }
 
-TEST_CASE("ops without a kernel for the executor's device run on host copies, with the same results") {
+void register_host_only_op() {
   ops::register_all();
   auto& registry = graph::OpRegistry::global();
   if (registry.find("TestHostOnly") == nullptr) {
     registry.add({.name = "TestHostOnly", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_spec});
     registry.add_kernel("TestHostOnly", devices::DeviceType::kCPU, host_only_kernel);
   }
+}
+
+TEST_CASE("ops without a kernel for the executor's device run on host copies, with the same results") {
+  register_host_only_op();
   FakeGpu gpu;
   for (const DType dtype : {kFloat32, DType::kBF16}) {
     CAPTURE(graph::dtype_name(dtype));
@@ -282,4 +286,46 @@ TEST_CASE("ops without a kernel for the executor's device run on host copies, wi
     const auto stats = fake.last_plan_stats();
     CHECK(stats.ops_on_host == std::vector<std::string>{"TestHostOnly"});
   }
+}
+
+TEST_CASE("a run's tail is queued after the kernels with the fetches; GPU plans give it a fault word zeroed per run") {
+  register_host_only_op();  // the fake GPU has no kernels: its plan runs this op on host copies
+  auto g = std::make_shared<Graph>();
+  auto x = g->placeholder(kFloat32, {2, 3}, "x");
+  auto y = g->add("TestHostOnly", {x});
+  const Tensor xv = random_tensor({2, 3}, 4);
+  const std::vector<graph::Feed> feeds{{x, xv}};
+  const std::vector<Output> fetches{y};
+
+  Executor cpu(g, devices::default_cpu_device());
+  const Tensor want = cpu.run(feeds, fetches)[0];
+  int calls = 0;
+  graph::RunOptions options;
+  options.tail = [&](const graph::TailContext& tail) {
+    ++calls;
+    REQUIRE(tail.fetched.size() == 1);
+    CHECK(tail.fetched[0].to_vector<float>() == want.to_vector<float>());
+    CHECK(tail.fault_word == nullptr);  // CPU kernels throw instead
+  };
+  for (int run = 0; run < 3; ++run) cpu.run(feeds, fetches, options);
+  CHECK(calls == 3);
+
+  FakeGpu gpu;
+  Executor fake(g, gpu);
+  calls = 0;
+  const void* first_word = nullptr;
+  options.tail = [&](const graph::TailContext& tail) {
+    ++calls;
+    REQUIRE(tail.fault_word != nullptr);
+    if (first_word == nullptr) first_word = tail.fault_word;
+    CHECK(tail.fault_word == first_word);  // one word per plan: its address is part of a recording
+    std::int32_t word = -1;
+    gpu.copy_to_host(&word, tail.fault_word, sizeof(word));
+    CHECK(word == 0);  // cleared at the start of every run
+    const std::int32_t fault = 1;  // as a kernel that found bad input would
+    gpu.copy_from_host(const_cast<void*>(tail.fault_word), &fault, sizeof(fault));
+    CHECK(tail.fetched[0].to(devices::default_cpu_device()).to_vector<float>() == want.to_vector<float>());
+  };
+  for (int run = 0; run < 3; ++run) fake.run(feeds, fetches, options);
+  CHECK(calls == 3);
 }

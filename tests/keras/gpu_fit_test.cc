@@ -5,6 +5,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -42,16 +43,22 @@ struct Run {
   std::vector<Tensor> weights;
 };
 
-Run train(const std::string& device, const char* policy, OptimizerRef optimizer, bool cuda_graphs = true) {
+Model make_model(OptimizerRef optimizer, bool cuda_graphs, bool batch_norm = false) {
+  set_global_seed(3);
+  Model model = batch_norm ? Sequential({Input({16}), Dense(64, "relu"), BatchNormalization(), Dense(64, "tanh"), Dense(3)})
+                           : Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
+  model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"}, {.cuda_graphs = cuda_graphs});
+  return model;
+}
+
+Run train(const std::string& device, const char* policy, OptimizerRef optimizer, bool cuda_graphs = true,
+          bool batch_norm = false) {
   mixed_precision::PolicyScope scope(policy);
   OneDeviceStrategy strategy(device);
   Model model;
   {
     auto s = strategy.scope();
-    set_global_seed(3);
-    model = Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
-    model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"},
-                  {.cuda_graphs = cuda_graphs});
+    model = make_model(optimizer, cuda_graphs, batch_norm);
   }
   const auto data = classification_data(1024);
   auto history = model.fit(data.x, data.y, {.batch_size = 64, .epochs = 3, .verbose = 0, .shuffle = false});
@@ -99,6 +106,56 @@ TEST_CASE("CUDA graphs replay what the eager runs compute: the same losses and w
   const Run graphs = train("GPU:0", "float32", Adam{.learning_rate = 0.005}, /*cuda_graphs=*/true);
   const Run eager = train("GPU:0", "float32", Adam{.learning_rate = 0.005}, /*cuda_graphs=*/false);
   check_close(graphs, eager, 1e-6, 1e-6);
+}
+
+TEST_CASE("whole-step graphs (update and moving statistics inside the graph) match eager steps") {
+  // The graph holds forward, backward, the optimizer launch reading its step's learning rate and
+  // bias corrections from device memory, and the moving statistics' copies.
+  for (const bool batch_norm : {false, true}) {
+    CAPTURE(batch_norm);
+    check_close(train("GPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}, true, batch_norm),
+                train("GPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}, false, batch_norm), 1e-6, 1e-6);
+    check_close(train("GPU:0", "float32", Adam{.learning_rate = 0.005}, true, batch_norm),
+                train("GPU:0", "float32", Adam{.learning_rate = 0.005}, false, batch_norm), 1e-6, 1e-6);
+  }
+}
+
+TEST_CASE("a bad label inside a replayed whole-step graph: a clear error, and the update is skipped") {
+  const auto good = classification_data(1024);
+  // The same rows again, with a label out of range in the fifth batch of 64.
+  auto labels = good.y.to_vector<std::int64_t>();
+  labels[4 * 64 + 9] = 7;
+  const Tensor bad_y = Tensor::from_vector(labels, {1024});
+  OneDeviceStrategy strategy("GPU:0");
+  const auto first_rows = [](const Tensor& t, std::int64_t n) {
+    auto v = t.to_vector<float>();
+    return Tensor::from_vector(std::vector<float>(v.begin(), v.begin() + n * 16), {n, 16});
+  };
+  const auto first_labels = [](const Tensor& t, std::int64_t n) {
+    auto v = t.to_vector<std::int64_t>();
+    return Tensor::from_vector(std::vector<std::int64_t>(v.begin(), v.begin() + n), {n});
+  };
+  Model failing, reference;
+  {
+    auto s = strategy.scope();
+    failing = make_model(Adam{.learning_rate = 0.005}, true);
+    reference = make_model(Adam{.learning_rate = 0.005}, true);
+  }
+  const FitOptions once{.batch_size = 64, .epochs = 1, .verbose = 0, .shuffle = false};
+  failing.fit(good.x, good.y, once);  // records the step's graph and replays it
+  reference.fit(good.x, good.y, once);
+  CHECK_THROWS_WITH_AS(failing.fit(good.x, bad_y, once), doctest::Contains("outside the valid class ids"), InvalidArgument);
+  reference.fit(first_rows(good.x, 4 * 64), first_labels(good.y, 4 * 64), once);  // the four good batches
+  const auto a = failing.get_weights();
+  const auto b = reference.get_weights();
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto wa = a[i].to_vector<float>();
+    const auto wb = b[i].to_vector<float>();
+    CAPTURE(i);
+    CHECK(std::all_of(wa.begin(), wa.end(), [](float v) { return std::isfinite(v); }));
+    CHECK(wa == wb);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -39,6 +39,7 @@ struct Run {
   std::vector<double> losses;  // the running loss after every batch
   std::vector<Tensor> weights;
   std::int64_t steps = 0;
+  double evaluated_loss = 0;  // evaluate() over the same data after training
 };
 
 // Trains the same model (same seed) under `strategy` for `epochs` over batches of `batch`.
@@ -60,6 +61,7 @@ Run train(Strategy& strategy, const keras::OptimizerRef& optimizer, std::int64_t
   auto dataset = data::Dataset::from_tensor_slices({data.x, data.y}).batch(batch);
   model.fit(dataset, {.epochs = epochs, .verbose = 0, .callbacks = {recorder}});
   run.weights = model.get_weights();
+  run.evaluated_loss = model.evaluate(dataset, {.verbose = 0}).at("loss");
   return run;
 }
 
@@ -125,6 +127,34 @@ TEST_CASE("a last batch with fewer examples than replicas: some replicas get non
   const auto a = train(one, sgd, 64, 40, data);
   const auto b = train(four, sgd, 64, 40, data);
   check_equivalent(a, b, "sgd, 4 replicas, a batch of 2");
+}
+
+TEST_CASE("batches fetched to the devices ahead of their step train exactly like batches fed at the step") {
+  // kAlways stages on CPU devices too: the staging thread, its buffers and their reuse run here
+  // as they do for GPUs (device_staging_test covers late copies).
+  const Data data = make_data(130);  // batches of 64, 64, 2: the last gives replicas 2 and 3 nothing
+  const keras::OptimizerRef adam = keras::Adam{.learning_rate = 0.01};
+  for (const int replicas : {1, 4}) {
+    CAPTURE(replicas);
+    std::vector<std::string> names;
+    for (int r = 0; r < replicas; ++r) names.push_back(fmt::format("CPU:{}", r));
+    MirroredStrategy fed({.devices = names, .distribution = {.fetch_to_device = strategy::FetchToDevice::kNever}});
+    MirroredStrategy staged({.devices = names, .distribution = {.fetch_to_device = strategy::FetchToDevice::kAlways,
+                                                                 .device_prefetch_batches = 1}});
+    CHECK_FALSE(fed.fetches_to_device());
+    CHECK(staged.fetches_to_device());
+    const auto a = train(fed, adam, 64, 40, data);
+    const auto b = train(staged, adam, 64, 40, data);
+    REQUIRE(a.losses.size() == b.losses.size());
+    CHECK(a.losses == b.losses);  // the same arithmetic on the same values: bitwise
+    CHECK(a.evaluated_loss == b.evaluated_loss);
+    for (std::size_t w = 0; w < a.weights.size(); ++w) {
+      CHECK(a.weights[w].to_vector<float>() == b.weights[w].to_vector<float>());
+    }
+  }
+  CHECK_THROWS_AS(MirroredStrategy({.devices = {"CPU:0"}, .distribution = {.device_prefetch_batches = 0}}), InvalidArgument);
+  // CPU devices are read by the host: kAuto does not stage for them.
+  CHECK_FALSE(MirroredStrategy(std::vector<std::string>{"CPU:0", "CPU:1"}).fetches_to_device());
 }
 
 TEST_CASE("BatchNormalization's moving statistics stay equal on every replica") {
