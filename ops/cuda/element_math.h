@@ -151,6 +151,38 @@ TANDEM_HOST_DEVICE inline void for_each_pool_window_of(const WindowGeometry& g, 
   }
 }
 
+// Column sums over many rows (bias gradients, batch-norm statistics and gradient sums), in a fixed
+// order so that results do not depend on scheduling (no atomics on values): the rows are split
+// into `chunks` consecutive ranges; a block of kColumnsPerBlock columns x kRowGroups row groups
+// sums one range (thread (column, group) takes rows begin + group, begin + group + kRowGroups,
+// ...; the groups' partials meet in group order) into a partial per (chunk, column), and a second
+// pass adds each column's partials in chunk order. One block per column block alone would leave
+// most of the GPU idle for a convolution's bias gradient (rows = batch x height x width).
+inline constexpr int kColumnsPerBlock = 32;
+inline constexpr int kRowGroups = 8;
+inline constexpr std::int64_t kRowsPerChunk = 512;   // enough rows per block to hide its start-up
+inline constexpr std::int64_t kMaxRowChunks = 1024;  // bounds the partials' memory (and pass 2's loop)
+struct ColumnChunks {
+  std::int64_t chunks = 1;
+  std::int64_t rows_per_chunk = 0;
+};
+TANDEM_HOST_DEVICE inline ColumnChunks column_chunks(std::int64_t rows) {
+  ColumnChunks split;
+  if (rows <= 0) return split;
+  split.chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  split.chunks = split.chunks > kMaxRowChunks ? kMaxRowChunks : split.chunks;
+  split.rows_per_chunk = (rows + split.chunks - 1) / split.chunks;
+  return split;
+}
+// Rows [chunk_begin, chunk_end) of chunk `chunk`.
+TANDEM_HOST_DEVICE inline std::int64_t chunk_begin(const ColumnChunks& split, std::int64_t chunk) {
+  return chunk * split.rows_per_chunk;
+}
+TANDEM_HOST_DEVICE inline std::int64_t chunk_end(const ColumnChunks& split, std::int64_t chunk, std::int64_t rows) {
+  const std::int64_t end = (chunk + 1) * split.rows_per_chunk;
+  return end < rows ? end : rows;
+}
+
 // A row-major product C[m, n] = op(A) op(B) as cuBLAS's column-major call: cuBLAS reads each
 // row-major matrix as its transpose, so C^T = op(B)^T op(A)^T: the operands swap, each keeps its
 // own transpose flag, and the row lengths are the leading dimensions.

@@ -3,8 +3,9 @@
 // 16-bit types (__half, __nv_bfloat16) are loaded into float, computed in float and rounded once
 // when stored, like the CPU path; float64 computes in double. Element-wise kernels use a
 // grid-stride loop over a capped grid; row-wise kernels (softmax, cross-entropy) use one block per
-// row with shared-memory reductions; column sums (bias gradients) use 32 columns per block and a
-// fixed split of the rows, so results do not depend on scheduling (no atomics on values).
+// row with shared-memory reductions; column sums (bias gradients, batch-norm sums) split the rows
+// into chunks summed in parallel, then add the chunks in a fixed order, so results do not depend
+// on scheduling (no atomics on values).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -213,35 +214,82 @@ __global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, 
   TANDEM_GRID_STRIDE(i, rows * cols) { store(y, i, activate(a, load(x, i) + load(bias, i % cols))); }
 }
 
-// Column sums of dz (= dy * act'(y), written when dz is not null) over rows: a block covers 32
-// columns with 8 row groups; each thread sums rows r = group, group + 8, ...; the 8 partials meet
-// in shared memory in a fixed order.
-constexpr int kColumnsPerBlock = 32;
-constexpr int kRowGroups = 8;
-template <class T>
-__global__ void bias_grad_kernel(Activation a, const T* dy, const T* y, T* dz, T* db, std::int64_t rows, std::int64_t cols) {
-  using C = compute_t<T>;
-  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  __shared__ Acc partial[kRowGroups][kColumnsPerBlock];
+// ---- Column sums (element_math.h: row chunks, then chunk partials in order) -------------------------
+
+// Pass 1: block (column block, chunk) adds q's K quantities over its chunk's rows, per column, and
+// writes them to partial[(k * chunks + chunk) * cols + c].
+template <int K, class Quantities>
+__global__ void column_partials_kernel(Quantities q, std::int64_t rows, std::int64_t cols, ColumnChunks split,
+                                       double* partial) {
+  __shared__ double shared[K][kRowGroups][kColumnsPerBlock];
   const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
-  Acc sum = 0;
+  const std::int64_t chunk = blockIdx.y;
+  double sum[K] = {};
   if (c < cols) {
-    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
-      const std::int64_t i = r * cols + c;
-      C g = load(dy, i);
-      if (y != nullptr) g = activation_backward(a, g, load(y, i));
-      if (dz != nullptr) store(dz, i, g);
-      sum += static_cast<Acc>(g);
-    }
+    const std::int64_t end = chunk_end(split, chunk, rows);
+    for (std::int64_t r = chunk_begin(split, chunk) + threadIdx.y; r < end; r += kRowGroups) q(r, c, sum);
   }
-  partial[threadIdx.y][threadIdx.x] = sum;
+  for (int k = 0; k < K; ++k) shared[k][threadIdx.y][threadIdx.x] = sum[k];
   __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    Acc total = 0;
-    for (int g = 0; g < kRowGroups; ++g) total += partial[g][threadIdx.x];
-    store(db, c, total);
+  if (threadIdx.y != 0 || c >= cols) return;
+  for (int k = 0; k < K; ++k) {
+    double total = 0;
+    for (int g = 0; g < kRowGroups; ++g) total += shared[k][g][threadIdx.x];
+    partial[(k * split.chunks + chunk) * cols + c] = total;
   }
 }
+
+// Pass 2: one thread per column adds its partials in chunk order and hands the totals to `finish`.
+template <int K, class Finish>
+__global__ void column_totals_kernel(Finish finish, const double* partial, std::int64_t cols, std::int64_t chunks) {
+  TANDEM_GRID_STRIDE(c, cols) {
+    double total[K];
+    for (int k = 0; k < K; ++k) {
+      total[k] = 0;
+      for (std::int64_t chunk = 0; chunk < chunks; ++chunk) total[k] += partial[(k * chunks + chunk) * cols + c];
+    }
+    finish(c, total);
+  }
+}
+
+// Both passes; the partials live in stream-ordered memory (like batch norm's coefficients), which a
+// CUDA graph records as allocation nodes.
+template <int K, class Quantities, class Finish>
+void column_sums(Quantities q, Finish finish, std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
+  const ColumnChunks split = column_chunks(rows);
+  double* partial = nullptr;
+  const auto bytes = static_cast<std::size_t>(K * split.chunks * cols) * sizeof(double);
+  if (cudaMallocAsync(reinterpret_cast<void**>(&partial), bytes, stream) != cudaSuccess) {
+    return;  // the error stays set: the caller's launch check reports it
+  }
+  const dim3 block(kColumnsPerBlock, kRowGroups);
+  const dim3 grid(static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock), static_cast<unsigned>(split.chunks));
+  column_partials_kernel<K><<<grid, block, 0, stream>>>(q, rows, cols, split, partial);
+  column_totals_kernel<K><<<blocks_for(cols), kThreads, 0, stream>>>(finish, partial, cols, split.chunks);
+  cudaFreeAsync(partial, stream);
+}
+
+// Bias gradient: dz = dy * act'(y) (written when dz is not null), summed over rows.
+template <class T>
+struct BiasGradRows {
+  Activation a;
+  const T* dy;
+  const T* y;
+  T* dz;
+  std::int64_t cols;
+  __device__ void operator()(std::int64_t r, std::int64_t c, double* sum) const {
+    const std::int64_t i = r * cols + c;
+    compute_t<T> g = load(dy, i);
+    if (y != nullptr) g = activation_backward(a, g, load(y, i));
+    if (dz != nullptr) store(dz, i, g);
+    sum[0] += static_cast<double>(g);
+  }
+};
+template <class T>
+struct StoreColumnTotal {
+  T* out;
+  __device__ void operator()(std::int64_t c, const double* total) const { store(out, c, total[0]); }
+};
 
 // ---- Reductions --------------------------------------------------------------------------------
 
@@ -444,51 +492,53 @@ __global__ void one_hot_kernel(const I* indices, float* out, std::int64_t rows, 
   }
 }
 
-// Per-channel sums in double over rows (K quantities), 32 channels x 8 row groups per block, in a
-// fixed order: the batch-norm statistics and gradient sums.
+// Batch-norm statistics: per channel, the sums of d and d^2 with d = x - x[row 0] (shifted for
+// precision), then mean, variance, 1 / std and the coefficient scale / std.
 template <class T>
-__global__ void batch_norm_stats_kernel(bool training, double epsilon, const T* x, const T* scale, const T* mean_in,
-                                        const T* variance_in, T* batch_mean, T* batch_variance, T* saved_mean,
-                                        T* saved_inv_std, double* coef, std::int64_t rows, std::int64_t channels) {
-  __shared__ double partial[2][kRowGroups][kColumnsPerBlock];
-  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
-  double s = 0, s2 = 0;
-  if (training && c < channels) {
-    const double shift = rows > 0 ? static_cast<double>(load(x, c)) : 0.0;
-    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
-      const double d = static_cast<double>(load(x, r * channels + c)) - shift;
-      s += d;
-      s2 += d * d;
-    }
+struct ShiftedMoments {
+  const T* x;
+  std::int64_t channels;
+  __device__ void operator()(std::int64_t r, std::int64_t c, double* sum) const {
+    const double d = static_cast<double>(load(x, r * channels + c)) - static_cast<double>(load(x, c));
+    sum[0] += d;
+    sum[1] += d * d;
   }
-  partial[0][threadIdx.y][threadIdx.x] = s;
-  partial[1][threadIdx.y][threadIdx.x] = s2;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= channels) return;
-  double mean, variance;
-  if (training) {
-    double sum = 0, sum2 = 0;
-    for (int g = 0; g < kRowGroups; ++g) {
-      sum += partial[0][g][threadIdx.x];
-      sum2 += partial[1][g][threadIdx.x];
+};
+template <class T>
+struct BatchNormStats {
+  bool training;
+  double epsilon;
+  const T* x;
+  const T* scale;
+  const T* mean_in;
+  const T* variance_in;
+  T* batch_mean;
+  T* batch_variance;
+  T* saved_mean;
+  T* saved_inv_std;
+  double* coef;
+  std::int64_t rows;
+  __device__ void operator()(std::int64_t c, const double* total) const {
+    double mean, variance;
+    if (training) {
+      const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
+      const double shifted_mean = total[0] * inv_rows;
+      variance = total[1] * inv_rows - shifted_mean * shifted_mean;
+      variance = variance > 0.0 ? variance : 0.0;
+      mean = (rows > 0 ? static_cast<double>(load(x, c)) : 0.0) + shifted_mean;
+    } else {
+      mean = static_cast<double>(load(mean_in, c));
+      variance = static_cast<double>(load(variance_in, c));
     }
-    const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
-    const double shifted_mean = sum * inv_rows;
-    variance = sum2 * inv_rows - shifted_mean * shifted_mean;
-    variance = variance > 0.0 ? variance : 0.0;
-    mean = (rows > 0 ? static_cast<double>(load(x, c)) : 0.0) + shifted_mean;
-  } else {
-    mean = static_cast<double>(load(mean_in, c));
-    variance = static_cast<double>(load(variance_in, c));
+    const double inv_std = 1.0 / sqrt(variance + epsilon);
+    store(batch_mean, c, mean);
+    store(saved_mean, c, mean);
+    store(batch_variance, c, variance);
+    store(saved_inv_std, c, inv_std);
+    // The CPU kernel rounds mean and coef to T before applying them: do the same.
+    coef[c] = static_cast<double>(static_cast<compute_t<T>>(static_cast<double>(load(scale, c)) * inv_std));
   }
-  const double inv_std = 1.0 / sqrt(variance + epsilon);
-  store(batch_mean, c, mean);
-  store(saved_mean, c, mean);
-  store(batch_variance, c, variance);
-  store(saved_inv_std, c, inv_std);
-  // The CPU kernel rounds mean and coef to T before applying them: do the same.
-  coef[c] = static_cast<double>(static_cast<compute_t<T>>(static_cast<double>(load(scale, c)) * inv_std));
-}
+};
 
 template <class T>
 __global__ void batch_norm_apply_kernel(const T* x, const T* mean, const double* coef, const T* offset, T* y,
@@ -500,54 +550,60 @@ __global__ void batch_norm_apply_kernel(const T* x, const T* mean, const double*
   }
 }
 
+// Batch-norm gradient: per channel, sum(dy) and sum(dy * (x - mean)), then the coefficients of dx
+// and the gradients of scale, offset and (inference) of the moving statistics.
 template <class T>
-__global__ void batch_norm_grad_sums_kernel(bool training, const T* dy, const T* x, const T* scale, const T* mean,
-                                            const T* inv_std, const T* dbatch_mean, const T* dbatch_variance,
-                                            double* coef, T* dscale, T* doffset, T* dmean, T* dvariance,
-                                            std::int64_t rows, std::int64_t channels) {
-  __shared__ double partial[2][kRowGroups][kColumnsPerBlock];
-  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(kColumnsPerBlock) + threadIdx.x;
-  double s = 0, s2 = 0;
-  if (c < channels) {
-    const double m = static_cast<double>(load(mean, c));
-    for (std::int64_t r = threadIdx.y; r < rows; r += kRowGroups) {
-      const double g = static_cast<double>(load(dy, r * channels + c));
-      s += g;
-      s2 += g * (static_cast<double>(load(x, r * channels + c)) - m);
+struct GradMoments {
+  const T* dy;
+  const T* x;
+  const T* mean;
+  std::int64_t channels;
+  __device__ void operator()(std::int64_t r, std::int64_t c, double* sum) const {
+    const std::int64_t i = r * channels + c;
+    const double g = static_cast<double>(load(dy, i));
+    sum[0] += g;
+    sum[1] += g * (static_cast<double>(load(x, i)) - static_cast<double>(load(mean, c)));
+  }
+};
+template <class T>
+struct BatchNormGradSums {
+  bool training;
+  const T* scale;
+  const T* inv_std;
+  const T* dbatch_mean;
+  const T* dbatch_variance;
+  double* coef;
+  T* dscale;
+  T* doffset;
+  T* dmean;
+  T* dvariance;
+  std::int64_t rows, channels;
+  __device__ void operator()(std::int64_t c, const double* total) const {
+    const double sum_dy = total[0], sum_dyx = total[1];
+    const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
+    const double r = static_cast<double>(load(inv_std, c));
+    const double ds = r * sum_dyx;
+    const double a = static_cast<double>(load(scale, c)) * r;
+    const double dbm = dbatch_mean != nullptr ? static_cast<double>(load(dbatch_mean, c)) : 0.0;
+    const double dbv = dbatch_variance != nullptr ? static_cast<double>(load(dbatch_variance, c)) : 0.0;
+    using C = compute_t<T>;
+    // Rounded to T like the CPU kernel's coefficients.
+    coef[c] = static_cast<double>(static_cast<C>(a));
+    if (training) {
+      coef[channels + c] = static_cast<double>(static_cast<C>((-a * r * ds + 2.0 * dbv) * inv_rows));
+      coef[2 * channels + c] = static_cast<double>(static_cast<C>((-a * sum_dy + dbm) * inv_rows));
+      store(dmean, c, 0.0);
+      store(dvariance, c, 0.0);
+    } else {
+      coef[channels + c] = 0.0;
+      coef[2 * channels + c] = 0.0;
+      store(dmean, c, -a * sum_dy + dbm);
+      store(dvariance, c, -0.5 * a * r * ds + dbv);
     }
+    store(dscale, c, ds);
+    store(doffset, c, sum_dy);
   }
-  partial[0][threadIdx.y][threadIdx.x] = s;
-  partial[1][threadIdx.y][threadIdx.x] = s2;
-  __syncthreads();
-  if (threadIdx.y != 0 || c >= channels) return;
-  double sum_dy = 0, sum_dyx = 0;
-  for (int g = 0; g < kRowGroups; ++g) {
-    sum_dy += partial[0][g][threadIdx.x];
-    sum_dyx += partial[1][g][threadIdx.x];
-  }
-  const double inv_rows = rows > 0 ? 1.0 / static_cast<double>(rows) : 0.0;
-  const double r = static_cast<double>(load(inv_std, c));
-  const double ds = r * sum_dyx;
-  const double a = static_cast<double>(load(scale, c)) * r;
-  const double dbm = dbatch_mean != nullptr ? static_cast<double>(load(dbatch_mean, c)) : 0.0;
-  const double dbv = dbatch_variance != nullptr ? static_cast<double>(load(dbatch_variance, c)) : 0.0;
-  using C = compute_t<T>;
-  // Rounded to T like the CPU kernel's coefficients.
-  coef[c] = static_cast<double>(static_cast<C>(a));
-  if (training) {
-    coef[channels + c] = static_cast<double>(static_cast<C>((-a * r * ds + 2.0 * dbv) * inv_rows));
-    coef[2 * channels + c] = static_cast<double>(static_cast<C>((-a * sum_dy + dbm) * inv_rows));
-    store(dmean, c, 0.0);
-    store(dvariance, c, 0.0);
-  } else {
-    coef[channels + c] = 0.0;
-    coef[2 * channels + c] = 0.0;
-    store(dmean, c, -a * sum_dy + dbm);
-    store(dvariance, c, -0.5 * a * r * ds + dbv);
-  }
-  store(dscale, c, ds);
-  store(doffset, c, sum_dy);
-}
+};
 
 template <class T>
 __global__ void batch_norm_grad_apply_kernel(const T* dy, const T* x, const T* mean, const double* coef, T* dx,
@@ -838,10 +894,8 @@ void bias_activation_grad(Activation activation, ElementType type, const void* d
   if (cols == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const dim3 block(kColumnsPerBlock, kRowGroups);
-    const auto grid = static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock);
-    bias_grad_kernel<T><<<grid, block, 0, stream>>>(activation, static_cast<const T*>(dy), static_cast<const T*>(y),
-                                                    static_cast<T*>(dz), static_cast<T*>(db), rows, cols);
+    column_sums<1>(BiasGradRows<T>{activation, static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dz), cols},
+                   StoreColumnTotal<T>{static_cast<T*>(db)}, rows, cols, stream);
   });
 }
 
@@ -972,12 +1026,13 @@ void batch_norm(ElementType type, bool training, double epsilon, const void* x, 
   }
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const dim3 block(kColumnsPerBlock, kRowGroups);
-    const auto grid = static_cast<unsigned>((channels + kColumnsPerBlock - 1) / kColumnsPerBlock);
-    batch_norm_stats_kernel<T><<<grid, block, 0, stream>>>(
-        training, epsilon, static_cast<const T*>(x), static_cast<const T*>(scale), static_cast<const T*>(mean_in),
-        static_cast<const T*>(variance_in), static_cast<T*>(batch_mean), static_cast<T*>(batch_variance),
-        static_cast<T*>(saved_mean), static_cast<T*>(saved_inv_std), coef, rows, channels);
+    // Inference reads the moving statistics: no sums (rows 0 makes pass 1 read nothing).
+    column_sums<2>(ShiftedMoments<T>{static_cast<const T*>(x), channels},
+                   BatchNormStats<T>{training, epsilon, static_cast<const T*>(x), static_cast<const T*>(scale),
+                                     static_cast<const T*>(mean_in), static_cast<const T*>(variance_in),
+                                     static_cast<T*>(batch_mean), static_cast<T*>(batch_variance),
+                                     static_cast<T*>(saved_mean), static_cast<T*>(saved_inv_std), coef, rows},
+                   training ? rows : 0, channels, stream);
     if (rows > 0) {
       batch_norm_apply_kernel<T><<<blocks_for(rows * channels), kThreads, 0, stream>>>(
           static_cast<const T*>(x), static_cast<const T*>(saved_mean), coef, static_cast<const T*>(offset),
@@ -999,13 +1054,12 @@ void batch_norm_grad(ElementType type, bool training, const void* dy, const void
   }
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    const dim3 block(kColumnsPerBlock, kRowGroups);
-    const auto grid = static_cast<unsigned>((channels + kColumnsPerBlock - 1) / kColumnsPerBlock);
-    batch_norm_grad_sums_kernel<T><<<grid, block, 0, stream>>>(
-        training, static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(scale),
-        static_cast<const T*>(mean), static_cast<const T*>(inv_std), static_cast<const T*>(dbatch_mean),
-        static_cast<const T*>(dbatch_variance), coef, static_cast<T*>(dscale), static_cast<T*>(doffset),
-        static_cast<T*>(dmean), static_cast<T*>(dvariance), rows, channels);
+    column_sums<2>(GradMoments<T>{static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), channels},
+                   BatchNormGradSums<T>{training, static_cast<const T*>(scale), static_cast<const T*>(inv_std),
+                                        static_cast<const T*>(dbatch_mean), static_cast<const T*>(dbatch_variance), coef,
+                                        static_cast<T*>(dscale), static_cast<T*>(doffset), static_cast<T*>(dmean),
+                                        static_cast<T*>(dvariance), rows, channels},
+                   rows, channels, stream);
     if (rows > 0) {
       batch_norm_grad_apply_kernel<T><<<blocks_for(rows * channels), kThreads, 0, stream>>>(
           static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), coef, static_cast<T*>(dx),

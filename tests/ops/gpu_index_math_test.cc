@@ -1,11 +1,12 @@
 // The GPU kernels' index arithmetic, run on the CPU: every kernel of ops/cuda/kernels.cu that
-// moves elements around (broadcasting, transposes, reductions over any axes, SumToShape, im2col
-// and col2im, pooling and its gradients, cuBLAS's column-major call) is emulated here by looping
+// moves elements around (broadcasting, transposes, reductions over any axes, SumToShape, column
+// sums in row chunks, im2col and col2im, pooling and its gradients, cuBLAS's column-major call) is emulated here by looping
 // over its threads with the same element functions (ops/cuda/element_math.h) and argument
 // builders (ops/cuda/index_args.h), and compared with the CPU kernels. It needs no GPU and no
 // CUDA, so it runs in every build; ops_gpu_test then checks the arithmetic itself on a GPU.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -212,6 +213,61 @@ TEST_CASE("MaxGrad: each output's thread splits its gradient between the ties, a
       }
     }
     check_close(got, run_cpu(g, feeds, dx));
+  }
+}
+
+TEST_CASE("column sums in row chunks: each row counted once per column, totals equal to the CPU's column sums") {
+  // The chunked two-pass scheme of bias gradients and batch-norm sums (column_partials_kernel,
+  // column_totals_kernel), block by block and thread by thread.
+  for (const std::int64_t rows : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, kRowsPerChunk, kRowsPerChunk + 1,
+                                  std::int64_t{128 * 28 * 28}, kRowsPerChunk * kMaxRowChunks + 3}) {
+    const std::int64_t cols = rows > 200000 ? 3 : 37;  // 37: two column blocks, the second partly idle
+    CAPTURE(rows);
+    const ColumnChunks split = column_chunks(rows);
+    CHECK(split.chunks >= 1);
+    CHECK(split.chunks <= kMaxRowChunks);
+    if (rows > 0) CHECK(chunk_end(split, split.chunks - 1, rows) == rows);
+    const auto values = random_values(rows * cols, 21);
+    std::vector<double> totals(static_cast<std::size_t>(cols), 0.0);
+    std::vector<int> visits(static_cast<std::size_t>(rows * cols), 0);
+    std::vector<double> partial(static_cast<std::size_t>(split.chunks * cols), 0.0);
+    const std::int64_t column_blocks = (cols + kColumnsPerBlock - 1) / kColumnsPerBlock;
+    for (std::int64_t bx = 0; bx < column_blocks; ++bx) {  // pass 1: blocks (column block, chunk)
+      for (std::int64_t chunk = 0; chunk < split.chunks; ++chunk) {
+        double shared[kRowGroups][kColumnsPerBlock] = {};
+        for (int ty = 0; ty < kRowGroups; ++ty) {
+          for (int tx = 0; tx < kColumnsPerBlock; ++tx) {
+            const std::int64_t c = bx * kColumnsPerBlock + tx;
+            if (c >= cols) continue;
+            const std::int64_t end = chunk_end(split, chunk, rows);
+            for (std::int64_t r = chunk_begin(split, chunk) + ty; r < end; r += kRowGroups) {
+              ++visits[static_cast<std::size_t>(r * cols + c)];
+              shared[ty][tx] += values[static_cast<std::size_t>(r * cols + c)];
+            }
+          }
+        }
+        for (int tx = 0; tx < kColumnsPerBlock; ++tx) {
+          const std::int64_t c = bx * kColumnsPerBlock + tx;
+          if (c >= cols) continue;
+          double total = 0;
+          for (int g = 0; g < kRowGroups; ++g) total += shared[g][tx];
+          partial[static_cast<std::size_t>(chunk * cols + c)] = total;
+        }
+      }
+    }
+    for (std::int64_t c = 0; c < cols; ++c) {  // pass 2
+      for (std::int64_t chunk = 0; chunk < split.chunks; ++chunk) totals[static_cast<std::size_t>(c)] += partial[static_cast<std::size_t>(chunk * cols + c)];
+    }
+    CHECK(std::all_of(visits.begin(), visits.end(), [](int v) { return v == 1; }));
+    if (rows == 0) {
+      CHECK(std::all_of(totals.begin(), totals.end(), [](double t) { return t == 0.0; }));
+      continue;
+    }
+    auto g = std::make_shared<Graph>();
+    auto x = g->placeholder(kFloat32, {rows, cols}, "x");
+    const auto want = run_cpu(g, {{x, tensor(values, {rows, cols})}}, ops::reduce_sum(x, {.axes = {0}}));
+    std::vector<float> got(totals.begin(), totals.end());
+    check_close(got, want, 1e-4);
   }
 }
 
