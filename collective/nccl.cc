@@ -32,7 +32,6 @@
 //
 // Unlike the in-process group, ranks do not compare their calls (that would need a host
 // rendezvous on every call): NCCL with mismatched counts hangs, and the timeout reports it.
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +46,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "tandem/base/detail/shared_library.h"
 #include "tandem/base/spin.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
@@ -115,26 +115,13 @@ constexpr int kOldestNonBlockingNccl = 21400;
 const NcclApi& nccl() {
   static const NcclApi api = [] {
     NcclApi a;
-    void* handle = nullptr;
-    std::string tried;
-    for (const char* path : {TANDEM_NCCL_PATH, "libnccl.so.2", "libnccl.so"}) {
-      if (path[0] == '\0') continue;
-      handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) break;
-      const char* why = dlerror();
-      tried += fmt::format("{}{}", tried.empty() ? "" : "; ", why != nullptr ? why : path);
-    }
-    if (handle == nullptr) {
-      a.problem = fmt::format("libnccl could not be loaded ({})", tried);
+    const auto library = tandem::detail::open_first_library({TANDEM_NCCL_PATH, "libnccl.so.2", "libnccl.so"});
+    if (library.handle == nullptr) {
+      a.problem = fmt::format("libnccl could not be loaded ({})", library.tried);
       return a;
     }
-    bool complete = true;
     const auto load = [&]<class Fn>(Fn& fn, const char* name) {
-      fn = reinterpret_cast<Fn>(dlsym(handle, name));
-      if (fn == nullptr) {
-        complete = false;
-        a.problem = fmt::format("libnccl has no {}", name);
-      }
+      tandem::detail::load_symbol(library, fn, name, "libnccl", &a.problem);
     };
     load(a.ncclGetVersion, "ncclGetVersion");
     load(a.ncclCommInitAll, "ncclCommInitAll");
@@ -149,11 +136,11 @@ const NcclApi& nccl() {
     load(a.ncclReduceScatter, "ncclReduceScatter");
     load(a.ncclGroupStart, "ncclGroupStart");
     load(a.ncclGroupEnd, "ncclGroupEnd");
-    if (!complete) return a;
-    a.ncclGetUniqueId = reinterpret_cast<decltype(a.ncclGetUniqueId)>(dlsym(handle, "ncclGetUniqueId"));
-    a.ncclCommInitRankConfig =
-        reinterpret_cast<decltype(a.ncclCommInitRankConfig)>(dlsym(handle, "ncclCommInitRankConfig"));
-    a.ncclCommFinalize = reinterpret_cast<decltype(a.ncclCommFinalize)>(dlsym(handle, "ncclCommFinalize"));
+    if (!a.problem.empty()) return a;
+    // Optional (see NcclApi): null when missing.
+    tandem::detail::load_symbol(library, a.ncclGetUniqueId, "ncclGetUniqueId");
+    tandem::detail::load_symbol(library, a.ncclCommInitRankConfig, "ncclCommInitRankConfig");
+    tandem::detail::load_symbol(library, a.ncclCommFinalize, "ncclCommFinalize");
     if (a.ncclGetVersion(&a.version) != ncclSuccess || a.version < kOldestNccl) {
       a.problem = fmt::format("libnccl is version code {}; tandem needs {} (2.10) or later", a.version, kOldestNccl);
     }

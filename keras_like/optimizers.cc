@@ -596,9 +596,9 @@ void Optimizer::queue_update_from_device_memory(int replica, const std::vector<T
                  replica);
   const auto tensors = device_update_tensors(replica, gradients);
   auto& device = variables_.front()->value(replica).device();
-  // params by value are ignored by the kernel (it reads the staged copy); passed for completeness.
+  // The kernel reads the staged copy: the by-value numbers are not looked at.
   ops::detail::apply_update_on_device(
-      device, variables_.front()->dtype(), device_update_params(1.0), tensors,
+      device, variables_.front()->dtype(), ops::detail::UpdateParams{}, tensors,
       {.params = staged_params_[static_cast<std::size_t>(replica)]->on_device.raw_data(), .fault_word = fault_word});
 }
 

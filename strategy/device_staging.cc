@@ -85,12 +85,9 @@ class Stager : public std::enable_shared_from_this<Stager> {
     return std::move(staged.batch);
   }
 
-  std::int64_t skip(std::int64_t n) {
-    if (!started_) return source_->skip(n);  // nothing staged yet: the source skips without copying
-    std::int64_t skipped = 0;
-    while (skipped < n && next()) ++skipped;
-    return skipped;
-  }
+  bool started() const { return started_; }
+  // Before the first next(): the source skips, without staging what it skips.
+  std::int64_t skip_in_source(std::int64_t n) { return source_->skip(n); }
 
   void stop() {
     {
@@ -237,7 +234,10 @@ class StagingIterator final : public Strategy::WorkerIterator {
   explicit StagingIterator(std::shared_ptr<Stager> stager) : stager_(std::move(stager)) {}
   ~StagingIterator() override { stager_->stop(); }
   std::optional<Strategy::WorkerBatch> next() override { return stager_->next(); }
-  std::int64_t skip(std::int64_t n) override { return stager_->skip(n); }
+  // Once staging has started, staged batches go first: WorkerIterator::skip takes them by next().
+  std::int64_t skip(std::int64_t n) override {
+    return stager_->started() ? WorkerIterator::skip(n) : stager_->skip_in_source(n);
+  }
 
  private:
   std::shared_ptr<Stager> stager_;

@@ -31,11 +31,23 @@ inline std::int64_t window_output_size(std::int64_t in, std::int64_t k, std::int
   return padding == Padding::kValid ? (in - k + stride) / stride : (in + stride - 1) / stride;
 }
 
+// The padding cells `out` windows need on one axis, both sides together (0 when the windows do
+// not reach past the end, as under VALID).
+inline std::int64_t window_pad_total(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t out) {
+  return std::max<std::int64_t>((out - 1) * stride + k - in, 0);
+}
+
 // Padding before the first element (top or left). TF puts the odd cell of SAME padding after.
 inline std::int64_t window_pad_before(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t out,
                                       Padding padding) {
   if (padding == Padding::kValid) return 0;
-  return std::max<std::int64_t>((out - 1) * stride + k - in, 0) / 2;
+  return window_pad_total(in, k, stride, out) / 2;
+}
+
+// Padding after the last element (bottom or right), given what is before: the rest of the total.
+inline std::int64_t window_pad_after(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t out,
+                                     std::int64_t pad_before) {
+  return window_pad_total(in, k, stride, out) - pad_before;
 }
 
 // Everything a kernel needs to walk a 2-D window over an NHWC tensor. For pooling, in_c == out_c

@@ -1,7 +1,5 @@
 #include "tandem/ops/cpu/gemm.h"
 
-#include <dlfcn.h>
-
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstdlib>
@@ -9,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/base/detail/shared_library.h"
 #include "tandem/base/errors.h"
 
 namespace tandem::ops::cpu {
@@ -63,19 +62,17 @@ bool load_openblas(OpenBlas& out) {
   if (const char* core = openblas_core_for_this_cpu()) set_for_load("OPENBLAS_CORETYPE", core);
   // We split products over the device's threads ourselves; OpenBLAS's own pool would compete.
   set_for_load("OPENBLAS_NUM_THREADS", "1");
-  void* handle = nullptr;
-  for (const char* path : {TANDEM_OPENBLAS_PATH, "libopenblas.so.0", "libopenblas.so"}) {
-    if (path[0] == '\0') continue;
-    handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (handle != nullptr) break;
-  }
+  const auto library = tandem::detail::open_first_library({TANDEM_OPENBLAS_PATH, "libopenblas.so.0", "libopenblas.so"});
   for (const char* name : set_here) unsetenv(name);
-  if (handle == nullptr) return false;
-  out.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
-  out.dgemm = reinterpret_cast<DgemmFn>(dlsym(handle, "cblas_dgemm"));
-  auto corename = reinterpret_cast<CorenameFn>(dlsym(handle, "openblas_get_corename"));
-  auto config = reinterpret_cast<ConfigFn>(dlsym(handle, "openblas_get_config"));
-  auto set_threads = reinterpret_cast<SetThreadsFn>(dlsym(handle, "openblas_set_num_threads"));
+  if (library.handle == nullptr) return false;
+  CorenameFn corename = nullptr;
+  ConfigFn config = nullptr;
+  SetThreadsFn set_threads = nullptr;
+  tandem::detail::load_symbol(library, out.sgemm, "cblas_sgemm");
+  tandem::detail::load_symbol(library, out.dgemm, "cblas_dgemm");
+  tandem::detail::load_symbol(library, corename, "openblas_get_corename");
+  tandem::detail::load_symbol(library, config, "openblas_get_config");
+  tandem::detail::load_symbol(library, set_threads, "openblas_set_num_threads");
   if (out.sgemm == nullptr || out.dgemm == nullptr) return false;
   if (set_threads != nullptr) set_threads(1);
   out.description = fmt::format("OpenBLAS ({}), {} kernels, single-threaded per call", config ? config() : "?",

@@ -1,11 +1,11 @@
 #include "tandem/ops/cuda/cublas.h"
 
 #include <cublas_v2.h>
-#include <dlfcn.h>
 
 #include <map>
 #include <mutex>
 
+#include "tandem/base/detail/shared_library.h"
 #include "tandem/base/errors.h"
 #include "tandem/devices/detail/cuda_check.h"
 #include "tandem/ops/cuda/element_math.h"
@@ -29,21 +29,13 @@ struct CublasApi {
 const CublasApi& cublas() {
   static const CublasApi api = [] {
     CublasApi a;
-    void* handle = nullptr;
-    std::string tried;
-    for (const char* path : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"}) {
-      handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) break;
-      const char* why = dlerror();
-      tried += fmt::format("{}{}", tried.empty() ? "" : "; ", why != nullptr ? why : path);
-    }
-    if (handle == nullptr) {
-      a.problem = fmt::format("libcublas could not be loaded ({}); it comes with the CUDA toolkit", tried);
+    const auto library = tandem::detail::open_first_library({"libcublas.so.13", "libcublas.so.12", "libcublas.so"});
+    if (library.handle == nullptr) {
+      a.problem = fmt::format("libcublas could not be loaded ({}); it comes with the CUDA toolkit", library.tried);
       return a;
     }
     const auto load = [&]<class Fn>(Fn& fn, const char* name) {
-      fn = reinterpret_cast<Fn>(dlsym(handle, name));
-      if (fn == nullptr && a.problem.empty()) a.problem = fmt::format("libcublas has no {}", name);
+      tandem::detail::load_symbol(library, fn, name, "libcublas", &a.problem);
     };
     load(a.create, "cublasCreate_v2");
     load(a.set_stream, "cublasSetStream_v2");

@@ -658,18 +658,14 @@ void pool_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// Always tandem's kernel: the plan refuses MaxPool2DGrad, since cuDNN's choice between tied
-// maxima is unspecified and ours is the first in scan order, as on CPUs. It asks anyway, so
-// that the rule lives in one place and the run is counted.
+// Always tandem's kernel (plan_cudnn refuses MaxPool2DGrad: cuDNN's choice between tied maxima is
+// unspecified, ours is the first in scan order, as on CPUs), so it need not ask for a plan.
 void max_pool_grad_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   require_types(ctx, x, kFloat);
-  const auto g = pool_geometry(ctx, x.shape());
-  const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kMaxPool2DGrad, g, x.dtype());
-  TANDEM_ASSERT(!plan.use_cudnn, "{}: MaxPool2DGrad has no cuDNN path", ctx.label());
   count_cudnn_path(false);
-  max_pool_grad(type_of(x), flatten(g), x.raw_data(), ctx.input(2).raw_data(), ctx.output(0).raw_data(),
-                stream_of(ctx));
+  max_pool_grad(type_of(x), flatten(pool_geometry(ctx, x.shape())), x.raw_data(), ctx.input(2).raw_data(),
+                ctx.output(0).raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 

@@ -3,7 +3,6 @@
 #include "tandem/ops/cuda/cudnn.h"
 
 #include <cudnn.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <array>
@@ -14,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/base/detail/shared_library.h"
 #include "tandem/base/errors.h"
 #include "tandem/devices/detail/cuda_check.h"
 
@@ -79,32 +79,18 @@ const CudnnApi& cudnn() {
       a.problem = "turned off by TANDEM_CUDNN=0";
       return a;
     }
-    std::vector<std::string> candidates;
-    if (const char* path = std::getenv("TANDEM_CUDNN_LIBRARY"); path != nullptr && *path != '\0') {
-      candidates.emplace_back(path);
-    }
-    candidates.emplace_back("libcudnn.so.9");
-    candidates.emplace_back("libcudnn.so");
-    void* handle = nullptr;
-    std::string tried;
-    for (const auto& name : candidates) {
-      handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) {
-        a.library = name;
-        break;
-      }
-      const char* why = dlerror();
-      tried += fmt::format("{}{}", tried.empty() ? "" : "; ", why != nullptr ? why : name.c_str());
-    }
-    if (handle == nullptr) {
+    const char* path = std::getenv("TANDEM_CUDNN_LIBRARY");
+    const auto library =
+        tandem::detail::open_first_library({path != nullptr ? path : "", "libcudnn.so.9", "libcudnn.so"});
+    if (library.handle == nullptr) {
       a.problem = fmt::format("libcudnn could not be loaded ({}); install cuDNN 9, or point TANDEM_CUDNN_LIBRARY or "
                               "LD_LIBRARY_PATH at PyTorch's (site-packages/nvidia/cudnn/lib)",
-                              tried);
+                              library.tried);
       return a;
     }
+    a.library = library.name;
     const auto load = [&]<class Fn>(Fn& fn, const char* name) {
-      fn = reinterpret_cast<Fn>(dlsym(handle, name));
-      if (fn == nullptr && a.problem.empty()) a.problem = fmt::format("{} has no {}", a.library, name);
+      tandem::detail::load_symbol(library, fn, name, a.library, &a.problem);
     };
     load(a.get_version, "cudnnGetVersion");
     load(a.error_string, "cudnnGetErrorString");

@@ -46,12 +46,6 @@ CudnnPlan fall_back(CudnnWindowOp op, std::string reason) {
 
 }  // namespace
 
-std::int64_t window_pad_after(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t out,
-                              std::int64_t pad_before) {
-  const std::int64_t total = std::max<std::int64_t>((out - 1) * stride + k - in, 0);
-  return total - pad_before;
-}
-
 std::int64_t cudnn_output_size(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t pad) {
   return (in + 2 * pad - k) / stride + 1;
 }

@@ -86,11 +86,6 @@ struct CudnnPlan {
 //   - cuDNN's output size for the symmetric padding would differ from TF's (a safety net).
 CudnnPlan plan_cudnn(CudnnWindowOp op, const Window2DGeometry& g, graph::DType dtype, bool tf32);
 
-// The padding after the last element (bottom or right) that TF's geometry implies: what is left of
-// the total once pad_before is taken. Negative totals (windows that do not reach the end) count 0.
-std::int64_t window_pad_after(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t out,
-                              std::int64_t pad_before);
-
 // cuDNN's output extent for symmetric padding `pad` on both sides: (in + 2 pad - k) / stride + 1.
 std::int64_t cudnn_output_size(std::int64_t in, std::int64_t k, std::int64_t stride, std::int64_t pad);
 

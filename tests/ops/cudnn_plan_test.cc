@@ -10,9 +10,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
-#include <random>
 #include <string>
 
+#include "common/random_values.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/graph.h"
 #include "tandem/ops/cuda/cudnn.h"
@@ -21,6 +21,7 @@
 
 using namespace tandem;
 using graph::Executor;
+using testing::random_values;
 using ops::Padding;
 using ops::detail::CudnnDataType;
 using ops::detail::CudnnMathType;
@@ -60,14 +61,6 @@ void check_nhwc(const ops::detail::CudnnTensor4d& t, std::int64_t n, std::int64_
   CHECK(t.w_stride == c);
   CHECK(t.h_stride == w * c);
   CHECK(t.n_stride == h * w * c);
-}
-
-std::vector<float> random_values(std::int64_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = u(rng);
-  return v;
 }
 
 std::vector<float> run_cpu(const std::shared_ptr<Graph>& g, const std::vector<graph::Feed>& feeds, Output fetch) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <random>
 
+#include "common/random_values.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/graph.h"
 #include "tandem/ops/cuda/element_math.h"
@@ -20,16 +21,9 @@
 using namespace tandem;
 using namespace tandem::ops::cuda;
 using graph::Executor;
+using testing::random_values;
 
 namespace {
-
-std::vector<float> random_values(std::int64_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (auto& x : v) x = u(rng);
-  return v;
-}
 
 Tensor tensor(const std::vector<float>& v, const Shape& s) { return Tensor::from_vector<float>(v, s); }
 

@@ -131,41 +131,26 @@ data::Dataset make_dataset(std::int64_t batch = 5) {
   return data::Dataset::from_tensor_slices({Tensor::from_vector(xs, {23, 3}), Tensor::from_vector(ys, {23})}).batch(batch);
 }
 
-// Rows split as split_batch splits them: the first devices get one more.
-std::vector<data::Element> split_rows(const data::Element& batch, std::int64_t devices) {
-  std::vector<data::Element> shards(static_cast<std::size_t>(devices));
-  const std::int64_t n = batch.front().shape()[0];
-  std::int64_t offset = 0;
-  for (std::int64_t d = 0; d < devices; ++d) {
-    const std::int64_t rows = n / devices + (d < n % devices ? 1 : 0);
-    for (const Tensor& c : batch) {
-      Shape shape = c.shape();
-      shape[0] = rows;
-      const std::size_t row_bytes = c.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
-      shards[static_cast<std::size_t>(d)].emplace_back(shape, c.dtype(), c.buffer(),
-                                                       c.byte_offset() + static_cast<std::size_t>(offset) * row_bytes);
-    }
-    offset += rows;
-  }
-  return shards;
-}
-
 struct Fixture {
   DeferredGpu gpu0{0}, gpu1{1};
   std::vector<devices::Device*> devices{&gpu0, &gpu1};
+  // Splits batches as a strategy of two replicas does (its devices are CPUs: the split depends on
+  // the replica count only; CTest runs this suite with two logical CPU devices).
+  MirroredStrategy two{std::vector<std::string>{"CPU:0", "CPU:1"}};
 
   std::unique_ptr<Strategy::WorkerIterator> staged(const data::Dataset& dataset, int ahead = 2) {
     return strategy::detail::stage_on_devices(
-        std::make_unique<BatchSource>(dataset), devices, [](const data::Element& b) { return split_rows(b, 2); },
+        std::make_unique<BatchSource>(dataset), devices, [this](const data::Element& b) { return two.split_batch(b); },
         {.batches_ahead = ahead, .owner = "test"});
   }
 };
 
 // Checks that a staged batch's shards hold the host batch's rows, on the right devices.
-void check_batch(const Strategy::WorkerBatch& batch, const std::vector<devices::Device*>& devices, std::int64_t first_row) {
+void check_batch(const Strategy::WorkerBatch& batch, const Fixture& f, std::int64_t first_row) {
+  const auto& devices = f.devices;
   REQUIRE(batch.replica_shards.size() == devices.size());
   REQUIRE(batch.staging != nullptr);
-  const auto want = split_rows(batch.local, static_cast<std::int64_t>(devices.size()));
+  const auto want = f.two.split_batch(batch.local);
   std::int64_t row = first_row;
   for (std::size_t d = 0; d < devices.size(); ++d) {
     const auto& shard = batch.replica_shards[d];
@@ -193,7 +178,7 @@ TEST_CASE("staged batches arrive whole, in order, on their devices, after their 
   std::int64_t row = 0;
   int batches = 0;
   while (auto batch = it->next()) {  // as fit does: each batch dropped before the next is taken
-    check_batch(*batch, f.devices, row);
+    check_batch(*batch, f, row);
     row += batch->local.front().shape()[0];
     ++batches;
   }
@@ -213,7 +198,7 @@ TEST_CASE("batches held by the caller keep their buffers: nothing is overwritten
   REQUIRE(held.size() == 12);
   std::int64_t row = 0;
   for (const auto& batch : held) {
-    check_batch(batch, f.devices, row);
+    check_batch(batch, f, row);
     row += batch.local.front().shape()[0];
   }
   // Dropping them frees the buffers for reuse; the iterator may go first.
@@ -249,7 +234,7 @@ TEST_CASE("the source's error reaches next() for the batch it broke; earlier bat
   for (int b = 0; b < 2; ++b) {
     auto batch = it->next();
     REQUIRE(batch.has_value());
-    check_batch(*batch, f.devices, row);
+    check_batch(*batch, f, row);
     row += 5;
   }
   CHECK_THROWS_WITH_AS(it->next(), doctest::Contains("a bad record in batch 3"), InvalidArgument);
@@ -263,7 +248,7 @@ TEST_CASE("skip before the first batch skips in the source; stopping early joins
     CHECK(it->skip(3) == 3);
     auto batch = it->next();
     REQUIRE(batch.has_value());
-    check_batch(*batch, f.devices, 15);
+    check_batch(*batch, f, 15);
   }
   {
     auto it = f.staged(make_dataset(1), 2);  // 23 batches; the thread fills its queue and waits
@@ -272,7 +257,7 @@ TEST_CASE("skip before the first batch skips in the source; stopping early joins
     CHECK(it->skip(2) == 2);  // after staging started: through next()
     auto third = it->next();
     REQUIRE(third.has_value());
-    check_batch(*third, f.devices, 3);
+    check_batch(*third, f, 3);
   }  // destroyed with batches queued and the thread waiting: returns
   CHECK_THROWS_AS(f.staged(make_dataset(), 0), InvalidArgument);
 }
