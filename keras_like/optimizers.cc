@@ -47,20 +47,6 @@ int accumulation_steps_of(const OptimizerSpec& spec) {
   return std::visit([](const auto& o) { return o.gradient_accumulation_steps.value_or(1); }, spec);
 }
 
-// dst += src, element-wise, on the device's threads.
-void add_into(Tensor& dst, const Tensor& src) {
-  TANDEM_REQUIRE(dst.device().host_accessible(), Unimplemented,
-                 "gradient_accumulation_steps on {}: accumulation runs on host memory only so far",
-                 dst.device().short_name());
-  graph::dispatch<graph::FloatTypes>(dst.dtype(), "gradient accumulation", [&]<class T>() {
-    T* __restrict d = static_cast<T*>(dst.raw_data());
-    const T* __restrict s = static_cast<const T*>(src.raw_data());
-    dst.device().parallel_for(dst.num_elements(), kUpdateGrain, [=](std::int64_t b, std::int64_t e) {
-      for (std::int64_t i = b; i < e; ++i) d[i] += s[i];
-    });
-  });
-}
-
 // Whether every element of every gradient is finite: one read pass, on the device's threads.
 // The exponent bits are tested as integers, so the loop vectorises (an OR reduction) and does
 // not depend on the compiler honouring isfinite().
@@ -313,17 +299,6 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     slots_.push_back(std::move(slots));
   }
   variables_ = variables;
-}
-
-void Optimizer::accumulate(int replica, const std::vector<Tensor>& gradients) {
-  TANDEM_REQUIRE(accumulation_steps_ > 1 && gradients.size() == accumulators_.size(), InvalidArgument,
-                 "{}: accumulate() needs gradient_accumulation_steps and one gradient per variable", name());
-  for (std::size_t i = 0; i < gradients.size(); ++i) add_into(accumulators_[i]->value(replica), gradients[i]);
-}
-
-void Optimizer::add_accumulated(int replica, std::size_t index, Tensor& gradient) {
-  if (accumulation_steps_ == 1) return;
-  add_into(gradient, accumulators_.at(index)->value(replica));
 }
 
 double Optimizer::loss_scale(int replica) const {

@@ -140,7 +140,7 @@ class Optimizer {
   // Applies one gradient per built variable (same order; each on the replica's device, same
   // shape) to replica `replica`'s copies. Does not advance iterations. With gradient
   // accumulation, call it on update steps only, with the gradients summed over the accumulated
-  // steps (add_accumulated); it divides by the step count and clears this replica's accumulators.
+  // steps (accumulators()); it divides by the step count and clears this replica's accumulators.
   // Under loss scaling the gradients are those of the scaled loss: a finite step applies them
   // unscaled and counts it in replica's copy of the loss-scale state, a non-finite one changes
   // only that state (see LossScaleOptimizer). Returns whether the weights were updated (false
@@ -158,10 +158,11 @@ class Optimizer {
   int accumulation_steps() const { return accumulation_steps_; }
   // Whether the coming step changes the weights (always, without accumulation).
   bool is_update_step() const { return (iterations_ + 1) % accumulation_steps_ == 0; }
-  // A step that is not an update step: adds the gradients to replica's accumulators.
-  void accumulate(int replica, const std::vector<Tensor>& gradients);
-  // An update step: adds replica's accumulated gradient of variable `index` into `gradient`.
-  void add_accumulated(int replica, std::size_t index, Tensor& gradient);
+  // Per built variable, the sum of its gradients over the steps since the last update (slots,
+  // so that checkpoints carry them); empty without accumulation. The strategy's gradient reducer
+  // adds each micro-step's gradients into them and folds them into the update step's gradients;
+  // apply() clears them.
+  const std::vector<VariablePtr>& accumulators() const { return accumulators_; }
   // Ends a step: iterations += 1. Call once per step after every replica's apply().
   void finish_step() { ++iterations_; }
 

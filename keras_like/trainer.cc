@@ -14,28 +14,24 @@
 // them as it applies them, or skips the step (every replica sees the same reduced values, so all
 // take the same decision). The logged loss sums are taken before the scaling.
 //
-// Gradients are all-reduced in buckets, in the order backward produces them (reverse layer
-// order; the first bucket small, then up to DistributionOptions::bucket_bytes, as PyTorch DDP
-// does). With overlap, a replica's communication thread reduces a bucket as soon as its last
-// gradient is computed, while backward goes on; otherwise all buckets are reduced after backward.
-// Every replica then applies the same reduced gradients to its own copies.
+// How the gradients are communicated is the strategy's business: the trainer asks it for a
+// GradientReducer (strategy/gradient_reducer.h), hands the reducer's observer to each replica's
+// run, and takes the reduced gradients from it (PyTorch keeps DDP's Reducer in its distributed
+// package, not in its model API, for the same reason: a new strategy changes nothing here). Every
+// replica then applies the gradients it got to its own copies.
 #include <algorithm>
 #include <cmath>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <string_view>
-#include <thread>
 
 #include "tandem/base/random.h"
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/op_registry.h"
 #include "tandem/keras_like/detail/model_state.h"
-#include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/ops.h"
 
 namespace tandem::keras::detail {
@@ -66,29 +62,6 @@ std::string spec_string(const std::vector<graph::TensorSpec>& specs) {
   return out;
 }
 
-// Whether a value is read by another node of the graph (or is a view of one): such a gradient
-// cannot be all-reduced in place while backward goes on.
-bool shared_with_other_nodes(const Graph& graph, Output value) {
-  if (value.producer().op->forwards_input >= 0) return true;
-  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
-    for (const auto& in : graph.node(id).inputs) {
-      if (in == value) return true;
-    }
-  }
-  return false;
-}
-
-// value *= factor, on the host (a few per-channel statistics: no kernel needed).
-void scale_in_place(Tensor& value, double factor) {
-  Tensor host = value.to(devices::default_cpu_device());
-  if (&host.device() != &value.device()) host = host.clone();
-  graph::dispatch<graph::FloatTypes>(host.dtype(), "scale", [&]<class T>() {
-    T* p = host.data<T>();
-    for (std::int64_t i = 0; i < host.num_elements(); ++i) p[i] = static_cast<T>(p[i] * factor);
-  });
-  if (host.raw_data() != value.raw_data()) value.copy_from(host);
-}
-
 // StepSums as a flat tensor of `dtype` and back: [loss, output losses..., metrics..., examples].
 void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype) {
   const auto n = static_cast<std::int64_t>(2 + sums.output_loss.size() + sums.metrics.size());
@@ -116,14 +89,6 @@ StepSums sums_from_tensor(const StepSums& shape, const Tensor& t) {
 
 }  // namespace
 
-// Gradient buckets: which gradients each holds, and the order every replica reduces them in.
-struct BucketPlan {
-  std::vector<std::vector<std::size_t>> buckets;     // gradient indices per bucket
-  std::vector<std::size_t> bucket_of;                // per gradient
-  std::vector<std::size_t> order;                    // buckets in the order backward completes them
-  std::map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
-};
-
 struct Trainer::Graphs {
   std::shared_ptr<Graph> graph = std::make_shared<Graph>();
   std::vector<Output> x, y;
@@ -134,87 +99,15 @@ struct Trainer::Graphs {
   // Fetch lists: [loss, output losses..., metrics..., (train) gradients..., updates...]
   std::vector<Output> train_fetches, test_fetches, predict_fetches;
   std::size_t num_sums = 0;  // fetched scalars before the gradients
-  BucketPlan buckets;
+  // The strategy's part of every training step: the gradients' communication.
+  std::unique_ptr<strategy::GradientReducer> reducer;
   // TANDEM_PROFILE=1: kernel times per op (replica 0's executor), printed with `times`.
   bool profile = false;
   TrainingTimes times;  // always kept (three clock reads a step): Model::training_times()
 };
 
-// Reduces a replica's gradient buckets on its own thread while the replica's backward goes on.
-class CommThread {
- public:
-  CommThread() : thread_([this] { loop(); }) {}
-  ~CommThread() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_.notify_all();
-    thread_.join();
-  }
-  CommThread(const CommThread&) = delete;
-  CommThread& operator=(const CommThread&) = delete;
-
-  // Queues work for this step; called by the replica's thread.
-  void submit(std::function<void()> work) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(work));
-    }
-    wake_.notify_all();
-  }
-  // Blocks until everything submitted has run; rethrows the first error.
-  void drain() {
-    std::unique_lock lock(mutex_);
-    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
-    if (error_) {
-      auto e = std::exchange(error_, nullptr);
-      std::rethrow_exception(e);
-    }
-  }
-  // Called at the start of a step: waits for work left by a failed step (its collectives were
-  // aborted, so this is quick) and forgets that step's error.
-  void reset() {
-    std::unique_lock lock(mutex_);
-    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
-    error_ = nullptr;
-  }
-
- private:
-  void loop() {
-    std::unique_lock lock(mutex_);
-    while (true) {
-      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (stopping_) return;
-      auto work = std::move(queue_.front());
-      queue_.erase(queue_.begin());
-      busy_ = true;
-      const bool failed = error_ != nullptr;  // after an error the rest of the step's work is dropped
-      lock.unlock();
-      try {
-        if (!failed) work();
-      } catch (...) {
-        std::lock_guard error_lock(mutex_);
-        if (!error_) error_ = std::current_exception();
-      }
-      lock.lock();
-      busy_ = false;
-      if (queue_.empty()) idle_.notify_all();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_, idle_;
-  std::vector<std::function<void()>> queue_;
-  bool busy_ = false;
-  bool stopping_ = false;
-  std::exception_ptr error_;
-  std::thread thread_;
-};
-
-struct Trainer::Replica : graph::NodeObserver {
+struct Trainer::Replica {
   int index = 0;
-  Trainer* trainer = nullptr;
   std::unique_ptr<graph::Executor> executor;
   std::vector<graph::Feed> feeds;
   // The loss's factor (1 / global batch, times the loss scale) as fed: on the replica's device,
@@ -225,42 +118,14 @@ struct Trainer::Replica : graph::NodeObserver {
   // The step's scalars read from a GPU: copied here together, one synchronisation for all.
   devices::PinnedHostBuffer scalar_staging;
   std::vector<Tensor> tail_grads;  // whole-step work: the gradients among the fetches
-  // This step's gradients: views of the executor's outputs, or zeros for an empty shard.
-  std::vector<Tensor> grads;
-  std::vector<Tensor> zero_grads;
-  std::vector<int> bucket_pending;
-  std::size_t next_bucket = 0;  // position in BucketPlan::order of the next bucket to reduce
-  bool reduce_now = false;      // this step reduces gradients (not an accumulation micro-step)
-  bool applied = true;          // false when loss scaling skipped this step (non-finite gradients)
-  bool overlap = false;
-  std::unique_ptr<CommThread> comm;
+  std::vector<Tensor> grads;       // the step's reduced gradients, as the optimizer takes them
+  bool applied = true;             // false when loss scaling skipped this step (non-finite gradients)
   StepSums sums;
-  // With several workers, the step's sums ride along with the last gradient bucket's all-reduce
-  // (one tensor appended to its span, in the bucket's dtype), so that the logs need no collective
-  // of their own: [loss, output losses..., metrics..., examples].
+  // With several workers, the step's sums ride along with the gradients' last collective (the
+  // reducer's sum_with_last_bucket), so that the logs need no collective of their own:
+  // [loss, output losses..., metrics..., examples].
   Tensor sums_tensor;
-  bool sums_in_last_bucket = false;
-  // DistributionOptions::gradient_all_reduce_dtype: per bucket, its gradients rounded to 16 bits
-  // in one buffer (made at the first step).
-  std::vector<Tensor> compressed;
-
-  // A node finished: record its gradients, and hand every bucket that is now complete (in order)
-  // to the communication thread, except the last: backward is over when it completes, so the
-  // replica's own thread reduces it (a hand-off to another thread would only add a wake-up).
-  void node_done(int node_id, std::span<Tensor* const> outputs) override {
-    const auto& plan = trainer->graphs_->buckets;
-    const auto it = plan.grads_of_node.find(node_id);
-    if (it == plan.grads_of_node.end()) return;
-    for (const auto& [grad, out] : it->second) {
-      grads[grad] = *outputs[static_cast<std::size_t>(out)];
-      --bucket_pending[plan.bucket_of[grad]];
-    }
-    if (!reduce_now || !overlap) return;
-    while (next_bucket + 1 < plan.order.size() && bucket_pending[plan.order[next_bucket]] == 0) {
-      const std::size_t bucket = plan.order[next_bucket++];
-      comm->submit([this, bucket] { trainer->reduce_bucket(*this, bucket); });
-    }
-  }
+  bool sums_reduced = false;
 };
 
 // Metric state of one phase: per replica, the sums of (loss, output losses..., metrics...) and of
@@ -394,44 +259,14 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     for (const auto& w : g.trainable) xs.push_back(train_ctx.read_variable(w));
     const Output scaled = train_total * ops::cast(g.loss_scale, train_total.dtype());
     auto grads = graph::gradients({&scaled, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
-    // A gradient that other nodes still read (or a view of one) gets its own buffer, so that it can
-    // be all-reduced in place while backward runs.
-    for (auto& grad : grads) {
-      if (shared_with_other_nodes(graph, grad)) grad = ops::copy(grad);
-    }
+    // The strategy reduces them in place while backward goes on: each needs a buffer of its own.
+    strategy::make_gradients_reducible(graph, grads);
     g.train_fetches.insert(g.train_fetches.end(), grads.begin(), grads.end());
     for (const auto& [variable, value] : g.updates) g.train_fetches.push_back(value);
     model.optimizer->build(g.trainable);
-
-    // Buckets in reverse layer order: the first small, so that communication starts early. A
-    // gradient larger than a bucket gets a bucket of its own.
-    const auto& options = model.strategy->distribution_options();
-    auto& plan = g.buckets;
-    plan.bucket_of.assign(grads.size(), 0);
-    std::int64_t bytes = 0;
-    for (std::size_t k = grads.size(); k-- > 0;) {
-      const std::int64_t limit = plan.buckets.size() == 1 ? options.first_bucket_bytes : options.bucket_bytes;
-      const std::int64_t size =
-          g.trainable[k]->shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(g.trainable[k]->dtype()));
-      const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit);
-      if (starts_new) {
-        plan.buckets.emplace_back();
-        bytes = 0;
-      }
-      plan.buckets.back().push_back(k);
-      plan.bucket_of[k] = plan.buckets.size() - 1;
-      bytes += size;
-      plan.grads_of_node[grads[k].node].emplace_back(k, grads[k].index);
-    }
-    // Backward completes a bucket with its last-computed gradient: the order is by that node.
-    std::vector<std::pair<int, std::size_t>> completion;
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      int last = -1;
-      for (auto k : plan.buckets[b]) last = std::max(last, grads[k].node);
-      completion.emplace_back(last, b);
-    }
-    std::sort(completion.begin(), completion.end());
-    for (const auto& [node, b] : completion) plan.order.push_back(b);
+    std::vector<strategy::GradientSource> sources;
+    for (std::size_t k = 0; k < grads.size(); ++k) sources.push_back({g.trainable[k], grads[k]});
+    g.reducer = model.strategy->make_gradient_reducer(std::move(sources), {.accumulators = model.optimizer->accumulators()});
   }
 
   // One replica per device of the strategy, with an executor bound to that replica's copies.
@@ -441,7 +276,6 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
   for (std::size_t r = 0; r < devices.size(); ++r) {
     auto replica = std::make_unique<Replica>();
     replica->index = static_cast<int>(r);
-    replica->trainer = this;
     // Random streams differ between all replicas of all workers (Dropout masks).
     const auto global_replica = static_cast<std::uint64_t>(model.strategy->worker_rank()) * devices.size() + r;
     replica->executor = std::make_unique<graph::Executor>(
@@ -454,10 +288,6 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
       replica->executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
     }
     replica->loss_scale_value = Tensor::zeros({}, DType::kF32, *devices[r]);
-    // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
-    replica->overlap =
-        model.strategy->distribution_options().overlap_communication && model.strategy->num_replicas_in_sync() > 1;
-    if (replica->overlap) replica->comm = std::make_unique<CommThread>();
     replicas_.push_back(std::move(replica));
   }
   if (with_targets && model.compiled) {
@@ -498,89 +328,20 @@ bool Trainer::accepts(const std::vector<graph::TensorSpec>& element_spec, bool w
   return true;
 }
 
-// One gradient bucket, all-reduced (SUM) across replicas in place. On an update step after
-// accumulated micro-steps, this replica's accumulated gradients are added first.
-void Trainer::reduce_bucket(Replica& replica, std::size_t bucket) {
-  const auto& indices = graphs_->buckets.buckets[bucket];
-  std::vector<Tensor> tensors;
-  tensors.reserve(indices.size());
-  auto& optimizer = *model_.optimizer;
-  for (auto k : indices) {
-    optimizer.add_accumulated(replica.index, k, replica.grads[k]);
-    tensors.push_back(replica.grads[k]);
-  }
-  const bool with_sums = replica.sums_in_last_bucket && bucket == graphs_->buckets.order.back();
-  auto& comm = model_.strategy->communicator(replica.index);
-  const auto& options = model_.strategy->distribution_options();
-  const collective::CallOptions call{.timeout = options.collective_timeout};
-  if (comm.size() > 1 && options.gradient_all_reduce_dtype && tensors.front().dtype() == DType::kF32) {
-    reduce_compressed(replica, bucket, tensors, *options.gradient_all_reduce_dtype);
-    if (with_sums) comm.all_reduce({&replica.sums_tensor, 1}, collective::ReduceOp::kSum, call);
-  } else {
-    if (with_sums) tensors.push_back(replica.sums_tensor);
-    if (comm.size() > 1) comm.all_reduce(tensors, collective::ReduceOp::kSum, call);
-  }
-  if (with_sums) replica.sums = sums_from_tensor(replica.sums, replica.sums_tensor);
-}
-
-// The bucket's float32 gradients, all-reduced as 16-bit values: narrowed into one buffer, summed,
-// widened back in place.
-void Trainer::reduce_compressed(Replica& replica, std::size_t bucket, std::span<Tensor> grads, DType wire) {
-  TANDEM_REQUIRE(graph::is_low_precision(wire), InvalidArgument,
-                 "DistributionOptions::gradient_all_reduce_dtype is {}; expected float16 or bfloat16", wire);
-  std::int64_t elements = 0;
-  for (const auto& g : grads) elements += g.num_elements();
-  auto& device = grads.front().device();
-  const bool on_host = device.host_accessible();
-  auto& buffers = replica.compressed;
-  if (buffers.size() != graphs_->buckets.buckets.size()) buffers.assign(graphs_->buckets.buckets.size(), Tensor());
-  Tensor& buffer = buffers[bucket];
-  if (!buffer.defined() || buffer.num_elements() != elements || buffer.dtype() != wire) {
-    buffer = Tensor::empty({elements}, wire, device);
-  }
-  auto* wire_bytes = static_cast<std::byte*>(buffer.raw_data());
-  std::int64_t offset = 0;
-  for (const auto& g : grads) {
-    if (on_host) {
-      graph::narrow_from_float32(static_cast<const float*>(g.raw_data()), wire, wire_bytes + offset * 2, g.num_elements());
-    } else {
-      ops::detail::convert_on_device(device, g.raw_data(), DType::kF32, wire_bytes + offset * 2, wire, g.num_elements());
-    }
-    offset += g.num_elements();
-  }
-  model_.strategy->communicator(replica.index)
-      .all_reduce({&buffer, 1}, collective::ReduceOp::kSum,
-                  {.timeout = model_.strategy->distribution_options().collective_timeout});
-  offset = 0;
-  for (auto& g : grads) {
-    if (on_host) {
-      graph::widen_to_float32(wire, wire_bytes + offset * 2, static_cast<float*>(g.raw_data()), g.num_elements());
-    } else {
-      ops::detail::convert_on_device(device, wire_bytes + offset * 2, wire, g.raw_data(), DType::kF32, g.num_elements());
-    }
-    offset += g.num_elements();
-  }
-}
-
 // A GPU replica's whole training step as device work in one executor run: forward and backward,
 // the gradient all-reduce queued on the device (NCCL), the optimizer update reading its numbers
 // from device memory, the layers' moving statistics copied into their variables. Nothing in it
 // waits for the host, so the executor records it as one CUDA graph and replays it. It needs a
 // step with no host decision in it: no loss scaling or clipping by norm (they read gradients on
-// the host), no accumulation, one worker, no compressed all-reduce; and with several replicas, a
-// communicator that queues on the device and no moving statistics (their all-reduce is weighted
-// by each replica's examples). Other steps run as before, in parts.
+// the host), no accumulation, a reduction the strategy can queue on the device; and with several
+// replicas no moving statistics (their sum across replicas is weighted by each replica's
+// examples). Other steps run as before, in parts.
 bool Trainer::runs_whole_step(int r) const {
-  auto& strategy = *model_.strategy;
   const Replica& replica = *replicas_[static_cast<std::size_t>(r)];
   if (!model_.cuda_graphs || replica.executor->device().host_accessible()) return false;
-  if (strategy.num_workers() > 1 || strategy.distribution_options().gradient_all_reduce_dtype) return false;
   if (!model_.optimizer->can_update_from_device_memory(r)) return false;
-  if (replicas_.size() > 1) {
-    if (!graphs_->updates.empty()) return false;
-    if (!strategy.communicator(r).enqueues_on_device()) return false;
-  }
-  return true;
+  if (replicas_.size() > 1 && !graphs_->updates.empty()) return false;
+  return graphs_->reducer->reduces_on_device(r);
 }
 
 void Trainer::whole_step_work(Replica& replica, graph::RunOptions& options) {
@@ -588,7 +349,7 @@ void Trainer::whole_step_work(Replica& replica, graph::RunOptions& options) {
   const int r = replica.index;
   auto& optimizer = *model_.optimizer;
   optimizer.stage_update_params(r);
-  options.observer = nullptr;  // no buckets are handed to the communication thread
+  options.observer = nullptr;  // the gradients are reduced on the device, by the tail
   options.tail_addresses = optimizer.update_addresses(r);
   for (const auto& [variable, output] : g.updates) options.tail_addresses.push_back(variable->value(r).raw_data());
   options.tail = [this, &replica](const graph::TailContext& tail) {
@@ -597,11 +358,7 @@ void Trainer::whole_step_work(Replica& replica, graph::RunOptions& options) {
     auto& grads = replica.tail_grads;
     grads.assign(tail.fetched.begin() + static_cast<std::ptrdiff_t>(graphs.num_sums),
                  tail.fetched.begin() + static_cast<std::ptrdiff_t>(graphs.num_sums + graphs.trainable.size()));
-    if (replicas_.size() > 1) {
-      // One call: NCCL groups the tensors into one launch (no bucketing: nothing overlaps backward
-      // here, the whole step is one graph).
-      model_.strategy->communicator(rr).all_reduce_on_device(grads, collective::ReduceOp::kSum);
-    }
+    graphs.reducer->queue_reduction_on_device(rr, grads);
     model_.optimizer->queue_update_from_device_memory(rr, grads, tail.fault_word);
     for (std::size_t u = 0; u < graphs.updates.size(); ++u) {
       graphs.updates[u].first->value(rr).copy_from(tail.fetched[graphs.num_sums + graphs.trainable.size() + u]);
@@ -635,13 +392,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
   const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
-  const auto& plan = g.buckets;
-  if (replica.comm) replica.comm->reset();
-  replica.grads.assign(g.trainable.size(), Tensor());
-  replica.bucket_pending.assign(plan.buckets.size(), 0);
-  for (std::size_t b = 0; b < plan.buckets.size(); ++b) replica.bucket_pending[b] = static_cast<int>(plan.buckets[b].size());
-  replica.next_bucket = 0;
-  replica.reduce_now = update;
+  auto& reducer = *g.reducer;
+  // A micro-step of gradient accumulation does not communicate (DDP's no_sync).
+  reducer.begin_step(r, update ? strategy::StepKind::kReduce : strategy::StepKind::kAccumulate);
   replica.sums = StepSums{};
   std::vector<Tensor> fetched;
   if (rows > 0) {
@@ -660,7 +413,7 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // Dropout's masks follow the optimizer's step count, not the executor's run count, so that a
     // run resumed from a backup draws what the interrupted run would have drawn.
     graph::RunOptions run_options{.random_step = static_cast<std::uint64_t>(model_.optimizer->iterations()),
-                                  .observer = &replica};
+                                  .observer = reducer.observer(r)};
     if (whole_step) whole_step_work(replica, run_options);
     fetched = replica.executor->run(feeds, g.train_fetches, run_options);
     const auto scalars = read_step_scalars(replica, fetched);
@@ -673,47 +426,33 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     replica.sums.examples = rows;
     if (whole_step) {  // the gradients were reduced and applied inside the run
       replica.applied = true;
-      replica.sums_in_last_bucket = false;
+      replica.sums_reduced = false;
       return;
     }
   } else {
     // An empty shard (the last batch had fewer examples than replicas): nothing to run, but the
     // replica still takes part in every collective, with zero gradients.
-    if (replica.zero_grads.empty()) {
-      for (const auto& w : g.trainable) replica.zero_grads.push_back(Tensor::zeros(w->shape(), w->dtype(), w->value(r).device()));
-    }
-    for (std::size_t k = 0; k < g.trainable.size(); ++k) {
-      Tensor& z = replica.zero_grads[k];
-      z.device().fill_zero(z.raw_data(), z.nbytes());
-      replica.grads[k] = z;
-    }
-    std::fill(replica.bucket_pending.begin(), replica.bucket_pending.end(), 0);
+    reducer.set_zero_gradients(r);
     replica.sums.output_loss.assign(model_.outputs.size() > 1 ? model_.outputs.size() : 0, 0.0);
     replica.sums.metrics.assign(g.num_sums - 1 - replica.sums.output_loss.size(), 0.0);
   }
 
-  replica.sums_in_last_bucket = update && model_.strategy->num_workers() > 1 && !plan.order.empty();
-  if (replica.sums_in_last_bucket) sums_to_tensor(replica.sums, replica.sums_tensor, g.trainable.front()->dtype());
-  const auto reducing = std::chrono::steady_clock::now();
-  if (update) {
-    if (replica.overlap && rows > 0) {
-      replica.comm->drain();  // the buckets handed over during backward; then the rest, in order
-      while (replica.next_bucket < plan.order.size()) reduce_bucket(replica, plan.order[replica.next_bucket++]);
-    } else {
-      for (const std::size_t b : plan.order) reduce_bucket(replica, b);
-    }
+  replica.sums_reduced = false;
+  if (model_.strategy->num_workers() > 1) {
+    sums_to_tensor(replica.sums, replica.sums_tensor, reducer.extra_dtype());
+    replica.sums_reduced = reducer.sum_with_last_bucket(r, replica.sums_tensor);
   }
+  const auto reducing = std::chrono::steady_clock::now();
+  const auto reduced = reducer.finish_step(r);  // on a micro-step: accumulated, not communicated
+  if (replica.sums_reduced) replica.sums = sums_from_tensor(replica.sums, replica.sums_tensor);
   const auto applying = std::chrono::steady_clock::now();
-  auto& optimizer = *model_.optimizer;
   replica.applied = true;
   if (update) {
-    replica.applied = optimizer.apply(r, replica.grads);
-  } else {
-    optimizer.accumulate(r, replica.grads);  // a micro-step: no all-reduce (DDP's no_sync)
+    replica.grads.assign(reduced.begin(), reduced.end());
+    replica.applied = model_.optimizer->apply(r, replica.grads);
   }
   // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
   // so that every copy stays equal.
-  auto& comm = model_.strategy->communicator(r);
   for (std::size_t u = 0; u < g.updates.size(); ++u) {
     const VariablePtr& variable = g.updates[u].first;
     Tensor value;
@@ -722,12 +461,8 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     } else {
       value = Tensor::zeros(variable->shape(), variable->dtype(), variable->value(r).device());
     }
-    if (comm.size() > 1) {
-      const double weight = static_cast<double>(rows) / static_cast<double>(std::max<std::int64_t>(1, global_examples));
-      scale_in_place(value, weight);
-      comm.all_reduce(value, collective::ReduceOp::kSum,
-                      {.timeout = model_.strategy->distribution_options().collective_timeout});
-    }
+    const double weight = static_cast<double>(rows) / static_cast<double>(std::max<std::int64_t>(1, global_examples));
+    reducer.weighted_sum_across_replicas(r, value, weight);
     variable->value(r).copy_from(value);
   }
   if (r == 0) {
@@ -799,7 +534,7 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
       run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step);
     });
   }
-  if (replicas_.front()->sums_in_last_bucket) {
+  if (replicas_.front()->sums_reduced) {
     train_metrics_->add(0, replicas_.front()->sums);  // already summed over every replica
   } else {
     std::vector<StepSums> sums;
@@ -925,7 +660,7 @@ void Trainer::write_logs(Phase phase, Logs& logs, std::string_view prefix) const
 
 void Trainer::check_replicas_agree() const {
   if (replicas_.size() < 2) return;
-  for (const auto& v : graphs_->variables.variables) v->check_copies_equal();
+  model_.strategy->check_replicas_agree(graphs_->variables.variables);
 }
 
 }  // namespace tandem::keras::detail

@@ -137,6 +137,19 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices, std:
 
 Strategy::~Strategy() = default;
 
+VariablePlan Strategy::variable_plan(const Variable& /*variable*/) const { return {}; }
+
+void Strategy::check_replicas_agree(std::span<const std::shared_ptr<Variable>> variables) const {
+  for (const auto& v : variables) {
+    if (variable_plan(*v).reduction == VariablePlan::Reduction::kAllReduce) v->check_copies_equal();
+  }
+}
+
+std::unique_ptr<GradientReducer> Strategy::make_gradient_reducer(std::vector<GradientSource> gradients,
+                                                                 GradientReducerOptions options) {
+  return std::make_unique<GradientReducer>(*this, std::move(gradients), std::move(options));
+}
+
 Strategy::Scope::Scope(Strategy& strategy) {
   for (const Strategy* active : tls_scope_stack) {
     TANDEM_REQUIRE(active == &strategy, FailedPrecondition,

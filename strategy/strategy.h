@@ -25,6 +25,7 @@
 #include "tandem/data/dataset.h"
 #include "tandem/devices/device.h"
 #include "tandem/strategy/cross_device_ops.h"
+#include "tandem/strategy/gradient_reducer.h"
 #include "tandem/strategy/variable.h"
 
 namespace tandem::strategy {
@@ -169,6 +170,19 @@ class Strategy {
                                                      const data::IterateOptions& options) const;
   // Whether iterate_for_worker stages batches on the devices (fetch_to_device resolved).
   bool fetches_to_device() const;
+
+  // --- how training communicates (the strategy's part of a step; see gradient_reducer.h) -------
+  // How `variable`'s gradient is communicated during training. Data-parallel strategies (these)
+  // all-reduce every gradient; a strategy that splits variables answers per variable.
+  virtual VariablePlan variable_plan(const Variable& variable) const;
+  // Checks that the copies of every variable this strategy replicates are still bit-identical
+  // (every replica applied the same updates); FailedPrecondition naming the first that differs.
+  // Variables whose gradients are not reduced (variable_plan) keep per-replica values: skipped.
+  virtual void check_replicas_agree(std::span<const std::shared_ptr<Variable>> variables) const;
+  // The gradient reducer for one training graph (fit() makes one per model graph; a custom loop
+  // makes its own). A strategy with another way of communicating returns a subclass.
+  virtual std::unique_ptr<GradientReducer> make_gradient_reducer(std::vector<GradientSource> gradients,
+                                                                 GradientReducerOptions options = {});
 
   // The group communicator of one replica (created on first use with the cross-device ops).
   collective::Communicator& communicator(int replica);

@@ -62,7 +62,8 @@ enum class Phase { kTrain, kTest };
 // Builds and runs the model's graph: one graph with the training pass (loss, metrics, gradients,
 // layer updates) and the inference pass (evaluate, predict), instantiated once per replica of the
 // model's strategy. A training step splits the global batch across the replicas, runs them in
-// parallel, all-reduces the gradients in buckets, and applies the optimizer on every replica.
+// parallel, has the strategy's gradient reducer communicate the gradients, and applies the
+// optimizer on every replica.
 class Trainer {
  public:
   // element_spec: the data's components: the inputs, then (when training or evaluating) the targets.
@@ -107,8 +108,6 @@ class Trainer {
   void whole_step_work(Replica& replica, graph::RunOptions& options);
   // The step's fetched scalars [loss, output losses..., metrics...].
   std::vector<double> read_step_scalars(Replica& replica, std::span<const Tensor> fetched);
-  void reduce_bucket(Replica& replica, std::size_t bucket);
-  void reduce_compressed(Replica& replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
 
   ModelState& model_;
   std::vector<graph::TensorSpec> element_spec_;

@@ -1,0 +1,449 @@
+// The gradient reducer: bucket planning, the per-replica communication thread, overlap with
+// backward, 16-bit compression, accumulation without communication, and the device-side path.
+#include "tandem/strategy/gradient_reducer.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+
+#include "tandem/base/errors.h"
+#include "tandem/graph/dtype.h"
+#include "tandem/graph/op_registry.h"
+#include "tandem/ops/array_ops.h"
+#include "tandem/ops/detail/device_update.h"
+#include "tandem/strategy/strategy.h"
+
+namespace tandem::strategy {
+namespace {
+
+// Element-wise work on host memory runs in chunks of this many elements per task.
+constexpr std::int64_t kAddGrain = 1 << 14;
+
+// Runs a replica's bucket collectives on a thread of its own while the replica's backward goes
+// on. Work runs in submission order; after an error the rest of the step's work is dropped (the
+// strategy aborts the group, so the other replicas' matching calls fail too).
+class CommThread {
+ public:
+  CommThread() : thread_([this] { loop(); }) {}
+  ~CommThread() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  // Queues work for this step; called by the replica's thread.
+  void submit(std::function<void()> work) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(work));
+    }
+    wake_.notify_all();
+  }
+  // Blocks until everything submitted has run; rethrows the first error.
+  void drain() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+  // At the start of a step: waits for work a failed step left (its collectives were aborted, so
+  // this is quick) and forgets that step's error.
+  void reset() {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    error_ = nullptr;
+  }
+
+ private:
+  void loop() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      auto work = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+      busy_ = true;
+      const bool failed = error_ != nullptr;
+      lock.unlock();
+      try {
+        if (!failed) work();
+      } catch (...) {
+        std::lock_guard error_lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      lock.lock();
+      busy_ = false;
+      if (queue_.empty()) idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::vector<std::function<void()>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+// dst += src, element-wise, on the device's threads (gradient accumulation).
+void add_into(Tensor& dst, const Tensor& src) {
+  TANDEM_REQUIRE(dst.device().host_accessible(), Unimplemented,
+                 "gradient accumulation on {}: accumulation runs on host memory only so far", dst.device().short_name());
+  graph::dispatch<graph::FloatTypes>(dst.dtype(), "gradient accumulation", [&]<class T>() {
+    T* __restrict d = static_cast<T*>(dst.raw_data());
+    const T* __restrict s = static_cast<const T*>(src.raw_data());
+    dst.device().parallel_for(dst.num_elements(), kAddGrain, [=](std::int64_t b, std::int64_t e) {
+      for (std::int64_t i = b; i < e; ++i) d[i] += s[i];
+    });
+  });
+}
+
+// value *= factor, on the host (a few per-channel statistics: no kernel needed).
+void scale_in_place(Tensor& value, double factor) {
+  Tensor host = value.to(devices::default_cpu_device());
+  if (&host.device() != &value.device()) host = host.clone();
+  graph::dispatch<graph::FloatTypes>(host.dtype(), "weighted sum across replicas", [&]<class T>() {
+    T* p = host.data<T>();
+    for (std::int64_t i = 0; i < host.num_elements(); ++i) p[i] = static_cast<T>(p[i] * factor);
+  });
+  if (host.raw_data() != value.raw_data()) value.copy_from(host);
+}
+
+// The first node after `value`'s producer that reads it, or -1. A view (an op that forwards its
+// input) counts as read by its producer's input.
+int first_other_reader(const graph::Graph& graph, graph::Output value) {
+  if (value.producer().op->forwards_input >= 0) return value.node;
+  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
+    for (const auto& in : graph.node(id).inputs) {
+      if (in == value) return id;
+    }
+  }
+  return -1;
+}
+
+std::int64_t bytes_of(const Variable& v) {
+  return v.shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(v.dtype()));
+}
+
+}  // namespace
+
+void make_gradients_reducible(graph::Graph& graph, std::span<graph::Output> gradients) {
+  for (auto& gradient : gradients) {
+    if (gradient.defined() && first_other_reader(graph, gradient) >= 0) gradient = ops::copy(gradient);
+  }
+}
+
+// Which gradients each bucket holds, and the order every replica reduces the buckets in.
+struct GradientReducer::Plan {
+  std::vector<std::vector<std::size_t>> buckets;  // gradient indices, per bucket
+  std::vector<std::ptrdiff_t> bucket_of;          // per gradient; -1 when it is not communicated
+  std::vector<std::size_t> order;                 // bucket ids, in the order backward completes them
+  std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
+};
+
+// Files a replica's gradients as backward computes them, and hands every bucket that is complete
+// (in order) to the communication thread, except the last: backward is over when it completes,
+// so the replica's own thread reduces it (a hand-off would only add a wake-up).
+class GradientReducer::Observer final : public graph::NodeObserver {
+ public:
+  Observer(GradientReducer& reducer, int replica) : reducer_(reducer), replica_(replica) {}
+  void node_done(int node_id, std::span<Tensor* const> outputs) override;
+
+ private:
+  GradientReducer& reducer_;
+  int replica_;
+};
+
+struct GradientReducer::ReplicaState {
+  std::unique_ptr<Observer> observer;
+  StepKind kind = StepKind::kReduce;
+  // This step's gradients: views of the run's outputs, or zeros for an empty shard.
+  std::vector<Tensor> grads;
+  std::vector<Tensor> zero_grads;
+  std::vector<int> bucket_pending;  // gradients each bucket still waits for
+  std::size_t next_bucket = 0;      // position in Plan::order of the next bucket to reduce
+  std::int64_t overlapped = 0;      // buckets handed to `comm` during backward, all steps
+  bool overlap = false;
+  std::unique_ptr<CommThread> comm;
+  Tensor extra;  // sum_with_last_bucket's tensor, when set for this step
+  // DistributionOptions::gradient_all_reduce_dtype: per bucket, its gradients rounded to 16 bits
+  // in one buffer (made at the first step that needs it).
+  std::vector<Tensor> compressed;
+};
+
+void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> outputs) {
+  const Plan& plan = *reducer_.plan_;
+  const auto it = plan.grads_of_node.find(node_id);
+  if (it == plan.grads_of_node.end()) return;
+  ReplicaState& s = reducer_.state(replica_);
+  for (const auto& [grad, out] : it->second) {
+    s.grads[grad] = *outputs[static_cast<std::size_t>(out)];
+    if (plan.bucket_of[grad] >= 0) --s.bucket_pending[static_cast<std::size_t>(plan.bucket_of[grad])];
+  }
+  if (s.kind != StepKind::kReduce || !s.overlap) return;
+  while (s.next_bucket + 1 < plan.order.size() && s.bucket_pending[plan.order[s.next_bucket]] == 0) {
+    const std::size_t bucket = plan.order[s.next_bucket++];
+    ++s.overlapped;
+    s.comm->submit([this, bucket] { reducer_.reduce_bucket(replica_, bucket); });
+  }
+}
+
+GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource> gradients, GradientReducerOptions options)
+    : strategy_(strategy), sources_(std::move(gradients)), options_(std::move(options)), plan_(std::make_unique<Plan>()) {
+  TANDEM_REQUIRE(options_.accumulators.empty() || options_.accumulators.size() == sources_.size(), InvalidArgument,
+                 "gradient reducer: {} accumulators for {} gradients", options_.accumulators.size(), sources_.size());
+  for (std::size_t k = 0; k < sources_.size(); ++k) {
+    const auto& [variable, gradient] = sources_[k];
+    TANDEM_REQUIRE(variable != nullptr && gradient.defined(), InvalidArgument,
+                   "gradient reducer: gradient {} has no {}", k, variable == nullptr ? "variable" : "graph value");
+    TANDEM_REQUIRE(&variable->strategy() == &strategy_, FailedPrecondition,
+                   "gradient reducer of {}: variable \"{}\" was created under {}", strategy_.name(), variable->name(),
+                   variable->strategy().name());
+    TANDEM_REQUIRE(gradient.dtype() == variable->dtype() && gradient.shape().compatible_with(variable->shape()),
+                   InvalidArgument, "gradient reducer: the gradient of variable \"{}\" ({} {}) is {} {} ({})",
+                   variable->name(), variable->dtype(), variable->shape(), gradient.dtype(), gradient.shape(),
+                   gradient.name());
+    const int reader = first_other_reader(*gradient.graph, gradient);
+    TANDEM_REQUIRE(reader < 0, InvalidArgument,
+                   "gradient reducer: the gradient of variable \"{}\" ({}) is {}; it is reduced in place while backward "
+                   "goes on, so give it a buffer of its own first (make_gradients_reducible)",
+                   variable->name(), gradient.name(),
+                   reader == gradient.node ? std::string("a view of another value")
+                                           : fmt::format("read by {}", gradient.graph->node(reader).label()));
+    if (!options_.accumulators.empty()) {
+      const auto& acc = *options_.accumulators[k];
+      TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->shape(), InvalidArgument,
+                     "gradient reducer: accumulator \"{}\" is {} {}, its variable \"{}\" {} {}", acc.name(), acc.dtype(),
+                     acc.shape(), variable->name(), variable->dtype(), variable->shape());
+    }
+  }
+
+  // Buckets in reverse creation order: backward computes the last layer's gradients first. A new
+  // bucket starts when the next gradient would overflow this one, or has another dtype (a bucket
+  // is reduced as one buffer).
+  const auto& distribution = strategy_.distribution_options();
+  auto& plan = *plan_;
+  plan.bucket_of.assign(sources_.size(), -1);
+  std::int64_t bytes = 0;
+  for (std::size_t k = sources_.size(); k-- > 0;) {
+    const auto& [variable, gradient] = sources_[k];
+    plan.grads_of_node[gradient.node].emplace_back(k, gradient.index);
+    if (strategy_.variable_plan(*variable).reduction != VariablePlan::Reduction::kAllReduce) continue;
+    const std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
+    const std::int64_t size = bytes_of(*variable);
+    const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
+                            sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype();
+    if (starts_new) {
+      plan.buckets.emplace_back();
+      bytes = 0;
+    }
+    plan.buckets.back().push_back(k);
+    plan.bucket_of[k] = static_cast<std::ptrdiff_t>(plan.buckets.size() - 1);
+    bytes += size;
+  }
+  // Backward completes a bucket with its last-computed gradient: the order is by that node.
+  std::vector<std::pair<int, std::size_t>> completion;
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+    int last = -1;
+    for (auto k : plan.buckets[b]) last = std::max(last, sources_[k].gradient.node);
+    completion.emplace_back(last, b);
+  }
+  std::sort(completion.begin(), completion.end());
+  for (const auto& [node, b] : completion) plan.order.push_back(b);
+
+  // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
+  const bool overlap = distribution.overlap_communication && strategy_.num_replicas_in_sync() > 1;
+  for (std::size_t r = 0; r < strategy_.replica_devices().size(); ++r) {
+    auto s = std::make_unique<ReplicaState>();
+    s->observer = std::make_unique<Observer>(*this, static_cast<int>(r));
+    s->overlap = overlap;
+    if (overlap) s->comm = std::make_unique<CommThread>();
+    replicas_.push_back(std::move(s));
+  }
+}
+
+GradientReducer::~GradientReducer() = default;
+
+std::vector<std::vector<std::size_t>> GradientReducer::buckets() const {
+  std::vector<std::vector<std::size_t>> out;
+  for (const std::size_t b : plan_->order) out.push_back(plan_->buckets[b]);
+  return out;
+}
+
+GradientReducer::ReplicaState& GradientReducer::state(int replica) {
+  TANDEM_REQUIRE(replica >= 0 && static_cast<std::size_t>(replica) < replicas_.size(), InvalidArgument,
+                 "gradient reducer of {}: replica {} out of range [0, {})", strategy_.name(), replica, replicas_.size());
+  return *replicas_[static_cast<std::size_t>(replica)];
+}
+
+graph::NodeObserver* GradientReducer::observer(int replica) { return state(replica).observer.get(); }
+
+std::int64_t GradientReducer::overlapped_buckets(int replica) { return state(replica).overlapped; }
+
+void GradientReducer::begin_step(int replica, StepKind kind) {
+  TANDEM_REQUIRE(kind == StepKind::kReduce || !options_.accumulators.empty(), FailedPrecondition,
+                 "gradient reducer of {}: an accumulation step needs accumulators (GradientReducerOptions)",
+                 strategy_.name());
+  ReplicaState& s = state(replica);
+  if (s.comm) s.comm->reset();
+  s.kind = kind;
+  s.grads.assign(sources_.size(), Tensor());
+  s.bucket_pending.resize(plan_->buckets.size());
+  for (std::size_t b = 0; b < plan_->buckets.size(); ++b) s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
+  s.next_bucket = 0;
+  s.extra = Tensor();
+}
+
+void GradientReducer::set_zero_gradients(int replica) {
+  ReplicaState& s = state(replica);
+  if (s.zero_grads.empty()) {
+    for (const auto& [variable, gradient] : sources_) {
+      s.zero_grads.push_back(Tensor::zeros(variable->shape(), variable->dtype(), variable->value(replica).device()));
+    }
+  }
+  for (std::size_t k = 0; k < sources_.size(); ++k) {
+    Tensor& z = s.zero_grads[k];
+    z.device().fill_zero(z.raw_data(), z.nbytes());  // an earlier step may have reduced into it
+    s.grads[k] = z;
+  }
+  std::fill(s.bucket_pending.begin(), s.bucket_pending.end(), 0);
+}
+
+DType GradientReducer::extra_dtype() const {
+  if (plan_->order.empty()) return DType::kF32;
+  return sources_[plan_->buckets[plan_->order.back()].front()].variable->dtype();
+}
+
+bool GradientReducer::sum_with_last_bucket(int replica, Tensor extra) {
+  ReplicaState& s = state(replica);
+  if (s.kind != StepKind::kReduce || plan_->order.empty()) return false;
+  TANDEM_REQUIRE(extra.dtype() == extra_dtype() && extra.shape().rank() == 1, InvalidArgument,
+                 "gradient reducer: the tensor summed with the last bucket is {} {}; expected a 1-D {} tensor",
+                 extra.dtype(), extra.shape(), extra_dtype());
+  s.extra = std::move(extra);
+  return true;
+}
+
+std::span<const Tensor> GradientReducer::finish_step(int replica) {
+  ReplicaState& s = state(replica);
+  for (std::size_t k = 0; k < sources_.size(); ++k) {
+    TANDEM_REQUIRE(s.grads[k].defined(), FailedPrecondition,
+                   "gradient reducer: replica {} finished its step without the gradient of variable \"{}\" ({}); run "
+                   "the graph with RunOptions::observer = reducer.observer({}) and fetch every gradient, or call "
+                   "set_zero_gradients",
+                   replica, sources_[k].variable->name(), sources_[k].gradient.name(), replica);
+  }
+  if (s.kind == StepKind::kAccumulate) {
+    for (std::size_t k = 0; k < sources_.size(); ++k) add_into(options_.accumulators[k]->value(replica), s.grads[k]);
+    return s.grads;
+  }
+  // The buckets handed over during backward first; then the rest, in the same order.
+  if (s.comm) s.comm->drain();
+  while (s.next_bucket < plan_->order.size()) reduce_bucket(replica, plan_->order[s.next_bucket++]);
+  return s.grads;
+}
+
+// One bucket, all-reduced (SUM) across the replicas in sync, in place. After accumulated
+// micro-steps, this replica's accumulated sums are added first.
+void GradientReducer::reduce_bucket(int replica, std::size_t bucket) {
+  ReplicaState& s = state(replica);
+  std::vector<Tensor> tensors;
+  tensors.reserve(plan_->buckets[bucket].size() + 1);
+  for (const auto k : plan_->buckets[bucket]) {
+    if (!options_.accumulators.empty()) add_into(s.grads[k], options_.accumulators[k]->value(replica));
+    tensors.push_back(s.grads[k]);
+  }
+  const bool with_extra = s.extra.defined() && bucket == plan_->order.back();
+  auto& comm = strategy_.communicator(replica);
+  const auto& distribution = strategy_.distribution_options();
+  const collective::CallOptions call{.timeout = distribution.collective_timeout};
+  if (comm.size() > 1 && distribution.gradient_all_reduce_dtype && tensors.front().dtype() == DType::kF32) {
+    reduce_compressed(replica, bucket, tensors, *distribution.gradient_all_reduce_dtype);
+    if (with_extra) comm.all_reduce(s.extra, collective::ReduceOp::kSum, call);  // the sums stay exact
+    return;
+  }
+  if (with_extra) tensors.push_back(s.extra);
+  if (comm.size() > 1) comm.all_reduce(tensors, collective::ReduceOp::kSum, call);
+}
+
+// The bucket's float32 gradients, all-reduced as 16-bit values (PyTorch DDP's compression hooks):
+// narrowed into one buffer, summed, widened back in place.
+void GradientReducer::reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire) {
+  TANDEM_REQUIRE(graph::is_low_precision(wire), InvalidArgument,
+                 "DistributionOptions::gradient_all_reduce_dtype is {}; expected float16 or bfloat16", wire);
+  std::int64_t elements = 0;
+  for (const auto& g : grads) elements += g.num_elements();
+  auto& device = grads.front().device();
+  const bool on_host = device.host_accessible();
+  auto& buffers = state(replica).compressed;
+  if (buffers.size() != plan_->buckets.size()) buffers.assign(plan_->buckets.size(), Tensor());
+  Tensor& buffer = buffers[bucket];
+  if (!buffer.defined() || buffer.num_elements() != elements || buffer.dtype() != wire) {
+    buffer = Tensor::empty({elements}, wire, device);
+  }
+  auto* wire_bytes = static_cast<std::byte*>(buffer.raw_data());
+  const auto convert = [&](bool narrow) {
+    std::int64_t offset = 0;
+    for (auto& g : grads) {
+      std::byte* w = wire_bytes + offset * 2;
+      const std::int64_t n = g.num_elements();
+      if (on_host && narrow) {
+        graph::narrow_from_float32(static_cast<const float*>(g.raw_data()), wire, w, n);
+      } else if (on_host) {
+        graph::widen_to_float32(wire, w, static_cast<float*>(g.raw_data()), n);
+      } else if (narrow) {
+        ops::detail::convert_on_device(device, g.raw_data(), DType::kF32, w, wire, n);
+      } else {
+        ops::detail::convert_on_device(device, w, wire, g.raw_data(), DType::kF32, n);
+      }
+      offset += n;
+    }
+  };
+  convert(/*narrow=*/true);
+  strategy_.communicator(replica).all_reduce({&buffer, 1}, collective::ReduceOp::kSum,
+                                             {.timeout = strategy_.distribution_options().collective_timeout});
+  convert(/*narrow=*/false);
+}
+
+bool GradientReducer::reduces_on_device(int replica) {
+  if (strategy_.num_workers() > 1 || strategy_.distribution_options().gradient_all_reduce_dtype) return false;
+  if (!options_.accumulators.empty()) return false;
+  if (strategy_.replica_devices().size() == 1) return true;
+  return strategy_.communicator(replica).enqueues_on_device();
+}
+
+void GradientReducer::queue_reduction_on_device(int replica, std::span<Tensor> gradients) {
+  TANDEM_REQUIRE(reduces_on_device(replica), FailedPrecondition,
+                 "gradient reducer of {}: replica {}'s reduction cannot be queued on its device", strategy_.name(), replica);
+  TANDEM_REQUIRE(gradients.size() == sources_.size(), InvalidArgument, "gradient reducer: {} gradients for {} variables",
+                 gradients.size(), sources_.size());
+  if (strategy_.replica_devices().size() == 1) return;
+  // One call per dtype: NCCL groups a call's tensors into one launch. No buckets: nothing
+  // overlaps backward here, the whole step is one graph.
+  std::map<DType, std::vector<Tensor>> by_dtype;
+  for (const auto& bucket : plan_->buckets) {
+    for (const auto k : bucket) by_dtype[gradients[k].dtype()].push_back(gradients[k]);
+  }
+  for (auto& [dtype, tensors] : by_dtype) {
+    strategy_.communicator(replica).all_reduce_on_device(tensors, collective::ReduceOp::kSum);
+  }
+}
+
+void GradientReducer::weighted_sum_across_replicas(int replica, Tensor& value, double weight) {
+  auto& comm = strategy_.communicator(replica);
+  if (comm.size() == 1) return;
+  scale_in_place(value, weight);
+  comm.all_reduce(value, collective::ReduceOp::kSum, {.timeout = strategy_.distribution_options().collective_timeout});
+}
+
+}  // namespace tandem::strategy

@@ -1,0 +1,155 @@
+// tandem/strategy/gradient_reducer.h — a training step's gradient communication, owned by the
+// strategy (PyTorch DDP's Reducer; the cross-replica aggregation of tf.distribute's
+// optimizer.apply_gradients).
+//
+// Who calls: the Keras trainer behind fit(), and custom training loops over the graph API, from
+// inside Strategy::run: every replica makes the same calls, in the same order, on its own thread.
+// One step of replica r:
+//
+//   reducer.begin_step(r, StepKind::kReduce);           // or kAccumulate: a micro-step
+//   auto out = executor[r].run(feeds, fetches, {.observer = reducer.observer(r)});
+//   auto grads = reducer.finish_step(r);                // summed over every replica in sync
+//   ... apply grads to replica r's copies (the same update on every replica) ...
+//
+// While the executor runs backward, the observer files each finished gradient into its bucket;
+// a bucket whose gradients are all done goes to the replica's communication thread and is
+// all-reduced while backward goes on. finish_step waits for those and reduces the rest.
+//
+// Buckets: the gradients in reverse order of their variables (backward produces the last layer's
+// first), the first bucket up to DistributionOptions::first_bucket_bytes (small, so that
+// communication starts early), the others up to bucket_bytes; a gradient larger than a bucket gets
+// one of its own. Every replica reduces the buckets in one order: by the graph node that completes
+// each, so that the collectives match on every rank.
+//
+// What each variable's gradient needs comes from the strategy (Strategy::variable_plan): today an
+// all-reduce (data parallelism) or nothing (a variable each replica keeps to itself). This is the
+// extension point of the strategies that split variables: a strategy answers per variable, and
+// the trainer, which only drives this class, does not change.
+//
+// Throws: from the step calls, what the collectives throw (DeadlineExceeded naming the operation
+// and the missing ranks; Unavailable once Strategy::run has aborted a failed step's collectives);
+// from the constructor, InvalidArgument naming the variable when a gradient does not match it or
+// is read by other nodes of its graph (make_gradients_reducible explains).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "tandem/graph/executor.h"
+#include "tandem/graph/graph.h"
+#include "tandem/graph/tensor.h"
+#include "tandem/strategy/variable.h"
+
+namespace tandem::strategy {
+
+class Strategy;
+
+// One trainable variable and the graph value backward computes as its gradient.
+struct GradientSource {
+  std::shared_ptr<Variable> variable;
+  graph::Output gradient;
+};
+
+// How a variable's gradient is communicated (Strategy::variable_plan answers per variable).
+struct VariablePlan {
+  enum class Reduction {
+    kAllReduce,  // summed over every replica in sync, in buckets (data parallelism)
+    kNone,       // not communicated: the replica's own gradient (a variable only it holds)
+  };
+  Reduction reduction = Reduction::kAllReduce;
+};
+
+// A reduce step communicates. An accumulation micro-step (Keras 3's gradient_accumulation_steps,
+// DDP's no_sync) does not: its gradients are added to the accumulators, and the next reduce step
+// adds the accumulated sums to its own gradients before reducing them.
+enum class StepKind { kReduce, kAccumulate };
+
+struct GradientReducerOptions {
+  // One variable per gradient (same dtype and shape), holding the sum of the micro-steps since
+  // the last reduce step; empty: no accumulation. Whoever applies the update clears them (Keras's
+  // optimizer keeps them as slots, so that checkpoints carry them).
+  std::vector<std::shared_ptr<Variable>> accumulators;
+};
+
+class GradientReducer {
+ public:
+  // gradients: every trainable variable's, in the order their variables were created. Buckets are
+  // planned here, once; communication threads start with the first step that needs them.
+  GradientReducer(Strategy& strategy, std::vector<GradientSource> gradients, GradientReducerOptions options = {});
+  virtual ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  Strategy& strategy() const { return strategy_; }
+  std::size_t num_gradients() const { return sources_.size(); }
+  // Gradient indices per bucket, in the order every replica reduces the buckets.
+  std::vector<std::vector<std::size_t>> buckets() const;
+  // Buckets replica handed to its communication thread while its backward was still running,
+  // since the reducer was made: the overlap the bucketing bought (0 without overlap, or with one
+  // bucket: the last bucket is always reduced after backward).
+  std::int64_t overlapped_buckets(int replica);
+
+  // --- one replica's step: replica's own thread, inside Strategy::run -------------------------
+  // Starts replica's step. Waits first for anything a failed earlier step left on the replica's
+  // communication thread (its collectives were aborted, so this is quick).
+  virtual void begin_step(int replica, StepKind kind);
+  // Pass to Executor::run as RunOptions::observer for the run that computes the gradients.
+  graph::NodeObserver* observer(int replica);
+  // Instead of a run: replica had no examples this step (a last batch smaller than the replica
+  // count). Its gradients are zeros, and it still takes part in every collective.
+  virtual void set_zero_gradients(int replica);
+  // Sums `extra` (1-D, extra_dtype()) over the replicas in sync inside the step's last bucket
+  // collective: one collective less than a call of its own (a multi-worker step's log sums ride
+  // along). Call after begin_step; the sum is in `extra` after finish_step. Returns false, and
+  // does nothing, when the step reduces no bucket (a micro-step, no gradients).
+  virtual bool sum_with_last_bucket(int replica, Tensor extra);
+  DType extra_dtype() const;
+  // Waits for the buckets handed over during backward, reduces the others, and returns replica's
+  // gradients: on a reduce step summed over the replicas in sync (accumulated micro-steps
+  // included); on a micro-step its own, after adding them to the accumulators. The tensors are
+  // the run's outputs, reduced in place: valid until replica's next run or begin_step.
+  virtual std::span<const Tensor> finish_step(int replica);
+
+  // --- device-side steps (a GPU replica's whole step recorded as one CUDA graph) --------------
+  // Whether replica's reduction can be queued on its device with no host decision: one worker,
+  // no compression, no accumulation, and a communicator that queues on the device (or no other
+  // replica to reduce with).
+  virtual bool reduces_on_device(int replica);
+  // Queues the all-reduce of `gradients` (the run's gradient values, as finish_step would return
+  // them) after the work on replica's compute stream, and returns without waiting. Every replica
+  // in sync makes the same call. Only when reduces_on_device(replica).
+  virtual void queue_reduction_on_device(int replica, std::span<Tensor> gradients);
+
+  // --- other per-step synchronisation ----------------------------------------------------------
+  // Replaces `value` (on replica's device) by the sum over the replicas in sync of weight x value:
+  // with weights that add up to 1, a weighted mean (the layers' moving statistics, weighted by
+  // each replica's share of the batch). Every replica calls it, in the same order.
+  virtual void weighted_sum_across_replicas(int replica, Tensor& value, double weight);
+
+ protected:
+  struct ReplicaState;
+  ReplicaState& state(int replica);
+  // One bucket's collective on replica's thread or its communication thread.
+  void reduce_bucket(int replica, std::size_t bucket);
+
+ private:
+  struct Plan;
+  class Observer;
+  void reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
+
+  Strategy& strategy_;
+  std::vector<GradientSource> sources_;
+  GradientReducerOptions options_;
+  std::unique_ptr<Plan> plan_;
+  std::vector<std::unique_ptr<ReplicaState>> replicas_;
+};
+
+// Prepares backward's gradients for in-place reduction while backward goes on: a gradient that
+// another node of the graph still reads (or a view of another value) is replaced by a copy in a
+// buffer of its own, since all-reducing it in place would change what that node reads. Call on
+// the gradients graph::gradients returned, before making executors of the graph.
+void make_gradients_reducible(graph::Graph& graph, std::span<graph::Output> gradients);
+
+}  // namespace tandem::strategy
