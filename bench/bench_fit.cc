@@ -200,42 +200,37 @@ std::optional<Result> run_peer(const Options& o, const std::string& kind, int th
                                       o.peer_script, kind, o.epochs, kBatch, threads));
 }
 
-// Milliseconds per step of the gradient all-reduce alone: the model's trainable weights packed
-// into buckets as fit packs them (reverse order; the first bucket `first_bucket_bytes`, then
-// `bucket_bytes`), each bucket one all_reduce call, on every replica of `strategy`.
+// Milliseconds per step of the gradient all-reduce alone: the model's gradients handed to the
+// strategy's GradientReducer as a backward pass hands them (last layer first, through the
+// executor's observer interface), so that it buckets, overlaps and reduces exactly as in fit; no
+// kernels run, on every replica of `strategy`.
 double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int steps) {
-  std::vector<Shape> shapes;
+  Graph graph;
+  std::vector<strategy::GradientSource> sources;
   {
     auto scope = mirrored.scope();
-    auto model = build(kind);
-    for (const auto& w : model.trainable_weights()) shapes.push_back(w->shape());
+    for (const auto& w : build(kind).trainable_weights()) sources.push_back({w, {}});
   }
-  std::reverse(shapes.begin(), shapes.end());
-  const auto& options = mirrored.distribution_options();
-  const int n = mirrored.num_replicas_in_sync();
-  // buckets[r][b]: replica r's tensors of bucket b.
-  std::vector<std::vector<std::vector<Tensor>>> buckets(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    auto& device = *mirrored.replica_devices()[static_cast<std::size_t>(r)];
-    std::int64_t bytes = 0, cap = options.first_bucket_bytes;
-    buckets[static_cast<std::size_t>(r)].emplace_back();
-    for (const auto& shape : shapes) {
-      const std::int64_t size = shape.num_elements() * 4;
-      auto& current = buckets[static_cast<std::size_t>(r)];
-      if (bytes > 0 && bytes + size > cap) {
-        current.emplace_back();
-        bytes = 0;
-        cap = options.bucket_bytes;
-      }
-      current.back().push_back(Tensor::zeros(shape, kFloat32, device));
-      bytes += size;
-    }
+  // Backward computes the last layer's gradients first: their nodes come first.
+  for (std::size_t k = sources.size(); k-- > 0;) {
+    sources[k].gradient = graph.placeholder(sources[k].variable->dtype(), sources[k].variable->shape(), "gradient");
   }
+  std::vector<std::vector<Tensor>> grads(mirrored.replica_devices().size());  // per replica, per gradient
+  for (std::size_t r = 0; r < grads.size(); ++r) {
+    for (const auto& [w, g] : sources) grads[r].push_back(Tensor::zeros(w->shape(), w->dtype(), *mirrored.replica_devices()[r]));
+  }
+  std::vector<int> nodes;
+  for (const auto& source : sources) nodes.push_back(source.gradient.node);
+  const auto reducer = mirrored.make_gradient_reducer(std::move(sources));
   const auto step = [&] {
     mirrored.run([&](strategy::ReplicaContext& ctx) {
-      for (auto& bucket : buckets[static_cast<std::size_t>(ctx.replica_id_in_sync_group())]) {
-        ctx.communicator().all_reduce(std::span<Tensor>(bucket), collective::ReduceOp::kSum);
+      const int r = ctx.replica_id_in_sync_group();
+      reducer->begin_step(r, strategy::StepKind::kReduce);
+      for (std::size_t k = nodes.size(); k-- > 0;) {
+        Tensor* value = &grads[static_cast<std::size_t>(r)][k];
+        reducer->observer(r)->node_done(nodes[k], {&value, 1});
       }
+      reducer->finish_step(r);
     });
   };
   step();  // warm-up

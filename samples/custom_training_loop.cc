@@ -144,14 +144,16 @@ Result train(Strategy& strategy, const Options& options) {
     double total = 0;
     for (double l : replica_loss) total += l;
     result.losses.push_back(total / static_cast<double>(options.batch));
-    if (options.verbose > 0 && (step == 0 || (step + 1) % 50 == 0)) {
-      std::printf("step %4d  loss %.6f\n", step + 1, result.losses.back());
+    if (options.verbose > 0 && (step + 1) % 50 == 0) {
+      double window = 0;  // batches differ: the mean over the last 50 steps shows the trend
+      for (int s = step - 49; s <= step; ++s) window += result.losses[static_cast<std::size_t>(s)];
+      std::printf("steps %4d-%4d  mean loss %.6f\n", step - 48, step + 1, window / 50);
     }
   }
   for (const auto& v : variables) result.weights.push_back(v->read_value());
   if (options.verbose > 0) {
     const auto buckets = reducer->buckets();
-    std::printf("%s: %zu gradient buckets a step; %lld bucket reductions overlapped backward on replica 0\n",
+    std::printf("%s: %zu gradient bucket(s) a step; %lld bucket reductions overlapped backward on replica 0\n",
                 strategy.name().c_str(), buckets.size(), static_cast<long long>(reducer->overlapped_buckets(0)));
   }
   return result;
@@ -190,7 +192,7 @@ int main(int argc, char** argv) try {
   app.add_option("--steps", options.steps, "training steps")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--batch", options.batch, "global batch size")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--learning-rate", options.learning_rate, "SGD's learning rate")->capture_default_str();
-  app.add_option("--verbose", options.verbose, "0 silent, 1 every 50 steps")->capture_default_str();
+  app.add_option("--verbose", options.verbose, "0 silent, 1 the mean loss of every 50 steps")->capture_default_str();
   app.add_flag("--compare", options.compare,
                "train under OneDeviceStrategy and MirroredStrategy, and fail when any step's loss or final weight "
                "differs by more than 1e-5 (relative)");
