@@ -9,10 +9,17 @@ install(TARGETS tandem EXPORT tandemTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-# Public headers keep their module folders: <tandem/graph/tensor.h>.
-foreach(module base devices graph ops collective strategy data keras_like)
+# Public headers only, in their module folders: <tandem/graph/tensor.h>. Internals stay out:
+# every detail/ folder and the kernels (ops/cpu/, ops/cuda/). tests/install compiles each
+# installed header on its own against the install, so none may include an internal one.
+get_property(tandem_modules GLOBAL PROPERTY TANDEM_MODULES)
+foreach(module IN LISTS tandem_modules)
+  set(internal PATTERN detail EXCLUDE)
+  if(module STREQUAL "ops")
+    list(APPEND internal PATTERN cpu EXCLUDE PATTERN cuda EXCLUDE)
+  endif()
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${module}/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tandem/${module}
-          FILES_MATCHING PATTERN "*.h")
+          FILES_MATCHING PATTERN "*.h" ${internal})
 endforeach()
 install(FILES ${PROJECT_SOURCE_DIR}/tandem.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tandem)
 
