@@ -56,8 +56,10 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "machine_info.h"
@@ -104,29 +106,6 @@ std::string size_text(std::size_t bytes) {
   if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) return fmt::format("{} MiB", bytes >> 20);
   if (bytes >= (1u << 10) && bytes % (1u << 10) == 0) return fmt::format("{} KiB", bytes >> 10);
   return fmt::format("{} B", bytes);
-}
-
-// "4K", "256M", "1G", "4096".
-std::size_t parse_size(const std::string& text) {
-  std::size_t pos = 0;
-  const unsigned long long value = std::stoull(text, &pos);
-  const std::string unit = text.substr(pos);
-  if (unit.empty() || unit == "B") return value;
-  if (unit == "K" || unit == "KiB") return value << 10;
-  if (unit == "M" || unit == "MiB") return value << 20;
-  if (unit == "G" || unit == "GiB") return value << 30;
-  throw InvalidArgument(fmt::format("bench_collectives: size \"{}\" is not a number with K, M or G", text));
-}
-
-std::vector<int> parse_ranks(const std::string& text) {
-  std::vector<int> ranks;
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', start), text.size());
-    ranks.push_back(std::stoi(text.substr(start, comma - start)));
-    start = comma + 1;
-  }
-  return ranks;
 }
 
 double median(std::vector<double> v) {
@@ -668,74 +647,42 @@ int run(const Options& options, const std::vector<std::string>& argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  constexpr const char* kUsage =
-      "usage: bench_collectives [--ranks 2,4] [--gloo-ranks 2,4] [--min 4K] [--max 256M] [--gloo-max 64M]\n"
-      "                         [--factor 4] [--iters N] [--samples N] [--gloo-samples N] [--gloo-check]\n"
-      "                         [--gloo-pack BYTES]\n"
-      "       (--ranks 0 or --gloo-ranks 0 skips that section)\n";
   Options options;
-  std::vector<std::string> forwarded;  // what a gloo rank is started with, before --gloo-worker
-  int worker_rank = -1;
-  int worker_size = 0;
-  std::string worker_store;
-  try {
-    forwarded.emplace_back(argv[0]);
-    for (int i = 1; i < argc; ++i) {
-      const std::string arg = argv[i];
-      const bool has_value = i + 1 < argc;
-      if (arg == "--gloo-worker" && i + 3 < argc) {
-        worker_rank = std::atoi(argv[++i]);
-        worker_size = std::atoi(argv[++i]);
-        worker_store = argv[++i];
-        continue;
-      }
-      forwarded.push_back(arg);
-      if (arg == "--gloo-check") {
-        options.gloo_check = true;
-        continue;
-      }
-      if (!has_value) {
-        fmt::print(stderr, "{}", kUsage);
-        return 2;
-      }
-      const std::string value = argv[++i];
-      forwarded.push_back(value);
-      if (arg == "--ranks") {
-        options.ranks = parse_ranks(value);
-      } else if (arg == "--gloo-ranks") {
-        options.gloo_ranks = parse_ranks(value);
-      } else if (arg == "--min") {
-        options.min_bytes = parse_size(value);
-      } else if (arg == "--max") {
-        options.max_bytes = parse_size(value);
-      } else if (arg == "--gloo-max") {
-        options.gloo_max_bytes = parse_size(value);
-      } else if (arg == "--factor") {
-        options.factor = std::max(2, std::atoi(value.c_str()));
-      } else if (arg == "--iters") {
-        options.iters = std::max(1, std::atoi(value.c_str()));
-      } else if (arg == "--samples") {
-        options.samples = std::max(1, std::atoi(value.c_str()));
-      } else if (arg == "--gloo-samples") {
-        options.gloo_samples = std::max(1, std::atoi(value.c_str()));
-      } else if (arg == "--gloo-pack") {
-        options.gloo_pack_bytes = static_cast<std::int64_t>(parse_size(value));
-      } else {
-        fmt::print(stderr, "{}", kUsage);
-        return 2;
-      }
+  CLI::App app("bench_collectives: all-reduce bandwidth of tandem's communicators next to a memory ceiling, and "
+               "Gloo's between processes (--ranks 0 or --gloo-ranks 0 skips that section)");
+  app.add_option("--ranks", options.ranks, "in-process group sizes")->delimiter(',')->check(CLI::Range(0, 1024));
+  app.add_option("--gloo-ranks", options.gloo_ranks, "process counts of the Gloo section (at least 2 each)")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 1024));
+  const CLI::AsSizeValue size(/*kb_is_1000=*/false);  // 4K, 256M, 1G: powers of 1024
+  app.add_option("--min", options.min_bytes, "smallest message")->transform(size);
+  app.add_option("--max", options.max_bytes, "largest message")->transform(size);
+  app.add_option("--gloo-max", options.gloo_max_bytes, "largest message of the Gloo section")->transform(size);
+  app.add_option("--factor", options.factor, "growth of the message size from row to row")->check(CLI::Range(2, 1024));
+  app.add_option("--iters", options.iters, "calls per sample (default: enough for ~20 ms)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--samples", options.samples, "samples per row (the table shows their median)")
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--gloo-samples", options.gloo_samples, "samples per row of the Gloo section")
+      ->check(CLI::Range(1, 1000));
+  app.add_flag("--gloo-check", options.gloo_check, "GlooOptions::check_consistency for ours");
+  app.add_option("--gloo-pack", options.gloo_pack_bytes, "GlooOptions::bytes_per_pack for ours")->transform(size);
+  // Internal: a Gloo rank this program started (rank, group size, the store's address).
+  std::tuple<int, int, std::string> worker{-1, 0, ""};
+  app.add_option("--gloo-worker", worker)->group("");
+  CLI11_PARSE(app, argc, argv);
+  const auto& [worker_rank, worker_size, worker_store] = worker;
+  for (int n : options.gloo_ranks) {
+    if (n == 1) {
+      fmt::print(stderr, "bench_collectives: --gloo-ranks 1: a Gloo group needs at least 2 processes (0 skips)\n");
+      return 2;
     }
-    for (int n : options.ranks) TANDEM_REQUIRE(n >= 0, InvalidArgument, "bench_collectives: --ranks {}", n);
-    for (int n : options.gloo_ranks) {
-      TANDEM_REQUIRE(n == 0 || n >= 2, InvalidArgument,
-                     "bench_collectives: --gloo-ranks {}: a Gloo group needs at least 2 processes (0 skips)", n);
-    }
-    TANDEM_REQUIRE(options.min_bytes >= 64 && options.min_bytes <= options.max_bytes, InvalidArgument,
-                   "bench_collectives: --min must be at least 64 bytes and at most --max");
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "bench_collectives: {}\n", e.what());
-    return 1;
   }
+  if (options.min_bytes < 64 || options.min_bytes > options.max_bytes) {
+    fmt::print(stderr, "bench_collectives: --min must be at least 64 bytes and at most --max\n");
+    return 2;
+  }
+  // What a Gloo rank is started with, before --gloo-worker: our own command line.
+  const std::vector<std::string> forwarded(argv, argv + argc);
   if (worker_rank >= 0) {
     try {
       gloo_rank_main(worker_rank, worker_size, worker_store, options);

@@ -34,6 +34,8 @@
 // back to SSE3 kernels on recent Xeons); and with that plus OPENBLAS_NUM_THREADS=1.
 #include <tandem/keras_like/keras.h>
 
+#include <CLI/CLI.hpp>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,7 +44,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -68,7 +69,6 @@ struct Options {
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
   std::string strategy = "one";  // or "mirrored", "multiworker"
   int replicas = 2;              // logical CPU devices under --strategy mirrored
-  bool models_given = false;
   std::string worker_model;  // set in the worker processes of --strategy multiworker
   bool worker_ring = false;  // those workers use Gloo (RING) instead of the default (shared memory here)
   std::string device = "cpu";  // or "gpu"
@@ -77,54 +77,37 @@ struct Options {
   std::string gpu_peer_command = "python3 " TANDEM_BENCH_PEER_DIR "/../../scripts/torch_fmnist_gpu.py";
 };
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const auto value = [&]() -> std::string {
-      TANDEM_REQUIRE(i + 1 < argc, InvalidArgument, "{} needs a value", arg);
-      return argv[++i];
-    };
-    if (arg == "--models") {
-      o.models.clear();
-      std::stringstream list(value());
-      for (std::string m; std::getline(list, m, ',');) o.models.push_back(m);
-      o.models_given = true;
-    } else if (arg == "--strategy") {
-      o.strategy = value();
-      TANDEM_REQUIRE(o.strategy == "one" || o.strategy == "mirrored" || o.strategy == "multiworker", InvalidArgument,
-                     "--strategy \"{}\": expected one, mirrored or multiworker", o.strategy);
-    } else if (arg == "--multiworker-worker") {
-      o.worker_model = value();  // internal: one worker process of --strategy multiworker
-    } else if (arg == "--multiworker-ring") {
-      o.worker_ring = true;  // internal: that worker uses CommunicationImplementation::kRing
-    } else if (arg == "--replicas") {
-      o.replicas = std::max(1, std::stoi(value()));
-    } else if (arg == "--epochs") {
-      o.epochs = std::stoi(value());
-    } else if (arg == "--threads") {
-      o.threads = std::stoi(value());
-    } else if (arg == "--repeat") {
-      o.repeat = std::max(1, std::stoi(value()));
-    } else if (arg == "--no-peer") {
-      o.peer = false;
-    } else if (arg == "--device") {
-      o.device = value();
-      TANDEM_REQUIRE(o.device == "cpu" || o.device == "gpu", InvalidArgument, "--device \"{}\": expected cpu or gpu",
-                     o.device);
-    } else if (arg == "--data") {
-      o.data_dir = value();
-    } else if (arg == "--gpu-peer-command") {
-      o.gpu_peer_command = value();
-    } else if (arg == "--peer-script") {
-      o.peer_script = value();
-    } else {
-      throw InvalidArgument(fmt::format("unknown argument \"{}\"; see the comment at the top of bench_fit.cc", arg));
-    }
-  }
-  // The DDP peer covers mlp and wide (a CNN under DDP is not among its configurations).
-  if ((o.strategy == "mirrored" || o.strategy == "multiworker") && !o.models_given) o.models = {"mlp", "wide"};
-  return o;
+// The command line, declared on app: parsing it fills o.
+void add_options(CLI::App& app, Options& o) {
+  app.add_option("--models", o.models, "models to train: mlp, wide, cnn (default: all; mlp,wide under "
+                                       "--strategy mirrored or multiworker)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"mlp", "wide", "cnn"}));
+  app.add_option("--strategy", o.strategy, "one (OneDeviceStrategy), mirrored (MirroredStrategy on --replicas "
+                                           "logical CPU devices) or multiworker (two worker processes)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"one", "mirrored", "multiworker"}));
+  app.add_option("--replicas", o.replicas, "logical CPU devices under --strategy mirrored")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--epochs", o.epochs, "epochs of each run")->capture_default_str()->check(CLI::Range(1, 1000));
+  app.add_option("--threads", o.threads, "intra-op threads (0: every usable core)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  app.add_option("--repeat", o.repeat, "runs of each side, interleaved; the table shows medians")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_flag("--peer,!--no-peer", o.peer, "run the PyTorch peer beside tandem (--no-peer: tandem only)");
+  app.add_option("--device", o.device, "cpu, or gpu (GPU:0, float32 and mixed_bfloat16, beside PyTorch eager)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "gpu"}));
+  app.add_option("--data", o.data_dir, "Fashion-MNIST's folder")->capture_default_str();
+  app.add_option("--gpu-peer-command", o.gpu_peer_command, "how to start the GPU peer (a command prefix)")
+      ->capture_default_str();
+  app.add_option("--peer-script", o.peer_script, "the CPU peer's script")->capture_default_str();
+  // Internal: how --strategy multiworker starts its worker processes.
+  app.add_option("--multiworker-worker", o.worker_model)->group("");
+  app.add_flag("--multiworker-ring", o.worker_ring)->group("");  // those workers use kRing, not shared memory
 }
 
 keras::Model build(const std::string& kind) {
@@ -258,7 +241,12 @@ int run_multiworker_worker(const Options& o);
 int run_gpu(const Options& o);
 
 int main(int argc, char** argv) try {
-  const Options o = parse(argc, argv);
+  Options o;
+  CLI::App app("bench_fit: training-loop throughput of tandem's fit beside PyTorch on the same models");
+  add_options(app, o);
+  CLI11_PARSE(app, argc, argv);
+  // The DDP peer covers mlp and wide (a CNN under DDP is not among its configurations).
+  if ((o.strategy == "mirrored" || o.strategy == "multiworker") && app.count("--models") == 0) o.models = {"mlp", "wide"};
   if (!o.worker_model.empty()) return run_multiworker_worker(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.strategy == "multiworker") return run_multiworker(o);

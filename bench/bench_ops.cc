@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "machine_info.h"
@@ -489,24 +490,19 @@ int run(const Options& options) {
 
 int main(int argc, char** argv) {
   Options options;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const bool has_value = i + 1 < argc;
-    if (arg == "--threads" && has_value) {
-      options.threads = std::atoi(argv[++i]);
-    } else if (arg == "--rounds" && has_value) {
-      options.rounds = std::max(1, std::atoi(argv[++i]));
-    } else if (arg == "--samples" && has_value) {
-      options.samples = std::max(1, std::atoi(argv[++i]));
-    } else if (arg == "--quick") {
-      options.quick = true;
-    } else if (arg == "--only" && has_value && (std::string(argv[i + 1]) == "matmul" || std::string(argv[i + 1]) == "conv")) {
-      options.only = argv[++i];
-    } else {
-      fmt::print(stderr, "usage: bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|conv]\n");
-      return 2;
-    }
-  }
+  CLI::App app("bench_ops: GFLOP/s of tandem's MatMul and Conv2D next to this machine's sgemm and copy ceilings");
+  app.add_option("--threads", options.threads, "the CPU device's intra-op threads (0: every usable core)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 4096));
+  app.add_option("--rounds", options.rounds, "rounds, each timing everything once")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_option("--samples", options.samples, "samples of each figure in a round (the best counts)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  app.add_flag("--quick", options.quick, "one round of two short samples (a smoke run)");
+  app.add_option("--only", options.only, "run only that part")->check(CLI::IsMember({"matmul", "conv"}));
+  CLI11_PARSE(app, argc, argv);
   try {
     return run(options);
   } catch (const std::exception& e) {

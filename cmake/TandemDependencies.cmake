@@ -7,6 +7,11 @@ find_package(nlohmann_json 3.10 REQUIRED)
 find_package(ZLIB REQUIRED)
 # Gloo (Debian's libgloo-dev): collectives between processes over TCP (collective/gloo.cc).
 find_package(Gloo CONFIG REQUIRED)
+# spdlog (libspdlog-dev, built on the same libfmt): the library's leveled messages (base/log.cc).
+# Linked privately: no public header includes it.
+find_package(spdlog CONFIG REQUIRED)
+# CLI11 (libcli11-dev, header-only): the command lines of the samples, benchmarks and tandem-run.
+find_package(CLI11 CONFIG REQUIRED)
 
 # OpenBLAS is not linked: ops/cpu/gemm.cc loads it at run time so that it can choose the kernel
 # set for this CPU before the library initialises (see the comment there). We only record where

@@ -1,13 +1,13 @@
 // The process's devices: created once, on first use, from the logical device configuration.
 #include <sched.h>
 
-#include <charconv>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
 
+#include "tandem/base/env.h"
 #include "tandem/base/errors.h"
+#include "tandem/base/log.h"
 #include "tandem/devices/detail/cpu_device.h"
 #include "tandem/devices/detail/cuda_device.h"
 #include "tandem/devices/device.h"
@@ -15,8 +15,9 @@
 namespace tandem::devices {
 namespace {
 
-// More logical CPU devices than this is a typo, not a configuration.
-constexpr int kMaxCpuDevices = 1024;
+// More logical CPU devices than this is a typo, not a configuration (the environment variable's
+// range says the same).
+constexpr int kMaxCpuDevices = static_cast<int>(env::kNumCpuDevices.max);
 
 struct Registry {
   std::mutex mutex;
@@ -32,18 +33,6 @@ struct Registry {
 Registry& registry() {
   static auto* instance = new Registry;
   return *instance;
-}
-
-std::optional<int> env_positive_int(const char* variable) {
-  const char* text = std::getenv(variable);
-  if (text == nullptr || *text == '\0') return std::nullopt;
-  int value = 0;
-  const std::string_view view(text);
-  const auto [ptr, ec] = std::from_chars(view.data(), view.data() + view.size(), value);
-  TANDEM_REQUIRE(ec == std::errc() && ptr == view.data() + view.size() && value >= 1 && value <= kMaxCpuDevices,
-                 InvalidArgument, "environment variable {}=\"{}\" is not an integer in [1, {}]", variable, text,
-                 kMaxCpuDevices);
-  return value;
 }
 
 void validate(const LogicalDeviceConfiguration& config) {
@@ -62,8 +51,8 @@ void create_devices(Registry& r) {
   if (r.configured) {
     config = *r.configured;  // an explicit API call wins over the environment
   } else {
-    if (auto n = env_positive_int("TANDEM_NUM_CPU_DEVICES")) config.num_cpu_devices = *n;
-    if (auto t = env_positive_int("TANDEM_INTRA_OP_THREADS")) config.intra_op_threads_per_device = *t;
+    if (auto n = env::find_int(env::kNumCpuDevices)) config.num_cpu_devices = static_cast<int>(*n);
+    if (auto t = env::find_int(env::kIntraOpThreads)) config.intra_op_threads_per_device = static_cast<int>(*t);
   }
   validate(config);
   const int threads = config.intra_op_threads_per_device > 0
@@ -76,6 +65,8 @@ void create_devices(Registry& r) {
   r.gpu_message = discovery.message;
   for (int i = 0; i < discovery.count; ++i) r.gpus.push_back(detail::make_cuda_device(i));
   r.created = true;
+  logging::debug("devices: {} logical CPU device(s) of {} thread(s) each; {} GPU(s) ({})", config.num_cpu_devices,
+                 threads, discovery.count, discovery.message);
 }
 
 Registry& created_registry() {

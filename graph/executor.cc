@@ -3,11 +3,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <string_view>
 #include <span>
 
+#include "tandem/base/env.h"
+#include "tandem/base/log.h"
 #include "tandem/devices/device_name.h"
 #include "tandem/graph/memory_planner.h"
 #include "tandem/graph/op_registry.h"
@@ -172,9 +173,7 @@ void Executor::run_kernel(Plan& plan, std::size_t step_index, KernelContext& ori
 Executor::Executor(std::shared_ptr<const Graph> graph, devices::Device& device, ExecutorOptions options)
     : graph_(std::move(graph)), device_(device), options_(options) {
   TANDEM_REQUIRE(graph_ != nullptr, InvalidArgument, "Executor needs a graph");
-  if (const char* env = std::getenv("TANDEM_CUDA_GRAPHS"); env != nullptr && std::string_view(env) == "0") {
-    options_.cuda_graphs = false;
-  }
+  if (!env::get_bool(env::kCudaGraphs)) options_.cuda_graphs = false;
 }
 
 Executor::~Executor() = default;
@@ -553,8 +552,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
           &why);
       if (plan.captured == nullptr) {
         plan.capture_failed = true;
-        std::fprintf(stderr, "tandem: CUDA graph capture failed on %s (%s); this plan runs without graphs\n",
-                     device_.short_name().c_str(), why.c_str());
+        logging::warn("CUDA graph capture failed on {} ({}); this plan runs without graphs", device_.short_name(), why);
       } else {
         plan.captured_addresses = std::move(addresses);
         plan.captured_tail = with_tail;

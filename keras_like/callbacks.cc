@@ -15,6 +15,7 @@
 #include <system_error>
 
 #include "tandem/base/errors.h"
+#include "tandem/base/log.h"
 #include "tandem/keras_like/detail/model_state.h"
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/saving.h"
@@ -49,8 +50,8 @@ std::string keys_of(const Logs& logs) {
 }
 
 void warn_missing(std::string_view callback, const std::string& monitor, const Logs& logs, std::string_view consequence) {
-  std::cerr << fmt::format("WARNING: {} monitors \"{}\", which is not in the logs (present: {}); {}\n", callback, monitor,
-                           keys_of(logs), consequence);
+  logging::warn("{} monitors \"{}\", which is not in the logs (present: {}); {}", callback, monitor, keys_of(logs),
+                consequence);
 }
 
 // Python's str(float): the shortest repr, always with a decimal point or an exponent.
@@ -527,7 +528,7 @@ void BackupAndRestore::on_train_begin(Logs& /*logs*/) {
         // A backup cut short by the crash it is meant to survive: say so, use the one before.
         // (A backup of another model is the user's mistake: load_training_checkpoint's
         // InvalidArgument goes up, rather than a silent fresh start.)
-        std::cerr << fmt::format("BackupAndRestore: ignoring the backup \"{}\": {}\n", path, e.what()) << std::flush;
+        logging::warn("BackupAndRestore: ignoring the backup \"{}\": {}", path, e.what());
       }
     }
   }

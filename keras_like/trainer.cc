@@ -28,6 +28,8 @@
 #include <map>
 #include <string_view>
 
+#include "tandem/base/env.h"
+#include "tandem/base/log.h"
 #include "tandem/base/random.h"
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/op_registry.h"
@@ -270,8 +272,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
   }
 
   // One replica per device of the strategy, with an executor bound to that replica's copies.
-  const char* profile = std::getenv("TANDEM_PROFILE");
-  g.profile = profile != nullptr && std::string_view(profile) != "0";
+  g.profile = env::get_bool(env::kProfile);
   const auto& devices = model.strategy->replica_devices();
   for (std::size_t r = 0; r < devices.size(); ++r) {
     auto replica = std::make_unique<Replica>();
@@ -302,15 +303,15 @@ Trainer::~Trainer() {
   if (!g.profile || t.steps == 0) return;
   // Printed when the trainer goes away (the model is rebuilt or destroyed).
   const auto per_step = [&](double seconds) { return 1e3 * seconds / static_cast<double>(t.steps); };
-  std::fprintf(stderr,
-               "TANDEM_PROFILE model \"%s\": %lld training steps on %zu replica(s), %.3f ms/step (waiting for "
-               "gradient all-reduce %.3f, optimizer %.3f ms/step; replica 0's kernels below)\n",
-               model_.name.c_str(), static_cast<long long>(t.steps), replicas_.size(), per_step(t.step_seconds),
-               per_step(t.reduce_wait_seconds), per_step(t.apply_seconds));
+  std::string report = fmt::format(
+      "TANDEM_PROFILE model \"{}\": {} training steps on {} replica(s), {:.3f} ms/step (waiting for gradient "
+      "all-reduce {:.3f}, optimizer {:.3f} ms/step; replica 0's kernels below)",
+      model_.name, t.steps, replicas_.size(), per_step(t.step_seconds), per_step(t.reduce_wait_seconds),
+      per_step(t.apply_seconds));
   for (const auto& entry : replicas_.front()->executor->profile()) {
-    std::fprintf(stderr, "  %-40s %8lld calls %10.3f ms/step\n", entry.op.c_str(), static_cast<long long>(entry.calls),
-                 per_step(entry.seconds));
+    report += fmt::format("\n  {:<40} {:>8} calls {:>10.3f} ms/step", entry.op, entry.calls, per_step(entry.seconds));
   }
+  logging::info("{}", report);
 }
 
 bool Trainer::accepts(const std::vector<graph::TensorSpec>& element_spec, bool with_targets) const {

@@ -3,11 +3,11 @@
 #include "tandem/ops/math_ops.h"
 
 #include <atomic>
-#include <cstdlib>
 #include <string_view>
 
 #include <algorithm>
 
+#include "tandem/base/env.h"
 #include "tandem/ops/array_ops.h"
 #include "tandem/ops/detail/op_util.h"
 #include "tandem/ops/detail/registration.h"
@@ -48,10 +48,7 @@ Output reduce_max(Output x, const ReduceOptions& options) { return add_op("Max",
 
 namespace {
 std::atomic<bool>& tf32_flag() {
-  static std::atomic<bool> flag = [] {
-    const char* env = std::getenv("TANDEM_ALLOW_TF32");
-    return env != nullptr && std::string_view(env) == "1";
-  }();
+  static std::atomic<bool> flag = env::get_bool(env::kAllowTf32);
   return flag;
 }
 }  // namespace

@@ -13,7 +13,7 @@ int main(int argc, char** argv) try {
   // Batch 64: enough steps for about 0.91 after 10 epochs (at 128 it ends near 0.90).
   const auto args = samples::parse_args(argc, argv, {.epochs = 10, .batch = 64},
                                         "fashion_mnist_cnn: a two-convolution CNN on Fashion-MNIST");
-  if (args.help) return 0;
+  if (args.exit_code) return *args.exit_code;
   set_global_seed(args.seed);
 
   // The one line that moves this model from one device to all of them; --strategy picks between

@@ -15,7 +15,7 @@ int main(int argc, char** argv) try {
   // Batch 32: Keras's default batch size, as the tutorial trains: about 0.88 after 10 epochs.
   const auto args = samples::parse_args(argc, argv, {.epochs = 10, .batch = 32},
                                         "fashion_mnist_mlp: Flatten, Dense 128 relu, Dense 10 on Fashion-MNIST");
-  if (args.help) return 0;
+  if (args.exit_code) return *args.exit_code;
   set_global_seed(args.seed);
 
   // The one line that moves this model from one device to all of them; --strategy picks between

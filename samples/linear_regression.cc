@@ -3,13 +3,13 @@
 //
 //   build/samples/linear_regression [--steps N] [--learning-rate LR]
 //
-// The Keras-level samples (Fashion-MNIST with compile/fit) arrive with the Keras issue.
+// One device, no strategy; custom_training_loop.cc is the same kind of loop under MirroredStrategy.
 #include <tandem/tandem.h>
 
-#include <charconv>
+#include <CLI/CLI.hpp>
+
 #include <cstdio>
 #include <random>
-#include <string_view>
 
 namespace {
 
@@ -19,33 +19,15 @@ struct Options {
   int examples = 1024;
 };
 
-Options parse(int argc, char** argv) {
-  Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    const auto value = [&]() -> std::string_view {
-      if (i + 1 >= argc) throw tandem::InvalidArgument(fmt::format("{} needs a value", arg));
-      return argv[++i];
-    };
-    if (arg == "--steps") {
-      o.steps = std::stoi(std::string(value()));
-    } else if (arg == "--learning-rate") {
-      o.learning_rate = std::stof(std::string(value()));
-    } else if (arg == "--help" || arg == "-h") {
-      std::printf("usage: linear_regression [--steps N] [--learning-rate LR]\n");
-      std::exit(0);
-    } else {
-      throw tandem::InvalidArgument(fmt::format("unknown argument \"{}\" (try --help)", arg));
-    }
-  }
-  return o;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
   using namespace tandem;
-  const Options options = parse(argc, argv);
+  Options options;
+  CLI::App app("linear_regression: fits y = 3x + 2 with gradient descent through the graph API");
+  app.add_option("--steps", options.steps, "gradient descent steps")->capture_default_str()->check(CLI::Range(1, 1000000));
+  app.add_option("--learning-rate", options.learning_rate, "step size")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
 
   // Data: y = 3x + 2 plus a little noise.
   std::mt19937 rng(0);

@@ -16,7 +16,7 @@ int main(int argc, char** argv) try {
   using namespace tandem;
   const auto args = samples::parse_args(argc, argv, {.epochs = 10, .batch = 32},
                                         "regression: a linear model fitted with Adam and MSE on generated data");
-  if (args.help) return 0;
+  if (args.exit_code) return *args.exit_code;
   set_global_seed(args.seed);
   auto strategy = samples::make_strategy(args);  // OneDeviceStrategy or MirroredStrategy (before any tensor)
 

@@ -22,6 +22,8 @@ stamp="$root/.tandem-gpu-deps"
 packages=(
   libeigen3-dev
   libfmt-dev libfmt9
+  libspdlog-dev libspdlog1.10
+  libcli11-dev
   nlohmann-json3-dev
   doctest-dev
   zlib1g-dev zlib1g

@@ -86,7 +86,7 @@ system_has_deps() {
   local f
   for f in /usr/include/eigen3/Eigen/Core /usr/include/fmt/core.h /usr/include/nlohmann/json.hpp \
            /usr/include/doctest/doctest.h /usr/include/zlib.h /usr/include/gloo/config.h \
-           /usr/share/cmake/Gloo/GlooConfig.cmake; do
+           /usr/share/cmake/Gloo/GlooConfig.cmake /usr/include/spdlog/spdlog.h /usr/include/CLI/CLI.hpp; do
     [ -e "$f" ] || return 1
   done
 }
@@ -97,7 +97,7 @@ elif [ -f "$deps_root/.tandem-gpu-deps" ]; then
   prefix="$deps_root/usr"
   export CMAKE_PREFIX_PATH="$prefix${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
   # The linker resolves libgloo's own needs (hiredis, ibverbs, libnl) and the programs load
-  # libfmt and libgloo from here. The system's folders come first, so that a library the system
+  # libfmt, libspdlog and libgloo from here. The system's folders come first, so that a library the system
   # has (libz.so.1, newer there than Debian 12's) is the system's.
   export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu:$prefix/lib/x86_64-linux-gnu:$deps_root/lib/x86_64-linux-gnu:$prefix/lib"
   cmake_deps=(-DCMAKE_PREFIX_PATH="$prefix")

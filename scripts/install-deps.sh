@@ -7,6 +7,8 @@ set -euo pipefail
 packages=(
   g++ cmake ninja-build
   libeigen3-dev libfmt-dev nlohmann-json3-dev doctest-dev zlib1g-dev
+  libspdlog-dev              # the library's leveled messages (base/log.h)
+  libcli11-dev               # command lines of the samples, benchmarks and tandem-run
   libgloo-dev                # collectives between worker processes (TCP)
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <utility>
 
+#include "tandem/base/detail/text.h"
 #include "tandem/base/errors.h"
 
 namespace tandem::strategy {
@@ -33,12 +34,7 @@ constexpr std::string_view kChief = "chief";
 constexpr std::string_view kWorker = "worker";
 constexpr std::string_view kEvaluator = "evaluator";
 
-std::string_view trim(std::string_view s) {
-  const auto is_space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
-  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
-  return s;
-}
+using tandem::detail::trim;
 
 std::string shorten(std::string text) {
   if (text.size() > kMaxQuotedChars) {
@@ -384,11 +380,7 @@ int ClusterResolver::restart_count() const { return restart_count_; }
 
 void ClusterResolver::read_restart_count(const EnvironmentLookup& env) {
   if (auto text = get(env, kRestartCountVariable)) {
-    auto value = parse_int(*text);
-    TANDEM_REQUIRE(value && *value >= 0 && *value <= std::numeric_limits<int>::max(),
-                   InvalidArgument, "{} {} is not a non-negative integer", kRestartCountVariable,
-                   quote(*text));
-    restart_count_ = static_cast<int>(*value);
+    restart_count_ = static_cast<int>(env::parse_int(env::kRestartCount, *text));
   }
 }
 

@@ -32,6 +32,8 @@
 #include <string_view>
 #include <vector>
 
+#include "tandem/base/env.h"
+
 namespace tandem::strategy {
 
 // Reads one variable of the process environment (std::nullopt when unset). Tests pass a map
@@ -44,10 +46,12 @@ EnvironmentLookup process_environment();
 EnvironmentLookup map_environment(std::map<std::string, std::string> variables);
 
 // tools/tandem-run sets this in a worker it restarts after a failure: 0 on the first start.
-inline constexpr std::string_view kRestartCountVariable = "TANDEM_RESTART_COUNT";
+// Parsed by base/env's rule for integers.
+inline constexpr std::string_view kRestartCountVariable = env::kRestartCount.name;
 // Under SLURM the chief's rendezvous port comes from TANDEM_RENDEZVOUS_PORT, else MASTER_PORT,
-// else this one (torchrun's default master port: sites often open it between nodes).
-inline constexpr std::string_view kRendezvousPortVariable = "TANDEM_RENDEZVOUS_PORT";
+// else this one (torchrun's default master port: sites often open it between nodes). It stands
+// in for MASTER_PORT, so it is read as MASTER_PORT is, with the launcher's name in the error.
+inline constexpr std::string_view kRendezvousPortVariable = env::kRendezvousPort.name;
 inline constexpr int kDefaultSlurmPort = 29500;
 // A single local worker (no launcher) serves its store on an ephemeral port.
 inline constexpr std::string_view kLocalRendezvousAddress = "127.0.0.1:0";

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "tandem/base/env.h"
 #include "tandem/base/errors.h"
 #include "tandem/collective/gloo.h"
 #include "tandem/collective/rendezvous.h"
@@ -68,14 +69,8 @@ Options member_options(int rank, int workers, std::shared_ptr<collective::Store>
 
 std::chrono::milliseconds rendezvous_timeout(const MultiWorkerOptions& options) {
   if (options.rendezvous_timeout) return *options.rendezvous_timeout;
-  if (const char* env = std::getenv("TANDEM_RENDEZVOUS_TIMEOUT"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const double seconds = std::strtod(env, &end);
-    TANDEM_REQUIRE(end != env && *end == '\0' && seconds > 0, InvalidArgument,
-                   "TANDEM_RENDEZVOUS_TIMEOUT=\"{}\": expected a positive number of seconds", env);
-    return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0));
-  }
-  return collective::kDefaultRendezvousTimeout;
+  // The variable's default is collective::kDefaultRendezvousTimeout's (a strategy test checks).
+  return env::get_seconds(env::kRendezvousTimeout);
 }
 
 // Rows [begin, begin + count) of every component: views, no copy.
@@ -257,11 +252,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
   // user chose (TANDEM_INTRA_OP_THREADS) or the devices exist already.
   const std::vector<std::string> names =
       options.local_devices.empty() ? default_worker_devices(resolver) : options.local_devices;
-  if (resolver.local_world_size() > 1 && std::getenv("TANDEM_INTRA_OP_THREADS") == nullptr) {
-    int cpu_devices = static_cast<int>(names.size());
-    if (const char* env = std::getenv("TANDEM_NUM_CPU_DEVICES"); env != nullptr && std::atoi(env) > 0) {
-      cpu_devices = std::atoi(env);
-    }
+  if (resolver.local_world_size() > 1 && !env::is_set(env::kIntraOpThreads)) {
+    const int cpu_devices = static_cast<int>(env::find_int(env::kNumCpuDevices).value_or(static_cast<std::int64_t>(names.size())));
     try {
       devices::set_logical_device_configuration(
           {.num_cpu_devices = cpu_devices,

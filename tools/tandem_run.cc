@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -75,33 +76,21 @@ constexpr std::string_view kManagedVariables[] = {
     "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
     "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"};
 
-constexpr std::string_view kUsage = R"(Usage: tandem-run --nproc_per_node N [options] -- PROGRAM [ARGS...]
-
-Starts N worker processes of PROGRAM on this node for multi-worker training
-(MultiWorkerMirroredStrategy) and relays their output, prefixed "[rank R] ".
-
-Options (--opt value or --opt=value):
-  --nproc_per_node N   workers on this node (required, 1 to 256)
-  --nnodes M           nodes in the job (default 1)
-  --node_rank R        this node's index, 0 to M-1 (default 0)
-  --master_addr A      the chief's host (default 127.0.0.1; with --hosts, default hosts[0])
-  --master_port P      the chief's port (default 29500); local worker i listens on P + i;
-                       0 picks free ports (single node only)
-  --hosts H0,H1,...    one host per node, H0 = master_addr: every worker's address is then
-                       known and TF_CONFIG is set on every node; without it, several nodes
-                       get torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
-                       LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) instead of TF_CONFIG
-  --max_restarts K     restart the whole group up to K times after a failure (default 0)
-  --stop_timeout S     seconds stopping workers get before SIGKILL (default 30)
-  --help               print this text
+// The --help text around CLI11's list of options.
+constexpr std::string_view kUsageLine = "Usage: tandem-run --nproc_per_node N [options] -- PROGRAM [ARGS...]";
+constexpr std::string_view kDescription = R"(Starts N worker processes of PROGRAM on this node for multi-worker training
+(MultiWorkerMirroredStrategy) and relays their output, prefixed "[rank R] ".)";
+constexpr std::string_view kFooter = R"(Options take --opt value or --opt=value; torchrun's dashed spellings (--nproc-per-node) work
+too. With --hosts every worker's address is known and TF_CONFIG is set on every node; without
+it, several nodes get torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) instead of TF_CONFIG.
 
 Every worker also gets TANDEM_LOCAL_RANK, TANDEM_LOCAL_WORLD_SIZE, TANDEM_RESTART_COUNT
 (0, then 1, 2, ... after restarts) and TANDEM_LAUNCHER=tandem-run; stdin is /dev/null.
 
 Exit status: 0 when every worker exits 0; else the failed worker's exit code (128 + signal
 when it was killed); 128 + signal when tandem-run itself is stopped by SIGINT, SIGTERM or
-SIGHUP (forwarded to the workers); 2 for a bad command line; 127 when PROGRAM cannot run.
-)";
+SIGHUP (forwarded to the workers); 2 for a bad command line; 127 when PROGRAM cannot run.)";
 
 // A command-line mistake: main prints it on one line and exits 2.
 class UsageError : public std::runtime_error {
@@ -129,32 +118,41 @@ struct Options {
   std::chrono::milliseconds stop_timeout = kDefaultStopTimeout;
   std::vector<std::string> hosts;    // empty: not given
   std::vector<std::string> program;  // PROGRAM and its arguments
-  bool help = false;
+  std::optional<std::string> help;   // set by --help: the text to print, and nothing else to do
 };
 
 // ---------------------------------------------------------------------------------------------
 // Command line
 
-int parse_int(std::string_view option, std::string_view text, int min, int max) {
-  int value = 0;
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
-  if (text.empty() || ec != std::errc() || ptr != end || value < min || value > max) {
-    throw UsageError(fmt::format("--{} expects an integer from {} to {}, got '{}'", option, min, max, text));
-  }
-  return value;
+// CLI11 checks, in tandem-run's words. CLI11 runs them on the text before converting it, and
+// puts the option's name in front: "--nproc_per_node: expects an integer from 1 to 256, got 'x'".
+CLI::Validator integer_from(int min, int max) {
+  return CLI::Validator(
+      [min, max](const std::string& text) -> std::string {
+        int value = 0;
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+        if (text.empty() || ec != std::errc() || ptr != end || value < min || value > max) {
+          return fmt::format("expects an integer from {} to {}, got '{}'", min, max, text);
+        }
+        return {};
+      },
+      "");
 }
 
-std::chrono::milliseconds parse_seconds(std::string_view option, std::string_view text) {
-  const std::string copy(text);
-  char* end = nullptr;
-  errno = 0;
-  const double seconds = copy.empty() ? NAN : std::strtod(copy.c_str(), &end);
-  if (copy.empty() || errno != 0 || end != copy.c_str() + copy.size() || !std::isfinite(seconds) ||
-      seconds < 0 || seconds > kMaxStopTimeoutSeconds) {
-    throw UsageError(fmt::format("--{} expects seconds from 0 to {}, got '{}'", option, kMaxStopTimeoutSeconds, text));
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(seconds * 1000)));
+CLI::Validator seconds_up_to(double max) {
+  return CLI::Validator(
+      [max](const std::string& text) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        const double seconds = text.empty() ? NAN : std::strtod(text.c_str(), &end);
+        if (text.empty() || errno != 0 || end != text.c_str() + text.size() || !std::isfinite(seconds) ||
+            seconds < 0 || seconds > max) {
+          return fmt::format("expects seconds from 0 to {}, got '{}'", max, text);
+        }
+        return {};
+      },
+      "");
 }
 
 std::vector<std::string> split_hosts(std::string_view text) {
@@ -171,66 +169,88 @@ std::vector<std::string> split_hosts(std::string_view text) {
   return hosts;
 }
 
+// --help's layout: our usage line first, then the description, CLI11's list of options, the footer.
+class HelpFormatter : public CLI::Formatter {
+ public:
+  std::string make_help(const CLI::App* app, std::string, CLI::AppFormatMode mode) const override {
+    return fmt::format("{}\n\n{}{}\n{}", kUsageLine, make_description(app), make_groups(app, mode),
+                       make_footer(app));
+  }
+};
+
 Options parse_command_line(std::span<char* const> args) {
   Options options;
-  std::map<std::string, std::string, std::less<>> values;  // option name -> value, as given
-  bool saw_separator = false;
-  for (std::size_t i = 0; i < args.size(); ++i) {
-    const std::string_view arg = args[i];
-    if (arg == "--") {
-      saw_separator = true;
-      options.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
-      break;
-    }
-    if (arg == "--help" || arg == "-h") {
-      options.help = true;
-      return options;
-    }
-    if (!arg.starts_with("--") || arg.size() == 2) {
-      throw UsageError(fmt::format("unexpected argument '{}': options come first, then '--' and the program", arg));
-    }
-    std::string name(arg.substr(2));
-    std::optional<std::string> value;
-    if (const std::size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
-    }
-    std::replace(name.begin(), name.end(), '-', '_');  // torchrun accepts --nproc-per-node too
-    static constexpr std::string_view kKnown[] = {"nproc_per_node", "nnodes",       "node_rank",
-                                                  "master_addr",    "master_port",  "max_restarts",
-                                                  "stop_timeout",   "hosts"};
-    if (std::find(std::begin(kKnown), std::end(kKnown), name) == std::end(kKnown)) {
-      throw UsageError(fmt::format("unknown option '{}'", arg));
-    }
-    if (!value) {
-      if (i + 1 >= args.size() || std::string_view(args[i + 1]) == "--") {
-        throw UsageError(fmt::format("option --{} needs a value", name));
-      }
-      value = args[++i];
-    }
-    if (!values.emplace(name, *value).second) throw UsageError(fmt::format("option --{} is given twice", name));
-  }
+  // Everything after the first "--" is the program and its arguments: CLI11 sees what is before.
+  const auto separator = std::find_if(args.begin(), args.end(), [](const char* a) { return std::string_view(a) == "--"; });
+  const bool saw_separator = separator != args.end();
+  if (saw_separator) options.program.assign(separator + 1, args.end());
 
-  const auto get = [&](std::string_view name) -> const std::string* {
-    const auto it = values.find(name);
-    return it == values.end() ? nullptr : &it->second;
-  };
-  if (const auto* v = get("nproc_per_node")) {
-    options.nproc_per_node = parse_int("nproc_per_node", *v, 1, kMaxProcsPerNode);
-  } else {
-    throw UsageError("option --nproc_per_node is required (the number of workers on this node)");
+  CLI::App app(std::string(kDescription), "tandem-run");
+  app.formatter(std::make_shared<HelpFormatter>());
+  app.get_formatter()->column_width(24);
+  app.footer(std::string(kFooter));
+  app.set_help_flag("-h,--help", "print this text");
+  app.allow_extras();  // reported below, in our words
+  // An option given twice is reported below, in our words, rather than as CLI11's "At Most 1".
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  int nproc_per_node = 0;
+  double stop_timeout_seconds = 0;
+  std::string hosts;
+  app.add_option("--nproc_per_node", nproc_per_node, "workers on this node (1 to 256)")
+      ->type_name("N")
+      ->required()
+      ->check(integer_from(1, kMaxProcsPerNode));
+  app.add_option("--nnodes", options.nnodes, "nodes in the job (default 1)")->type_name("M")->check(integer_from(1, 65536));
+  app.add_option("--node_rank", options.node_rank, "this node's index, 0 to M-1 (default 0)")
+      ->type_name("R")
+      ->check(integer_from(0, 65535));
+  auto* master_addr =
+      app.add_option("--master_addr", options.master_addr,
+                     "the chief's host (default 127.0.0.1, or H0)")
+          ->type_name("A")
+          ->check(CLI::Validator([](const std::string& text) { return text.empty() ? "is empty" : ""; }, ""));
+  app.add_option("--master_port", options.master_port,
+                 "the chief's port (default 29500); local worker i listens\non P + i; 0 picks free ports (one node "
+                 "only)")
+      ->type_name("P")
+      ->check(integer_from(0, 65535));
+  auto* hosts_option = app.add_option("--hosts", hosts,
+                 "one host per node, H0 = master_addr (see below)")
+      ->type_name("H0,H1,...");
+  app.add_option("--max_restarts", options.max_restarts,
+                 "restart the group up to K times after a failure\n(default 0)")
+      ->type_name("K")
+      ->check(integer_from(0, 1000000));
+  auto* stop_timeout = app.add_option("--stop_timeout", stop_timeout_seconds,
+                                      "seconds stopping workers get before SIGKILL (default 30)")
+                           ->type_name("S")
+                           ->check(seconds_up_to(kMaxStopTimeoutSeconds));
+  // CLI11 takes the arguments last first. torchrun's dashed names (--nproc-per-node) become ours.
+  std::vector<std::string> reversed(std::make_reverse_iterator(separator), std::make_reverse_iterator(args.begin()));
+  for (std::string& arg : reversed) {
+    if (arg.starts_with("--")) std::replace(arg.begin() + 2, std::find(arg.begin(), arg.end(), '='), '-', '_');
   }
-  if (const auto* v = get("nnodes")) options.nnodes = parse_int("nnodes", *v, 1, 65536);
-  if (const auto* v = get("node_rank")) options.node_rank = parse_int("node_rank", *v, 0, 65535);
-  if (const auto* v = get("master_port")) options.master_port = parse_int("master_port", *v, 0, 65535);
-  if (const auto* v = get("max_restarts")) options.max_restarts = parse_int("max_restarts", *v, 0, 1000000);
-  if (const auto* v = get("stop_timeout")) options.stop_timeout = parse_seconds("stop_timeout", *v);
-  if (const auto* v = get("hosts")) options.hosts = split_hosts(*v);
-  const std::string* master_addr = get("master_addr");
-  if (master_addr) {
-    if (master_addr->empty()) throw UsageError("option --master_addr is empty");
-    options.master_addr = *master_addr;
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    options.help = app.help();
+    return options;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
   }
+  for (const CLI::Option* option : app.get_options()) {
+    if (option->count() > 1) throw UsageError(fmt::format("option {} is given twice", option->get_name()));
+  }
+  if (const auto extras = app.remaining(); !extras.empty()) {
+    if (extras[0].starts_with("-")) throw UsageError(fmt::format("unknown option '{}'", extras[0]));
+    throw UsageError(
+        fmt::format("unexpected argument '{}': options come first, then '--' and the program", extras[0]));
+  }
+  options.nproc_per_node = nproc_per_node;
+  if (stop_timeout->count() > 0) {
+    options.stop_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(stop_timeout_seconds * 1000)));
+  }
+  if (hosts_option->count() > 0) options.hosts = split_hosts(hosts);
 
   if (options.node_rank >= options.nnodes) {
     throw UsageError(fmt::format("--node_rank {} is out of range: with --nnodes {} node ranks are 0 to {}",
@@ -260,7 +280,7 @@ Options parse_command_line(std::span<char* const> args) {
         }
       }
     }
-    if (!master_addr) {
+    if (master_addr->count() == 0) {
       options.master_addr = options.hosts[0];
     } else if (options.hosts[0] != options.master_addr) {
       throw UsageError(fmt::format("--hosts starts with '{}' but --master_addr is '{}': node 0 hosts the chief, so "
@@ -867,7 +887,7 @@ int main(int argc, char** argv) {
     return kUsageExitCode;
   }
   if (options.help) {
-    write_all(STDOUT_FILENO, kUsage);
+    write_all(STDOUT_FILENO, *options.help);
     return 0;
   }
   try {

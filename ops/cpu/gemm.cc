@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "tandem/base/detail/shared_library.h"
+#include "tandem/base/env.h"
+#include "tandem/base/log.h"
 #include "tandem/base/errors.h"
 
 namespace tandem::ops::cpu {
@@ -125,10 +127,7 @@ void init_gemm() {
   static std::once_flag once;
   std::call_once(once, [] {
     auto& s = state();
-    const char* forced = std::getenv("TANDEM_GEMM");
-    const std::string_view choice = forced != nullptr ? forced : "";
-    TANDEM_REQUIRE(choice.empty() || choice == "eigen" || choice == "openblas", InvalidArgument,
-                   "environment variable TANDEM_GEMM=\"{}\": expected \"eigen\" or \"openblas\"", choice);
+    const std::string choice = env::get_string(env::kGemm);
     if (choice != "eigen") s.openblas_loaded = load_openblas(s.openblas);
     TANDEM_REQUIRE(choice != "openblas" || s.openblas_loaded, FailedPrecondition,
                    "TANDEM_GEMM=openblas but libopenblas could not be loaded (install libopenblas0)");
@@ -136,6 +135,7 @@ void init_gemm() {
     s.description = s.openblas_loaded ? s.openblas.description
                                       : fmt::format("Eigen {}.{}.{}", EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION,
                                                     EIGEN_MINOR_VERSION);
+    logging::debug("matrix products on CPUs: {} (TANDEM_GEMM={})", s.description, choice);
   });
 }
 

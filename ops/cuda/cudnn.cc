@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string_view>
 #include <vector>
 
 #include "tandem/base/detail/shared_library.h"
+#include "tandem/base/env.h"
 #include "tandem/base/errors.h"
 #include "tandem/devices/detail/cuda_check.h"
 
@@ -75,13 +75,12 @@ struct CudnnApi {
 const CudnnApi& cudnn() {
   static const CudnnApi api = [] {
     CudnnApi a;
-    if (const char* env = std::getenv("TANDEM_CUDNN"); env != nullptr && std::string_view(env) == "0") {
+    if (!env::get_bool(env::kCudnn)) {
       a.problem = "turned off by TANDEM_CUDNN=0";
       return a;
     }
-    const char* path = std::getenv("TANDEM_CUDNN_LIBRARY");
-    const auto library =
-        tandem::detail::open_first_library({path != nullptr ? path : "", "libcudnn.so.9", "libcudnn.so"});
+    const std::string path = env::get_string(env::kCudnnLibrary);
+    const auto library = tandem::detail::open_first_library({path, "libcudnn.so.9", "libcudnn.so"});
     if (library.handle == nullptr) {
       a.problem = fmt::format("libcudnn could not be loaded ({}); install cuDNN 9, or point TANDEM_CUDNN_LIBRARY or "
                               "LD_LIBRARY_PATH at PyTorch's (site-packages/nvidia/cudnn/lib)",

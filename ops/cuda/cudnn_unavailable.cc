@@ -11,7 +11,7 @@ namespace {
 
 #if TANDEM_HAVE_CUDA
 constexpr std::string_view kNoCudnn =
-    "not built: CMake found no cuDNN 9 cudnn.h (in the CUDA toolkit or TANDEM_CUDNN_INCLUDE_DIR, e.g. "
+    "not built: CMake found no cuDNN 9 cudnn.h (in the CUDA toolkit or -DTANDEM_CUDNN_INCLUDE_DIR, e.g. "
     "site-packages/nvidia/cudnn/include)";
 #else
 constexpr std::string_view kNoCudnn = "not built: this build of tandem has no CUDA";

@@ -1,16 +1,18 @@
 // samples/common/args.h — the samples' command line: --epochs N --batch N --seed N
-// --strategy one|mirrored|multiworker --cpu-devices N (and --help), and the strategy they choose.
+// --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P (and --help), parsed with
+// CLI11, and the strategy they choose.
 #pragma once
 
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
-#include <charconv>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
-#include <string_view>
 
+#include "tandem/base/env.h"
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
 #include "tandem/keras_like/mixed_precision.h"
@@ -25,10 +27,12 @@ struct Args {
   std::uint64_t seed = 0;
   int verbose = 1;
   double expect_accuracy = 0.0;  // exit non-zero when the test accuracy ends below this
-  std::string strategy = "mirrored";  // "one" or "mirrored"
+  std::string strategy = "mirrored";  // "one", "mirrored" or "multiworker"
   int cpu_devices = 0;                // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
   std::string dtype_policy = "float32";  // keras::mixed_precision's global policy, set by parse_args
-  bool help = false;
+  // Set when the sample must end at once with this status: 0 after --help, else the command line
+  // was wrong (parse_args has printed why).
+  std::optional<int> exit_code;
 };
 
 // How many logical CPU devices a sample gets when --cpu-devices is not given: one per core, so
@@ -36,60 +40,52 @@ struct Args {
 // only add synchronisation on the machines the samples are meant for).
 inline constexpr int kMaxDefaultCpuDevices = 8;
 
-inline std::int64_t parse_int(std::string_view flag, std::string_view text) {
-  std::int64_t value = 0;
-  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  TANDEM_REQUIRE(ec == std::errc() && ptr == text.data() + text.size() && value >= 0, InvalidArgument,
-                 "{} \"{}\": expected a non-negative integer", flag, text);
-  return value;
-}
-
-// Parses the common flags; defaults are the sample's own. Throws InvalidArgument on bad input.
-inline Args parse_args(int argc, char** argv, Args defaults, const char* usage) {
+// Parses the common flags; defaults are the sample's own. --help prints the flags on stdout; a bad
+// flag or value prints what is wrong on stderr; both set exit_code.
+inline Args parse_args(int argc, char** argv, Args defaults, const char* description) {
   Args a = defaults;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view flag = argv[i];
-    const auto value = [&]() -> std::string_view {
-      TANDEM_REQUIRE(i + 1 < argc, InvalidArgument, "{} needs a value (see --help)", flag);
-      return argv[++i];
-    };
-    if (flag == "--epochs") {
-      a.epochs = static_cast<int>(parse_int(flag, value()));
-    } else if (flag == "--batch") {
-      a.batch = parse_int(flag, value());
-    } else if (flag == "--seed") {
-      a.seed = static_cast<std::uint64_t>(parse_int(flag, value()));
-    } else if (flag == "--expect-accuracy") {
-      a.expect_accuracy = std::stod(std::string(value()));
-    } else if (flag == "--strategy") {
-      a.strategy = std::string(value());
-      TANDEM_REQUIRE(a.strategy == "one" || a.strategy == "mirrored" || a.strategy == "multiworker", InvalidArgument,
-                     "--strategy \"{}\": expected one, mirrored or multiworker", a.strategy);
-    } else if (flag == "--cpu-devices") {
-      a.cpu_devices = static_cast<int>(parse_int(flag, value()));
-      TANDEM_REQUIRE(a.cpu_devices >= 1, InvalidArgument, "--cpu-devices must be at least 1");
-    } else if (flag == "--dtype-policy") {
-      a.dtype_policy = std::string(value());
-      tandem::keras::mixed_precision::Policy{a.dtype_policy};  // rejects an unknown name now
-    } else if (flag == "--verbose") {
-      a.verbose = static_cast<int>(parse_int(flag, value()));
-    } else if (flag == "--help" || flag == "-h") {
-      std::printf("%s\n  --epochs N   (default %d)\n  --batch N    (default %lld)\n  --seed N     (default 0)\n"
-                  "  --verbose N  0 silent, 1 progress bar, 2 one line per epoch (default 1)\n"
-                  "  --strategy S  one (OneDeviceStrategy on CPU:0) or mirrored (MirroredStrategy on every GPU,\n"
-                  "                else every logical CPU device; default %s) or multiworker\n"
-                  "                (MultiWorkerMirroredStrategy: start it with tandem-run, or set TF_CONFIG)\n"
-                  "  --cpu-devices N  logical CPU devices (default: one per usable core, at most %d;\n"
-                  "                TANDEM_NUM_CPU_DEVICES also sets it)\n"
-                  "  --dtype-policy P  float32 (default), mixed_bfloat16 or mixed_float16 (compute in 16 bits,\n"
-                  "                weights in float32; mixed_float16 adds loss scaling)\n"
-                  "  --expect-accuracy A  exit with status 3 when the final test accuracy is below A\n",
-                  usage, defaults.epochs, static_cast<long long>(defaults.batch), defaults.strategy.c_str(),
-                  kMaxDefaultCpuDevices);
-      a.help = true;
-    } else {
-      throw tandem::InvalidArgument(fmt::format("unknown argument \"{}\" (see --help)", flag));
-    }
+  CLI::App app(description);
+  app.add_option("--epochs", a.epochs, "passes over the training data")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--batch", a.batch, "global batch size (split among the replicas)")
+      ->capture_default_str()
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
+  app.add_option("--seed", a.seed, "tandem::set_global_seed's seed")->capture_default_str();
+  app.add_option("--verbose", a.verbose, "0 silent, 1 progress bar, 2 one line per epoch")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
+  app.add_option("--strategy", a.strategy,
+                 "one (OneDeviceStrategy on CPU:0), mirrored (MirroredStrategy\non every GPU, else every logical CPU "
+                 "device) or multiworker\n(MultiWorkerMirroredStrategy: start it with tandem-run, or set\nTF_CONFIG)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"one", "mirrored", "multiworker"}));
+  app.add_option("--cpu-devices", a.cpu_devices,
+                 fmt::format("logical CPU devices (default: one per usable core, at most {};\n"
+                             "TANDEM_NUM_CPU_DEVICES also sets it)",
+                             kMaxDefaultCpuDevices))
+      ->check(CLI::Range(1, static_cast<int>(tandem::env::kNumCpuDevices.max)));
+  app.add_option("--dtype-policy", a.dtype_policy,
+                 "float32, mixed_bfloat16 or mixed_float16 (compute in 16 bits,\nweights in float32; mixed_float16 "
+                 "adds loss scaling)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](const std::string& name) -> std::string {
+            try {
+              tandem::keras::mixed_precision::Policy{name};
+            } catch (const tandem::Error& e) {
+              return e.what();
+            }
+            return {};
+          },
+          "POLICY"));
+  app.add_option("--expect-accuracy", a.expect_accuracy,
+                 "exit with status 3 when the final test accuracy is below this");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    a.exit_code = app.exit(e);
+    return a;
   }
   tandem::keras::mixed_precision::set_global_policy(a.dtype_policy);
   return a;
@@ -113,7 +109,7 @@ inline int report_test(double loss, double accuracy, const Args& a) {
 inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
   int cpu_devices = a.cpu_devices;
   // One device keeps every core for itself; mirrored gets one device per core unless told.
-  if (cpu_devices == 0 && a.strategy == "mirrored" && std::getenv("TANDEM_NUM_CPU_DEVICES") == nullptr) {
+  if (cpu_devices == 0 && a.strategy == "mirrored" && !tandem::env::is_set(tandem::env::kNumCpuDevices)) {
     cpu_devices = std::min(tandem::devices::usable_cpu_cores(), kMaxDefaultCpuDevices);
   }
   if (a.strategy == "multiworker") {

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "tandem/base/log.h"
 #include "tandem/keras_like/keras.h"
 
 using namespace tandem;
@@ -874,12 +875,14 @@ TEST_CASE("BackupAndRestore: a corrupt newest backup is reported and the previou
     f.seekp(-3, std::ios::end);
     f.put('\x7f');  // one flipped byte in the data: the checksum no longer matches
   }
-  std::ostringstream captured;
-  auto* previous = std::cerr.rdbuf(captured.rdbuf());
+  std::string captured;
+  auto previous = logging::set_sink([&](logging::Level level, std::string_view message) {
+    if (level == logging::Level::kWarn) captured += message;
+  });
   const auto resumed = run_with_backup(dir.path().string(), std::nullopt, {}, std::nullopt);
-  std::cerr.rdbuf(previous);
-  CHECK(captured.str().find("ignoring the backup") != std::string::npos);
-  CHECK(captured.str().find("checksum") != std::string::npos);
+  logging::set_sink(std::move(previous));
+  CHECK(captured.find("ignoring the backup") != std::string::npos);
+  CHECK(captured.find("checksum") != std::string::npos);
   CHECK(resumed.restored_from == (dir.path() / "backup.previous.safetensors").string());
   CHECK(resumed.steps == reference.steps - 10);  // the previous backup: the end of epoch 1
   check_same_weights(resumed, reference);

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/random_values.h"
+#include "tandem/base/env.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/graph.h"
 #include "tandem/ops/cuda/cudnn.h"
@@ -530,8 +531,7 @@ TEST_CASE("cudnn_status says whether cuDNN is used, and TANDEM_CUDNN=0 turns it 
   const std::string status = ops::cuda::cudnn_status();
   MESSAGE("cudnn_status(): ", status);
   REQUIRE_FALSE(status.empty());
-  const char* env = std::getenv("TANDEM_CUDNN");
-  const bool off = env != nullptr && std::string(env) == "0";
+  const bool off = !env::get_bool(env::kCudnn);
   const bool built = status.rfind("not built", 0) != 0;
   if (off && built) CHECK(status == "turned off by TANDEM_CUDNN=0");
   if (!built) CHECK_FALSE(ops::cuda::cudnn_enabled());

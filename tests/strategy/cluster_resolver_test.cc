@@ -5,6 +5,7 @@
 #include <functional>
 #include <string>
 
+#include "common/error_message.h"
 #include "tandem/base/errors.h"
 #include "tandem/strategy/cluster_resolver.h"
 
@@ -17,23 +18,8 @@ using Vars = std::map<std::string, std::string>;
 
 EnvironmentLookup env_of(Vars vars) { return map_environment(std::move(vars)); }
 
-// The message of the InvalidArgument fn throws; fails the test when it throws nothing or another
-// error.
-std::string invalid_argument(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL_CHECK("threw something other than InvalidArgument: " << e.what());
-    return {};
-  }
-  FAIL_CHECK("did not throw");
-  return {};
-}
-
 std::string tf_config_error(const std::string& json) {
-  return invalid_argument([&] { (void)TFConfigClusterResolver::from_json(json, env_of({})); });
+  return testing::error_message([&] { (void)TFConfigClusterResolver::from_json(json, env_of({})); });
 }
 
 #define CHECK_CONTAINS(message, part)                                                   \
@@ -70,14 +56,14 @@ TEST_CASE("split_host_port / join_host_port, IPv6 in brackets") {
   CHECK(join_host_port("node-1.cluster", 80) == "node-1.cluster:80");
   CHECK(split_host_port("my_host.example.com:65535").port == 65535);
 
-  CHECK_CONTAINS(invalid_argument([] { split_host_port("localhost"); }),
+  CHECK_CONTAINS(testing::error_message([] { split_host_port("localhost"); }),
                  "\"localhost\" is not host:port (no port)");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port(":1"); }), "empty host");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port("h:x1"); }), "port \"x1\" is not a number");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port("h:0"); }), "port 0 is not in 1..65535");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port("::1:22"); }), "must be in brackets");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port("[h]:22"); }), "brackets are for IPv6");
-  CHECK_CONTAINS(invalid_argument([] { split_host_port(""); }), "(empty)");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port(":1"); }), "empty host");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port("h:x1"); }), "port \"x1\" is not a number");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port("h:0"); }), "port 0 is not in 1..65535");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port("::1:22"); }), "must be in brackets");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port("[h]:22"); }), "brackets are for IPv6");
+  CHECK_CONTAINS(testing::error_message([] { split_host_port(""); }), "(empty)");
 }
 
 TEST_CASE("ClusterSpec: num_tasks, task_address, to_json") {
@@ -87,8 +73,8 @@ TEST_CASE("ClusterSpec: num_tasks, task_address, to_json") {
   CHECK(spec.num_tasks("worker") == 2);
   CHECK(spec.num_tasks("ps") == 0);
   CHECK(spec.task_address("worker", 1) == "w:2");
-  CHECK_CONTAINS(invalid_argument([&] { (void)spec.task_address("ps", 0); }), "no job \"ps\"");
-  CHECK_CONTAINS(invalid_argument([&] { (void)spec.task_address("worker", 2); }),
+  CHECK_CONTAINS(testing::error_message([&] { (void)spec.task_address("ps", 0); }), "no job \"ps\"");
+  CHECK_CONTAINS(testing::error_message([&] { (void)spec.task_address("worker", 2); }),
                  "no task worker[2]: job \"worker\" has 2 tasks");
   CHECK(spec.to_json() == R"({"chief":["c:1"],"worker":["w:1","w:2"]})");
   // to_json is TF_CONFIG's "cluster": it reads back as the same spec.
@@ -116,9 +102,9 @@ TEST_CASE("TF_CONFIG with a chief and workers: the chief is rank 0, worker i is 
   CHECK(r.local_rank() == 0);  // every task on its own host
   CHECK(r.local_world_size() == 1);
   CHECK(r.restart_count() == 0);
-  CHECK_CONTAINS(invalid_argument([&] { (void)r.task_label(3); }),
+  CHECK_CONTAINS(testing::error_message([&] { (void)r.task_label(3); }),
                  "TF_CONFIG: rank 3 is out of range: there are 3 training processes");
-  CHECK_CONTAINS(invalid_argument([&] { (void)r.expected_address(-1); }), "rank -1 is out of range");
+  CHECK_CONTAINS(testing::error_message([&] { (void)r.expected_address(-1); }), "rank -1 is out of range");
 
   auto chief = TFConfigClusterResolver::from_json(
       R"({"cluster": {"chief": ["c:2222"], "worker": ["w0:2222"]}, "task": {"type": "chief", "index": 0}})",
@@ -205,10 +191,10 @@ TEST_CASE("TFConfigClusterResolver reads TF_CONFIG from the environment; unset o
   TFConfigClusterResolver r(env_of({{"TF_CONFIG", kChiefAndWorkers}}));
   CHECK(r.rank() == 2);
   for (const char* empty : {"", "  "}) {
-    CHECK_CONTAINS(invalid_argument([&] { TFConfigClusterResolver x(env_of({{"TF_CONFIG", empty}})); }),
+    CHECK_CONTAINS(testing::error_message([&] { TFConfigClusterResolver x(env_of({{"TF_CONFIG", empty}})); }),
                    "TF_CONFIG environment variable is not set");
   }
-  CHECK_CONTAINS(invalid_argument([] { TFConfigClusterResolver x(env_of({})); }),
+  CHECK_CONTAINS(testing::error_message([] { TFConfigClusterResolver x(env_of({})); }),
                  "TF_CONFIG environment variable is not set");
 }
 
@@ -298,10 +284,10 @@ TEST_CASE("TF_CONFIG refusals") {
 
 TEST_CASE("TANDEM_RESTART_COUNT must be a non-negative integer") {
   CHECK(LocalClusterResolver(env_of({{"TANDEM_RESTART_COUNT", "3"}})).restart_count() == 3);
-  CHECK_CONTAINS(invalid_argument([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "-1"}})); }),
-                 "TANDEM_RESTART_COUNT \"-1\" is not a non-negative integer");
-  CHECK_CONTAINS(invalid_argument([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "x"}})); }),
-                 "TANDEM_RESTART_COUNT \"x\"");
+  CHECK_CONTAINS(testing::error_message([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "-1"}})); }),
+                 "environment variable TANDEM_RESTART_COUNT=\"-1\": expected a non-negative integer");
+  CHECK_CONTAINS(testing::error_message([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "x"}})); }),
+                 "TANDEM_RESTART_COUNT=\"x\"");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -314,7 +300,7 @@ Vars torchrun_vars() {
           {"GROUP_RANK", "1"}};
 }
 std::string torchrun_error(Vars vars) {
-  return invalid_argument([&] { TorchrunClusterResolver r(env_of(std::move(vars))); });
+  return testing::error_message([&] { TorchrunClusterResolver r(env_of(std::move(vars))); });
 }
 }  // namespace
 
@@ -335,7 +321,7 @@ TEST_CASE("torchrun: ranks from RANK/WORLD_SIZE, the chief at MASTER_ADDR:MASTER
   CHECK(r.task_label(5) == "rank 5");
   CHECK(r.expected_address(0) == "10.0.0.1:29500");
   CHECK(r.expected_address(1).empty());
-  CHECK_CONTAINS(invalid_argument([&] { (void)r.task_label(8); }),
+  CHECK_CONTAINS(testing::error_message([&] { (void)r.task_label(8); }),
                  "torchrun: rank 8 is out of range: there are 8 training processes");
 
   // Under torchrun's agent store, MASTER_PORT is PyTorch's TCPStore: ours takes the next port,
@@ -427,7 +413,7 @@ TEST_CASE("expand_slurm_nodelist") {
   for (const auto& [list, expected] : bad) {
     const std::string list_text = list;
     CAPTURE(list_text);
-    const std::string message = invalid_argument([&] { expand_slurm_nodelist(list); });
+    const std::string message = testing::error_message([&] { expand_slurm_nodelist(list); });
     CHECK_CONTAINS(message, fmt::format("SLURM node list \"{}\"", list));
     CHECK_CONTAINS(message, expected);
   }
@@ -440,7 +426,7 @@ TEST_CASE("expand_slurm_tasks_per_node") {
   for (const char* bad : {"", "2(x0)", "a", "2(3)", "2(x3", "0", "2,,1"}) {
     const std::string bad_text = bad;
     CAPTURE(bad_text);
-    CHECK_CONTAINS(invalid_argument([&] { expand_slurm_tasks_per_node(bad); }),
+    CHECK_CONTAINS(testing::error_message([&] { expand_slurm_tasks_per_node(bad); }),
                    fmt::format("SLURM tasks per node \"{}\"", bad));
   }
 }
@@ -459,7 +445,7 @@ Vars slurm_vars() {
           {"SLURM_TASKS_PER_NODE", "2(x7)"}};
 }
 std::string slurm_error(Vars vars) {
-  return invalid_argument([&] { SlurmClusterResolver r(env_of(std::move(vars))); });
+  return testing::error_message([&] { SlurmClusterResolver r(env_of(std::move(vars))); });
 }
 }  // namespace
 
@@ -601,13 +587,13 @@ TEST_CASE("resolve_cluster: TF_CONFIG, then torchrun, then SLURM, then one local
   CHECK(local->task_label(0) == "worker 0 (local)");
   CHECK(local->expected_address(0).empty());
   CHECK(local->cluster_spec().num_tasks("worker") == 1);
-  CHECK_CONTAINS(invalid_argument([&] { (void)local->task_label(1); }), "local: rank 1 is out of range");
+  CHECK_CONTAINS(testing::error_message([&] { (void)local->task_label(1); }), "local: rank 1 is out of range");
 
   // A malformed environment is an error, never a silent single worker.
-  CHECK_CONTAINS(invalid_argument([] { resolve_cluster(env_of({{"TF_CONFIG", "{"}})); }),
+  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"TF_CONFIG", "{"}})); }),
                  "TF_CONFIG: invalid JSON");
-  CHECK_CONTAINS(invalid_argument([] { resolve_cluster(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}})); }),
+  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}})); }),
                  "torchrun: MASTER_ADDR is not set");
-  CHECK_CONTAINS(invalid_argument([] { resolve_cluster(env_of({{"SLURM_PROCID", "0"}})); }),
+  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"SLURM_PROCID", "0"}})); }),
                  "SLURM: SLURM_NTASKS is not set");
 }

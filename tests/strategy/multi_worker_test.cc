@@ -23,6 +23,8 @@
 #include <vector>
 
 #include "common/temp_dir.h"
+#include "tandem/base/env.h"
+#include "tandem/collective/store.h"
 #include "tandem/keras_like/saving.h"
 
 extern char** environ;
@@ -311,6 +313,11 @@ TEST_CASE("without restarts, the surviving worker fails within the timeout namin
     CHECK(survivor.find("died") != std::string::npos);
     CHECK(seconds < 20 + 15);
   }
+}
+
+TEST_CASE("TANDEM_RENDEZVOUS_TIMEOUT's default is the collective layer's own") {
+  CHECK(env::parse_seconds(env::kRendezvousTimeout, env::kRendezvousTimeout.default_value) ==
+        collective::kDefaultRendezvousTimeout);
 }
 
 TEST_CASE("a worker that never arrives: the others fail at the rendezvous deadline naming it and its address") {

@@ -16,6 +16,7 @@
 #include <iostream>
 #include <string>
 
+#include <tandem/base/env.h>
 #include <tandem/keras_like/keras.h>
 
 namespace {
@@ -122,8 +123,7 @@ int run(const Args& a) {
     rank = mw->worker_rank();
     strategy = std::move(mw);
   }
-  const char* restart = std::getenv("TANDEM_RESTART_COUNT");
-  const bool first_attempt = restart == nullptr || std::string(restart) == "0";
+  const bool first_attempt = env::get_int(env::kRestartCount) == 0;
 
   keras::Model model;
   {

@@ -22,11 +22,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <thread>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 namespace {
@@ -58,16 +59,6 @@ int my_rank() {
   return -1;
 }
 
-// "R:X" -> {R, X}
-std::pair<int, int> rank_and_value(const char* text) {
-  const char* colon = std::strchr(text, ':');
-  if (!colon) {
-    std::fprintf(stderr, "tandem_run_probe: expected R:X, got '%s'\n", text);
-    std::exit(64);
-  }
-  return {std::atoi(text), std::atoi(colon + 1)};
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -75,32 +66,24 @@ int main(int argc, char** argv) {
   int lines = 0, long_line = 0, exit_delay_ms = 0, kill_rank = -1;
   std::pair<int, int> exit_spec{-1, 0};
   double sleep_s = 0;
-  const char* partial = nullptr;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    const auto next = [&]() -> const char* {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "tandem_run_probe: %s needs a value\n", argv[i]);
-        std::exit(64);
-      }
-      return argv[++i];
-    };
-    if (a == "--ignore-sigterm") ignore_sigterm = true;
-    else if (a == "--report-sigterm") on_sigterm_report = true;
-    else if (a == "--spawn-child") spawn_child = true;
-    else if (a == "--print-env") print_env = true;
-    else if (a == "--lines") lines = std::atoi(next());
-    else if (a == "--long-line") long_line = std::atoi(next());
-    else if (a == "--ready") ready = true;
-    else if (a == "--exit-delay") exit_delay_ms = std::atoi(next());
-    else if (a == "--exit") exit_spec = rank_and_value(next());
-    else if (a == "--kill-self") kill_rank = std::atoi(next());
-    else if (a == "--sleep") sleep_s = std::atof(next());
-    else if (a == "--partial") partial = next();
-    else {
-      std::fprintf(stderr, "tandem_run_probe: unknown argument '%s'\n", argv[i]);
-      return 64;
-    }
+  std::string partial;
+  CLI::App app("tandem_run_probe: the worker program tandem_run_test launches");
+  app.add_flag("--ignore-sigterm", ignore_sigterm, "ignore SIGTERM");
+  app.add_flag("--report-sigterm", on_sigterm_report, "answer SIGTERM with \"got SIGTERM\" and exit 143");
+  app.add_flag("--spawn-child", spawn_child, "fork a child that sleeps 30 s; print \"child pid P\"");
+  app.add_flag("--print-env", print_env, "print TF_CONFIG, torchrun's and TANDEM_* variables");
+  app.add_option("--lines", lines, "print \"out i\" to stdout and \"err i\" to stderr, i = 0..N-1");
+  app.add_option("--long-line", long_line, "print BYTES 'x' then one newline");
+  app.add_flag("--ready", ready, "print \"ready pid P\"");
+  app.add_option("--exit-delay", exit_delay_ms, "wait MS before --exit and --kill-self (on that rank only)");
+  app.add_option("--exit", exit_spec, "exit with code X when rank == R (every attempt)")->type_name("R:X")->delimiter(':');
+  app.add_option("--kill-self", kill_rank, "SIGKILL itself when rank == R and TANDEM_RESTART_COUNT == 0");
+  app.add_option("--sleep", sleep_s, "sleep S seconds");
+  app.add_option("--partial", partial, "print TEXT without a newline");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 64;
   }
 
   if (ignore_sigterm) ::signal(SIGTERM, SIG_IGN);
@@ -135,6 +118,6 @@ int main(int argc, char** argv) {
   if (rank == exit_spec.first) return exit_spec.second;
   if (rank == kill_rank && env_int("TANDEM_RESTART_COUNT", -1) == 0) ::raise(SIGKILL);
   if (sleep_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
-  if (partial) put(STDOUT_FILENO, partial);
+  if (!partial.empty()) put(STDOUT_FILENO, partial);
   return 0;
 }
