@@ -1,0 +1,140 @@
+#include "tandem/base/wait_policy.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+
+#include <unistd.h>
+
+#include "tandem/base/detail/spin_gate.h"
+#include "tandem/base/errors.h"
+
+namespace tandem {
+namespace {
+
+constexpr const char* kVariable = "TANDEM_WAIT_POLICY";
+
+std::int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+WaitPolicy parse_wait_policy(std::string_view value) {
+  if (value.empty() || value == "adaptive") return WaitPolicy::kAdaptive;
+  if (value == "active") return WaitPolicy::kActive;
+  if (value == "passive") return WaitPolicy::kPassive;
+  throw InvalidArgument(fmt::format("environment variable {}=\"{}\" is not one of adaptive (the default), active, passive",
+                                    kVariable, value));
+}
+
+WaitPolicy wait_policy() {
+  static const WaitPolicy policy = [] {
+    const char* value = std::getenv(kVariable);
+    return parse_wait_policy(value == nullptr ? "" : value);
+  }();
+  return policy;
+}
+
+std::chrono::microseconds spin_budget(std::chrono::microseconds nominal, int threads, int cores) {
+  if (wait_policy() == WaitPolicy::kPassive || threads > cores) return std::chrono::microseconds(0);
+  return nominal;
+}
+
+namespace {
+// The policy, for the checks that must not throw: the owners' constructors have reported a bad
+// value already (spin_budget), and a waiter that meets one anyway does not spin.
+WaitPolicy wait_policy_or_passive() noexcept {
+  try {
+    return wait_policy();
+  } catch (...) {
+    return WaitPolicy::kPassive;
+  }
+}
+}  // namespace
+
+bool spin_allowed() noexcept {
+  switch (wait_policy_or_passive()) {
+    case WaitPolicy::kActive: return true;
+    case WaitPolicy::kPassive: return false;
+    case WaitPolicy::kAdaptive: break;
+  }
+  return detail::process_spin_gate().open(steady_now_ns, [] { return detail::machine_full(); });
+}
+
+bool spinner_preempted() noexcept {
+  if (wait_policy_or_passive() != WaitPolicy::kAdaptive) return false;
+  try {
+    detail::process_spin_gate().preempted(steady_now_ns());
+  } catch (...) {  // std::mutex::lock may throw system_error in theory; a lost report is harmless
+  }
+  return true;
+}
+
+namespace detail {
+
+bool loadavg_says_full(std::string_view loadavg, long cores) {
+  // "0.52 0.58 0.59 3/121 4567": the fourth field is runnable / all threads.
+  std::size_t at = 0;
+  for (int field = 0; field < 3; ++field) {
+    at = loadavg.find(' ', at);
+    if (at == std::string_view::npos) return false;
+    ++at;
+  }
+  int running = 0;
+  const auto [end, ec] = std::from_chars(loadavg.data() + at, loadavg.data() + loadavg.size(), running);
+  return ec == std::errc() && end != loadavg.data() + loadavg.size() && *end == '/' && cores > 0 &&
+         running - 1 >= cores;
+}
+
+bool machine_full() {
+  // One small read, once per quiet period at most.
+  char text[128];
+  std::FILE* file = std::fopen("/proc/loadavg", "r");
+  if (file == nullptr) return false;
+  const std::size_t length = std::fread(text, 1, sizeof(text), file);
+  std::fclose(file);
+  return loadavg_says_full(std::string_view(text, length), sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+SpinGate& process_spin_gate() {
+  static SpinGate gate;
+  return gate;
+}
+
+bool SpinGate::open_at(std::int64_t now_ns, FunctionRef<bool()> machine_full) {
+  if (now_ns < quiet_until_.load(std::memory_order_relaxed)) return false;
+  std::lock_guard lock(mutex_);
+  if (!quiet_.load(std::memory_order_relaxed)) return true;  // another waiter ended it
+  if (now_ns < quiet_until_.load(std::memory_order_relaxed)) return false;
+  if (machine_full()) {
+    start_quiet_locked(now_ns);
+    return false;
+  }
+  quiet_.store(false, std::memory_order_relaxed);
+  return true;
+}
+
+void SpinGate::preempted(std::int64_t now_ns) {
+  std::lock_guard lock(mutex_);
+  if (quiet_.load(std::memory_order_relaxed)) return;  // another spinner lost its core to the same load
+  start_quiet_locked(now_ns);
+}
+
+void SpinGate::start_quiet_locked(std::int64_t now_ns) {
+  const std::int64_t last_end = quiet_until_.load(std::memory_order_relaxed);
+  const bool still_busy = quiet_length_ > 0 && now_ns - last_end < quiet_length_;
+  quiet_length_ = still_busy ? std::min(2 * quiet_length_, options_.longest_quiet_ns) : options_.first_quiet_ns;
+  quiet_until_.store(now_ns + quiet_length_, std::memory_order_relaxed);
+  quiet_.store(true, std::memory_order_relaxed);
+}
+
+std::int64_t SpinGate::quiet_length_ns() const {
+  std::lock_guard lock(mutex_);
+  return quiet_length_;
+}
+
+}  // namespace detail
+}  // namespace tandem
