@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -47,6 +48,8 @@ class ThreadPool {
   void worker_loop();
   void run_chunks(Job& job);
 
+  // How long workers poll for the next job and the caller for the workers (spin_budget).
+  const std::chrono::microseconds worker_spin_, caller_spin_;
   std::vector<std::thread> workers_;
   std::mutex submit_mutex_;  // one job at a time; a second caller runs inline
 
