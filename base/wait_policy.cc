@@ -4,7 +4,10 @@
 #include <charconv>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "tandem/base/detail/spin_gate.h"
@@ -75,7 +78,7 @@ bool spinner_preempted() noexcept {
 
 namespace detail {
 
-bool loadavg_says_full(std::string_view loadavg, long cores) {
+bool loadavg_says_full(std::string_view loadavg, long cores, int own_runnable) {
   // "0.52 0.58 0.59 3/121 4567": the fourth field is runnable / all threads.
   std::size_t at = 0;
   for (int field = 0; field < 3; ++field) {
@@ -85,18 +88,40 @@ bool loadavg_says_full(std::string_view loadavg, long cores) {
   }
   int running = 0;
   const auto [end, ec] = std::from_chars(loadavg.data() + at, loadavg.data() + loadavg.size(), running);
-  return ec == std::errc() && end != loadavg.data() + loadavg.size() && *end == '/' && cores > 0 &&
-         running - 1 >= cores;
+  if (ec != std::errc() || end == loadavg.data() + loadavg.size() || *end != '/' || cores <= 0) return false;
+  // Our own threads crowding the cores is the owners' business (spin_budget's thread count); the
+  // policy yields to other processes.
+  return running > cores && running > own_runnable;
+}
+
+int own_runnable_threads() {
+  DIR* tasks = opendir("/proc/self/task");
+  if (tasks == nullptr) return 0;
+  int runnable = 0;
+  while (const dirent* entry = readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    // "1234 (name) R ...": the state follows the last ')' (a thread's name may hold one).
+    const int fd = openat(dirfd(tasks), (std::string(entry->d_name) + "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;  // the thread has ended
+    char text[256];
+    const ssize_t length = read(fd, text, sizeof(text));
+    close(fd);
+    const std::string_view stat(text, static_cast<std::size_t>(std::max<ssize_t>(0, length)));
+    const std::size_t paren = stat.rfind(')');
+    if (paren != std::string_view::npos && paren + 2 < stat.size() && stat[paren + 2] == 'R') ++runnable;
+  }
+  closedir(tasks);
+  return runnable;
 }
 
 bool machine_full() {
-  // One small read, once per quiet period at most.
+  // A few small reads, once per quiet period at most.
   char text[128];
   std::FILE* file = std::fopen("/proc/loadavg", "r");
   if (file == nullptr) return false;
   const std::size_t length = std::fread(text, 1, sizeof(text), file);
   std::fclose(file);
-  return loadavg_says_full(std::string_view(text, length), sysconf(_SC_NPROCESSORS_ONLN));
+  return loadavg_says_full(std::string_view(text, length), sysconf(_SC_NPROCESSORS_ONLN), own_runnable_threads());
 }
 
 SpinGate& process_spin_gate() {

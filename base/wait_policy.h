@@ -18,9 +18,9 @@
 //   adaptive (default) spin as `active` does while the machine has room. A spinning thread that
 //            loses its core (two of its clock reads kPreemptionGap apart: the scheduler gave the
 //            core to someone else) starts a quiet period of 50 ms in which every waiter of the
-//            process sleeps at once. At its end, if /proc/loadavg counts a runnable thread for
-//            every core besides the one looking, the next period follows, twice as long (up to
-//            2 s); else spinning resumes. See detail/spin_gate.h.
+//            process stops after its first few polls and sleeps. At its end, if more threads are
+//            runnable than there are cores, some of another process, the next period follows,
+//            twice as long (up to 2 s); else spinning resumes. See detail/spin_gate.h.
 //   active   spin up to each waiter's budget, then sleep (tandem's behaviour before the policy).
 //   passive  sleep at once: never spin.
 #pragma once

@@ -16,9 +16,9 @@ namespace tandem::detail {
 
 // The adaptive policy's state, shared by every waiter of the process (the machine's load is the
 // same for all). A spinner that loses its core starts a quiet period, during which nobody spins.
-// When it ends, the machine's load decides: if every core still has a runnable thread other than
-// the caller, the next period follows at once; else waiters spin again (and the next preemption
-// starts a new period). Periods double while the load lasts (a preemption or a full machine
+// When it ends, the machine's load decides (machine_full): if other processes still want the
+// cores, the next period follows at once; else waiters spin again (and the next preemption starts
+// a new period). Periods double while the load lasts (a preemption or a full machine
 // within one period's length after the last one ended) up to longest_quiet_ns, and start over
 // at first_quiet_ns after a spell of spinning as long as the last period.
 //
@@ -65,10 +65,13 @@ class SpinGate {
 // The process's gate (what spin_allowed and spinner_preempted consult), for tests.
 SpinGate& process_spin_gate();
 
-// Whether every online core has a runnable thread besides the caller: /proc/loadavg's count of
-// runnable threads (the caller included) against the online cores. False when it cannot tell.
+// Whether the machine has no core to spare for polling: more runnable threads than online cores
+// (/proc/loadavg), some of them another process's (ours are counted in /proc/self/task). False
+// when it cannot tell.
 bool machine_full();
-// The same judgement on a /proc/loadavg text and a core count.
-bool loadavg_says_full(std::string_view loadavg, long cores);
+// The same judgement on a /proc/loadavg text, a core count and our runnable threads.
+bool loadavg_says_full(std::string_view loadavg, long cores, int own_runnable);
+// This process's runnable threads (the caller included).
+int own_runnable_threads();
 
 }  // namespace tandem::detail

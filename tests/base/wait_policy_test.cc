@@ -126,18 +126,22 @@ TEST_CASE("quiet periods double while the load lasts, up to the longest, and sta
   CHECK(gate.quiet_until_ns() == 210 * kMs);
 }
 
-TEST_CASE("the machine is full when /proc/loadavg counts a runnable thread per core besides the caller") {
-  CHECK(detail::loadavg_says_full("2.10 1.90 1.50 3/121 4567\n", 2));
-  CHECK(detail::loadavg_says_full("2.10 1.90 1.50 17/121 4567\n", 16));
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 2/121 4567\n", 2));  // the caller and one more
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 1/121 4567\n", 16));
+TEST_CASE("the machine is full when more threads than cores are runnable, some of another process") {
+  // 3 runnable on 2 cores: full when one of them is not ours.
+  CHECK(detail::loadavg_says_full("2.10 1.90 1.50 3/121 4567\n", 2, 2));
+  CHECK(detail::loadavg_says_full("2.10 1.90 1.50 3/121 4567\n", 2, 1));
+  CHECK_FALSE(detail::loadavg_says_full("2.10 1.90 1.50 3/121 4567\n", 2, 3));  // all ours
+  CHECK(detail::loadavg_says_full("2.10 1.90 1.50 17/121 4567\n", 16, 8));
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 2/121 4567\n", 2, 1));  // a core each
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9/121 4567\n", 16, 1));
   // Unreadable: spin as usual rather than give up on a text we do not know.
-  CHECK_FALSE(detail::loadavg_says_full("", 2));
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59", 2));
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 x/121 4567", 2));
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9", 2));
-  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9/121 4567", 0));
-  (void)detail::machine_full();  // reads this machine's: either answer will do, it must not throw
+  CHECK_FALSE(detail::loadavg_says_full("", 2, 1));
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59", 2, 1));
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 x/121 4567", 2, 1));
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9", 2, 1));
+  CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9/121 4567", 0, 1));
+  CHECK(detail::own_runnable_threads() >= 1);  // this thread, reading
+  (void)detail::machine_full();                 // this machine's: either answer will do
 }
 
 TEST_CASE("spin_budget is zero when the waiting threads outnumber the cores, and under passive") {
@@ -160,11 +164,12 @@ TEST_CASE("TANDEM_WAIT_POLICY chooses how poll_for waits") {
   REQUIRE(wait_policy() == expected);
 
   // The budget is far longer than the test: only done() or the policy ends each poll.
-  const auto budget = std::chrono::seconds(30);
+  const auto budget = spin_budget(std::chrono::seconds(30));
   PreemptedOnce done;
   const bool result = poll_for(budget, done);
   switch (expected) {
-    case WaitPolicy::kPassive:  // one look, no polling
+    case WaitPolicy::kPassive:  // no budget: one look, no polling
+      CHECK(budget.count() == 0);
       CHECK_FALSE(result);
       CHECK(done.calls == 1);
       CHECK_FALSE(spin_allowed());
@@ -175,8 +180,8 @@ TEST_CASE("TANDEM_WAIT_POLICY chooses how poll_for waits") {
       CHECK(spin_allowed());
       break;
     case WaitPolicy::kAdaptive:
-      // Stops at the first clock read after the lost core (calls 65-128 are one batch of polls,
-      // then one last look), or earlier if the machine really took the core before that.
+      // Stops at the first clock read after the lost core (calls 1-64 and 65-128 are batches of
+      // polls, then one last look), or earlier if the machine really took the core before that.
       CHECK_FALSE(result);
       CHECK(done.calls <= 129);
       CHECK(detail::process_spin_gate().quiet_length_ns() > 0);  // and a quiet period began
