@@ -2,9 +2,10 @@
 //
 // One pool per logical CPU device, with (threads - 1) workers: the thread that calls
 // parallel_for is the last worker. Between the kernels of a step, workers and the caller poll
-// briefly (a pause loop, no system calls) before sleeping on a condition variable: a training
-// step issues kernel after kernel, and a sleeping thread takes tens of microseconds to wake on a
-// VM. An idle device sleeps, and N replicas never compete for cores they do not own.
+// briefly (a pause loop, no system calls; base/wait_policy.h says how long) before sleeping on a
+// condition variable: a training step issues kernel after kernel, and a sleeping thread takes
+// tens of microseconds to wake on a VM. An idle device sleeps, and N replicas never compete for
+// cores they do not own.
 #pragma once
 
 #include <atomic>
