@@ -35,8 +35,8 @@ class SpinGate {
   SpinGate() : SpinGate(Options{}) {}
   explicit SpinGate(Options options) : options_(options) {}
 
-  // Whether a waiter may spin now. `now()` gives the time and `machine_full()` whether every core
-  // has other work; they are called only while a quiet period is on, and when it ends.
+  // Whether a waiter may spin now. `now()` gives the time and `machine_full()` whether other
+  // processes want the cores; they are called only while a quiet period is on, and when it ends.
   template <class Now>
   bool open(Now&& now, FunctionRef<bool()> machine_full) {
     if (!quiet_.load(std::memory_order_relaxed)) return true;
