@@ -63,8 +63,8 @@ inline constexpr Variable kIntraOpThreads{
 inline constexpr std::string_view kWaitPolicyChoices[] = {"adaptive", "active", "passive"};
 inline constexpr Variable kWaitPolicy{
     .name = "TANDEM_WAIT_POLICY", .type = Type::kChoice, .default_value = "adaptive",
-    .meaning = "how replica threads, thread pools and collectives wait: spin briefly then sleep, adapting to a "
-               "busy machine (adaptive), spin longer (active), or sleep at once (passive)",
+    .meaning = "how replica threads, thread pools and collectives wait: spin briefly then sleep, and sleep at once "
+               "while other processes want the cores (adaptive); always spin first (active); sleep at once (passive)",
     .choices = kWaitPolicyChoices};
 
 // Kernels (ops/).

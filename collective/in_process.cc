@@ -143,7 +143,7 @@ class Group {
  public:
   explicit Group(int size)
       : size_(size),
-        spin_(size <= devices::usable_cpu_cores() ? kSpin : std::chrono::microseconds(0)),
+        spin_(spin_budget(kSpin, size, devices::usable_cpu_cores())),
         arrived_at_(std::make_unique<std::atomic<std::uint64_t>[]>(static_cast<std::size_t>(size))) {
     for (auto& slots : slots_) slots.resize(static_cast<std::size_t>(size));
   }

@@ -763,7 +763,7 @@ class NcclCommunicator final : public Communicator {
   void wait(const Call& call) {
     const NcclApi& api = nccl();
     const auto start = Clock::now();
-    const auto spin_until = start + kSpin;
+    const auto spin_until = start + (spin_allowed() ? spin_budget(kSpin) : std::chrono::microseconds(0));
     auto next_peer_poll = start + kPeerPoll;
     auto next_lost_poll = start + kLostPoll;
     auto nap = std::chrono::microseconds(10);

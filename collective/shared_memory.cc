@@ -425,7 +425,7 @@ class SharedMemoryCommunicator final : public Communicator {
         ranks_(reinterpret_cast<RankHeader*>(mapping_.base() + layout.ranks_offset)),
         slots_(mapping_.base() + layout.slots_offset),
         result_(mapping_.base() + layout.result_offset),
-        spin_(config_.size <= devices::usable_cpu_cores() ? kSpin : std::chrono::microseconds(0)),
+        spin_(spin_budget(kSpin, config_.size, devices::usable_cpu_cores())),
         inputs_(static_cast<std::size_t>(config_.size)) {
     phase_ = me().arrived.load(std::memory_order_relaxed);
   }

@@ -1,6 +1,7 @@
 #include "tandem/devices/detail/thread_pool.h"
 
 #include "tandem/base/spin.h"
+#include "tandem/devices/device.h"
 
 #include <algorithm>
 #include <chrono>
@@ -20,7 +21,9 @@ constexpr std::int64_t kChunksPerThread = 4;
 thread_local bool tls_inside_pool_job = false;
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads)
+    : worker_spin_(spin_budget(kWorkerSpin, num_threads, usable_cpu_cores())),
+      caller_spin_(spin_budget(kCallerSpin, num_threads, usable_cpu_cores())) {
   const int workers = std::max(0, num_threads - 1);
   workers_.reserve(static_cast<std::size_t>(workers));
   for (int i = 0; i < workers; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -59,7 +62,7 @@ void ThreadPool::worker_loop() {
   while (true) {
     Job* job = nullptr;
     // Poll briefly without the lock, then sleep.
-    poll_for(kWorkerSpin, [&] { return generation_.load(std::memory_order_acquire) != seen_generation; });
+    poll_for(worker_spin_, [&] { return generation_.load(std::memory_order_acquire) != seen_generation; });
     {
       std::unique_lock lock(mutex_);
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen_generation; });
@@ -114,7 +117,7 @@ void ThreadPool::parallel_for(std::int64_t n, std::int64_t min_grain,
     return job.chunks_done.load(std::memory_order_acquire) == job.num_chunks &&
            workers_in_job_.load(std::memory_order_acquire) == 0;
   };
-  if (!poll_for(kCallerSpin, finished)) {
+  if (!poll_for(caller_spin_, finished)) {
     std::unique_lock lock(mutex_);
     work_done_.wait(lock, finished);
   }

@@ -62,7 +62,7 @@ struct Strategy::ReplicaThreads {
   // polling thread takes the core from the replica it waits for (a step then costs scheduler
   // time slices, milliseconds; 3 replicas on 2 cores measured 150x slower with polling).
   explicit ReplicaThreads(int replicas)
-      : spin(replicas <= devices::usable_cpu_cores() ? kReplicaSpin : std::chrono::microseconds(0)) {
+      : spin(spin_budget(kReplicaSpin, replicas, devices::usable_cpu_cores())) {
     for (int r = 1; r < replicas; ++r) workers.emplace_back([this, r] { loop(r); });
   }
   ~ReplicaThreads() {

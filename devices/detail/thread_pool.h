@@ -2,12 +2,14 @@
 //
 // One pool per logical CPU device, with (threads - 1) workers: the thread that calls
 // parallel_for is the last worker. Between the kernels of a step, workers and the caller poll
-// briefly (a pause loop, no system calls) before sleeping on a condition variable: a training
-// step issues kernel after kernel, and a sleeping thread takes tens of microseconds to wake on a
-// VM. An idle device sleeps, and N replicas never compete for cores they do not own.
+// briefly (a pause loop, no system calls; base/wait_policy.h says how long) before sleeping on a
+// condition variable: a training step issues kernel after kernel, and a sleeping thread takes
+// tens of microseconds to wake on a VM. An idle device sleeps, and N replicas never compete for
+// cores they do not own.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -47,6 +49,8 @@ class ThreadPool {
   void worker_loop();
   void run_chunks(Job& job);
 
+  // How long workers poll for the next job and the caller for the workers (spin_budget).
+  const std::chrono::microseconds worker_spin_, caller_spin_;
   std::vector<std::thread> workers_;
   std::mutex submit_mutex_;  // one job at a time; a second caller runs inline
 
