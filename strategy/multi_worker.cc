@@ -15,6 +15,9 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/collective/gloo.h"
+#include "tandem/collective/hierarchical.h"
+#include "tandem/collective/in_process.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/collective/rendezvous.h"
 #include "tandem/collective/shared_memory.h"
 #include "tandem/collective/tcp_store.h"

@@ -34,6 +34,8 @@
 #include "on_ranks.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/gloo.h"
+#include "tandem/collective/hierarchical.h"
+#include "tandem/collective/in_process.h"
 #include "tandem/collective/store.h"
 #include "tandem/collective/tcp_store.h"
 

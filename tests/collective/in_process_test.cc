@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "on_ranks.h"
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/in_process.h"
 #include "tandem/graph/detail/low_precision_types.h"
 
 using namespace tandem;

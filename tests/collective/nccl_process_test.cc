@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "common/worker_processes.h"
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/collective/store.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "on_ranks.h"
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/devices/device.h"
 
 using namespace tandem;
