@@ -164,8 +164,10 @@ constexpr int kPollsPerQuery = 64;
 // are read every kLostPoll.
 constexpr auto kPeerPoll = milliseconds(100);
 constexpr auto kLostPoll = milliseconds(1000);
-// How often a joining rank reads NCCL's progress.
+// How often a joining rank reads NCCL's progress, and a rank whose NCCL call failed its peers'
+// records.
 constexpr auto kInitPoll = milliseconds(1);
+constexpr auto kPeerRecheck = milliseconds(20);
 // How long a healthy non-blocking communicator may take to finalize before it is aborted instead.
 constexpr auto kFinalizeGrace = std::chrono::seconds(10);
 
@@ -369,6 +371,17 @@ class NcclGroup {
       }
     } catch (const std::exception& e) {
       fail(FailureKind::kError, 0, "", store_unreachable_message(e.what()), "", /*tell_peers=*/false);
+    }
+  }
+
+  // After an NCCL error: whether a peer failed or died, read for up to kFailureReportGrace (the
+  // store's server may record a death a moment after NCCL noticed the closed connection).
+  void look_for_peer_failure() {
+    const auto deadline = Clock::now() + kFailureReportGrace;
+    for (;;) {
+      check_peers(/*with_lost=*/true);
+      if (failed() || Clock::now() >= deadline) return;
+      std::this_thread::sleep_for(kPeerRecheck);
     }
   }
 
@@ -736,7 +749,7 @@ class NcclCommunicator final : public Communicator {
                                                 api.ncclGetErrorString(async), api.ncclGetLastError(comm_));
         // Across processes, a peer that died or failed explains NCCL's error better than NCCL does.
         if (group_->across_processes()) {
-          group_->check_peers(/*with_lost=*/true);
+          group_->look_for_peer_failure();
           if (group_->failed()) {
             abort_own_communicator();
             group_->throw_failure(call.label(), call.seq);
