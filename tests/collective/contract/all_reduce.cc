@@ -100,7 +100,7 @@ const Section& kInStep = add_section({
     .name = "all_reduce/in_step",
     .body =
         [](RankContext& ctx) {
-          constexpr int kRounds = 300;
+          constexpr int kRounds = 100;
           const int n = ctx.size();
           for (int round = 0; round < kRounds; ++round) {
             std::vector<Tensor> bucket = {ctx.tensor(std::vector<std::int32_t>(3, round + ctx.rank()), {3}),

@@ -80,7 +80,7 @@ const std::vector<Backend>& backends() {
                   .rank_order = true, .flat_span = true},
        .make_group = [](int n) { return collective::make_in_process_group(n); }},
       {.name = "shared_memory",
-       .traits = {.backend = "shared-memory", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3, 4}, .failure_size = 3,
+       .traits = {.backend = "shared-memory", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3}, .failure_size = 3,
                   .rank_order = true, .flat_span = true},
        // The smallest slot: calls go through the segment in many pieces.
        .make_rank = [](int rank, int n, std::shared_ptr<Store> store) {
@@ -89,7 +89,7 @@ const std::vector<Backend>& backends() {
                                                              .slot_bytes = collective::kMinSlotBytes});
        }},
       {.name = "gloo",
-       .traits = {.backend = "gloo", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3, 4}, .failure_size = 3,
+       .traits = {.backend = "gloo", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3}, .failure_size = 3,
                   .flat_span = true, .mismatch = MismatchReport::kTimeout},
        .make_rank = [](int rank, int n, std::shared_ptr<Store> store) {
          return collective::make_gloo_communicator(
