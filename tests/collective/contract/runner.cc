@@ -193,7 +193,10 @@ const Step& Outcome::step(std::string_view name) const {
     if (s.name == name) return s;
   }
   static const Step none{"", "<no such step>", "", 0};
-  FAIL_CHECK("rank " << rank << " has no step \"" << std::string(name) << "\"");
+  std::string had;
+  for (const Step& s : steps) had += fmt::format("\n  {}: {}: {}", s.name, s.type, s.message);
+  FAIL_CHECK("rank " << rank << " has no step \"" << std::string(name) << "\"; it "
+                     << (reported ? "reported" : "did not report (killed, or crashed?)") << had);
   return none;
 }
 
