@@ -65,6 +65,7 @@
 #include "machine_info.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/gloo.h"
+#include "tandem/collective/in_process.h"
 #include "tandem/collective/shared_memory.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"

@@ -9,6 +9,12 @@
 // DeadlineExceeded naming the operation, its sequence number and the ranks that did not arrive.
 // If any rank aborts the group (a replica failed), pending and later calls on every rank throw
 // Unavailable with the abort's reason, promptly.
+//
+// The backends, each made by a factory declared in its own header (a caller includes only the
+// backend it makes): in_process.h (replica threads of one process), shared_memory.h (processes of
+// one machine), gloo.h (processes over TCP), nccl.h (GPUs, in one process or across processes)
+// and hierarchical.h (local replicas, then across workers). tests/collective/contract/ checks
+// every one of them against this contract.
 #pragma once
 
 #include <chrono>
@@ -18,7 +24,6 @@
 #include <string>
 #include <vector>
 
-#include "tandem/collective/store.h"
 #include "tandem/graph/tensor.h"
 
 namespace tandem::collective {
@@ -28,6 +33,11 @@ std::string_view reduce_op_name(ReduceOp op);
 
 // How long a collective waits for the other ranks by default.
 inline constexpr std::chrono::milliseconds kDefaultTimeout = std::chrono::minutes(5);
+
+// How long a rank of a group across processes (Gloo, NCCL) whose call failed reads its peers'
+// reports in the store before it decides whom to name: the ranks of one collective start it up to
+// this far apart and still count as arrived.
+inline constexpr std::chrono::milliseconds kFailureReportGrace = std::chrono::seconds(2);
 
 struct CallOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;
@@ -41,7 +51,7 @@ class Communicator {
   virtual int size() const = 0;
   // Collectives this rank has issued (the next call's sequence number).
   virtual std::uint64_t sequence_number() const = 0;
-  // "in-process", "nccl", "gloo".
+  // "in-process", "shared-memory", "gloo", "nccl", "hierarchical".
   virtual std::string_view backend() const = 0;
 
   // Combines the tensors of all ranks element-wise, in place: afterwards every rank holds the
@@ -76,72 +86,5 @@ class Communicator {
   // any thread of its owner) may call it; it does not block.
   virtual void abort(const std::string& reason) = 0;
 };
-
-// The ranks of one process's replica threads: shared memory, no copies through a single device.
-// all_reduce is a reduce-scatter then an all-gather over chunks, each rank summing its own chunk
-// of every rank's buffer and then copying the other ranks' chunks. Returns one communicator per
-// rank (rank i at index i); they share the group's state.
-std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size);
-
-// GPU replicas of one process: NCCL (ncclCommInitAll over these CUDA device ordinals). Only in
-// builds with CUDA; elsewhere throws Unimplemented. Calls are enqueued on each device's
-// communication stream and synchronised before returning.
-std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& cuda_devices);
-bool nccl_available();
-
-// One rank of an NCCL group spanning processes, one GPU each (a multi-worker job whose workers
-// have one GPU replica apiece, or one process per GPU). The ranks meet through `store`: rank 0
-// calls ncclGetUniqueId and publishes the id there; every rank announces its arrival, reads the id
-// and joins with a non-blocking ncclCommInitRankConfig on its device, polled against the timeout
-// (NCCL 2.14 or later). Keys live under "tandem/nccl/<generation>/" (each rank counts the
-// communicators it made with this store, so the k-th communicator of every rank meets the others'
-// k-th).
-// Collectives then behave as make_nccl_group's (communication stream, polling with a deadline,
-// ncclCommAbort on failure), with one difference: a rank's failure reaches its peers through the
-// store. A rank that fails (timeout, NCCL error, bad arguments, abort()) records it there; every
-// rank waiting in a collective looks every ~100 ms and then throws Unavailable naming the rank and
-// its reason. A rank that times out publishes how many collectives it issued, reads the others'
-// counts for up to kFailureReportGrace (gloo.h), and names in its DeadlineExceeded the ranks that
-// never issued the call, and those whose process died (the TCP store's lost_rank_key, tcp_store.h).
-struct NcclProcessOptions {
-  int rank = 0;
-  int size = 1;
-  // This process's GPU (CUDA device ordinal).
-  int cuda_device = 0;
-  // Every rank's handle on the same store (carries NCCL's unique id). Required.
-  std::shared_ptr<Store> store;
-  // Joining, and every collective whose CallOptions keep the default timeout (kDefaultTimeout); a
-  // call that passes another timeout uses its own.
-  std::chrono::milliseconds timeout = kDefaultTimeout;
-  // How messages name rank r ("worker 1 (10.0.0.2:2222)"). Empty: "rank r of size".
-  std::vector<std::string> rank_labels;
-};
-// Who calls: every rank, once, with the same store, size and timeout. Blocks until every rank has
-// joined, or options.timeout: DeadlineExceeded naming the ranks that did not reach the store (or
-// saying that NCCL's initialisation did not finish although all did). InvalidArgument for bad
-// options (rank out of range, no store, non-positive timeout, a label count that is not size, a
-// CUDA device this machine does not have), checked before CUDA or NCCL is touched;
-// FailedPrecondition when NCCL cannot be loaded or is older than 2.14, or no GPU is usable;
-// Unavailable when the store cannot be reached. Builds without NCCL throw Unimplemented (after
-// the option checks).
-std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions options);
-
-// The replicas of a multi-worker job (hierarchical.cc): each worker process has L local replicas;
-// `local` holds one communicator per local replica (local[i] has rank i of L, e.g. from
-// make_in_process_group(L)), and `cross_worker` is this worker's communicator to the other
-// workers (one rank per process, e.g. make_gloo_communicator; used only by local replica 0).
-// Returns L communicators (backend "hierarchical"); replica i's has rank
-// cross_worker->rank() * L + i of num_workers * L. Collectives compose the levels: all_reduce is
-// a local all-reduce, the cross-worker all-reduce by replica 0, then a local broadcast (MEAN
-// divides once, by the global size); broadcast, all_gather, reduce_scatter and barrier likewise.
-// A failure at either level reaches every local replica: when replica 0's cross-worker call
-// throws, the local group is aborted with that error as the reason (replica 0 rethrows the
-// original), and when a local call throws on replica 0 the cross-worker communicator is aborted
-// so that the other workers fail promptly too. abort() aborts both levels.
-// Who calls: every worker, once, with the same L. Blocks for one cross-worker all-gather of L:
-// InvalidArgument naming two workers whose L differ (on every worker), and InvalidArgument for
-// local communicators that are not ranks 0..L-1 of one group of L.
-std::vector<std::unique_ptr<Communicator>> make_hierarchical_group(std::vector<std::unique_ptr<Communicator>> local,
-                                                                   std::unique_ptr<Communicator> cross_worker);
 
 }  // namespace tandem::collective

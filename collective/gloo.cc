@@ -3,20 +3,18 @@
 //
 // Gloo throws its own exceptions (IoException for timeouts and lost connections, EnforceNotMet for
 // violated preconditions) whose messages name socket addresses, not ranks. Every call here catches
-// them and decides, with the help of the store, whom to blame:
+// them and decides, with the help of the store (detail/peer_records.h), whom to blame:
 //   1. the failed rank shuts its connections down, so that every peer still inside the collective
 //      fails at once instead of at its own timeout (gloo closes them itself after a timeout);
-//   2. it records in the store that it failed in call #seq ("failed/<seq>/<rank>" = why);
-//   3. it watches the store for a short grace period: the other ranks' reports, "tandem/lost/<r>"
-//      (written by the TCP store's server when rank r's process disconnects) and
-//      "aborted/<r>" (a rank that aborted, with its reason);
-//   4. lost ranks > aborting ranks > ranks that never reported (they never reached the call: hung,
-//      or dead without a TCP store to say so) > the plain gloo error.
+//   2. it records in the store how far it got and why it failed;
+//   3. it surveys the store for a short grace period: the other ranks' records, their lost keys
+//      (written by the TCP store's server when a rank's process disconnects) and their aborts;
+//   4. lost ranks > aborting ranks > ranks that never reached the call (hung, or dead without a
+//      TCP store to say so) > the plain gloo error.
 // A store that cannot be reached during this means its server (the chief's process) is gone.
 //
-// Keys live under "tandem/gloo/<generation>/": each rank counts the communicators it has made
-// with this store (an atomic counter per rank), so that the k-th communicator of every rank
-// meets the others' k-th, and a replacement group never reads its predecessor's keys.
+// Keys live under "tandem/gloo/<generation>/" (detail::group_prefix): the k-th communicator of
+// every rank meets the others' k-th, and a replacement group never reads its predecessor's keys.
 #include "tandem/collective/gloo.h"
 
 #include <arpa/inet.h>
@@ -43,13 +41,14 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
 #include <thread>
 
+#include "tandem/base/env.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/peer_records.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"
@@ -66,8 +65,6 @@ using std::chrono::milliseconds;
 // How tensor-check messages name this backend: "... works on host memory (CPU devices)".
 constexpr std::string_view kBackendName = "the gloo communicator";
 
-// How often a failed rank looks at the store for the others' reports.
-constexpr auto kReportPoll = milliseconds(20);
 // Cached all-reduce setups (one per buffer and pack): a training step reduces a few buckets.
 constexpr std::size_t kMaxCachedAllreduces = 64;
 constexpr std::size_t kStagingAlignBytes = 64;
@@ -111,7 +108,6 @@ void divide_in_place(void* data, std::int64_t n, DType dtype, int divisor) {
 }
 
 std::vector<char> bytes_of(std::string_view s) { return {s.begin(), s.end()}; }
-std::string string_of(const std::vector<char>& v) { return {v.begin(), v.end()}; }
 
 // Gloo writes with writev: a write to a peer that has died raises SIGPIPE, whose default action
 // kills the process. Ignore it (only when nobody installed a handler) so that the write fails
@@ -339,10 +335,12 @@ class GlooCommunicator final : public Communicator {
   GlooCommunicator(Config config, std::shared_ptr<gloo::transport::Device> device,
                    std::shared_ptr<gloo::rendezvous::Context> context)
       : config_(std::move(config)),
+        records_(config_.store, config_.prefix, config_.rank, config_.size, config_.labels, label(0)),
         device_(std::move(device)),
         context_(std::move(context)),
         gathered_descriptors_(static_cast<std::size_t>(config_.size)) {
     if (!context_) return;
+    records_.forget_earlier_losses();
     // Setups made once, with buffers of our own (kept by the options): interrupt() needs them.
     auto descriptor_in = context_->createUnboundBuffer(&descriptor_, sizeof(Descriptor));
     auto descriptor_out = context_->createUnboundBuffer(gathered_descriptors_.data(),
@@ -534,12 +532,7 @@ class GlooCommunicator final : public Communicator {
       failed_.store(true, std::memory_order_release);
     }
     // Tell the peers why before they notice the closed connections.
-    try {
-      config_.store->set(key(fmt::format("aborted/{}", config_.rank)), bytes_of(reason));
-      config_.store->set(key(fmt::format("broken/{}", config_.rank)), bytes_of("aborted"));
-    } catch (const std::exception&) {
-      // The store is gone too: the peers will say so themselves.
-    }
+    records_.record_abort(seq_.load(std::memory_order_relaxed), reason);
     poisoned_.store(true, std::memory_order_release);
     interrupt();
   }
@@ -603,11 +596,7 @@ class GlooCommunicator final : public Communicator {
 
   std::string label(int rank) const { return detail::rank_label(config_.labels, rank); }
 
-  std::string names(const std::vector<int>& ranks) const {
-    return detail::rank_names(config_.labels, ranks, config_.size);
-  }
-
-  std::string key(std::string_view suffix) const { return config_.prefix + std::string(suffix); }
+  std::string names(const std::vector<int>& ranks) const { return records_.names(ranks); }
 
   // The tag of a call's messages mixes everything the ranks must agree on. Ranks that disagree
   // (another element count, dtype, operation, root) then post messages that never match, and the
@@ -747,12 +736,14 @@ class GlooCommunicator final : public Communicator {
       if (aborted_) {
         // Our own abort interrupted this call.
         const std::string message = fmt::format("{}: the group was aborted: {}", what, abort_reason_);
-        report(call, "aborted");
+        records_.record_failure(call.seq + 1, detail::FailureCause::kAborted);
         throw Unavailable(message);
       }
     }
-    const bool store_reachable =
-        report(call, kind == FailureKind::kTimeout ? "timeout" : kind == FailureKind::kGloo ? "gloo" : "connection");
+    const bool store_reachable = records_.record_failure(
+        call.seq + 1, kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout
+                      : kind == FailureKind::kGloo  ? detail::FailureCause::kError
+                                                    : detail::FailureCause::kConnection);
     // Peers still inside the call fail now rather than at their own timeout.
     poisoned_.store(true, std::memory_order_release);
     shut_down_connections();
@@ -776,86 +767,36 @@ class GlooCommunicator final : public Communicator {
     throw Unavailable(verdict);
   }
 
-  // Records in the store that this rank failed in `call`, and why; false when the store is
-  // unreachable.
-  bool report(const Call& call, std::string_view why) {
-    try {
-      config_.store->set(key(fmt::format("failed/{}/{}", call.seq, config_.rank)), bytes_of(why));
-      config_.store->set(key(fmt::format("broken/{}", config_.rank)), bytes_of(why));
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  }
-
   // Returns the message and whether it is a DeadlineExceeded (else Unavailable).
   std::pair<std::string, bool> diagnose(const Call& call, FailureKind kind, const std::string& gloo_error,
                                         bool store_reachable) {
     const std::string what = describe(call);
-    const int n = config_.size;
     const milliseconds grace = std::min(kFailureReportGrace, std::max(call.timeout, milliseconds(200)));
-    std::vector<bool> reported(static_cast<std::size_t>(n), false);
-    reported[static_cast<std::size_t>(config_.rank)] = true;
-    std::vector<int> lost;
-    std::vector<std::pair<int, std::string>> aborted;
-    bool someone_timed_out = kind == FailureKind::kTimeout;
-    const auto deadline = Clock::now() + grace;
-    while (store_reachable) {
-      try {
-        for (int q = 0; q < n; ++q) {
-          if (q == config_.rank) continue;
-          const std::string failed_key = key(fmt::format("failed/{}/{}", call.seq, q));
-          if (!reported[static_cast<std::size_t>(q)] && config_.store->check(failed_key)) {
-            reported[static_cast<std::size_t>(q)] = true;
-            if (string_of(config_.store->get(failed_key, grace)) == "timeout") someone_timed_out = true;
-          }
-          if (std::find(lost.begin(), lost.end(), q) == lost.end() && config_.store->check(lost_rank_key(q))) {
-            lost.push_back(q);
-          }
-          const std::string aborted_key = key(fmt::format("aborted/{}", q));
-          if (std::none_of(aborted.begin(), aborted.end(), [&](const auto& a) { return a.first == q; }) &&
-              config_.store->check(aborted_key)) {
-            aborted.emplace_back(q, string_of(config_.store->get(aborted_key, grace)));
-          }
-        }
-      } catch (const std::exception&) {
-        store_reachable = false;
-        break;
-      }
-      const bool all_reported = std::all_of(reported.begin(), reported.end(), [](bool b) { return b; });
-      if (!lost.empty() || !aborted.empty() || all_reported || Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(kReportPoll);
+    detail::PeerSurvey survey;
+    survey.store_reachable = false;
+    if (store_reachable) survey = records_.survey(call.seq, grace, /*stop_at_culprit=*/true);
+    if (!survey.store_reachable) {
+      return {fmt::format("{}: {}; {}", what, gloo_error, records_.store_unreachable_message(" too")), false};
     }
-    if (!store_reachable) {
-      return {fmt::format("{}: {}; the store at {} is unreachable too, so the process serving it ({} in a tandem job, "
-                          "the chief) has probably died",
-                          what, gloo_error, config_.store->address(), label(0)),
+    if (!survey.lost.empty()) {
+      return {fmt::format("{}: {}; gloo: {}", what, records_.lost_message(survey.lost), gloo_error), false};
+    }
+    if (!survey.aborted.empty()) {
+      return {fmt::format("{}: {} aborted the group: {}", what, label(survey.aborted.front().first),
+                          survey.aborted.front().second),
               false};
     }
-    if (!lost.empty()) {
-      std::sort(lost.begin(), lost.end());
-      return {fmt::format("{}: lost {}: {} process died (the store saw its connection close); gloo: {}", what,
-                          names(lost), lost.size() == 1 ? "its" : "their", gloo_error),
-              false};
-    }
-    if (!aborted.empty()) {
-      return {fmt::format("{}: {} aborted the group: {}", what, label(aborted.front().first), aborted.front().second),
-              false};
-    }
-    std::vector<int> missing;
-    for (int q = 0; q < n; ++q) {
-      if (!reported[static_cast<std::size_t>(q)]) missing.push_back(q);
-    }
+    const bool someone_timed_out = kind == FailureKind::kTimeout || survey.peer_timed_out;
     const std::string timeout = format_duration(call.timeout);
-    if (!missing.empty()) {
+    if (!survey.behind.empty()) {
       if (someone_timed_out) {
         return {fmt::format("{}: timed out after {} waiting for {}, which never reached it", what, timeout,
-                            names(missing)),
+                            names(survey.behind)),
                 true};
       }
       return {fmt::format("{}: lost the connection to {}, which did not report since (its process may have died); "
                           "gloo: {}",
-                          what, names(missing), gloo_error),
+                          what, names(survey.behind), gloo_error),
               false};
     }
     if (someone_timed_out) {
@@ -923,13 +864,7 @@ class GlooCommunicator final : public Communicator {
   bool connection_failed() {
     if (std::all_of(sockets_.begin(), sockets_.end(), still_open)) return false;
     try {
-      for (int q = 0; q < config_.size; ++q) {
-        if (q == config_.rank) continue;
-        if (config_.store->check(key(fmt::format("broken/{}", q))) || config_.store->check(lost_rank_key(q))) {
-          return true;
-        }
-      }
-      return false;
+      return records_.peer_failed();
     } catch (const std::exception&) {
       return true;  // the store's server is gone with its process
     }
@@ -938,6 +873,7 @@ class GlooCommunicator final : public Communicator {
   static bool usable(const Tensor& t) { return t.defined() && t.device().host_accessible(); }
 
   const Config config_;
+  detail::PeerRecords records_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;  // null for a group of one
   std::vector<PeerSocket> sockets_;
@@ -975,10 +911,7 @@ class GlooCommunicator final : public Communicator {
   gloo::transport::UnboundBuffer* barrier_buffer_ = nullptr;  // owned by barrier_reduce_
 };
 
-bool check_from_environment() {
-  const char* value = std::getenv("TANDEM_CHECK_COLLECTIVES");
-  return value != nullptr && std::string_view(value) == "1";
-}
+bool check_from_environment() { return env::get_bool(env::kCheckCollectives); }
 
 }  // namespace
 
@@ -1014,28 +947,18 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
   Store& store = *config.store;
 
   try {
-    const std::int64_t generation = store.add(fmt::format("tandem/gloo/generation/{}", config.rank), 1);
-    config.prefix = fmt::format("tandem/gloo/{}/", generation);
+    config.prefix = detail::group_prefix(store, "gloo", config.rank);
     if (config.size == 1) return std::make_unique<GlooCommunicator>(std::move(config), nullptr, nullptr);
 
     // Everyone arrives first, so that a missing rank is named (gloo's own rendezvous would only
     // report a key it waited for).
-    store.set(config.prefix + fmt::format("arrived/{}", config.rank), bytes_of(label(config.rank)));
-    std::vector<std::string> arrivals;
-    for (int q = 0; q < config.size; ++q) arrivals.push_back(config.prefix + fmt::format("arrived/{}", q));
-    try {
-      store.wait(arrivals, config.timeout);
-    } catch (const DeadlineExceeded&) {
-      std::vector<int> missing;
-      for (int q = 0; q < config.size; ++q) {
-        if (!store.check(arrivals[static_cast<std::size_t>(q)])) missing.push_back(q);
-      }
-      std::vector<std::string> missing_labels;
-      for (int q : missing) missing_labels.push_back(label(q));
-      throw DeadlineExceeded(fmt::format(
-          "{}: {} did not arrive at the store {} within {}",
-          who, config.labels.empty() ? detail::ranks_of(missing, config.size) : fmt::format("{}", fmt::join(missing_labels, ", ")),
-          store.address(), format_duration(config.timeout)));
+    const auto arrived = [&](int q) { return config.prefix + fmt::format("arrived/{}", q); };
+    store.set(arrived(config.rank), bytes_of(label(config.rank)));
+    const std::vector<int> missing = detail::wait_for_ranks(store, arrived, config.size, config.timeout);
+    if (!missing.empty()) {
+      throw DeadlineExceeded(fmt::format("{}: {} did not arrive at the store {} within {}", who,
+                                         detail::rank_names(config.labels, missing, config.size), store.address(),
+                                         format_duration(config.timeout)));
     }
   } catch (const Unavailable& e) {
     throw Unavailable(fmt::format("{}: the store is unreachable: {}", who, e.what()));

@@ -2,7 +2,7 @@
 //
 // One Communicator per process: MultiWorkerMirroredStrategy gives each worker process one Gloo
 // rank, and its local replicas reach the other workers through make_hierarchical_group
-// (communicator.h). The ranks meet through a Store (store.h): each publishes its listening
+// (hierarchical.h). The ranks meet through a Store (store.h): each publishes its listening
 // address there, then every pair of ranks connects directly (a full mesh).
 //
 // Who calls: every rank, once, with the same store, size and timeout; make_gloo_communicator
@@ -41,10 +41,6 @@
 #include "tandem/collective/store.h"
 
 namespace tandem::collective {
-
-// How long a failed rank waits for the others' reports in the store before it decides whom to
-// name (the ranks of one collective start it up to this far apart and still count as arrived).
-inline constexpr std::chrono::milliseconds kFailureReportGrace = std::chrono::seconds(2);
 
 struct GlooOptions {
   int rank = 0;

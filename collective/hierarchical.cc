@@ -13,7 +13,7 @@
 #include <atomic>
 #include <cstring>
 
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/hierarchical.h"
 #include "tandem/collective/detail/common.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 

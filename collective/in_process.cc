@@ -36,7 +36,7 @@
 
 
 #include "tandem/base/spin.h"
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/in_process.h"
 #include "tandem/collective/detail/common.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/devices/device.h"

@@ -20,9 +20,9 @@
 // kind, the message), and a rank that waits in a collective for longer than kPeerPoll reads that
 // key every kPeerPoll, and the TCP store's lost keys every kLostPoll, so that one rank's abort,
 // error or death ends its peers' calls too (NCCL itself would leave them waiting for the dead
-// peer). A rank that fails also writes how many collectives it issued ("issued/<rank>"); a rank
-// whose call times out reads those counts for a short grace to name the ranks that never issued
-// it. Its communicator is non-blocking (config.blocking = 0), so that neither the initialisation
+// peer). A rank that fails also records how many collectives it issued, and a rank whose call times
+// out surveys those records for a short grace to name the ranks that never issued it (both through
+// detail/peer_records.h, shared with the Gloo communicator). Its communicator is non-blocking (config.blocking = 0), so that neither the initialisation
 // nor the first collective (where NCCL connects the peers) can block past a deadline: NCCL calls
 // may then return ncclInProgress, and the thread polls ncclCommGetAsyncError until the work is
 // enqueued.
@@ -48,12 +48,11 @@
 
 #include "tandem/base/detail/shared_library.h"
 #include "tandem/base/spin.h"
-#include "tandem/collective/communicator.h"
 #include "tandem/collective/detail/common.h"
 #include "tandem/collective/detail/nccl_process_options.h"
-#include "tandem/collective/gloo.h"
+#include "tandem/collective/detail/peer_records.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/collective/store.h"
-#include "tandem/collective/tcp_store.h"
 #include "tandem/devices/detail/cuda_check.h"
 #include "tandem/devices/device.h"
 
@@ -165,9 +164,10 @@ constexpr int kPollsPerQuery = 64;
 // are read every kLostPoll.
 constexpr auto kPeerPoll = milliseconds(100);
 constexpr auto kLostPoll = milliseconds(1000);
-// How often a timed-out rank reads the others' reports, and a joining rank NCCL's progress.
-constexpr auto kReportPoll = milliseconds(20);
+// How often a joining rank reads NCCL's progress, and a rank whose NCCL call failed its peers'
+// records.
 constexpr auto kInitPoll = milliseconds(1);
+constexpr auto kPeerRecheck = milliseconds(20);
 // How long a healthy non-blocking communicator may take to finalize before it is aborted instead.
 constexpr auto kFinalizeGrace = std::chrono::seconds(10);
 
@@ -200,13 +200,11 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 // How a group across processes reaches its peers.
 struct ProcessPeers {
   int rank = 0;                     // this process's rank
-  std::shared_ptr<Store> store;
-  std::string prefix;               // "tandem/nccl/<generation>/"
   std::vector<std::string> labels;  // one per rank, or empty ("rank r of n")
   milliseconds timeout = kDefaultTimeout;  // for calls that keep CallOptions' default
-  // Per rank: its lost key (tcp_store.h) was set before this group formed, by an earlier process
-  // of that rank (the key stays for the store's lifetime): it says nothing about this group.
-  std::vector<bool> stale_lost;
+  // The store under the group's prefix ("tandem/nccl/<generation>/"): the peers' failure and
+  // progress records, their lost keys, and whom to blame.
+  detail::PeerRecords records;
 };
 
 // What the ranks share: their communicators (destroyed together, when the last rank's
@@ -269,10 +267,7 @@ class NcclGroup {
   }
   // "rank 1 of 4" / "ranks 1, 3 of 4", or their labels.
   std::string names(const std::vector<int>& ranks) const {
-    if (!peers_ || peers_->labels.empty()) return detail::ranks_of(ranks, size_);
-    std::vector<std::string> labels;
-    for (int r : ranks) labels.push_back(label(r));
-    return fmt::format("{}", fmt::join(labels, ", "));
+    return detail::rank_names(peers_ ? peers_->labels : std::vector<std::string>{}, ranks, size_);
   }
 
   // Called by a rank's own thread once it has aborted its communicator.
@@ -322,7 +317,7 @@ class NcclGroup {
       failed_.store(true, std::memory_order_release);
     }
     if (!peers_) return;
-    publish_issued();
+    peers_->records.record_failure(issued_here(), cause_of(kind));
     if (first_here) publish_failure(kind, published);
   }
   // The error a call `call` (number `seq`) throws once the group has failed: DeadlineExceeded
@@ -352,9 +347,9 @@ class NcclGroup {
   // process's rank thread calls it, while it waits.
   void check_peers(bool with_lost) {
     if (!peers_ || failed()) return;
-    Store& store = *peers_->store;
+    Store& store = peers_->records.store();
     try {
-      const std::string key = peers_->prefix + "failure";
+      const std::string key = peers_->records.prefix() + "failure";
       if (store.check(key)) {
         const std::string record = string_of(store.get(key, kPeerPoll));
         // "<rank>\n<a|e|t>\n<message>"
@@ -370,15 +365,23 @@ class NcclGroup {
         }
       }
       if (!with_lost) return;
-      std::vector<int> lost;
-      for (int q = 0; q < size_; ++q) {
-        if (q != peers_->rank && !lost_before(q) && store.check(lost_rank_key(q))) lost.push_back(q);
-      }
+      const std::vector<int> lost = peers_->records.lost_peers();
       if (!lost.empty()) {
-        fail(FailureKind::kError, 0, "", lost_message(lost), "", /*tell_peers=*/false);
+        fail(FailureKind::kError, 0, "", peers_->records.lost_message(lost), "", /*tell_peers=*/false);
       }
     } catch (const std::exception& e) {
       fail(FailureKind::kError, 0, "", store_unreachable_message(e.what()), "", /*tell_peers=*/false);
+    }
+  }
+
+  // After an NCCL error: whether a peer failed or died, read for up to kFailureReportGrace (the
+  // store's server may record a death a moment after NCCL noticed the closed connection).
+  void look_for_peer_failure() {
+    const auto deadline = Clock::now() + kFailureReportGrace;
+    for (;;) {
+      check_peers(/*with_lost=*/true);
+      if (failed() || Clock::now() >= deadline) return;
+      std::this_thread::sleep_for(kPeerRecheck);
     }
   }
 
@@ -410,91 +413,52 @@ class NcclGroup {
     }
   }
 
-  bool lost_before(int rank) const {
-    const auto r = static_cast<std::size_t>(rank);
-    return r < peers_->stale_lost.size() && peers_->stale_lost[r];
+  static detail::FailureCause cause_of(FailureKind kind) {
+    switch (kind) {
+      case FailureKind::kAbort: return detail::FailureCause::kAborted;
+      case FailureKind::kTimeout: return detail::FailureCause::kTimeout;
+      case FailureKind::kError: break;
+    }
+    return detail::FailureCause::kError;
   }
 
   std::uint64_t issued_here() const { return issued_[0].load(std::memory_order_relaxed); }
-
-  // "issued/<rank>" = how many collectives this rank issued (decimal). Never throws: a store that
-  // cannot be reached is diagnosed by whoever reads it.
-  void publish_issued() {
-    try {
-      peers_->store->set(peers_->prefix + fmt::format("issued/{}", peers_->rank),
-                         bytes_of(std::to_string(issued_here())));
-    } catch (const std::exception&) {
-    }
-  }
 
   // "failure" = "<rank>\n<a|e|t>\n<message>", written by the first rank to fail (an atomic
   // counter decides), once per process. Never throws.
   void publish_failure(FailureKind kind, const std::string& message) {
     if (published_.exchange(true)) return;
     try {
-      Store& store = *peers_->store;
-      if (store.add(peers_->prefix + "failures", 1) != 1) return;
+      Store& store = peers_->records.store();
+      if (store.add(peers_->records.prefix() + "failures", 1) != 1) return;
       const char k = kind == FailureKind::kAbort ? 'a' : kind == FailureKind::kTimeout ? 't' : 'e';
-      store.set(peers_->prefix + "failure", bytes_of(fmt::format("{}\n{}\n{}", peers_->rank, k, message)));
+      store.set(peers_->records.prefix() + "failure", bytes_of(fmt::format("{}\n{}\n{}", peers_->rank, k, message)));
     } catch (const std::exception&) {
     }
   }
 
-  std::string lost_message(const std::vector<int>& lost) const {
-    return fmt::format("lost {}: {} process died (the store saw its connection close)", names(lost),
-                       lost.size() == 1 ? "its" : "their");
-  }
-
   std::string store_unreachable_message(std::string_view error) const {
-    return fmt::format("the store at {} is unreachable ({}), so the process serving it ({} in a tandem job, the "
-                       "chief) has probably died",
-                       peers_->store->address(), error, label(0));
+    return peers_->records.store_unreachable_message(fmt::format(" ({})", error));
   }
 
-  // Publishes this rank's count and its timeout (so that peers waiting in the same call fail now
-  // and report theirs), then reads the peers' counts and lost keys for a short grace.
+  // Publishes this rank's progress and its timeout (so that peers waiting in the same call fail
+  // now and record theirs), then surveys the peers' records for a short grace.
   std::string diagnose_through_store(std::uint64_t seq, const std::string& call, milliseconds timeout,
                                      std::string_view where) {
-    publish_issued();
+    peers_->records.record_failure(issued_here(), detail::FailureCause::kTimeout);
     publish_failure(FailureKind::kTimeout, fmt::format("{} timed out there after {}", call, format_duration(timeout)));
-    Store& store = *peers_->store;
-    const int me = peers_->rank;
-    std::vector<std::optional<std::uint64_t>> issued(static_cast<std::size_t>(size_));
-    std::vector<bool> lost(static_cast<std::size_t>(size_), false);
-    issued[static_cast<std::size_t>(me)] = issued_here();
     const milliseconds grace = std::min(kFailureReportGrace, std::max(timeout, milliseconds(200)));
-    const auto deadline = Clock::now() + grace;
-    while (true) {
-      try {
-        for (int q = 0; q < size_; ++q) {
-          const auto qu = static_cast<std::size_t>(q);
-          const std::string key = peers_->prefix + fmt::format("issued/{}", q);
-          if (!issued[qu] && store.check(key)) {
-            issued[qu] = std::strtoull(string_of(store.get(key, grace)).c_str(), nullptr, 10);
-          }
-          if (q != me && !lost[qu] && !lost_before(q) && store.check(lost_rank_key(q))) lost[qu] = true;
-        }
-      } catch (const std::exception& e) {
-        return fmt::format("it did not complete on {} within {} ms, and {}", where, timeout.count(),
-                           store_unreachable_message(e.what()));
-      }
-      bool accounted = true;
-      for (std::size_t q = 0; q < issued.size(); ++q) accounted = accounted && (issued[q] || lost[q]);
-      if (accounted || Clock::now() >= deadline) break;
-      std::this_thread::sleep_for(kReportPoll);
+    const detail::PeerSurvey survey = peers_->records.survey(seq, grace, /*stop_at_culprit=*/false);
+    if (!survey.store_reachable) {
+      return fmt::format("it did not complete on {} within {} ms, and {}", where, timeout.count(),
+                         store_unreachable_message(survey.store_error));
     }
-    std::vector<int> dead, missing;
-    for (int q = 0; q < size_; ++q) {
-      const auto qu = static_cast<std::size_t>(q);
-      if (lost[qu]) {
-        dead.push_back(q);
-      } else if (!issued[qu] || *issued[qu] < seq + 1) {
-        missing.push_back(q);
-      }
+    const std::string late = fmt::format("{} did not arrive within {} ms", names(survey.behind), timeout.count());
+    if (!survey.lost.empty()) {
+      const std::string lost = peers_->records.lost_message(survey.lost);
+      return survey.behind.empty() ? lost : fmt::format("{}; {}", lost, late);
     }
-    const std::string late = fmt::format("{} did not arrive within {} ms", names(missing), timeout.count());
-    if (!dead.empty()) return missing.empty() ? lost_message(dead) : fmt::format("{}; {}", lost_message(dead), late);
-    if (!missing.empty()) return late;
+    if (!survey.behind.empty()) return late;
     return fmt::format("every rank issued it, but it did not complete on {} within {} ms", where, timeout.count());
   }
 
@@ -785,7 +749,7 @@ class NcclCommunicator final : public Communicator {
                                                 api.ncclGetErrorString(async), api.ncclGetLastError(comm_));
         // Across processes, a peer that died or failed explains NCCL's error better than NCCL does.
         if (group_->across_processes()) {
-          group_->check_peers(/*with_lost=*/true);
+          group_->look_for_peer_failure();
           if (group_->failed()) {
             abort_own_communicator();
             group_->throw_failure(call.label(), call.seq);
@@ -901,25 +865,18 @@ std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions 
   if (rank == 0) TANDEM_NCCL_CHECK(api.ncclGetUniqueId(&id), who, nullptr);
 
   Store& store = *options.store;
-  std::string prefix;
-  std::vector<bool> stale_lost;
+  std::optional<detail::PeerRecords> records;
   try {
-    const std::int64_t generation = store.add(fmt::format("tandem/nccl/generation/{}", rank), 1);
-    prefix = fmt::format("tandem/nccl/{}/", generation);
+    const std::string prefix = detail::group_prefix(store, "nccl", rank);
     // The id before the arrival: once rank 0 has arrived, its id is there.
     if (rank == 0) store.set(prefix + "id", std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
-    store.set(prefix + fmt::format("arrived/{}", rank), bytes_of(label(rank)));
-    std::vector<std::string> arrivals;
-    for (int q = 0; q < size; ++q) arrivals.push_back(prefix + fmt::format("arrived/{}", q));
-    try {
-      store.wait(arrivals, remaining());
-    } catch (const DeadlineExceeded&) {
-      std::vector<std::string> missing;
-      for (int q = 0; q < size; ++q) {
-        if (!store.check(arrivals[static_cast<std::size_t>(q)])) missing.push_back(label(q));
-      }
+    const auto arrived = [&](int q) { return prefix + fmt::format("arrived/{}", q); };
+    store.set(arrived(rank), bytes_of(label(rank)));
+    const std::vector<int> missing = detail::wait_for_ranks(store, arrived, size, remaining());
+    if (!missing.empty()) {
       throw DeadlineExceeded(fmt::format("{}: {} did not arrive at the store {} within {}{}", who,
-                                         fmt::join(missing, ", "), store.address(), format_duration(options.timeout),
+                                         detail::rank_names(options.rank_labels, missing, size), store.address(),
+                                         format_duration(options.timeout),
                                          store.check(prefix + "id") ? "" : " (rank 0 publishes NCCL's unique id)"));
     }
     if (rank != 0) {
@@ -929,14 +886,15 @@ std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions 
                      store.address(), value.size(), sizeof(id.internal));
       std::memcpy(id.internal, value.data(), sizeof(id.internal));
     }
-    for (int q = 0; q < size; ++q) stale_lost.push_back(q != rank && store.check(lost_rank_key(q)));
+    records.emplace(options.store, prefix, rank, size, options.rank_labels, label(0));
+    records->forget_earlier_losses();
   } catch (const Unavailable& e) {
     throw Unavailable(fmt::format("{}: the store is unreachable: {}", who, e.what()));
   }
 
   auto group = std::make_shared<NcclGroup>(
-      size, ordinal, ProcessPeers{.rank = rank, .store = options.store, .prefix = prefix, .labels = options.rank_labels,
-                                  .timeout = options.timeout, .stale_lost = std::move(stale_lost)});
+      size, ordinal,
+      ProcessPeers{.rank = rank, .labels = options.rank_labels, .timeout = options.timeout, .records = std::move(*records)});
   const std::string where = describe_rank(*group, rank, ordinal);
   ncclComm_t comm = nullptr;
   {

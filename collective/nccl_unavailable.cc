@@ -1,7 +1,7 @@
 // Builds without CUDA (or without NCCL): GPU groups are not available. Callers that pick a
 // backend ask nccl_available() first; make_nccl_group and make_nccl_process_communicator say why
 // they cannot.
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/collective/detail/nccl_process_options.h"
 
 namespace tandem::collective {

@@ -86,6 +86,7 @@
 
 #include "tandem/base/spin.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/peer_records.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/devices/device.h"
 
@@ -1032,11 +1033,8 @@ std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOption
   const milliseconds timeout = config.timeout;
   NameRemover remover;
   Mapping mapping;
-  // Each rank counts the communicators it made with this store, so that the k-th of every rank
-  // meets the others' k-th under keys of its own.
-  const std::int64_t generation =
-      on_store(who, store, [&] { return store.add(fmt::format("tandem/shm/generation/{}", config.rank), 1); });
-  const std::string prefix = fmt::format("tandem/shm/{}/", generation);
+  // The k-th communicator of every rank meets the others' k-th under keys of its own.
+  const std::string prefix = on_store(who, store, [&] { return detail::group_prefix(store, "shm", config.rank); });
   const auto mapped_key = [&](int q) { return prefix + fmt::format("mapped/{}", q); };
   std::string name;
   if (config.rank == 0) {
@@ -1075,27 +1073,15 @@ std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOption
   header->start_time = own_start_time();
   on_store(who, store, [&] { store.set(mapped_key(config.rank), bytes_of("ok")); });
 
-  std::vector<std::string> keys;
-  for (int q = 0; q < config.size; ++q) keys.push_back(mapped_key(q));
-  try {
-    on_store(who, store, [&] { store.wait(keys, timeout); });
-  } catch (const DeadlineExceeded&) {
-    std::vector<int> missing;
-    std::vector<std::string> missing_labels;
-    for (int q = 0; q < config.size; ++q) {
-      if (!on_store(who, store, [&] { return store.check(keys[static_cast<std::size_t>(q)]); })) {
-        missing.push_back(q);
-        missing_labels.push_back(label(q));
-      }
-    }
-    throw DeadlineExceeded(fmt::format(
-        "{}: {} did not map the shared-memory segment within {}", who,
-        config.labels.empty() ? detail::ranks_of(missing, config.size) : fmt::format("{}", fmt::join(missing_labels, ", ")),
-        format_duration(timeout)));
+  const std::vector<int> missing =
+      on_store(who, store, [&] { return detail::wait_for_ranks(store, mapped_key, config.size, timeout); });
+  if (!missing.empty()) {
+    throw DeadlineExceeded(fmt::format("{}: {} did not map the shared-memory segment within {}", who,
+                                       detail::rank_names(config.labels, missing, config.size),
+                                       format_duration(timeout)));
   }
   for (int q = 0; q < config.size; ++q) {
-    const std::string value =
-        on_store(who, store, [&] { return string_of(store.get(keys[static_cast<std::size_t>(q)], timeout)); });
+    const std::string value = on_store(who, store, [&] { return string_of(store.get(mapped_key(q), timeout)); });
     if (!value.empty() && value.front() == '!') {
       throw InvalidArgument(fmt::format("{}: {} could not join: {}", who, label(q), value.substr(1)));
     }

@@ -22,9 +22,9 @@
 //
 // Sizes: a key and its value together up to 256 MiB less 1 KiB (set throws InvalidArgument above).
 //
-// Wire format (both directions): frames of a little-endian u32 length and that many bytes; a
-// request is an opcode byte and its fields, a reply a status byte and its fields. Counters written
-// by add() are decimal text, so get() of a counter reads "3".
+// Counters written by add() are decimal text, so get() of a counter reads "3". The wire format
+// (frames of a little-endian u32 length and that many bytes) is collective/detail/store_wire.h's;
+// the server is tcp_store_server.cc, the client tcp_store_client.cc.
 #pragma once
 
 #include <chrono>

@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/in_process.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/graph/dtype.h"
 
 namespace tandem::strategy {

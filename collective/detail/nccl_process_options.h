@@ -6,7 +6,7 @@
 #include <chrono>
 
 #include "tandem/base/errors.h"
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/nccl.h"
 
 namespace tandem::collective::detail {
 

@@ -9,7 +9,7 @@
 #include <memory>
 #include <string>
 
-#include "tandem/collective/communicator.h"
+#include "tandem/collective/nccl.h"
 #include "tandem/collective/store.h"
 
 using namespace tandem;

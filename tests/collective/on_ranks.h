@@ -1,5 +1,6 @@
 // tests/collective/on_ranks.h — running one function on every rank of a group, and reading what
-// each rank threw. Shared by the in-process and NCCL suites.
+// each rank threw. Shared by the suites whose ranks are threads of the test (gloo_test,
+// shared_memory_test, hierarchical_test).
 #pragma once
 
 #include <doctest/doctest.h>

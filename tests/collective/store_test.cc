@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/detail/store_wire.h"
 #include "tandem/collective/rendezvous.h"
 #include "tandem/collective/store.h"
 #include "tandem/collective/tcp_store.h"
@@ -330,6 +331,49 @@ TcpStoreOptions quick(std::chrono::milliseconds connect_timeout = 5s) {
   options.connect_timeout = connect_timeout;
   options.retry_interval = 20ms;
   return options;
+}
+
+TEST_CASE("tcp store wire format: fields round-trip; a truncated, padded or unknown reply is refused") {
+  using namespace tandem::collective::detail::wire;
+  // A frame's length covers what follows it.
+  const std::vector<char> frame = Writer(Status::kError).u8(kInvalidArgument).str("bad key").finish();
+  REQUIRE(frame.size() > 4);
+  CHECK(read_u32(frame.data()) == frame.size() - 4);
+  const std::vector<char> payload(frame.begin() + 4, frame.end());
+  Reply reply;
+  REQUIRE(parse_reply(payload, reply));
+  CHECK(reply.status == Status::kError);
+  CHECK(reply.error_code == kInvalidArgument);
+  CHECK(reply.error == "bad key");
+
+  const auto payload_of = [](Writer w) {
+    std::vector<char> f = w.finish();
+    return std::vector<char>(f.begin() + 4, f.end());
+  };
+  REQUIRE(parse_reply(payload_of(std::move(Writer(Status::kInt).i64(-3))), reply));
+  CHECK(reply.number == -3);
+  REQUIRE(parse_reply(payload_of(std::move(Writer(Status::kValue).bytes(bytes(std::string("a\0b", 3))))), reply));
+  CHECK(reply.value == bytes(std::string("a\0b", 3)));
+  // Requests read back field by field.
+  const std::vector<char> wait = payload_of(std::move(Writer(Op::kWait).u32(2).str("a").str("bc")));
+  Reader r(wait.data(), wait.size());
+  std::uint8_t op = 0;
+  std::uint32_t count = 0;
+  std::string first, second;
+  CHECK((r.u8(op) && r.u32(count) && r.str(first) && r.str(second) && r.at_end()));
+  CHECK(op == static_cast<std::uint8_t>(Op::kWait));
+  CHECK(count == 2);
+  CHECK(first == "a");
+  CHECK(second == "bc");
+
+  std::vector<char> truncated = payload;
+  truncated.pop_back();
+  CHECK_FALSE(parse_reply(truncated, reply));
+  std::vector<char> padded = payload;
+  padded.push_back('x');
+  CHECK_FALSE(parse_reply(padded, reply));
+  CHECK_FALSE(parse_reply({static_cast<char>(99)}, reply));
+  CHECK_FALSE(parse_reply({}, reply));
 }
 
 TEST_CASE("tcp store: the Store contract over TCP") {

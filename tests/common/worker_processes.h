@@ -1,5 +1,5 @@
-// Worker processes of the running test program, for the multi-process collective tests (Gloo,
-// shared memory, NCCL across processes): each worker is this executable started again as
+// Worker processes of the running test program, for the multi-process collective tests (the
+// conformance suite's process backends, gloo_test): each worker is this executable started again as
 //
 //   /proc/self/exe <flag> <scenario> <store address> <rank> [<size>] <result file>
 //
