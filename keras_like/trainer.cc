@@ -417,6 +417,7 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
                                   .observer = reducer.observer(r)};
     if (whole_step) whole_step_work(replica, run_options);
     fetched = replica.executor->run(feeds, g.train_fetches, run_options);
+    replica.tail_grads.clear();  // views of the arena (see replica.grads below)
     const auto scalars = read_step_scalars(replica, fetched);
     replica.sums.loss = scalars[0];
     std::size_t k = 1;
@@ -451,6 +452,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   if (update) {
     replica.grads.assign(reduced.begin(), reduced.end());
     replica.applied = model_.optimizer->apply(r, replica.grads);
+    // They are views of the executor's arena: kept past the step, they would make the next run
+    // move to a fresh arena (an allocation and its page faults every step).
+    replica.grads.clear();
   }
   // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
   // so that every copy stays equal.

@@ -109,7 +109,9 @@ class GradientReducer {
   // Waits for the buckets handed over during backward, reduces the others, and returns replica's
   // gradients: on a reduce step summed over the replicas in sync (accumulated micro-steps
   // included); on a micro-step its own, after adding them to the accumulators. The tensors are
-  // the run's outputs, reduced in place: valid until replica's next run or begin_step.
+  // the run's outputs, reduced in place: valid until replica's next begin_step. Keep no copy of
+  // them past the step: while a view of its arena is held, the executor's next run moves to a
+  // fresh arena (an allocation and its page faults every step).
   virtual std::span<const Tensor> finish_step(int replica);
 
   // --- device-side steps (a GPU replica's whole step recorded as one CUDA graph) --------------

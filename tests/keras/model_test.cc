@@ -240,3 +240,24 @@ TEST_CASE("fit honours steps_per_epoch, initial_epoch and stop_training") {
   model.fit(data, {.epochs = 5, .verbose = 0, .callbacks = {stopper}, .steps_per_epoch = 5});
   CHECK(model.optimizer().iterations() == before + 3);
 }
+
+TEST_CASE("after its first steps a training step allocates only its batch: nothing holds on to the arena") {
+  // An executor whose previous step's values are still referenced (a gradient kept past its
+  // step) moves to a fresh arena: an allocation, and page faults, every step.
+  const auto data = blobs(640, 3, 5);
+  OneDeviceStrategy one("CPU:0");
+  keras::Model model;
+  {
+    auto scope = one.scope();
+    model = keras::Sequential({keras::Input({4}), keras::Dense(16, "relu"), keras::Dense(3)});
+    model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true});
+  }
+  auto& allocator = devices::get_device("CPU:0").allocator();
+  std::vector<std::int64_t> counts;
+  auto recorder = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+      .on_train_batch_end = [&](std::int64_t, keras::Logs&) { counts.push_back(allocator.stats().num_allocations); }});
+  model.fit(data.x, data.y, {.batch_size = 32, .epochs = 1, .verbose = 0, .callbacks = {recorder}});
+  REQUIRE(counts.size() == 20);
+  // Each batch is two new tensors (its rows of x and y, copied by the input pipeline).
+  for (std::size_t s = 4; s < counts.size(); ++s) CHECK_MESSAGE(counts[s] - counts[s - 1] <= 2, "step ", s);
+}
