@@ -17,7 +17,9 @@
 // OMP_WAIT_POLICY, TANDEM_WAIT_POLICY chooses:
 //   adaptive (default) spin as `active` does while the machine has room. A spinning thread that
 //            loses its core (two of its clock reads kPreemptionGap apart: the scheduler gave the
-//            core to someone else) starts a quiet period of 50 ms in which every waiter of the
+//            core to someone else) while another process's threads want the cores (the load
+//            check below; a core lost to one of our own threads, such as the input pipeline's,
+//            changes nothing) starts a quiet period of 50 ms in which every waiter of the
 //            process stops after its first few polls and sleeps. At its end, if more threads are
 //            runnable than there are cores, some of another process, the next period follows,
 //            twice as long (up to 2 s); else spinning resumes. See detail/spin_gate.h.
@@ -32,8 +34,9 @@ namespace tandem {
 
 enum class WaitPolicy { kAdaptive, kActive, kPassive };
 
-// "adaptive", "active" or "passive"; an empty value means the default, adaptive. Anything else
-// throws InvalidArgument naming TANDEM_WAIT_POLICY and the value.
+// "adaptive", "active" or "passive" (any case, blanks around; blank means the default,
+// adaptive: the env table's rules). Anything else throws InvalidArgument naming
+// TANDEM_WAIT_POLICY and the value.
 WaitPolicy parse_wait_policy(std::string_view value);
 
 // The process's policy: TANDEM_WAIT_POLICY, read at the first call.

@@ -1,7 +1,8 @@
 // tandem/base/detail/spin_gate.h — the adaptive wait policy's state (see base/wait_policy.h).
 //
 // Who calls it: spin_allowed() and spinner_preempted() (base/wait_policy.cc) on the process's
-// gate, and tests on their own gates with made-up times and loads. Never blocks beyond its own
+// gate, and tests on their own gates with made-up times and loads (or on the process's gate with
+// a made-up load probe). Never blocks beyond its own
 // mutex; never throws but for std::mutex's system_error.
 #pragma once
 
@@ -69,6 +70,10 @@ SpinGate& process_spin_gate();
 // (/proc/loadavg), some of them another process's (ours are counted in /proc/self/task). False
 // when it cannot tell.
 bool machine_full();
+// What the process's gate asks about the load (when a spinner lost its core, and when a quiet
+// period ends): machine_full, unless a test has set another probe. Returns the previous one.
+using LoadProbe = bool (*)();
+LoadProbe set_load_probe(LoadProbe probe);
 // The same judgement on a /proc/loadavg text, a core count and our runnable threads.
 bool loadavg_says_full(std::string_view loadavg, long cores, int own_runnable);
 // This process's runnable threads (the caller included).

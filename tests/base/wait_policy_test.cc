@@ -166,26 +166,34 @@ TEST_CASE("TANDEM_WAIT_POLICY chooses how poll_for waits") {
 
   // The budget is far longer than the test: only done() or the policy ends each poll.
   const auto budget = spin_budget(std::chrono::seconds(30));
+  if (expected == WaitPolicy::kAdaptive) {
+    // A core lost to one of our own threads (the machine has room for them): polling goes on.
+    const auto real_probe = detail::set_load_probe([] { return false; });
+    PreemptedOnce own;
+    CHECK(poll_for(budget, own));
+    CHECK(own.calls == 300);
+    CHECK(detail::process_spin_gate().quiet_length_ns() == 0);  // no quiet period
+    // A core lost to another process: polling stops at the first clock read after the loss
+    // (calls 1-64 and 65-128 are batches of polls, then one last look), and a quiet period begins.
+    detail::set_load_probe([] { return true; });
+    PreemptedOnce other;
+    CHECK_FALSE(poll_for(budget, other));
+    CHECK(other.calls <= 129);
+    CHECK(detail::process_spin_gate().quiet_length_ns() > 0);
+    CHECK_FALSE(spin_allowed());  // while it lasts, and while the machine stays full
+    detail::set_load_probe(real_probe);
+    return;
+  }
   PreemptedOnce done;
   const bool result = poll_for(budget, done);
-  switch (expected) {
-    case WaitPolicy::kPassive:  // no budget: one look, no polling
-      CHECK(budget.count() == 0);
-      CHECK_FALSE(result);
-      CHECK(done.calls == 1);
-      CHECK_FALSE(spin_allowed());
-      break;
-    case WaitPolicy::kActive:  // polls through the lost core, to done()
-      CHECK(result);
-      CHECK(done.calls == 300);
-      CHECK(spin_allowed());
-      break;
-    case WaitPolicy::kAdaptive:
-      // Stops at the first clock read after the lost core (calls 1-64 and 65-128 are batches of
-      // polls, then one last look), or earlier if the machine really took the core before that.
-      CHECK_FALSE(result);
-      CHECK(done.calls <= 129);
-      CHECK(detail::process_spin_gate().quiet_length_ns() > 0);  // and a quiet period began
-      break;
+  if (expected == WaitPolicy::kPassive) {  // no budget: one look, no polling
+    CHECK(budget.count() == 0);
+    CHECK_FALSE(result);
+    CHECK(done.calls == 1);
+    CHECK_FALSE(spin_allowed());
+  } else {  // active: polls through the lost core, to done()
+    CHECK(result);
+    CHECK(done.calls == 300);
+    CHECK(spin_allowed());
   }
 }
