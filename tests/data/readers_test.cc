@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include "common/error_message.h"
 #include "common/temp_dir.h"
 #include <unistd.h>
 #include <zlib.h>
@@ -71,19 +72,7 @@ Bytes big_endian(const std::vector<T>& values) {
   return b;
 }
 
-template <class E, class F>
-std::string error_message(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("wrong exception type: ", e.what());
-    return "";
-  }
-  FAIL("expected an exception");
-  return "";
-}
+using tandem::testing::error_message;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

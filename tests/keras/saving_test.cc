@@ -1,6 +1,7 @@
 // The safetensors reader and writer, model weight files and training checkpoints.
 #include <doctest/doctest.h>
 
+#include "common/error_message.h"
 #include "common/temp_dir.h"
 #include <unistd.h>
 
@@ -42,20 +43,6 @@ std::string raw_file(const std::string& header, const std::string& data) {
   return out + header + data;
 }
 
-// The message of the E that f throws (fails the test when it throws nothing or something else).
-template <class E>
-std::string message_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("threw another error: " << e.what());
-    return {};
-  }
-  FAIL("threw nothing");
-  return {};
-}
 
 std::string bytes_of(const Tensor& t) {
   const Tensor host = t.to(devices::default_cpu_device());
@@ -241,91 +228,91 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
     std::string b = bytes;
     b[b.size() - 3] = static_cast<char>(b[b.size() - 3] ^ 0x10);
     write_bytes(path, b);
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("checksum") != std::string::npos);
   }
   SUBCASE("truncated in the data") {
     write_bytes(path, bytes.substr(0, bytes.size() - 5));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("\"b\"") != std::string::npos);  // the tensor that runs past the end
   }
   SUBCASE("truncated in the header") {
     write_bytes(path, bytes.substr(0, 20));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("header length") != std::string::npos);
   }
   SUBCASE("shorter than the length field") {
     write_bytes(path, bytes.substr(0, 5));
-    CHECK(message_of<DataLoss>(read).find(path) != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find(path) != std::string::npos);
   }
   SUBCASE("an empty file") {
     write_bytes(path, "");
-    CHECK(message_of<DataLoss>(read).find(path) != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find(path) != std::string::npos);
   }
   SUBCASE("bad JSON") {
     write_bytes(path, raw_file(R"({"w": {"dtype": "F32", )", "abcd"));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("JSON") != std::string::npos);
   }
   SUBCASE("a header that is not an object") {
     write_bytes(path, raw_file("[1, 2]  ", ""));
-    CHECK(message_of<DataLoss>(read).find(path) != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find(path) != std::string::npos);
   }
   SUBCASE("offsets out of range") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", std::string(12, 'x')));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("\"v\"") != std::string::npos);
     CHECK(m.find("[8, 16]") != std::string::npos);
   }
   SUBCASE("overlapping tensors") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", std::string(12, 'x')));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find("overlaps") != std::string::npos);
     CHECK(m.find("\"v\"") != std::string::npos);
   }
   SUBCASE("a gap between tensors") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"v":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", std::string(12, 'x')));
-    CHECK(message_of<DataLoss>(read).find("\"v\"") != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find("\"v\"") != std::string::npos);
   }
   SUBCASE("trailing bytes after the last tensor") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(9, 'x')));
-    CHECK(message_of<DataLoss>(read).find(path) != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find(path) != std::string::npos);
   }
   SUBCASE("a shape that does not match the byte range") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, 'x')));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find("\"w\"") != std::string::npos);
     CHECK(m.find("needs 12 bytes") != std::string::npos);
   }
   SUBCASE("an unknown dtype") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", std::string(8, 'x')));
-    const auto m = message_of<DataLoss>(read);
+    const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find("\"w\"") != std::string::npos);
     CHECK(m.find("C64") != std::string::npos);
   }
   SUBCASE("negative or non-integer offsets") {
     write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", std::string(4, 'x')));
-    CHECK(message_of<DataLoss>(read).find("\"w\"") != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find("\"w\"") != std::string::npos);
   }
   SUBCASE("a malformed checksum") {
     write_bytes(path, raw_file(R"({"__metadata__":{"checksum":"md5:1234"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(4, 'x')));
-    CHECK(message_of<DataLoss>(read).find("md5:1234") != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find("md5:1234") != std::string::npos);
   }
   SUBCASE("non-string metadata") {
     write_bytes(path, raw_file(R"({"__metadata__":{"epoch":3},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(4, 'x')));
-    CHECK(message_of<DataLoss>(read).find("epoch") != std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>(read).find("epoch") != std::string::npos);
   }
 }
 
 TEST_CASE("safetensors: a missing file is NotFound") {
   TempDir dir;
   const auto path = dir.file("nothing.safetensors");
-  CHECK(message_of<NotFound>([&] { keras::read_safetensors(path); }).find(path) != std::string::npos);
+  CHECK(tandem::testing::error_message<NotFound>([&] { keras::read_safetensors(path); }).find(path) != std::string::npos);
 }
 
 TEST_CASE("safetensors: writes are atomic") {
@@ -336,7 +323,7 @@ TEST_CASE("safetensors: writes are atomic") {
 
   SUBCASE("a folder that does not exist is Unavailable, naming the path and the reason") {
     const auto missing = dir.file("no/such/folder/w.safetensors");
-    const auto m = message_of<Unavailable>([&] { keras::write_safetensors(missing, {{"w", Tensor::scalar<float>(1)}}); });
+    const auto m = tandem::testing::error_message<Unavailable>([&] { keras::write_safetensors(missing, {{"w", Tensor::scalar<float>(1)}}); });
     CHECK(m.find(missing) != std::string::npos);
     CHECK(m.find("No such file or directory") != std::string::npos);
   }
@@ -344,14 +331,14 @@ TEST_CASE("safetensors: writes are atomic") {
     const auto duplicate = [&] {
       keras::write_safetensors(path, {{"w", Tensor::scalar<float>(1)}, {"w", Tensor::scalar<float>(2)}});
     };
-    CHECK(message_of<InvalidArgument>(duplicate).find("\"w\"") != std::string::npos);
+    CHECK(tandem::testing::error_message<InvalidArgument>(duplicate).find("\"w\"") != std::string::npos);
     CHECK_THROWS_AS(keras::write_safetensors(path, {{"", Tensor::scalar<float>(1)}}), InvalidArgument);
     CHECK_THROWS_AS(keras::write_safetensors(path, {{"__metadata__", Tensor::scalar<float>(1)}}), InvalidArgument);
     CHECK_THROWS_AS(keras::write_safetensors(path, {{"u", Tensor()}}), InvalidArgument);
   }
   SUBCASE("renaming over a folder fails cleanly") {
     fs::create_directories(dir.path() / "taken");
-    const auto m = message_of<Unavailable>([&] { keras::write_safetensors(dir.file("taken"), {{"w", Tensor::scalar<float>(1)}}); });
+    const auto m = tandem::testing::error_message<Unavailable>([&] { keras::write_safetensors(dir.file("taken"), {{"w", Tensor::scalar<float>(1)}}); });
     CHECK(m.find(dir.file("taken")) != std::string::npos);
   }
   CHECK(read_bytes(path) == before);
@@ -397,7 +384,7 @@ TEST_CASE("model weights: a file that does not match changes nothing and names t
   SUBCASE("a missing tensor") {
     tensors.erase(tensors.begin() + 1);
     keras::write_safetensors(path, tensors);
-    const auto m = message_of<InvalidArgument>([&] { model.load_weights(path); });
+    const auto m = tandem::testing::error_message<InvalidArgument>([&] { model.load_weights(path); });
     CHECK(m.find("mm_hidden/bias") != std::string::npos);
     CHECK(m.find("missing") != std::string::npos);
     CHECK(m.find(path) != std::string::npos);
@@ -405,13 +392,13 @@ TEST_CASE("model weights: a file that does not match changes nothing and names t
   SUBCASE("an extra tensor") {
     tensors.emplace_back("mm_other/kernel", Tensor::zeros({1}, DType::kF32));
     keras::write_safetensors(path, tensors);
-    const auto m = message_of<InvalidArgument>([&] { model.load_weights(path); });
+    const auto m = tandem::testing::error_message<InvalidArgument>([&] { model.load_weights(path); });
     CHECK(m.find("mm_other/kernel") != std::string::npos);
   }
   SUBCASE("a tensor of another shape") {
     tensors[2].second = Tensor::zeros({4, 3}, DType::kF32);
     keras::write_safetensors(path, tensors);
-    const auto m = message_of<InvalidArgument>([&] { model.load_weights(path); });
+    const auto m = tandem::testing::error_message<InvalidArgument>([&] { model.load_weights(path); });
     CHECK(m.find("mm_out/kernel") != std::string::npos);
     CHECK(m.find("(4, 3)") != std::string::npos);
     CHECK(m.find("(4, 2)") != std::string::npos);
@@ -419,7 +406,7 @@ TEST_CASE("model weights: a file that does not match changes nothing and names t
   SUBCASE("a tensor of another dtype") {
     tensors[3].second = Tensor::zeros({2}, DType::kF64);
     keras::write_safetensors(path, tensors);
-    const auto m = message_of<InvalidArgument>([&] { model.load_weights(path); });
+    const auto m = tandem::testing::error_message<InvalidArgument>([&] { model.load_weights(path); });
     CHECK(m.find("mm_out/bias") != std::string::npos);
     CHECK(m.find("float64") != std::string::npos);
   }
@@ -521,12 +508,12 @@ TEST_CASE("training checkpoint: a mismatch is refused before anything changes") 
 
   SUBCASE("a missing slot") {
     drop("optimizer/cm_out/bias/v");
-    const auto m = message_of<InvalidArgument>([&] { keras::load_training_checkpoint(model, bad_path); });
+    const auto m = tandem::testing::error_message<InvalidArgument>([&] { keras::load_training_checkpoint(model, bad_path); });
     CHECK(m.find("optimizer/cm_out/bias/v") != std::string::npos);
   }
   SUBCASE("no iteration count") {
     drop("optimizer/iterations");
-    CHECK(message_of<DataLoss>([&] { keras::load_training_checkpoint(model, bad_path); }).find("optimizer/iterations") !=
+    CHECK(tandem::testing::error_message<DataLoss>([&] { keras::load_training_checkpoint(model, bad_path); }).find("optimizer/iterations") !=
           std::string::npos);
   }
   SUBCASE("a weights file is not a checkpoint") {
