@@ -75,12 +75,9 @@ std::string expected_values(const Variable& variable) {
       if (variable.max == kMaxInt && variable.min == 0) return "a non-negative integer";
       if (variable.max == kMaxInt && variable.min == 1) return "a positive integer";
       return fmt::format("an integer from {} to {}", variable.min, variable.max);
-    case Type::kSeconds:
-      return "a positive number of seconds";
-    case Type::kString:
-      return "any text";
-    case Type::kChoice:
-      return words(variable.choices);
+    case Type::kSeconds: return "a positive number of seconds";
+    case Type::kString: return "any text";
+    case Type::kChoice: return words(variable.choices);
   }
   return {};
 }

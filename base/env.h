@@ -53,76 +53,112 @@ inline constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
 
 // Devices (devices/registry.cc; the samples and MultiWorkerMirroredStrategy read them too).
 inline constexpr Variable kNumCpuDevices{
-    .name = "TANDEM_NUM_CPU_DEVICES", .type = Type::kInt, .default_value = "1",
+    .name = "TANDEM_NUM_CPU_DEVICES",
+    .type = Type::kInt,
+    .default_value = "1",
     .meaning = "logical CPU devices (MirroredStrategy's replicas on a machine without GPUs); fixed at first use",
-    .min = 1, .max = 1024};
+    .min = 1,
+    .max = 1024};
 inline constexpr Variable kIntraOpThreads{
-    .name = "TANDEM_INTRA_OP_THREADS", .type = Type::kInt, .default_value = "",
+    .name = "TANDEM_INTRA_OP_THREADS",
+    .type = Type::kInt,
+    .default_value = "",
     .meaning = "threads of each logical CPU device; unset: the usable cores shared out among the devices",
-    .min = 1, .max = 1024};
+    .min = 1,
+    .max = 1024};
 inline constexpr std::string_view kWaitPolicyChoices[] = {"adaptive", "active", "passive"};
 inline constexpr Variable kWaitPolicy{
-    .name = "TANDEM_WAIT_POLICY", .type = Type::kChoice, .default_value = "adaptive",
-    .meaning = "how replica threads, thread pools and collectives wait: spin briefly then sleep, and sleep at once "
-               "while other processes want the cores (adaptive); always spin first (active); sleep at once (passive)",
+    .name = "TANDEM_WAIT_POLICY",
+    .type = Type::kChoice,
+    .default_value = "adaptive",
+    .meaning =
+        "how replica threads, thread pools and collectives wait: spin briefly then sleep, and sleep at once "
+        "while other processes want the cores (adaptive); always spin first (active); sleep at once (passive)",
     .choices = kWaitPolicyChoices};
 
 // Kernels (ops/).
 inline constexpr std::string_view kGemmChoices[] = {"auto", "eigen", "openblas"};
 inline constexpr Variable kGemm{
-    .name = "TANDEM_GEMM", .type = Type::kChoice, .default_value = "auto",
+    .name = "TANDEM_GEMM",
+    .type = Type::kChoice,
+    .default_value = "auto",
     .meaning = "matrix products on CPUs: auto (OpenBLAS when libopenblas loads, else Eigen), eigen or openblas",
     .choices = kGemmChoices};
 inline constexpr Variable kAllowTf32{
-    .name = "TANDEM_ALLOW_TF32", .type = Type::kBool, .default_value = "0",
+    .name = "TANDEM_ALLOW_TF32",
+    .type = Type::kBool,
+    .default_value = "0",
     .meaning = "float32 GEMMs on GPUs may use TF32 tensor cores (also ops::enable_tensor_float_32_execution)"};
 inline constexpr Variable kCudnn{
-    .name = "TANDEM_CUDNN", .type = Type::kBool, .default_value = "1",
+    .name = "TANDEM_CUDNN",
+    .type = Type::kBool,
+    .default_value = "1",
     .meaning = "convolution and pooling on GPUs use cuDNN when it loads; 0: tandem's own kernels"};
 inline constexpr Variable kCudnnLibrary{
-    .name = "TANDEM_CUDNN_LIBRARY", .type = Type::kString, .default_value = "",
+    .name = "TANDEM_CUDNN_LIBRARY",
+    .type = Type::kString,
+    .default_value = "",
     .meaning = "the cuDNN library to try first; unset: libcudnn.so.9, then libcudnn.so"};
 
 // Execution (graph/, keras_like/).
 inline constexpr Variable kCudaGraphs{
-    .name = "TANDEM_CUDA_GRAPHS", .type = Type::kBool, .default_value = "1",
+    .name = "TANDEM_CUDA_GRAPHS",
+    .type = Type::kBool,
+    .default_value = "1",
     .meaning = "on GPUs, replay each step as one CUDA graph (compile's cuda_graphs = false also turns it off)"};
 inline constexpr Variable kProfile{
-    .name = "TANDEM_PROFILE", .type = Type::kBool, .default_value = "0",
-    .meaning = "time every kernel; each model's trainer reports its step time and kernel time per op (an info "
-               "message) when it goes away"};
+    .name = "TANDEM_PROFILE",
+    .type = Type::kBool,
+    .default_value = "0",
+    .meaning =
+        "time every kernel; each model's trainer reports its step time and kernel time per op (an info "
+        "message) when it goes away"};
 // In logging::Level's order (base/log.cc relies on it).
 inline constexpr std::string_view kLogLevelChoices[] = {"trace", "debug", "info", "warn", "error", "off"};
 inline constexpr Variable kLogLevel{
-    .name = "TANDEM_LOG_LEVEL", .type = Type::kChoice, .default_value = "info",
-    .meaning = "the least severe of tandem's messages to print on stderr: info shows warnings and the reports "
-               "asked for (TANDEM_PROFILE), debug adds what tandem chose (devices, kernels, libraries)",
+    .name = "TANDEM_LOG_LEVEL",
+    .type = Type::kChoice,
+    .default_value = "info",
+    .meaning =
+        "the least severe of tandem's messages to print on stderr: info shows warnings and the reports "
+        "asked for (TANDEM_PROFILE), debug adds what tandem chose (devices, kernels, libraries)",
     .choices = kLogLevelChoices};
 
 // Many processes (strategy/, collective/; tools/tandem-run sets TANDEM_RESTART_COUNT).
 inline constexpr Variable kRendezvousTimeout{
-    .name = "TANDEM_RENDEZVOUS_TIMEOUT", .type = Type::kSeconds, .default_value = "300",
+    .name = "TANDEM_RENDEZVOUS_TIMEOUT",
+    .type = Type::kSeconds,
+    .default_value = "300",
     .meaning = "how long a multi-worker start waits for every worker (MultiWorkerOptions::rendezvous_timeout wins)"};
 inline constexpr Variable kRendezvousPort{
-    .name = "TANDEM_RENDEZVOUS_PORT", .type = Type::kInt, .default_value = "",
-    .meaning = "the chief's rendezvous port under torchrun or SLURM; unset: MASTER_PORT (the next port when "
-               "torchrun's agent serves it), else 29500",
-    .min = 1, .max = 65535};
+    .name = "TANDEM_RENDEZVOUS_PORT",
+    .type = Type::kInt,
+    .default_value = "",
+    .meaning =
+        "the chief's rendezvous port under torchrun or SLURM; unset: MASTER_PORT (the next port when "
+        "torchrun's agent serves it), else 29500",
+    .min = 1,
+    .max = 65535};
 inline constexpr Variable kRestartCount{
-    .name = "TANDEM_RESTART_COUNT", .type = Type::kInt, .default_value = "0",
+    .name = "TANDEM_RESTART_COUNT",
+    .type = Type::kInt,
+    .default_value = "0",
     .meaning = "set by tandem-run: restarts of the worker group so far (each attempt meets under its own key)",
-    .min = 0, .max = kMaxInt};
+    .min = 0,
+    .max = kMaxInt};
 inline constexpr Variable kCheckCollectives{
-    .name = "TANDEM_CHECK_COLLECTIVES", .type = Type::kBool, .default_value = "0",
-    .meaning = "check that every collective call matches across workers; the first mismatch is reported with "
-               "both sides"};
+    .name = "TANDEM_CHECK_COLLECTIVES",
+    .type = Type::kBool,
+    .default_value = "0",
+    .meaning =
+        "check that every collective call matches across workers; the first mismatch is reported with "
+        "both sides"};
 
 // Every variable, in the README's order.
-inline constexpr const Variable* kAll[] = {
-    &kNumCpuDevices, &kIntraOpThreads, &kWaitPolicy,   &kGemm,
-    &kAllowTf32,     &kCudnn,          &kCudnnLibrary, &kCudaGraphs,
-    &kProfile,       &kLogLevel,       &kRendezvousTimeout, &kRendezvousPort,
-    &kRestartCount,  &kCheckCollectives};
+inline constexpr const Variable* kAll[] = {&kNumCpuDevices, &kIntraOpThreads,  &kWaitPolicy,        &kGemm,
+                                           &kAllowTf32,     &kCudnn,           &kCudnnLibrary,      &kCudaGraphs,
+                                           &kProfile,       &kLogLevel,        &kRendezvousTimeout, &kRendezvousPort,
+                                           &kRestartCount,  &kCheckCollectives};
 
 // ---------------------------------------------------------------------------------------------
 // Reading. Each accessor checks that the variable has the type it reads (else Internal: a bug);

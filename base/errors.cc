@@ -23,8 +23,8 @@ Error::Error(ErrorCode code, const std::string& message) : std::runtime_error(me
 
 namespace detail {
 void throw_internal(const char* file, int line, const char* condition, const std::string& message) {
-  throw Internal(fmt::format("{}:{}: internal invariant `{}` failed: {} (this is a tandem bug)",
-                             file, line, condition, message));
+  throw Internal(
+      fmt::format("{}:{}: internal invariant `{}` failed: {} (this is a tandem bug)", file, line, condition, message));
 }
 }  // namespace detail
 

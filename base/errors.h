@@ -43,10 +43,10 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-#define TANDEM_DEFINE_ERROR(Name, code_value)                                   \
-  class Name : public Error {                                                   \
-   public:                                                                      \
-    explicit Name(const std::string& message) : Error(code_value, message) {}   \
+#define TANDEM_DEFINE_ERROR(Name, code_value) \
+  class Name : public Error { \
+   public: \
+    explicit Name(const std::string& message) : Error(code_value, message) {} \
   };
 TANDEM_DEFINE_ERROR(InvalidArgument, ErrorCode::kInvalidArgument)
 TANDEM_DEFINE_ERROR(FailedPrecondition, ErrorCode::kFailedPrecondition)
@@ -62,27 +62,25 @@ TANDEM_DEFINE_ERROR(Internal, ErrorCode::kInternal)
 #undef TANDEM_DEFINE_ERROR
 
 namespace detail {
-[[noreturn]] void throw_internal(const char* file, int line, const char* condition,
-                                 const std::string& message);
+[[noreturn]] void throw_internal(const char* file, int line, const char* condition, const std::string& message);
 }  // namespace detail
 
 }  // namespace tandem
 
 // TANDEM_REQUIRE(cond, ErrorType, "format {}", args...): throws tandem::ErrorType with the
 // formatted message when cond is false. For checks of user input.
-#define TANDEM_REQUIRE(cond, ErrorType, ...)                          \
-  do {                                                                \
-    if (!(cond)) [[unlikely]] {                                       \
-      throw ::tandem::ErrorType(::fmt::format(__VA_ARGS__));          \
-    }                                                                 \
+#define TANDEM_REQUIRE(cond, ErrorType, ...) \
+  do { \
+    if (!(cond)) [[unlikely]] { \
+      throw ::tandem::ErrorType(::fmt::format(__VA_ARGS__)); \
+    } \
   } while (0)
 
 // TANDEM_ASSERT(cond, "format {}", args...): an internal invariant. Failure is a tandem bug; the
 // thrown tandem::Internal carries file:line and the failed condition.
-#define TANDEM_ASSERT(cond, ...)                                                       \
-  do {                                                                                 \
-    if (!(cond)) [[unlikely]] {                                                        \
-      ::tandem::detail::throw_internal(__FILE__, __LINE__, #cond,                      \
-                                       ::fmt::format(__VA_ARGS__));                    \
-    }                                                                                  \
+#define TANDEM_ASSERT(cond, ...) \
+  do { \
+    if (!(cond)) [[unlikely]] { \
+      ::tandem::detail::throw_internal(__FILE__, __LINE__, #cond, ::fmt::format(__VA_ARGS__)); \
+    } \
   } while (0)

@@ -30,7 +30,8 @@ std::int64_t steady_now_ns() {
 WaitPolicy parse_wait_policy(std::string_view value) {
   // The env table's rules: blank is the default; otherwise one of the listed words, any case.
   const bool blank = value.find_first_not_of(" \t\n\r") == std::string_view::npos;
-  const std::string word = blank ? std::string(env::kWaitPolicy.default_value) : env::parse_choice(env::kWaitPolicy, value);
+  const std::string word =
+      blank ? std::string(env::kWaitPolicy.default_value) : env::parse_choice(env::kWaitPolicy, value);
   if (word == "active") return WaitPolicy::kActive;
   if (word == "passive") return WaitPolicy::kPassive;
   return WaitPolicy::kAdaptive;

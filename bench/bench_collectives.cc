@@ -16,9 +16,9 @@
 // The same n threads, each on a buffer of `bytes` of its own, move memory at `copy GB/s` (bytes
 // read + written): the better of two passes, a memcpy (one half of the buffer onto the other and
 // back) and an in-place read-modify-write (x[i] += c over n parts side by side) which, like the
-// all-reduce at n ranks, walks n streams and writes lines it has just read. No all-reduce can take less than t_min = 2 * n * bytes / copy GB/s. "bound" is
-// the busbw at t_min, copy GB/s * (n - 1) / n^2, and "ratio" is busbw / bound = t_min / time.
-// "moved" is the all-reduce's own rate of that least traffic, 2 * n * bytes / time.
+// all-reduce at n ranks, walks n streams and writes lines it has just read. No all-reduce can take less than t_min = 2
+// * n * bytes / copy GB/s. "bound" is the busbw at t_min, copy GB/s * (n - 1) / n^2, and "ratio" is busbw / bound =
+// t_min / time. "moved" is the all-reduce's own rate of that least traffic, 2 * n * bytes / time.
 //
 // Timing. Each sample is the mean over back-to-back calls (all ranks start together; the sample
 // is the slowest rank's), and the table shows the median of --samples samples. All-reduce and
@@ -86,8 +86,8 @@ struct Options {
   int factor = 4;
   int iters = 0;  // 0: enough calls for ~20 ms per sample (~40 ms per variant for Gloo)
   int samples = 5;
-  int gloo_samples = 9;  // the Gloo section is noisier (two processes per core at 4 ranks)
-  bool gloo_check = false;          // GlooOptions::check_consistency for ours
+  int gloo_samples = 9;              // the Gloo section is noisier (two processes per core at 4 ranks)
+  bool gloo_check = false;           // GlooOptions::check_consistency for ours
   std::int64_t gloo_pack_bytes = 0;  // GlooOptions::bytes_per_pack for ours
 };
 
@@ -258,7 +258,6 @@ void check_correctness(int n) {
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Gloo: tandem's communicator next to raw Gloo, n processes on 127.0.0.1.
 
@@ -382,8 +381,8 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
   gloo_options.bytes_per_pack = options.gloo_pack_bytes;
   auto ours = collective::make_gloo_communicator(gloo_options);
   RawGloo raw(rank, n, store);
-  auto shm = collective::make_shared_memory_communicator(
-      {.rank = rank, .size = n, .store = store, .timeout = kGlooTimeout});
+  auto shm =
+      collective::make_shared_memory_communicator({.rank = rank, .size = n, .store = store, .timeout = kGlooTimeout});
 
   // Both must compute the right sum: the bench times correct collectives. Rank r holds r + 1.
   {
@@ -400,9 +399,10 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
     for (float x : b.to_vector<float>()) wrong[1] += x != expected;
     for (float x : c.to_vector<float>()) wrong[2] += x != expected;
     if (wrong[0] + wrong[1] + wrong[2] > 0) {
-      throw Internal(fmt::format("bench_collectives: all_reduce over {} processes gave {} wrong values (tandem gloo), "
-                                 "{} (raw gloo) and {} (shared memory) on rank {}",
-                                 n, wrong[0], wrong[1], wrong[2], rank));
+      throw Internal(
+          fmt::format("bench_collectives: all_reduce over {} processes gave {} wrong values (tandem gloo), "
+                      "{} (raw gloo) and {} (shared memory) on rank {}",
+                      n, wrong[0], wrong[1], wrong[2], rank));
     }
   }
 
@@ -526,8 +526,8 @@ std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, c
       c_args.push_back(nullptr);
       pid_t pid = 0;
       if (const int rc = posix_spawn(&pid, program.c_str(), nullptr, nullptr, c_args.data(), environ); rc != 0) {
-        throw Unavailable(fmt::format("bench_collectives: cannot start gloo rank {} ({}): {}", rank, program,
-                                      std::strerror(rc)));
+        throw Unavailable(
+            fmt::format("bench_collectives: cannot start gloo rank {} ({}): {}", rank, program, std::strerror(rc)));
       }
       children.push_back(pid);
     }
@@ -548,16 +548,18 @@ std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, c
 
 void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options) {
   const int rule = 167;
-  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}{}{}\n", n,
-             n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
+  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}{}{}\n",
+             n, n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
              options.gloo_check ? ", ours with check_consistency" : "",
              options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
   fmt::print("{:-<{}}\n", "", rule);
   fmt::print("{:>8} {:>10} {:>6} | {:<33} | {:<33} | {:<18} | {:<33} | {}\n", "", "", "", "tandem gloo", "raw gloo",
              "ours/raw", "tandem shm", "shm/raw");
-  fmt::print("{:>8} {:>10} {:>6} | {:>11} {:>10} {:>10} | {:>11} {:>10} {:>10} | {:>6} {:>11} | {:>11} {:>10} {:>10} | {:>7}\n",
-             "size", "count", "calls", "time us", "algbw GB/s", "busbw GB/s", "time us", "algbw GB/s", "busbw GB/s",
-             "median", "range", "time us", "algbw GB/s", "busbw GB/s", "median");
+  fmt::print(
+      "{:>8} {:>10} {:>6} | {:>11} {:>10} {:>10} | {:>11} {:>10} {:>10} | {:>6} {:>11} | {:>11} {:>10} {:>10} | "
+      "{:>7}\n",
+      "size", "count", "calls", "time us", "algbw GB/s", "busbw GB/s", "time us", "algbw GB/s", "busbw GB/s", "median",
+      "range", "time us", "algbw GB/s", "busbw GB/s", "median");
   fmt::print("{:-<{}}\n", "", rule);
   double worst_large = 0;
   bool any_large = false;
@@ -572,12 +574,13 @@ void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options)
       worst_large = any_large ? std::min(worst_large, ratio) : ratio;
       any_large = true;
     }
-    fmt::print("{:>8} {:>10} {:>6} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>6.2f} {:>11} | "
-               "{:>11.1f} {:>10.3f} {:>10.3f} | {:>7.2f}\n",
-               size_text(row.bytes), row.bytes / sizeof(float), row.calls, row.ours_seconds * 1e6, ours_alg,
-               ours_alg * bus, row.raw_seconds * 1e6, raw_alg, raw_alg * bus, ratio,
-               fmt::format("{:.2f}-{:.2f}", row.ratio_low, row.ratio_high), row.shm_seconds * 1e6, shm_alg,
-               shm_alg * bus, row.shm_ratio);
+    fmt::print(
+        "{:>8} {:>10} {:>6} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>11.1f} {:>10.3f} {:>10.3f} | {:>6.2f} {:>11} | "
+        "{:>11.1f} {:>10.3f} {:>10.3f} | {:>7.2f}\n",
+        size_text(row.bytes), row.bytes / sizeof(float), row.calls, row.ours_seconds * 1e6, ours_alg, ours_alg * bus,
+        row.raw_seconds * 1e6, raw_alg, raw_alg * bus, ratio,
+        fmt::format("{:.2f}-{:.2f}", row.ratio_low, row.ratio_high), row.shm_seconds * 1e6, shm_alg, shm_alg * bus,
+        row.shm_ratio);
   }
   fmt::print("{:-<{}}\n", "", rule);
   if (any_large) {
@@ -597,14 +600,16 @@ int run(const Options& options, const std::vector<std::string>& argv) {
   fmt::print("compiler:      GCC {}.{}.{}\n", __GNUC__, __GNUC_MINOR__, __GNUC_PATCHLEVEL__);
   fmt::print("timing:        median of {} samples, each the mean over back-to-back calls ({}), slowest rank\n",
              options.samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~20 ms of calls");
-  fmt::print("ceiling:       copy GB/s = the better of memcpy and an in-place read-modify-write pass, same threads,\n"
-             "               same bytes per thread (read + written); an in-place all-reduce moves >= 2 n bytes:\n"
-             "               bound busbw = copy GB/s * (n-1)/n^2; ratio = busbw / bound (bench/README.md)\n");
-  fmt::print("gloo:          tandem's make_gloo_communicator vs raw gloo::allreduce (ring, options made once per size)\n"
-             "               and make_shared_memory_communicator (shm), in the same processes; {} samples of each,\n"
-             "               rotating ({} per sample, at least 1 call); ours/raw = raw time / our time of each\n"
-             "               back-to-back pair: median and range; shm/raw likewise\n",
-             options.gloo_samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~50 ms of calls");
+  fmt::print(
+      "ceiling:       copy GB/s = the better of memcpy and an in-place read-modify-write pass, same threads,\n"
+      "               same bytes per thread (read + written); an in-place all-reduce moves >= 2 n bytes:\n"
+      "               bound busbw = copy GB/s * (n-1)/n^2; ratio = busbw / bound (bench/README.md)\n");
+  fmt::print(
+      "gloo:          tandem's make_gloo_communicator vs raw gloo::allreduce (ring, options made once per size)\n"
+      "               and make_shared_memory_communicator (shm), in the same processes; {} samples of each,\n"
+      "               rotating ({} per sample, at least 1 call); ours/raw = raw time / our time of each\n"
+      "               back-to-back pair: median and range; shm/raw likewise\n",
+      options.gloo_samples, options.iters > 0 ? fmt::format("{} calls", options.iters) : "~50 ms of calls");
   for (int n : options.ranks) {
     if (n == 0) continue;
     check_correctness(n);
@@ -626,9 +631,10 @@ int run(const Options& options, const std::vector<std::string>& argv) {
       const double copy_gbps = std::max(memcpy_gbps, rmw_gbps);
       const double bound = copy_gbps * (n - 1) / (static_cast<double>(n) * n);
       const double moved = 2.0 * n * bytes / row.allreduce_seconds / 1e9;  // the all-reduce's least traffic
-      fmt::print("{:>8} {:>10} {:>10.1f} {:>10.2f} {:>10.2f} | {:>10.1f} {:>10.1f} {:>10.1f} {:>11.2f} {:>6.2f} | {:>10.1f}\n",
-                 size_text(row.bytes), row.bytes / sizeof(float), row.allreduce_seconds * 1e6, algbw, busbw,
-                 memcpy_gbps, rmw_gbps, copy_gbps, bound, busbw / bound, moved);
+      fmt::print(
+          "{:>8} {:>10} {:>10.1f} {:>10.2f} {:>10.2f} | {:>10.1f} {:>10.1f} {:>10.1f} {:>11.2f} {:>6.2f} | {:>10.1f}\n",
+          size_text(row.bytes), row.bytes / sizeof(float), row.allreduce_seconds * 1e6, algbw, busbw, memcpy_gbps,
+          rmw_gbps, copy_gbps, bound, busbw / bound, moved);
     }
     fmt::print("{:-<{}}\n", "", rule);
     std::fflush(stdout);
@@ -649,8 +655,9 @@ int run(const Options& options, const std::vector<std::string>& argv) {
 
 int main(int argc, char** argv) {
   Options options;
-  CLI::App app("bench_collectives: all-reduce bandwidth of tandem's communicators next to a memory ceiling, and "
-               "Gloo's between processes (--ranks 0 or --gloo-ranks 0 skips that section)");
+  CLI::App app(
+      "bench_collectives: all-reduce bandwidth of tandem's communicators next to a memory ceiling, and "
+      "Gloo's between processes (--ranks 0 or --gloo-ranks 0 skips that section)");
   app.add_option("--ranks", options.ranks, "in-process group sizes")->delimiter(',')->check(CLI::Range(0, 1024));
   app.add_option("--gloo-ranks", options.gloo_ranks, "process counts of the Gloo section (at least 2 each)")
       ->delimiter(',')
@@ -660,7 +667,8 @@ int main(int argc, char** argv) {
   app.add_option("--max", options.max_bytes, "largest message")->transform(size);
   app.add_option("--gloo-max", options.gloo_max_bytes, "largest message of the Gloo section")->transform(size);
   app.add_option("--factor", options.factor, "growth of the message size from row to row")->check(CLI::Range(2, 1024));
-  app.add_option("--iters", options.iters, "calls per sample (default: enough for ~20 ms)")->check(CLI::Range(1, 1 << 30));
+  app.add_option("--iters", options.iters, "calls per sample (default: enough for ~20 ms)")
+      ->check(CLI::Range(1, 1 << 30));
   app.add_option("--samples", options.samples, "samples per row (the table shows their median)")
       ->check(CLI::Range(1, 1000));
   app.add_option("--gloo-samples", options.gloo_samples, "samples per row of the Gloo section")

@@ -69,9 +69,9 @@ struct Options {
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
   std::string strategy = "one";  // or "mirrored", "multiworker"
   int replicas = 2;              // logical CPU devices under --strategy mirrored
-  std::string worker_model;  // set in the worker processes of --strategy multiworker
-  bool worker_ring = false;  // those workers use Gloo (RING) instead of the default (shared memory here)
-  std::string device = "cpu";  // or "gpu"
+  std::string worker_model;      // set in the worker processes of --strategy multiworker
+  bool worker_ring = false;      // those workers use Gloo (RING) instead of the default (shared memory here)
+  std::string device = "cpu";    // or "gpu"
   std::string data_dir = data::kDebianFashionMnistDir;
   // How to start the GPU peer (a command prefix: gpu_check.sh adds the environment PyTorch needs).
   std::string gpu_peer_command = "python3 " TANDEM_BENCH_PEER_DIR "/../../scripts/torch_fmnist_gpu.py";
@@ -79,12 +79,14 @@ struct Options {
 
 // The command line, declared on app: parsing it fills o.
 void add_options(CLI::App& app, Options& o) {
-  app.add_option("--models", o.models, "models to train: mlp, wide, cnn (default: all; mlp,wide under "
-                                       "--strategy mirrored or multiworker)")
+  app.add_option("--models", o.models,
+                 "models to train: mlp, wide, cnn (default: all; mlp,wide under "
+                 "--strategy mirrored or multiworker)")
       ->delimiter(',')
       ->check(CLI::IsMember({"mlp", "wide", "cnn"}));
-  app.add_option("--strategy", o.strategy, "one (OneDeviceStrategy), mirrored (MirroredStrategy on --replicas "
-                                           "logical CPU devices) or multiworker (two worker processes)")
+  app.add_option("--strategy", o.strategy,
+                 "one (OneDeviceStrategy), mirrored (MirroredStrategy on --replicas "
+                 "logical CPU devices) or multiworker (two worker processes)")
       ->capture_default_str()
       ->check(CLI::IsMember({"one", "mirrored", "multiworker"}));
   app.add_option("--replicas", o.replicas, "logical CPU devices under --strategy mirrored")
@@ -134,8 +136,8 @@ Result run_tandem(const std::string& kind, const data::ImageClassificationData& 
   keras::mixed_precision::PolicyScope policy_scope(policy);
   const auto make = [&] {
     auto model = build(kind);
-    model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true},
-                  {"accuracy"}, {.cuda_graphs = cuda_graphs});
+    model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"},
+                  {.cuda_graphs = cuda_graphs});
     return model;
   };
   keras::Model model;
@@ -200,7 +202,8 @@ double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int st
   }
   std::vector<std::vector<Tensor>> grads(mirrored.replica_devices().size());  // per replica, per gradient
   for (std::size_t r = 0; r < grads.size(); ++r) {
-    for (const auto& [w, g] : sources) grads[r].push_back(Tensor::zeros(w->shape(), w->dtype(), *mirrored.replica_devices()[r]));
+    for (const auto& [w, g] : sources)
+      grads[r].push_back(Tensor::zeros(w->shape(), w->dtype(), *mirrored.replica_devices()[r]));
   }
   std::vector<int> nodes;
   for (const auto& source : sources) nodes.push_back(source.gradient.node);
@@ -229,7 +232,8 @@ std::optional<Result> run_ddp_peer(const std::string& kind, const std::string& e
 
 std::optional<Result> median(std::vector<Result> runs) {
   if (runs.empty()) return std::nullopt;
-  std::sort(runs.begin(), runs.end(), [](const Result& a, const Result& b) { return a.samples_per_s < b.samples_per_s; });
+  std::sort(runs.begin(), runs.end(),
+            [](const Result& a, const Result& b) { return a.samples_per_s < b.samples_per_s; });
   return runs[runs.size() / 2];
 }
 
@@ -246,19 +250,22 @@ int main(int argc, char** argv) try {
   add_options(app, o);
   CLI11_PARSE(app, argc, argv);
   // The DDP peer covers mlp and wide (a CNN under DDP is not among its configurations).
-  if ((o.strategy == "mirrored" || o.strategy == "multiworker") && app.count("--models") == 0) o.models = {"mlp", "wide"};
+  if ((o.strategy == "mirrored" || o.strategy == "multiworker") && app.count("--models") == 0)
+    o.models = {"mlp", "wide"};
   if (!o.worker_model.empty()) return run_multiworker_worker(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.strategy == "multiworker") return run_multiworker(o);
   if (o.device == "gpu") return run_gpu(o);
-  if (o.threads > 0) devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
+  if (o.threads > 0)
+    devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
   const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
   std::printf("bench_fit: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d run(s)\n",
               static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s, %d intra-op thread(s)\n", bench::cpu_model().c_str(), threads);
   std::printf("tandem GEMM:   %s\n", ops::cpu::gemm_backend_description().c_str());
-  std::printf("peer:          %s %s\n\n", o.peer ? "/usr/bin/python3" : "(skipped)", o.peer ? o.peer_script.c_str() : "");
+  std::printf("peer:          %s %s\n\n", o.peer ? "/usr/bin/python3" : "(skipped)",
+              o.peer ? o.peer_script.c_str() : "");
   const auto data = data::fashion_mnist();
 
   std::printf("%-6s | %12s %8s | %12s %8s %7s | %12s %8s %7s | %12s %8s %7s\n", "model", "tandem /s", "acc", "torch /s",
@@ -272,7 +279,8 @@ int main(int argc, char** argv) try {
       ours_runs.push_back(run_tandem(kind, data, o.epochs));
       if (!o.peer) continue;
       // As installed: nothing of ours in its environment.
-      if (auto p = run_peer(o, kind, threads, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      if (auto p = run_peer(o, kind, threads, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS"))
+        peer_runs.push_back(*p);
       // The same peer with OpenBLAS's AVX-512 kernels (what tandem's loader selects) ...
       if (auto p = run_peer(o, kind, threads, fmt::format("env -u OPENBLAS_NUM_THREADS OPENBLAS_CORETYPE={}", core))) {
         fixed_runs.push_back(*p);
@@ -286,16 +294,18 @@ int main(int argc, char** argv) try {
     const std::optional<Result> peer = median(peer_runs), fixed = median(fixed_runs), tuned = median(tuned_runs);
     const auto cell = [&](const std::optional<Result>& r) {
       if (!r) return fmt::format("{:>12} {:>8} {:>7}", "-", "-", "-");
-      return fmt::format("{:>12.0f} {:>8.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy, ours.samples_per_s / r->samples_per_s);
+      return fmt::format("{:>12.0f} {:>8.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy,
+                         ours.samples_per_s / r->samples_per_s);
     };
     std::printf("%-6s | %12.0f %8.4f | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
                 cell(peer).c_str(), cell(fixed).c_str(), cell(tuned).c_str());
     std::fflush(stdout);
   }
-  std::printf("\nratio = tandem samples/s over the peer's. torch = PyTorch as Debian installs it (its OpenBLAS detects\n"
-              "this CPU as Prescott and uses SSE3 kernels); torch* = with OPENBLAS_CORETYPE set (AVX-512 kernels, as\n"
-              "tandem uses); torch** = also with OPENBLAS_NUM_THREADS=1, so OpenBLAS's pool does not compete with\n"
-              "PyTorch's (the fastest PyTorch found on this machine).\n");
+  std::printf(
+      "\nratio = tandem samples/s over the peer's. torch = PyTorch as Debian installs it (its OpenBLAS detects\n"
+      "this CPU as Prescott and uses SSE3 kernels); torch* = with OPENBLAS_CORETYPE set (AVX-512 kernels, as\n"
+      "tandem uses); torch** = also with OPENBLAS_NUM_THREADS=1, so OpenBLAS's pool does not compete with\n"
+      "PyTorch's (the fastest PyTorch found on this machine).\n");
   return 0;
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());
@@ -304,11 +314,13 @@ int main(int argc, char** argv) try {
 
 // --device gpu: tandem on GPU:0 in float32 and mixed_bfloat16 beside PyTorch eager on that GPU.
 int run_gpu(const Options& o) {
-  TANDEM_REQUIRE(devices::num_gpus() > 0, FailedPrecondition, "--device gpu: no GPU ({})", devices::gpu_discovery_message());
+  TANDEM_REQUIRE(devices::num_gpus() > 0, FailedPrecondition, "--device gpu: no GPU ({})",
+                 devices::gpu_discovery_message());
   const auto data = data::fashion_mnist(o.data_dir);
-  std::printf("bench_fit --device gpu: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d "
-              "run(s)\n",
-              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf(
+      "bench_fit --device gpu: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d "
+      "run(s)\n",
+      static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("GPU:  %s\ncuDNN: %s\npeer: %s\n\n", devices::gpu_discovery_message().c_str(),
               ops::cuda::cudnn_status().c_str(), o.peer ? o.gpu_peer_command.c_str() : "(skipped)");
   std::printf("%-6s %-15s | %12s %8s | %12s | %12s %8s | %7s %7s\n", "model", "precision", "graphs /s", "acc",
@@ -316,14 +328,16 @@ int run_gpu(const Options& o) {
   std::printf("%s\n", std::string(100, '-').c_str());
   OneDeviceStrategy gpu("GPU:0");
   for (const auto& kind : o.models) {
-    for (const auto& [policy, peer_precision] : {std::pair{"float32", "float32"}, std::pair{"mixed_bfloat16", "bf16"}}) {
+    for (const auto& [policy, peer_precision] :
+         {std::pair{"float32", "float32"}, std::pair{"mixed_bfloat16", "bf16"}}) {
       std::vector<Result> graph_runs, eager_runs, peer_runs;
       for (int r = 0; r < o.repeat; ++r) {
         graph_runs.push_back(run_tandem(kind, data, o.epochs, &gpu, policy, /*cuda_graphs=*/true));
         eager_runs.push_back(run_tandem(kind, data, o.epochs, &gpu, policy, /*cuda_graphs=*/false));
         if (!o.peer) continue;
-        if (auto p = run_peer_command(fmt::format("{} --model {} --precision {} --epochs {} --batch {} --data {} 2>&1",
-                                                  o.gpu_peer_command, kind, peer_precision, o.epochs, kBatch, o.data_dir))) {
+        if (auto p =
+                run_peer_command(fmt::format("{} --model {} --precision {} --epochs {} --batch {} --data {} 2>&1",
+                                             o.gpu_peer_command, kind, peer_precision, o.epochs, kBatch, o.data_dir))) {
           peer_runs.push_back(*p);
         }
       }
@@ -338,28 +352,31 @@ int run_gpu(const Options& o) {
       std::fflush(stdout);
     }
   }
-  std::printf("\nratio = tandem with CUDA graphs over PyTorch eager on the same GPU (torch: float32, or bf16 autocast);\n"
-              "ratio- = tandem without CUDA graphs (CompileOptions{.cuda_graphs = false}) over the same.\n");
+  std::printf(
+      "\nratio = tandem with CUDA graphs over PyTorch eager on the same GPU (torch: float32, or bf16 autocast);\n"
+      "ratio- = tandem without CUDA graphs (CompileOptions{.cuda_graphs = false}) over the same.\n");
   return 0;
 }
 
 // --strategy mirrored: tandem's MirroredStrategy (with and without overlap) beside PyTorch DDP.
 int run_mirrored(const Options& o) {
   devices::set_logical_device_configuration({.num_cpu_devices = o.replicas, .intra_op_threads_per_device = 1});
-  std::printf("bench_fit --strategy mirrored: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop only, "
-              "median of %d run(s)\n",
-              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf(
+      "bench_fit --strategy mirrored: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop only, "
+      "median of %d run(s)\n",
+      static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s; tandem: MirroredStrategy over %d logical CPU devices of 1 thread\n",
               bench::cpu_model().c_str(), o.replicas);
-  std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  std::printf("peer:          %s\n\n",
+              o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
   const auto data = data::fashion_mnist();
   MirroredStrategy overlapped;
   MirroredStrategy after_backward(strategy::MirroredOptions{.distribution = {.overlap_communication = false}});
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
 
-  std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s\n", "model",
-              "tandem /s", "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt", "hidden", "DDP /s", "acc", "ratio",
-              "DDP** /s", "acc", "ratio");
+  std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s\n", "model", "tandem /s",
+              "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt", "hidden", "DDP /s", "acc",
+              "ratio", "DDP** /s", "acc", "ratio");
   std::printf("%s\n", std::string(150, '-').c_str());
   for (const auto& kind : o.models) {
     std::vector<Result> ours_runs, plain_runs, peer_runs, tuned_runs;
@@ -389,17 +406,18 @@ int run_mirrored(const Options& o) {
     };
     std::printf("%-5s | %10.0f %7.4f | %10.0f | %7.3f %8.3f %8.3f %9.3f %9.3f %6.0f%% | %s | %s\n", kind.c_str(),
                 ours.samples_per_s, ours.test_accuracy, plain.samples_per_s, allreduce_ms, ms(ours), wait_ms(ours),
-                ms(plain), wait_ms(plain), 100.0 * hidden,
-                cell(median(peer_runs)).c_str(), cell(median(tuned_runs)).c_str());
+                ms(plain), wait_ms(plain), 100.0 * hidden, cell(median(peer_runs)).c_str(),
+                cell(median(tuned_runs)).c_str());
     std::fflush(stdout);
   }
-  std::printf("\nno-ovl = the same MirroredStrategy with overlap_communication = false (all buckets reduced after\n"
-              "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
-              "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
-              "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh as\n"
-              "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
-              "here). ratio = tandem /s over the peer's.\n",
-              core.c_str());
+  std::printf(
+      "\nno-ovl = the same MirroredStrategy with overlap_communication = false (all buckets reduced after\n"
+      "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
+      "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
+      "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh as\n"
+      "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
+      "here). ratio = tandem /s over the peer's.\n",
+      core.c_str());
   return 0;
 }
 
@@ -420,12 +438,14 @@ int run_multiworker_worker(const Options& o) {
 
 // --strategy multiworker: two worker processes of one thread, beside PyTorch DDP (the same).
 int run_multiworker(const Options& o) {
-  std::printf("bench_fit --strategy multiworker: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop "
-              "only, median of %d run(s)\n",
-              static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf(
+      "bench_fit --strategy multiworker: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop "
+      "only, median of %d run(s)\n",
+      static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s; tandem: MultiWorkerMirroredStrategy, 2 processes x 1 thread, Gloo on 127.0.0.1\n",
               bench::cpu_model().c_str());
-  std::printf("peer:          %s\n\n", o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  std::printf("peer:          %s\n\n",
+              o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
   std::printf("%-5s | %10s %7s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s\n", "model", "tandem /s", "acc",
               "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc", "ratio", "ring");
@@ -460,15 +480,16 @@ int run_multiworker(const Options& o) {
       return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x {:>6.2f}x", p->samples_per_s, p->test_accuracy,
                          ours->samples_per_s / p->samples_per_s, ring->samples_per_s / p->samples_per_s);
     };
-    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s, ours->test_accuracy,
-                ring->samples_per_s, ring->test_accuracy, cell(median(peer_runs)).c_str(),
+    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s,
+                ours->test_accuracy, ring->samples_per_s, ring->test_accuracy, cell(median(peer_runs)).c_str(),
                 cell(median(tuned_runs)).c_str());
     std::fflush(stdout);
   }
-  std::printf("\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
-              "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh as Debian\n"
-              "installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s over\n"
-              "the peer's; ring = ring /s over the peer's.\n",
-              core.c_str());
+  std::printf(
+      "\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
+      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh as Debian\n"
+      "installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s over\n"
+      "the peer's; ring = ring /s over the peer's.\n",
+      core.c_str());
   return 0;
 }

@@ -133,7 +133,8 @@ class Timings {
 // (so with the kernels OPENBLAS_CORETYPE selected): the same handle, with its thread count
 // raised for those samples only.
 struct OpenBlasThreads {
-  using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
+  using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                           int);
   SgemmFn sgemm = nullptr;
   void (*set_threads)(int) = nullptr;
   char* (*corename)() = nullptr;
@@ -224,8 +225,8 @@ struct Operands {
 
 // The reference sgemm entries of one product under `key`: "<key>/openblas1", "/eigen1" (one
 // thread, when with_single), "/openblas_split", "/openblas_threads", "/eigen_split".
-void add_sgemm(Timings& timings, devices::Device& device, const OpenBlasThreads& own, const Product& p, const std::string& key,
-               bool with_single, std::vector<std::unique_ptr<Operands>>& keep) {
+void add_sgemm(Timings& timings, devices::Device& device, const OpenBlasThreads& own, const Product& p,
+               const std::string& key, bool with_single, std::vector<std::unique_ptr<Operands>>& keep) {
   auto& buf = *keep.emplace_back(std::make_unique<Operands>(p));
   const GemmShape s = p.shape();
   const bool openblas = ops::cpu::openblas_available();
@@ -240,8 +241,9 @@ void add_sgemm(Timings& timings, devices::Device& device, const OpenBlasThreads&
     });
   }
   if (openblas) {
-    timings.add(key + "/openblas_split",
-                [&buf, &device, s] { split_gemm(device, GemmBackend::kOpenBLAS, s, buf.a.data(), buf.b.data(), buf.c.data()); });
+    timings.add(key + "/openblas_split", [&buf, &device, s] {
+      split_gemm(device, GemmBackend::kOpenBLAS, s, buf.a.data(), buf.b.data(), buf.c.data());
+    });
   }
   if (own.available() && device.intra_op_threads() > 1) {
     const int threads = device.intra_op_threads();
@@ -249,8 +251,9 @@ void add_sgemm(Timings& timings, devices::Device& device, const OpenBlasThreads&
         key + "/openblas_threads", [&buf, &own, s] { own.run(s, buf.a.data(), buf.b.data(), buf.c.data()); },
         [&own, threads] { own.set_threads(threads); }, [&own] { own.set_threads(1); });
   }
-  timings.add(key + "/eigen_split",
-              [&buf, &device, s] { split_gemm(device, GemmBackend::kEigen, s, buf.a.data(), buf.b.data(), buf.c.data()); });
+  timings.add(key + "/eigen_split", [&buf, &device, s] {
+    split_gemm(device, GemmBackend::kEigen, s, buf.a.data(), buf.b.data(), buf.c.data());
+  });
 }
 
 // The fastest reference sgemm at the device's thread count (and, for one thread, the serial calls).
@@ -279,8 +282,8 @@ class OpRunner {
     std::vector<Output> inputs;
     for (std::size_t i = 0; i < input_shapes.size(); ++i) {
       inputs.push_back(graph_->placeholder(kFloat32, input_shapes[i], fmt::format("in{}", i)));
-      feeds_.emplace_back(inputs.back(), Tensor::from_vector<float>(random_floats(input_shapes[i].num_elements(), 10 + i),
-                                                                    input_shapes[i]));
+      feeds_.emplace_back(inputs.back(), Tensor::from_vector<float>(
+                                             random_floats(input_shapes[i].num_elements(), 10 + i), input_shapes[i]));
     }
     output_ = build(inputs);
     executor_ = std::make_unique<graph::Executor>(graph_, device);
@@ -298,9 +301,12 @@ class OpRunner {
 std::vector<Product> mlp_products() {
   const std::int64_t widths[] = {784, 1024, 1024, 10};
   std::vector<Product> products;
-  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} forward  Y=X@W", l + 1), false, false, kBatch, widths[l + 1], widths[l]});
-  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} backward dX=dY@Wt", l + 1), false, true, kBatch, widths[l], widths[l + 1]});
-  for (int l = 0; l < 3; ++l) products.push_back({fmt::format("L{} backward dW=Xt@dY", l + 1), true, false, widths[l], widths[l + 1], kBatch});
+  for (int l = 0; l < 3; ++l)
+    products.push_back({fmt::format("L{} forward  Y=X@W", l + 1), false, false, kBatch, widths[l + 1], widths[l]});
+  for (int l = 0; l < 3; ++l)
+    products.push_back({fmt::format("L{} backward dX=dY@Wt", l + 1), false, true, kBatch, widths[l], widths[l + 1]});
+  for (int l = 0; l < 3; ++l)
+    products.push_back({fmt::format("L{} backward dW=Xt@dY", l + 1), true, false, widths[l], widths[l + 1], kBatch});
   return products;
 }
 
@@ -326,13 +332,14 @@ std::string threads_text(int threads) { return fmt::format("{} thread{}", thread
 void print_matmul(const Timings& t, const devices::Device& device) {
   fmt::print("\nMatMul at the shapes of a 784-1024-1024-10 MLP, batch {} (GFLOP/s; {})\n", kBatch,
              threads_text(device.intra_op_threads()));
-  fmt::print("  sgemm references: OB 1t, Eig 1t = one single-threaded call of OpenBLAS, Eigen; OB split = single-\n"
-             "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs); OB thr = OpenBLAS's own thread\n"
-             "  pool; Eig split = Eigen split like OB split; best = the fastest of these. gemm() = tandem's threaded\n"
-             "  GEMM called directly; MatMul op = the op through graph + executor.\n");
+  fmt::print(
+      "  sgemm references: OB 1t, Eig 1t = one single-threaded call of OpenBLAS, Eigen; OB split = single-\n"
+      "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs); OB thr = OpenBLAS's own thread\n"
+      "  pool; Eig split = Eigen split like OB split; best = the fastest of these. gemm() = tandem's threaded\n"
+      "  GEMM called directly; MatMul op = the op through graph + executor.\n");
   print_rule();
-  fmt::print("{:<21} {:<21} {:>6} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6} | {:>6} {:>9} {:>7}\n", "product", "shape", "MFLOP",
-             "OB 1t", "Eig 1t", "OB split", "OB thr", "Eig split", "best", "gemm()", "MatMul op", "op/best");
+  fmt::print("{:<21} {:<21} {:>6} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6} | {:>6} {:>9} {:>7}\n", "product", "shape",
+             "MFLOP", "OB 1t", "Eig 1t", "OB split", "OB thr", "Eig split", "best", "gemm()", "MatMul op", "op/best");
   print_rule();
   double flops = 0, best_s = 0, op_s = 0, kernel_s = 0;
   for (const auto& p : mlp_products()) {
@@ -358,9 +365,10 @@ void print_matmul(const Timings& t, const devices::Device& device) {
 void print_conv(const Timings& t, const devices::Device& device, double ceiling) {
   fmt::print("\nConv2D 3x3, VALID, stride 1, batch {}, float32, through graph + executor ({})\n", kBatch,
              threads_text(device.intra_op_threads()));
-  fmt::print("  ratio: GFLOP/s over the best sgemm of this run at {} ({:.1f} GFLOP/s). Each pass counts\n"
-             "  2 * out_pixels * 9 * cin * cout flops.\n",
-             threads_text(device.intra_op_threads()), ceiling);
+  fmt::print(
+      "  ratio: GFLOP/s over the best sgemm of this run at {} ({:.1f} GFLOP/s). Each pass counts\n"
+      "  2 * out_pixels * 9 * cin * cout flops.\n",
+      threads_text(device.intra_op_threads()), ceiling);
   print_rule();
   fmt::print("{:<18} {:<36} {:>8} {:>9} {:>9} {:>7}\n", "layer", "pass", "MFLOP", "ms", "GFLOP/s", "ratio");
   print_rule();
@@ -405,7 +413,8 @@ int run(const Options& options) {
   fmt::print("threads:       {} intra-op on {} ({} usable cores)\n", threads_text(threads), device.short_name(),
              devices::usable_cpu_cores());
   fmt::print("gemm backend:  {}\n", ops::cpu::gemm_backend_description());
-  if (own.corename != nullptr) fmt::print("OpenBLAS core: {} (OPENBLAS_CORETYPE set by tandem's loader)\n", own.corename());
+  if (own.corename != nullptr)
+    fmt::print("OpenBLAS core: {} (OPENBLAS_CORETYPE set by tandem's loader)\n", own.corename());
   fmt::print("timing:        best of {} rounds x {} samples, each the mean of calls over >= {} ms\n",
              options.quick ? 1 : options.rounds, options.quick ? 2 : options.samples,
              kMinSampleSeconds * 1e3 / (options.quick ? 5 : 1));
@@ -422,7 +431,8 @@ int run(const Options& options) {
   t.add("copy/all", [&] {
     const auto pages = static_cast<std::int64_t>(kCopyBytes >> 16);
     device.parallel_for(pages, 1, [&](std::int64_t begin, std::int64_t end) {
-      std::memcpy(copy.dst.data() + (begin << 16), copy.src.data() + (begin << 16), static_cast<std::size_t>((end - begin) << 16));
+      std::memcpy(copy.dst.data() + (begin << 16), copy.src.data() + (begin << 16),
+                  static_cast<std::size_t>((end - begin) << 16));
     });
   });
   const Product square{"square", false, false, kLargeSquare, kLargeSquare, kLargeSquare};
@@ -434,11 +444,12 @@ int run(const Options& options) {
       add_sgemm(t, device, own, p, key, true, operands);
       auto& buf = *operands.back();
       const GemmShape s = p.shape();
-      t.add(key + "/gemm", [&buf, &device, s] { ops::cpu::gemm(device, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data()); });
-      auto& runner = *runners.emplace_back(std::make_unique<OpRunner>(device, std::vector<Shape>{p.a_shape(), p.b_shape()},
-                                                                     [&](const std::vector<Output>& in) {
-        return ops::matmul(in[0], in[1], {.transpose_a = p.transpose_a, .transpose_b = p.transpose_b});
-      }));
+      t.add(key + "/gemm",
+            [&buf, &device, s] { ops::cpu::gemm(device, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data()); });
+      auto& runner = *runners.emplace_back(std::make_unique<OpRunner>(
+          device, std::vector<Shape>{p.a_shape(), p.b_shape()}, [&](const std::vector<Output>& in) {
+            return ops::matmul(in[0], in[1], {.transpose_a = p.transpose_a, .transpose_b = p.transpose_b});
+          }));
       t.add(key + "/op", [&runner] { runner.run(); });
     }
   }
@@ -448,14 +459,17 @@ int run(const Options& options) {
     attrs.set("padding", "VALID");
     for (const auto& layer : kConvLayers) {
       const std::string key = "conv/" + layer.name + "/";
-      auto& forward = *runners.emplace_back(std::make_unique<OpRunner>(
-          device, std::vector<Shape>{layer.x(), layer.filter()}, [](const std::vector<Output>& in) { return ops::conv2d(in[0], in[1]); }));
+      auto& forward = *runners.emplace_back(
+          std::make_unique<OpRunner>(device, std::vector<Shape>{layer.x(), layer.filter()},
+                                     [](const std::vector<Output>& in) { return ops::conv2d(in[0], in[1]); }));
       t.add(key + kConvPasses[0], [&forward] { forward.run(); });
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
-            device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()},
-            [&](const std::vector<Output>& in) { return in[0].graph->add(op, {in[0], in[1], in[2]}, attrs); }));
-        t.add(key + (op == std::string("Conv2DBackpropFilter") ? kConvPasses[1] : kConvPasses[2]), [&backprop] { backprop.run(); });
+            device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {
+              return in[0].graph->add(op, {in[0], in[1], in[2]}, attrs);
+            }));
+        t.add(key + (op == std::string("Conv2DBackpropFilter") ? kConvPasses[1] : kConvPasses[2]),
+              [&backprop] { backprop.run(); });
       }
     }
   }

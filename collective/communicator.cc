@@ -22,9 +22,10 @@ std::string_view reduce_op_name(ReduceOp op) {
 }
 
 void Communicator::all_reduce_on_device(std::span<Tensor> /*tensors*/, ReduceOp /*op*/) {
-  throw Unimplemented(fmt::format("{} communicator: all-reduces queued on a device stream need NCCL within one "
-                                  "process",
-                                  backend()));
+  throw Unimplemented(
+      fmt::format("{} communicator: all-reduces queued on a device stream need NCCL within one "
+                  "process",
+                  backend()));
 }
 
 namespace detail {

@@ -56,10 +56,10 @@
 namespace tandem::collective {
 namespace {
 
-using detail::OpKind;
-using detail::reducible;
 using detail::Clock;
 using detail::format_duration;
+using detail::OpKind;
+using detail::reducible;
 using std::chrono::milliseconds;
 
 // How tensor-check messages name this backend: "... works on host memory (CPU devices)".
@@ -81,7 +81,8 @@ std::string gloo_message(std::string_view what) {
 }
 
 std::string not_reducible(DType dtype) {
-  return fmt::format("{} tensors cannot be reduced; gloo reduces float32, float64, float16, bfloat16, int32 and int64", dtype);
+  return fmt::format("{} tensors cannot be reduced; gloo reduces float32, float64, float16, bfloat16, int32 and int64",
+                     dtype);
 }
 
 using ReduceFn = void (*)(void*, const void*, const void*, std::size_t);
@@ -343,8 +344,8 @@ class GlooCommunicator final : public Communicator {
     records_.forget_earlier_losses();
     // Setups made once, with buffers of our own (kept by the options): interrupt() needs them.
     auto descriptor_in = context_->createUnboundBuffer(&descriptor_, sizeof(Descriptor));
-    auto descriptor_out = context_->createUnboundBuffer(gathered_descriptors_.data(),
-                                                        sizeof(Descriptor) * gathered_descriptors_.size());
+    auto descriptor_out =
+        context_->createUnboundBuffer(gathered_descriptors_.data(), sizeof(Descriptor) * gathered_descriptors_.size());
     descriptor_buffers_ = {descriptor_in.get(), descriptor_out.get()};
     descriptor_gather_ = std::make_unique<gloo::AllgatherOptions>(context_);
     descriptor_gather_->setInput<std::uint8_t>(std::move(descriptor_in));
@@ -396,7 +397,8 @@ class GlooCommunicator final : public Communicator {
     for (std::size_t i = 0; i < tensors.size() && problem.empty(); ++i) {
       // (Formatted only when there is a problem: the steady state allocates nothing.)
       if (!usable(tensors[i])) {
-        problem = detail::host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
+        problem =
+            detail::host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
       }
       if (problem.empty() && tensors[i].dtype() != call.dtype) {
         problem = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
@@ -578,7 +580,8 @@ class GlooCommunicator final : public Communicator {
     call.seq = seq_.fetch_add(1, std::memory_order_relaxed);
     call.timeout = options.timeout == kDefaultTimeout ? config_.timeout : options.timeout;
     if (call.timeout <= milliseconds(0)) {
-      throw InvalidArgument(fmt::format("{}: the timeout must be positive, got {} ms", describe(call), call.timeout.count()));
+      throw InvalidArgument(
+          fmt::format("{}: the timeout must be positive, got {} ms", describe(call), call.timeout.count()));
     }
     if (failed_.load(std::memory_order_acquire)) {
       std::lock_guard lock(mutex_);
@@ -664,7 +667,7 @@ class GlooCommunicator final : public Communicator {
     std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> outputs;
     outputs.push_back(std::move(buffer));
     graph::dispatch<detail::ReducibleTypes>(dtype, "gloo all_reduce",
-                                         [&]<class T>() { entry.options->setOutputs<T>(std::move(outputs)); });
+                                            [&]<class T>() { entry.options->setOutputs<T>(std::move(outputs)); });
     if (allreduce_cache_.size() < kMaxCachedAllreduces) {
       allreduce_cache_.push_back(std::move(entry));
       return allreduce_cache_.back();
@@ -740,10 +743,10 @@ class GlooCommunicator final : public Communicator {
         throw Unavailable(message);
       }
     }
-    const bool store_reachable = records_.record_failure(
-        call.seq + 1, kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout
-                      : kind == FailureKind::kGloo  ? detail::FailureCause::kError
-                                                    : detail::FailureCause::kConnection);
+    const bool store_reachable =
+        records_.record_failure(call.seq + 1, kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout
+                                              : kind == FailureKind::kGloo  ? detail::FailureCause::kError
+                                                                            : detail::FailureCause::kConnection);
     // Peers still inside the call fail now rather than at their own timeout.
     poisoned_.store(true, std::memory_order_release);
     shut_down_connections();
@@ -890,7 +893,7 @@ class GlooCommunicator final : public Communicator {
 
   // The call in flight, for interrupt().
   std::mutex call_mutex_;
-  bool in_flight_ = false;                                       // guarded by call_mutex_
+  bool in_flight_ = false;                                         // guarded by call_mutex_
   std::array<gloo::transport::UnboundBuffer*, 2> call_buffers_{};  // guarded by call_mutex_
 
   std::thread monitor_;
@@ -971,8 +974,8 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
   try {
     device = gloo::transport::tcp::CreateDevice(attr);
   } catch (const std::exception& e) {
-    throw InvalidArgument(fmt::format("{}: cannot listen on \"{}\" (GlooOptions::listen_host): {}", who,
-                                      attr.hostname, gloo_message(e.what())));
+    throw InvalidArgument(fmt::format("{}: cannot listen on \"{}\" (GlooOptions::listen_host): {}", who, attr.hostname,
+                                      gloo_message(e.what())));
   }
   auto context = std::make_shared<gloo::rendezvous::Context>(config.rank, config.size);
   context->setTimeout(config.timeout);

@@ -25,7 +25,8 @@ namespace {
 void divide_in_place(Tensor& t, int divisor) {
   TANDEM_REQUIRE(t.device().host_accessible(), Unimplemented,
                  "hierarchical all_reduce MEAN of tensors on {}: only SUM is supported for GPU replicas; divide after "
-                 "a SUM", t.device().short_name());
+                 "a SUM",
+                 t.device().short_name());
   graph::dispatch<detail::ReducibleTypes>(t.dtype(), "hierarchical MEAN", [&]<class T>() {
     T* __restrict p = static_cast<T*>(t.raw_data());
     const T d = static_cast<T>(divisor);
@@ -94,10 +95,12 @@ class HierarchicalCommunicator final : public Communicator {
   void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     if (auto problem = detail::check_all_gather_shapes(input.shape(), output.shape(), size())) {
-      throw InvalidArgument(fmt::format("hierarchical all_gather #{} on rank {}: {}", sequence_number() - 1, rank(), *problem));
+      throw InvalidArgument(
+          fmt::format("hierarchical all_gather #{} on rank {}: {}", sequence_number() - 1, rank(), *problem));
     }
     // Global rank order is worker-major, so this worker's gathered block is contiguous in output.
-    Tensor gathered = Tensor::empty(scale_first_dim(input.shape(), levels_->replicas, 1), input.dtype(), input.device());
+    Tensor gathered =
+        Tensor::empty(scale_first_dim(input.shape(), levels_->replicas, 1), input.dtype(), input.device());
     local_step([&](Communicator& c) { c.all_gather(input, gathered, options); });
     cross_step([&](Communicator& c) { c.all_gather(gathered, output, options); });
     local_step([&](Communicator& c) { c.broadcast(output, 0, options); });
@@ -106,7 +109,8 @@ class HierarchicalCommunicator final : public Communicator {
   void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     if (auto problem = detail::check_reduce_scatter_shapes(input.shape(), output.shape(), size())) {
-      throw InvalidArgument(fmt::format("hierarchical reduce_scatter #{} on rank {}: {}", sequence_number() - 1, rank(), *problem));
+      throw InvalidArgument(
+          fmt::format("hierarchical reduce_scatter #{} on rank {}: {}", sequence_number() - 1, rank(), *problem));
     }
     const ReduceOp partial = op == ReduceOp::kMean ? ReduceOp::kSum : op;
     // Local sum of the whole input, then each worker receives its block (its replicas' parts) of
@@ -178,8 +182,10 @@ class HierarchicalCommunicator final : public Communicator {
 
 std::vector<std::unique_ptr<Communicator>> make_hierarchical_group(std::vector<std::unique_ptr<Communicator>> local,
                                                                    std::unique_ptr<Communicator> cross_worker) {
-  TANDEM_REQUIRE(!local.empty(), InvalidArgument, "make_hierarchical_group: no local communicators (need one per local replica)");
-  TANDEM_REQUIRE(cross_worker != nullptr, InvalidArgument, "make_hierarchical_group: the cross-worker communicator is null");
+  TANDEM_REQUIRE(!local.empty(), InvalidArgument,
+                 "make_hierarchical_group: no local communicators (need one per local replica)");
+  TANDEM_REQUIRE(cross_worker != nullptr, InvalidArgument,
+                 "make_hierarchical_group: the cross-worker communicator is null");
   const int replicas = static_cast<int>(local.size());
   for (int i = 0; i < replicas; ++i) {
     const auto& c = local[static_cast<std::size_t>(i)];

@@ -34,7 +34,6 @@
 #include <thread>
 #include <type_traits>
 
-
 #include "tandem/base/spin.h"
 #include "tandem/collective/in_process.h"
 #include "tandem/collective/detail/common.h"
@@ -44,15 +43,15 @@
 namespace tandem::collective {
 namespace {
 
+using detail::Clock;
 using detail::combine2;
 using detail::combine_into;
+using detail::deadline_after;
 using detail::dispatch_reduction;
 using detail::divide;
 using detail::OpKind;
 using detail::part_of;
 using detail::reducible;
-using detail::Clock;
-using detail::deadline_after;
 
 // How tensor-check messages name this backend: "... works on host memory (CPU devices)".
 constexpr std::string_view kBackendName = "the in-process group";
@@ -127,10 +126,10 @@ struct alignas(64) Slot {
 
 // Why the group cannot be used any more.
 struct Failure {
-  bool timeout = false;       // a rank timed out in an entry (else: abort)
-  std::uint64_t phase = 0;    // timeout: the phase it timed out in
-  std::string call;           // timeout: the call that timed out, "all_reduce #7"
-  std::string message;        // timeout: "rank 3 of 4 did not arrive within 200 ms"; abort: the reason
+  bool timeout = false;     // a rank timed out in an entry (else: abort)
+  std::uint64_t phase = 0;  // timeout: the phase it timed out in
+  std::string call;         // timeout: the call that timed out, "all_reduce #7"
+  std::string message;      // timeout: "rank 3 of 4 did not arrive within 200 ms"; abort: the reason
 };
 
 // The barrier and the slots. Arrivals are lock-free: one atomic word holds whether the group has
@@ -159,8 +158,8 @@ class Group {
   // DeadlineExceeded when `deadline` passes first, naming the ranks that did not arrive; the group
   // then fails, so that a late rank cannot start a collective its peers have left. Called by each
   // rank's thread; blocks.
-  void enter(int rank, std::uint64_t phase, Clock::time_point deadline, std::chrono::milliseconds timeout,
-             OpKind kind, std::uint64_t seq) {
+  void enter(int rank, std::uint64_t phase, Clock::time_point deadline, std::chrono::milliseconds timeout, OpKind kind,
+             std::uint64_t seq) {
     const auto call = [&] { return detail::call_label(kind, seq); };
     switch (arrive(rank, phase, /*cancellable=*/true)) {
       case Arrival::kCompleted: return;
@@ -191,7 +190,9 @@ class Group {
             missing.push_back(q);
           }
         }
-        Failure failure{.timeout = true, .phase = phase, .call = call(),
+        Failure failure{.timeout = true,
+                        .phase = phase,
+                        .call = call(),
                         .message = fmt::format("{} did not arrive within {} ms", detail::ranks_of(missing, size_),
                                                timeout.count())};
         const std::string text = fmt::format("{}: {}", call(), failure.message);
@@ -294,8 +295,8 @@ class Group {
   const std::chrono::microseconds spin_;
   std::array<std::vector<Slot>, 2> slots_;
 
-  alignas(64) std::atomic<std::uint64_t> state_{0};  // failed bit | phase | ranks arrived in it
-  std::atomic<int> sleepers_{0};                      // ranks in sleep_until
+  alignas(64) std::atomic<std::uint64_t> state_{0};           // failed bit | phase | ranks arrived in it
+  std::atomic<int> sleepers_{0};                              // ranks in sleep_until
   std::unique_ptr<std::atomic<std::uint64_t>[]> arrived_at_;  // per rank: 1 + the last phase it arrived at
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -327,8 +328,8 @@ class InProcessCommunicator final : public Communicator {
       const Tensor& t = tensors[i];
       slot.error = detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
       if (slot.error.empty() && t.dtype() != slot.dtype) {
-        slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype",
-                                 i, tensors.size(), t.dtype(), slot.dtype);
+        slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
+                                 tensors.size(), t.dtype(), slot.dtype);
       }
       if (slot.error.empty()) add_segment(slot, t);
     }
@@ -338,8 +339,7 @@ class InProcessCommunicator final : public Communicator {
       const int n = size();
       if (n == 1 || slot.elements == 0) return;
       const std::int64_t esize = static_cast<std::int64_t>(dtype_size(slot.dtype));
-      const auto [begin, end] =
-          part_of(slot.elements, n, rank_, static_cast<std::int64_t>(kChunkAlignBytes) / esize);
+      const auto [begin, end] = part_of(slot.elements, n, rank_, static_cast<std::int64_t>(kChunkAlignBytes) / esize);
       dispatch_reduction(slot.dtype, op, "in-process collective", [&]<class T, class Op, bool kMean>() {
         for_each_run(call.phase, begin, end, esize, [&](std::int64_t count) {
           if (n == 2) {
@@ -373,7 +373,8 @@ class InProcessCommunicator final : public Communicator {
       const std::byte* source = group_->slot(call.phase, root).segments[0].data + begin;
       for (int q = 0; q < size(); ++q) {
         if (q == root) continue;
-        std::memcpy(group_->slot(call.phase, q).segments[0].data + begin, source, static_cast<std::size_t>(end - begin));
+        std::memcpy(group_->slot(call.phase, q).segments[0].data + begin, source,
+                    static_cast<std::size_t>(end - begin));
       }
     });
   }
@@ -500,12 +501,12 @@ class InProcessCommunicator final : public Communicator {
         if (a.dtype == b.dtype) {
           return fmt::format("rank 0 has {} {} elements, rank {} has {}", a.elements, a.dtype, q, b.elements);
         }
-        return fmt::format("rank 0 has {} {} elements, rank {} has {} {} elements", a.elements, a.dtype, q,
-                           b.elements, b.dtype);
+        return fmt::format("rank 0 has {} {} elements, rank {} has {} {} elements", a.elements, a.dtype, q, b.elements,
+                           b.dtype);
       }
       if (a.dtype != b.dtype && a.elements > 0) {
-        return fmt::format("rank 0 has {} {} elements, rank {} has {} {} elements", a.elements, a.dtype, q,
-                           b.elements, b.dtype);
+        return fmt::format("rank 0 has {} {} elements, rank {} has {} {} elements", a.elements, a.dtype, q, b.elements,
+                           b.dtype);
       }
       if ((a.kind == OpKind::kAllReduce || a.kind == OpKind::kReduceScatter) && a.reduce != b.reduce) {
         return fmt::format("rank 0 reduces with {}, rank {} with {}", reduce_op_name(a.reduce), q,
@@ -574,8 +575,10 @@ class InProcessCommunicator final : public Communicator {
   }
 
   static std::string not_reducible(DType dtype) {
-    return fmt::format("{} tensors cannot be reduced; the in-process group reduces float32, float64, float16, bfloat16, int32 and int64",
-                       dtype);
+    return fmt::format(
+        "{} tensors cannot be reduced; the in-process group reduces float32, float64, float16, bfloat16, int32 and "
+        "int64",
+        dtype);
   }
 
   struct Cursor {

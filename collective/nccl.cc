@@ -22,10 +22,9 @@
 // error or death ends its peers' calls too (NCCL itself would leave them waiting for the dead
 // peer). A rank that fails also records how many collectives it issued, and a rank whose call times
 // out surveys those records for a short grace to name the ranks that never issued it (both through
-// detail/peer_records.h, shared with the Gloo communicator). Its communicator is non-blocking (config.blocking = 0), so that neither the initialisation
-// nor the first collective (where NCCL connects the peers) can block past a deadline: NCCL calls
-// may then return ncclInProgress, and the thread polls ncclCommGetAsyncError until the work is
-// enqueued.
+// detail/peer_records.h, shared with the Gloo communicator). Its communicator is non-blocking (config.blocking = 0), so
+// that neither the initialisation nor the first collective (where NCCL connects the peers) can block past a deadline:
+// NCCL calls may then return ncclInProgress, and the thread polls ncclCommGetAsyncError until the work is enqueued.
 //
 // NCCL is loaded with dlopen on first use, not linked: libnccl is 200 MB, most programs never
 // make a GPU group, and a build made here must start where NCCL is not installed.
@@ -62,13 +61,12 @@
 // failing Unavailable, anything else Internal. ncclInProgress is no failure: a non-blocking
 // communicator's call has been accepted and goes on in the background (the caller then polls
 // ncclCommGetAsyncError); blocking communicators never return it.
-#define TANDEM_NCCL_CHECK(expr, where, comm)                                                          \
-  do {                                                                                                \
-    const ncclResult_t tandem_nccl_status = (expr);                                                   \
-    if (tandem_nccl_status != ncclSuccess && tandem_nccl_status != ncclInProgress) [[unlikely]] {     \
-      ::tandem::collective::throw_nccl_error(tandem_nccl_status, #expr, __FILE__, __LINE__, (where), \
-                                             (comm));                                                 \
-    }                                                                                                 \
+#define TANDEM_NCCL_CHECK(expr, where, comm) \
+  do { \
+    const ncclResult_t tandem_nccl_status = (expr); \
+    if (tandem_nccl_status != ncclSuccess && tandem_nccl_status != ncclInProgress) [[unlikely]] { \
+      ::tandem::collective::throw_nccl_error(tandem_nccl_status, #expr, __FILE__, __LINE__, (where), (comm)); \
+    } \
   } while (0)
 
 namespace tandem::collective {
@@ -76,10 +74,10 @@ namespace {
 
 using devices::detail::ScopedCudaDevice;
 
-using detail::OpKind;
 using detail::Clock;
 using detail::deadline_after;
 using detail::format_duration;
+using detail::OpKind;
 using std::chrono::milliseconds;
 
 // NCCL's entry points, named as in nccl.h so that checked expressions read like NCCL code.
@@ -199,8 +197,8 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 // How a group across processes reaches its peers.
 struct ProcessPeers {
-  int rank = 0;                     // this process's rank
-  std::vector<std::string> labels;  // one per rank, or empty ("rank r of n")
+  int rank = 0;                            // this process's rank
+  std::vector<std::string> labels;         // one per rank, or empty ("rank r of n")
   milliseconds timeout = kDefaultTimeout;  // for calls that keep CallOptions' default
   // The store under the group's prefix ("tandem/nccl/<generation>/"): the peers' failure and
   // progress records, their lost keys, and whom to blame.
@@ -334,10 +332,8 @@ class NcclGroup {
       case FailureKind::kTimeout:
         if (failure_seq_ == seq) throw DeadlineExceeded(fmt::format("{}: {}", call, failure_message_));
         throw Unavailable(fmt::format("{}: the group failed at {}: {}", call, failure_call_, failure_message_));
-      case FailureKind::kError:
-        throw Unavailable(fmt::format("{}: the group failed: {}", call, failure_message_));
-      case FailureKind::kAbort:
-        break;
+      case FailureKind::kError: throw Unavailable(fmt::format("{}: the group failed: {}", call, failure_message_));
+      case FailureKind::kAbort: break;
     }
     throw Unavailable(fmt::format("{}: the group was aborted: {}", call, failure_message_));
   }
@@ -557,9 +553,9 @@ class NcclCommunicator final : public Communicator {
     issue(call, [&] {
       enqueue_all_reduce(tensors, op);
       TANDEM_CUDA_CHECK(cudaEventRecord(outputs_ready_, stream_), where_);
-      TANDEM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(device_->compute_stream().native_handle()),
-                                            outputs_ready_, 0),
-                        where_);
+      TANDEM_CUDA_CHECK(
+          cudaStreamWaitEvent(static_cast<cudaStream_t>(device_->compute_stream().native_handle()), outputs_ready_, 0),
+          where_);
     });
   }
 
@@ -567,14 +563,14 @@ class NcclCommunicator final : public Communicator {
     const Call call = begin(OpKind::kBroadcast, options);
     check_arguments(call, [&] {
       check_on_device(call, tensor, "the tensor");
-      TANDEM_REQUIRE(root >= 0 && root < size(), InvalidArgument,
-                     "{} on {}: root {} is not a rank of this group of {}", call.label(), where_, root, size());
+      TANDEM_REQUIRE(root >= 0 && root < size(), InvalidArgument, "{} on {}: root {} is not a rank of this group of {}",
+                     call.label(), where_, root, size());
     });
     run(call, [&] {
-      TANDEM_NCCL_CHECK(nccl().ncclBroadcast(tensor.raw_data(), tensor.raw_data(),
-                                             static_cast<std::size_t>(tensor.num_elements()),
-                                             nccl_dtype(tensor.dtype()), root, comm_, stream_),
-                        where_, comm_);
+      TANDEM_NCCL_CHECK(
+          nccl().ncclBroadcast(tensor.raw_data(), tensor.raw_data(), static_cast<std::size_t>(tensor.num_elements()),
+                               nccl_dtype(tensor.dtype()), root, comm_, stream_),
+          where_, comm_);
     });
   }
 
@@ -588,10 +584,10 @@ class NcclCommunicator final : public Communicator {
       TANDEM_REQUIRE(!problem, InvalidArgument, "{} on {}: {}", call.label(), where_, problem.value_or(""));
     });
     run(call, [&] {
-      TANDEM_NCCL_CHECK(nccl().ncclAllGather(input.raw_data(), output.raw_data(),
-                                             static_cast<std::size_t>(input.num_elements()),
-                                             nccl_dtype(input.dtype()), comm_, stream_),
-                        where_, comm_);
+      TANDEM_NCCL_CHECK(
+          nccl().ncclAllGather(input.raw_data(), output.raw_data(), static_cast<std::size_t>(input.num_elements()),
+                               nccl_dtype(input.dtype()), comm_, stream_),
+          where_, comm_);
     });
   }
 
@@ -605,10 +601,10 @@ class NcclCommunicator final : public Communicator {
       TANDEM_REQUIRE(!problem, InvalidArgument, "{} on {}: {}", call.label(), where_, problem.value_or(""));
     });
     run(call, [&] {
-      TANDEM_NCCL_CHECK(nccl().ncclReduceScatter(input.raw_data(), output.raw_data(),
-                                                 static_cast<std::size_t>(output.num_elements()),
-                                                 nccl_dtype(input.dtype()), nccl_op(op), comm_, stream_),
-                        where_, comm_);
+      TANDEM_NCCL_CHECK(
+          nccl().ncclReduceScatter(input.raw_data(), output.raw_data(), static_cast<std::size_t>(output.num_elements()),
+                                   nccl_dtype(input.dtype()), nccl_op(op), comm_, stream_),
+          where_, comm_);
     });
   }
 
@@ -662,8 +658,9 @@ class NcclCommunicator final : public Communicator {
 
   void check_on_device(const Call& call, const Tensor& t, std::string_view what) const {
     TANDEM_REQUIRE(t.defined(), InvalidArgument, "{} on {}: {} is undefined", call.label(), where_, what);
-    TANDEM_REQUIRE(&t.device() == device_, InvalidArgument, "{} on {}: {} is on {}; this rank's communicator runs on {}",
-                   call.label(), where_, what, t.device().short_name(), device_->short_name());
+    TANDEM_REQUIRE(&t.device() == device_, InvalidArgument,
+                   "{} on {}: {} is on {}; this rank's communicator runs on {}", call.label(), where_, what,
+                   t.device().short_name(), device_->short_name());
   }
 
   void check_same_dtype(const Call& call, const Tensor& input, const Tensor& output) const {
@@ -894,7 +891,8 @@ std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions 
 
   auto group = std::make_shared<NcclGroup>(
       size, ordinal,
-      ProcessPeers{.rank = rank, .labels = options.rank_labels, .timeout = options.timeout, .records = std::move(*records)});
+      ProcessPeers{
+          .rank = rank, .labels = options.rank_labels, .timeout = options.timeout, .records = std::move(*records)});
   const std::string where = describe_rank(*group, rank, ordinal);
   ncclComm_t comm = nullptr;
   {

@@ -20,10 +20,10 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
 std::unique_ptr<Communicator> make_nccl_process_communicator(NcclProcessOptions options) {
   // Bad options are InvalidArgument in every build, as in builds with NCCL.
   detail::check_nccl_process_options(options);
-  throw Unimplemented(fmt::format(
-      "make_nccl_process_communicator for rank {} of {} on CUDA device {}: {}; the Gloo communicator "
-      "(collective/gloo.h) connects processes without GPUs",
-      options.rank, options.size, options.cuda_device, kNoNccl));
+  throw Unimplemented(
+      fmt::format("make_nccl_process_communicator for rank {} of {} on CUDA device {}: {}; the Gloo communicator "
+                  "(collective/gloo.h) connects processes without GPUs",
+                  options.rank, options.size, options.cuda_device, kNoNccl));
 }
 
 bool nccl_available() { return false; }

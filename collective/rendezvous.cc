@@ -89,7 +89,8 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   const auto timeout = std::clamp(options.timeout, std::chrono::milliseconds(0), detail::kMaxTimeout);
   const Clock::time_point deadline = Clock::now() + timeout;
   const auto remaining = [&] {
-    return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
+    return std::max(std::chrono::milliseconds(0),
+                    std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
   };
   const Names names(options);
   const int rank = options.rank;
@@ -125,7 +126,8 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   try {
     client = connect_tcp_store(store_address, store_options);
   } catch (const DeadlineExceeded& e) {
-    throw DeadlineExceeded(fmt::format("{}{} could not reach {}: {}", prefix, me, names.label_and_address(0), e.what()));
+    throw DeadlineExceeded(
+        fmt::format("{}{} could not reach {}: {}", prefix, me, names.label_and_address(0), e.what()));
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(fmt::format("{}{}: {}", prefix, me, e.what()));
   } catch (const Unavailable& e) {
@@ -142,9 +144,10 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
         const auto v = store.get(rank_key(rank), std::chrono::milliseconds(0));
         first.assign(v.begin(), v.end());
       }
-      throw InvalidArgument(fmt::format("{}rank {} ({}) was claimed twice in run \"{}\" (first by {}, again by {}): "
-                                        "two processes were started as rank {}; each task needs its own index",
-                                        prefix, rank, names.label(rank), options.run_id, first, who, rank));
+      throw InvalidArgument(
+          fmt::format("{}rank {} ({}) was claimed twice in run \"{}\" (first by {}, again by {}): "
+                      "two processes were started as rank {}; each task needs its own index",
+                      prefix, rank, names.label(rank), options.run_id, first, who, rank));
     }
     if (rank == 0) store.set(kWorldSizeKey, to_bytes(std::to_string(world_size)));
     store.set(rank_key(rank), to_bytes(who));
@@ -180,9 +183,10 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
                      prefix, me, world_size, names.label(0), chief_world_size);
     }
   } catch (const Unavailable& e) {
-    throw Unavailable(fmt::format("{}{} lost the store of {} while waiting for the other workers (did {} exit or give "
-                                  "up?): {}",
-                                  prefix, me, names.label_and_address(0), names.label(0), e.what()));
+    throw Unavailable(
+        fmt::format("{}{} lost the store of {} while waiting for the other workers (did {} exit or give "
+                    "up?): {}",
+                    prefix, me, names.label_and_address(0), names.label(0), e.what()));
   }
   return result;
 }

@@ -94,11 +94,11 @@ namespace tandem::collective {
 namespace {
 
 using detail::Clock;
-using detail::format_duration;
 using detail::combine2;
 using detail::combine_into;
 using detail::dispatch_reduction;
 using detail::divide;
+using detail::format_duration;
 using detail::OpKind;
 using detail::part_of;
 using detail::reducible;
@@ -349,7 +349,9 @@ ReduceFn reduce_function(DType dtype, ReduceOp op) {
 
 std::string not_reducible(DType dtype) {
   return fmt::format(
-      "{} tensors cannot be reduced; the shared-memory communicator reduces float32, float64, float16, bfloat16, int32 and int64", dtype);
+      "{} tensors cannot be reduced; the shared-memory communicator reduces float32, float64, float16, bfloat16, int32 "
+      "and int64",
+      dtype);
 }
 
 // A position in the logical buffer of a span of tensors (their bytes concatenated).
@@ -453,7 +455,8 @@ class SharedMemoryCommunicator final : public Communicator {
     std::string problem;  // formatted only when there is one: the steady state allocates nothing
     for (std::size_t i = 0; i < tensors.size() && problem.empty(); ++i) {
       if (!usable(tensors[i])) {
-        problem = detail::host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
+        problem =
+            detail::host_tensor_problem(tensors[i], fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
       } else if (tensors[i].dtype() != call.dtype) {
         problem = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
                               tensors.size(), tensors[i].dtype(), call.dtype);
@@ -701,8 +704,8 @@ class SharedMemoryCommunicator final : public Communicator {
     for (int q = 0; q < n; ++q) {
       const Descriptor& d = rank_header(q).descriptors[parity];
       if (d.problem_length > 0) {
-        throw InvalidArgument(fmt::format("{}: {}: {}", describe(call), label(q),
-                                          std::string_view(d.problem, d.problem_length)));
+        throw InvalidArgument(
+            fmt::format("{}: {}: {}", describe(call), label(q), std::string_view(d.problem, d.problem_length)));
       }
     }
     const Descriptor& first = rank_header(0).descriptors[parity];
@@ -762,8 +765,7 @@ class SharedMemoryCommunicator final : public Communicator {
       const std::uint32_t bell = group_->doorbell.load(std::memory_order_seq_cst);
       group_->sleepers.fetch_add(1, std::memory_order_seq_cst);
       if (!all_arrived(target) && !failed()) {
-        futex_wait(group_->doorbell, bell,
-                   std::min<std::chrono::nanoseconds>(kLivenessInterval, call.deadline - now));
+        futex_wait(group_->doorbell, bell, std::min<std::chrono::nanoseconds>(kLivenessInterval, call.deadline - now));
       }
       group_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
@@ -840,8 +842,7 @@ class SharedMemoryCommunicator final : public Communicator {
       if (q != config_.rank && !process_alive(ranks_[q])) lost.push_back(q);
     }
     if (lost.empty()) return;
-    const std::string text =
-        fmt::format("lost {}: {} process died", names(lost), lost.size() == 1 ? "its" : "their");
+    const std::string text = fmt::format("lost {}: {} process died", names(lost), lost.size() == 1 ? "its" : "their");
     set_failure(FailureKind::kLost, detail::call_label(call.kind, call.seq), call.seq, text);
     // A peer may have found it first, or aborted meanwhile: report the group's first failure.
     throw Unavailable(fmt::format("{}: {}", describe(call), failure_summary()));
@@ -916,8 +917,8 @@ Mapping create_segment(const std::string& who, std::size_t bytes, std::string& n
     if (fd < 0 && errno != EEXIST) {
       const int error = errno;
       name.clear();
-      throw Unavailable(fmt::format("{}: cannot create the shared-memory segment in /dev/shm: {}", who,
-                                    std::strerror(error)));
+      throw Unavailable(
+          fmt::format("{}: cannot create the shared-memory segment in /dev/shm: {}", who, std::strerror(error)));
     }
   }
   if (fd < 0) {
@@ -956,9 +957,10 @@ Mapping open_segment(const std::string& who, const std::string& name, const std:
                      std::int64_t slot_bytes) {
   const int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    throw Unavailable(fmt::format("{}: cannot open the shared-memory segment {} made by {}: {} (is {} on another "
-                                  "machine, or in a container with another /dev/shm?)",
-                                  who, name, creator, std::strerror(errno), creator));
+    throw Unavailable(
+        fmt::format("{}: cannot open the shared-memory segment {} made by {}: {} (is {} on another "
+                    "machine, or in a container with another /dev/shm?)",
+                    who, name, creator, std::strerror(errno), creator));
   }
   struct stat st {};
   if (fstat(fd, &st) != 0 || static_cast<std::size_t>(st.st_size) < sizeof(GroupHeader)) {
@@ -989,8 +991,8 @@ Mapping open_segment(const std::string& who, const std::string& name, const std:
 }  // namespace
 
 std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOptions options) {
-  TANDEM_REQUIRE(options.size >= 1, InvalidArgument,
-                 "make_shared_memory_communicator: size must be at least 1, got {}", options.size);
+  TANDEM_REQUIRE(options.size >= 1, InvalidArgument, "make_shared_memory_communicator: size must be at least 1, got {}",
+                 options.size);
   TANDEM_REQUIRE(options.rank >= 0 && options.rank < options.size, InvalidArgument,
                  "make_shared_memory_communicator: rank {} is not in [0, {})", options.rank, options.size);
   TANDEM_REQUIRE(options.store != nullptr || options.size == 1, InvalidArgument,
@@ -1012,7 +1014,8 @@ std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOption
   config.size = options.size;
   config.timeout = options.timeout;
   config.labels = std::move(options.rank_labels);
-  config.slot_bytes = options.slot_bytes / static_cast<std::int64_t>(kAlignBytes) * static_cast<std::int64_t>(kAlignBytes);
+  config.slot_bytes =
+      options.slot_bytes / static_cast<std::int64_t>(kAlignBytes) * static_cast<std::int64_t>(kAlignBytes);
   const auto label = [&](int r) {
     return config.labels.empty() ? fmt::format("rank {}", r) : config.labels[static_cast<std::size_t>(r)];
   };
@@ -1056,7 +1059,8 @@ std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOption
                                          who, label(0), store.address(), format_duration(timeout)));
     }
     if (!name.empty() && name.front() == '!') {
-      throw Unavailable(fmt::format("{}: {} could not make the shared-memory segment: {}", who, label(0), name.substr(1)));
+      throw Unavailable(
+          fmt::format("{}: {} could not make the shared-memory segment: {}", who, label(0), name.substr(1)));
     }
     remover.set(name);
     try {

@@ -30,8 +30,8 @@ class InMemoryStore final : public Store {
   std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) override {
     std::unique_lock lock(mutex_);
     if (!changed_.wait_until(lock, deadline_after(timeout), [&] { return data_.contains(key); })) {
-      throw DeadlineExceeded(fmt::format("store {}: get(\"{}\") timed out after {}: no client set the key",
-                                         address(), key, format_duration(timeout)));
+      throw DeadlineExceeded(fmt::format("store {}: get(\"{}\") timed out after {}: no client set the key", address(),
+                                         key, format_duration(timeout)));
     }
     return data_.at(key);
   }
@@ -46,8 +46,8 @@ class InMemoryStore final : public Store {
     for (const auto& k : keys) {
       if (!data_.contains(k)) missing.push_back(k);
     }
-    throw DeadlineExceeded(fmt::format("store {}: wait for {} key(s) timed out after {}; still missing: {}",
-                                       address(), keys.size(), format_duration(timeout), quoted_list(missing)));
+    throw DeadlineExceeded(fmt::format("store {}: wait for {} key(s) timed out after {}; still missing: {}", address(),
+                                       keys.size(), format_duration(timeout), quoted_list(missing)));
   }
 
   bool check(const std::string& key) override {
@@ -112,7 +112,8 @@ class PrefixStore final : public Store {
 std::shared_ptr<Store> make_in_memory_store() { return std::make_shared<InMemoryStore>(); }
 
 std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> inner, std::string prefix) {
-  TANDEM_REQUIRE(inner != nullptr, InvalidArgument, "make_prefix_store(prefix \"{}\"): the inner store is null", prefix);
+  TANDEM_REQUIRE(inner != nullptr, InvalidArgument, "make_prefix_store(prefix \"{}\"): the inner store is null",
+                 prefix);
   return std::make_shared<PrefixStore>(std::move(inner), std::move(prefix));
 }
 

@@ -81,7 +81,8 @@ class TcpStoreClient final : public Store {
     }
     const std::string what = fmt::format("announcing rank {}", options_.rank);
     const Deadline deadline = deadline_after(options_.request_timeout);
-    IoResult io = send_all(fd.get(), Writer(Op::kHello).i64(options_.rank).str(options_.lost_key_prefix).finish(), deadline);
+    IoResult io =
+        send_all(fd.get(), Writer(Op::kHello).i64(options_.rank).str(options_.lost_key_prefix).finish(), deadline);
     std::vector<char> frame;
     if (io.kind == IoKind::kOk) io = recv_frame(fd.get(), frame, deadline, deadline);
     if (io.kind != IoKind::kOk) throw_io_error(what, io);
@@ -207,21 +208,23 @@ class TcpStoreClient final : public Store {
   [[noreturn]] void throw_io_error(const std::string& what, const IoResult& io) const {
     switch (io.kind) {
       case IoKind::kTimeout:
-        throw DeadlineExceeded(fmt::format("{}: no reply to {} within {} (the server does not respond)", description_, what,
-                                            format_duration(options_.request_timeout)));
+        throw DeadlineExceeded(fmt::format("{}: no reply to {} within {} (the server does not respond)", description_,
+                                           what, format_duration(options_.request_timeout)));
       case IoKind::kClosed:
-        throw Unavailable(fmt::format("{}: the server closed the connection during {} (its process exited or stopped "
-                                       "serving)",
-                                       description_, what));
+        throw Unavailable(
+            fmt::format("{}: the server closed the connection during {} (its process exited or stopped "
+                        "serving)",
+                        description_, what));
       case IoKind::kOk:
-      case IoKind::kError:
-        break;
+      case IoKind::kError: break;
     }
-    throw Unavailable(fmt::format("{}: lost the connection during {}: {}", description_, what, socket_error_text(io.err)));
+    throw Unavailable(
+        fmt::format("{}: lost the connection during {}: {}", description_, what, socket_error_text(io.err)));
   }
 
   [[noreturn]] void throw_malformed_reply(const std::string& what) const {
-    throw DataLoss(fmt::format("{}: malformed reply to {} (is something else listening on that port?)", description_, what));
+    throw DataLoss(
+        fmt::format("{}: malformed reply to {} (is something else listening on that port?)", description_, what));
   }
 
   void send(Lease& lease, const std::string& what, const std::vector<char>& request) {
@@ -280,7 +283,8 @@ class TcpStoreClient final : public Store {
       if (reply.error_code == kInvalidArgument) throw InvalidArgument(fmt::format("{}: {}", description_, reply.error));
       throw Internal(fmt::format("{}: {} failed on the server: {}", description_, what, reply.error));
     }
-    throw DataLoss(fmt::format("{}: unexpected reply (status {}) to {}", description_, static_cast<int>(reply.status), what));
+    throw DataLoss(
+        fmt::format("{}: unexpected reply (status {}) to {}", description_, static_cast<int>(reply.status), what));
   }
 
   const std::string address_;

@@ -27,10 +27,10 @@
 
 namespace tandem::collective {
 
-using detail::Fd;
 using detail::bind_listener;
 using detail::bound_port;
 using detail::enable_keepalive;
+using detail::Fd;
 using detail::format_sockaddr;
 using detail::set_no_delay;
 using detail::socket_error_text;
@@ -63,7 +63,8 @@ class TcpStoreServer::Impl {
 
   int port() const { return port_; }
   std::string address() const {
-    return host_.find(':') != std::string::npos ? fmt::format("[{}]:{}", host_, port_) : fmt::format("{}:{}", host_, port_);
+    return host_.find(':') != std::string::npos ? fmt::format("[{}]:{}", host_, port_)
+                                                : fmt::format("{}:{}", host_, port_);
   }
 
  private:
@@ -127,7 +128,8 @@ class TcpStoreServer::Impl {
     for (;;) {
       sockaddr_storage addr{};
       socklen_t length = sizeof addr;
-      const int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &length, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      const int fd =
+          ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &length, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         return;  // EAGAIN: all taken; EMFILE and friends: the client's connect times out or retries
@@ -157,7 +159,8 @@ class TcpStoreServer::Impl {
       std::unique_ptr<Peer> peer = std::move(*it);
       peers_.erase(it);
       if (peer->rank >= 0 && !peer->said_goodbye) {
-        const std::string reason = fmt::format("connection from {} closed without goodbye ({})", peer->name, peer->close_reason);
+        const std::string reason =
+            fmt::format("connection from {} closed without goodbye ({})", peer->name, peer->close_reason);
         put(peer->lost_prefix + lost_rank_key(peer->rank), std::vector<char>(reason.begin(), reason.end()));
       }
     }
@@ -206,7 +209,8 @@ class TcpStoreServer::Impl {
 
   void flush(Peer& peer) {
     while (!peer.closed && peer.out_sent < peer.out.size()) {
-      const ssize_t n = ::send(peer.fd.get(), peer.out.data() + peer.out_sent, peer.out.size() - peer.out_sent, MSG_NOSIGNAL);
+      const ssize_t n =
+          ::send(peer.fd.get(), peer.out.data() + peer.out_sent, peer.out.size() - peer.out_sent, MSG_NOSIGNAL);
       if (n > 0) {
         peer.out_sent += static_cast<std::size_t>(n);
       } else if (n < 0 && errno == EINTR) {
@@ -342,9 +346,10 @@ class TcpStoreServer::Impl {
           const char* end = begin + it->second.size();
           const auto [ptr, ec] = std::from_chars(begin, end, value);
           if (ec != std::errc() || ptr != end) {
-            return reply_error(peer, kInvalidArgument,
-                               fmt::format("add(\"{}\"): the key holds a value that is not a decimal integer ({} bytes)",
-                                           key, it->second.size()));
+            return reply_error(
+                peer, kInvalidArgument,
+                fmt::format("add(\"{}\"): the key holds a value that is not a decimal integer ({} bytes)", key,
+                            it->second.size()));
           }
         }
         value += delta;
@@ -382,15 +387,18 @@ std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int
   if (!listener) {
     const std::string where = fmt::format("{}:{}", host_name, port);
     if (bind_errno == EADDRINUSE) {
-      throw AlreadyExists(fmt::format("cannot serve the store at {}: port {} is already in use (another job on this "
-                                      "machine, or a process of a previous run still alive?)",
-                                      where, port));
+      throw AlreadyExists(
+          fmt::format("cannot serve the store at {}: port {} is already in use (another job on this "
+                      "machine, or a process of a previous run still alive?)",
+                      where, port));
     }
     throw Unavailable(fmt::format("cannot serve the store at {}: {}", where, socket_error_text(bind_errno)));
   }
   const int port_bound = bound_port(listener.get());
   Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake) throw Unavailable(fmt::format("cannot serve the store at {}:{}: eventfd: {}", host_name, port_bound, socket_error_text(errno)));
+  if (!wake)
+    throw Unavailable(
+        fmt::format("cannot serve the store at {}:{}: eventfd: {}", host_name, port_bound, socket_error_text(errno)));
   auto impl = std::make_unique<Impl>(host_name, port_bound, std::move(listener), std::move(wake));
   impl->start_thread();
   return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl)));

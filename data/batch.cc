@@ -37,8 +37,8 @@ class BatchNode final : public DatasetNode {
     for (std::size_t c = 0; c < specs.size(); ++c) {
       const auto& shape = specs[c].shape;
       TANDEM_REQUIRE(shape.rank() < Shape::kMaxRank, InvalidArgument,
-                     "batch: component {} has shape {}; a batch of it would have {} dimensions, more than {}", c,
-                     shape, shape.rank() + 1, Shape::kMaxRank);
+                     "batch: component {} has shape {}; a batch of it would have {} dimensions, more than {}", c, shape,
+                     shape.rank() + 1, Shape::kMaxRank);
       Shape batched{always_full ? batch_size_ : Shape::kUnknown};
       for (auto d : shape.dims()) batched.push_back(d);
       specs[c].shape = batched;
@@ -139,8 +139,8 @@ class BatchNode final : public DatasetNode {
         for (std::size_t i = 0; i < pending_.size(); ++i) {
           const auto& element = pending_[i];
           TANDEM_REQUIRE(element.size() == first.size(), InvalidArgument,
-                         "batch: element {} of the batch has {} components but element 0 has {}", i,
-                         element.size(), first.size());
+                         "batch: element {} of the batch has {} components but element 0 has {}", i, element.size(),
+                         first.size());
           const Tensor& t = element[c];
           TANDEM_REQUIRE(t.dtype() == model.dtype() && t.shape() == model.shape(), InvalidArgument,
                          "batch: component {} of element {} in the batch is {} {} but in element 0 it is {} {}; "
@@ -160,8 +160,8 @@ class BatchNode final : public DatasetNode {
     std::shared_ptr<const BatchNode> node_;
     std::unique_ptr<IteratorBase> input_;
     std::shared_ptr<const SliceSource> source_;  // non-null in row mode
-    std::vector<Element> pending_;  // reused across batches: one reservation per pass
-    std::vector<std::int64_t> rows_;  // the same, in row mode
+    std::vector<Element> pending_;               // reused across batches: one reservation per pass
+    std::vector<std::int64_t> rows_;             // the same, in row mode
   };
 
   std::shared_ptr<const DatasetNode> input_;
@@ -171,8 +171,8 @@ class BatchNode final : public DatasetNode {
 
 }  // namespace
 
-std::shared_ptr<const DatasetNode> make_batch_node(std::shared_ptr<const DatasetNode> input,
-                                                   std::int64_t batch_size, bool drop_remainder) {
+std::shared_ptr<const DatasetNode> make_batch_node(std::shared_ptr<const DatasetNode> input, std::int64_t batch_size,
+                                                   bool drop_remainder) {
   return std::make_shared<const BatchNode>(std::move(input), batch_size, drop_remainder);
 }
 

@@ -281,7 +281,8 @@ class RepeatNode final : public DatasetNode {
       if (input_) return true;
       if (done_ || (count_ >= 0 && passes_ >= count_)) return false;
       IterateContext context = context_;
-      context.repetition = passes_ == 0 ? context_.repetition : mix_seed(context_.repetition + 1, static_cast<std::uint64_t>(passes_));
+      context.repetition =
+          passes_ == 0 ? context_.repetition : mix_seed(context_.repetition + 1, static_cast<std::uint64_t>(passes_));
       input_ = input_node_->make_iterator(context);
       pass_empty_ = true;
       return true;
@@ -521,8 +522,7 @@ Dataset Dataset::from_tensor_slices(std::vector<Tensor> components) {
     TANDEM_REQUIRE(components[i].shape()[0] == components[0].shape()[0], InvalidArgument,
                    "from_tensor_slices: component {} has shape {} and component 0 has shape {}; every component "
                    "needs the same first dimension ({} vs {})",
-                   i, components[i].shape(), components[0].shape(), components[i].shape()[0],
-                   components[0].shape()[0]);
+                   i, components[i].shape(), components[0].shape(), components[i].shape()[0], components[0].shape()[0]);
   }
   return Dataset(std::make_shared<const SlicesNode>(std::move(components)));
 }
@@ -572,8 +572,7 @@ Dataset Dataset::map(std::function<Element(const Element&)> fn) const {
 
 Dataset Dataset::prefetch(std::int64_t buffer_size, PrefetchOptions options) const {
   checked(node_, "prefetch");
-  TANDEM_REQUIRE(buffer_size >= 0, InvalidArgument, "prefetch: buffer_size is {}; expected 0 or more",
-                 buffer_size);
+  TANDEM_REQUIRE(buffer_size >= 0, InvalidArgument, "prefetch: buffer_size is {}; expected 0 or more", buffer_size);
   TANDEM_REQUIRE(options.timeout.count() > 0, InvalidArgument, "prefetch: timeout is {} ms; expected more than 0",
                  options.timeout.count());
   if (buffer_size == 0) return *this;  // tf.data's prefetch(0) prepares nothing ahead
@@ -618,7 +617,9 @@ class FilesNode final : public DatasetNode {
   class FilesIterator final : public IteratorBase {
    public:
     FilesIterator(std::shared_ptr<const FilesNode> node, IterateContext context)
-        : node_(std::move(node)), context_(context), next_file_(static_cast<std::size_t>(context.options.file_shard_index)) {}
+        : node_(std::move(node)),
+          context_(context),
+          next_file_(static_cast<std::size_t>(context.options.file_shard_index)) {}
 
     std::optional<Element> next() override {
       while (true) {
@@ -654,14 +655,12 @@ Dataset Dataset::from_files(std::vector<std::string> paths, std::function<Datase
   return Dataset(std::make_shared<const FilesNode>(std::move(paths), std::move(reader)));
 }
 
-std::unique_ptr<Iterator> Dataset::iterate() const {
-  return checked(node_, "iterate").make_iterator(IterateContext{});
-}
+std::unique_ptr<Iterator> Dataset::iterate() const { return checked(node_, "iterate").make_iterator(IterateContext{}); }
 
 std::unique_ptr<Iterator> Dataset::iterate(const IterateOptions& options) const {
-  TANDEM_REQUIRE(options.file_shards >= 1 && options.file_shard_index >= 0 && options.file_shard_index < options.file_shards,
-                 InvalidArgument, "iterate: file shard {} of {} is out of range", options.file_shard_index,
-                 options.file_shards);
+  TANDEM_REQUIRE(
+      options.file_shards >= 1 && options.file_shard_index >= 0 && options.file_shard_index < options.file_shards,
+      InvalidArgument, "iterate: file shard {} of {} is out of range", options.file_shard_index, options.file_shards);
   return checked(node_, "iterate").make_iterator(IterateContext{.options = options});
 }
 
@@ -669,8 +668,6 @@ bool Dataset::reads_files() const { return checked(node_, "reads_files").reads_f
 
 std::int64_t Dataset::cardinality() const { return checked(node_, "cardinality").cardinality(); }
 
-std::vector<graph::TensorSpec> Dataset::element_spec() const {
-  return checked(node_, "element_spec").element_spec();
-}
+std::vector<graph::TensorSpec> Dataset::element_spec() const { return checked(node_, "element_spec").element_spec(); }
 
 }  // namespace tandem::data

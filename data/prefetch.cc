@@ -34,8 +34,7 @@ class PrefetchNode final : public DatasetNode {
  private:
   class PrefetchIterator final : public IteratorBase {
    public:
-    PrefetchIterator(std::unique_ptr<IteratorBase> input, std::int64_t buffer_size,
-                     std::chrono::milliseconds timeout)
+    PrefetchIterator(std::unique_ptr<IteratorBase> input, std::int64_t buffer_size, std::chrono::milliseconds timeout)
         : input_(std::move(input)), capacity_(static_cast<std::size_t>(buffer_size)), timeout_(timeout) {
       thread_ = std::thread([this] { produce(); });
     }

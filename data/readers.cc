@@ -35,8 +35,8 @@ class GzFile {
  public:
   GzFile(const std::string& path, std::string_view not_found_hint) : path_(path) {
     std::error_code ec;
-    TANDEM_REQUIRE(!std::filesystem::is_directory(path, ec), FailedPrecondition,
-                   "{}: is a directory, not a file", path);
+    TANDEM_REQUIRE(!std::filesystem::is_directory(path, ec), FailedPrecondition, "{}: is a directory, not a file",
+                   path);
     errno = 0;
     file_ = gzopen(path.c_str(), "rb");
     if (file_ == nullptr) {
@@ -103,8 +103,8 @@ struct IdxType {
 // The IDX element types (the third byte of the magic number). int8 and int16 widen to int32,
 // tandem's narrowest signed type.
 constexpr IdxType kIdxTypes[] = {
-    {0x08, "uint8", 1, DType::kU8},   {0x09, "int8", 1, DType::kI32},    {0x0B, "int16", 2, DType::kI32},
-    {0x0C, "int32", 4, DType::kI32},  {0x0D, "float32", 4, DType::kF32}, {0x0E, "float64", 8, DType::kF64},
+    {0x08, "uint8", 1, DType::kU8},  {0x09, "int8", 1, DType::kI32},    {0x0B, "int16", 2, DType::kI32},
+    {0x0C, "int32", 4, DType::kI32}, {0x0D, "float32", 4, DType::kF32}, {0x0E, "float64", 8, DType::kF64},
 };
 
 const IdxType* find_idx_type(std::uint8_t code) {
@@ -144,9 +144,10 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
 
   std::uint8_t magic[kIdxMagicBytes] = {};
   if (const auto got = file.read(magic, kIdxMagicBytes); got < kIdxMagicBytes) {
-    throw DataLoss(fmt::format("{}: truncated header: the file ends at byte offset {}; expected a {}-byte IDX "
-                               "magic number{}",
-                               path, got, kIdxMagicBytes, file.truncated_note()));
+    throw DataLoss(
+        fmt::format("{}: truncated header: the file ends at byte offset {}; expected a {}-byte IDX "
+                    "magic number{}",
+                    path, got, kIdxMagicBytes, file.truncated_note()));
   }
   const IdxType* type = find_idx_type(magic[2]);
   if (magic[0] != 0 || magic[1] != 0 || type == nullptr) {
@@ -163,10 +164,10 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
   std::uint8_t dim_bytes[4 * Shape::kMaxRank] = {};
   const std::size_t dims_size = 4 * static_cast<std::size_t>(rank);
   if (const auto got = file.read(dim_bytes, dims_size); got < dims_size) {
-    throw DataLoss(fmt::format("{}: truncated header at byte offset {}: expected {} bytes of dimensions (rank {}) "
-                               "from byte offset {}, got {}{}",
-                               path, kIdxMagicBytes + got, dims_size, rank, kIdxMagicBytes, got,
-                               file.truncated_note()));
+    throw DataLoss(
+        fmt::format("{}: truncated header at byte offset {}: expected {} bytes of dimensions (rank {}) "
+                    "from byte offset {}, got {}{}",
+                    path, kIdxMagicBytes + got, dims_size, rank, kIdxMagicBytes, got, file.truncated_note()));
   }
   Shape shape;
   std::uint64_t count = 1;
@@ -175,9 +176,10 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
     shape.push_back(dim);
     // Check before multiplying, so the product itself cannot overflow.
     if (dim != 0 && count > kMaxIdxDataBytes / type->bytes / dim) {
-      throw DataLoss(fmt::format("{}: the IDX header's dimensions (byte offsets {} to {}) multiply to more than "
-                                 "{} bytes of {} data; the header is corrupt",
-                                 path, kIdxMagicBytes, kIdxMagicBytes + dims_size - 1, kMaxIdxDataBytes, type->name));
+      throw DataLoss(
+          fmt::format("{}: the IDX header's dimensions (byte offsets {} to {}) multiply to more than "
+                      "{} bytes of {} data; the header is corrupt",
+                      path, kIdxMagicBytes, kIdxMagicBytes + dims_size - 1, kMaxIdxDataBytes, type->name));
     }
     count *= dim;
   }
@@ -191,21 +193,21 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
   std::vector<unsigned char> staging(direct ? 0 : static_cast<std::size_t>(data_bytes));
   void* destination = direct ? out.raw_data() : staging.data();
   if (const auto got = file.read(destination, static_cast<std::size_t>(data_bytes)); got < data_bytes) {
-    throw DataLoss(fmt::format("{}: truncated data at byte offset {}: the header declares {} {} values of shape {} "
-                               "({} bytes from byte offset {}), but only {} bytes follow{}",
-                               path, header_bytes + got, count, type->name, shape, data_bytes, header_bytes, got,
-                               file.truncated_note()));
+    throw DataLoss(fmt::format(
+        "{}: truncated data at byte offset {}: the header declares {} {} values of shape {} "
+        "({} bytes from byte offset {}), but only {} bytes follow{}",
+        path, header_bytes + got, count, type->name, shape, data_bytes, header_bytes, got, file.truncated_note()));
   }
   unsigned char extra = 0;
   if (file.read(&extra, 1) != 0) {
-    throw DataLoss(fmt::format("{}: the data the header declares ({} {} values of shape {}) ends at byte offset {}, "
-                               "but the file goes on; the header does not match the file",
-                               path, count, type->name, shape, header_bytes + data_bytes));
+    throw DataLoss(
+        fmt::format("{}: the data the header declares ({} {} values of shape {}) ends at byte offset {}, "
+                    "but the file goes on; the header does not match the file",
+                    path, count, type->name, shape, header_bytes + data_bytes));
   }
 
   switch (type->code) {
-    case 0x08:
-      break;
+    case 0x08: break;
     case 0x09: {
       auto* dst = out.data<std::int32_t>();
       for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<std::int8_t>(staging[static_cast<std::size_t>(i)]);
@@ -222,14 +224,9 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
       break;
     }
     case 0x0C:
-    case 0x0D:
-      swap_from_big_endian<std::uint32_t>(out.raw_data(), n);
-      break;
-    case 0x0E:
-      swap_from_big_endian<std::uint64_t>(out.raw_data(), n);
-      break;
-    default:
-      TANDEM_ASSERT(false, "IDX type {:#04x} is in kIdxTypes but has no conversion", type->code);
+    case 0x0D: swap_from_big_endian<std::uint32_t>(out.raw_data(), n); break;
+    case 0x0E: swap_from_big_endian<std::uint64_t>(out.raw_data(), n); break;
+    default: TANDEM_ASSERT(false, "IDX type {:#04x} is in kIdxTypes but has no conversion", type->code);
   }
   return out;
 }

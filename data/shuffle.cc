@@ -66,8 +66,8 @@ class ShuffleNode final : public DatasetNode {
     auto input = input_->make_iterator(context);
     const auto seed = mix_seed(seed_, epoch);
     if (auto source = input_->slice_source()) {
-      return std::make_unique<ShuffleIterator<std::int64_t>>(std::move(input), std::move(source), buffer_size_,
-                                                              seed, reserve);
+      return std::make_unique<ShuffleIterator<std::int64_t>>(std::move(input), std::move(source), buffer_size_, seed,
+                                                             reserve);
     }
     return std::make_unique<ShuffleIterator<Element>>(std::move(input), nullptr, buffer_size_, seed, reserve);
   }
@@ -169,9 +169,8 @@ class ShuffleNode final : public DatasetNode {
 
 }  // namespace
 
-std::shared_ptr<const DatasetNode> make_shuffle_node(std::shared_ptr<const DatasetNode> input,
-                                                     std::int64_t buffer_size, std::uint64_t seed,
-                                                     bool reshuffle_each_iteration) {
+std::shared_ptr<const DatasetNode> make_shuffle_node(std::shared_ptr<const DatasetNode> input, std::int64_t buffer_size,
+                                                     std::uint64_t seed, bool reshuffle_each_iteration) {
   return std::make_shared<const ShuffleNode>(std::move(input), buffer_size, seed, reshuffle_each_iteration);
 }
 

@@ -36,16 +36,15 @@ void Allocator::record_deallocation(std::size_t bytes) {
 }
 
 void* CpuAllocator::allocate(std::size_t bytes, std::size_t alignment) {
-  TANDEM_ASSERT(alignment > 0 && (alignment & (alignment - 1)) == 0, "alignment {} is not a power of two",
-                alignment);
+  TANDEM_ASSERT(alignment > 0 && (alignment & (alignment - 1)) == 0, "alignment {} is not a power of two", alignment);
   // aligned_alloc wants a size that is a multiple of the alignment; zero-byte tensors still get
   // a distinct, valid pointer.
   const std::size_t rounded = bytes == 0 ? alignment : (bytes + alignment - 1) / alignment * alignment;
   void* pointer = std::aligned_alloc(alignment, rounded);
   if (pointer == nullptr) {
     const auto in_use = stats().bytes_in_use;
-    throw ResourceExhausted(fmt::format("{}: out of host memory allocating {} bytes ({} bytes in use)",
-                                        device_name_, bytes, in_use));
+    throw ResourceExhausted(
+        fmt::format("{}: out of host memory allocating {} bytes ({} bytes in use)", device_name_, bytes, in_use));
   }
   record_allocation(bytes);
   return pointer;

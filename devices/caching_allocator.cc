@@ -45,8 +45,8 @@ std::size_t CachingAllocator::size_class(std::size_t bytes) {
 }
 
 void* CachingAllocator::allocate(std::size_t bytes, std::size_t alignment) {
-  TANDEM_REQUIRE(alignment <= 256, InvalidArgument, "{}: alignment {} is more than the device's 256 bytes", device_name_,
-                 alignment);
+  TANDEM_REQUIRE(alignment <= 256, InvalidArgument, "{}: alignment {} is more than the device's 256 bytes",
+                 device_name_, alignment);
   return allocate_on(nullptr, bytes);
 }
 

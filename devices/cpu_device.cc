@@ -29,8 +29,7 @@ void CpuDevice::fill_zero(void* device_dst, std::size_t bytes) {
   if (bytes != 0) std::memset(device_dst, 0, bytes);
 }
 
-void CpuDevice::parallel_for(std::int64_t n, std::int64_t min_grain,
-                             FunctionRef<void(std::int64_t, std::int64_t)> fn) {
+void CpuDevice::parallel_for(std::int64_t n, std::int64_t min_grain, FunctionRef<void(std::int64_t, std::int64_t)> fn) {
   pool_.parallel_for(n, min_grain, fn);
 }
 

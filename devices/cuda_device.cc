@@ -209,7 +209,8 @@ class CudaDevice final : public Device {
     const cudaError_t status = cudaHostAlloc(&pointer, std::max<std::size_t>(bytes, 1), cudaHostAllocPortable);
     if (status == cudaErrorMemoryAllocation) {
       cudaGetLastError();
-      throw ResourceExhausted(fmt::format("{}: out of page-locked host memory allocating {} bytes", short_name(), bytes));
+      throw ResourceExhausted(
+          fmt::format("{}: out of page-locked host memory allocating {} bytes", short_name(), bytes));
     }
     TANDEM_CUDA_CHECK(status, short_name());
     return pointer;
@@ -249,8 +250,8 @@ CudaDiscovery discover_cuda_devices() {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     cudaGetLastError();
-    const bool no_driver = status == cudaErrorInsufficientDriver || status == cudaErrorNoDevice ||
-                           status == cudaErrorInitializationError;
+    const bool no_driver =
+        status == cudaErrorInsufficientDriver || status == cudaErrorNoDevice || status == cudaErrorInitializationError;
     result.message = fmt::format("{} ({}: {})", no_driver ? "no usable CUDA driver or device" : "CUDA unavailable",
                                  cudaGetErrorName(status), cudaGetErrorString(status));
     return result;

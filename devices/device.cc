@@ -41,8 +41,8 @@ void Device::copy_to_host_async(void* host_dst, const void* device_src, std::siz
 }
 
 void* Device::allocate_pinned_host(std::size_t bytes) {
-  const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + kDefaultAlignmentBytes - 1) / kDefaultAlignmentBytes *
-                              kDefaultAlignmentBytes;
+  const std::size_t rounded =
+      (std::max<std::size_t>(bytes, 1) + kDefaultAlignmentBytes - 1) / kDefaultAlignmentBytes * kDefaultAlignmentBytes;
   void* pointer = std::aligned_alloc(kDefaultAlignmentBytes, rounded);
   TANDEM_REQUIRE(pointer != nullptr, ResourceExhausted, "{}: out of host memory allocating {} bytes of staging memory",
                  short_name(), bytes);

@@ -160,8 +160,7 @@ class Device {
   // chunk threw. A nested or concurrent call on the same device runs inline on its caller.
   // On devices without host threads (GPUs) it runs inline.
   virtual int intra_op_threads() const { return 1; }
-  virtual void parallel_for(std::int64_t n, std::int64_t min_grain,
-                            FunctionRef<void(std::int64_t, std::int64_t)> fn);
+  virtual void parallel_for(std::int64_t n, std::int64_t min_grain, FunctionRef<void(std::int64_t, std::int64_t)> fn);
 
  protected:
   explicit Device(DeviceName name) : name_(std::move(name)) {}

@@ -87,10 +87,9 @@ DeviceName DeviceName::parse(std::string_view text) {
     int rank = 0;
     if (key == "job") {
       rank = kJob;
-      const bool valid = !value.empty() && std::isalpha(static_cast<unsigned char>(value[0])) &&
-                         std::all_of(value.begin(), value.end(), [](unsigned char c) {
-                           return std::isalnum(c) || c == '_';
-                         });
+      const bool valid =
+          !value.empty() && std::isalpha(static_cast<unsigned char>(value[0])) &&
+          std::all_of(value.begin(), value.end(), [](unsigned char c) { return std::isalnum(c) || c == '_'; });
       if (!valid) fail(text, fmt::format("job name \"{}\" must be a letter followed by letters, digits or _", value));
       name.job = std::string(value);
     } else if (key == "replica") {

@@ -55,9 +55,8 @@ void create_devices(Registry& r) {
     if (auto t = env::find_int(env::kIntraOpThreads)) config.intra_op_threads_per_device = static_cast<int>(*t);
   }
   validate(config);
-  const int threads = config.intra_op_threads_per_device > 0
-                          ? config.intra_op_threads_per_device
-                          : std::max(1, usable_cpu_cores() / config.num_cpu_devices);
+  const int threads = config.intra_op_threads_per_device > 0 ? config.intra_op_threads_per_device
+                                                             : std::max(1, usable_cpu_cores() / config.num_cpu_devices);
   for (int i = 0; i < config.num_cpu_devices; ++i) {
     r.cpus.push_back(std::make_unique<detail::CpuDevice>(i, threads));
   }

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 
-
 namespace tandem::devices::detail {
 namespace {
 // A worker that finished a job polls this long for the next one before it sleeps: longer than

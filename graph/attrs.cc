@@ -54,7 +54,8 @@ void Attrs::throw_wrong_type(std::string_view name, const AttrValue& value) cons
 
 std::string Attrs::to_string() const {
   std::string out = "{";
-  for (const auto& [n, v] : values_) out += fmt::format("{}{}={}", out.size() > 1 ? ", " : "", n, attr_value_to_string(v));
+  for (const auto& [n, v] : values_)
+    out += fmt::format("{}{}={}", out.size() > 1 ? ", " : "", n, attr_value_to_string(v));
   return out + "}";
 }
 

@@ -12,7 +12,8 @@
 
 namespace tandem::graph {
 
-using AttrValue = std::variant<bool, std::int64_t, double, std::string, DType, Shape, std::vector<std::int64_t>, Tensor>;
+using AttrValue =
+    std::variant<bool, std::int64_t, double, std::string, DType, Shape, std::vector<std::int64_t>, Tensor>;
 
 std::string attr_value_to_string(const AttrValue& value);
 
@@ -56,7 +57,9 @@ class Attrs {
     return get<T>(name);
   }
   std::int64_t get_int(std::string_view name) const { return get<std::int64_t>(name); }
-  std::int64_t get_int_or(std::string_view name, std::int64_t fallback) const { return get_or<std::int64_t>(name, fallback); }
+  std::int64_t get_int_or(std::string_view name, std::int64_t fallback) const {
+    return get_or<std::int64_t>(name, fallback);
+  }
   double get_float_or(std::string_view name, double fallback) const { return get_or<double>(name, fallback); }
   bool get_bool_or(std::string_view name, bool fallback) const { return get_or<bool>(name, fallback); }
 

@@ -25,12 +25,15 @@ std::vector<Output> gradients(std::span<const Output> ys, std::span<const Output
                  "gradients: {} grad_ys for {} ys; pass one per y or none", grad_ys.size(), ys.size());
   Graph& g = *ys.front().graph;
   for (const auto& o : ys) {
-    TANDEM_REQUIRE(o.defined() && o.graph == &g, InvalidArgument, "gradients: y {} is undefined or from another graph", o.name());
-    TANDEM_REQUIRE(is_floating(o.dtype()), InvalidArgument, "gradients: y {} has dtype {}; only floating-point values can be differentiated",
-                   o.name(), o.dtype());
+    TANDEM_REQUIRE(o.defined() && o.graph == &g, InvalidArgument, "gradients: y {} is undefined or from another graph",
+                   o.name());
+    TANDEM_REQUIRE(is_floating(o.dtype()), InvalidArgument,
+                   "gradients: y {} has dtype {}; only floating-point values can be differentiated", o.name(),
+                   o.dtype());
   }
   for (const auto& o : xs) {
-    TANDEM_REQUIRE(o.defined() && o.graph == &g, InvalidArgument, "gradients: x {} is undefined or from another graph", o.name());
+    TANDEM_REQUIRE(o.defined() && o.graph == &g, InvalidArgument, "gradients: x {} is undefined or from another graph",
+                   o.name());
   }
   const int num_nodes = g.num_nodes();
   int last_y = 0;
@@ -58,7 +61,9 @@ std::vector<Output> gradients(std::span<const Output> ys, std::span<const Output
       }
     }
   }
-  const auto relevant = [&](int id) { return reaches_y[static_cast<std::size_t>(id)] && from_x[static_cast<std::size_t>(id)]; };
+  const auto relevant = [&](int id) {
+    return reaches_y[static_cast<std::size_t>(id)] && from_x[static_cast<std::size_t>(id)];
+  };
 
   // Gradient contributions per (node, output).
   std::map<std::pair<int, int>, std::vector<Output>> contributions;
@@ -94,7 +99,8 @@ std::vector<Output> gradients(std::span<const Output> ys, std::span<const Output
     if (!any || node.op->grad_fn == nullptr || node.inputs.empty()) continue;
     // Only ask for input gradients when some input is itself on an x -> y path.
     bool wants_input_grad = false;
-    for (const auto& in : node.inputs) wants_input_grad |= from_x[static_cast<std::size_t>(in.node)] && is_floating(in.dtype());
+    for (const auto& in : node.inputs)
+      wants_input_grad |= from_x[static_cast<std::size_t>(in.node)] && is_floating(in.dtype());
     if (!wants_input_grad) continue;
 
     std::vector<Output> input_grads;

@@ -19,10 +19,13 @@ std::string_view dtype_name(DType dtype) {
 
 std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF32: case DType::kI32: return 4;
-    case DType::kF64: case DType::kI64: return 8;
+    case DType::kF32:
+    case DType::kI32: return 4;
+    case DType::kF64:
+    case DType::kI64: return 8;
     case DType::kU8: return 1;
-    case DType::kF16: case DType::kBF16: return 2;
+    case DType::kF16:
+    case DType::kBF16: return 2;
   }
   return 0;
 }
@@ -65,8 +68,8 @@ std::string type_list_names(std::initializer_list<DType> dtypes) {
 }
 
 void throw_unsupported_dtype(std::string_view what, DType dtype, std::initializer_list<DType> accepted) {
-  throw InvalidArgument(
-      fmt::format("{}: dtype {} is not supported; expected one of {}", what, dtype_name(dtype), type_list_names(accepted)));
+  throw InvalidArgument(fmt::format("{}: dtype {} is not supported; expected one of {}", what, dtype_name(dtype),
+                                    type_list_names(accepted)));
 }
 }  // namespace detail
 

@@ -50,11 +50,26 @@ void narrow_from_float32(const float* src, DType to, void* dst, std::int64_t n);
 // dependency).
 template <class T>
 struct DTypeOf;
-template <> struct DTypeOf<float> { static constexpr DType value = DType::kF32; };
-template <> struct DTypeOf<double> { static constexpr DType value = DType::kF64; };
-template <> struct DTypeOf<std::int32_t> { static constexpr DType value = DType::kI32; };
-template <> struct DTypeOf<std::int64_t> { static constexpr DType value = DType::kI64; };
-template <> struct DTypeOf<std::uint8_t> { static constexpr DType value = DType::kU8; };
+template <>
+struct DTypeOf<float> {
+  static constexpr DType value = DType::kF32;
+};
+template <>
+struct DTypeOf<double> {
+  static constexpr DType value = DType::kF64;
+};
+template <>
+struct DTypeOf<std::int32_t> {
+  static constexpr DType value = DType::kI32;
+};
+template <>
+struct DTypeOf<std::int64_t> {
+  static constexpr DType value = DType::kI64;
+};
+template <>
+struct DTypeOf<std::uint8_t> {
+  static constexpr DType value = DType::kU8;
+};
 template <class T>
 inline constexpr DType dtype_of = DTypeOf<std::remove_cv_t<T>>::value;
 

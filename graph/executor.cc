@@ -60,18 +60,18 @@ struct Executor::Plan {
   int runs = 0;
   std::unique_ptr<devices::CapturedWork> captured;
   bool capture_failed = false;
-  std::vector<Tensor> feed_buffers;               // per feed slot (indexed like slots)
-  std::vector<const void*> captured_addresses;    // arena, variables and the tail's memory when recorded
-  bool captured_tail = false;                     // whether the recording holds a RunOptions::tail
-  Tensor fault_word;                              // GPU plans: KernelContext::fault_word
+  std::vector<Tensor> feed_buffers;             // per feed slot (indexed like slots)
+  std::vector<const void*> captured_addresses;  // arena, variables and the tail's memory when recorded
+  bool captured_tail = false;                   // whether the recording holds a RunOptions::tail
+  Tensor fault_word;                            // GPU plans: KernelContext::fault_word
   std::vector<std::function<void()>> captured_checks;
 
-  std::vector<Tensor> slots;     // one per (node, output) in the plan; never resized after building
+  std::vector<Tensor> slots;      // one per (node, output) in the plan; never resized after building
   std::vector<TensorSpec> specs;  // concrete spec per slot
   std::vector<SlotKind> kinds;
-  std::vector<std::int64_t> arena_offsets;  // per slot, for kArena
-  std::vector<int> slot_of_node;            // first slot of each graph node, -1 when pruned
-  std::vector<int> feed_slots;              // in the order of sorted feeds
+  std::vector<std::int64_t> arena_offsets;          // per slot, for kArena
+  std::vector<int> slot_of_node;                    // first slot of each graph node, -1 when pruned
+  std::vector<int> feed_slots;                      // in the order of sorted feeds
   std::vector<std::pair<int, int>> variable_slots;  // (slot, node id)
   std::vector<int> fetch_slots;
   std::vector<int> forward_slots;
@@ -267,8 +267,7 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     TANDEM_REQUIRE(tensor.dtype() == spec.dtype && tensor.shape().compatible_with(spec.shape), InvalidArgument,
                    "{}: fed a {} tensor of shape {}; expected {} {}", node.label(), tensor.dtype(), tensor.shape(),
                    spec.dtype, spec.shape);
-    TANDEM_REQUIRE(fed[static_cast<std::size_t>(node.id)] == nullptr, InvalidArgument, "{} is fed twice",
-                   node.label());
+    TANDEM_REQUIRE(fed[static_cast<std::size_t>(node.id)] == nullptr, InvalidArgument, "{} is fed twice", node.label());
     fed[static_cast<std::size_t>(node.id)] = &tensor;
   }
 
@@ -330,8 +329,7 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
         plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kConstant;
         plan->slots[static_cast<std::size_t>(first)] = constant_on_device(node);
         continue;
-      case OpKind::kKernel:
-        break;
+      case OpKind::kKernel: break;
     }
     if (!node.device.empty()) {
       const auto requested = devices::DeviceName::parse(node.device);
@@ -383,8 +381,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
                        "{}: op {} has no float16/bfloat16 kernel on {}", node.label(), node.op->name,
                        devices::device_type_name(device_.type()));
       }
-      step.capturable = kernel_device == devices::DeviceType::kGPU && !step.widen &&
-                        node.op->options(kernel_device).capturable;
+      step.capturable =
+          kernel_device == devices::DeviceType::kGPU && !step.widen && node.op->options(kernel_device).capturable;
     }
     plan->steps.push_back(std::move(step));
   }
@@ -394,7 +392,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
   std::vector<int> first_step(static_cast<std::size_t>(num_slots), -1);
   std::vector<int> last_step(static_cast<std::size_t>(num_slots), -1);
   const auto root_of = [&](int s) {
-    return plan->kinds[static_cast<std::size_t>(s)] == SlotKind::kForward ? forward_root[static_cast<std::size_t>(s)] : s;
+    return plan->kinds[static_cast<std::size_t>(s)] == SlotKind::kForward ? forward_root[static_cast<std::size_t>(s)]
+                                                                          : s;
   };
   const auto use = [&](int s, int position) {
     const int r = root_of(s);
@@ -446,8 +445,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     plan->fault_word = Tensor::zeros({1}, DType::kI32, device_);
     for (auto& st : plan->steps) st.state.fault_word = plan->fault_word.raw_data();
   }
-  plan->stats.nodes_run = static_cast<int>(std::count_if(plan->steps.begin(), plan->steps.end(),
-                                                         [](const Plan::Step& s) { return s.kernel != nullptr; }));
+  plan->stats.nodes_run = static_cast<int>(
+      std::count_if(plan->steps.begin(), plan->steps.end(), [](const Plan::Step& s) { return s.kernel != nullptr; }));
   plan->stats.nodes_in_graph = num_nodes;
   plan->stats.arena_bytes = memory.arena_bytes;
   plan->stats.unshared_bytes = memory.unshared_bytes;
@@ -461,8 +460,8 @@ void Executor::ensure_arena(Plan& plan) {
   plan.arena = std::make_shared<Buffer>(device_, static_cast<std::size_t>(plan.stats.arena_bytes));
   for (std::size_t s = 0; s < plan.slots.size(); ++s) {
     if (plan.kinds[s] != SlotKind::kArena) continue;
-    plan.slots[s] = Tensor(plan.specs[s].shape, plan.specs[s].dtype, plan.arena,
-                           static_cast<std::size_t>(plan.arena_offsets[s]));
+    plan.slots[s] =
+        Tensor(plan.specs[s].shape, plan.specs[s].dtype, plan.arena, static_cast<std::size_t>(plan.arena_offsets[s]));
   }
 }
 
@@ -492,8 +491,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   }
   for (const auto& [s, node_id] : plan.variable_slots) {
     const auto it = variables_.find(node_id);
-    TANDEM_REQUIRE(it != variables_.end(), FailedPrecondition, "{} is no longer bound",
-                   graph_->node(node_id).label());
+    TANDEM_REQUIRE(it != variables_.end(), FailedPrecondition, "{} is no longer bound", graph_->node(node_id).label());
     plan.slots[static_cast<std::size_t>(s)] = it->second;
   }
 
@@ -503,7 +501,8 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   // Forwarding nodes (views) are host bookkeeping, done on every run.
   const auto forward = [&](Plan::Step& st) {
     const Tensor& source = plan.slots[static_cast<std::size_t>(st.forward_from)];
-    *st.outputs[0] = source.reshape(plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
+    *st.outputs[0] = source.reshape(
+        plan.specs[static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(st.node->id)])].shape);
   };
   const auto queue_kernel = [&](std::size_t index) {
     auto& st = plan.steps[index];
@@ -528,7 +527,8 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
 
   if (use_graph && plan.runs >= kGraphWarmupRuns && !options_.profile) {
     std::vector<const void*> addresses{plan.arena ? plan.arena->data() : nullptr};
-    for (const auto& [s, node_id] : plan.variable_slots) addresses.push_back(plan.slots[static_cast<std::size_t>(s)].raw_data());
+    for (const auto& [s, node_id] : plan.variable_slots)
+      addresses.push_back(plan.slots[static_cast<std::size_t>(s)].raw_data());
     addresses.insert(addresses.end(), options.tail_addresses.begin(), options.tail_addresses.end());
     const bool with_tail = static_cast<bool>(options.tail);
     if (plan.captured != nullptr && (addresses != plan.captured_addresses || with_tail != plan.captured_tail)) {

@@ -61,7 +61,7 @@ class NodeObserver {
 
 // What RunOptions::tail is given.
 struct TailContext {
-  std::span<const Tensor> fetched;  // the run's fetches (the values it will return)
+  std::span<const Tensor> fetched;   // the run's fetches (the values it will return)
   const void* fault_word = nullptr;  // the plan's fault word (KernelContext::fault_word); null on CPUs
 };
 
@@ -84,7 +84,7 @@ struct RunOptions {
 };
 
 struct PlanStats {
-  int nodes_run = 0;                // nodes in the pruned plan that execute a kernel
+  int nodes_run = 0;  // nodes in the pruned plan that execute a kernel
   int nodes_in_graph = 0;
   std::int64_t arena_bytes = 0;     // peak bytes of intermediates, with reuse
   std::int64_t unshared_bytes = 0;  // what one buffer per intermediate would need

@@ -22,7 +22,6 @@ std::string Output::name() const {
 
 const std::string& Node::op_name() const { return op->name; }
 
-
 const Node& Graph::node(int id) const {
   TANDEM_REQUIRE(id >= 0 && id < num_nodes(), InvalidArgument, "node id {} is not in this graph ({} nodes)", id,
                  num_nodes());
@@ -73,15 +72,16 @@ std::vector<Output> Graph::add_node(std::string_view op_name, std::vector<Output
   const int n = static_cast<int>(inputs.size());
   const bool count_ok = n >= op.min_inputs && (op.max_inputs == OpDef::kVariadic || n <= op.max_inputs);
   TANDEM_REQUIRE(count_ok, InvalidArgument, "{}: got {} input(s); expected {}", label(), n,
-                 op.max_inputs == OpDef::kVariadic   ? fmt::format("at least {}", op.min_inputs)
-                 : op.min_inputs == op.max_inputs ? fmt::format("{}", op.min_inputs)
-                                                  : fmt::format("{} to {}", op.min_inputs, op.max_inputs));
+                 op.max_inputs == OpDef::kVariadic ? fmt::format("at least {}", op.min_inputs)
+                 : op.min_inputs == op.max_inputs  ? fmt::format("{}", op.min_inputs)
+                                                   : fmt::format("{} to {}", op.min_inputs, op.max_inputs));
   std::vector<TensorSpec> input_specs;
   input_specs.reserve(inputs.size());
   for (int i = 0; i < n; ++i) {
     const Output& in = inputs[static_cast<std::size_t>(i)];
     TANDEM_REQUIRE(in.defined(), InvalidArgument, "{}: input {} is undefined (an Output with no node)", label(), i);
-    TANDEM_REQUIRE(in.graph == this, InvalidArgument, "{}: input {} ({}) belongs to another graph", label(), i, in.name());
+    TANDEM_REQUIRE(in.graph == this, InvalidArgument, "{}: input {} ({}) belongs to another graph", label(), i,
+                   in.name());
     TANDEM_REQUIRE(in.index < static_cast<int>(in.producer().outputs.size()), InvalidArgument,
                    "{}: input {} refers to output {} of {}, which has {} output(s)", label(), i, in.index,
                    in.producer().label(), in.producer().outputs.size());
@@ -89,8 +89,8 @@ std::vector<Output> Graph::add_node(std::string_view op_name, std::vector<Output
   }
   ShapeContext shape_context(op, name, attrs, input_specs);
   std::vector<TensorSpec> outputs = op.shape_fn(shape_context);
-  TANDEM_ASSERT(static_cast<int>(outputs.size()) == op.num_outputs, "{}: shape function returned {} outputs, op declares {}",
-                label(), outputs.size(), op.num_outputs);
+  TANDEM_ASSERT(static_cast<int>(outputs.size()) == op.num_outputs,
+                "{}: shape function returned {} outputs, op declares {}", label(), outputs.size(), op.num_outputs);
 
   std::string device = options.device.empty() ? device_scope_ : options.device;
   if (!device.empty()) devices::DeviceName::parse(device);
@@ -127,7 +127,8 @@ Output Graph::constant(const Tensor& value, std::string_view name) {
 }
 
 Output Graph::variable(DType dtype, const Shape& shape, std::string_view name) {
-  TANDEM_REQUIRE(shape.is_fully_defined(), InvalidArgument, "variable \"{}\": shape {} must be fully defined", name, shape);
+  TANDEM_REQUIRE(shape.is_fully_defined(), InvalidArgument, "variable \"{}\": shape {} must be fully defined", name,
+                 shape);
   return add("Variable", {}, Attrs{{"dtype", dtype}, {"shape", shape}}, NodeOptions{.name = std::string(name)});
 }
 

@@ -44,7 +44,9 @@ struct Output {
   DType dtype() const { return spec().dtype; }
   const Shape& shape() const { return spec().shape; }
   std::string name() const;  // "dense/MatMul:0"
-  bool operator==(const Output& other) const { return graph == other.graph && node == other.node && index == other.index; }
+  bool operator==(const Output& other) const {
+    return graph == other.graph && node == other.node && index == other.index;
+  }
 };
 
 struct Node {

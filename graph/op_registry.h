@@ -45,7 +45,8 @@ class ShapeContext {
   }
   template <class... Args>
   void require(bool condition, fmt::format_string<Args...> format, Args&&... args) const {
-    if (!condition) [[unlikely]] fail(format, std::forward<Args>(args)...);
+    if (!condition) [[unlikely]]
+      fail(format, std::forward<Args>(args)...);
   }
   // Checks that input i has a dtype from List (for example FloatTypes).
   void require_float(int i) const;
@@ -177,7 +178,9 @@ struct OpDef {
 
   static constexpr int kVariadic = -1;
   KernelFn kernel(devices::DeviceType type) const { return kernels[static_cast<std::size_t>(type)]; }
-  const KernelOptions& options(devices::DeviceType type) const { return kernel_options[static_cast<std::size_t>(type)]; }
+  const KernelOptions& options(devices::DeviceType type) const {
+    return kernel_options[static_cast<std::size_t>(type)];
+  }
 };
 
 // The process-wide table of ops. Registration is thread-safe; OpDef pointers stay valid forever.

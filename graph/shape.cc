@@ -6,7 +6,8 @@
 
 namespace tandem::graph {
 
-Shape::Shape(std::initializer_list<std::int64_t> dims) : Shape(std::span<const std::int64_t>(dims.begin(), dims.size())) {}
+Shape::Shape(std::initializer_list<std::int64_t> dims)
+    : Shape(std::span<const std::int64_t>(dims.begin(), dims.size())) {}
 
 Shape::Shape(std::span<const std::int64_t> dims) {
   TANDEM_REQUIRE(dims.size() <= kMaxRank, InvalidArgument, "a shape has at most {} dimensions; got {}", kMaxRank,
@@ -67,8 +68,8 @@ bool Shape::operator==(const Shape& other) const {
 }
 
 int normalize_axis(int axis, int rank, std::string_view what) {
-  TANDEM_REQUIRE(axis >= -rank && axis < rank, InvalidArgument, "{}: axis {} is out of range for rank {} (expected {} to {})",
-                 what, axis, rank, -rank, rank - 1);
+  TANDEM_REQUIRE(axis >= -rank && axis < rank, InvalidArgument,
+                 "{}: axis {} is out of range for rank {} (expected {} to {})", what, axis, rank, -rank, rank - 1);
   return axis < 0 ? axis + rank : axis;
 }
 

@@ -14,7 +14,8 @@ Tensor::Tensor(const Shape& shape, DType dtype, std::shared_ptr<Buffer> buffer, 
   TANDEM_ASSERT(buffer_ != nullptr, "a tensor view needs a buffer");
   const auto n = checked_elements(shape);
   TANDEM_ASSERT(byte_offset + static_cast<std::size_t>(n) * dtype_size(dtype) <= buffer_->bytes(),
-                "view of {} {} at offset {} overruns a buffer of {} bytes", shape, dtype, byte_offset, buffer_->bytes());
+                "view of {} {} at offset {} overruns a buffer of {} bytes", shape, dtype, byte_offset,
+                buffer_->bytes());
 }
 
 std::int64_t Tensor::checked_elements(const Shape& shape) {
@@ -79,7 +80,8 @@ Tensor Tensor::clone() const {
 void Tensor::copy_from(const Tensor& source) {
   TANDEM_REQUIRE(defined() && source.defined(), FailedPrecondition, "copy_from with an undefined tensor");
   TANDEM_REQUIRE(source.dtype_ == dtype_ && source.num_elements() == num_elements(), InvalidArgument,
-                 "copy_from: source {} {} does not match destination {} {}", source.shape_, source.dtype_, shape_, dtype_);
+                 "copy_from: source {} {} does not match destination {} {}", source.shape_, source.dtype_, shape_,
+                 dtype_);
   auto& src = source.device();
   auto& dst = device();
   const auto bytes = nbytes();

@@ -49,7 +49,8 @@ std::string keys_of(const Logs& logs) {
   return out.empty() ? "none" : out;
 }
 
-void warn_missing(std::string_view callback, const std::string& monitor, const Logs& logs, std::string_view consequence) {
+void warn_missing(std::string_view callback, const std::string& monitor, const Logs& logs,
+                  std::string_view consequence) {
   logging::warn("{} monitors \"{}\", which is not in the logs (present: {}); {}", callback, monitor, keys_of(logs),
                 consequence);
 }
@@ -86,8 +87,8 @@ std::string format_field(const std::string& pattern, std::string_view name, std:
     }
     return fmt::format(fmt::runtime(format), value);
   } catch (const fmt::format_error& e) {
-    throw InvalidArgument(fmt::format("ModelCheckpoint: filepath \"{}\": field {{{}:{}}} cannot format {} ({})", pattern,
-                                      name, spec, integer ? "an integer" : "a number", e.what()));
+    throw InvalidArgument(fmt::format("ModelCheckpoint: filepath \"{}\": field {{{}:{}}} cannot format {} ({})",
+                                      pattern, name, spec, integer ? "an integer" : "a number", e.what()));
   }
 }
 
@@ -115,8 +116,8 @@ std::string format_checkpoint_path(const std::string& pattern, int epoch, std::o
       continue;
     }
     const auto close = pattern.find('}', i);
-    TANDEM_REQUIRE(close != std::string::npos, InvalidArgument, "ModelCheckpoint: filepath \"{}\" has an unclosed '{{' at {}",
-                   pattern, i);
+    TANDEM_REQUIRE(close != std::string::npos, InvalidArgument,
+                   "ModelCheckpoint: filepath \"{}\" has an unclosed '{{' at {}", pattern, i);
     const std::string_view field(pattern.data() + i + 1, close - i - 1);
     const auto colon = field.find(':');
     const std::string_view name = field.substr(0, colon);
@@ -128,9 +129,9 @@ std::string format_checkpoint_path(const std::string& pattern, int epoch, std::o
     } else if (const auto value = logs.get(name)) {
       out += format_field(pattern, name, spec, std::nullopt, *value);
     } else {
-      throw InvalidArgument(fmt::format(
-          "ModelCheckpoint: filepath \"{}\" uses {{{}}}, which is not in the logs (present: {}{})", pattern, name,
-          keys_of(logs), batch ? ", epoch, batch" : ", epoch"));
+      throw InvalidArgument(
+          fmt::format("ModelCheckpoint: filepath \"{}\" uses {{{}}}, which is not in the logs (present: {}{})", pattern,
+                      name, keys_of(logs), batch ? ", epoch, batch" : ", epoch"));
     }
     i = close;
   }
@@ -336,8 +337,8 @@ void ModelCheckpoint::save(int epoch, const Logs& logs) {
 EarlyStopping::EarlyStopping(EarlyStoppingOptions options) : options_(std::move(options)) {
   TANDEM_REQUIRE(options_.patience >= 0, InvalidArgument, "EarlyStopping: patience {} must not be negative",
                  options_.patience);
-  TANDEM_REQUIRE(options_.start_from_epoch >= 0, InvalidArgument, "EarlyStopping: start_from_epoch {} must not be negative",
-                 options_.start_from_epoch);
+  TANDEM_REQUIRE(options_.start_from_epoch >= 0, InvalidArgument,
+                 "EarlyStopping: start_from_epoch {} must not be negative", options_.start_from_epoch);
 }
 
 void EarlyStopping::on_train_begin(Logs& /*logs*/) {
@@ -472,7 +473,8 @@ void CSVLogger::on_epoch_end(int epoch, Logs& logs) {
   text += '\n';
   // One flush per row: a crash loses at most the epoch being written.
   const bool ok = std::fwrite(text.data(), 1, text.size(), s.file) == text.size() && std::fflush(s.file) == 0;
-  TANDEM_REQUIRE(ok, Unavailable, "CSVLogger: cannot write to \"{}\": {}", filename_, std::system_category().message(errno));
+  TANDEM_REQUIRE(ok, Unavailable, "CSVLogger: cannot write to \"{}\": {}", filename_,
+                 std::system_category().message(errno));
 }
 
 void CSVLogger::on_train_end(Logs& /*logs*/) { state_->close(); }
@@ -496,11 +498,13 @@ BackupAndRestore::BackupAndRestore(std::string backup_dir, BackupAndRestoreOptio
     : backup_dir_(std::move(backup_dir)), options_(options) {
   TANDEM_REQUIRE(!backup_dir_.empty(), InvalidArgument, "BackupAndRestore: backup_dir is empty");
   TANDEM_REQUIRE(options_.save_freq >= 0, InvalidArgument,
-                 "BackupAndRestore \"{}\": save_freq is {}; expected 0 (every epoch) or a number of batches", backup_dir_,
-                 options_.save_freq);
+                 "BackupAndRestore \"{}\": save_freq is {}; expected 0 (every epoch) or a number of batches",
+                 backup_dir_, options_.save_freq);
 }
 
-std::string BackupAndRestore::latest_path() const { return (std::filesystem::path(backup_dir_) / "backup.safetensors").string(); }
+std::string BackupAndRestore::latest_path() const {
+  return (std::filesystem::path(backup_dir_) / "backup.safetensors").string();
+}
 std::string BackupAndRestore::previous_path() const {
   return (std::filesystem::path(backup_dir_) / "backup.previous.safetensors").string();
 }

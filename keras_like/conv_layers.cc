@@ -45,7 +45,8 @@ class Conv2DImpl final : public LayerImpl {
     kernel_ = add_weight({.name = "kernel",
                           .shape = {kernel_size_[0], kernel_size_[1], in[3], filters_},
                           .initializer = options_.kernel_initializer});
-    if (options_.use_bias) bias_ = add_weight({.name = "bias", .shape = {filters_}, .initializer = options_.bias_initializer});
+    if (options_.use_bias)
+      bias_ = add_weight({.name = "bias", .shape = {filters_}, .initializer = options_.bias_initializer});
   }
 
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {

@@ -30,7 +30,8 @@ class DenseImpl final : public LayerImpl {
                    "{}: the input's last dimension must be known (features); got {}", label(), in);
     const std::int64_t features = in[in.rank() - 1];
     kernel_ = add_weight({.name = "kernel", .shape = {features, units_}, .initializer = options_.kernel_initializer});
-    if (options_.use_bias) bias_ = add_weight({.name = "bias", .shape = {units_}, .initializer = options_.bias_initializer});
+    if (options_.use_bias)
+      bias_ = add_weight({.name = "bias", .shape = {units_}, .initializer = options_.bias_initializer});
   }
 
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
@@ -171,7 +172,8 @@ std::optional<ops::Activation> fusable_activation(std::string_view a) {
   return std::nullopt;
 }
 
-Dense::Dense(std::int64_t units, DenseOptions options) : Layer(std::make_shared<DenseImpl>(units, std::move(options))) {}
+Dense::Dense(std::int64_t units, DenseOptions options)
+    : Layer(std::make_shared<DenseImpl>(units, std::move(options))) {}
 Dense::Dense(std::int64_t units, const char* activation, DenseOptions options)
     : Dense(units, [&] {
         options.activation = activation;

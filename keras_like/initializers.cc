@@ -27,15 +27,16 @@ Fans fans(const Shape& shape) {
   if (shape.rank() == 2) return {static_cast<double>(shape[0]), static_cast<double>(shape[1])};
   double receptive = 1;
   for (int i = 0; i < shape.rank() - 2; ++i) receptive *= static_cast<double>(shape[i]);
-  return {receptive * static_cast<double>(shape[shape.rank() - 2]), receptive * static_cast<double>(shape[shape.rank() - 1])};
+  return {receptive * static_cast<double>(shape[shape.rank() - 2]),
+          receptive * static_cast<double>(shape[shape.rank() - 1])};
 }
 
 }  // namespace
 
 Initializer::Initializer(std::string_view name) : name_(name) {
   static const std::vector<std::string_view> known = {"glorot_uniform", "glorot_normal", "he_normal", "he_uniform",
-                                                       "lecun_normal",   "lecun_uniform", "zeros",     "ones",
-                                                       "random_normal",  "random_uniform"};
+                                                      "lecun_normal",   "lecun_uniform", "zeros",     "ones",
+                                                      "random_normal",  "random_uniform"};
   TANDEM_REQUIRE(std::find(known.begin(), known.end(), name) != known.end(), InvalidArgument,
                  "unknown initializer \"{}\"; known: {}", name, kKnown);
 }
@@ -48,7 +49,8 @@ Initializer Initializer::constant(double value) {
 }
 
 Tensor Initializer::operator()(const Shape& shape, DType dtype, std::uint64_t seed) const {
-  TANDEM_REQUIRE(shape.is_fully_defined(), InvalidArgument, "initializer {}: shape {} is not fully defined", name_, shape);
+  TANDEM_REQUIRE(shape.is_fully_defined(), InvalidArgument, "initializer {}: shape {} is not fully defined", name_,
+                 shape);
   const auto n = static_cast<std::size_t>(shape.num_elements());
   std::vector<double> values(n, 0.0);
   std::mt19937_64 rng(seed);

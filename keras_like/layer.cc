@@ -123,8 +123,8 @@ std::int64_t LayerImpl::count_params() const {
 }
 
 VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
-  TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument, "{}: weight \"{}\" has shape {}; it must be fully defined",
-                 label(), options.name, options.shape);
+  TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument,
+                 "{}: weight \"{}\" has shape {}; it must be fully defined", label(), options.name, options.shape);
   strategy::VariableOptions variable;
   variable.name = fmt::format("{}/{}", name_, options.name);
   variable.initial_value = options.initializer(options.shape, options.dtype, next_seed());
@@ -156,7 +156,7 @@ void LayerImpl::ensure_built(const std::vector<TensorSpec>& inputs) {
   const int n = static_cast<int>(inputs.size());
   TANDEM_REQUIRE(n >= min_inputs() && (max_inputs() < 0 || n <= max_inputs()), InvalidArgument,
                  "{}: called on {} input(s); it takes {}", label(), n,
-                 max_inputs() < 0 ? fmt::format("at least {}", min_inputs())
+                 max_inputs() < 0               ? fmt::format("at least {}", min_inputs())
                  : min_inputs() == max_inputs() ? fmt::format("{}", min_inputs())
                                                 : fmt::format("{} to {}", min_inputs(), max_inputs()));
   if (built_) return;
@@ -205,7 +205,8 @@ LayerOutputs Layer::operator()(const std::vector<KerasTensor>& inputs) const {
 }
 
 LayerOutputs::operator KerasTensor() const {
-  TANDEM_REQUIRE(size() == 1, InvalidArgument, "a layer call with {} outputs used as one tensor; index it instead", size());
+  TANDEM_REQUIRE(size() == 1, InvalidArgument, "a layer call with {} outputs used as one tensor; index it instead",
+                 size());
   return front();
 }
 

@@ -71,7 +71,7 @@ class CallContext {
   // Graph nodes of variables, shared by every CallContext of one graph.
   struct VariableNodes {
     std::unordered_map<const Variable*, Output> nodes;
-    std::vector<VariablePtr> variables;  // in first-use order
+    std::vector<VariablePtr> variables;                 // in first-use order
     std::unordered_map<const Variable*, Output> casts;  // autocast reads, one per variable
   };
 
@@ -219,7 +219,7 @@ struct LayerNode {
   std::shared_ptr<LayerImpl> layer;  // null for a model input
   std::vector<KerasTensor> inputs;
   std::vector<TensorSpec> outputs;
-  std::string input_name;            // for model inputs
+  std::string input_name;  // for model inputs
 };
 }  // namespace detail
 

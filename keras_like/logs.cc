@@ -42,7 +42,8 @@ std::string Logs::to_string() const {
   for (const auto& [k, v] : items_) {
     // Keras prints 4 decimals, switching to scientific notation for tiny values.
     const bool tiny = v != 0.0 && std::abs(v) < 1e-3;
-    out += fmt::format("{}{}: {}", out.empty() ? "" : " - ", k, tiny ? fmt::format("{:.4e}", v) : fmt::format("{:.4f}", v));
+    out += fmt::format("{}{}: {}", out.empty() ? "" : " - ", k,
+                       tiny ? fmt::format("{:.4e}", v) : fmt::format("{:.4f}", v));
   }
   return out;
 }

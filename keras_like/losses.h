@@ -49,12 +49,11 @@ using LossSpec = std::variant<MeanSquaredError, MeanAbsoluteError, SparseCategor
 // object. An unknown name throws InvalidArgument listing the known ones.
 class LossRef {
  public:
-  LossRef(const char* name) : LossRef(std::string_view(name)) {}  // NOLINT: Keras-style strings
-  LossRef(std::string_view name);                                  // NOLINT
+  LossRef(const char* name) : LossRef(std::string_view(name)) {}         // NOLINT: Keras-style strings
+  LossRef(std::string_view name);                                        // NOLINT
   LossRef(const std::string& name) : LossRef(std::string_view(name)) {}  // NOLINT
   template <class L>
-    requires std::is_constructible_v<LossSpec, L>
-  LossRef(L loss) : spec_(std::move(loss)) {}  // NOLINT
+  requires std::is_constructible_v<LossSpec, L> LossRef(L loss) : spec_(std::move(loss)) {}  // NOLINT
 
   const LossSpec& spec() const { return spec_; }
   std::string name() const;  // Keras's snake_case name: "sparse_categorical_crossentropy"

@@ -29,19 +29,19 @@ struct LossMetric {
   LossSpec loss;
 };
 
-using MetricSpec = std::variant<Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy, MeanSquaredErrorMetric,
-                                MeanAbsoluteErrorMetric, LossMetric>;
+using MetricSpec = std::variant<Accuracy, SparseCategoricalAccuracy, CategoricalAccuracy, BinaryAccuracy,
+                                MeanSquaredErrorMetric, MeanAbsoluteErrorMetric, LossMetric>;
 
 // A metric as compile() takes it: a Keras identifier ("accuracy" / "acc", resolved from the loss
 // like Keras does; "sparse_categorical_accuracy", "categorical_accuracy", "binary_accuracy",
 // "mse", "mae", ...) or an object.
 class MetricRef {
  public:
-  MetricRef(const char* name) : name_(name) {}  // NOLINT: Keras-style strings
+  MetricRef(const char* name) : name_(name) {}             // NOLINT: Keras-style strings
   MetricRef(std::string name) : name_(std::move(name)) {}  // NOLINT
   template <class M>
-    requires std::is_constructible_v<MetricSpec, M>
-  MetricRef(M metric) : spec_(std::move(metric)), resolved_(true) {}  // NOLINT
+  requires std::is_constructible_v<MetricSpec, M> MetricRef(M metric)
+      : spec_(std::move(metric)), resolved_(true) {}  // NOLINT
 
   // The metric and the name it is logged under (the string given, as Keras logs "accuracy" or
   // "acc"; an object's snake_case name). Throws InvalidArgument listing the known names.

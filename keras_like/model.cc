@@ -25,7 +25,8 @@ ModelState::~ModelState() = default;
 namespace {
 
 ModelState& checked(const std::shared_ptr<ModelState>& state) {
-  TANDEM_REQUIRE(state != nullptr, FailedPrecondition, "use of an empty Model handle (assign a Sequential or a Model first)");
+  TANDEM_REQUIRE(state != nullptr, FailedPrecondition,
+                 "use of an empty Model handle (assign a Sequential or a Model first)");
   return *state;
 }
 
@@ -51,8 +52,8 @@ void link(ModelState& s) {
       }
       if (node->layer == nullptr) {
         TANDEM_REQUIRE(inputs.contains(node.get()), InvalidArgument,
-                       "model \"{}\": the outputs depend on input \"{}\", which is not among the model's inputs", s.name,
-                       node->input_name);
+                       "model \"{}\": the outputs depend on input \"{}\", which is not among the model's inputs",
+                       s.name, node->input_name);
         done.insert(node.get());
         stack.pop_back();
         continue;
@@ -76,10 +77,11 @@ void link(ModelState& s) {
   // Every weight must belong to the strategy the model runs under.
   for (const auto& layer : s.layers) {
     for (const auto& w : layer->weights()) {
-      TANDEM_REQUIRE(&w->strategy() == s.strategy, FailedPrecondition,
-                     "model \"{}\": layer \"{}\" has weights from {}, but the model is being made under {}; build every "
-                     "layer under one strategy's scope",
-                     s.name, layer.name(), w->strategy().name(), s.strategy->name());
+      TANDEM_REQUIRE(
+          &w->strategy() == s.strategy, FailedPrecondition,
+          "model \"{}\": layer \"{}\" has weights from {}, but the model is being made under {}; build every "
+          "layer under one strategy's scope",
+          s.name, layer.name(), w->strategy().name(), s.strategy->name());
     }
   }
 }
@@ -162,7 +164,8 @@ Tensor concatenate_rows(const std::vector<Tensor>& parts) {
 }
 
 // One pass of evaluation, reporting to `callbacks` through their on_test_* hooks.
-Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps, CallbackList& callbacks) {
+Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps,
+                    CallbackList& callbacks) {
   auto& trainer = trainer_for(s, data.element_spec(), true);
   const std::int64_t total = steps_of(data, steps);
   Logs logs;
@@ -282,7 +285,8 @@ void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef
                  "model \"{}\" has {} output(s); compile() got {} losses (give one, or one per output)", s.name, n_out,
                  losses.size());
   TANDEM_REQUIRE(options.loss_weights.empty() || options.loss_weights.size() == n_out, InvalidArgument,
-                 "model \"{}\" has {} output(s); compile() got {} loss weights", s.name, n_out, options.loss_weights.size());
+                 "model \"{}\" has {} output(s); compile() got {} loss weights", s.name, n_out,
+                 options.loss_weights.size());
   std::vector<std::pair<MetricSpec, std::string>> resolved;
   for (const auto& m : metrics) resolved.push_back(m.resolve());
   s.compiled_outputs.clear();
@@ -323,7 +327,8 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
                  options.initial_epoch);
   TANDEM_REQUIRE(!options.steps_per_epoch || *options.steps_per_epoch > 0, InvalidArgument,
                  "model \"{}\": steps_per_epoch must be positive", s.name);
-  TANDEM_REQUIRE(options.validation_freq >= 1, InvalidArgument, "model \"{}\": validation_freq must be at least 1", s.name);
+  TANDEM_REQUIRE(options.validation_freq >= 1, InvalidArgument, "model \"{}\": validation_freq must be at least 1",
+                 s.name);
   auto scope = enter_model_scope(s, "fit");
   auto& trainer = trainer_for(s, data.element_spec(), true);
   const std::int64_t steps = steps_of(data, options.steps_per_epoch);
@@ -412,11 +417,12 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
 }
 
 History Model::fit(const Tensor& x, const Tensor& y, const FitOptions& options) {
-  TANDEM_REQUIRE(x.defined() && y.defined() && x.shape().rank() >= 1 && y.shape().rank() >= 1 &&
-                     x.shape()[0] == y.shape()[0],
-                 InvalidArgument, "fit(x, y): x {} and y {} must have the same number of examples (first dimension)",
-                 x.defined() ? x.shape() : Shape{}, y.defined() ? y.shape() : Shape{});
-  TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "fit(x, y): batch_size must be positive; got {}", options.batch_size);
+  TANDEM_REQUIRE(
+      x.defined() && y.defined() && x.shape().rank() >= 1 && y.shape().rank() >= 1 && x.shape()[0] == y.shape()[0],
+      InvalidArgument, "fit(x, y): x {} and y {} must have the same number of examples (first dimension)",
+      x.defined() ? x.shape() : Shape{}, y.defined() ? y.shape() : Shape{});
+  TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "fit(x, y): batch_size must be positive; got {}",
+                 options.batch_size);
   TANDEM_REQUIRE(options.validation_split >= 0.0 && options.validation_split < 1.0, InvalidArgument,
                  "fit(x, y): validation_split must be in [0, 1); got {}", options.validation_split);
   TANDEM_REQUIRE(!(options.validation_split > 0 && options.validation_data), InvalidArgument,
@@ -444,7 +450,8 @@ Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) 
   std::vector<CallbackPtr> list = options.callbacks;
   const int verbose = s.strategy->should_log() ? options.verbose : 0;
   add_defaults(list, verbose, /*with_history=*/false);
-  CallbackList callbacks(std::move(list), this, {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = verbose});
+  CallbackList callbacks(std::move(list), this,
+                         {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = verbose});
   return run_evaluation(s, data, options.steps, callbacks);
 }
 
@@ -471,7 +478,8 @@ std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const Pred
     Logs batch_logs;
     list.on_predict_batch_begin(step, batch_logs);
     const auto outputs = trainer.predict_step(*batch);
-    for (std::size_t j = 0; j < outputs.size(); ++j) parts[j].push_back(outputs[j].to(devices::default_cpu_device()).clone());
+    for (std::size_t j = 0; j < outputs.size(); ++j)
+      parts[j].push_back(outputs[j].to(devices::default_cpu_device()).clone());
     list.on_predict_batch_end(step, batch_logs);
   }
   list.on_predict_end(logs);
@@ -545,7 +553,8 @@ void Model::load_weights(const std::string& path) { load_model_weights(*this, pa
 
 Optimizer& Model::optimizer() const {
   auto& s = checked(state_);
-  TANDEM_REQUIRE(s.optimizer != nullptr, FailedPrecondition, "model \"{}\" has no optimizer: call compile() first", s.name);
+  TANDEM_REQUIRE(s.optimizer != nullptr, FailedPrecondition, "model \"{}\" has no optimizer: call compile() first",
+                 s.name);
   return *s.optimizer;
 }
 
@@ -594,7 +603,8 @@ std::string Model::summary_string(int line_length) const {
     } else if (nodes.size() > 1) {
       shape = "multiple";
     }
-    out += row(fmt::format("{} ({})", layer.name(), layer->class_name()), shape, fmt::format("{}", layer->count_params()));
+    out +=
+        row(fmt::format("{} ({})", layer.name(), layer->class_name()), shape, fmt::format("{}", layer->count_params()));
     out += std::string(width, ' ') + "\n";
   }
   std::int64_t trainable = 0, non_trainable = 0;

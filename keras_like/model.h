@@ -35,8 +35,8 @@ namespace tandem::keras {
 class LossList {
  public:
   template <class L>
-    requires std::is_constructible_v<LossRef, L>
-  LossList(L loss) : losses_{LossRef(std::move(loss))} {}  // NOLINT: compile("adam", "mse")
+  requires std::is_constructible_v<LossRef, L> LossList(L loss)
+      : losses_{LossRef(std::move(loss))} {}  // NOLINT: compile("adam", "mse")
   LossList(std::initializer_list<LossRef> losses) : losses_(losses) {}
   const std::vector<LossRef>& losses() const { return losses_; }
 
@@ -94,8 +94,8 @@ struct PredictOptions {
 // An element of Sequential's list: a layer, or an Input first.
 class SequentialItem {
  public:
-  SequentialItem(Layer layer) : layer_(std::move(layer)) {}           // NOLINT
-  SequentialItem(KerasTensor input) : input_(std::move(input)) {}     // NOLINT
+  SequentialItem(Layer layer) : layer_(std::move(layer)) {}        // NOLINT
+  SequentialItem(KerasTensor input) : input_(std::move(input)) {}  // NOLINT
   const Layer& layer() const { return layer_; }
   const KerasTensor& input() const { return input_; }
 
@@ -125,8 +125,7 @@ class Model {
   void build(const Shape& input_shape);
   bool built() const;
 
-  void compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef> metrics = {},
-               CompileOptions options = {});
+  void compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef> metrics = {}, CompileOptions options = {});
   bool compiled() const;
 
   History fit(const data::Dataset& data, const FitOptions& options = {});
@@ -151,7 +150,7 @@ class Model {
   std::vector<VariablePtr> trainable_weights() const;
   std::vector<VariablePtr> non_trainable_weights() const;
   std::int64_t count_params() const;
-  std::vector<Tensor> get_weights() const;        // host copies, weights() order
+  std::vector<Tensor> get_weights() const;              // host copies, weights() order
   void set_weights(const std::vector<Tensor>& values);  // checks count, dtypes and shapes first
 
   // Weights in the safetensors format, named "<layer>/<weight>" ("dense/kernel"), with a

@@ -14,8 +14,8 @@ class DropoutImpl final : public LayerImpl {
         // Drawn once, here: every call of the layer (each replica's graph, each rebuild) then
         // uses the same seed, and a given seed is not consumed from the global sequence.
         seed_(options.seed ? *options.seed : next_seed()) {
-    TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)",
-                   label(), rate);
+    TANDEM_REQUIRE(rate >= 0.0 && rate < 1.0, InvalidArgument, "{}: rate is {}; expected a fraction in [0, 1)", label(),
+                   rate);
   }
 
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
@@ -42,14 +42,17 @@ class BatchNormalizationImpl final : public LayerImpl {
   void build(const std::vector<TensorSpec>& inputs) override {
     const Shape& in = inputs[0].shape;
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] != Shape::kUnknown, InvalidArgument,
-                   "{}: input has shape {}; expected rank 2 or more with known channels (last dimension)", label(),
-                   in);
+                   "{}: input has shape {}; expected rank 2 or more with known channels (last dimension)", label(), in);
     const Shape channels{in[in.rank() - 1]};
     // Keras's creation order, which is also the order of get_weights() and of saved weights.
-    if (options_.scale) gamma_ = add_weight({.name = "gamma", .shape = channels, .initializer = options_.gamma_initializer});
-    if (options_.center) beta_ = add_weight({.name = "beta", .shape = channels, .initializer = options_.beta_initializer});
-    moving_mean_ = add_weight(
-        {.name = "moving_mean", .shape = channels, .initializer = options_.moving_mean_initializer, .trainable = false});
+    if (options_.scale)
+      gamma_ = add_weight({.name = "gamma", .shape = channels, .initializer = options_.gamma_initializer});
+    if (options_.center)
+      beta_ = add_weight({.name = "beta", .shape = channels, .initializer = options_.beta_initializer});
+    moving_mean_ = add_weight({.name = "moving_mean",
+                               .shape = channels,
+                               .initializer = options_.moving_mean_initializer,
+                               .trainable = false});
     moving_variance_ = add_weight({.name = "moving_variance",
                                    .shape = channels,
                                    .initializer = options_.moving_variance_initializer,
@@ -61,8 +64,8 @@ class BatchNormalizationImpl final : public LayerImpl {
   bool autocast() const override { return false; }
 
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
-    const DType out_dtype = graph::is_floating(inputs[0].dtype()) && dtype_policy().is_mixed() ? compute_dtype()
-                                                                                              : inputs[0].dtype();
+    const DType out_dtype =
+        graph::is_floating(inputs[0].dtype()) && dtype_policy().is_mixed() ? compute_dtype() : inputs[0].dtype();
     const Output x = graph::is_low_precision(inputs[0].dtype()) ? ops::cast(inputs[0], DType::kF32) : inputs[0];
     const Shape& in = x.shape();
     const std::int64_t channels = moving_mean_->shape()[0];

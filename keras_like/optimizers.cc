@@ -83,9 +83,10 @@ bool all_finite(const std::vector<Tensor>& gradients) {
 // A gradient must match its variable's copy in shape, dtype and device.
 void require_matching_gradient(const std::string& optimizer, const strategy::Variable& variable, const Tensor& w,
                                const Tensor& grad) {
-  TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(), InvalidArgument,
-                 "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", optimizer, variable.name(),
-                 grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(), w.device().short_name());
+  TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(),
+                 InvalidArgument, "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", optimizer,
+                 variable.name(), grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(),
+                 w.device().short_name());
 }
 
 // One replica's copy of a scalar state variable, read and written without a kernel.
@@ -142,7 +143,8 @@ std::vector<std::string> slot_names(const OptimizerSpec& spec) {
 template <class T>
 double squared_norm(devices::Device& device, const T* g, std::int64_t n) {
   // Two partial sums per thread at most; the order is fixed by the chunking, not the threads.
-  std::vector<double> partial(static_cast<std::size_t>(std::max<std::int64_t>(1, (n + kUpdateGrain - 1) / kUpdateGrain)), 0.0);
+  std::vector<double> partial(
+      static_cast<std::size_t>(std::max<std::int64_t>(1, (n + kUpdateGrain - 1) / kUpdateGrain)), 0.0);
   device.parallel_for(static_cast<std::int64_t>(partial.size()), 1, [&](std::int64_t b, std::int64_t e) {
     for (std::int64_t c = b; c < e; ++c) {
       double s = 0;
@@ -190,7 +192,8 @@ void adam_update(T* __restrict var, T* __restrict m, T* __restrict v, T* __restr
     for (std::int64_t i = b; i < e; ++i) ops::detail::adam_plain(var[i], m[i], v[i], g[i] * scale, s);
     return;
   }
-  for (std::int64_t i = b; i < e; ++i) ops::detail::adam_general(var[i], m[i], v[i], v_hat != nullptr ? v_hat + i : nullptr, gt(g[i]), s);
+  for (std::int64_t i = b; i < e; ++i)
+    ops::detail::adam_general(var[i], m[i], v[i], v_hat != nullptr ? v_hat + i : nullptr, gt(g[i]), s);
 }
 
 }  // namespace
@@ -210,15 +213,18 @@ OptimizerRef::OptimizerRef(std::string_view name) {
 }
 
 Optimizer::Optimizer(OptimizerSpec spec)
-    : spec_(std::move(spec)), learning_rate_(learning_rate_of(spec_)), accumulation_steps_(accumulation_steps_of(spec_)) {
-  TANDEM_REQUIRE(accumulation_steps_ >= 1, InvalidArgument, "{}: gradient_accumulation_steps must be at least 1; got {}",
-                 name(), accumulation_steps_);
+    : spec_(std::move(spec)),
+      learning_rate_(learning_rate_of(spec_)),
+      accumulation_steps_(accumulation_steps_of(spec_)) {
+  TANDEM_REQUIRE(accumulation_steps_ >= 1, InvalidArgument,
+                 "{}: gradient_accumulation_steps must be at least 1; got {}", name(), accumulation_steps_);
   const Clip clip = clip_of(spec_);
   TANDEM_REQUIRE(!(clip.clipnorm && clip.global_clipnorm), InvalidArgument,
                  "{}: set clipnorm or global_clipnorm, not both (as in Keras)", name());
   for (const auto& [what, value] : {std::pair{"clipnorm", clip.clipnorm}, std::pair{"clipvalue", clip.clipvalue},
                                     std::pair{"global_clipnorm", clip.global_clipnorm}}) {
-    TANDEM_REQUIRE(!value || *value > 0, InvalidArgument, "{}: {} must be positive; got {}", name(), what, value.value_or(0));
+    TANDEM_REQUIRE(!value || *value > 0, InvalidArgument, "{}: {} must be positive; got {}", name(), what,
+                   value.value_or(0));
   }
   set_learning_rate(learning_rate_);
 }
@@ -359,7 +365,8 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
         continue;
       }
       graph::dispatch<graph::FloatTypes>(gradients[i].dtype(), "optimizer", [&]<class T>() {
-        total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()), gradients[i].num_elements());
+        total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()),
+                              gradients[i].num_elements());
       });
     }
     const double norm = std::sqrt(total) * mean_scale;
@@ -389,7 +396,8 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
       GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
                               clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm};
       std::array<T*, kMaxSlots> slot{};
-      for (std::size_t s = 0; s < slots_[vi].size(); ++s) slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
+      for (std::size_t s = 0; s < slots_[vi].size(); ++s)
+        slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
 
       std::visit(
           [&](const auto& o) {
@@ -509,7 +517,8 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
   const auto tensors = device_update_tensors(replica, gradients);
   auto& device = variables_.front()->value(replica).device();
   const DType dtype = variables_.front()->dtype();
-  const bool uniform_dtype = std::all_of(variables_.begin(), variables_.end(), [&](const auto& v) { return v->dtype() == dtype; });
+  const bool uniform_dtype =
+      std::all_of(variables_.begin(), variables_.end(), [&](const auto& v) { return v->dtype() == dtype; });
   if (!clip.clipnorm && uniform_dtype) {
     ops::detail::apply_update_on_device(device, dtype, params, tensors);
   } else {
@@ -545,7 +554,8 @@ bool Optimizer::can_update_from_device_memory(int replica) const {
 void Optimizer::stage_update_params(int replica) {
   TANDEM_REQUIRE(can_update_from_device_memory(replica), FailedPrecondition,
                  "{}: replica {}'s update cannot read its numbers from device memory", name(), replica);
-  if (staged_params_.size() <= static_cast<std::size_t>(replica)) staged_params_.resize(static_cast<std::size_t>(replica) + 1);
+  if (staged_params_.size() <= static_cast<std::size_t>(replica))
+    staged_params_.resize(static_cast<std::size_t>(replica) + 1);
   auto& staged = staged_params_[static_cast<std::size_t>(replica)];
   auto& device = variables_.front()->value(replica).device();
   constexpr std::size_t kBytes = sizeof(ops::detail::UpdateParams);

@@ -94,13 +94,13 @@ struct LossScaleOptimizer {
 // object. An unknown name throws InvalidArgument listing the known ones.
 class OptimizerRef {
  public:
-  OptimizerRef(const char* name) : OptimizerRef(std::string_view(name)) {}  // NOLINT: Keras strings
-  OptimizerRef(std::string_view name);                                       // NOLINT
+  OptimizerRef(const char* name) : OptimizerRef(std::string_view(name)) {}         // NOLINT: Keras strings
+  OptimizerRef(std::string_view name);                                             // NOLINT
   OptimizerRef(const std::string& name) : OptimizerRef(std::string_view(name)) {}  // NOLINT
   template <class O>
-    requires std::is_constructible_v<OptimizerSpec, O>
-  OptimizerRef(O optimizer) : spec_(std::move(optimizer)) {}  // NOLINT
-  OptimizerRef(LossScaleOptimizer optimizer)                     // NOLINT
+  requires std::is_constructible_v<OptimizerSpec, O> OptimizerRef(O optimizer)
+      : spec_(std::move(optimizer)) {}        // NOLINT
+  OptimizerRef(LossScaleOptimizer optimizer)  // NOLINT
       : spec_(optimizer.inner_optimizer), loss_scale_(std::move(optimizer)) {}
 
   // The optimizer that updates the weights (the inner one under loss scaling).
@@ -203,7 +203,7 @@ class Optimizer {
   std::vector<VariablePtr> accumulators_;  // per variable, when accumulating
   std::optional<LossScaleOptimizer> loss_scale_;
   VariablePtr dynamic_scale_, step_counter_;  // built with the slots, under loss scaling
-  struct StagedParams;  // per replica: stage_update_params's pinned and device copies
+  struct StagedParams;                        // per replica: stage_update_params's pinned and device copies
   std::vector<std::unique_ptr<StagedParams>> staged_params_;
 
   // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).

@@ -205,7 +205,9 @@ class ReadFile {
         if (errno == EINTR) continue;
         throw Unavailable(fmt::format("cannot read \"{}\": {}", path_, system_reason(errno)));
       }
-      if (n == 0) throw DataLoss(fmt::format("\"{}\": the file ends at byte {}, in the middle of its data (truncated)", path_, offset));
+      if (n == 0)
+        throw DataLoss(
+            fmt::format("\"{}\": the file ends at byte {}, in the middle of its data (truncated)", path_, offset));
       p += n;
       bytes -= static_cast<std::size_t>(n);
       offset += static_cast<std::uint64_t>(n);
@@ -226,11 +228,12 @@ struct Entry {
   std::uint64_t begin = 0, end = 0;
 };
 
-std::uint64_t json_unsigned(const Json& value, const std::string& path, const std::string& name, std::string_view field) {
+std::uint64_t json_unsigned(const Json& value, const std::string& path, const std::string& name,
+                            std::string_view field) {
   // JSON numbers parse as unsigned when non-negative integers; anything else is not an offset.
   if (!value.is_number_unsigned()) {
-    throw DataLoss(fmt::format("\"{}\": tensor \"{}\": {} holds {}, not a non-negative integer", path, name, field,
-                               value.dump()));
+    throw DataLoss(
+        fmt::format("\"{}\": tensor \"{}\": {} holds {}, not a non-negative integer", path, name, field, value.dump()));
   }
   return value.get<std::uint64_t>();
 }
@@ -239,7 +242,8 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
   const auto bad = [&](const std::string& what) {
     return DataLoss(fmt::format("\"{}\": tensor \"{}\": {}", path, name, what));
   };
-  if (!value.is_object()) throw bad(fmt::format("expected an object with dtype, shape and data_offsets; got {}", value.dump()));
+  if (!value.is_object())
+    throw bad(fmt::format("expected an object with dtype, shape and data_offsets; got {}", value.dump()));
   Entry e;
   e.name = name;
   const auto dtype_it = value.find("dtype");
@@ -316,8 +320,8 @@ std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<Va
     }
     const Tensor& t = it->second;
     if (t.dtype() != v->dtype() || t.shape() != v->shape()) {
-      mismatched.push_back(fmt::format("\"{}\" is {} in the file but {} in the model", name, describe(t.dtype(), t.shape()),
-                                       describe(v->dtype(), v->shape())));
+      mismatched.push_back(fmt::format("\"{}\" is {} in the file but {} in the model", name,
+                                       describe(t.dtype(), t.shape()), describe(v->dtype(), v->shape())));
       continue;
     }
     plan.emplace_back(v, t);
@@ -372,7 +376,8 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
                    "write_safetensors \"{}\": \"__metadata__\" is reserved by the format; rename the tensor", path);
     TANDEM_REQUIRE(names.insert(name).second, InvalidArgument, "write_safetensors \"{}\": two tensors are named \"{}\"",
                    path, name);
-    TANDEM_REQUIRE(tensor.defined(), InvalidArgument, "write_safetensors \"{}\": tensor \"{}\" is undefined", path, name);
+    TANDEM_REQUIRE(tensor.defined(), InvalidArgument, "write_safetensors \"{}\": tensor \"{}\" is undefined", path,
+                   name);
     TANDEM_REQUIRE(safetensors_dtype(tensor.dtype()).has_value(), InvalidArgument,
                    "write_safetensors \"{}\": tensor \"{}\" has dtype {}, which safetensors cannot hold", path, name,
                    tensor.dtype());
@@ -404,13 +409,14 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
     text = header.dump();
   } catch (const Json::exception& e) {
     // Names and metadata must be valid UTF-8 for JSON.
-    throw InvalidArgument(fmt::format("write_safetensors \"{}\": a tensor name or metadata entry is not valid UTF-8 ({})",
-                                      path, e.what()));
+    throw InvalidArgument(fmt::format(
+        "write_safetensors \"{}\": a tensor name or metadata entry is not valid UTF-8 ({})", path, e.what()));
   }
   // Spaces keep the data section 8-byte aligned, as the reference writer does.
   text.append((8 - text.size() % 8) % 8, ' ');
   std::array<unsigned char, 8> length{};
-  for (std::size_t i = 0; i < 8; ++i) length[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  for (std::size_t i = 0; i < 8; ++i)
+    length[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
 
   AtomicFile file(path);
   file.write(length.data(), length.size());
@@ -423,20 +429,20 @@ SafetensorsContent read_safetensors(const std::string& path) {
   ReadFile file(path);
   const std::uint64_t size = file.size();
   if (size < 8) {
-    throw DataLoss(fmt::format("\"{}\": {} bytes is too short for a safetensors file (8-byte header length; truncated?)",
-                               path, size));
+    throw DataLoss(fmt::format(
+        "\"{}\": {} bytes is too short for a safetensors file (8-byte header length; truncated?)", path, size));
   }
   std::array<unsigned char, 8> length_bytes{};
   file.read(length_bytes.data(), length_bytes.size(), 0);
   std::uint64_t header_bytes = 0;
   for (std::size_t i = 0; i < 8; ++i) header_bytes |= static_cast<std::uint64_t>(length_bytes[i]) << (8 * i);
   if (header_bytes > size - 8) {
-    throw DataLoss(fmt::format("\"{}\": the header length {} runs past the end of the file ({} bytes; truncated?)", path,
-                               header_bytes, size));
+    throw DataLoss(fmt::format("\"{}\": the header length {} runs past the end of the file ({} bytes; truncated?)",
+                               path, header_bytes, size));
   }
   if (header_bytes > kMaxHeaderBytes) {
-    throw DataLoss(fmt::format("\"{}\": the header length {} exceeds the format's limit of {} bytes", path, header_bytes,
-                               kMaxHeaderBytes));
+    throw DataLoss(fmt::format("\"{}\": the header length {} exceeds the format's limit of {} bytes", path,
+                               header_bytes, kMaxHeaderBytes));
   }
   std::string text(static_cast<std::size_t>(header_bytes), '\0');
   file.read(text.data(), text.size(), 8);
@@ -446,7 +452,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
   } catch (const Json::exception& e) {
     throw DataLoss(fmt::format("\"{}\": the header is not valid JSON ({})", path, e.what()));
   }
-  if (!header.is_object()) throw DataLoss(fmt::format("\"{}\": the header is {}, not a JSON object", path, header.type_name()));
+  if (!header.is_object())
+    throw DataLoss(fmt::format("\"{}\": the header is {}, not a JSON object", path, header.type_name()));
 
   const std::uint64_t data_start = 8 + header_bytes;
   const std::uint64_t data_bytes = size - data_start;
@@ -454,7 +461,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
   std::vector<Entry> entries;
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
-      if (!value.is_object()) throw DataLoss(fmt::format("\"{}\": __metadata__ is {}, not an object", path, value.dump()));
+      if (!value.is_object())
+        throw DataLoss(fmt::format("\"{}\": __metadata__ is {}, not an object", path, value.dump()));
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string()) {
           throw DataLoss(fmt::format("\"{}\": metadata \"{}\" is {}, not a string", path, mk, mv.dump()));
@@ -478,8 +486,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
   for (const auto i : order) {
     const Entry& e = entries[i];
     if (e.begin < covered) {
-      throw DataLoss(fmt::format("\"{}\": tensor \"{}\" at bytes [{}, {}] overlaps tensor \"{}\", which ends at {}", path,
-                                 e.name, e.begin, e.end, previous->name, covered));
+      throw DataLoss(fmt::format("\"{}\": tensor \"{}\" at bytes [{}, {}] overlaps tensor \"{}\", which ends at {}",
+                                 path, e.name, e.begin, e.end, previous->name, covered));
     }
     if (e.begin > covered) {
       throw DataLoss(fmt::format("\"{}\": {} unused bytes at data offset {}, before tensor \"{}\"", path,
@@ -489,8 +497,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
     previous = &e;
   }
   if (covered != data_bytes) {
-    throw DataLoss(fmt::format("\"{}\": the tensors cover {} bytes of data but the file holds {} after the header", path,
-                               covered, data_bytes));
+    throw DataLoss(fmt::format("\"{}\": the tensors cover {} bytes of data but the file holds {} after the header",
+                               path, covered, data_bytes));
   }
 
   // Read in offset order, which is the order of the bytes on disk, hashing as we go.
@@ -509,13 +517,15 @@ SafetensorsContent read_safetensors(const std::string& path) {
     const std::string& expected = it->second;
     if (expected.size() != 14 || expected.rfind("crc32:", 0) != 0 ||
         expected.find_first_not_of("0123456789abcdef", 6) != std::string::npos) {
-      throw DataLoss(fmt::format("\"{}\": checksum \"{}\" in the metadata is not \"crc32:<8 hex digits>\"", path, expected));
+      throw DataLoss(
+          fmt::format("\"{}\": checksum \"{}\" in the metadata is not \"crc32:<8 hex digits>\"", path, expected));
     }
     const std::string actual = checksum_string(crc);
     if (actual != expected) {
-      throw DataLoss(fmt::format("\"{}\": checksum mismatch over the {} data bytes: the header says {}, the data hashes to "
-                                 "{} (the file is corrupt)",
-                                 path, data_bytes, expected, actual));
+      throw DataLoss(
+          fmt::format("\"{}\": checksum mismatch over the {} data bytes: the header says {}, the data hashes to "
+                      "{} (the file is corrupt)",
+                      path, data_bytes, expected, actual));
     }
   }
   content.tensors.reserve(entries.size());
@@ -559,16 +569,17 @@ void load_model_weights(Model& model, const std::string& path) {
     if (!used.contains(name)) extra.push_back(name);
   }
   if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
-    throw InvalidArgument(fmt::format("load_weights \"{}\" into model \"{}\": the file does not match the model ({}); "
-                                      "nothing was loaded",
-                                      path, model.name(), mismatch_report(missing, extra, mismatched)));
+    throw InvalidArgument(
+        fmt::format("load_weights \"{}\" into model \"{}\": the file does not match the model ({}); "
+                    "nothing was loaded",
+                    path, model.name(), mismatch_report(missing, extra, mismatched)));
   }
   for (const auto& [variable, value] : plan) variable->assign(value);
 }
 
 void save_training_checkpoint(const Model& model, const std::string& path, const TrainingState& state) {
-  TANDEM_REQUIRE(model.built(), FailedPrecondition, "save_training_checkpoint \"{}\": model \"{}\" is not built yet", path,
-                 model.name());
+  TANDEM_REQUIRE(model.built(), FailedPrecondition, "save_training_checkpoint \"{}\": model \"{}\" is not built yet",
+                 path, model.name());
   const Optimizer& optimizer = model.optimizer();  // FailedPrecondition before compile()
   NamedTensors tensors;
   for (const auto& w : unique_variables(model.weights())) tensors.emplace_back(w->name(), w->read_value());
@@ -586,8 +597,8 @@ void save_training_checkpoint(const Model& model, const std::string& path, const
 }
 
 TrainingState load_training_checkpoint(Model& model, const std::string& path) {
-  TANDEM_REQUIRE(model.built(), FailedPrecondition, "load_training_checkpoint \"{}\": model \"{}\" is not built yet", path,
-                 model.name());
+  TANDEM_REQUIRE(model.built(), FailedPrecondition, "load_training_checkpoint \"{}\": model \"{}\" is not built yet",
+                 path, model.name());
   Optimizer& optimizer = model.optimizer();
   auto content = read_safetensors(path);
   const auto format = content.metadata.find(std::string(kFormatKey));
@@ -606,7 +617,8 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
   // left out (dropped, or started at the initial scale).
   const auto without_loss_scaling = [](std::string_view name) {
     constexpr std::string_view kWrapper = "loss_scale_optimizer(";
-    if (name.starts_with(kWrapper) && name.ends_with(")")) name = name.substr(kWrapper.size(), name.size() - kWrapper.size() - 1);
+    if (name.starts_with(kWrapper) && name.ends_with(")"))
+      name = name.substr(kWrapper.size(), name.size() - kWrapper.size() - 1);
     return std::string(name);
   };
   if (const auto it = content.metadata.find("optimizer"); it != content.metadata.end()) {
@@ -625,20 +637,22 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
       return std::nullopt;
     }
     TANDEM_REQUIRE(it->second.dtype() == dtype && it->second.shape() == Shape{}, DataLoss,
-                   "\"{}\": \"{}\" is {}; expected a {} scalar", path, name, describe(it->second.dtype(), it->second.shape()),
-                   dtype);
+                   "\"{}\": \"{}\" is {}; expected a {} scalar", path, name,
+                   describe(it->second.dtype(), it->second.shape()), dtype);
     Tensor t = it->second;
     file.erase(it);
     return t;
   };
   const auto iterations = take_scalar(kIterationsName, DType::kI64, true)->item<std::int64_t>();
-  TANDEM_REQUIRE(iterations >= 0, DataLoss, "\"{}\": \"{}\" is {}; expected a count", path, kIterationsName, iterations);
+  TANDEM_REQUIRE(iterations >= 0, DataLoss, "\"{}\": \"{}\" is {}; expected a count", path, kIterationsName,
+                 iterations);
   const auto learning_rate_tensor = take_scalar(kLearningRateName, DType::kF64, false);
   std::optional<double> learning_rate;
   if (learning_rate_tensor) {
     learning_rate = learning_rate_tensor->item<double>();
     TANDEM_REQUIRE(std::isfinite(*learning_rate) && *learning_rate >= 0, DataLoss,
-                   "\"{}\": \"{}\" is {}; expected a finite, non-negative rate", path, kLearningRateName, *learning_rate);
+                   "\"{}\": \"{}\" is {}; expected a finite, non-negative rate", path, kLearningRateName,
+                   *learning_rate);
   }
 
   std::set<std::string> used;
@@ -665,9 +679,10 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
   std::erase_if(extra, is_loss_scale_state);
   std::erase_if(missing, is_loss_scale_state);
   if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
-    throw InvalidArgument(fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
-                                      "the model and its {} optimizer ({}); nothing was loaded",
-                                      path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched)));
+    throw InvalidArgument(
+        fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
+                    "the model and its {} optimizer ({}); nothing was loaded",
+                    path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched)));
   }
   for (const auto& [variable, value] : plan) variable->assign(value);
   for (const auto& [variable, value] : slot_plan) variable->assign(value);

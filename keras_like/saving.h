@@ -45,8 +45,8 @@ void load_model_weights(Model& model, const std::string& path);
 
 // What a training checkpoint holds besides the weights.
 struct TrainingState {
-  int epoch = 0;           // epochs completed
-  std::int64_t step = 0;   // batches completed in the current epoch
+  int epoch = 0;          // epochs completed
+  std::int64_t step = 0;  // batches completed in the current epoch
 };
 
 // Weights, the optimizer's slots and iteration count, and the training state. The model must be

@@ -54,7 +54,8 @@ std::vector<Output> forward(ModelState& model, CallContext& ctx, const std::vect
     values[node.get()] = std::move(outs);
   }
   std::vector<Output> result;
-  for (const auto& out : model.outputs) result.push_back(values.at(out.node().get())[static_cast<std::size_t>(out.index())]);
+  for (const auto& out : model.outputs)
+    result.push_back(values.at(out.node().get())[static_cast<std::size_t>(out.index())]);
   return result;
 }
 
@@ -268,7 +269,8 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     model.optimizer->build(g.trainable);
     std::vector<strategy::GradientSource> sources;
     for (std::size_t k = 0; k < grads.size(); ++k) sources.push_back({g.trainable[k], grads[k]});
-    g.reducer = model.strategy->make_gradient_reducer(std::move(sources), {.accumulators = model.optimizer->accumulators()});
+    g.reducer =
+        model.strategy->make_gradient_reducer(std::move(sources), {.accumulators = model.optimizer->accumulators()});
   }
 
   // One replica per device of the strategy, with an executor bound to that replica's copies.
@@ -280,7 +282,9 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     // Random streams differ between all replicas of all workers (Dropout masks).
     const auto global_replica = static_cast<std::uint64_t>(model.strategy->worker_rank()) * devices.size() + r;
     replica->executor = std::make_unique<graph::Executor>(
-        g.graph, *devices[r], graph::ExecutorOptions{.seed = mix_seed(global_replica), .profile = g.profile, .cuda_graphs = model.cuda_graphs});
+        g.graph, *devices[r],
+        graph::ExecutorOptions{
+            .seed = mix_seed(global_replica), .profile = g.profile, .cuda_graphs = model.cuda_graphs});
     for (const auto& variable : g.variables.variables) {
       TANDEM_REQUIRE(&variable->strategy() == model.strategy, FailedPrecondition,
                      "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "
@@ -376,7 +380,8 @@ std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const
     for (std::size_t i = 0; i < n; ++i) values[i] = static_cast<double>(fetched[i].item<float>());
     return values;
   }
-  if (replica.scalar_staging.bytes() < n * sizeof(float)) replica.scalar_staging = devices::PinnedHostBuffer(device, n * sizeof(float));
+  if (replica.scalar_staging.bytes() < n * sizeof(float))
+    replica.scalar_staging = devices::PinnedHostBuffer(device, n * sizeof(float));
   auto* staged = static_cast<float*>(replica.scalar_staging.data());
   for (std::size_t i = 0; i < n; ++i) {
     TANDEM_ASSERT(fetched[i].dtype() == DType::kF32 && fetched[i].num_elements() == 1,
@@ -606,7 +611,8 @@ std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
     feeds.clear();
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     std::vector<Tensor> out;
-    for (const auto& t : replica.executor->run(feeds, g.predict_fetches)) out.push_back(t.to(devices::default_cpu_device()).clone());
+    for (const auto& t : replica.executor->run(feeds, g.predict_fetches))
+      out.push_back(t.to(devices::default_cpu_device()).clone());
     return out;
   };
   if (replicas_.size() == 1) return body(0, batch);
@@ -653,7 +659,8 @@ void Trainer::write_logs(Phase phase, Logs& logs, std::string_view prefix) const
   logs.set(fmt::format("{}loss", prefix), metrics->read(k++) / n);
   const bool several = model_.compiled_outputs.size() > 1;
   if (several) {
-    for (const auto& out : model_.compiled_outputs) logs.set(fmt::format("{}{}_loss", prefix, out.name), metrics->read(k++) / n);
+    for (const auto& out : model_.compiled_outputs)
+      logs.set(fmt::format("{}{}_loss", prefix, out.name), metrics->read(k++) / n);
   }
   for (const auto& out : model_.compiled_outputs) {
     for (const auto& [metric, name] : out.metrics) {

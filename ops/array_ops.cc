@@ -18,7 +18,9 @@ using detail::ShapeContext;
 using detail::TensorSpec;
 
 Output reshape(Output x, const Shape& shape) { return add_op("Reshape", {x}, {{"shape", shape}}); }
-Output transpose(Output x, std::vector<std::int64_t> perm) { return add_op("Transpose", {x}, {{"perm", std::move(perm)}}); }
+Output transpose(Output x, std::vector<std::int64_t> perm) {
+  return add_op("Transpose", {x}, {{"perm", std::move(perm)}});
+}
 Output cast(Output x, DType dtype) {
   if (x.dtype() == dtype) return x;
   return add_op("Cast", {x}, {{"dtype", dtype}});
@@ -71,7 +73,8 @@ std::vector<TensorSpec> reshape_shape(ShapeContext& ctx) {
   if (n == Shape::kUnknown) return {TensorSpec{ctx.dtype(0), out}};  // resolved when planned
   if (infer_axis >= 0) {
     ctx.require(known_product > 0 && n % known_product == 0,
-                "cannot reshape {} ({} elements) to {}: {} is not a multiple of {}", in, n, requested, n, known_product);
+                "cannot reshape {} ({} elements) to {}: {} is not a multiple of {}", in, n, requested, n,
+                known_product);
     out[infer_axis] = n / known_product;
   } else {
     ctx.require(known_product == n, "cannot reshape {} ({} elements) to {} ({} elements)", in, n, requested,
@@ -96,8 +99,8 @@ std::vector<TensorSpec> transpose_shape(ShapeContext& ctx) {
   std::vector<char> seen(perm.size(), 0);
   Shape out;
   for (auto p : perm) {
-    ctx.require(p >= 0 && p < in.rank() && !seen[static_cast<std::size_t>(p)], "perm [{}] is not a permutation of 0..{}",
-                fmt::join(perm, ", "), in.rank() - 1);
+    ctx.require(p >= 0 && p < in.rank() && !seen[static_cast<std::size_t>(p)],
+                "perm [{}] is not a permutation of 0..{}", fmt::join(perm, ", "), in.rank() - 1);
     seen[static_cast<std::size_t>(p)] = 1;
     out.push_back(in[static_cast<int>(p)]);
   }
@@ -143,9 +146,7 @@ std::vector<TensorSpec> fill_shape(ShapeContext& ctx) {
 
 // ----- gradient functions -----
 
-std::vector<Output> reshape_grad(GradContext& ctx) {
-  return {add_op("ReshapeLike", {ctx.grad(0), ctx.input(0)})};
-}
+std::vector<Output> reshape_grad(GradContext& ctx) { return {add_op("ReshapeLike", {ctx.grad(0), ctx.input(0)})}; }
 
 std::vector<Output> reshape_like_grad(GradContext& ctx) {
   return {add_op("ReshapeLike", {ctx.grad(0), ctx.input(0)}), Output{}};
@@ -154,7 +155,8 @@ std::vector<Output> reshape_like_grad(GradContext& ctx) {
 std::vector<Output> transpose_grad(GradContext& ctx) {
   const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
   std::vector<std::int64_t> inverse(perm.size());
-  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
+  for (std::size_t i = 0; i < perm.size(); ++i)
+    inverse[static_cast<std::size_t>(perm[i])] = static_cast<std::int64_t>(i);
   return {transpose(ctx.grad(0), inverse)};
 }
 
@@ -170,16 +172,30 @@ std::vector<Output> identity_grad(GradContext& ctx) { return {ctx.grad(0)}; }
 namespace detail {
 void register_array_ops() {
   auto& r = OpRegistry::global();
-  r.add({.name = "Reshape", .min_inputs = 1, .max_inputs = 1, .shape_fn = reshape_shape, .grad_fn = reshape_grad,
+  r.add({.name = "Reshape",
+         .min_inputs = 1,
+         .max_inputs = 1,
+         .shape_fn = reshape_shape,
+         .grad_fn = reshape_grad,
          .forwards_input = 0});
-  r.add({.name = "ReshapeLike", .min_inputs = 2, .max_inputs = 2, .shape_fn = reshape_like_shape,
-         .grad_fn = reshape_like_grad, .forwards_input = 0});
-  r.add({.name = "Identity", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .grad_fn = identity_grad,
+  r.add({.name = "ReshapeLike",
+         .min_inputs = 2,
+         .max_inputs = 2,
+         .shape_fn = reshape_like_shape,
+         .grad_fn = reshape_like_grad,
+         .forwards_input = 0});
+  r.add({.name = "Identity",
+         .min_inputs = 1,
+         .max_inputs = 1,
+         .shape_fn = same_as_input0_any,
+         .grad_fn = identity_grad,
          .forwards_input = 0});
   // No gradient function: gradients stop here.
-  r.add({.name = "StopGradient", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .forwards_input = 0});
+  r.add(
+      {.name = "StopGradient", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .forwards_input = 0});
   r.add({.name = "Copy", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_any, .grad_fn = identity_grad});
-  r.add({.name = "Transpose", .min_inputs = 1, .max_inputs = 1, .shape_fn = transpose_shape, .grad_fn = transpose_grad});
+  r.add(
+      {.name = "Transpose", .min_inputs = 1, .max_inputs = 1, .shape_fn = transpose_shape, .grad_fn = transpose_grad});
   r.add({.name = "Cast", .min_inputs = 1, .max_inputs = 1, .shape_fn = cast_shape, .grad_fn = cast_grad});
   r.add({.name = "ArgMax", .min_inputs = 1, .max_inputs = 1, .shape_fn = argmax_shape});
   r.add({.name = "Equal", .min_inputs = 2, .max_inputs = 2, .shape_fn = equal_shape});

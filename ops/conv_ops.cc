@@ -25,7 +25,8 @@ using graph::Shape;
 
 Padding parse_padding(std::string_view name) {
   std::string lower(name);
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   if (lower == "valid") return Padding::kValid;
   if (lower == "same") return Padding::kSame;
   throw InvalidArgument(fmt::format("padding \"{}\": expected \"valid\" or \"same\"", name));
@@ -58,9 +59,13 @@ Output fused_conv2d(Output x, Output filter, Output bias, Activation activation,
   return detail::add_op("FusedConv2D", {x, filter, bias}, std::move(attrs));
 }
 
-Output max_pool2d(Output x, const Pool2DOptions& options) { return detail::add_op("MaxPool2D", {x}, pool_attrs(options)); }
+Output max_pool2d(Output x, const Pool2DOptions& options) {
+  return detail::add_op("MaxPool2D", {x}, pool_attrs(options));
+}
 
-Output avg_pool2d(Output x, const Pool2DOptions& options) { return detail::add_op("AvgPool2D", {x}, pool_attrs(options)); }
+Output avg_pool2d(Output x, const Pool2DOptions& options) {
+  return detail::add_op("AvgPool2D", {x}, pool_attrs(options));
+}
 
 namespace detail {
 namespace {
@@ -75,8 +80,8 @@ using graph::TensorSpec;
 WindowAttrs checked_window_attrs(const ShapeContext& ctx, bool pooling) {
   const auto positive_pair = [&](std::string_view name) {
     const auto& v = ctx.attrs().get<std::vector<std::int64_t>>(name);
-    ctx.require(v.size() == 2 && v[0] > 0 && v[1] > 0, "{} must be two positive integers (height, width), got [{}]", name,
-                fmt::join(v, ", "));
+    ctx.require(v.size() == 2 && v[0] > 0 && v[1] > 0, "{} must be two positive integers (height, width), got [{}]",
+                name, fmt::join(v, ", "));
   };
   try {
     positive_pair(kStridesAttr);
@@ -117,7 +122,8 @@ Shape conv_output_shape(const ShapeContext& ctx, int x_index, int filter_index, 
   const Shape& x = ctx.shape(x_index);
   const Shape& f = ctx.shape(filter_index);
   const std::int64_t x_c = x[3], f_c = f[2];
-  ctx.require(x_c < 0 || f_c < 0 || x_c == f_c, "input {} has {} channels but the filter {} expects {}", x, x_c, f, f_c);
+  ctx.require(x_c < 0 || f_c < 0 || x_c == f_c, "input {} has {} channels but the filter {} expects {}", x, x_c, f,
+              f_c);
   ctx.require(f[0] != 0 && f[1] != 0, "the filter {} has an empty window", f);
   return window_output_shape(ctx, x, f[0], f[1], f[3], attrs, fmt::format("filter {}", f));
 }
@@ -168,7 +174,8 @@ std::vector<TensorSpec> conv2d_backprop_input_shape(ShapeContext& ctx) {
   require_nhwc(ctx, 2, "dy");
   const auto attrs = checked_window_attrs(ctx, false);
   const Shape y = conv_output_shape(ctx, 0, 1, attrs);
-  require_compatible(ctx, ctx.shape(2), y, "dy", fmt::format("Conv2D of x_like {} and filter {}", ctx.shape(0), ctx.shape(1)));
+  require_compatible(ctx, ctx.shape(2), y, "dy",
+                     fmt::format("Conv2D of x_like {} and filter {}", ctx.shape(0), ctx.shape(1)));
   Shape x = ctx.shape(0);
   if (x[0] < 0) x[0] = ctx.shape(2)[0];  // the batch is known once dy's is
   return {TensorSpec{ctx.dtype(0), x}};
@@ -181,7 +188,8 @@ std::vector<TensorSpec> conv2d_backprop_filter_shape(ShapeContext& ctx) {
   require_nhwc(ctx, 2, "dy");
   const auto attrs = checked_window_attrs(ctx, false);
   const Shape y = conv_output_shape(ctx, 0, 1, attrs);
-  require_compatible(ctx, ctx.shape(2), y, "dy", fmt::format("Conv2D of x {} and filter {}", ctx.shape(0), ctx.shape(1)));
+  require_compatible(ctx, ctx.shape(2), y, "dy",
+                     fmt::format("Conv2D of x {} and filter {}", ctx.shape(0), ctx.shape(1)));
   Shape f = ctx.shape(1);
   if (f[3] < 0) f[3] = ctx.shape(2)[3];
   return {TensorSpec{ctx.dtype(0), f}};
@@ -219,7 +227,8 @@ std::vector<TensorSpec> pool_grad_shape(ShapeContext& ctx) {
 // y = Conv2D(x, w): dx = BackpropInput(x, w, dy), dw = BackpropFilter(x, w, dy).
 std::vector<Output> conv2d_grad(GradContext& ctx) {
   const Output x = ctx.input(0), w = ctx.input(1), dy = ctx.grad(0);
-  return {add_op("Conv2DBackpropInput", {x, w, dy}, ctx.attrs()), add_op("Conv2DBackpropFilter", {x, w, dy}, ctx.attrs())};
+  return {add_op("Conv2DBackpropInput", {x, w, dy}, ctx.attrs()),
+          add_op("Conv2DBackpropFilter", {x, w, dy}, ctx.attrs())};
 }
 
 // y = act(conv(x, w) + b): the activation's derivative and the bias gradient in one sweep
@@ -229,8 +238,8 @@ std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
   const auto dz_db = add_op_multi("BiasActivationGrad", {ctx.grad(0), ctx.output(0)},
                                   Attrs{{"activation", ctx.attrs().get<std::string>("activation")}});
   const Output dz = dz_db[0];
-  return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()), add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()),
-          dz_db[1]};
+  return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()),
+          add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), dz_db[1]};
 }
 
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
@@ -280,10 +289,12 @@ void register_conv_ops() {
               .max_inputs = 3,
               .shape_fn = conv2d_backprop_filter_shape,
               .grad_fn = conv2d_backprop_filter_grad});
-  r.add(OpDef{.name = "MaxPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = max_pool2d_grad});
+  r.add(
+      OpDef{.name = "MaxPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = max_pool2d_grad});
   // Not differentiable (TF's MaxPoolGradGrad is not implemented yet).
   r.add(OpDef{.name = "MaxPool2DGrad", .min_inputs = 3, .max_inputs = 3, .shape_fn = pool_grad_shape});
-  r.add(OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
+  r.add(
+      OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
   r.add(OpDef{.name = "AvgPool2DGrad",
               .min_inputs = 2,
               .max_inputs = 2,

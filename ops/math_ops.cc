@@ -71,7 +71,8 @@ namespace {
 
 void require_numeric(ShapeContext& ctx, int i) {
   const DType d = ctx.dtype(i);
-  ctx.require(d != DType::kU8, "input {} has dtype {}; expected float32, float64, float16, bfloat16, int32 or int64", i, d);
+  ctx.require(d != DType::kU8, "input {} has dtype {}; expected float32, float64, float16, bfloat16, int32 or int64", i,
+              d);
 }
 
 std::vector<TensorSpec> binary_shape(ShapeContext& ctx) {
@@ -88,8 +89,8 @@ std::vector<TensorSpec> unary_numeric_shape(ShapeContext& ctx) {
 std::vector<TensorSpec> add_n_shape(ShapeContext& ctx) {
   for (int i = 1; i < ctx.num_inputs(); ++i) {
     ctx.require_same_dtype(0, i);
-    ctx.require(ctx.shape(0).compatible_with(ctx.shape(i)), "input {} has shape {}, input 0 has {}; AddN needs equal shapes",
-                i, ctx.shape(i), ctx.shape(0));
+    ctx.require(ctx.shape(0).compatible_with(ctx.shape(i)),
+                "input {} has shape {}, input 0 has {}; AddN needs equal shapes", i, ctx.shape(i), ctx.shape(0));
   }
   require_numeric(ctx, 0);
   return {ctx.input(0)};
@@ -105,7 +106,8 @@ std::vector<int> reduced_axes(const ShapeContext& ctx, const Shape& in) {
   }
   for (auto a : axes) out.push_back(graph::normalize_axis(static_cast<int>(a), in.rank(), ctx.label()));
   std::sort(out.begin(), out.end());
-  ctx.require(std::adjacent_find(out.begin(), out.end()) == out.end(), "axes [{}] repeat an axis", fmt::join(axes, ", "));
+  ctx.require(std::adjacent_find(out.begin(), out.end()) == out.end(), "axes [{}] repeat an axis",
+              fmt::join(axes, ", "));
   return out;
 }
 
@@ -207,9 +209,7 @@ std::vector<Output> div_grad(GradContext& ctx) {
   return {reduce_for_input(ctx, div(dy, b), 0), reduce_for_input(ctx, neg(div(mul(dy, ctx.output(0)), b)), 1)};
 }
 std::vector<Output> neg_grad(GradContext& ctx) { return {neg(ctx.grad(0))}; }
-std::vector<Output> add_n_grad(GradContext& ctx) {
-  return std::vector<Output>(ctx.node().inputs.size(), ctx.grad(0));
-}
+std::vector<Output> add_n_grad(GradContext& ctx) { return std::vector<Output>(ctx.node().inputs.size(), ctx.grad(0)); }
 std::vector<Output> square_grad(GradContext& ctx) {
   return {mul(ctx.grad(0), mul(ctx.input(0), scalar_like(ctx.input(0), 2.0)))};
 }
@@ -222,7 +222,9 @@ std::vector<Output> exp_grad(GradContext& ctx) { return {mul(ctx.grad(0), ctx.ou
 std::vector<Output> log_grad(GradContext& ctx) { return {div(ctx.grad(0), ctx.input(0))}; }
 
 std::vector<Output> sum_grad(GradContext& ctx) { return {add_op("SumGrad", {ctx.grad(0), ctx.input(0)}, ctx.attrs())}; }
-std::vector<Output> mean_grad(GradContext& ctx) { return {add_op("MeanGrad", {ctx.grad(0), ctx.input(0)}, ctx.attrs())}; }
+std::vector<Output> mean_grad(GradContext& ctx) {
+  return {add_op("MeanGrad", {ctx.grad(0), ctx.input(0)}, ctx.attrs())};
+}
 std::vector<Output> max_grad(GradContext& ctx) {
   return {add_op("MaxGrad", {ctx.grad(0), ctx.input(0), ctx.output(0)}, ctx.attrs())};
 }
@@ -241,7 +243,8 @@ std::vector<Output> matmul_grad(GradContext& ctx) {
   if (!ta && !tb) return {matmul(dy, b, {.transpose_b = true}), matmul(a, dy, {.transpose_a = true})};
   if (!ta && tb) return {matmul(dy, b), matmul(dy, a, {.transpose_a = true})};
   if (ta && !tb) return {matmul(b, dy, {.transpose_b = true}), matmul(a, dy)};
-  return {matmul(b, dy, {.transpose_a = true, .transpose_b = true}), matmul(dy, a, {.transpose_a = true, .transpose_b = true})};
+  return {matmul(b, dy, {.transpose_a = true, .transpose_b = true}),
+          matmul(dy, a, {.transpose_a = true, .transpose_b = true})};
 }
 
 }  // namespace
@@ -254,7 +257,11 @@ void register_math_ops() {
   r.add({.name = "Mul", .min_inputs = 2, .max_inputs = 2, .shape_fn = binary_shape, .grad_fn = mul_grad});
   r.add({.name = "Div", .min_inputs = 2, .max_inputs = 2, .shape_fn = binary_shape, .grad_fn = div_grad});
   r.add({.name = "Neg", .min_inputs = 1, .max_inputs = 1, .shape_fn = unary_numeric_shape, .grad_fn = neg_grad});
-  r.add({.name = "AddN", .min_inputs = 1, .max_inputs = OpDef::kVariadic, .shape_fn = add_n_shape, .grad_fn = add_n_grad});
+  r.add({.name = "AddN",
+         .min_inputs = 1,
+         .max_inputs = OpDef::kVariadic,
+         .shape_fn = add_n_shape,
+         .grad_fn = add_n_grad});
   r.add({.name = "Square", .min_inputs = 1, .max_inputs = 1, .shape_fn = unary_numeric_shape, .grad_fn = square_grad});
   r.add({.name = "Abs", .min_inputs = 1, .max_inputs = 1, .shape_fn = unary_numeric_shape, .grad_fn = abs_grad});
   r.add({.name = "Sqrt", .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input0_float, .grad_fn = sqrt_grad});
@@ -267,7 +274,10 @@ void register_math_ops() {
   r.add({.name = "SumGrad", .min_inputs = 2, .max_inputs = 2, .shape_fn = reduce_grad_shape});
   r.add({.name = "MeanGrad", .min_inputs = 2, .max_inputs = 2, .shape_fn = reduce_grad_shape});
   r.add({.name = "MaxGrad", .min_inputs = 3, .max_inputs = 3, .shape_fn = max_grad_shape});
-  r.add({.name = "SumToShape", .min_inputs = 2, .max_inputs = 2, .shape_fn = sum_to_shape_shape,
+  r.add({.name = "SumToShape",
+         .min_inputs = 2,
+         .max_inputs = 2,
+         .shape_fn = sum_to_shape_shape,
          .grad_fn = sum_to_shape_grad});
   r.add({.name = "MatMul", .min_inputs = 2, .max_inputs = 2, .shape_fn = matmul_shape, .grad_fn = matmul_grad});
 }

@@ -53,7 +53,9 @@ Activation activation_attr(const ShapeContext& ctx) {
   }
 }
 
-Activation activation_attr(const GradContext& ctx) { return parse_activation(ctx.attrs().get<std::string>("activation")); }
+Activation activation_attr(const GradContext& ctx) {
+  return parse_activation(ctx.attrs().get<std::string>("activation"));
+}
 
 bool dims_compatible(std::int64_t a, std::int64_t b) { return a == b || a == kUnknown || b == kUnknown; }
 // The better-known of two compatible dimensions.
@@ -64,12 +66,13 @@ void require_rank_at_least(const ShapeContext& ctx, int i, int rank, std::string
 }
 
 void require_float_input(const ShapeContext& ctx, int i, std::string_view what) {
-  ctx.require(graph::is_floating(ctx.dtype(i)), "{} has dtype {}; expected a floating-point tensor", what, ctx.dtype(i));
+  ctx.require(graph::is_floating(ctx.dtype(i)), "{} has dtype {}; expected a floating-point tensor", what,
+              ctx.dtype(i));
 }
 
 void require_dtype_like(const ShapeContext& ctx, int i, std::string_view what, int like, std::string_view like_what) {
-  ctx.require(ctx.dtype(i) == ctx.dtype(like), "{} has dtype {}; expected {} like {}", what, ctx.dtype(i), ctx.dtype(like),
-              like_what);
+  ctx.require(ctx.dtype(i) == ctx.dtype(like), "{} has dtype {}; expected {} like {}", what, ctx.dtype(i),
+              ctx.dtype(like), like_what);
 }
 
 // Checks that input i is a vector with one entry per channel (the last dimension) of input 0,
@@ -145,7 +148,8 @@ std::vector<TensorSpec> sparse_xent_shape(ShapeContext& ctx) {
   ctx.require(ctx.dtype(1) == DType::kI32 || ctx.dtype(1) == DType::kI64,
               "labels have dtype {}; expected int32 or int64 class ids", ctx.dtype(1));
   ctx.require(labels.rank() == 1 && dims_compatible(labels[0], logits[0]),
-              "labels have shape {}; expected {} (one class id per row of logits {})", labels, Shape{logits[0]}, logits);
+              "labels have shape {}; expected {} (one class id per row of logits {})", labels, Shape{logits[0]},
+              logits);
   const std::int64_t batch = merge_dims(logits[0], labels[0]);
   return {TensorSpec{ctx.dtype(0), Shape{batch}}, TensorSpec{ctx.dtype(0), Shape{batch, logits[1]}}};
 }
@@ -216,8 +220,8 @@ std::vector<TensorSpec> batch_norm_grad_shape(ShapeContext& ctx) {
   ctx.require(ctx.num_inputs() == 5 || ctx.num_inputs() == 7,
               "{} inputs; expected 5, or 7 with the gradients of batch_mean and batch_variance", ctx.num_inputs());
   std::int64_t channels = ctx.shape(0).dim(-1);
-  constexpr std::string_view kNames[] = {"", "", "scale", "saved_mean", "saved_inv_std", "batch_mean gradient",
-                                         "batch_variance gradient"};
+  constexpr std::string_view kNames[] = {
+      "", "", "scale", "saved_mean", "saved_inv_std", "batch_mean gradient", "batch_variance gradient"};
   for (int i = 2; i < ctx.num_inputs(); ++i) channels = merge_dims(channels, require_channel_vector(ctx, i, kNames[i]));
   const TensorSpec per_channel{ctx.dtype(0), Shape{channels}};
   return {TensorSpec{ctx.dtype(0), ctx.shape(0).with_dim(-1, channels)}, per_channel, per_channel, per_channel,
@@ -234,9 +238,7 @@ std::vector<Output> log_softmax_grad(GradContext& ctx) {
   return {add_op("LogSoftmaxGrad", {ctx.grad(0), ctx.output(0)})};
 }
 
-std::vector<Output> bias_add_grad(GradContext& ctx) {
-  return {ctx.grad(0), add_op("BiasAddGrad", {ctx.grad(0)})};
-}
+std::vector<Output> bias_add_grad(GradContext& ctx) { return {ctx.grad(0), add_op("BiasAddGrad", {ctx.grad(0)})}; }
 
 // dz = dy * act'(z) and the bias gradient, from the output y; linear needs no new dz.
 std::pair<Output, Output> bias_activation_backward(GradContext& ctx, Activation activation) {
@@ -326,8 +328,7 @@ Activation parse_activation(std::string_view name) {
   for (const Activation a : {Activation::kLinear, Activation::kRelu, Activation::kSigmoid, Activation::kTanh}) {
     if (name == activation_name(a)) return a;
   }
-  throw InvalidArgument(
-      fmt::format("unknown activation \"{}\"; known activations: linear, relu, sigmoid, tanh", name));
+  throw InvalidArgument(fmt::format("unknown activation \"{}\"; known activations: linear, relu, sigmoid, tanh", name));
 }
 
 Output relu(Output x) { return add_op("Relu", {x}); }

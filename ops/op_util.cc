@@ -55,8 +55,8 @@ bool broadcast_is_identity(const Shape& input, const Shape& other) {
     const int io = other.rank() - input.rank() + i;
     const std::int64_t d = input[i];
     const std::int64_t o = io >= 0 ? other[io] : 1;
-    if (o == 1) continue;                         // other stretches to input's size
-    if (d == o && d != Shape::kUnknown) continue;  // equal, known
+    if (o == 1) continue;                                                  // other stretches to input's size
+    if (d == o && d != Shape::kUnknown) continue;                          // equal, known
     if (d != Shape::kUnknown && d != 1 && o == Shape::kUnknown) continue;  // other must be 1 or d
     return false;
   }

@@ -65,9 +65,9 @@ std::vector<std::pair<std::string, Tensor>> initial_weights() {
     for (auto& e : v) e = uniform(rng);
     return Tensor::from_vector(v, {in, out});
   };
-  return {{"dense/kernel", glorot(kFeatures, kHidden)},  {"dense/bias", Tensor::zeros({kHidden}, kFloat32)},
-          {"dense_1/kernel", glorot(kHidden, kHidden)},  {"dense_1/bias", Tensor::zeros({kHidden}, kFloat32)},
-          {"dense_2/kernel", glorot(kHidden, 1)},        {"dense_2/bias", Tensor::zeros({1}, kFloat32)}};
+  return {{"dense/kernel", glorot(kFeatures, kHidden)}, {"dense/bias", Tensor::zeros({kHidden}, kFloat32)},
+          {"dense_1/kernel", glorot(kHidden, kHidden)}, {"dense_1/bias", Tensor::zeros({kHidden}, kFloat32)},
+          {"dense_2/kernel", glorot(kHidden, 1)},       {"dense_2/bias", Tensor::zeros({1}, kFloat32)}};
 }
 
 struct Result {
@@ -81,7 +81,8 @@ Result train(Strategy& strategy, const Options& options) {
   std::vector<std::shared_ptr<strategy::Variable>> variables;
   {
     auto scope = strategy.scope();
-    for (auto& [name, value] : initial_weights()) variables.push_back(strategy.create_variable({.name = name, .initial_value = value}));
+    for (auto& [name, value] : initial_weights())
+      variables.push_back(strategy.create_variable({.name = name, .initial_value = value}));
   }
 
   // The graph: per-example squared error summed, times 1 / global batch (fed), so that the sum of
@@ -108,7 +109,8 @@ Result train(Strategy& strategy, const Options& options) {
   std::vector<std::unique_ptr<graph::Executor>> executors;
   for (std::size_t r = 0; r < strategy.replica_devices().size(); ++r) {
     executors.push_back(std::make_unique<graph::Executor>(g, *strategy.replica_devices()[r]));
-    for (std::size_t k = 0; k < variables.size(); ++k) executors[r]->bind_variable(nodes[k], variables[k]->value(static_cast<int>(r)));
+    for (std::size_t k = 0; k < variables.size(); ++k)
+      executors[r]->bind_variable(nodes[k], variables[k]->value(static_cast<int>(r)));
   }
   std::vector<Output> fetches{loss_sum};
   fetches.insert(fetches.end(), grads.begin(), grads.end());
@@ -174,7 +176,8 @@ std::unique_ptr<Strategy> make_strategy(const std::string& kind) {
 double max_relative_difference(const std::vector<float>& a, const std::vector<float>& reference) {
   double scale = 1e-3, worst = 0;
   for (float v : reference) scale = std::max(scale, static_cast<double>(std::abs(v)));
-  for (std::size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(a[i]) - reference[i]) / scale);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - reference[i]) / scale);
   return worst;
 }
 

@@ -1,6 +1,7 @@
 // A small CNN on Fashion-MNIST: Conv 32 3x3, max-pool, Conv 64 3x3, max-pool, Dense 128, Dense 10.
 //
-//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored] [--cpu-devices N] [--dtype-policy P]
+//   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//   [--dtype-policy P]
 //                            [--expect-accuracy A]
 #include <tandem/keras_like/keras.h>
 
@@ -23,10 +24,9 @@ int main(int argc, char** argv) try {
   keras::Model model;
   {
     auto scope = strategy->scope();
-    model = keras::Sequential({keras::Input({28, 28}), keras::Reshape({28, 28, 1}),
-                               keras::Conv2D(32, {3, 3}, "relu"), keras::MaxPooling2D(),
-                               keras::Conv2D(64, {3, 3}, "relu"), keras::MaxPooling2D(), keras::Flatten(),
-                               keras::Dense(128, "relu"), keras::Dense(10)});
+    model = keras::Sequential({keras::Input({28, 28}), keras::Reshape({28, 28, 1}), keras::Conv2D(32, {3, 3}, "relu"),
+                               keras::MaxPooling2D(), keras::Conv2D(64, {3, 3}, "relu"), keras::MaxPooling2D(),
+                               keras::Flatten(), keras::Dense(128, "relu"), keras::Dense(10)});
     model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }
   model.summary();

@@ -1,6 +1,7 @@
 // The Keras "basic classification" tutorial in tandem: Fashion-MNIST with a one-hidden-layer MLP.
 //
-//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N] [--dtype-policy P]
+//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//   [--dtype-policy P]
 //                            [--expect-accuracy A]
 //
 // Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).

@@ -25,7 +25,9 @@ int main(int argc, char** argv) try {
   using namespace tandem;
   Options options;
   CLI::App app("linear_regression: fits y = 3x + 2 with gradient descent through the graph API");
-  app.add_option("--steps", options.steps, "gradient descent steps")->capture_default_str()->check(CLI::Range(1, 1000000));
+  app.add_option("--steps", options.steps, "gradient descent steps")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
   app.add_option("--learning-rate", options.learning_rate, "step size")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 

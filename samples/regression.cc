@@ -1,6 +1,7 @@
 // The seed's regression example: compile("adam", "mse") and fit on generated data.
 //
-//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N] [--dtype-policy P]
+//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
+//   [--dtype-policy P]
 //
 // y = x . w_true + 0.5 + noise (sigma 0.1) with 8 features and w_true in [-1, 1]: the noise floor
 // of the MSE is 0.01. Adam at Keras's default learning rate (1e-3) moves each weight by about

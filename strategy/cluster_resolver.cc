@@ -48,9 +48,7 @@ std::string shorten(std::string text) {
 std::string quote(std::string_view s) { return shorten(fmt::format("\"{}\"", s)); }
 
 // A JSON value as JSON text ("localhost" keeps its quotes, 5 does not), for messages.
-std::string dump(const Json& value) {
-  return shorten(value.dump(-1, ' ', false, Json::error_handler_t::replace));
-}
+std::string dump(const Json& value) { return shorten(value.dump(-1, ' ', false, Json::error_handler_t::replace)); }
 
 // The variable's value, trimmed; nullopt when unset or blank (launchers sometimes export an
 // empty variable to "unset" it).
@@ -72,19 +70,17 @@ std::optional<std::int64_t> parse_int(std::string_view text) {
 }
 
 // An integer variable in [min, max]; InvalidArgument "<prefix>: NAME "x" is not ..." otherwise.
-int int_variable(std::string_view prefix, std::string_view name, const std::string& text,
-                 std::int64_t min, std::int64_t max) {
+int int_variable(std::string_view prefix, std::string_view name, const std::string& text, std::int64_t min,
+                 std::int64_t max) {
   auto value = parse_int(text);
-  TANDEM_REQUIRE(value.has_value(), InvalidArgument, "{}: {} {} is not an integer", prefix, name,
-                 quote(text));
-  TANDEM_REQUIRE(*value >= min && *value <= max, InvalidArgument,
-                 "{}: {} {} is out of range: expected {}..{}", prefix, name, *value, min, max);
+  TANDEM_REQUIRE(value.has_value(), InvalidArgument, "{}: {} {} is not an integer", prefix, name, quote(text));
+  TANDEM_REQUIRE(*value >= min && *value <= max, InvalidArgument, "{}: {} {} is out of range: expected {}..{}", prefix,
+                 name, *value, min, max);
   return static_cast<int>(*value);
 }
 
-std::optional<int> optional_int_variable(const EnvironmentLookup& env, std::string_view prefix,
-                                         std::string_view name, std::int64_t min,
-                                         std::int64_t max) {
+std::optional<int> optional_int_variable(const EnvironmentLookup& env, std::string_view prefix, std::string_view name,
+                                         std::int64_t min, std::int64_t max) {
   auto text = get(env, name);
   if (!text) return std::nullopt;
   return int_variable(prefix, name, *text, min, max);
@@ -106,7 +102,8 @@ std::vector<std::string_view> split_at_commas(std::string_view text) {
 // The first character of text that is neither a letter, a digit nor one of `punctuation`.
 std::optional<char> first_character_not_in(std::string_view text, std::string_view punctuation) {
   for (char c : text) {
-    const bool allowed = std::isalnum(static_cast<unsigned char>(c)) != 0 || punctuation.find(c) != std::string_view::npos;
+    const bool allowed =
+        std::isalnum(static_cast<unsigned char>(c)) != 0 || punctuation.find(c) != std::string_view::npos;
     if (!allowed) return c;
   }
   return std::nullopt;
@@ -209,8 +206,7 @@ EnvironmentLookup map_environment(std::map<std::string, std::string> variables) 
 HostPort split_host_port(std::string_view address) {
   HostPort result;
   auto problem = address_problem(address, &result);
-  TANDEM_REQUIRE(!problem, InvalidArgument, "{} is not host:port ({})", quote(address),
-                 problem.value_or(""));
+  TANDEM_REQUIRE(!problem, InvalidArgument, "{} is not host:port ({})", quote(address), problem.value_or(""));
   return result;
 }
 
@@ -226,11 +222,9 @@ int ClusterSpec::num_tasks(std::string_view job) const {
 
 const std::string& ClusterSpec::task_address(std::string_view job, int index) const {
   auto it = jobs.find(std::string(job));
-  TANDEM_REQUIRE(it != jobs.end(), InvalidArgument, "cluster spec has no job \"{}\" (task {})",
-                 job, index);
+  TANDEM_REQUIRE(it != jobs.end(), InvalidArgument, "cluster spec has no job \"{}\" (task {})", job, index);
   TANDEM_REQUIRE(index >= 0 && index < static_cast<int>(it->second.size()), InvalidArgument,
-                 "cluster spec has no task {}[{}]: job \"{}\" has {} tasks", job, index, job,
-                 it->second.size());
+                 "cluster spec has no task {}[{}]: job \"{}\" has {} tasks", job, index, job, it->second.size());
   return it->second[static_cast<std::size_t>(index)];
 }
 
@@ -292,16 +286,13 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
       for (const std::string_view part : split_at_commas(body)) {
         const auto dash = part.find('-');
         const std::string_view lo_text = part.substr(0, dash);
-        const std::string_view hi_text =
-            dash == std::string_view::npos ? lo_text : part.substr(dash + 1);
+        const std::string_view hi_text = dash == std::string_view::npos ? lo_text : part.substr(dash + 1);
         const auto is_number = [](std::string_view s) {
           return !s.empty() && s.size() <= 18 &&
-                 std::all_of(s.begin(), s.end(),
-                             [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+                 std::all_of(s.begin(), s.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
         };
         if (!is_number(lo_text) || !is_number(hi_text)) {
-          fail(fmt::format("{} in {} is not a number or a range like 1-4", quote(part),
-                           quote(pattern)));
+          fail(fmt::format("{} in {} is not a number or a range like 1-4", quote(part), quote(pattern)));
         }
         const auto lo = *parse_int(lo_text);
         const auto hi = *parse_int(hi_text);
@@ -343,8 +334,8 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
 std::vector<int> expand_slurm_tasks_per_node(std::string_view tasks_per_node) {
   const std::string_view text = trim(tasks_per_node);
   const auto fail = [&](std::string_view why) {
-    throw InvalidArgument(fmt::format("SLURM tasks per node {}: {} (expected a list like \"2(x3),1\")",
-                                      quote(tasks_per_node), why));
+    throw InvalidArgument(
+        fmt::format("SLURM tasks per node {}: {} (expected a list like \"2(x3),1\")", quote(tasks_per_node), why));
   };
   if (text.empty()) fail("it is empty");
   std::vector<int> counts;
@@ -386,8 +377,7 @@ void ClusterResolver::read_restart_count(const EnvironmentLookup& env) {
 
 void ClusterResolver::check_rank(int rank) const {
   TANDEM_REQUIRE(rank >= 0 && rank < num_workers(), InvalidArgument,
-                 "{}: rank {} is out of range: there are {} training processes", kind(), rank,
-                 num_workers());
+                 "{}: rank {} is out of range: there are {} training processes", kind(), rank, num_workers());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -401,8 +391,7 @@ TFConfigClusterResolver::TFConfigClusterResolver(const EnvironmentLookup& env) {
   parse(*text, env);
 }
 
-TFConfigClusterResolver TFConfigClusterResolver::from_json(std::string_view tf_config,
-                                                           const EnvironmentLookup& env) {
+TFConfigClusterResolver TFConfigClusterResolver::from_json(std::string_view tf_config, const EnvironmentLookup& env) {
   TFConfigClusterResolver resolver{Unparsed{}};
   resolver.parse(tf_config, env);
   return resolver;
@@ -414,8 +403,8 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
   try {
     doc = Json::parse(tf_config);
   } catch (const Json::parse_error& e) {
-    throw InvalidArgument(fmt::format("TF_CONFIG: invalid JSON at byte {}: {} (TF_CONFIG is {})",
-                                      e.byte, e.what(), quote(tf_config)));
+    throw InvalidArgument(
+        fmt::format("TF_CONFIG: invalid JSON at byte {}: {} (TF_CONFIG is {})", e.byte, e.what(), quote(tf_config)));
   }
   TANDEM_REQUIRE(doc.is_object(), InvalidArgument,
                  "TF_CONFIG: must be a JSON object with \"cluster\" and \"task\", got {}", dump(doc));
@@ -424,10 +413,11 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
   auto cluster_it = doc.find("cluster");
   TANDEM_REQUIRE(cluster_it != doc.end(), InvalidArgument,
                  "TF_CONFIG: has no \"cluster\" (expected \"cluster\": {{\"worker\": [\"host:port\", "
-                 "...]}}), got {}", dump(doc));
+                 "...]}}), got {}",
+                 dump(doc));
   const Json& cluster = *cluster_it;
-  TANDEM_REQUIRE(cluster.is_object(), InvalidArgument,
-                 "TF_CONFIG: \"cluster\" must be an object of jobs, got {}", dump(cluster));
+  TANDEM_REQUIRE(cluster.is_object(), InvalidArgument, "TF_CONFIG: \"cluster\" must be an object of jobs, got {}",
+                 dump(cluster));
 
   std::map<std::string, std::string> owner_of_address;  // address -> "cluster.job[i]"
   for (const auto& [job, tasks] : cluster.items()) {
@@ -436,21 +426,22 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
                    "MultiWorkerMirroredStrategy, whose jobs are \"chief\" and \"worker\"");
     TANDEM_REQUIRE(job == kChief || job == kWorker || job == kEvaluator, InvalidArgument,
                    "TF_CONFIG: cluster.{}: unknown job {}; the jobs are \"chief\", \"worker\" and "
-                   "\"evaluator\"", job, quote(job));
+                   "\"evaluator\"",
+                   job, quote(job));
     std::vector<std::string> addresses;
     const auto add_address = [&](std::size_t index, const Json& value) {
       const std::string where = fmt::format("cluster.{}[{}]", job, index);
-      TANDEM_REQUIRE(value.is_string(), InvalidArgument,
-                     "TF_CONFIG: {} is {}, not a \"host:port\" string", where, dump(value));
+      TANDEM_REQUIRE(value.is_string(), InvalidArgument, "TF_CONFIG: {} is {}, not a \"host:port\" string", where,
+                     dump(value));
       const auto& address = value.get_ref<const std::string&>();
       HostPort parts;
       auto problem = address_problem(address, &parts);
-      TANDEM_REQUIRE(!problem, InvalidArgument, "TF_CONFIG: {} {} is not host:port ({})", where,
-                     quote(address), problem.value_or(""));
+      TANDEM_REQUIRE(!problem, InvalidArgument, "TF_CONFIG: {} {} is not host:port ({})", where, quote(address),
+                     problem.value_or(""));
       auto [it, inserted] = owner_of_address.emplace(address, where);
       TANDEM_REQUIRE(inserted, InvalidArgument,
-                     "TF_CONFIG: {} {} is also the address of {}: every task needs its own address",
-                     where, quote(address), it->second);
+                     "TF_CONFIG: {} {} is also the address of {}: every task needs its own address", where,
+                     quote(address), it->second);
       addresses.push_back(address);
     };
     if (tasks.is_array()) {
@@ -463,7 +454,8 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
         auto index = parse_int(key);
         TANDEM_REQUIRE(index && *index >= 0 && *index < kMaxWorkers, InvalidArgument,
                        "TF_CONFIG: cluster.{} has the key {}: the keys of a job given as an object "
-                       "must be task indices \"0\", \"1\", ...", job, quote(key));
+                       "must be task indices \"0\", \"1\", ...",
+                       job, quote(key));
         by_index.emplace(*index, &value);
       }
       std::int64_t expected = 0;
@@ -476,24 +468,23 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
         ++expected;
       }
     } else {
-      throw InvalidArgument(fmt::format(
-          "TF_CONFIG: cluster.{} must be a list of \"host:port\" strings, got {}", job,
-          dump(tasks)));
+      throw InvalidArgument(
+          fmt::format("TF_CONFIG: cluster.{} must be a list of \"host:port\" strings, got {}", job, dump(tasks)));
     }
     cluster_.jobs.emplace(job, std::move(addresses));
   }
   const int num_chiefs = cluster_.num_tasks(kChief);
   const int num_plain_workers = cluster_.num_tasks(kWorker);
   TANDEM_REQUIRE(num_chiefs <= 1, InvalidArgument,
-                 "TF_CONFIG: cluster.chief has {} tasks: there can be at most one chief",
-                 num_chiefs);
+                 "TF_CONFIG: cluster.chief has {} tasks: there can be at most one chief", num_chiefs);
   TANDEM_REQUIRE(cluster_.num_tasks(kEvaluator) <= 1, InvalidArgument,
                  "TF_CONFIG: cluster.evaluator has {} tasks: there can be at most one evaluator",
                  cluster_.num_tasks(kEvaluator));
   num_workers_ = num_chiefs + num_plain_workers;
   TANDEM_REQUIRE(num_workers_ > 0, InvalidArgument,
                  "TF_CONFIG: the cluster has no \"chief\" or \"worker\" task, so nobody trains; "
-                 "cluster is {}", dump(cluster));
+                 "cluster is {}",
+                 dump(cluster));
 
   // --- task
   auto task_it = doc.find("task");
@@ -503,13 +494,12 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
   const Json& task = *task_it;
   TANDEM_REQUIRE(task.is_object(), InvalidArgument,
                  "TF_CONFIG: \"task\" must be an object like {{\"type\": \"worker\", \"index\": 0}}, "
-                 "got {}", dump(task));
-  auto type_it = task.find("type");
-  TANDEM_REQUIRE(type_it != task.end(), InvalidArgument, "TF_CONFIG: task has no \"type\": got {}",
+                 "got {}",
                  dump(task));
+  auto type_it = task.find("type");
+  TANDEM_REQUIRE(type_it != task.end(), InvalidArgument, "TF_CONFIG: task has no \"type\": got {}", dump(task));
   TANDEM_REQUIRE(type_it->is_string(), InvalidArgument,
-                 "TF_CONFIG: task.type must be a string such as \"worker\", got {}",
-                 dump(*type_it));
+                 "TF_CONFIG: task.type must be a string such as \"worker\", got {}", dump(*type_it));
   task_type_ = type_it->get<std::string>();
   TANDEM_REQUIRE(task_type_ != "ps", InvalidArgument,
                  "TF_CONFIG: task.type \"ps\": parameter servers are not supported: tandem trains "
@@ -519,21 +509,22 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
     for (const auto& [job, tasks] : cluster_.jobs) {
       jobs += fmt::format("{}\"{}\"", jobs.empty() ? "" : ", ", job);
     }
-    throw InvalidArgument(fmt::format("TF_CONFIG: task.type {} is not a job of the cluster (its "
-                                      "jobs are {})", quote(task_type_), jobs));
+    throw InvalidArgument(
+        fmt::format("TF_CONFIG: task.type {} is not a job of the cluster (its "
+                    "jobs are {})",
+                    quote(task_type_), jobs));
   }
   auto index_it = task.find("index");
-  TANDEM_REQUIRE(index_it != task.end(), InvalidArgument,
-                 "TF_CONFIG: task has no \"index\": got {}", dump(task));
+  TANDEM_REQUIRE(index_it != task.end(), InvalidArgument, "TF_CONFIG: task has no \"index\": got {}", dump(task));
   const Json& index = *index_it;
   TANDEM_REQUIRE(index.is_number_integer(), InvalidArgument,
                  "TF_CONFIG: task.index must be a non-negative integer, got {}", dump(index));
   TANDEM_REQUIRE(index.is_number_unsigned() || index.get<std::int64_t>() >= 0, InvalidArgument,
                  "TF_CONFIG: task.index must be a non-negative integer, got {}", dump(index));
   const int job_size = cluster_.num_tasks(task_type_);
-  TANDEM_REQUIRE(index.get<std::uint64_t>() < static_cast<std::uint64_t>(job_size),
-                 InvalidArgument, "TF_CONFIG: task.index {} is out of range: cluster.{} has {} {}",
-                 dump(index), task_type_, job_size, job_size == 1 ? "task" : "tasks");
+  TANDEM_REQUIRE(index.get<std::uint64_t>() < static_cast<std::uint64_t>(job_size), InvalidArgument,
+                 "TF_CONFIG: task.index {} is out of range: cluster.{} has {} {}", dump(index), task_type_, job_size,
+                 job_size == 1 ? "task" : "tasks");
   task_id_ = static_cast<int>(index.get<std::uint64_t>());
 
   // --- rank (multi_worker_util.id_in_cluster) and the tasks sharing this task's host
@@ -589,7 +580,8 @@ TorchrunClusterResolver::TorchrunClusterResolver(const EnvironmentLookup& env) {
     auto value = get(env, name);
     TANDEM_REQUIRE(value.has_value(), InvalidArgument,
                    "{}: {} is not set (torchrun sets MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE "
-                   "for every worker)", kPrefix, name);
+                   "for every worker)",
+                   kPrefix, name);
     return *value;
   };
   const std::string master_addr = required("MASTER_ADDR");
@@ -599,11 +591,10 @@ TorchrunClusterResolver::TorchrunClusterResolver(const EnvironmentLookup& env) {
 
   world_size_ = int_variable(kPrefix, "WORLD_SIZE", world_size_text, 1, kMaxWorkers);
   auto rank = parse_int(rank_text);
-  TANDEM_REQUIRE(rank.has_value(), InvalidArgument, "{}: RANK {} is not an integer", kPrefix,
-                 quote(rank_text));
+  TANDEM_REQUIRE(rank.has_value(), InvalidArgument, "{}: RANK {} is not an integer", kPrefix, quote(rank_text));
   TANDEM_REQUIRE(*rank >= 0 && *rank < world_size_, InvalidArgument,
-                 "{}: RANK {} is out of range: WORLD_SIZE is {}, so ranks are 0..{}", kPrefix,
-                 *rank, world_size_, world_size_ - 1);
+                 "{}: RANK {} is out of range: WORLD_SIZE is {}, so ranks are 0..{}", kPrefix, *rank, world_size_,
+                 world_size_ - 1);
   rank_ = static_cast<int>(*rank);
 
   // MASTER_ADDR is a host (an IPv6 one may come with or without brackets).
@@ -611,8 +602,8 @@ TorchrunClusterResolver::TorchrunClusterResolver(const EnvironmentLookup& env) {
   const bool bracketed = host.size() >= 2 && host.front() == '[' && host.back() == ']';
   if (bracketed) host = host.substr(1, host.size() - 2);
   auto problem = host_problem(host, /*bracketed=*/host.find(':') != std::string_view::npos);
-  TANDEM_REQUIRE(!problem, InvalidArgument, "{}: MASTER_ADDR {} is not a host ({})", kPrefix,
-                 quote(master_addr), problem.value_or(""));
+  TANDEM_REQUIRE(!problem, InvalidArgument, "{}: MASTER_ADDR {} is not a host ({})", kPrefix, quote(master_addr),
+                 problem.value_or(""));
   int port = port_variable(kPrefix, "MASTER_PORT", master_port);
   if (auto override_port = get(env, kRendezvousPortVariable)) {
     port = port_variable(kPrefix, kRendezvousPortVariable, *override_port);
@@ -632,14 +623,11 @@ TorchrunClusterResolver::TorchrunClusterResolver(const EnvironmentLookup& env) {
   }
   if (auto local = get(env, "LOCAL_RANK")) {
     auto value = parse_int(*local);
-    TANDEM_REQUIRE(value.has_value(), InvalidArgument, "{}: LOCAL_RANK {} is not an integer",
-                   kPrefix, quote(*local));
+    TANDEM_REQUIRE(value.has_value(), InvalidArgument, "{}: LOCAL_RANK {} is not an integer", kPrefix, quote(*local));
     const bool size_known = get(env, "LOCAL_WORLD_SIZE").has_value();
-    TANDEM_REQUIRE(*value >= 0 && (!size_known || *value < local_world_size_) &&
-                       *value < world_size_,
-                   InvalidArgument, "{}: LOCAL_RANK {} is out of range: {} is {}", kPrefix, *value,
-                   size_known ? "LOCAL_WORLD_SIZE" : "WORLD_SIZE",
-                   size_known ? local_world_size_ : world_size_);
+    TANDEM_REQUIRE(*value >= 0 && (!size_known || *value < local_world_size_) && *value < world_size_, InvalidArgument,
+                   "{}: LOCAL_RANK {} is out of range: {} is {}", kPrefix, *value,
+                   size_known ? "LOCAL_WORLD_SIZE" : "WORLD_SIZE", size_known ? local_world_size_ : world_size_);
     local_rank_ = static_cast<int>(*value);
   }
   if (auto group = optional_int_variable(env, kPrefix, "GROUP_RANK", 0, world_size_ - 1)) {
@@ -667,7 +655,8 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
   auto procid = get(env, "SLURM_PROCID");
   TANDEM_REQUIRE(procid.has_value(), InvalidArgument,
                  "{}: SLURM_PROCID is not set (srun sets it for every task: start the program "
-                 "with srun)", kPrefix);
+                 "with srun)",
+                 kPrefix);
   std::string_view ntasks_name = "SLURM_NTASKS";
   auto ntasks = get(env, ntasks_name);
   if (!ntasks) {
@@ -678,11 +667,9 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
                  "{}: SLURM_NTASKS is not set (srun sets it: start the program with srun)", kPrefix);
   num_tasks_ = int_variable(kPrefix, ntasks_name, *ntasks, 1, kMaxWorkers);
   auto rank = parse_int(*procid);
-  TANDEM_REQUIRE(rank.has_value(), InvalidArgument, "{}: SLURM_PROCID {} is not an integer",
-                 kPrefix, quote(*procid));
-  TANDEM_REQUIRE(*rank >= 0 && *rank < num_tasks_, InvalidArgument,
-                 "{}: SLURM_PROCID {} is out of range: {} is {}", kPrefix, *rank, ntasks_name,
-                 num_tasks_);
+  TANDEM_REQUIRE(rank.has_value(), InvalidArgument, "{}: SLURM_PROCID {} is not an integer", kPrefix, quote(*procid));
+  TANDEM_REQUIRE(*rank >= 0 && *rank < num_tasks_, InvalidArgument, "{}: SLURM_PROCID {} is out of range: {} is {}",
+                 kPrefix, *rank, ntasks_name, num_tasks_);
   rank_ = static_cast<int>(*rank);
 
   // The step's nodes: the chief is the first.
@@ -697,7 +684,8 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
   }
   TANDEM_REQUIRE(nodelist.has_value(), InvalidArgument,
                  "{}: none of SLURM_STEP_NODELIST, SLURM_NODELIST and SLURM_JOB_NODELIST is set, "
-                 "so the chief's node is unknown", kPrefix);
+                 "so the chief's node is unknown",
+                 kPrefix);
   try {
     nodes_ = expand_slurm_nodelist(*nodelist);
   } catch (const InvalidArgument& e) {
@@ -705,8 +693,8 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
   }
   for (const auto& node : nodes_) {
     auto problem = host_problem(node, false);
-    TANDEM_REQUIRE(!problem, InvalidArgument, "{}: {} has the node {}, which is not a host ({})",
-                   kPrefix, nodelist_name, quote(node), problem.value_or(""));
+    TANDEM_REQUIRE(!problem, InvalidArgument, "{}: {} has the node {}, which is not a host ({})", kPrefix,
+                   nodelist_name, quote(node), problem.value_or(""));
   }
 
   // Tasks per node, when SLURM says.
@@ -721,11 +709,9 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
     TANDEM_REQUIRE(tasks_per_node_.size() == nodes_.size(), InvalidArgument,
                    "{}: {} {} describes {} nodes, but {} {} has {}", kPrefix, name, quote(*text),
                    tasks_per_node_.size(), nodelist_name, quote(*nodelist), nodes_.size());
-    const auto total = std::accumulate(tasks_per_node_.begin(), tasks_per_node_.end(),
-                                       std::int64_t{0});
-    TANDEM_REQUIRE(total == num_tasks_, InvalidArgument,
-                   "{}: {} {} adds up to {} tasks, but {} is {}", kPrefix, name, quote(*text),
-                   total, ntasks_name, num_tasks_);
+    const auto total = std::accumulate(tasks_per_node_.begin(), tasks_per_node_.end(), std::int64_t{0});
+    TANDEM_REQUIRE(total == num_tasks_, InvalidArgument, "{}: {} {} adds up to {} tasks, but {} is {}", kPrefix, name,
+                   quote(*text), total, ntasks_name, num_tasks_);
     break;
   }
   if (tasks_per_node_.empty()) {
@@ -738,8 +724,8 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
   }
 
   // This process's node: SLURM_NODEID, else where block distribution puts its rank.
-  std::optional<int> node_index = optional_int_variable(
-      env, kPrefix, "SLURM_NODEID", 0, static_cast<std::int64_t>(nodes_.size()) - 1);
+  std::optional<int> node_index =
+      optional_int_variable(env, kPrefix, "SLURM_NODEID", 0, static_cast<std::int64_t>(nodes_.size()) - 1);
   if (!node_index && !tasks_per_node_.empty() && block_distribution_) {
     int first = 0;
     for (std::size_t i = 0; i < tasks_per_node_.size(); ++i) {
@@ -765,12 +751,12 @@ SlurmClusterResolver::SlurmClusterResolver(const EnvironmentLookup& env) {
     auto my_node = get(env, "SLURMD_NODENAME");
     TANDEM_REQUIRE(!my_node || *my_node == nodes_.front(), InvalidArgument,
                    "{}: rank 0 runs on node {} (SLURMD_NODENAME), but the chief must be the first "
-                   "node of {}, {}: use srun's block or cyclic distribution", kPrefix,
-                   quote(*my_node), nodelist_name, quote(nodes_.front()));
+                   "node of {}, {}: use srun's block or cyclic distribution",
+                   kPrefix, quote(*my_node), nodelist_name, quote(nodes_.front()));
     TANDEM_REQUIRE(!node_index || *node_index == 0, InvalidArgument,
                    "{}: rank 0 runs on node index {} (SLURM_NODEID), but the chief must be on the "
-                   "first node of {}, {}: use srun's block or cyclic distribution", kPrefix,
-                   node_index.value_or(0), nodelist_name, quote(nodes_.front()));
+                   "first node of {}, {}: use srun's block or cyclic distribution",
+                   kPrefix, node_index.value_or(0), nodelist_name, quote(nodes_.front()));
   }
 
   int port = kDefaultSlurmPort;

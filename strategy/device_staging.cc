@@ -50,7 +50,10 @@ class Stager : public std::enable_shared_from_this<Stager> {
  public:
   Stager(std::unique_ptr<Strategy::WorkerIterator> source, std::vector<devices::Device*> devices, SplitBatch split,
          StagingOptions options)
-      : source_(std::move(source)), devices_(std::move(devices)), split_(std::move(split)), options_(std::move(options)) {}
+      : source_(std::move(source)),
+        devices_(std::move(devices)),
+        split_(std::move(split)),
+        options_(std::move(options)) {}
 
   ~Stager() { stop(); }
 
@@ -79,9 +82,8 @@ class Stager : public std::enable_shared_from_this<Stager> {
     }
     // The handle's deleter gives the slot back; it keeps the stager (and so the buffers) alive
     // when the caller holds a batch longer than the iterator.
-    staged.batch->staging = std::shared_ptr<const void>(slot, [self = shared_from_this()](const void* s) {
-      self->release(static_cast<Slot*>(const_cast<void*>(s)));
-    });
+    staged.batch->staging = std::shared_ptr<const void>(
+        slot, [self = shared_from_this()](const void* s) { self->release(static_cast<Slot*>(const_cast<void*>(s))); });
     return std::move(staged.batch);
   }
 
@@ -127,7 +129,8 @@ class Stager : public std::enable_shared_from_this<Stager> {
     for (;;) {
       {
         std::unique_lock lock(mutex_);
-        changed_.wait(lock, [&] { return stopping_ || ready_.size() < static_cast<std::size_t>(options_.batches_ahead); });
+        changed_.wait(lock,
+                      [&] { return stopping_ || ready_.size() < static_cast<std::size_t>(options_.batches_ahead); });
         if (stopping_) return;
       }
       Staged staged;
@@ -198,7 +201,8 @@ class Stager : public std::enable_shared_from_this<Stager> {
       data::Element on_device;
       std::size_t offset = 0;
       for (const Tensor& component : shards[d]) {
-        const Tensor source = component.device().host_accessible() ? component : component.to(devices::default_cpu_device());
+        const Tensor source =
+            component.device().host_accessible() ? component : component.to(devices::default_cpu_device());
         if (source.nbytes() > 0) std::memcpy(host + offset, source.raw_data(), source.nbytes());
         on_device.emplace_back(source.shape(), source.dtype(), buffers.device_memory, offset);
         offset += aligned(source.nbytes());

@@ -98,7 +98,8 @@ class CommThread {
 // dst += src, element-wise, on the device's threads (gradient accumulation).
 void add_into(Tensor& dst, const Tensor& src) {
   TANDEM_REQUIRE(dst.device().host_accessible(), Unimplemented,
-                 "gradient accumulation on {}: accumulation runs on host memory only so far", dst.device().short_name());
+                 "gradient accumulation on {}: accumulation runs on host memory only so far",
+                 dst.device().short_name());
   graph::dispatch<graph::FloatTypes>(dst.dtype(), "gradient accumulation", [&]<class T>() {
     T* __restrict d = static_cast<T*>(dst.raw_data());
     const T* __restrict s = static_cast<const T*>(src.raw_data());
@@ -198,8 +199,12 @@ void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> 
   }
 }
 
-GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource> gradients, GradientReducerOptions options)
-    : strategy_(strategy), sources_(std::move(gradients)), options_(std::move(options)), plan_(std::make_unique<Plan>()) {
+GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource> gradients,
+                                 GradientReducerOptions options)
+    : strategy_(strategy),
+      sources_(std::move(gradients)),
+      options_(std::move(options)),
+      plan_(std::make_unique<Plan>()) {
   TANDEM_REQUIRE(options_.accumulators.empty() || options_.accumulators.size() == sources_.size(), InvalidArgument,
                  "gradient reducer: {} accumulators for {} gradients", options_.accumulators.size(), sources_.size());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
@@ -214,17 +219,18 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
                    variable->name(), variable->dtype(), variable->shape(), gradient.dtype(), gradient.shape(),
                    gradient.name());
     const int reader = first_other_reader(*gradient.graph, gradient);
-    TANDEM_REQUIRE(reader < 0, InvalidArgument,
-                   "gradient reducer: the gradient of variable \"{}\" ({}) is {}; it is reduced in place while backward "
-                   "goes on, so give it a buffer of its own first (make_gradients_reducible)",
-                   variable->name(), gradient.name(),
-                   reader == gradient.node ? std::string("a view of another value")
-                                           : fmt::format("read by {}", gradient.graph->node(reader).label()));
+    TANDEM_REQUIRE(
+        reader < 0, InvalidArgument,
+        "gradient reducer: the gradient of variable \"{}\" ({}) is {}; it is reduced in place while backward "
+        "goes on, so give it a buffer of its own first (make_gradients_reducible)",
+        variable->name(), gradient.name(),
+        reader == gradient.node ? std::string("a view of another value")
+                                : fmt::format("read by {}", gradient.graph->node(reader).label()));
     if (!options_.accumulators.empty()) {
       const auto& acc = *options_.accumulators[k];
       TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->shape(), InvalidArgument,
-                     "gradient reducer: accumulator \"{}\" is {} {}, its variable \"{}\" {} {}", acc.name(), acc.dtype(),
-                     acc.shape(), variable->name(), variable->dtype(), variable->shape());
+                     "gradient reducer: accumulator \"{}\" is {} {}, its variable \"{}\" {} {}", acc.name(),
+                     acc.dtype(), acc.shape(), variable->name(), variable->dtype(), variable->shape());
     }
   }
 
@@ -282,7 +288,8 @@ std::vector<std::vector<std::size_t>> GradientReducer::buckets() const {
 
 GradientReducer::ReplicaState& GradientReducer::state(int replica) {
   TANDEM_REQUIRE(replica >= 0 && static_cast<std::size_t>(replica) < replicas_.size(), InvalidArgument,
-                 "gradient reducer of {}: replica {} out of range [0, {})", strategy_.name(), replica, replicas_.size());
+                 "gradient reducer of {}: replica {} out of range [0, {})", strategy_.name(), replica,
+                 replicas_.size());
   return *replicas_[static_cast<std::size_t>(replica)];
 }
 
@@ -299,7 +306,8 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
   s.kind = kind;
   s.grads.assign(sources_.size(), Tensor());
   s.bucket_pending.resize(plan_->buckets.size());
-  for (std::size_t b = 0; b < plan_->buckets.size(); ++b) s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
+  for (std::size_t b = 0; b < plan_->buckets.size(); ++b)
+    s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
   s.next_bucket = 0;
   s.extra = Tensor();
 }
@@ -424,9 +432,10 @@ bool GradientReducer::reduces_on_device(int replica) {
 
 void GradientReducer::queue_reduction_on_device(int replica, std::span<Tensor> gradients) {
   TANDEM_REQUIRE(reduces_on_device(replica), FailedPrecondition,
-                 "gradient reducer of {}: replica {}'s reduction cannot be queued on its device", strategy_.name(), replica);
-  TANDEM_REQUIRE(gradients.size() == sources_.size(), InvalidArgument, "gradient reducer: {} gradients for {} variables",
-                 gradients.size(), sources_.size());
+                 "gradient reducer of {}: replica {}'s reduction cannot be queued on its device", strategy_.name(),
+                 replica);
+  TANDEM_REQUIRE(gradients.size() == sources_.size(), InvalidArgument,
+                 "gradient reducer: {} gradients for {} variables", gradients.size(), sources_.size());
   if (strategy_.replica_devices().size() == 1) return;
   // One call per dtype: NCCL groups a call's tensors into one launch. No buckets: nothing
   // overlaps backward here, the whole step is one graph.

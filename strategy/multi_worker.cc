@@ -44,8 +44,8 @@ std::chrono::milliseconds collective_timeout(const CommunicationOptions& options
 // --nproc_per_node, torchrun) take one GPU each, by local rank. Without GPUs (or GPU kernels):
 // CPU:0. A CUDA build has GPU kernels (ops/cuda/).
 std::vector<std::string> default_worker_devices(const ClusterResolver& resolver) {
-  const auto gpus = TANDEM_HAVE_CUDA ? devices::list_logical_devices(devices::DeviceType::kGPU)
-                                     : std::vector<devices::Device*>{};
+  const auto gpus =
+      TANDEM_HAVE_CUDA ? devices::list_logical_devices(devices::DeviceType::kGPU) : std::vector<devices::Device*>{};
   if (gpus.empty()) return {"CPU:0"};
   if (resolver.local_world_size() > 1) {
     const auto index = static_cast<std::size_t>(resolver.local_rank()) % gpus.size();
@@ -137,8 +137,8 @@ class CollectiveAllReduce final : public CrossDeviceOps {
  public:
   // shared_memory: the workers' gradients meet in a segment of this machine's memory instead of
   // going through TCP (every worker must be on this machine).
-  CollectiveAllReduce(std::shared_ptr<collective::Store> store, int rank, int workers,
-                      std::vector<std::string> labels, const CommunicationOptions& options, bool shared_memory)
+  CollectiveAllReduce(std::shared_ptr<collective::Store> store, int rank, int workers, std::vector<std::string> labels,
+                      const CommunicationOptions& options, bool shared_memory)
       : store_(std::move(store)),
         rank_(rank),
         workers_(workers),
@@ -189,14 +189,14 @@ class CollectiveAllReduce final : public CrossDeviceOps {
   std::vector<std::unique_ptr<collective::Communicator>> make_gpu_group(const std::vector<devices::Device*>& devices,
                                                                         std::shared_ptr<GroupStore> group_store) const {
     const auto implementation = options_.implementation;
-    TANDEM_REQUIRE(implementation == CommunicationImplementation::kAuto ||
-                       implementation == CommunicationImplementation::kNccl,
-                   InvalidArgument,
-                   "MultiWorkerMirroredStrategy: GPU replicas exchange gradients through NCCL; "
-                   "CommunicationImplementation {} reduces host memory only (use kAuto or kNccl)",
-                   implementation == CommunicationImplementation::kRing ? "kRing" : "kSharedMemory");
+    TANDEM_REQUIRE(
+        implementation == CommunicationImplementation::kAuto || implementation == CommunicationImplementation::kNccl,
+        InvalidArgument,
+        "MultiWorkerMirroredStrategy: GPU replicas exchange gradients through NCCL; "
+        "CommunicationImplementation {} reduces host memory only (use kAuto or kNccl)",
+        implementation == CommunicationImplementation::kRing ? "kRing" : "kSharedMemory");
     auto nccl = member_options<collective::NcclProcessOptions>(rank_, workers_, std::move(group_store),
-                                                                collective_timeout(options_), labels_);
+                                                               collective_timeout(options_), labels_);
     nccl.cuda_device = devices.front()->index();
     auto cross = collective::make_nccl_process_communicator(std::move(nccl));
     if (devices.size() == 1) {
@@ -232,13 +232,19 @@ struct MultiWorkerMirroredStrategy::Impl {
   AutoShardPolicy policy = AutoShardPolicy::kAuto;
 
   static std::unique_ptr<Impl> connect(MultiWorkerOptions options);
-  std::string label(int r) const { return labels.empty() ? fmt::format("rank {}", r) : labels[static_cast<std::size_t>(r)]; }
-  collective::CallOptions call_options() const { return {.timeout = collective_timeout(options.communication_options)}; }
+  std::string label(int r) const {
+    return labels.empty() ? fmt::format("rank {}", r) : labels[static_cast<std::size_t>(r)];
+  }
+  collective::CallOptions call_options() const {
+    return {.timeout = collective_timeout(options.communication_options)};
+  }
 };
 
-std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::Impl::connect(MultiWorkerOptions options) {
+std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::Impl::connect(
+    MultiWorkerOptions options) {
   auto impl = std::make_unique<Impl>();
-  impl->resolver = options.cluster_resolver ? options.cluster_resolver : std::shared_ptr<ClusterResolver>(resolve_cluster());
+  impl->resolver =
+      options.cluster_resolver ? options.cluster_resolver : std::shared_ptr<ClusterResolver>(resolve_cluster());
   const ClusterResolver& resolver = *impl->resolver;
   TANDEM_REQUIRE(resolver.rank() >= 0, InvalidArgument,
                  "MultiWorkerMirroredStrategy: this process is the {} task {} of the cluster ({}), which does not "
@@ -256,7 +262,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
   const std::vector<std::string> names =
       options.local_devices.empty() ? default_worker_devices(resolver) : options.local_devices;
   if (resolver.local_world_size() > 1 && !env::is_set(env::kIntraOpThreads)) {
-    const int cpu_devices = static_cast<int>(env::find_int(env::kNumCpuDevices).value_or(static_cast<std::int64_t>(names.size())));
+    const int cpu_devices =
+        static_cast<int>(env::find_int(env::kNumCpuDevices).value_or(static_cast<std::int64_t>(names.size())));
     try {
       devices::set_logical_device_configuration(
           {.num_cpu_devices = cpu_devices,
@@ -269,7 +276,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
   for (const auto& name : names) {
     devices::Device* d = &devices::get_device(name);
     for (auto* seen : impl->devices) {
-      TANDEM_REQUIRE(seen != d, InvalidArgument, "MultiWorkerMirroredStrategy: device {} is listed twice", d->short_name());
+      TANDEM_REQUIRE(seen != d, InvalidArgument, "MultiWorkerMirroredStrategy: device {} is listed twice",
+                     d->short_name());
     }
     impl->devices.push_back(d);
   }
@@ -299,9 +307,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
                    resolver.local_world_size(), impl->workers, resolver.kind());
     const bool shared_memory = implementation == CommunicationImplementation::kSharedMemory ||
                                (implementation == CommunicationImplementation::kAuto && all_local);
-    impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(impl->rendezvous.store, impl->rank, impl->workers,
-                                                                   impl->labels, options.communication_options,
-                                                                   shared_memory);
+    impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(
+        impl->rendezvous.store, impl->rank, impl->workers, impl->labels, options.communication_options, shared_memory);
   } else {
     impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
   }
@@ -347,7 +354,8 @@ void MultiWorkerMirroredStrategy::agree_on_variable(VariableOptions& options) {
   if (impl_->control == nullptr) return;
   auto& control = *impl_->control;
   // 1. Every worker must be creating the same variable: compare descriptors, naming both sides.
-  const std::string mine = fmt::format("\"{}\" {} {}", options.name, options.initial_value.dtype(), options.initial_value.shape());
+  const std::string mine =
+      fmt::format("\"{}\" {} {}", options.name, options.initial_value.dtype(), options.initial_value.shape());
   Tensor descriptor = Tensor::zeros({static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
   std::memcpy(descriptor.raw_data(), mine.data(), std::min(mine.size(), kDescriptorBytes - 1));
   Tensor all = Tensor::zeros({impl_->workers * static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
@@ -439,7 +447,8 @@ std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_ba
     const data::Dataset& dataset, const data::IterateOptions& options) const {
   if (impl_->workers == 1) return Strategy::worker_batches(dataset, options);
   AutoShardPolicy policy = impl_->policy;
-  if (policy == AutoShardPolicy::kAuto) policy = dataset.reads_files() ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
+  if (policy == AutoShardPolicy::kAuto)
+    policy = dataset.reads_files() ? AutoShardPolicy::kFile : AutoShardPolicy::kData;
   auto& self = const_cast<MultiWorkerMirroredStrategy&>(*this);  // agreement is a collective
   switch (policy) {
     case AutoShardPolicy::kData:
@@ -455,8 +464,7 @@ std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_ba
       return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self);
     }
     case AutoShardPolicy::kOff:
-    case AutoShardPolicy::kAuto:
-      break;
+    case AutoShardPolicy::kAuto: break;
   }
   return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self);
 }

@@ -61,8 +61,7 @@ struct Strategy::ReplicaThreads {
   // Polling only pays when every replica thread has a core: with more replicas than cores, a
   // polling thread takes the core from the replica it waits for (a step then costs scheduler
   // time slices, milliseconds; 3 replicas on 2 cores measured 150x slower with polling).
-  explicit ReplicaThreads(int replicas)
-      : spin(spin_budget(kReplicaSpin, replicas, devices::usable_cpu_cores())) {
+  explicit ReplicaThreads(int replicas) : spin(spin_budget(kReplicaSpin, replicas, devices::usable_cpu_cores())) {
     for (int r = 1; r < replicas; ++r) workers.emplace_back([this, r] { loop(r); });
   }
   ~ReplicaThreads() {
@@ -120,8 +119,8 @@ struct Strategy::ReplicaThreads {
   bool stopping = false;
 };
 
-Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices, std::shared_ptr<CrossDeviceOps> cross_device_ops,
-                   DistributionOptions distribution)
+Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
+                   std::shared_ptr<CrossDeviceOps> cross_device_ops, DistributionOptions distribution)
     : name_(describe(kind, devices)),
       devices_(std::move(devices)),
       cross_device_ops_(std::move(cross_device_ops)),
@@ -131,7 +130,8 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices, std:
                  "{}: bucket sizes must be positive (got {} and {} bytes)", name_, distribution_.first_bucket_bytes,
                  distribution_.bucket_bytes);
   TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
-                 "{}: device_prefetch_batches must be at least 1; got {}", name_, distribution_.device_prefetch_batches);
+                 "{}: device_prefetch_batches must be at least 1; got {}", name_,
+                 distribution_.device_prefetch_batches);
   if (cross_device_ops_ == nullptr) cross_device_ops_ = choose_cross_device_ops(devices_);
 }
 
@@ -238,7 +238,9 @@ void Strategy::run(const std::function<void(ReplicaContext&)>& fn) {
         }
       }
       // The other replicas may be waiting for this one inside a collective: fail them now.
-      if (first) abort_collectives(fmt::format("replica {} on {} failed: {}", replica, devices_[static_cast<std::size_t>(replica)]->short_name(), what));
+      if (first)
+        abort_collectives(fmt::format("replica {} on {} failed: {}", replica,
+                                      devices_[static_cast<std::size_t>(replica)]->short_name(), what));
     }
   };
   threads_->run(body);
@@ -266,10 +268,12 @@ std::vector<data::Element> Strategy::split_batch(const data::Element& global_bat
     for (const auto& component : global_batch) {
       Shape shape = component.shape();
       shape[0] = rows;
-      const std::size_t row_bytes = static_cast<std::size_t>(component.shape().num_elements() / std::max<std::int64_t>(1, n)) *
-                                    graph::dtype_size(component.dtype());
+      const std::size_t row_bytes =
+          static_cast<std::size_t>(component.shape().num_elements() / std::max<std::int64_t>(1, n)) *
+          graph::dtype_size(component.dtype());
       shards[static_cast<std::size_t>(r)].push_back(
-          Tensor(shape, component.dtype(), component.buffer(), component.byte_offset() + static_cast<std::size_t>(offset) * row_bytes));
+          Tensor(shape, component.dtype(), component.buffer(),
+                 component.byte_offset() + static_cast<std::size_t>(offset) * row_bytes));
     }
     offset += rows;
   }
@@ -296,7 +300,8 @@ class WholeBatchIterator final : public Strategy::WorkerIterator {
   std::optional<Strategy::WorkerBatch> next() override {
     auto element = iterator_->next();
     if (!element) return std::nullopt;
-    const std::int64_t rows = element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    const std::int64_t rows =
+        element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
     return Strategy::WorkerBatch{std::move(*element), rows};
   }
 

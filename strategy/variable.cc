@@ -56,14 +56,15 @@ void Variable::check_copies_equal() const {
 void Variable::assign(const Tensor& value) {
   TANDEM_REQUIRE(value.defined() && value.dtype() == dtype() && value.shape() == shape(), InvalidArgument,
                  "assign to variable \"{}\": got {} {}; expected {} {}", name_,
-                 value.defined() ? graph::dtype_name(value.dtype()) : "undefined", value.defined() ? value.shape() : Shape{},
-                 dtype(), shape());
+                 value.defined() ? graph::dtype_name(value.dtype()) : "undefined",
+                 value.defined() ? value.shape() : Shape{}, dtype(), shape());
   if (synchronization_ == VariableSynchronization::kOnRead && aggregation_ == VariableAggregation::kSum &&
       copies_.size() > 1) {
     Tensor divided = value.to(devices::default_cpu_device()).clone();
     graph::dispatch<graph::NumericTypes>(dtype(), "assign to an on-read SUM variable", [&]<class T>() {
       T* data = divided.data<T>();
-      for (std::int64_t i = 0; i < divided.num_elements(); ++i) data[i] = static_cast<T>(data[i] / static_cast<T>(copies_.size()));
+      for (std::int64_t i = 0; i < divided.num_elements(); ++i)
+        data[i] = static_cast<T>(data[i] / static_cast<T>(copies_.size()));
     });
     for (auto& copy : copies_) copy.copy_from(divided);
     return;

@@ -71,16 +71,25 @@ constexpr int kFreePortAttempts = 50;
 
 // The variables the launcher sets; copies inherited from its own environment are dropped so a
 // worker never sees a stale mix (the program's resolver reads TF_CONFIG or torchrun's set).
-constexpr std::string_view kManagedVariables[] = {
-    "TF_CONFIG",
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-    "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"};
+constexpr std::string_view kManagedVariables[] = {"TF_CONFIG",
+                                                  "MASTER_ADDR",
+                                                  "MASTER_PORT",
+                                                  "RANK",
+                                                  "WORLD_SIZE",
+                                                  "LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE",
+                                                  "GROUP_RANK",
+                                                  "TANDEM_LOCAL_RANK",
+                                                  "TANDEM_LOCAL_WORLD_SIZE",
+                                                  "TANDEM_RESTART_COUNT",
+                                                  "TANDEM_LAUNCHER"};
 
 // The --help text around CLI11's list of options.
 constexpr std::string_view kUsageLine = "Usage: tandem-run --nproc_per_node N [options] -- PROGRAM [ARGS...]";
 constexpr std::string_view kDescription = R"(Starts N worker processes of PROGRAM on this node for multi-worker training
 (MultiWorkerMirroredStrategy) and relays their output, prefixed "[rank R] ".)";
-constexpr std::string_view kFooter = R"(Options take --opt value or --opt=value; torchrun's dashed spellings (--nproc-per-node) work
+constexpr std::string_view kFooter =
+    R"(Options take --opt value or --opt=value; torchrun's dashed spellings (--nproc-per-node) work
 too. With --hosts every worker's address is known and TF_CONFIG is set on every node; without
 it, several nodes get torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) instead of TF_CONFIG.
@@ -146,8 +155,8 @@ CLI::Validator seconds_up_to(double max) {
         char* end = nullptr;
         errno = 0;
         const double seconds = text.empty() ? NAN : std::strtod(text.c_str(), &end);
-        if (text.empty() || errno != 0 || end != text.c_str() + text.size() || !std::isfinite(seconds) ||
-            seconds < 0 || seconds > max) {
+        if (text.empty() || errno != 0 || end != text.c_str() + text.size() || !std::isfinite(seconds) || seconds < 0 ||
+            seconds > max) {
           return fmt::format("expects seconds from 0 to {}, got '{}'", max, text);
         }
         return {};
@@ -173,15 +182,15 @@ std::vector<std::string> split_hosts(std::string_view text) {
 class HelpFormatter : public CLI::Formatter {
  public:
   std::string make_help(const CLI::App* app, std::string, CLI::AppFormatMode mode) const override {
-    return fmt::format("{}\n\n{}{}\n{}", kUsageLine, make_description(app), make_groups(app, mode),
-                       make_footer(app));
+    return fmt::format("{}\n\n{}{}\n{}", kUsageLine, make_description(app), make_groups(app, mode), make_footer(app));
   }
 };
 
 Options parse_command_line(std::span<char* const> args) {
   Options options;
   // Everything after the first "--" is the program and its arguments: CLI11 sees what is before.
-  const auto separator = std::find_if(args.begin(), args.end(), [](const char* a) { return std::string_view(a) == "--"; });
+  const auto separator =
+      std::find_if(args.begin(), args.end(), [](const char* a) { return std::string_view(a) == "--"; });
   const bool saw_separator = separator != args.end();
   if (saw_separator) options.program.assign(separator + 1, args.end());
 
@@ -200,13 +209,14 @@ Options parse_command_line(std::span<char* const> args) {
       ->type_name("N")
       ->required()
       ->check(integer_from(1, kMaxProcsPerNode));
-  app.add_option("--nnodes", options.nnodes, "nodes in the job (default 1)")->type_name("M")->check(integer_from(1, 65536));
+  app.add_option("--nnodes", options.nnodes, "nodes in the job (default 1)")
+      ->type_name("M")
+      ->check(integer_from(1, 65536));
   app.add_option("--node_rank", options.node_rank, "this node's index, 0 to M-1 (default 0)")
       ->type_name("R")
       ->check(integer_from(0, 65535));
   auto* master_addr =
-      app.add_option("--master_addr", options.master_addr,
-                     "the chief's host (default 127.0.0.1, or H0)")
+      app.add_option("--master_addr", options.master_addr, "the chief's host (default 127.0.0.1, or H0)")
           ->type_name("A")
           ->check(CLI::Validator([](const std::string& text) { return text.empty() ? "is empty" : ""; }, ""));
   app.add_option("--master_port", options.master_port,
@@ -214,17 +224,15 @@ Options parse_command_line(std::span<char* const> args) {
                  "only)")
       ->type_name("P")
       ->check(integer_from(0, 65535));
-  auto* hosts_option = app.add_option("--hosts", hosts,
-                 "one host per node, H0 = master_addr (see below)")
-      ->type_name("H0,H1,...");
-  app.add_option("--max_restarts", options.max_restarts,
-                 "restart the group up to K times after a failure\n(default 0)")
+  auto* hosts_option =
+      app.add_option("--hosts", hosts, "one host per node, H0 = master_addr (see below)")->type_name("H0,H1,...");
+  app.add_option("--max_restarts", options.max_restarts, "restart the group up to K times after a failure\n(default 0)")
       ->type_name("K")
       ->check(integer_from(0, 1000000));
-  auto* stop_timeout = app.add_option("--stop_timeout", stop_timeout_seconds,
-                                      "seconds stopping workers get before SIGKILL (default 30)")
-                           ->type_name("S")
-                           ->check(seconds_up_to(kMaxStopTimeoutSeconds));
+  auto* stop_timeout =
+      app.add_option("--stop_timeout", stop_timeout_seconds, "seconds stopping workers get before SIGKILL (default 30)")
+          ->type_name("S")
+          ->check(seconds_up_to(kMaxStopTimeoutSeconds));
   // CLI11 takes the arguments last first. torchrun's dashed names (--nproc-per-node) become ours.
   std::vector<std::string> reversed(std::make_reverse_iterator(separator), std::make_reverse_iterator(args.begin()));
   for (std::string& arg : reversed) {
@@ -243,12 +251,12 @@ Options parse_command_line(std::span<char* const> args) {
   }
   if (const auto extras = app.remaining(); !extras.empty()) {
     if (extras[0].starts_with("-")) throw UsageError(fmt::format("unknown option '{}'", extras[0]));
-    throw UsageError(
-        fmt::format("unexpected argument '{}': options come first, then '--' and the program", extras[0]));
+    throw UsageError(fmt::format("unexpected argument '{}': options come first, then '--' and the program", extras[0]));
   }
   options.nproc_per_node = nproc_per_node;
   if (stop_timeout->count() > 0) {
-    options.stop_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(stop_timeout_seconds * 1000)));
+    options.stop_timeout =
+        std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(stop_timeout_seconds * 1000)));
   }
   if (hosts_option->count() > 0) options.hosts = split_hosts(hosts);
 
@@ -262,9 +270,10 @@ Options parse_command_line(std::span<char* const> args) {
                     options.master_port, options.nproc_per_node, options.master_port + options.nproc_per_node - 1));
   }
   if (options.master_port == 0 && options.nnodes > 1) {
-    throw UsageError(fmt::format("--master_port 0 (pick free ports) needs --nnodes 1: the other {} nodes could not "
-                                 "know the port picked here",
-                                 options.nnodes - 1));
+    throw UsageError(
+        fmt::format("--master_port 0 (pick free ports) needs --nnodes 1: the other {} nodes could not "
+                    "know the port picked here",
+                    options.nnodes - 1));
   }
   if (!options.hosts.empty()) {
     if (static_cast<int>(options.hosts.size()) != options.nnodes) {
@@ -283,9 +292,10 @@ Options parse_command_line(std::span<char* const> args) {
     if (master_addr->count() == 0) {
       options.master_addr = options.hosts[0];
     } else if (options.hosts[0] != options.master_addr) {
-      throw UsageError(fmt::format("--hosts starts with '{}' but --master_addr is '{}': node 0 hosts the chief, so "
-                                   "they must be equal",
-                                   options.hosts[0], options.master_addr));
+      throw UsageError(
+          fmt::format("--hosts starts with '{}' but --master_addr is '{}': node 0 hosts the chief, so "
+                      "they must be equal",
+                      options.hosts[0], options.master_addr));
     }
   }
   if (!saw_separator) throw UsageError("missing '--' and the program to run (tandem-run [options] -- PROGRAM ...)");
@@ -416,7 +426,7 @@ int install_signal_handlers() {
     throw LaunchError(1, fmt::format("cannot create a pipe: {}", errno_text(errno)));
   }
   g_signal_pipe_write = fds[1];
-  struct sigaction action{};
+  struct sigaction action {};
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
@@ -429,7 +439,7 @@ int install_signal_handlers() {
   sigaddset(&handled, SIGCHLD);
   ::sigprocmask(SIG_UNBLOCK, &handled, nullptr);
   // A closed stdout must show up as EPIPE from write, not kill the launcher and orphan workers.
-  struct sigaction ignore{};
+  struct sigaction ignore {};
   ignore.sa_handler = SIG_IGN;
   sigemptyset(&ignore.sa_mask);
   ::sigaction(SIGPIPE, &ignore, nullptr);
@@ -441,8 +451,8 @@ int install_signal_handlers() {
 
 // One of a worker's output pipes, relayed line by line with the worker's prefix.
 struct OutputPipe {
-  int fd = -1;      // read end; -1 once closed
-  int target = -1;  // the launcher's STDOUT_FILENO or STDERR_FILENO
+  int fd = -1;          // read end; -1 once closed
+  int target = -1;      // the launcher's STDOUT_FILENO or STDERR_FILENO
   std::string pending;  // bytes after the last newline
 
   void relay(const std::string& prefix, bool at_eof) {
@@ -636,10 +646,10 @@ class Launcher {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Child: only async-signal-safe calls until execve.
-      ::setpgid(0, 0);  // its own group: a stop signal reaches the worker's children too
+      ::setpgid(0, 0);                     // its own group: a stop signal reaches the worker's children too
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // die with a SIGKILLed launcher
       if (::getppid() != parent) ::_exit(kCannotRunExitCode);  // the launcher died before prctl
-      struct sigaction dfl{};
+      struct sigaction dfl {};
       dfl.sa_handler = SIG_DFL;
       sigemptyset(&dfl.sa_mask);
       for (const int sig : kForwardedSignals) ::sigaction(sig, &dfl, nullptr);
@@ -767,8 +777,8 @@ class Launcher {
     for (;;) {
       const Clock::time_point now = Clock::now();
       const bool any_running = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.running; });
-      const bool any_open = std::any_of(workers.begin(), workers.end(),
-                                        [](const Worker& w) { return w.out.fd >= 0 || w.err.fd >= 0; });
+      const bool any_open =
+          std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.out.fd >= 0 || w.err.fd >= 0; });
       if (!any_running) {
         if (!drain_deadline) drain_deadline = now + kDrainTimeout;
         if (!any_open || now >= *drain_deadline) break;

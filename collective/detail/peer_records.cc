@@ -180,9 +180,10 @@ std::string PeerRecords::lost_message(const std::vector<int>& lost) const {
 }
 
 std::string PeerRecords::store_unreachable_message(std::string_view how) const {
-  return fmt::format("the store at {} is unreachable{}, so the process serving it ({} in a tandem job, the chief) has "
-                     "probably died",
-                     store_->address(), how, chief_);
+  return fmt::format(
+      "the store at {} is unreachable{}, so the process serving it ({} in a tandem job, the chief) has "
+      "probably died",
+      store_->address(), how, chief_);
 }
 
 }  // namespace tandem::collective::detail

@@ -76,20 +76,15 @@ bool parse_reply(const std::vector<char>& frame, Reply& reply) {
   reply.status = static_cast<Status>(status);
   switch (reply.status) {
     case Status::kOk:
-    case Status::kCancelled:
-      break;
-    case Status::kValue:
-      r.bytes(reply.value);
-      break;
+    case Status::kCancelled: break;
+    case Status::kValue: r.bytes(reply.value); break;
     case Status::kBool: {
       std::uint8_t b = 0;
       r.u8(b);
       reply.flag = b != 0;
       break;
     }
-    case Status::kInt:
-      r.i64(reply.number);
-      break;
+    case Status::kInt: r.i64(reply.number); break;
     case Status::kError:
       r.u8(reply.error_code);
       r.str(reply.error);

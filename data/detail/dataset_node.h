@@ -79,7 +79,6 @@ class DatasetNode : public std::enable_shared_from_this<DatasetNode> {
   // Whether this node or one below it is a from_files source.
   virtual bool reads_files() const { return false; }
 
-
  protected:
   // This node as its own type, for iterators to keep it alive. Nodes are made with make_shared.
   template <class Derived>
@@ -92,10 +91,9 @@ class DatasetNode : public std::enable_shared_from_this<DatasetNode> {
 // (Dataset's methods), which throw InvalidArgument before a node is made.
 std::shared_ptr<const DatasetNode> make_prefetch_node(std::shared_ptr<const DatasetNode> input,
                                                       std::int64_t buffer_size, PrefetchOptions options);
-std::shared_ptr<const DatasetNode> make_shuffle_node(std::shared_ptr<const DatasetNode> input,
-                                                     std::int64_t buffer_size, std::uint64_t seed,
-                                                     bool reshuffle_each_iteration);
-std::shared_ptr<const DatasetNode> make_batch_node(std::shared_ptr<const DatasetNode> input,
-                                                   std::int64_t batch_size, bool drop_remainder);
+std::shared_ptr<const DatasetNode> make_shuffle_node(std::shared_ptr<const DatasetNode> input, std::int64_t buffer_size,
+                                                     std::uint64_t seed, bool reshuffle_each_iteration);
+std::shared_ptr<const DatasetNode> make_batch_node(std::shared_ptr<const DatasetNode> input, std::int64_t batch_size,
+                                                   bool drop_remainder);
 
 }  // namespace tandem::data::detail

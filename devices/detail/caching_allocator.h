@@ -43,15 +43,15 @@ class RawDeviceMemory {
 };
 
 struct CachingAllocatorStats {
-  std::int64_t allocated_bytes = 0;       // in blocks handed out (size classes)
+  std::int64_t allocated_bytes = 0;  // in blocks handed out (size classes)
   std::int64_t peak_allocated_bytes = 0;
-  std::int64_t reserved_bytes = 0;        // taken from the raw allocator: allocated + cached
+  std::int64_t reserved_bytes = 0;  // taken from the raw allocator: allocated + cached
   std::int64_t peak_reserved_bytes = 0;
-  std::int64_t cached_bytes = 0;          // reserved but free, ready for reuse
-  std::int64_t raw_allocations = 0;       // calls to the raw allocator that succeeded
+  std::int64_t cached_bytes = 0;     // reserved but free, ready for reuse
+  std::int64_t raw_allocations = 0;  // calls to the raw allocator that succeeded
   std::int64_t raw_frees = 0;
-  std::int64_t cache_hits = 0;            // allocations served from a free list
-  std::int64_t cache_flushes = 0;         // out-of-memory retries that released the cache
+  std::int64_t cache_hits = 0;     // allocations served from a free list
+  std::int64_t cache_flushes = 0;  // out-of-memory retries that released the cache
 };
 
 // Streams are named by their native handle (cudaStream_t), nullptr for the device's compute stream.
@@ -59,8 +59,8 @@ using StreamHandle = const void*;
 
 class CachingAllocator final : public Allocator {
  public:
-  static constexpr std::size_t kMinBlockBytes = 512;            // cudaMalloc aligns to 256
-  static constexpr std::size_t kLinearClassLimitBytes = 4096;   // 512-byte steps up to here
+  static constexpr std::size_t kMinBlockBytes = 512;           // cudaMalloc aligns to 256
+  static constexpr std::size_t kLinearClassLimitBytes = 4096;  // 512-byte steps up to here
 
   CachingAllocator(std::string device_name, std::unique_ptr<RawDeviceMemory> raw);
   ~CachingAllocator() override;
@@ -93,8 +93,8 @@ class CachingAllocator final : public Allocator {
   std::string device_name_;
   std::unique_ptr<RawDeviceMemory> raw_;
   mutable std::mutex mutex_;
-  std::unordered_map<void*, Block> live_;                     // handed out
-  std::map<FreeKey, std::vector<void*>> free_;                // cached, per (stream, class)
+  std::unordered_map<void*, Block> live_;       // handed out
+  std::map<FreeKey, std::vector<void*>> free_;  // cached, per (stream, class)
   CachingAllocatorStats stats_;
 };
 

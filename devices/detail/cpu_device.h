@@ -28,8 +28,7 @@ class CpuDevice final : public Device {
   void synchronize() override {}
 
   int intra_op_threads() const override { return pool_.num_threads(); }
-  void parallel_for(std::int64_t n, std::int64_t min_grain,
-                    FunctionRef<void(std::int64_t, std::int64_t)> fn) override;
+  void parallel_for(std::int64_t n, std::int64_t min_grain, FunctionRef<void(std::int64_t, std::int64_t)> fn) override;
 
  private:
   CpuAllocator allocator_;

@@ -12,15 +12,14 @@
 
 // TANDEM_CUDA_CHECK(expr, device_name): every CUDA runtime call goes through this; a failure
 // throws tandem::Internal with the call, file:line, CUDA's own error name and string, and the device.
-#define TANDEM_CUDA_CHECK(expr, device_name)                                                    \
-  do {                                                                                          \
-    const cudaError_t tandem_cuda_status = (expr);                                              \
-    if (tandem_cuda_status != cudaSuccess) [[unlikely]] {                                       \
-      throw ::tandem::Internal(::fmt::format("{}:{}: CUDA call `{}` failed on {}: {} ({})",     \
-                                             __FILE__, __LINE__, #expr, (device_name),          \
-                                             cudaGetErrorName(tandem_cuda_status),              \
-                                             cudaGetErrorString(tandem_cuda_status)));          \
-    }                                                                                           \
+#define TANDEM_CUDA_CHECK(expr, device_name) \
+  do { \
+    const cudaError_t tandem_cuda_status = (expr); \
+    if (tandem_cuda_status != cudaSuccess) [[unlikely]] { \
+      throw ::tandem::Internal(::fmt::format("{}:{}: CUDA call `{}` failed on {}: {} ({})", __FILE__, __LINE__, #expr, \
+                                             (device_name), cudaGetErrorName(tandem_cuda_status), \
+                                             cudaGetErrorString(tandem_cuda_status))); \
+    } \
   } while (0)
 
 namespace tandem::devices::detail {

@@ -57,8 +57,8 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable work_ready_;
   std::condition_variable work_done_;
-  Job* job_ = nullptr;                       // guarded by mutex_
-  std::atomic<int> workers_in_job_{0};       // taken under mutex_: the job outlives them all
+  Job* job_ = nullptr;                        // guarded by mutex_
+  std::atomic<int> workers_in_job_{0};        // taken under mutex_: the job outlives them all
   std::atomic<std::uint64_t> generation_{0};  // bumped (under mutex_) for each new job
   bool stopping_ = false;
 };

@@ -15,8 +15,14 @@ using float16 = Eigen::half;
 using bfloat16 = Eigen::bfloat16;
 static_assert(sizeof(float16) == 2 && sizeof(bfloat16) == 2);
 
-template <> struct DTypeOf<Eigen::half> { static constexpr DType value = DType::kF16; };
-template <> struct DTypeOf<Eigen::bfloat16> { static constexpr DType value = DType::kBF16; };
+template <>
+struct DTypeOf<Eigen::half> {
+  static constexpr DType value = DType::kF16;
+};
+template <>
+struct DTypeOf<Eigen::bfloat16> {
+  static constexpr DType value = DType::kBF16;
+};
 
 using LowPrecisionTypes = TypeList<Eigen::half, Eigen::bfloat16>;
 // Every floating type, for kernels with their own 16-bit code.
@@ -25,9 +31,19 @@ using AllFloatTypes = TypeList<float, double, Eigen::half, Eigen::bfloat16>;
 using EveryType = TypeList<float, double, std::int32_t, std::int64_t, std::uint8_t, Eigen::half, Eigen::bfloat16>;
 
 // The type a kernel accumulates T in: float for the 16-bit types.
-template <class T> struct AccumulatorOf { using type = T; };
-template <> struct AccumulatorOf<Eigen::half> { using type = float; };
-template <> struct AccumulatorOf<Eigen::bfloat16> { using type = float; };
-template <class T> using accumulator_t = typename AccumulatorOf<T>::type;
+template <class T>
+struct AccumulatorOf {
+  using type = T;
+};
+template <>
+struct AccumulatorOf<Eigen::half> {
+  using type = float;
+};
+template <>
+struct AccumulatorOf<Eigen::bfloat16> {
+  using type = float;
+};
+template <class T>
+using accumulator_t = typename AccumulatorOf<T>::type;
 
 }  // namespace tandem::graph

@@ -32,7 +32,8 @@ void transpose_kernel(KernelContext& ctx) {
   layout.rank = y.shape().rank();
   for (int d = 0; d < layout.rank; ++d) {
     layout.dims[static_cast<std::size_t>(d)] = y.shape()[d];
-    layout.strides[0][static_cast<std::size_t>(d)] = in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
+    layout.strides[0][static_cast<std::size_t>(d)] =
+        in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
   }
   if (layout.rank == 0 || y.num_elements() == 0) {
     if (y.num_elements() == 1) std::memcpy(y.raw_data(), x.raw_data(), y.nbytes());
@@ -54,9 +55,9 @@ void copy_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   auto* dst = static_cast<char*>(ctx.output(0).raw_data());
   const auto* src = static_cast<const char*>(x.raw_data());
-  ctx.device().parallel_for(static_cast<std::int64_t>(x.nbytes()), kElementwiseGrain * 4, [&](std::int64_t b, std::int64_t e) {
-    std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b));
-  });
+  ctx.device().parallel_for(
+      static_cast<std::int64_t>(x.nbytes()), kElementwiseGrain * 4,
+      [&](std::int64_t b, std::int64_t e) { std::memcpy(dst + b, src + b, static_cast<std::size_t>(e - b)); });
 }
 
 void cast_kernel(KernelContext& ctx) {
@@ -80,12 +81,13 @@ void argmax_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Shape& in = x.shape();
   const int axis = static_cast<int>(ctx.attrs().get_int("axis") < 0 ? ctx.attrs().get_int("axis") + in.rank()
-                                                                     : ctx.attrs().get_int("axis"));
+                                                                    : ctx.attrs().get_int("axis"));
   std::int64_t outer = 1, inner = 1;
   for (int d = 0; d < axis; ++d) outer *= in[d];
   for (int d = axis + 1; d < in.rank(); ++d) inner *= in[d];
   const std::int64_t size = in[axis];
-  TANDEM_REQUIRE(size > 0 || outer * inner == 0, InvalidArgument, "{}: argmax over an empty axis of {}", ctx.label(), in);
+  TANDEM_REQUIRE(size > 0 || outer * inner == 0, InvalidArgument, "{}: argmax over an empty axis of {}", ctx.label(),
+                 in);
   auto* out = out_ptr<std::int64_t>(ctx, 0);
   graph::dispatch<graph::NumericTypes>(x.dtype(), ctx.label(), [&]<class T>() {
     const T* px = static_cast<const T*>(x.raw_data());
@@ -142,7 +144,8 @@ void one_hot_kernel(KernelContext& ctx) {
 template <class T>
 void fill_value(KernelContext& ctx, Tensor& y, T value) {
   T* p = static_cast<T*>(y.raw_data());
-  parallel_elements(ctx, y.num_elements(), [&](std::int64_t begin, std::int64_t end) { std::fill(p + begin, p + end, value); });
+  parallel_elements(ctx, y.num_elements(),
+                    [&](std::int64_t begin, std::int64_t end) { std::fill(p + begin, p + end, value); });
 }
 
 void fill_kernel(KernelContext& ctx) {

@@ -57,7 +57,8 @@ BroadcastLayout make_broadcast_layout(const graph::Shape& out, std::initializer_
     }
     const auto m = static_cast<std::size_t>(merged.rank++);
     merged.dims[m] = full.dims[du];
-    for (int o = 0; o < full.operands; ++o) merged.strides[static_cast<std::size_t>(o)][m] = full.strides[static_cast<std::size_t>(o)][du];
+    for (int o = 0; o < full.operands; ++o)
+      merged.strides[static_cast<std::size_t>(o)][m] = full.strides[static_cast<std::size_t>(o)][du];
   }
   if (merged.rank == 0 && out.num_elements() == 1) {
     merged.rank = 1;
@@ -94,7 +95,8 @@ ReductionLayout make_reduction_layout(const graph::Shape& in, const std::vector<
       groups.push_back({reduced, in[d]});
     }
   }
-  const std::size_t reduced_groups = static_cast<std::size_t>(std::count_if(groups.begin(), groups.end(), [](const Group& g) { return g.reduced; }));
+  const std::size_t reduced_groups =
+      static_cast<std::size_t>(std::count_if(groups.begin(), groups.end(), [](const Group& g) { return g.reduced; }));
   if (reduced_groups <= 1) {
     layout.contiguous = true;
     bool seen_reduced = false;

@@ -50,13 +50,17 @@ void for_each_run(const BroadcastLayout& layout, std::int64_t begin, std::int64_
     rest /= layout.dims[du];
   }
   std::array<std::int64_t, kMaxOperands> inner{};
-  for (int k = 0; k < layout.operands; ++k) inner[static_cast<std::size_t>(k)] = layout.strides[static_cast<std::size_t>(k)][static_cast<std::size_t>(rank - 1)];
+  for (int k = 0; k < layout.operands; ++k)
+    inner[static_cast<std::size_t>(k)] =
+        layout.strides[static_cast<std::size_t>(k)][static_cast<std::size_t>(rank - 1)];
   std::int64_t position = begin;
   while (position < end) {
     std::array<std::int64_t, kMaxOperands> offsets{};
     for (int k = 0; k < layout.operands; ++k) {
       std::int64_t o = 0;
-      for (int d = 0; d < rank; ++d) o += index[static_cast<std::size_t>(d)] * layout.strides[static_cast<std::size_t>(k)][static_cast<std::size_t>(d)];
+      for (int d = 0; d < rank; ++d)
+        o += index[static_cast<std::size_t>(d)] *
+             layout.strides[static_cast<std::size_t>(k)][static_cast<std::size_t>(d)];
       offsets[static_cast<std::size_t>(k)] = o;
     }
     const std::int64_t count = std::min(inner_dim - index[static_cast<std::size_t>(rank - 1)], end - position);
@@ -64,7 +68,8 @@ void for_each_run(const BroadcastLayout& layout, std::int64_t begin, std::int64_
     position += count;
     // Advance the multi-index past this run.
     index[static_cast<std::size_t>(rank - 1)] += count;
-    for (int d = rank - 1; d > 0 && index[static_cast<std::size_t>(d)] == layout.dims[static_cast<std::size_t>(d)]; --d) {
+    for (int d = rank - 1; d > 0 && index[static_cast<std::size_t>(d)] == layout.dims[static_cast<std::size_t>(d)];
+         --d) {
       index[static_cast<std::size_t>(d)] = 0;
       ++index[static_cast<std::size_t>(d - 1)];
     }

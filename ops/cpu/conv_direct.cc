@@ -168,52 +168,54 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
   }
   const int64_t blocks_per_image = (g.out_h + kTileRows - 1) / kTileRows;
   const int64_t block_work = kTileRows * g.out_w * o * k;
-  device.parallel_for(g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
-                      [&](int64_t begin, int64_t end) {
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t n = unit / blocks_per_image;
-      const int64_t oh_begin = unit % blocks_per_image * kTileRows, oh_end = std::min(g.out_h, oh_begin + kTileRows);
-      const float* image = x + n * g.in_h * g.in_w * c;
-      float* y_image = y + n * g.out_h * g.out_w * o;
-      // Index in `image` of the corner of output pixel (oh, ow)'s window: negative in padding.
-      const auto corner = [&](int64_t oh, int64_t ow) {
-        return ((oh * g.stride_h - g.pad_top) * g.in_w + ow * g.stride_w - g.pad_left) * c;
-      };
-      for (int64_t j = 0; j < o;) {
-        const int registers = column_block(o - j);
-        const int64_t max_rows = max_tile_rows(registers);
-        // Full columns: balanced tiles along each output row.
-        const int64_t tiles = (full + max_rows - 1) / max_rows;
-        for (int64_t oh = oh_begin; oh < oh_end; ++oh) {
-          const auto [kh0, kh1] = kh_range(oh);
-          const int64_t kk0 = kh0 * kh_size;
-          for (int64_t t = 0; t < tiles; ++t) {
-            const int64_t ow0 = full_begin + t * full / tiles, ow1 = full_begin + (t + 1) * full / tiles;
-            forward_tile_fn(registers, ow1 - ow0)((kh1 - kh0) * kh_size, image, corner(oh, ow0), g.stride_w * c,
-                                                  offsets + kk0, w + kk0 * o + j, o, y_image + (oh * g.out_w + ow0) * o + j,
-                                                  o);
+  device.parallel_for(
+      g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
+      [&](int64_t begin, int64_t end) {
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t n = unit / blocks_per_image;
+          const int64_t oh_begin = unit % blocks_per_image * kTileRows,
+                        oh_end = std::min(g.out_h, oh_begin + kTileRows);
+          const float* image = x + n * g.in_h * g.in_w * c;
+          float* y_image = y + n * g.out_h * g.out_w * o;
+          // Index in `image` of the corner of output pixel (oh, ow)'s window: negative in padding.
+          const auto corner = [&](int64_t oh, int64_t ow) {
+            return ((oh * g.stride_h - g.pad_top) * g.in_w + ow * g.stride_w - g.pad_left) * c;
+          };
+          for (int64_t j = 0; j < o;) {
+            const int registers = column_block(o - j);
+            const int64_t max_rows = max_tile_rows(registers);
+            // Full columns: balanced tiles along each output row.
+            const int64_t tiles = (full + max_rows - 1) / max_rows;
+            for (int64_t oh = oh_begin; oh < oh_end; ++oh) {
+              const auto [kh0, kh1] = kh_range(oh);
+              const int64_t kk0 = kh0 * kh_size;
+              for (int64_t t = 0; t < tiles; ++t) {
+                const int64_t ow0 = full_begin + t * full / tiles, ow1 = full_begin + (t + 1) * full / tiles;
+                forward_tile_fn(registers, ow1 - ow0)((kh1 - kh0) * kh_size, image, corner(oh, ow0), g.stride_w * c,
+                                                      offsets + kk0, w + kk0 * o + j, o,
+                                                      y_image + (oh * g.out_w + ow0) * o + j, o);
+              }
+            }
+            // Edge columns: runs of rows with the same kh range, as tiles down the column.
+            for (int64_t oh = oh_begin; oh < oh_end;) {
+              const auto range = kh_range(oh);
+              int64_t run = 1;
+              while (run < max_rows && oh + run < oh_end && kh_range(oh + run) == range) ++run;
+              const auto [kh0, kh1] = range;
+              for (int64_t e = 0; e < edges; ++e) {
+                const int64_t ow = edge_column(e);
+                const auto [kw0, kw1] = kw_range(ow);
+                const int64_t per_kh = (kw1 - kw0) * c, first = e * k + kh0 * per_kh;
+                forward_tile_fn(registers, run)((kh1 - kh0) * per_kh, image, corner(oh, ow), g.stride_h * g.in_w * c,
+                                                edge_offsets + first, edge_w + first * o + j, o,
+                                                y_image + (oh * g.out_w + ow) * o + j, g.out_w * o);
+              }
+              oh += run;
+            }
+            j += registers * kLanes;
           }
         }
-        // Edge columns: runs of rows with the same kh range, as tiles down the column.
-        for (int64_t oh = oh_begin; oh < oh_end;) {
-          const auto range = kh_range(oh);
-          int64_t run = 1;
-          while (run < max_rows && oh + run < oh_end && kh_range(oh + run) == range) ++run;
-          const auto [kh0, kh1] = range;
-          for (int64_t e = 0; e < edges; ++e) {
-            const int64_t ow = edge_column(e);
-            const auto [kw0, kw1] = kw_range(ow);
-            const int64_t per_kh = (kw1 - kw0) * c, first = e * k + kh0 * per_kh;
-            forward_tile_fn(registers, run)((kh1 - kh0) * per_kh, image, corner(oh, ow), g.stride_h * g.in_w * c,
-                                            edge_offsets + first, edge_w + first * o + j, o,
-                                            y_image + (oh * g.out_w + ow) * o + j, g.out_w * o);
-          }
-          oh += run;
-        }
-        j += registers * kLanes;
-      }
-    }
-  });
+      });
 }
 
 // --- backprop filter -------------------------------------------------------------------------
@@ -318,7 +320,8 @@ struct Tap {
 // reduced over the output channels at the end. Four pixels at once share the filter loads and
 // give the FMA units independent chains; two accumulators per element halve the chains.
 template <int C, int P, int kVectors>
-void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t num_taps, int64_t dy_shift, float* out) {
+void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t num_taps, int64_t dy_shift,
+                           float* out) {
   constexpr int kSplit = P * C <= 4 ? 2 : 1;
   const int64_t vectors = kVectors > 0 ? kVectors : o / kLanes;
   __m512 acc[P][C][kSplit];
@@ -562,7 +565,9 @@ bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
 
 #else  // no AVX-512: the GEMM paths handle everything
 
-bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) { return false; }
+bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+  return false;
+}
 bool conv2d_backprop_filter(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
   return false;
 }

@@ -30,7 +30,8 @@ inline constexpr std::int64_t kMaxPatch = 4608;
 // Backprop-input computes each dx element as one dot product up to this many input channels.
 inline constexpr std::int64_t kMaxBackpropInputChannels = 4;
 
-bool conv2d_forward(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* w, float* y);
+bool conv2d_forward(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* w,
+                    float* y);
 bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* dy,
                             float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,

@@ -59,7 +59,9 @@ Window2DGeometry conv_geometry(const KernelContext& ctx, const Shape& x, const S
   return detail::conv_geometry(ctx.attrs(), x, filter);
 }
 
-Window2DGeometry pool_geometry(const KernelContext& ctx, const Shape& x) { return detail::pool_geometry(ctx.attrs(), x); }
+Window2DGeometry pool_geometry(const KernelContext& ctx, const Shape& x) {
+  return detail::pool_geometry(ctx.attrs(), x);
+}
 
 // Rows of a patch-matrix chunk: about kColChunkBytes, and no more than an even share per thread.
 std::int64_t chunk_rows(std::int64_t row_elements, std::size_t element_size, std::int64_t total_rows, int threads) {
@@ -158,9 +160,8 @@ void col2im_add(const Window2DGeometry& g, const T* col, std::int64_t r0, std::i
 
 template <class T>
 void fill_zero(devices::Device& device, T* data, std::int64_t n) {
-  device.parallel_for(n, kElementwiseGrain, [&](std::int64_t begin, std::int64_t end) {
-    std::fill(data + begin, data + end, T(0));
-  });
+  device.parallel_for(n, kElementwiseGrain,
+                      [&](std::int64_t begin, std::int64_t end) { std::fill(data + begin, data + end, T(0)); });
 }
 
 // --- convolution -----------------------------------------------------------------------------
@@ -211,8 +212,8 @@ void conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, 
     if (direct::conv2d_backprop_filter(device, g, x, dy, dw)) return;
   }
   if (g.is_pointwise()) {
-    gemm(device, GemmShape{.transpose_a = true, .m = k, .n = n, .k = m, .lda = k, .ldb = n, .ldc = n}, T(1), x, dy, T(0),
-         dw);
+    gemm(device, GemmShape{.transpose_a = true, .m = k, .n = n, .k = m, .lda = k, .ldb = n, .ldc = n}, T(1), x, dy,
+         T(0), dw);
     return;
   }
   // Each part sums its share of the pixels into its own dW (part 0 into the output), then the
@@ -259,8 +260,8 @@ void conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
     if (direct::conv2d_backprop_input(device, g, w, dy, dx)) return;
   }
   if (g.is_pointwise()) {  // dx = dy @ W^T
-    gemm(device, GemmShape{.transpose_b = true, .m = m, .n = k, .k = n, .lda = n, .ldb = n, .ldc = k}, T(1), dy, w, T(0),
-         dx);
+    gemm(device, GemmShape{.transpose_b = true, .m = m, .n = k, .k = n, .lda = n, .ldb = n, .ldc = k}, T(1), dy, w,
+         T(0), dx);
     return;
   }
   fill_zero(device, dx, dx_size);
@@ -277,8 +278,8 @@ void conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
   };
   if ((g.batch >= threads || threads == 1) && image_col_bytes <= kMaxImageColBytes) {
     // Chunks of whole images: two chunks never scatter into the same image.
-    const std::int64_t per_chunk = std::clamp<std::int64_t>(kColChunkBytes / std::max<std::int64_t>(1, image_col_bytes), 1,
-                                                            (g.batch + threads - 1) / threads);
+    const std::int64_t per_chunk = std::clamp<std::int64_t>(kColChunkBytes / std::max<std::int64_t>(1, image_col_bytes),
+                                                            1, (g.batch + threads - 1) / threads);
     const std::int64_t chunks = (g.batch + per_chunk - 1) / per_chunk;
     device.parallel_for(chunks, 1, [&](std::int64_t begin, std::int64_t end) {
       T* col = tls_col.get<T>(per_chunk * image_pixels * k);
@@ -506,7 +507,8 @@ void fused_conv2d_kernel(KernelContext& ctx) {
       const std::int64_t image_in = g.in_h * g.in_w * g.in_c;
       const std::int64_t image_rows = g.out_h * g.out_w;
       const std::int64_t image_bytes = image_rows * g.out_c * static_cast<std::int64_t>(sizeof(T));
-      const std::int64_t chunk = std::max<std::int64_t>(1, kFusedEpilogueChunkBytes / std::max<std::int64_t>(1, image_bytes));
+      const std::int64_t chunk =
+          std::max<std::int64_t>(1, kFusedEpilogueChunkBytes / std::max<std::int64_t>(1, image_bytes));
       for (std::int64_t b0 = 0; b0 < g.batch; b0 += chunk) {
         Window2DGeometry part = g;
         part.batch = std::min(chunk, g.batch - b0);

@@ -15,13 +15,13 @@
 namespace tandem::ops::cpu {
 namespace {
 
-
 // CBLAS enums, declared here so the build does not need OpenBLAS's headers.
 constexpr int kCblasRowMajor = 101;
 constexpr int kCblasNoTrans = 111;
 constexpr int kCblasTrans = 112;
 using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*, int);
-using DgemmFn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int, double, double*, int);
+using DgemmFn = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int, double, double*,
+                         int);
 using CorenameFn = char* (*)();
 using ConfigFn = char* (*)();
 using SetThreadsFn = void (*)(int);
@@ -132,9 +132,9 @@ void init_gemm() {
     TANDEM_REQUIRE(choice != "openblas" || s.openblas_loaded, FailedPrecondition,
                    "TANDEM_GEMM=openblas but libopenblas could not be loaded (install libopenblas0)");
     s.backend = s.openblas_loaded ? GemmBackend::kOpenBLAS : GemmBackend::kEigen;
-    s.description = s.openblas_loaded ? s.openblas.description
-                                      : fmt::format("Eigen {}.{}.{}", EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION,
-                                                    EIGEN_MINOR_VERSION);
+    s.description = s.openblas_loaded
+                        ? s.openblas.description
+                        : fmt::format("Eigen {}.{}.{}", EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION);
     logging::debug("matrix products on CPUs: {} (TANDEM_GEMM={})", s.description, choice);
   });
 }

@@ -34,7 +34,7 @@ std::string gemm_backend_description();
 struct GemmShape {
   bool transpose_a = false;
   bool transpose_b = false;
-  std::int64_t m = 0, n = 0, k = 0;  // C is m x n; op(A) is m x k; op(B) is k x n
+  std::int64_t m = 0, n = 0, k = 0;        // C is m x n; op(A) is m x k; op(B) is k x n
   std::int64_t lda = 0, ldb = 0, ldc = 0;  // row-major leading dimensions
 };
 

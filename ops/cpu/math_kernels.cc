@@ -19,16 +19,28 @@ using graph::Shape;
 // ----- binary element-wise ops with broadcasting -----
 
 struct AddOp {
-  template <class T> T operator()(T a, T b) const { return a + b; }
+  template <class T>
+  T operator()(T a, T b) const {
+    return a + b;
+  }
 };
 struct SubOp {
-  template <class T> T operator()(T a, T b) const { return a - b; }
+  template <class T>
+  T operator()(T a, T b) const {
+    return a - b;
+  }
 };
 struct MulOp {
-  template <class T> T operator()(T a, T b) const { return a * b; }
+  template <class T>
+  T operator()(T a, T b) const {
+    return a * b;
+  }
 };
 struct DivOp {
-  template <class T> T operator()(T a, T b) const { return a / b; }
+  template <class T>
+  T operator()(T a, T b) const {
+    return a / b;
+  }
 };
 
 // The four unit/zero stride combinations get their own loops so the compiler vectorises them.
@@ -86,12 +98,24 @@ void unary(KernelContext& ctx, F&& f) {
   });
 }
 
-void neg_kernel(KernelContext& ctx) { unary<NumericTypes>(ctx, [](const auto& x) { return -x; }); }
-void square_kernel(KernelContext& ctx) { unary<NumericTypes>(ctx, [](const auto& x) { return x.square(); }); }
-void abs_kernel(KernelContext& ctx) { unary<NumericTypes>(ctx, [](const auto& x) { return x.abs(); }); }
-void sqrt_kernel(KernelContext& ctx) { unary<FloatTypes>(ctx, [](const auto& x) { return x.sqrt(); }); }
-void exp_kernel(KernelContext& ctx) { unary<FloatTypes>(ctx, [](const auto& x) { return x.exp(); }); }
-void log_kernel(KernelContext& ctx) { unary<FloatTypes>(ctx, [](const auto& x) { return x.log(); }); }
+void neg_kernel(KernelContext& ctx) {
+  unary<NumericTypes>(ctx, [](const auto& x) { return -x; });
+}
+void square_kernel(KernelContext& ctx) {
+  unary<NumericTypes>(ctx, [](const auto& x) { return x.square(); });
+}
+void abs_kernel(KernelContext& ctx) {
+  unary<NumericTypes>(ctx, [](const auto& x) { return x.abs(); });
+}
+void sqrt_kernel(KernelContext& ctx) {
+  unary<FloatTypes>(ctx, [](const auto& x) { return x.sqrt(); });
+}
+void exp_kernel(KernelContext& ctx) {
+  unary<FloatTypes>(ctx, [](const auto& x) { return x.exp(); });
+}
+void log_kernel(KernelContext& ctx) {
+  unary<FloatTypes>(ctx, [](const auto& x) { return x.log(); });
+}
 void sign_kernel(KernelContext& ctx) {
   graph::dispatch<NumericTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const T* x = in_ptr<T>(ctx, 0);
@@ -167,7 +191,8 @@ void reduce_into(KernelContext& ctx, const Tensor& x, const std::vector<int>& ax
   const std::int64_t n = x.num_elements();
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t o = 0;
-    for (int d = 0; d < shape.rank(); ++d) o += index[static_cast<std::size_t>(d)] * layout.out_strides[static_cast<std::size_t>(d)];
+    for (int d = 0; d < shape.rank(); ++d)
+      o += index[static_cast<std::size_t>(d)] * layout.out_strides[static_cast<std::size_t>(d)];
     out[o] = kind == Reduce::kMax ? std::max(out[o], in[i]) : out[o] + in[i];
     for (int d = shape.rank() - 1; d >= 0; --d) {
       if (++index[static_cast<std::size_t>(d)] < shape[d]) break;

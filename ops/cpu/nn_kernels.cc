@@ -47,7 +47,6 @@ T* scratch_buffer(std::size_t n, int slot) {
   return buffer.data();
 }
 
-
 // dy * act'(z), from the activation's output y.
 template <Activation A, class T>
 inline T activation_backward(T dy, T y) {
@@ -93,7 +92,8 @@ void channel_sums(KernelContext& ctx, std::int64_t rows, std::int64_t channels, 
       std::max<std::int64_t>(1, std::min({kMaxRowPartitions, rows, kMaxPartialSums / (K * channels)}));
   const std::int64_t partitions = std::clamp<std::int64_t>(rows * channels / kElementwiseGrain, 1, max_partitions);
   if (partitions <= blocks) {
-    const std::int64_t grain = std::max<std::int64_t>(1, kElementwiseGrain / std::max<std::int64_t>(1, rows * kChannelBlock));
+    const std::int64_t grain =
+        std::max<std::int64_t>(1, kElementwiseGrain / std::max<std::int64_t>(1, rows * kChannelBlock));
     ctx.device().parallel_for(blocks, grain, [&](std::int64_t b0, std::int64_t b1) {
       for (std::int64_t block = b0; block < b1; ++block) {
         const std::int64_t c0 = block * kChannelBlock;
@@ -146,9 +146,8 @@ void map_elements(KernelContext& ctx, F f) {
 
 template <Activation A>
 void activation_kernel(KernelContext& ctx) {
-  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
-    map_elements<T>(ctx, [](const auto& x) { return activate<A>(x); });
-  });
+  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(),
+                       [&]<class T>() { map_elements<T>(ctx, [](const auto& x) { return activate<A>(x); }); });
 }
 
 // ReluGrad, SigmoidGrad, TanhGrad: (dy, y) -> dy * act'(y).
@@ -227,8 +226,8 @@ void bias_add_kernel(KernelContext& ctx) {
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     with_activation(activation, [&]<Activation A>() {
       const RowsCols shape_2d = rows_cols(ctx.input(0));
-    const std::int64_t rows = shape_2d.rows;
-    const std::int64_t cols = shape_2d.cols;
+      const std::int64_t rows = shape_2d.rows;
+      const std::int64_t cols = shape_2d.cols;
       const T* x = in_ptr<T>(ctx, 0);
       const T* bias = in_ptr<T>(ctx, 1);
       T* y = out_ptr<T>(ctx, 0);
@@ -267,8 +266,8 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     with_activation(activation, [&]<Activation A>() {
       const RowsCols shape_2d = rows_cols(ctx.input(0));
-    const std::int64_t rows = shape_2d.rows;
-    const std::int64_t cols = shape_2d.cols;
+      const std::int64_t rows = shape_2d.rows;
+      const std::int64_t cols = shape_2d.cols;
       const T* dy = in_ptr<T>(ctx, 0);
       const T* y = in_ptr<T>(ctx, 1);
       T* dz = out_ptr<T>(ctx, 0);
@@ -632,7 +631,9 @@ namespace tandem::ops::detail {
 void register_nn_cpu_kernels() {
   using namespace tandem::ops::cpu;
   auto& registry = graph::OpRegistry::global();
-  const auto add = [&](std::string_view op, graph::KernelFn fn) { registry.add_kernel(op, devices::DeviceType::kCPU, fn); };
+  const auto add = [&](std::string_view op, graph::KernelFn fn) {
+    registry.add_kernel(op, devices::DeviceType::kCPU, fn);
+  };
   add("Relu", activation_kernel<Activation::kRelu>);
   add("Sigmoid", activation_kernel<Activation::kSigmoid>);
   add("Tanh", activation_kernel<Activation::kTanh>);

@@ -46,14 +46,13 @@ const CublasApi& cublas() {
   return api;
 }
 
-#define TANDEM_CUBLAS_CHECK(expr, device_name)                                                               \
-  do {                                                                                                       \
-    const cublasStatus_t tandem_cublas_status = (expr);                                                      \
-    if (tandem_cublas_status != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                        \
-      throw ::tandem::Internal(::fmt::format("{}:{}: cuBLAS call `{}` failed on {}: {}", __FILE__, __LINE__, \
-                                             #expr, (device_name),                                           \
-                                             cublas().status_name(tandem_cublas_status)));                   \
-    }                                                                                                        \
+#define TANDEM_CUBLAS_CHECK(expr, device_name) \
+  do { \
+    const cublasStatus_t tandem_cublas_status = (expr); \
+    if (tandem_cublas_status != CUBLAS_STATUS_SUCCESS) [[unlikely]] { \
+      throw ::tandem::Internal(::fmt::format("{}:{}: cuBLAS call `{}` failed on {}: {}", __FILE__, __LINE__, #expr, \
+                                             (device_name), cublas().status_name(tandem_cublas_status))); \
+    } \
   } while (0)
 
 // One handle per device, made on first use with that device current. A device's kernels are
@@ -80,11 +79,13 @@ void gemm(int device, const std::string& device_name, cudaStream_t stream, const
   devices::detail::ScopedCudaDevice guard(device, device_name);
   TANDEM_CUBLAS_CHECK(api.set_stream(h, stream), device_name);
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T (element_math.h).
-  const ColumnMajorGemm cm = column_major_gemm(call.transpose_a, call.transpose_b, call.m, call.n, call.k, call.lda, call.ldb);
+  const ColumnMajorGemm cm =
+      column_major_gemm(call.transpose_a, call.transpose_b, call.m, call.n, call.k, call.lda, call.ldb);
   const cublasOperation_t op_b = cm.transpose_first ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_a = cm.transpose_second ? CUBLAS_OP_T : CUBLAS_OP_N;
   const auto m = static_cast<int>(cm.m), n = static_cast<int>(cm.n), k = static_cast<int>(cm.k);
-  const auto ld_b = static_cast<int>(cm.ld_first), ld_a = static_cast<int>(cm.ld_second), ld_c = static_cast<int>(cm.ldc);
+  const auto ld_b = static_cast<int>(cm.ld_first), ld_a = static_cast<int>(cm.ld_second),
+             ld_c = static_cast<int>(cm.ldc);
   if (call.dtype == graph::DType::kF64) {
     const double one = 1.0, zero = 0.0;
     TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, CUDA_R_64F, ld_b, call.a, CUDA_R_64F, ld_a,

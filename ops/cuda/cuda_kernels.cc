@@ -42,7 +42,9 @@ static_assert(static_cast<int>(Activation::kRelu) == static_cast<int>(ops::Activ
 static_assert(static_cast<int>(Activation::kTanh) == static_cast<int>(ops::Activation::kTanh));
 
 ElementType type_of(const Tensor& t) { return static_cast<ElementType>(t.dtype()); }
-cudaStream_t stream_of(KernelContext& ctx) { return static_cast<cudaStream_t>(ctx.device().compute_stream().native_handle()); }
+cudaStream_t stream_of(KernelContext& ctx) {
+  return static_cast<cudaStream_t>(ctx.device().compute_stream().native_handle());
+}
 
 // Launch errors (a bad configuration, a missing sm_90 image) surface here, naming the node.
 void check_launch(KernelContext& ctx) {
@@ -59,8 +61,8 @@ void require_types(KernelContext& ctx, const Tensor& t, std::initializer_list<DT
                                          accepted);
 }
 constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
-constexpr std::initializer_list<DType> kNumeric = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16, DType::kI32,
-                                                   DType::kI64};
+constexpr std::initializer_list<DType> kNumeric = {DType::kF32,  DType::kF64, DType::kF16,
+                                                   DType::kBF16, DType::kI32, DType::kI64};
 
 // ---- Element-wise ------------------------------------------------------------------------------
 
@@ -114,9 +116,9 @@ void cast_kernel(KernelContext& ctx) {
 void copy_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   if (x.nbytes() == 0) return;
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice,
-                                    stream_of(ctx)),
-                    ctx.device().short_name());
+  TANDEM_CUDA_CHECK(
+      cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice, stream_of(ctx)),
+      ctx.device().short_name());
 }
 
 void fill_kernel(KernelContext& ctx) {
@@ -168,7 +170,8 @@ void reduce_grad_kernel(KernelContext& ctx) {
     if (reduced) count *= x.shape()[d];
   }
   const double scale = kKind == ReduceKind::kMean ? 1.0 / static_cast<double>(std::max<std::int64_t>(1, count)) : 1.0;
-  broadcast(type_of(dy), broadcast_args(dx.shape(), kept, nullptr), dy.raw_data(), scale, dx.raw_data(), stream_of(ctx));
+  broadcast(type_of(dy), broadcast_args(dx.shape(), kept, nullptr), dy.raw_data(), scale, dx.raw_data(),
+            stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -178,8 +181,8 @@ void max_grad_kernel(KernelContext& ctx) {
   require_types(ctx, x, kNumeric);
   Tensor& dx = ctx.output(0);
   if (dx.num_elements() == 0) return;
-  max_grad(type_of(x), reduce_args(x.shape(), detail::reduction_axes(ctx.attrs(), x.shape().rank())), ctx.input(0).raw_data(),
-           x.raw_data(), ctx.input(2).raw_data(), dx.raw_data(), stream_of(ctx));
+  max_grad(type_of(x), reduce_args(x.shape(), detail::reduction_axes(ctx.attrs(), x.shape().rank())),
+           ctx.input(0).raw_data(), x.raw_data(), ctx.input(2).raw_data(), dx.raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -344,8 +347,8 @@ void sparse_xent_kernel(KernelContext& ctx) {
     } else {
       device->copy_to_host(&value, static_cast<const std::int64_t*>(label_data) + first_bad, sizeof(value));
     }
-    throw InvalidArgument(fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value,
-                                      first_bad, classes));
+    throw InvalidArgument(
+        fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value, first_bad, classes));
   });
 }
 
@@ -380,9 +383,9 @@ void dropout_kernel(KernelContext& ctx) {
   require_types(ctx, x, kFloat);
   const std::int64_t n = x.num_elements();
   if (!run.active) {
-    TANDEM_CUDA_CHECK(cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice,
-                                      stream_of(ctx)),
-                      ctx.device().short_name());
+    TANDEM_CUDA_CHECK(
+        cudaMemcpyAsync(ctx.output(0).raw_data(), x.raw_data(), x.nbytes(), cudaMemcpyDeviceToDevice, stream_of(ctx)),
+        ctx.device().short_name());
     fill(type_of(x), 1.0, ctx.output(1).raw_data(), n, stream_of(ctx));
     check_launch(ctx);
     return;
@@ -390,8 +393,8 @@ void dropout_kernel(KernelContext& ctx) {
   // The CPU rounds 1 / (1 - rate) to its compute type (float for 16-bit tensors) first.
   const double exact = 1.0 / (1.0 - run.rate);
   const double scale = x.dtype() == DType::kF64 ? exact : static_cast<double>(static_cast<float>(exact));
-  dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, run.key, run.threshold, scale,
-          stream_of(ctx));
+  dropout(type_of(x), x.raw_data(), ctx.output(0).raw_data(), ctx.output(1).raw_data(), n, run.key, run.threshold,
+          scale, stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -423,8 +426,9 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
   const bool has_stat_grads = ctx.num_inputs() == 7;
   batch_norm_grad(type_of(dy), ctx.attrs().get_bool_or("training", true), dy.raw_data(), ctx.input(1).raw_data(),
                   ctx.input(2).raw_data(), ctx.input(3).raw_data(), ctx.input(4).raw_data(),
-                  has_stat_grads ? ctx.input(5).raw_data() : nullptr, has_stat_grads ? ctx.input(6).raw_data() : nullptr,
-                  ctx.output(0).raw_data(), ctx.output(1).raw_data(), ctx.output(2).raw_data(), ctx.output(3).raw_data(),
+                  has_stat_grads ? ctx.input(5).raw_data() : nullptr,
+                  has_stat_grads ? ctx.input(6).raw_data() : nullptr, ctx.output(0).raw_data(),
+                  ctx.output(1).raw_data(), ctx.output(2).raw_data(), ctx.output(3).raw_data(),
                   ctx.output(4).raw_data(), rows, channels, stream_of(ctx));
   check_launch(ctx);
 }
@@ -439,7 +443,9 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
 detail::Window2DGeometry conv_geometry(KernelContext& ctx, const Shape& x, const Shape& filter) {
   return detail::conv_geometry(ctx.attrs(), x, filter);
 }
-detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) { return detail::pool_geometry(ctx.attrs(), x); }
+detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
+  return detail::pool_geometry(ctx.attrs(), x);
+}
 
 // Scratch slots: 0 is the fallback's patch matrix; the cuDNN path uses the others.
 constexpr std::size_t kCudnnFilterSlot = 1;     // the filter (or its gradient) as KRSC
@@ -536,7 +542,8 @@ void conv_forward_gemm(KernelContext& ctx, const detail::Window2DGeometry& g, co
   gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
 }
 
-void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter, void* y) {
+void conv_forward(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const Tensor& filter,
+                  void* y) {
   const bool cudnn = conv_forward_cudnn(ctx, g, x, filter, y);
   if (!cudnn) conv_forward_gemm(ctx, g, x, filter, y);
   count_cudnn_path(cudnn);
@@ -691,12 +698,14 @@ namespace tandem::ops::detail {
 void apply_update_on_device(devices::Device& device, graph::DType dtype, const UpdateParams& params,
                             std::span<const UpdateTensor> tensors, const ParamsInMemory& in_memory) {
   TANDEM_REQUIRE(dtype == graph::DType::kF32 || dtype == graph::DType::kF64, Unimplemented,
-                 "optimizer updates on {}: {} variables (float32 and float64 are supported)", device.short_name(), dtype);
+                 "optimizer updates on {}: {} variables (float32 and float64 are supported)", device.short_name(),
+                 dtype);
   const auto stream = static_cast<cudaStream_t>(device.compute_stream().native_handle());
   devices::detail::ScopedCudaDevice guard(device.index(), device.short_name());
   for (std::size_t first = 0; first < tensors.size(); first += kMaxUpdateTensors) {
     const int count = static_cast<int>(std::min<std::size_t>(kMaxUpdateTensors, tensors.size() - first));
-    cuda::apply_update(static_cast<cuda::ElementType>(dtype), params, static_cast<const UpdateParams*>(in_memory.params),
+    cuda::apply_update(static_cast<cuda::ElementType>(dtype), params,
+                       static_cast<const UpdateParams*>(in_memory.params),
                        static_cast<const int*>(in_memory.fault_word), tensors.data() + first, count, stream);
     const cudaError_t status = cuda::last_launch_error();
     TANDEM_CUDA_CHECK(status, device.short_name());

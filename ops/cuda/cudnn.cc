@@ -37,7 +37,8 @@ static_assert(static_cast<int>(CudnnMathType::kDefault) == CUDNN_DEFAULT_MATH);
 static_assert(static_cast<int>(CudnnMathType::kTensorOp) == CUDNN_TENSOR_OP_MATH);
 static_assert(static_cast<int>(CudnnMathType::kFma) == CUDNN_FMA_MATH);
 static_assert(static_cast<int>(CudnnPoolingMode::kMax) == CUDNN_POOLING_MAX);
-static_assert(static_cast<int>(CudnnPoolingMode::kAverageExcludePadding) == CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING);
+static_assert(static_cast<int>(CudnnPoolingMode::kAverageExcludePadding) ==
+              CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING);
 
 struct CudnnApi {
   decltype(&::cudnnGetVersion) get_version = nullptr;
@@ -82,9 +83,10 @@ const CudnnApi& cudnn() {
     const std::string path = env::get_string(env::kCudnnLibrary);
     const auto library = tandem::detail::open_first_library({path, "libcudnn.so.9", "libcudnn.so"});
     if (library.handle == nullptr) {
-      a.problem = fmt::format("libcudnn could not be loaded ({}); install cuDNN 9, or point TANDEM_CUDNN_LIBRARY or "
-                              "LD_LIBRARY_PATH at PyTorch's (site-packages/nvidia/cudnn/lib)",
-                              library.tried);
+      a.problem = fmt::format(
+          "libcudnn could not be loaded ({}); install cuDNN 9, or point TANDEM_CUDNN_LIBRARY or "
+          "LD_LIBRARY_PATH at PyTorch's (site-packages/nvidia/cudnn/lib)",
+          library.tried);
       return a;
     }
     a.library = library.name;
@@ -123,21 +125,21 @@ const CudnnApi& cudnn() {
     // may lay out the structs declared in the header we were built with differently.
     a.version = a.get_version();
     if (a.version / 10000 != CUDNN_MAJOR) {
-      a.problem = fmt::format("{} is version {}; this build of tandem uses cuDNN {}'s API", a.library, a.version,
-                              CUDNN_MAJOR);
+      a.problem =
+          fmt::format("{} is version {}; this build of tandem uses cuDNN {}'s API", a.library, a.version, CUDNN_MAJOR);
     }
     return a;
   }();
   return api;
 }
 
-#define TANDEM_CUDNN_CHECK(expr, device_name)                                                                      \
-  do {                                                                                                             \
-    const cudnnStatus_t tandem_cudnn_status = (expr);                                                              \
-    if (tandem_cudnn_status != CUDNN_STATUS_SUCCESS) [[unlikely]] {                                                \
+#define TANDEM_CUDNN_CHECK(expr, device_name) \
+  do { \
+    const cudnnStatus_t tandem_cudnn_status = (expr); \
+    if (tandem_cudnn_status != CUDNN_STATUS_SUCCESS) [[unlikely]] { \
       throw ::tandem::Internal(::fmt::format("{}:{}: cuDNN call `{}` failed on {}: {}", __FILE__, __LINE__, #expr, \
-                                             (device_name), cudnn().error_string(tandem_cudnn_status)));           \
-    }                                                                                                              \
+                                             (device_name), cudnn().error_string(tandem_cudnn_status))); \
+    } \
   } while (0)
 
 std::atomic<std::uint64_t> cudnn_runs{0};
@@ -171,11 +173,38 @@ cudnnHandle_t bound_handle(const CudnnTarget& target) {
 // Every number of a plan, as a map key.
 using PlanKey = std::array<int, 32>;
 PlanKey plan_key(const CudnnPlan& p) {
-  return {static_cast<int>(p.op), static_cast<int>(p.data_type), static_cast<int>(p.compute_type),
-          static_cast<int>(p.math_type), p.x.n, p.x.c, p.x.h, p.x.w, p.x.n_stride, p.x.c_stride, p.x.h_stride,
-          p.x.w_stride, p.y.n, p.y.c, p.y.h, p.y.w, p.y.n_stride, p.y.c_stride, p.y.h_stride, p.y.w_stride,
-          p.filter.k, p.filter.c, p.filter.h, p.filter.w, static_cast<int>(p.pooling_mode), p.window_h, p.window_w,
-          p.pad_h, p.pad_w, p.stride_h, p.stride_w, p.dilation_h * 65536 + p.dilation_w};
+  return {static_cast<int>(p.op),
+          static_cast<int>(p.data_type),
+          static_cast<int>(p.compute_type),
+          static_cast<int>(p.math_type),
+          p.x.n,
+          p.x.c,
+          p.x.h,
+          p.x.w,
+          p.x.n_stride,
+          p.x.c_stride,
+          p.x.h_stride,
+          p.x.w_stride,
+          p.y.n,
+          p.y.c,
+          p.y.h,
+          p.y.w,
+          p.y.n_stride,
+          p.y.c_stride,
+          p.y.h_stride,
+          p.y.w_stride,
+          p.filter.k,
+          p.filter.c,
+          p.filter.h,
+          p.filter.w,
+          static_cast<int>(p.pooling_mode),
+          p.window_h,
+          p.window_w,
+          p.pad_h,
+          p.pad_w,
+          p.stride_h,
+          p.stride_w,
+          p.dilation_h * 65536 + p.dilation_w};
 }
 
 cudnnTensorDescriptor_t tensor_descriptor(const detail::CudnnTensor4d& t, CudnnDataType type,
@@ -238,8 +267,8 @@ void choose_algorithm(ConvEntry& entry, const CudnnPlan& plan, const std::vector
                       const std::string& device_name, WorkspaceFn&& workspace) {
   for (int i = 0; i < returned; ++i) {
     const Perf& p = candidates[static_cast<std::size_t>(i)];
-    if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC || !keeps_precision(plan, p.mathType) ||
-        (plan.math_type == CudnnMathType::kFma && transform_domain(p.algo))) {
+    if (p.status != CUDNN_STATUS_SUCCESS || p.determinism != CUDNN_DETERMINISTIC ||
+        !keeps_precision(plan, p.mathType) || (plan.math_type == CudnnMathType::kFma && transform_domain(p.algo))) {
       continue;
     }
     // cuDNN picks kernels by algorithm and math type together: the descriptor carries the
@@ -259,8 +288,8 @@ std::mutex conv_mutex;
 std::map<ConvKey, ConvEntry> conv_entries;  // never erased: references stay valid
 
 const ConvEntry& conv_entry(const CudnnTarget& target, CudnnConvDirection direction, const CudnnPlan& plan) {
-  TANDEM_ASSERT(plan.use_cudnn && plan.op == CudnnWindowOp::kConv2D, "cuDNN convolution on {} without a convolution plan",
-                target.device_name);
+  TANDEM_ASSERT(plan.use_cudnn && plan.op == CudnnWindowOp::kConv2D,
+                "cuDNN convolution on {} without a convolution plan", target.device_name);
   const ConvKey key{plan_key(plan), target.device, direction};
   std::lock_guard lock(conv_mutex);
   if (auto it = conv_entries.find(key); it != conv_entries.end()) return it->second;
@@ -277,10 +306,10 @@ const ConvEntry& conv_entry(const CudnnTarget& target, CudnnConvDirection direct
                                        plan.filter.k, plan.filter.c, plan.filter.h, plan.filter.w),
                      name);
   TANDEM_CUDNN_CHECK(api.create_convolution(&e.convolution), name);
-  TANDEM_CUDNN_CHECK(api.set_convolution_2d(e.convolution, plan.pad_h, plan.pad_w, plan.stride_h, plan.stride_w,
-                                            plan.dilation_h, plan.dilation_w, CUDNN_CROSS_CORRELATION,
-                                            static_cast<cudnnDataType_t>(plan.compute_type)),
-                     name);
+  TANDEM_CUDNN_CHECK(
+      api.set_convolution_2d(e.convolution, plan.pad_h, plan.pad_w, plan.stride_h, plan.stride_w, plan.dilation_h,
+                             plan.dilation_w, CUDNN_CROSS_CORRELATION, static_cast<cudnnDataType_t>(plan.compute_type)),
+      name);
   TANDEM_CUDNN_CHECK(api.set_math_type(e.convolution, static_cast<cudnnMathType_t>(plan.math_type)), name);
 
   int count = 0, returned = 0;
@@ -288,7 +317,8 @@ const ConvEntry& conv_entry(const CudnnTarget& target, CudnnConvDirection direct
     case CudnnConvDirection::kForward: {
       TANDEM_CUDNN_CHECK(api.forward_algorithm_count(h, &count), name);
       std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(static_cast<std::size_t>(std::max(count, 1)));
-      TANDEM_CUDNN_CHECK(api.forward_algorithms(h, e.x, e.filter, e.convolution, e.y, count, &returned, perf.data()), name);
+      TANDEM_CUDNN_CHECK(api.forward_algorithms(h, e.x, e.filter, e.convolution, e.y, count, &returned, perf.data()),
+                         name);
       choose_algorithm(e, plan, perf, returned, name, [&](cudnnConvolutionFwdAlgo_t algo, std::size_t* bytes) {
         TANDEM_CUDNN_CHECK(api.forward_workspace(h, e.x, e.filter, e.convolution, e.y, algo, bytes), name);
       });
@@ -339,10 +369,10 @@ const PoolEntry& pool_entry(const CudnnTarget& target, const CudnnPlan& plan) {
   e.y = tensor_descriptor(plan.y, plan.data_type, name);
   TANDEM_CUDNN_CHECK(api.create_pooling(&e.pooling), name);
   // NaNs do not win a max window, as in tandem's kernels (a strict > comparison).
-  TANDEM_CUDNN_CHECK(api.set_pooling_2d(e.pooling, static_cast<cudnnPoolingMode_t>(plan.pooling_mode),
-                                        CUDNN_NOT_PROPAGATE_NAN, plan.window_h, plan.window_w, plan.pad_h, plan.pad_w,
-                                        plan.stride_h, plan.stride_w),
-                     name);
+  TANDEM_CUDNN_CHECK(
+      api.set_pooling_2d(e.pooling, static_cast<cudnnPoolingMode_t>(plan.pooling_mode), CUDNN_NOT_PROPAGATE_NAN,
+                         plan.window_h, plan.window_w, plan.pad_h, plan.pad_w, plan.stride_h, plan.stride_w),
+      name);
   return entries.emplace(key, e).first->second;
 }
 
@@ -362,7 +392,9 @@ bool cudnn_enabled() { return cudnn().problem.empty(); }
 
 CudnnPathCounts cudnn_path_counts() { return {cudnn_runs.load(), fallback_runs.load()}; }
 
-void count_cudnn_path(bool used_cudnn) { (used_cudnn ? cudnn_runs : fallback_runs).fetch_add(1, std::memory_order_relaxed); }
+void count_cudnn_path(bool used_cudnn) {
+  (used_cudnn ? cudnn_runs : fallback_runs).fetch_add(1, std::memory_order_relaxed);
+}
 
 std::optional<std::size_t> cudnn_conv_prepare(const CudnnTarget& target, CudnnConvDirection direction,
                                               const CudnnPlan& plan) {

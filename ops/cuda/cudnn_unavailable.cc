@@ -39,8 +39,8 @@ std::optional<std::size_t> cudnn_conv_prepare(const CudnnTarget& target, CudnnCo
   unavailable("cudnn_conv_prepare", target);
 }
 
-void cudnn_conv(const CudnnTarget& target, CudnnConvDirection, const detail::CudnnPlan&, const void*, const void*, void*,
-                void*, std::size_t) {
+void cudnn_conv(const CudnnTarget& target, CudnnConvDirection, const detail::CudnnPlan&, const void*, const void*,
+                void*, void*, std::size_t) {
   unavailable("cudnn_conv", target);
 }
 

@@ -45,7 +45,8 @@ inline BroadcastArgs broadcast_args(const graph::Shape& out, const graph::Shape&
 }
 
 // Output `out` = input `in` with its dimensions permuted: out dimension d is in dimension perm[d].
-inline BroadcastArgs transpose_args(const graph::Shape& in, const graph::Shape& out, const std::vector<std::int64_t>& perm) {
+inline BroadcastArgs transpose_args(const graph::Shape& in, const graph::Shape& out,
+                                    const std::vector<std::int64_t>& perm) {
   std::array<std::int64_t, kMaxRank> in_strides{};
   std::int64_t stride = 1;
   for (int d = in.rank() - 1; d >= 0; --d) {
@@ -53,7 +54,8 @@ inline BroadcastArgs transpose_args(const graph::Shape& in, const graph::Shape& 
     stride *= in[d];
   }
   BroadcastArgs args = broadcast_args(out, out, nullptr);
-  for (int d = 0; d < out.rank(); ++d) args.strides[0][d] = in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
+  for (int d = 0; d < out.rank(); ++d)
+    args.strides[0][d] = in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
   return args;
 }
 
@@ -83,7 +85,8 @@ inline ReduceArgs reduce_args(const graph::Shape& in, const std::vector<int>& ax
 }
 
 inline WindowGeometry flatten(const detail::Window2DGeometry& g) {
-  return {g.batch, g.in_h, g.in_w, g.in_c, g.k_h, g.k_w, g.stride_h, g.stride_w, g.out_h, g.out_w, g.pad_top, g.pad_left};
+  return {g.batch,    g.in_h,     g.in_w,  g.in_c,  g.k_h,     g.k_w,
+          g.stride_h, g.stride_w, g.out_h, g.out_w, g.pad_top, g.pad_left};
 }
 
 }  // namespace tandem::ops::cuda

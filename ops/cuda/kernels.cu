@@ -210,7 +210,8 @@ __global__ void fill_kernel(double value, T* y, std::int64_t n) {
 }
 
 template <class T>
-__global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, T* y, std::int64_t rows, std::int64_t cols) {
+__global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, T* y, std::int64_t rows,
+                                       std::int64_t cols) {
   TANDEM_GRID_STRIDE(i, rows * cols) { store(y, i, activate(a, load(x, i) + load(bias, i % cols))); }
 }
 
@@ -263,7 +264,8 @@ void column_sums(Quantities q, Finish finish, std::int64_t rows, std::int64_t co
     return;  // the error stays set: the caller's launch check reports it
   }
   const dim3 block(kColumnsPerBlock, kRowGroups);
-  const dim3 grid(static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock), static_cast<unsigned>(split.chunks));
+  const dim3 grid(static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock),
+                  static_cast<unsigned>(split.chunks));
   column_partials_kernel<K><<<grid, block, 0, stream>>>(q, rows, cols, split, partial);
   column_totals_kernel<K><<<blocks_for(cols), kThreads, 0, stream>>>(finish, partial, cols, split.chunks);
   cudaFreeAsync(partial, stream);
@@ -323,7 +325,8 @@ __global__ void max_grad_kernel(ReduceArgs args, const T* dy, const T* x, const 
     const std::int64_t base = reduce_base(args, o);
     const C best = load(y, o);
     std::int64_t ties = 0;
-    for (std::int64_t r = 0; r < args.reduced_elements; ++r) ties += load(x, reduce_offset(args, base, r)) == best ? 1 : 0;
+    for (std::int64_t r = 0; r < args.reduced_elements; ++r)
+      ties += load(x, reduce_offset(args, base, r)) == best ? 1 : 0;
     const C share = ties > 0 ? load(dy, o) / static_cast<C>(ties) : C(0);
     for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
       const std::int64_t i = reduce_offset(args, base, r);
@@ -340,7 +343,9 @@ __device__ C block_max(C v, C* shared) {
   shared[threadIdx.x] = v;
   __syncthreads();
   for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) shared[threadIdx.x] = shared[threadIdx.x] > shared[threadIdx.x + s] ? shared[threadIdx.x] : shared[threadIdx.x + s];
+    if (threadIdx.x < s)
+      shared[threadIdx.x] =
+          shared[threadIdx.x] > shared[threadIdx.x + s] ? shared[threadIdx.x] : shared[threadIdx.x + s];
     __syncthreads();
   }
   const C result = shared[0];
@@ -386,7 +391,8 @@ __global__ void softmax_grad_kernel(bool log_softmax, const T* dy, const T* y, T
   __shared__ C shared[kThreads];
   const std::int64_t o = blockIdx.x * cols;
   C s = 0;
-  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) s += log_softmax ? load(dy, o + c) : load(dy, o + c) * load(y, o + c);
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads)
+    s += log_softmax ? load(dy, o + c) : load(dy, o + c) * load(y, o + c);
   s = block_sum(s, shared);
   for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
     const C g = load(dy, o + c), yv = load(y, o + c);
@@ -471,7 +477,6 @@ __global__ void sigmoid_xent_grad_kernel(const T* dy, const T* x, const T* z, T*
   }
 }
 
-
 template <class T>
 __global__ void dropout_kernel(const T* x, T* y, T* mask, std::int64_t n, std::uint64_t key, std::uint64_t threshold,
                                compute_t<T> scale) {
@@ -485,7 +490,8 @@ __global__ void dropout_kernel(const T* x, T* y, T* mask, std::int64_t n, std::u
 }
 
 template <class I>
-__global__ void one_hot_kernel(const I* indices, float* out, std::int64_t rows, std::int64_t depth, float on, float off) {
+__global__ void one_hot_kernel(const I* indices, float* out, std::int64_t rows, std::int64_t depth, float on,
+                               float off) {
   TANDEM_GRID_STRIDE(i, rows * depth) {
     const std::int64_t r = i / depth, k = i % depth;
     out[i] = static_cast<std::int64_t>(indices[r]) == k ? on : off;
@@ -611,13 +617,15 @@ __global__ void batch_norm_grad_apply_kernel(const T* dy, const T* x, const T* m
   using C = compute_t<T>;
   TANDEM_GRID_STRIDE(i, rows * channels) {
     const std::int64_t c = i % channels;
-    const C a = static_cast<C>(coef[c]), b = static_cast<C>(coef[channels + c]), d = static_cast<C>(coef[2 * channels + c]);
+    const C a = static_cast<C>(coef[c]), b = static_cast<C>(coef[channels + c]),
+            d = static_cast<C>(coef[2 * channels + c]);
     store(dx, i, a * load(dy, i) + b * (load(x, i) - load(mean, c)) + d);
   }
 }
 
 template <class T>
-__global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer, std::int64_t axis, std::int64_t inner) {
+__global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer, std::int64_t axis,
+                              std::int64_t inner) {
   TANDEM_GRID_STRIDE(i, outer * inner) {
     const std::int64_t o = i / inner, in = i % inner;
     const T* base = x + o * axis * inner + in;
@@ -715,7 +723,8 @@ struct UpdateBatch {
 
 // blockIdx.y picks the tensor; x covers its elements with a grid-stride loop.
 template <class T>
-__global__ void update_kernel(UpdateParams by_value, const UpdateParams* in_memory, const int* fault, UpdateBatch batch) {
+__global__ void update_kernel(UpdateParams by_value, const UpdateParams* in_memory, const int* fault,
+                              UpdateBatch batch) {
   if (fault != nullptr && *fault != 0) return;  // the step found bad input: leave the weights as they were
   const UpdateParams& p = in_memory != nullptr ? *in_memory : by_value;
   const UpdateTensor& t = batch.tensors[blockIdx.y];
@@ -741,7 +750,8 @@ __global__ void update_kernel(UpdateParams by_value, const UpdateParams* in_memo
       case UpdateRule::kRmsprop: {
         const detail::RmspropStep<T> s{static_cast<T>(p.rate), static_cast<T>(p.rho), static_cast<T>(p.momentum),
                                        static_cast<T>(p.epsilon)};
-        detail::rmsprop_element(var[i], s0[i], s1 != nullptr ? s1 + i : nullptr, s2 != nullptr ? s2 + i : nullptr, gi, s);
+        detail::rmsprop_element(var[i], s0[i], s1 != nullptr ? s1 + i : nullptr, s2 != nullptr ? s2 + i : nullptr, gi,
+                                s);
         break;
       }
       case UpdateRule::kAdam: {
@@ -815,8 +825,8 @@ void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void
       binary_kernel<T, std::uint8_t><<<blocks_for(args.elements), kThreads, 0, stream>>>(
           op, args, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<std::uint8_t*>(out));
     } else {
-      binary_kernel<T, T><<<blocks_for(args.elements), kThreads, 0, stream>>>(op, args, static_cast<const T*>(a),
-                                                                              static_cast<const T*>(b), static_cast<T*>(out));
+      binary_kernel<T, T><<<blocks_for(args.elements), kThreads, 0, stream>>>(
+          op, args, static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out));
     }
   });
 }
@@ -827,7 +837,7 @@ void broadcast(ElementType type, const BroadcastArgs& args, const void* x, doubl
   with_any_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     broadcast_kernel<T><<<blocks_for(args.elements), kThreads, 0, stream>>>(args, static_cast<const T*>(x), scale,
-                                                                           static_cast<T*>(out));
+                                                                            static_cast<T*>(out));
   });
 }
 
@@ -845,7 +855,7 @@ void activation_grad(Activation activation, ElementType type, const void* dy, co
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     activation_grad_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(activation, static_cast<const T*>(dy),
-                                                                     static_cast<const T*>(y), static_cast<T*>(dx), n);
+                                                                      static_cast<const T*>(y), static_cast<T*>(dx), n);
   });
 }
 
@@ -866,7 +876,8 @@ void cast(ElementType from, ElementType to, const void* x, void* y, std::int64_t
     using From = std::remove_pointer_t<decltype(from_tag)>;
     with_any_type(to, [&](auto* to_tag) {
       using To = std::remove_pointer_t<decltype(to_tag)>;
-      cast_kernel<From, To><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const From*>(x), static_cast<To*>(y), n);
+      cast_kernel<From, To>
+          <<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const From*>(x), static_cast<To*>(y), n);
     });
   });
 }
@@ -894,8 +905,9 @@ void bias_activation_grad(Activation activation, ElementType type, const void* d
   if (cols == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    column_sums<1>(BiasGradRows<T>{activation, static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dz), cols},
-                   StoreColumnTotal<T>{static_cast<T*>(db)}, rows, cols, stream);
+    column_sums<1>(
+        BiasGradRows<T>{activation, static_cast<const T*>(dy), static_cast<const T*>(y), static_cast<T*>(dz), cols},
+        StoreColumnTotal<T>{static_cast<T*>(db)}, rows, cols, stream);
   });
 }
 
@@ -904,7 +916,7 @@ void reduce(ReduceKind kind, ElementType type, const ReduceArgs& args, const voi
   with_numeric_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     reduce_kernel<T><<<blocks_for(args.out_elements), kThreads, 0, stream>>>(kind, args, static_cast<const T*>(x),
-                                                                            static_cast<T*>(out));
+                                                                             static_cast<T*>(out));
   });
 }
 
@@ -923,8 +935,8 @@ void softmax(bool log, ElementType type, const void* x, void* y, std::int64_t ro
   if (rows * cols == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    softmax_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(log, static_cast<const T*>(x),
-                                                                            static_cast<T*>(y), cols);
+    softmax_kernel<T>
+        <<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(log, static_cast<const T*>(x), static_cast<T*>(y), cols);
   });
 }
 
@@ -983,9 +995,9 @@ void sigmoid_cross_entropy_grad(ElementType type, const void* dy, const void* x,
   if (n == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    sigmoid_xent_grad_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(z), static_cast<T*>(dx),
-        static_cast<T*>(dz), n);
+    sigmoid_xent_grad_kernel<T>
+        <<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                 static_cast<const T*>(z), static_cast<T*>(dx), static_cast<T*>(dz), n);
   });
 }
 
@@ -995,8 +1007,8 @@ void dropout(ElementType type, const void* x, void* y, void* mask, std::int64_t 
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     dropout_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y),
-                                                             static_cast<T*>(mask), n, key, threshold,
-                                                             static_cast<compute_t<T>>(scale));
+                                                              static_cast<T*>(mask), n, key, threshold,
+                                                              static_cast<compute_t<T>>(scale));
   });
 }
 
@@ -1005,8 +1017,8 @@ void one_hot(ElementType index_type, const void* indices, float* out, std::int64
   if (rows * depth == 0) return;
   const auto launch = [&](auto* tag) {
     using I = std::remove_pointer_t<decltype(tag)>;
-    one_hot_kernel<I><<<blocks_for(rows * depth), kThreads, 0, stream>>>(static_cast<const I*>(indices), out, rows, depth,
-                                                                        on, off);
+    one_hot_kernel<I>
+        <<<blocks_for(rows * depth), kThreads, 0, stream>>>(static_cast<const I*>(indices), out, rows, depth, on, off);
   };
   switch (index_type) {
     case ElementType::kI32: launch(static_cast<std::int32_t*>(nullptr)); break;
@@ -1054,12 +1066,13 @@ void batch_norm_grad(ElementType type, bool training, const void* dy, const void
   }
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    column_sums<2>(GradMoments<T>{static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), channels},
-                   BatchNormGradSums<T>{training, static_cast<const T*>(scale), static_cast<const T*>(inv_std),
-                                        static_cast<const T*>(dbatch_mean), static_cast<const T*>(dbatch_variance), coef,
-                                        static_cast<T*>(dscale), static_cast<T*>(doffset), static_cast<T*>(dmean),
-                                        static_cast<T*>(dvariance), rows, channels},
-                   rows, channels, stream);
+    column_sums<2>(
+        GradMoments<T>{static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), channels},
+        BatchNormGradSums<T>{training, static_cast<const T*>(scale), static_cast<const T*>(inv_std),
+                             static_cast<const T*>(dbatch_mean), static_cast<const T*>(dbatch_variance), coef,
+                             static_cast<T*>(dscale), static_cast<T*>(doffset), static_cast<T*>(dmean),
+                             static_cast<T*>(dvariance), rows, channels},
+        rows, channels, stream);
     if (rows > 0) {
       batch_norm_grad_apply_kernel<T><<<blocks_for(rows * channels), kThreads, 0, stream>>>(
           static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(mean), coef, static_cast<T*>(dx),
@@ -1074,7 +1087,8 @@ void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t out
   if (outer * inner == 0 || axis == 0) return;
   with_numeric_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    argmax_kernel<T><<<blocks_for(outer * inner), kThreads, 0, stream>>>(static_cast<const T*>(x), out, outer, axis, inner);
+    argmax_kernel<T>
+        <<<blocks_for(outer * inner), kThreads, 0, stream>>>(static_cast<const T*>(x), out, outer, axis, inner);
   });
 }
 
@@ -1101,7 +1115,8 @@ void pool(bool average, ElementType type, const WindowGeometry& g, const void* x
   if (total == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    pool_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(average, g, static_cast<const T*>(x), static_cast<T*>(y));
+    pool_kernel<T>
+        <<<blocks_for(total), kThreads, 0, stream>>>(average, g, static_cast<const T*>(x), static_cast<T*>(y));
   });
 }
 
@@ -1112,7 +1127,7 @@ void max_pool_grad(ElementType type, const WindowGeometry& g, const void* x, con
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     pool_grad_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(false, g, static_cast<const T*>(x),
-                                                                   static_cast<const T*>(dy), static_cast<T*>(dx));
+                                                                    static_cast<const T*>(dy), static_cast<T*>(dx));
   });
 }
 
@@ -1121,8 +1136,8 @@ void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, vo
   if (total == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    pool_grad_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(true, g, nullptr, static_cast<const T*>(dy),
-                                                                   static_cast<T*>(dx));
+    pool_grad_kernel<T>
+        <<<blocks_for(total), kThreads, 0, stream>>>(true, g, nullptr, static_cast<const T*>(dy), static_cast<T*>(dx));
   });
 }
 

@@ -117,10 +117,10 @@ void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, vo
 
 // One optimizer step over many tensors in one launch: UpdateTensor and UpdateParams are in
 // ops/detail/update_rules.h.
+using detail::kMaxUpdateTensors;
 using detail::UpdateParams;
 using detail::UpdateRule;
 using detail::UpdateTensor;
-using detail::kMaxUpdateTensors;
 // Applies the rule to every tensor of `tensors` (count <= kMaxUpdateTensors; null slots where a
 // rule's option is off). The rule's numbers come from `params`, or, when params_in_memory is set,
 // from that device memory as the kernel runs (a CUDA graph replays the launch with the step's own

@@ -54,12 +54,14 @@ CudnnPlan plan_cudnn(CudnnWindowOp op, const Window2DGeometry& g, graph::DType d
   using graph::DType;
   const bool conv = op == CudnnWindowOp::kConv2D;
   if (op == CudnnWindowOp::kMaxPool2DGrad) {
-    return fall_back(op, "MaxPool2DGrad keeps tandem's kernel: cuDNN sends each window's gradient to one of its "
-                         "maxima, which one unspecified, where tandem sends it to the first in scan order");
+    return fall_back(op,
+                     "MaxPool2DGrad keeps tandem's kernel: cuDNN sends each window's gradient to one of its "
+                     "maxima, which one unspecified, where tandem sends it to the first in scan order");
   }
   if (dtype == DType::kF64) {
-    return fall_back(op, "float64 runs on tandem's kernels (cuDNN's NHWC convolution and pooling take float32, "
-                         "float16 and bfloat16)");
+    return fall_back(op,
+                     "float64 runs on tandem's kernels (cuDNN's NHWC convolution and pooling take float32, "
+                     "float16 and bfloat16)");
   }
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
     return fall_back(op, fmt::format("{} is not a floating-point type cuDNN takes (float32, float16, bfloat16)",
@@ -75,12 +77,12 @@ CudnnPlan plan_cudnn(CudnnWindowOp op, const Window2DGeometry& g, graph::DType d
   const std::int64_t x_elements = g.batch * g.in_h * g.in_w * g.in_c;
   const std::int64_t y_elements = g.batch * g.out_h * g.out_w * out_c;
   const std::int64_t filter_elements = conv ? g.k_h * g.k_w * g.in_c * g.out_c : 0;
-  if (x_elements > kMaxInt || y_elements > kMaxInt || filter_elements > kMaxInt || g.k_h > kMaxInt ||
-      g.k_w > kMaxInt || g.stride_h > kMaxInt || g.stride_w > kMaxInt) {
-    return fall_back(op, fmt::format("sizes beyond int (x {} elements, output {}, filter {}, window {}x{}, strides "
-                                     "{}x{}): cuDNN's legacy descriptors take int, at most {}",
-                                     x_elements, y_elements, filter_elements, g.k_h, g.k_w, g.stride_h, g.stride_w,
-                                     kMaxInt));
+  if (x_elements > kMaxInt || y_elements > kMaxInt || filter_elements > kMaxInt || g.k_h > kMaxInt || g.k_w > kMaxInt ||
+      g.stride_h > kMaxInt || g.stride_w > kMaxInt) {
+    return fall_back(
+        op, fmt::format("sizes beyond int (x {} elements, output {}, filter {}, window {}x{}, strides "
+                        "{}x{}): cuDNN's legacy descriptors take int, at most {}",
+                        x_elements, y_elements, filter_elements, g.k_h, g.k_w, g.stride_h, g.stride_w, kMaxInt));
   }
   const std::int64_t pad_bottom = window_pad_after(g.in_h, g.k_h, g.stride_h, g.out_h, g.pad_top);
   const std::int64_t pad_right = window_pad_after(g.in_w, g.k_w, g.stride_w, g.out_w, g.pad_left);
@@ -92,8 +94,8 @@ CudnnPlan plan_cudnn(CudnnWindowOp op, const Window2DGeometry& g, graph::DType d
   const std::int64_t cudnn_h = cudnn_output_size(g.in_h, g.k_h, g.stride_h, g.pad_top);
   const std::int64_t cudnn_w = cudnn_output_size(g.in_w, g.k_w, g.stride_w, g.pad_left);
   if (cudnn_h != g.out_h || cudnn_w != g.out_w) {
-    return fall_back(op, fmt::format("cuDNN's output would be {}x{} where TF's is {}x{}", cudnn_h, cudnn_w, g.out_h,
-                                     g.out_w));
+    return fall_back(
+        op, fmt::format("cuDNN's output would be {}x{} where TF's is {}x{}", cudnn_h, cudnn_w, g.out_h, g.out_w));
   }
 
   CudnnPlan plan;

@@ -11,8 +11,8 @@ namespace tandem::ops::detail {
 
 struct DropoutRun {
   double rate = 0.5;
-  bool active = true;          // training with a positive rate: a mask is drawn
-  std::uint64_t key = 0;       // dropout_key of this node and step
+  bool active = true;           // training with a positive rate: a mask is drawn
+  std::uint64_t key = 0;        // dropout_key of this node and step
   std::uint64_t threshold = 0;  // dropout_threshold(rate)
 };
 

@@ -29,7 +29,9 @@ TANDEM_HOST_DEVICE inline std::uint64_t dropout_key(std::uint64_t random_seed, s
   return mix64(random_seed ^ mix64(attr_seed + kGoldenGamma));
 }
 // Elements with rate * 2^53 > dropout_bits(key, i) are dropped.
-TANDEM_HOST_DEVICE inline std::uint64_t dropout_threshold(double rate) { return static_cast<std::uint64_t>(rate * kTwoPow53); }
+TANDEM_HOST_DEVICE inline std::uint64_t dropout_threshold(double rate) {
+  return static_cast<std::uint64_t>(rate * kTwoPow53);
+}
 TANDEM_HOST_DEVICE inline std::uint64_t dropout_bits(std::uint64_t key, std::int64_t i) {
   return mix64(key + static_cast<std::uint64_t>(i) * kGoldenGamma) >> 11;
 }

@@ -25,8 +25,8 @@ Output add_op_in(Graph& graph, std::string_view op, std::vector<Output> inputs, 
 Shape broadcast_shapes(const ShapeContext& ctx, const Shape& a, const Shape& b);
 
 // Shape functions shared by many ops.
-std::vector<TensorSpec> same_as_input0_float(ShapeContext& ctx);   // one float input, same spec out
-std::vector<TensorSpec> same_as_input0_any(ShapeContext& ctx);     // any dtype, same spec out
+std::vector<TensorSpec> same_as_input0_float(ShapeContext& ctx);  // one float input, same spec out
+std::vector<TensorSpec> same_as_input0_any(ShapeContext& ctx);    // any dtype, same spec out
 // Two inputs of one float dtype and one shape (y and dy of an activation gradient).
 std::vector<TensorSpec> same_float_pair(ShapeContext& ctx);
 

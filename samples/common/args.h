@@ -26,9 +26,9 @@ struct Args {
   std::int64_t batch;
   std::uint64_t seed = 0;
   int verbose = 1;
-  double expect_accuracy = 0.0;  // exit non-zero when the test accuracy ends below this
-  std::string strategy = "mirrored";  // "one", "mirrored" or "multiworker"
-  int cpu_devices = 0;                // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
+  double expect_accuracy = 0.0;          // exit non-zero when the test accuracy ends below this
+  std::string strategy = "mirrored";     // "one", "mirrored" or "multiworker"
+  int cpu_devices = 0;                   // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
   std::string dtype_policy = "float32";  // keras::mixed_precision's global policy, set by parse_args
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).

@@ -53,8 +53,9 @@ TEST_CASE("booleans: 1/true/yes/on and 0/false/no/off in any case, with blanks a
   }
   for (const char* bad : {"2", "maybe", "y", "enabled", "00", "1x", "-1"}) {
     CAPTURE(bad);
-    CHECK(testing::error_message([&] { env::parse_bool(env::kProfile, bad); }) ==
-          fmt::format("environment variable TANDEM_PROFILE=\"{}\": expected 1, true, yes, on, 0, false, no or off", bad));
+    CHECK(
+        testing::error_message([&] { env::parse_bool(env::kProfile, bad); }) ==
+        fmt::format("environment variable TANDEM_PROFILE=\"{}\": expected 1, true, yes, on, 0, false, no or off", bad));
   }
 }
 
@@ -104,7 +105,7 @@ TEST_CASE("the accessors read the process environment; unset, empty or blank mea
     ScopedVariable graphs(env::kCudaGraphs, unset), profile(env::kProfile, unset), devices(env::kNumCpuDevices, unset),
         threads(env::kIntraOpThreads, unset), gemm(env::kGemm, unset), library(env::kCudnnLibrary, unset),
         timeout(env::kRendezvousTimeout, unset);
-    CHECK(env::get_bool(env::kCudaGraphs));  // default 1
+    CHECK(env::get_bool(env::kCudaGraphs));     // default 1
     CHECK_FALSE(env::get_bool(env::kProfile));  // default 0
     CHECK(env::get_int(env::kNumCpuDevices) == 1);
     CHECK_FALSE(env::find_int(env::kNumCpuDevices).has_value());

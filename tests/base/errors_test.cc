@@ -6,8 +6,8 @@ using namespace tandem;
 
 TEST_CASE("TANDEM_REQUIRE throws the named error type with the formatted message") {
   const auto check = [](int features) {
-    TANDEM_REQUIRE(features == 784, InvalidArgument, "Dense \"{}\": input has {} features, kernel expects {}", "dense_1",
-                   features, 784);
+    TANDEM_REQUIRE(features == 784, InvalidArgument, "Dense \"{}\": input has {} features, kernel expects {}",
+                   "dense_1", features, 784);
   };
   CHECK_NOTHROW(check(784));
   try {

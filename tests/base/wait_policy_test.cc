@@ -142,7 +142,7 @@ TEST_CASE("the machine is full when more threads than cores are runnable, some o
   CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9", 2, 1));
   CHECK_FALSE(detail::loadavg_says_full("0.52 0.58 0.59 9/121 4567", 0, 1));
   CHECK(detail::own_runnable_threads() >= 1);  // this thread, reading
-  (void)detail::machine_full();                 // this machine's: either answer will do
+  (void)detail::machine_full();                // this machine's: either answer will do
 }
 
 TEST_CASE("spin_budget is zero when the waiting threads outnumber the cores, and under passive") {

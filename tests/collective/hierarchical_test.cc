@@ -36,9 +36,8 @@ std::vector<Group> make_workers(const std::vector<int>& replicas_per_worker, std
     threads.emplace_back([&, w] {
       try {
         auto cross = make_gloo_communicator({.rank = w, .size = workers, .store = store, .timeout = 20s});
-        per_worker[static_cast<std::size_t>(w)] =
-            make_hierarchical_group(make_in_process_group(replicas_per_worker[static_cast<std::size_t>(w)]),
-                                    std::move(cross));
+        per_worker[static_cast<std::size_t>(w)] = make_hierarchical_group(
+            make_in_process_group(replicas_per_worker[static_cast<std::size_t>(w)]), std::move(cross));
       } catch (...) {
         errors[static_cast<std::size_t>(w)] = std::current_exception();
       }

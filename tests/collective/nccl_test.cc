@@ -24,16 +24,18 @@ TEST_CASE("make_nccl_group checks its devices") {
   CHECK_THROWS_AS(make_nccl_group({}), InvalidArgument);
   CHECK_THROWS_WITH_AS(make_nccl_group({devices::num_gpus()}), doctest::Contains("there is no CUDA device"),
                        InvalidArgument);
-  if (devices::num_gpus() >= 2) CHECK_THROWS_WITH_AS(make_nccl_group({1, 1}), doctest::Contains("listed twice"), InvalidArgument);
+  if (devices::num_gpus() >= 2)
+    CHECK_THROWS_WITH_AS(make_nccl_group({1, 1}), doctest::Contains("listed twice"), InvalidArgument);
 }
 
 TEST_CASE("a tensor in host memory is refused, and (the rank never issued the collective) fails the group") {
   auto group = make_nccl_group({0});
   Communicator& comm = *group[0];
   Tensor host = Tensor::zeros({4}, kFloat32);
-  CHECK_THROWS_WITH_AS(comm.all_reduce(host, ReduceOp::kSum),
-                       "all_reduce #0 on rank 0 of 1 (GPU:0): tensor 0 of 1 is on CPU:0; this rank's communicator runs on GPU:0",
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      comm.all_reduce(host, ReduceOp::kSum),
+      "all_reduce #0 on rank 0 of 1 (GPU:0): tensor 0 of 1 is on CPU:0; this rank's communicator runs on GPU:0",
+      InvalidArgument);
   CHECK_THROWS_WITH_AS(comm.barrier(), doctest::Contains("barrier #1: the group failed"), Unavailable);
 }
 

@@ -21,7 +21,8 @@ using Group = std::vector<std::unique_ptr<collective::Communicator>>;
 // Runs fn(communicator) on one thread per rank, all at once (ranks wait for each other inside a
 // collective; NCCL needs every rank's call issued together); returns what each rank threw (null:
 // nothing).
-inline std::vector<std::exception_ptr> on_ranks(Group& group, const std::function<void(collective::Communicator&)>& fn) {
+inline std::vector<std::exception_ptr> on_ranks(Group& group,
+                                                const std::function<void(collective::Communicator&)>& fn) {
   std::vector<std::exception_ptr> errors(group.size());
   std::vector<std::thread> threads;
   for (std::size_t r = 0; r < group.size(); ++r) {

@@ -71,10 +71,11 @@ TEST_CASE("bad options") {
   auto store = make_in_memory_store();
   CHECK_THROWS_WITH_AS(make_shared_memory_communicator({.rank = 2, .size = 2, .store = store}),
                        "make_shared_memory_communicator: rank 2 is not in [0, 2)", InvalidArgument);
-  CHECK_THROWS_WITH_AS(make_shared_memory_communicator({.rank = 0, .size = 2}), doctest::Contains("rank 0 has no store"),
-                       InvalidArgument);
-  CHECK_THROWS_WITH_AS(make_shared_memory_communicator({.rank = 0, .size = 2, .store = store, .rank_labels = {"chief"}}),
-                       doctest::Contains("1 rank labels for a group of 2"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(make_shared_memory_communicator({.rank = 0, .size = 2}),
+                       doctest::Contains("rank 0 has no store"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      make_shared_memory_communicator({.rank = 0, .size = 2, .store = store, .rank_labels = {"chief"}}),
+      doctest::Contains("1 rank labels for a group of 2"), InvalidArgument);
   CHECK_THROWS_WITH_AS(make_shared_memory_communicator({.rank = 0, .size = 2, .store = store, .slot_bytes = 1000}),
                        "make_shared_memory_communicator: slot_bytes must be at least 4096 (kMinSlotBytes), got 1000",
                        InvalidArgument);
@@ -122,11 +123,13 @@ TEST_CASE("threads: ranks whose slot sizes differ cannot meet") {
     errors[0] = std::current_exception();
   }
   other.join();
-  CHECK(error_as<InvalidArgument>(errors[1]) ==
-        "make_shared_memory_communicator on rank 1 of 2: rank 0 made the segment for 2 ranks with slot_bytes 4096, this "
-        "rank has size 2 and slot_bytes 8192; every rank needs the same");
-  CHECK(error_as<InvalidArgument>(errors[0]).starts_with(
-      "make_shared_memory_communicator on rank 0 of 2: rank 1 could not join: make_shared_memory_communicator on rank 1"));
+  CHECK(
+      error_as<InvalidArgument>(errors[1]) ==
+      "make_shared_memory_communicator on rank 1 of 2: rank 0 made the segment for 2 ranks with slot_bytes 4096, this "
+      "rank has size 2 and slot_bytes 8192; every rank needs the same");
+  CHECK(
+      error_as<InvalidArgument>(errors[0]).starts_with("make_shared_memory_communicator on rank 0 of 2: rank 1 could "
+                                                       "not join: make_shared_memory_communicator on rank 1"));
   CHECK(segments_of(::getpid()).empty());
 }
 

@@ -55,7 +55,9 @@ std::string thrown(const std::function<void()>& fn) {
   return "<no error>";
 }
 
-bool contains(const std::string& haystack, std::string_view needle) { return haystack.find(needle) != std::string::npos; }
+bool contains(const std::string& haystack, std::string_view needle) {
+  return haystack.find(needle) != std::string::npos;
+}
 
 // A port nobody listens on right now (bound to port 0 and released).
 int free_port() {
@@ -252,7 +254,9 @@ void check_store_timeouts(Store& store) {
   CHECK_MESSAGE(contains(get_error, store.address()), get_error);
 
   store.set("present", bytes("1"));
-  const std::string wait_error = thrown<tandem::DeadlineExceeded>([&] { store.wait({"present", "missing_1", "missing_2"}, 100ms); });
+  const std::string wait_error = thrown<tandem::DeadlineExceeded>([&] {
+    store.wait({"present", "missing_1", "missing_2"}, 100ms);
+  });
   CHECK_MESSAGE(contains(wait_error, "missing_1\", \""), wait_error);
   CHECK_MESSAGE(contains(wait_error, "missing_2\""), wait_error);
   CHECK_MESSAGE(!contains(wait_error, "present\""), wait_error);
@@ -291,7 +295,8 @@ void check_add_is_atomic(const std::vector<std::shared_ptr<Store>>& clients, int
   const auto total = static_cast<std::int64_t>(clients.size()) * adds_each;
   REQUIRE(all.size() == static_cast<std::size_t>(total));
   bool each_value_once = true;
-  for (std::int64_t i = 0; i < total; ++i) each_value_once = each_value_once && all[static_cast<std::size_t>(i)] == i + 1;
+  for (std::int64_t i = 0; i < total; ++i)
+    each_value_once = each_value_once && all[static_cast<std::size_t>(i)] == i + 1;
   CHECK(each_value_once);
   CHECK(text(clients[0]->get("shared", 1s)) == std::to_string(total));
 }
@@ -610,7 +615,8 @@ TEST_CASE("rendezvous: a missing rank is named with its expected address") {
   CHECK(worker.wait(15s) == 1);
   CHECK(Clock::now() - start < 10s);
   const std::string expected = "DeadlineExceeded: rendezvous at " + local(port) +
-                               ": 1 of 3 workers did not arrive within 2 s: worker 2 (expected at " + local(port + 2) + ")";
+                               ": 1 of 3 workers did not arrive within 2 s: worker 2 (expected at " + local(port + 2) +
+                               ")";
   CHECK(read_file(dir.file("rank0")) == expected);
   // The worker times out too, or (when the chief gave up a moment earlier) loses the chief's store.
   const std::string worker_report = read_file(dir.file("rank1"));
@@ -674,9 +680,12 @@ TEST_CASE("rendezvous: a rank claimed again in the same run, and mismatched worl
   chief = Rendezvous();
   const int port2 = free_port();
   std::string chief_error;
-  std::thread chief3([&] { chief_error = thrown<tandem::DeadlineExceeded>([&] { rendezvous(cluster_options(port2, 0, 3, 1500ms)); }); });
+  std::thread chief3([&] {
+    chief_error = thrown<tandem::DeadlineExceeded>([&] { rendezvous(cluster_options(port2, 0, 3, 1500ms)); });
+  });
   std::this_thread::sleep_for(100ms);
-  const std::string mismatch = thrown<tandem::InvalidArgument>([&] { rendezvous(cluster_options(port2, 1, 2, 1000ms)); });
+  const std::string mismatch =
+      thrown<tandem::InvalidArgument>([&] { rendezvous(cluster_options(port2, 1, 2, 1000ms)); });
   chief3.join();
   CHECK_MESSAGE(contains(mismatch, "world_size 2, but chief with world_size 3"), mismatch);
   CHECK_MESSAGE(contains(chief_error, "worker 2"), chief_error);

@@ -347,9 +347,8 @@ TEST_CASE("shard takes every n-th element from its index") {
 }
 
 TEST_CASE("map applies its function; its errors propagate from next() and the pass goes on") {
-  auto doubled = range(4).map([](const Element& e) {
-    return Element{Tensor::scalar<std::int64_t>(2 * e[0].item<std::int64_t>())};
-  });
+  auto doubled = range(4).map(
+      [](const Element& e) { return Element{Tensor::scalar<std::int64_t>(2 * e[0].item<std::int64_t>())}; });
   CHECK(collect(doubled) == std::vector<std::int64_t>{0, 2, 4, 6});
   CHECK(doubled.cardinality() == 4);
   CHECK(doubled.element_spec() == std::vector{spec(kInt64, {})});
@@ -545,15 +544,16 @@ TEST_CASE("an epoch of the Fashion-MNIST pipeline is fast") {
       label_sum += (*e)[1].data<std::int64_t>()[0];
     }
     const double cpu_ms = thread_cpu_ms() - cpu_start;
-    const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall_start).count();
+    const double wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - wall_start).count();
     CHECK(batches == 469);
     CHECK(examples == n);
     CHECK(label_sum >= 0);
     best_cpu_ms = std::min(best_cpu_ms, cpu_ms);
     best_wall_ms = std::min(best_wall_ms, wall_ms);
   }
-  MESSAGE("Fashion-MNIST-shaped epoch (shuffle(60000).batch(128), 469 batches): best of 4: ", best_cpu_ms,
-          " ms CPU, ", best_wall_ms, " ms wall");
+  MESSAGE("Fashion-MNIST-shaped epoch (shuffle(60000).batch(128), 469 batches): best of 4: ", best_cpu_ms, " ms CPU, ",
+          best_wall_ms, " ms wall");
   // Reported, not asserted: timings are for bench/ (about 35 ms here, most of it the 188 MB of row
   // copies); this case checks the pipeline's output.
 }
@@ -602,9 +602,11 @@ TEST_CASE("from_files concatenates the readers' datasets; FILE sharding takes ev
   opened.clear();
   CHECK(collect_with(ds, {.file_shards = 3, .file_shard_index = 0}) == std::vector<std::int64_t>{0, 1, 300, 301});
   CHECK(opened == std::vector<std::string>{"0", "3"});  // a worker opens only its files
-  CHECK(error_message<InvalidArgument>([&] { ds.iterate({.file_shards = 2, .file_shard_index = 2}); })
-            .find("file shard 2 of 2") != std::string::npos);
-  CHECK(error_message<InvalidArgument>([] { Dataset::from_files({}, nullptr); }).find("no reader") != std::string::npos);
+  CHECK(error_message<InvalidArgument>([&] {
+          ds.iterate({.file_shards = 2, .file_shard_index = 2});
+        }).find("file shard 2 of 2") != std::string::npos);
+  CHECK(error_message<InvalidArgument>([] { Dataset::from_files({}, nullptr); }).find("no reader") !=
+        std::string::npos);
   CHECK(error_message<InvalidArgument>([] {
           (void)Dataset::from_files({}, [](const std::string&) { return Dataset(); }).element_spec();
         }).find("empty") != std::string::npos);

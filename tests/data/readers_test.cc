@@ -40,7 +40,8 @@ void write_text(const std::string& path, const std::string& text) {
 void write_gzip(const std::string& path, const Bytes& bytes) {
   gzFile f = gzopen(path.c_str(), "wb");
   REQUIRE(f != nullptr);
-  if (!bytes.empty()) REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
+  if (!bytes.empty())
+    REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
   REQUIRE(gzclose(f) == Z_OK);
 }
 
@@ -263,11 +264,9 @@ TEST_CASE("read_csv errors name the file, the line and the column") {
   CHECK(contains(error_message<DataLoss>([&] { data::read_csv(dir.file("empty_field.csv"), {.header = false}); }),
                  "line 1, column 2"));
   write_text(dir.file("range.csv"), "1e60\n");
-  CHECK(contains(error_message<DataLoss>([&] { data::read_csv(dir.file("range.csv"), {.header = false}); }),
-                 "range"));
+  CHECK(contains(error_message<DataLoss>([&] { data::read_csv(dir.file("range.csv"), {.header = false}); }), "range"));
 
-  CHECK(contains(error_message<NotFound>([&] { data::read_csv(dir.file("missing.csv")); }),
-                 dir.file("missing.csv")));
+  CHECK(contains(error_message<NotFound>([&] { data::read_csv(dir.file("missing.csv")); }), dir.file("missing.csv")));
 }
 
 namespace {
@@ -305,8 +304,7 @@ TEST_CASE("fashion_mnist reads the four files, gzipped or not, and scales the im
     CHECK(x[51] == static_cast<float>(51.0 / 255.0));
     CHECK(d.train.cardinality() == 6);
     CHECK(d.test.cardinality() == 4);
-    CHECK(d.train.element_spec() ==
-          std::vector<graph::TensorSpec>{{kFloat32, Shape{28, 28}}, {kInt64, Shape{}}});
+    CHECK(d.train.element_spec() == std::vector<graph::TensorSpec>{{kFloat32, Shape{28, 28}}, {kInt64, Shape{}}});
   }
 }
 

@@ -53,9 +53,9 @@ TEST_CASE("size classes: 512-byte steps to 4 KiB, then four per power of two") {
   CHECK(CachingAllocator::size_class(512) == 512);
   CHECK(CachingAllocator::size_class(513) == 1024);
   CHECK(CachingAllocator::size_class(4096) == 4096);
-  CHECK(CachingAllocator::size_class(4097) == 5120);    // 4 KiB * 1.25
-  CHECK(CachingAllocator::size_class(6000) == 6144);    // * 1.5
-  CHECK(CachingAllocator::size_class(7000) == 7168);    // * 1.75
+  CHECK(CachingAllocator::size_class(4097) == 5120);  // 4 KiB * 1.25
+  CHECK(CachingAllocator::size_class(6000) == 6144);  // * 1.5
+  CHECK(CachingAllocator::size_class(7000) == 7168);  // * 1.75
   CHECK(CachingAllocator::size_class(7169) == 8192);
   CHECK(CachingAllocator::size_class((1u << 20) + 1) == (1u << 20) + (1u << 18));
   for (std::size_t bytes = 1; bytes < (std::size_t{1} << 24); bytes = bytes * 3 / 2 + 7) {

@@ -19,7 +19,8 @@ TEST_CASE("logical CPU devices come from TANDEM_NUM_CPU_DEVICES and share the co
   REQUIRE(cpus.size() == 4);  // set by CTest for this suite
   for (int i = 0; i < 4; ++i) {
     CHECK(cpus[static_cast<std::size_t>(i)]->short_name() == fmt::format("CPU:{}", i));
-    CHECK(cpus[static_cast<std::size_t>(i)]->full_name() == fmt::format("/job:localhost/replica:0/task:0/device:CPU:{}", i));
+    CHECK(cpus[static_cast<std::size_t>(i)]->full_name() ==
+          fmt::format("/job:localhost/replica:0/task:0/device:CPU:{}", i));
     CHECK(cpus[static_cast<std::size_t>(i)]->intra_op_threads() == std::max(1, devices::usable_cpu_cores() / 4));
   }
   CHECK(&devices::get_device("/device:CPU:2") == cpus[2]);
@@ -73,8 +74,8 @@ TEST_CASE("the allocator is aligned and counts current and peak bytes") {
 
 TEST_CASE("an impossible allocation is ResourceExhausted naming the device") {
   auto& device = devices::get_device("CPU:0");
-  CHECK_THROWS_WITH_AS(device.allocator().allocate(std::size_t{1} << 62), doctest::Contains("CPU:0: out of host memory"),
-                       ResourceExhausted);
+  CHECK_THROWS_WITH_AS(device.allocator().allocate(std::size_t{1} << 62),
+                       doctest::Contains("CPU:0: out of host memory"), ResourceExhausted);
 }
 
 TEST_CASE("CPU devices: one inline stream, events already reached, pinned staging and async copies done at once") {
@@ -110,8 +111,10 @@ TEST_CASE("copies between devices and tensor helpers") {
   auto v = t.reshape({3, 2});
   CHECK(v.raw_data() == t.raw_data());
   CHECK(v.shape() == Shape{3, 2});
-  CHECK_THROWS_WITH_AS(t.reshape({4, 2}), doctest::Contains("cannot reshape a tensor of shape (2, 3)"), InvalidArgument);
-  CHECK_THROWS_WITH_AS(t.data<double>(), doctest::Contains("has dtype float32; it was read as float64"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(t.reshape({4, 2}), doctest::Contains("cannot reshape a tensor of shape (2, 3)"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(t.data<double>(), doctest::Contains("has dtype float32; it was read as float64"),
+                       InvalidArgument);
   auto c = t.clone();
   c.data<float>()[0] = 9;
   CHECK(t.to_vector<float>()[0] == 1);

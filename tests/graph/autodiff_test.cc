@@ -33,8 +33,8 @@ TEST_CASE("chain rule through several ops, with a value used twice") {
 TEST_CASE("several ys are summed; grad_ys seed them") {
   auto g = std::make_shared<Graph>();
   auto x = g->placeholder(kFloat32, {2}, "x");
-  auto a = ops::reduce_sum(x * x);    // 2x
-  auto b = ops::reduce_sum(x);        // 1
+  auto a = ops::reduce_sum(x * x);  // 2x
+  auto b = ops::reduce_sum(x);      // 1
   std::vector<Output> ys{a, b};
   auto dx = graph::gradients(ys, {&x, 1});
   CHECK(run1(g, x, Tensor::from_vector<float>({1, 3}, {2}), dx[0]) == std::vector<float>{3, 7});
@@ -56,8 +56,8 @@ TEST_CASE("gradients with respect to an intermediate value and to variables") {
   Executor ex(g, devices::default_cpu_device());
   ex.bind_variable(w, Tensor::from_vector<float>({2, 3}, {2}));
   auto out = ex.run({{x, Tensor::from_vector<float>({1, 1}, {2})}}, {grads[0], grads[1]});
-  CHECK(out[0].to_vector<float>() == std::vector<float>{4, 6});   // 2h
-  CHECK(out[1].to_vector<float>() == std::vector<float>{4, 6});   // 2h * x
+  CHECK(out[0].to_vector<float>() == std::vector<float>{4, 6});  // 2h
+  CHECK(out[1].to_vector<float>() == std::vector<float>{4, 6});  // 2h * x
 }
 
 TEST_CASE("unconnected and integer inputs get no gradient") {
@@ -74,5 +74,6 @@ TEST_CASE("unconnected and integer inputs get no gradient") {
   auto i = g->placeholder(kInt32, {2}, "i");
   auto yi = ops::reduce_sum(ops::cast(i, kFloat32));
   CHECK_FALSE(graph::gradients({&yi, 1}, {&i, 1})[0].defined());
-  CHECK_THROWS_WITH_AS(graph::gradients({&i, 1}, {&x, 1}), doctest::Contains("only floating-point values"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(graph::gradients({&i, 1}, {&x, 1}), doctest::Contains("only floating-point values"),
+                       InvalidArgument);
 }

@@ -120,7 +120,8 @@ TEST_CASE("only what the fetches need runs: an unfed placeholder on another bran
   auto unused = other + x;
   (void)unused;
   Executor ex(g, devices::default_cpu_device());
-  CHECK(ex.run({{x, Tensor::from_vector<float>({2, 3}, {2})}}, {used})[0].to_vector<float>() == std::vector<float>{4, 9});
+  CHECK(ex.run({{x, Tensor::from_vector<float>({2, 3}, {2})}}, {used})[0].to_vector<float>() ==
+        std::vector<float>{4, 9});
   CHECK(ex.last_plan_stats().nodes_run == 1);
   CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::from_vector<float>({2, 3}, {2})}}, {unused}),
                        doctest::Contains("Placeholder \"other\" must be fed"), InvalidArgument);
@@ -137,13 +138,14 @@ TEST_CASE("bad feeds and bindings are refused with the node and the expectation 
   CHECK_THROWS_WITH_AS(ex.bind_variable(w, Tensor::zeros({2, 3}, kFloat32)),
                        doctest::Contains("expected float32 (3, 2)"), InvalidArgument);
   ex.bind_variable(w, Tensor::filled<float>({3, 2}, 1.0f));
-  CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2, 4}, kFloat32)}}, {y}),
-                       doctest::Contains("Placeholder \"x\": fed a float32 tensor of shape (2, 4); expected float32 (None, 3)"),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      ex.run({{x, Tensor::zeros({2, 4}, kFloat32)}}, {y}),
+      doctest::Contains("Placeholder \"x\": fed a float32 tensor of shape (2, 4); expected float32 (None, 3)"),
+      InvalidArgument);
   CHECK_THROWS_WITH_AS(ex.run({{x, Tensor::zeros({2, 3}, kFloat64)}}, {y}), doctest::Contains("fed a float64"),
                        InvalidArgument);
-  CHECK_THROWS_WITH_AS(ex.run({{y, Tensor::zeros({2, 2}, kFloat32)}}, {y}), doctest::Contains("only placeholders can be fed"),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ex.run({{y, Tensor::zeros({2, 2}, kFloat32)}}, {y}),
+                       doctest::Contains("only placeholders can be fed"), InvalidArgument);
   // Updating a bound variable in place is seen by the next run.
   auto out = ex.run({{x, Tensor::filled<float>({1, 3}, 1.0f)}}, {y})[0];
   CHECK(out.to_vector<float>() == std::vector<float>{3, 3});
@@ -321,7 +323,7 @@ TEST_CASE("a run's tail is queued after the kernels with the fetches; GPU plans 
     CHECK(tail.fault_word == first_word);  // one word per plan: its address is part of a recording
     std::int32_t word = -1;
     gpu.copy_to_host(&word, tail.fault_word, sizeof(word));
-    CHECK(word == 0);  // cleared at the start of every run
+    CHECK(word == 0);              // cleared at the start of every run
     const std::int32_t fault = 1;  // as a kernel that found bad input would
     gpu.copy_from_host(const_cast<void*>(tail.fault_word), &fault, sizeof(fault));
     CHECK(tail.fetched[0].to(devices::default_cpu_device()).to_vector<float>() == want.to_vector<float>());

@@ -66,11 +66,42 @@ TEST_CASE("constants are copied into the graph") {
 TEST_CASE("the registry lists ops and refuses duplicates") {
   ops::register_all();
   auto names = graph::OpRegistry::global().op_names();
-  for (const char* op : {"MatMul", "Add", "Sub", "Mul", "Div", "Neg", "BiasAdd", "Relu", "Sigmoid", "Tanh", "Softmax",
-                         "LogSoftmax", "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits",
-                         "SigmoidCrossEntropyWithLogits", "Square", "Abs", "Sqrt", "Exp", "Log", "Sum", "Mean", "Max",
-                         "Reshape", "Transpose", "Conv2D", "MaxPool2D", "AvgPool2D", "Dropout", "FusedBatchNorm", "Cast",
-                         "ArgMax", "Equal", "OneHot", "Fill", "ZerosLike"}) {
+  for (const char* op : {"MatMul",
+                         "Add",
+                         "Sub",
+                         "Mul",
+                         "Div",
+                         "Neg",
+                         "BiasAdd",
+                         "Relu",
+                         "Sigmoid",
+                         "Tanh",
+                         "Softmax",
+                         "LogSoftmax",
+                         "SparseSoftmaxCrossEntropyWithLogits",
+                         "SoftmaxCrossEntropyWithLogits",
+                         "SigmoidCrossEntropyWithLogits",
+                         "Square",
+                         "Abs",
+                         "Sqrt",
+                         "Exp",
+                         "Log",
+                         "Sum",
+                         "Mean",
+                         "Max",
+                         "Reshape",
+                         "Transpose",
+                         "Conv2D",
+                         "MaxPool2D",
+                         "AvgPool2D",
+                         "Dropout",
+                         "FusedBatchNorm",
+                         "Cast",
+                         "ArgMax",
+                         "Equal",
+                         "OneHot",
+                         "Fill",
+                         "ZerosLike"}) {
     const std::string op_name(op);
     CAPTURE(op_name);
     CHECK(std::find(names.begin(), names.end(), std::string(op)) != names.end());

@@ -136,10 +136,11 @@ TEST_CASE("LambdaCallback calls the functions it was given, in CallbackList orde
   std::vector<std::string> calls;
   auto a = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
       .on_epoch_begin = [&](int e, Logs&) { calls.push_back("a.epoch_begin " + std::to_string(e)); },
-      .on_epoch_end = [&](int e, Logs& logs) {
-        calls.push_back("a.epoch_end " + std::to_string(e));
-        logs.set("extra", 7.0);
-      },
+      .on_epoch_end =
+          [&](int e, Logs& logs) {
+            calls.push_back("a.epoch_end " + std::to_string(e));
+            logs.set("extra", 7.0);
+          },
       .on_train_batch_end = [&](std::int64_t b, Logs&) { calls.push_back("a.batch_end " + std::to_string(b)); },
   });
   auto b = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
@@ -187,7 +188,8 @@ TEST_CASE("EarlyStopping: min_delta, modes, baseline, start_from_epoch") {
     CHECK(run_epochs(model, {es}, "val_loss", {1.0, 0.95, 0.85}) == 2);
   }
   SUBCASE("auto mode maximizes accuracy") {
-    auto es = std::make_shared<keras::EarlyStopping>(keras::EarlyStoppingOptions{.monitor = "val_accuracy", .patience = 1});
+    auto es =
+        std::make_shared<keras::EarlyStopping>(keras::EarlyStoppingOptions{.monitor = "val_accuracy", .patience = 1});
     CHECK(run_epochs(model, {es}, "val_accuracy", {0.5, 0.6, 0.7, 0.65, 0.8}) == 4);
     CHECK(es->best_epoch() == 2);
   }
@@ -248,8 +250,8 @@ TEST_CASE("EarlyStopping: min_delta, modes, baseline, start_from_epoch") {
 
 TEST_CASE("ReduceLROnPlateau reduces the learning rate with patience, cooldown and min_lr") {
   auto model = compiled_model(1.0);
-  auto cb = std::make_shared<keras::ReduceLROnPlateau>(keras::ReduceLROnPlateauOptions{
-      .factor = 0.5, .patience = 1, .verbose = 1, .cooldown = 2, .min_lr = 0.2});
+  auto cb = std::make_shared<keras::ReduceLROnPlateau>(
+      keras::ReduceLROnPlateauOptions{.factor = 0.5, .patience = 1, .verbose = 1, .cooldown = 2, .min_lr = 0.2});
   std::vector<Logs> logs;
   CaptureCout out;
   run_epochs(model, {cb}, "val_loss", std::vector<double>(8, 1.0), &logs);
@@ -348,8 +350,9 @@ TEST_CASE("CSVLogger writes a header and one flushed row per epoch") {
     auto e2 = logs_of({{"loss", 0.0625}, {"accuracy", 0.5}, {"val_loss", 2.0}, {"val_accuracy", 0.5}});
     list2.on_epoch_end(2, e2);
     list2.on_train_end(none);
-    CHECK(read_text(path) ==
-          "epoch,accuracy,loss,val_accuracy,val_loss\n0,0.75,0.5,1.0,0.25\n1,1e-05,0.125,NA,3.0\n2,0.5,0.0625,0.5,2.0\n");
+    CHECK(
+        read_text(path) ==
+        "epoch,accuracy,loss,val_accuracy,val_loss\n0,0.75,0.5,1.0,0.25\n1,1e-05,0.125,NA,3.0\n2,0.5,0.0625,0.5,2.0\n");
   }
   SUBCASE("without append the file starts over") {
     auto fresh = std::make_shared<keras::CSVLogger>(path, keras::CsvLoggerOptions{.separator = ';'});
@@ -407,8 +410,8 @@ TEST_CASE("ModelCheckpoint save_best_only keeps the best epoch, with Keras's mes
   TempDir dir;
   auto model = small_model();
   const auto path = dir.file("best.safetensors");
-  auto cb = std::make_shared<keras::ModelCheckpoint>(path,
-                                                     keras::ModelCheckpointOptions{.verbose = 1, .save_best_only = true});
+  auto cb = std::make_shared<keras::ModelCheckpoint>(
+      path, keras::ModelCheckpointOptions{.verbose = 1, .save_best_only = true});
   CaptureCout out;
   run_epochs(model, {cb}, "val_loss", {0.52, 0.6, 0.48, 0.5});
   REQUIRE(cb->best().has_value());
@@ -424,17 +427,16 @@ TEST_CASE("ModelCheckpoint save_best_only keeps the best epoch, with Keras's mes
                           "\nEpoch 4: val_loss did not improve from 0.48000\n");
 
   SUBCASE("max mode for accuracy") {
-    auto acc = std::make_shared<keras::ModelCheckpoint>(dir.file("acc.safetensors"),
-                                                        keras::ModelCheckpointOptions{.monitor = "val_accuracy",
-                                                                                      .save_best_only = true});
+    auto acc = std::make_shared<keras::ModelCheckpoint>(
+        dir.file("acc.safetensors"), keras::ModelCheckpointOptions{.monitor = "val_accuracy", .save_best_only = true});
     run_epochs(model, {acc}, "val_accuracy", {0.5, 0.9, 0.7});
     CHECK(*acc->best() == 0.9);
-    CHECK(keras::read_safetensors(dir.file("acc.safetensors")).tensors.front().second.to_vector<float>().front() == 1.0f);
+    CHECK(keras::read_safetensors(dir.file("acc.safetensors")).tensors.front().second.to_vector<float>().front() ==
+          1.0f);
   }
   SUBCASE("a missing monitor saves nothing") {
-    auto missing = std::make_shared<keras::ModelCheckpoint>(dir.file("m.safetensors"),
-                                                            keras::ModelCheckpointOptions{.monitor = "val_nothing",
-                                                                                          .save_best_only = true});
+    auto missing = std::make_shared<keras::ModelCheckpoint>(
+        dir.file("m.safetensors"), keras::ModelCheckpointOptions{.monitor = "val_nothing", .save_best_only = true});
     run_epochs(model, {missing}, "val_loss", {0.5});
     CHECK_FALSE(fs::exists(dir.path() / "m.safetensors"));
   }
@@ -553,8 +555,9 @@ TEST_CASE("ProgbarLogger, not interactive: the header and one final line per epo
     bar.list.on_epoch_end(epoch, logs);
   }
   bar.list.on_train_end(none);
-  const std::string line = R"(3/3 \[==============================\] - )" + kSeconds + kPerStep +
-                           R"( - loss: 0\.5000 - accuracy: 0\.8200 - val_loss: 1\.0000e-04 - val_accuracy: 0\.0000e\+00\n)";
+  const std::string line =
+      R"(3/3 \[==============================\] - )" + kSeconds + kPerStep +
+      R"( - loss: 0\.5000 - accuracy: 0\.8200 - val_loss: 1\.0000e-04 - val_accuracy: 0\.0000e\+00\n)";
   const std::regex expected("Epoch 1/2\n" + line + "Epoch 2/2\n" + line);
   INFO(bar.out.str());
   CHECK(std::regex_match(bar.out.str(), expected));
@@ -651,8 +654,8 @@ TEST_CASE("ProgbarLogger: evaluate and predict bars; verbose 0 prints nothing") 
     auto result = logs_of({{"loss", 0.25}, {"accuracy", 0.5}});
     bar.list.on_test_end(result);
     INFO(bar.out.str());
-    CHECK(std::regex_match(bar.out.str(),
-                           std::regex(R"(2/2 \[={30}\] - \d+s \d+(s|ms|us)/step - loss: 0\.2500 - accuracy: 0\.5000\n)")));
+    CHECK(std::regex_match(
+        bar.out.str(), std::regex(R"(2/2 \[={30}\] - \d+s \d+(s|ms|us)/step - loss: 0\.2500 - accuracy: 0\.5000\n)")));
   }
   SUBCASE("predict") {
     Bar bar(false, {.epochs = 1, .steps = 12, .verbose = 1});
@@ -719,9 +722,8 @@ TEST_CASE("fit() with callbacks: History, CSVLogger, ModelCheckpoint, EarlyStopp
   const auto data = regression_data(64);
   auto model = compiled_model(0.05);
   auto csv = std::make_shared<keras::CSVLogger>(dir.file("train.csv"));
-  auto ckpt = std::make_shared<keras::ModelCheckpoint>(dir.file("best.safetensors"),
-                                                       keras::ModelCheckpointOptions{.monitor = "loss",
-                                                                                     .save_best_only = true});
+  auto ckpt = std::make_shared<keras::ModelCheckpoint>(
+      dir.file("best.safetensors"), keras::ModelCheckpointOptions{.monitor = "loss", .save_best_only = true});
   // First in the list, so the callbacks after it see the "learning_rate" it logs.
   auto schedule = std::make_shared<keras::LearningRateScheduler>([](int, double lr) { return lr; });
   std::vector<std::int64_t> batches;
@@ -729,7 +731,10 @@ TEST_CASE("fit() with callbacks: History, CSVLogger, ModelCheckpoint, EarlyStopp
       keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t b, Logs&) { batches.push_back(b); }});
   CaptureCout out;
   const auto history = model.fit(data.x, data.y,
-                                 {.batch_size = 16, .epochs = 3, .verbose = 0, .callbacks = {schedule, csv, ckpt, counter},
+                                 {.batch_size = 16,
+                                  .epochs = 3,
+                                  .verbose = 0,
+                                  .callbacks = {schedule, csv, ckpt, counter},
                                   .validation_split = 0.25});
   CHECK(out.text().empty());  // verbose 0
   CHECK(history.epoch == std::vector<int>{0, 1, 2});
@@ -752,11 +757,12 @@ TEST_CASE("fit() stops early and restores the best weights; the bar goes to std:
   // A made-up monitored value that is best at epoch 1 and worse after.
   const std::vector<double> fake = {1.0, 0.5, 0.7, 0.8, 0.9, 1.0, 1.1};
   std::vector<std::vector<float>> weights_at_end;
-  auto inject = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{.on_epoch_end = [&](int e, Logs& logs) {
-    logs.set("score", fake[static_cast<std::size_t>(e)]);
-    weights_at_end.push_back(model.get_weights().front().to_vector<float>());
-    ++epochs_seen;
-  }});
+  auto inject =
+      std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{.on_epoch_end = [&](int e, Logs& logs) {
+        logs.set("score", fake[static_cast<std::size_t>(e)]);
+        weights_at_end.push_back(model.get_weights().front().to_vector<float>());
+        ++epochs_seen;
+      }});
   auto es = std::make_shared<keras::EarlyStopping>(
       keras::EarlyStoppingOptions{.monitor = "score", .patience = 2, .restore_best_weights = true});
   CaptureCout out;
@@ -777,14 +783,15 @@ TEST_CASE("fit() with TerminateOnNaN stops within the epoch") {
   const auto data = regression_data(32);
   auto model = compiled_model(0.05);
   std::int64_t last_batch = -1;
-  auto poison = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t b, Logs& logs) {
-    last_batch = b;
-    if (b == 1) logs.set("loss", std::numeric_limits<double>::quiet_NaN());
-  }});
+  auto poison = std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t b, Logs& logs) {
+        last_batch = b;
+        if (b == 1) logs.set("loss", std::numeric_limits<double>::quiet_NaN());
+      }});
   CaptureCout out;
-  const auto history = model.fit(data.x, data.y,
-                                 {.batch_size = 8, .epochs = 5, .verbose = 0,
-                                  .callbacks = {poison, std::make_shared<keras::TerminateOnNaN>()}});
+  const auto history = model.fit(
+      data.x, data.y,
+      {.batch_size = 8, .epochs = 5, .verbose = 0, .callbacks = {poison, std::make_shared<keras::TerminateOnNaN>()}});
   CHECK(last_batch == 1);
   CHECK(history.epoch.size() == 1);
   CHECK(out.text() == "Batch 1: Invalid loss, terminating training\n");
@@ -814,16 +821,16 @@ BackupRun run_with_backup(const std::string& dir, std::optional<int> stop_after,
     xs.insert(xs.end(), {0.1f * static_cast<float>(i % 7), 0.05f * static_cast<float>(i % 5), 0.3f});
     ys.insert(ys.end(), {0.2f * static_cast<float>(i % 3), -0.1f});
   }
-  const auto data = data::Dataset::from_tensor_slices({Tensor::from_vector<float>(xs, {40, 3}),
-                                                       Tensor::from_vector<float>(ys, {40, 2})})
+  const auto data = data::Dataset::from_tensor_slices(
+                        {Tensor::from_vector<float>(xs, {40, 3}), Tensor::from_vector<float>(ys, {40, 2})})
                         .shuffle(40, 9)
                         .batch(4);
   int steps = 0;
   keras::FitOptions fit{.epochs = 3, .verbose = 0, .steps_per_epoch = steps_per_epoch};
   auto backup = std::make_shared<keras::BackupAndRestore>(dir, options);
   fit.callbacks.push_back(backup);
-  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-      .on_train_batch_end = [&](std::int64_t, Logs&) {
+  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t, Logs&) {
         ++steps;
         if (stop_after && steps == *stop_after) throw Unavailable("simulated crash");
       }}));
@@ -845,10 +852,12 @@ void check_same_weights(const BackupRun& run, const BackupRun& reference) {
 }  // namespace
 
 TEST_CASE("BackupAndRestore: a run interrupted mid-epoch and resumed ends exactly as an uninterrupted one") {
-  for (const std::optional<std::int64_t> steps_per_epoch : {std::optional<std::int64_t>{}, std::optional<std::int64_t>{7}}) {
+  for (const std::optional<std::int64_t> steps_per_epoch :
+       {std::optional<std::int64_t>{}, std::optional<std::int64_t>{7}}) {
     CAPTURE(steps_per_epoch.value_or(0));
     TempDir reference_dir, dir;
-    const auto reference = run_with_backup(reference_dir.path().string(), std::nullopt, {.save_freq = 3}, steps_per_epoch);
+    const auto reference =
+        run_with_backup(reference_dir.path().string(), std::nullopt, {.save_freq = 3}, steps_per_epoch);
     // Nothing left behind by a finished run (delete_checkpoint).
     CHECK(reference_dir.entries().empty());
     // Crash after 13 steps (mid second epoch); backups at 3, 6, 9, 12 and at each epoch's end.
@@ -894,7 +903,9 @@ TEST_CASE("BackupAndRestore: a backup of another model is an error, not a reason
   auto x = keras::Input({3});
   keras::Model other(x, keras::Dense(2, {.name = "out"})(keras::Dense(9, "relu", {.name = "hidden"})(x)));
   other.compile(keras::Adam{.learning_rate = 0.01}, "mse");
-  const auto data = data::Dataset::from_tensor_slices({Tensor::zeros({8, 3}, DType::kF32), Tensor::zeros({8, 2}, DType::kF32)}).batch(4);
+  const auto data =
+      data::Dataset::from_tensor_slices({Tensor::zeros({8, 3}, DType::kF32), Tensor::zeros({8, 2}, DType::kF32)})
+          .batch(4);
   keras::FitOptions fit{.epochs = 3, .verbose = 0};
   fit.callbacks.push_back(std::make_shared<keras::BackupAndRestore>(dir.path().string()));
   CHECK_THROWS_AS(other.fit(data, fit), InvalidArgument);

@@ -45,9 +45,11 @@ struct Run {
 
 Model make_model(OptimizerRef optimizer, bool cuda_graphs, bool batch_norm = false) {
   set_global_seed(3);
-  Model model = batch_norm ? Sequential({Input({16}), Dense(64, "relu"), BatchNormalization(), Dense(64, "tanh"), Dense(3)})
-                           : Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
-  model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"}, {.cuda_graphs = cuda_graphs});
+  Model model = batch_norm
+                    ? Sequential({Input({16}), Dense(64, "relu"), BatchNormalization(), Dense(64, "tanh"), Dense(3)})
+                    : Sequential({Input({16}), Dense(64, "relu"), Dense(64, "tanh"), Dense(3)});
+  model.compile(optimizer, SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"},
+                {.cuda_graphs = cuda_graphs});
   return model;
 }
 
@@ -90,8 +92,8 @@ void check_close(const Run& gpu, const Run& cpu, double loss_tolerance, double w
 TEST_CASE("float32 training on the GPU follows the CPU (SGD with momentum, Adam)") {
   check_close(train("GPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}),
               train("CPU:0", "float32", SGD{.learning_rate = 0.05, .momentum = 0.9}), 1e-4, 1e-3);
-  check_close(train("GPU:0", "float32", Adam{.learning_rate = 0.005}), train("CPU:0", "float32", Adam{.learning_rate = 0.005}),
-              1e-4, 1e-3);
+  check_close(train("GPU:0", "float32", Adam{.learning_rate = 0.005}),
+              train("CPU:0", "float32", Adam{.learning_rate = 0.005}), 1e-4, 1e-3);
 }
 
 TEST_CASE("mixed_bfloat16 training on the GPU stays close to the CPU's") {
@@ -144,7 +146,8 @@ TEST_CASE("a bad label inside a replayed whole-step graph: a clear error, and th
   const FitOptions once{.batch_size = 64, .epochs = 1, .verbose = 0, .shuffle = false};
   failing.fit(good.x, good.y, once);  // records the step's graph and replays it
   reference.fit(good.x, good.y, once);
-  CHECK_THROWS_WITH_AS(failing.fit(good.x, bad_y, once), doctest::Contains("outside the valid class ids"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(failing.fit(good.x, bad_y, once), doctest::Contains("outside the valid class ids"),
+                       InvalidArgument);
   reference.fit(first_rows(good.x, 4 * 64), first_labels(good.y, 4 * 64), once);  // the four good batches
   const auto a = failing.get_weights();
   const auto b = reference.get_weights();

@@ -30,14 +30,14 @@
 #include "tandem/ops/ops.h"
 
 using namespace tandem;
-using tandem::testing::RefTensor;
-using tandem::testing::to_ref;
 using graph::DType;
 using graph::Shape;
 using graph::Tensor;
 using graph::TensorSpec;
 using keras::CallContext;
 using ops::Padding;
+using tandem::testing::RefTensor;
+using tandem::testing::to_ref;
 
 namespace {
 
@@ -63,7 +63,8 @@ std::string invalid_argument_message(const std::function<void()>& fn) {
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // Random float32 values in ±[0.1, 2] (never zero).
-Tensor random_tensor(const Shape& shape, std::mt19937_64& rng, double lo = 0.1, double hi = 2.0, bool positive = false) {
+Tensor random_tensor(const Shape& shape, std::mt19937_64& rng, double lo = 0.1, double hi = 2.0,
+                     bool positive = false) {
   std::uniform_real_distribution<double> magnitude(lo, hi);
   std::bernoulli_distribution negative(0.5);
   std::vector<float> v(static_cast<std::size_t>(shape.num_elements()));
@@ -76,7 +77,8 @@ Tensor random_tensor(const Shape& shape, std::mt19937_64& rng, double lo = 0.1, 
 Tensor distinct_tensor(const Shape& shape, std::mt19937_64& rng) {
   const auto n = static_cast<std::size_t>(shape.num_elements());
   std::vector<float> v(n);
-  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>(0.05 * (static_cast<double>(i) - 0.5 * static_cast<double>(n)));
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>(0.05 * (static_cast<double>(i) - 0.5 * static_cast<double>(n)));
   std::shuffle(v.begin(), v.end(), rng);
   return Tensor::from_vector<float>(v, shape);
 }
@@ -204,7 +206,8 @@ void check_gradients(LayerGraph& lg, const keras::Layer& layer, const Tensor& x,
       const double numeric = (loss_plus - loss_minus) / (static_cast<double>(plus) - static_cast<double>(minus));
       const double bound = options.tolerance * std::max(std::abs(numeric), 0.1 * largest);
       const bool ok = std::abs(numeric - grad[e]) <= bound;
-      if (!ok && failures++ < 5) CHECK_MESSAGE(ok, "element ", e, ": autodiff ", grad[e], ", finite difference ", numeric);
+      if (!ok && failures++ < 5)
+        CHECK_MESSAGE(ok, "element ", e, ": autodiff ", grad[e], ", finite difference ", numeric);
     }
     CHECK_MESSAGE(failures == 0, failures, " gradient element(s) outside tolerance");
   }
@@ -427,8 +430,7 @@ TEST_CASE("symbolic shapes of Conv2D and pooling") {
   CHECK(shape_after(keras::MaxPooling2D({3, 3}, {.strides = Pool{2, 2}, .padding = "same"})) ==
         Shape{kNone, 14, 14, 1});
   CHECK(shape_after(keras::AveragePooling2D()) == Shape{kNone, 14, 14, 1});
-  CHECK(shape_after(keras::AveragePooling2D({2, 3}, {.strides = Pool{1, 1}})) ==
-        Shape{kNone, 27, 26, 1});
+  CHECK(shape_after(keras::AveragePooling2D({2, 3}, {.strides = Pool{1, 1}})) == Shape{kNone, 27, 26, 1});
   CHECK(shape_after(keras::Dropout(0.5)) == Shape{kNone, 28, 28, 1});
   CHECK(shape_after(keras::BatchNormalization()) == Shape{kNone, 28, 28, 1});
 
@@ -666,7 +668,8 @@ TEST_CASE("BatchNormalization inference: the moving statistics, no updates") {
   set_weight(w[2], std::vector<float>{1.0f, -2.0f, 0.5f});
   set_weight(w[3], std::vector<float>{0.5f, 2.0f, 4.0f});
   const Tensor x = shifted_input(shape, rng);
-  const RefTensor want = ref_normalize(to_ref(x), values_of(w[2]), values_of(w[3]), values_of(w[0]), values_of(w[1]), epsilon);
+  const RefTensor want =
+      ref_normalize(to_ref(x), values_of(w[2]), values_of(w[3]), values_of(w[0]), values_of(w[1]), epsilon);
   check_close(to_ref(lg.run({x}, {lg.outputs[0]})[0]), want);
 
   LayerGraph grad_graph(bn, shape, /*training=*/false);
@@ -708,10 +711,12 @@ TEST_CASE("bad arguments raise InvalidArgument naming the layer and what was exp
     }
   }
   SUBCASE("padding other than valid / same") {
-    for (const auto& make : std::vector<std::function<void()>>{
-             [] { keras::Conv2D(4, {3, 3}, {.padding = "full", .name = "pad"}); },
-             [] { keras::MaxPooling2D({.padding = "full", .name = "pad"}); },
-             [] { keras::AveragePooling2D({.padding = "full", .name = "pad"}); }}) {
+    for (const auto& make :
+         std::vector<std::function<void()>>{[] {
+                                              keras::Conv2D(4, {3, 3}, {.padding = "full", .name = "pad"});
+                                            },
+                                            [] { keras::MaxPooling2D({.padding = "full", .name = "pad"}); },
+                                            [] { keras::AveragePooling2D({.padding = "full", .name = "pad"}); }}) {
       const auto message = invalid_argument_message(make);
       INFO(message);
       CHECK(contains(message, "\"pad\""));
@@ -748,7 +753,9 @@ TEST_CASE("bad arguments raise InvalidArgument naming the layer and what was exp
     CHECK(contains(direct, "input has 3 channels, kernel expects 1"));
   }
   SUBCASE("pooling on a rank-3 input") {
-    const auto message = invalid_argument_message([&] { keras::MaxPooling2D({.name = "pool_rank"})(keras::Input({8, 8})); });
+    const auto message = invalid_argument_message([&] {
+      keras::MaxPooling2D({.name = "pool_rank"})(keras::Input({8, 8}));
+    });
     INFO(message);
     CHECK(contains(message, "MaxPooling2D \"pool_rank\""));
     CHECK(contains(message, "rank 4"));
@@ -756,7 +763,9 @@ TEST_CASE("bad arguments raise InvalidArgument naming the layer and what was exp
   SUBCASE("non-positive sizes") {
     CHECK(contains(invalid_argument_message([] { keras::Conv2D(0, {3, 3}, {.name = "f0"}); }), "Conv2D \"f0\""));
     CHECK(contains(invalid_argument_message([] { keras::Conv2D(2, {0, 3}, {.name = "k0"}); }), "kernel_size"));
-    CHECK(contains(invalid_argument_message([] { keras::Conv2D(2, {3, 3}, {.strides = {1, 0}, .name = "s0"}); }),
+    CHECK(contains(invalid_argument_message([] {
+                     keras::Conv2D(2, {3, 3}, {.strides = {1, 0}, .name = "s0"});
+                   }),
                    "strides"));
     CHECK(contains(invalid_argument_message([] { keras::MaxPooling2D({0, 2}, {.name = "p0"}); }), "pool_size"));
   }

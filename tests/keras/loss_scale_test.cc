@@ -163,8 +163,8 @@ TEST_CASE("LossScaleOptimizer::apply skips and halves on inf/NaN, grows after dy
   auto plain_w = make_variable(w0, "plain_w");
   auto scaled_w = make_variable(w0, "scaled_w");
   Optimizer plain(Adam{.learning_rate = 0.1});
-  Optimizer scaled(LossScaleOptimizer{.inner_optimizer = Adam{.learning_rate = 0.1}, .initial_scale = 8,
-                                      .dynamic_growth_steps = 3});
+  Optimizer scaled(
+      LossScaleOptimizer{.inner_optimizer = Adam{.learning_rate = 0.1}, .initial_scale = 8, .dynamic_growth_steps = 3});
   plain.build({plain_w});
   scaled.build({scaled_w});
   REQUIRE(scaled.slots().size() == plain.slots().size() + 2);
@@ -172,8 +172,8 @@ TEST_CASE("LossScaleOptimizer::apply skips and halves on inf/NaN, grows after dy
   CHECK(scaled.slots()[1].first == "loss_scale_optimizer/step_counter");
   CHECK(scaled.loss_scale() == 8.0);
 
-  const std::vector<std::vector<float>> grads{{0.1f, -0.2f, 0.3f}, {0.05f, 0.4f, -0.1f}, {-0.3f, 0.1f, 0.2f},
-                                              {0.2f, 0.2f, -0.7f}, {0.01f, -0.02f, 0.03f}};
+  const std::vector<std::vector<float>> grads{
+      {0.1f, -0.2f, 0.3f}, {0.05f, 0.4f, -0.1f}, {-0.3f, 0.1f, 0.2f}, {0.2f, 0.2f, -0.7f}, {0.01f, -0.02f, 0.03f}};
   // A finite step with the scaled gradient changes exactly what the plain one does.
   const auto finite_step = [&](const std::vector<float>& g) {
     CHECK(plain.apply(0, {vec(g)}));
@@ -198,9 +198,9 @@ TEST_CASE("LossScaleOptimizer::apply skips and halves on inf/NaN, grows after dy
   finite_step(grads[1]);
   CHECK(scaled.loss_scale_step_counter() == 2);
   CHECK(scaled.loss_scale() == 8.0);
-  skipped_step({0.1f, kInf, 0.2f});  // 8 -> 4, count restarts
+  skipped_step({0.1f, kInf, 0.2f});           // 8 -> 4, count restarts
   skipped_step({std::nanf(""), 0.0f, 0.0f});  // 4 -> 2
-  skipped_step({0.0f, 0.0f, -kInf});  // 2 -> 1
+  skipped_step({0.0f, 0.0f, -kInf});          // 2 -> 1
   CHECK(scaled.loss_scale() == 1.0);
   finite_step(grads[2]);
   finite_step(grads[3]);
@@ -221,12 +221,11 @@ TEST_CASE("LossScaleOptimizer::apply skips and halves on inf/NaN, grows after dy
 TEST_CASE("fit with LossScaleOptimizer equals the inner optimizer on finite data, and grows the scale") {
   const Data data = make_data();
   auto& one = strategy::default_strategy();
-  for (const OptimizerSpec& inner : {OptimizerSpec(Adam{.learning_rate = 0.01}), OptimizerSpec(SGD{.learning_rate = 0.05,
-                                                                                                 .momentum = 0.9})}) {
+  for (const OptimizerSpec& inner :
+       {OptimizerSpec(Adam{.learning_rate = 0.01}), OptimizerSpec(SGD{.learning_rate = 0.05, .momentum = 0.9})}) {
     const Model plain = train(one, inner, data, 2);
-    const Model scaled = train(one, LossScaleOptimizer{.inner_optimizer = inner, .initial_scale = 1024,
-                                                       .dynamic_growth_steps = 3},
-                               data, 2);
+    const Model scaled = train(
+        one, LossScaleOptimizer{.inner_optimizer = inner, .initial_scale = 1024, .dynamic_growth_steps = 3}, data, 2);
     // Scaling by a power of two is exact, so the runs agree to the bit.
     check_weights_close(scaled, plain, 0.0);
     CHECK(scaled.optimizer().iterations() == 16);
@@ -239,8 +238,8 @@ TEST_CASE("fit with LossScaleOptimizer equals the inner optimizer on finite data
 TEST_CASE("fit with LossScaleOptimizer skips a batch whose gradients are inf or NaN, and halves the scale") {
   const Data data = make_data();
   auto& one = strategy::default_strategy();
-  const LossScaleOptimizer optimizer{.inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 4096,
-                                     .dynamic_growth_steps = 100};
+  const LossScaleOptimizer optimizer{
+      .inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 4096, .dynamic_growth_steps = 100};
   // Training without batch 2 at all is what the skipped step must amount to (Adam's step count
   // included: iterations do not count a skipped step).
   const Model reference = train(one, Adam{.learning_rate = 0.01}, data.without(16, 24));
@@ -260,8 +259,8 @@ TEST_CASE("LossScaleOptimizer under MirroredStrategy on 2 devices: every replica
   const Data data = make_data();
   auto& one = strategy::default_strategy();
   MirroredStrategy two(std::vector<std::string>{"CPU:0", "CPU:1"});
-  const LossScaleOptimizer optimizer{.inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 4096,
-                                     .dynamic_growth_steps = 2};
+  const LossScaleOptimizer optimizer{
+      .inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 4096, .dynamic_growth_steps = 2};
   // The inf target is in the last example of batch 2: in replica 1's shard only, so replica 0
   // sees it through the all-reduce.
   Data poisoned = data;
@@ -291,8 +290,8 @@ TEST_CASE("LossScaleOptimizer's scale and counter are saved in and restored from
   const auto path = (dir.path / "ckpt.safetensors").string();
   const Data data = make_data();
   auto& one = strategy::default_strategy();
-  const LossScaleOptimizer optimizer{.inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 256,
-                                     .dynamic_growth_steps = 3};
+  const LossScaleOptimizer optimizer{
+      .inner_optimizer = Adam{.learning_rate = 0.01}, .initial_scale = 256, .dynamic_growth_steps = 3};
   Model model = train(one, optimizer, data);  // 8 finite steps: 1024, counter 2
   REQUIRE(model.optimizer().loss_scale() == 1024.0);
   REQUIRE(model.optimizer().loss_scale_step_counter() == 2);
@@ -361,21 +360,22 @@ ResumableRun run_with_backup(const std::string& dir, std::optional<int> stop_aft
   data.y[10] = kInf;
   ResumableRun run{.model = make_model(strategy::default_strategy(),
                                        LossScaleOptimizer{.inner_optimizer = Adam{.learning_rate = 0.01},
-                                                          .initial_scale = 512, .dynamic_growth_steps = 3})};
+                                                          .initial_scale = 512,
+                                                          .dynamic_growth_steps = 3})};
   auto backup = std::make_shared<BackupAndRestore>(dir, BackupAndRestoreOptions{.save_freq = 2});
   FitOptions fit{.batch_size = 8, .epochs = 2, .verbose = 0, .shuffle = false};
   fit.callbacks.push_back(backup);
-  fit.callbacks.push_back(std::make_shared<LambdaCallback>(LambdaCallbackOptions{
-      .on_train_batch_end =
-          [&](std::int64_t, Logs&) {
-            ++run.steps;
-            if (stop_after && run.steps == *stop_after) throw Unavailable("simulated crash");
-          },
-      .on_train_begin =
-          [&](Logs&) {
-            run.scale_at_start = run.model.optimizer().loss_scale();
-            run.counter_at_start = run.model.optimizer().loss_scale_step_counter();
-          }}));
+  fit.callbacks.push_back(std::make_shared<LambdaCallback>(
+      LambdaCallbackOptions{.on_train_batch_end =
+                                [&](std::int64_t, Logs&) {
+                                  ++run.steps;
+                                  if (stop_after && run.steps == *stop_after) throw Unavailable("simulated crash");
+                                },
+                            .on_train_begin =
+                                [&](Logs&) {
+                                  run.scale_at_start = run.model.optimizer().loss_scale();
+                                  run.counter_at_start = run.model.optimizer().loss_scale_step_counter();
+                                }}));
   try {
     run.model.fit(data.x_tensor(), data.y_tensor(), fit);
   } catch (const Unavailable&) {

@@ -38,10 +38,12 @@ double log_softmax_at(const std::vector<double>& row, int k) {
 }  // namespace
 
 TEST_CASE("crossentropies, from probabilities and from logits") {
-  const auto sparse = eval(kIds, kProbs, [](Output t, Output p) { return per_example_loss(SparseCategoricalCrossentropy{}, t, p); });
+  const auto sparse =
+      eval(kIds, kProbs, [](Output t, Output p) { return per_example_loss(SparseCategoricalCrossentropy{}, t, p); });
   CHECK(sparse[0] == doctest::Approx(-std::log(0.7)));
   CHECK(sparse[1] == doctest::Approx(-std::log(0.3)));
-  const auto dense = eval(kOneHot, kProbs, [](Output t, Output p) { return per_example_loss(CategoricalCrossentropy{}, t, p); });
+  const auto dense =
+      eval(kOneHot, kProbs, [](Output t, Output p) { return per_example_loss(CategoricalCrossentropy{}, t, p); });
   CHECK(dense == sparse);
 
   const auto sparse_logits = eval(kIds, kLogits, [](Output t, Output p) {
@@ -68,9 +70,8 @@ TEST_CASE("binary crossentropy and regression losses") {
   CHECK(bce[0] == doctest::Approx(-(std::log(0.9) + std::log(0.8)) / 2).epsilon(1e-5));
   CHECK(bce[1] == doctest::Approx(-(std::log(0.6) + std::log(0.3)) / 2).epsilon(1e-5));
   const Tensor z = Tensor::from_vector<float>({2.0f, -1.0f, 0.5f, 0.0f}, {2, 2});
-  const auto bce_logits = eval(y, z, [](Output t, Output q) {
-    return per_example_loss(BinaryCrossentropy{.from_logits = true}, t, q);
-  });
+  const auto bce_logits =
+      eval(y, z, [](Output t, Output q) { return per_example_loss(BinaryCrossentropy{.from_logits = true}, t, q); });
   const auto sig = [](double x) { return 1 / (1 + std::exp(-x)); };
   CHECK(bce_logits[0] == doctest::Approx(-(std::log(sig(2.0)) + std::log(1 - sig(-1.0))) / 2).epsilon(1e-5));
 
@@ -104,7 +105,8 @@ TEST_CASE("accuracy metrics, and how \"accuracy\" is resolved from shapes") {
 TEST_CASE("Keras names, and unknown names listing the known ones") {
   CHECK(LossRef("mse").name() == "mean_squared_error");
   CHECK(LossRef("sparse_categorical_crossentropy").name() == "sparse_categorical_crossentropy");
-  CHECK(std::get<SparseCategoricalCrossentropy>(LossRef(SparseCategoricalCrossentropy{.from_logits = true}).spec()).from_logits);
+  CHECK(std::get<SparseCategoricalCrossentropy>(LossRef(SparseCategoricalCrossentropy{.from_logits = true}).spec())
+            .from_logits);
   CHECK_THROWS_WITH_AS(LossRef("hinge"), doctest::Contains("known: mse"), InvalidArgument);
   CHECK(MetricRef("accuracy").resolve().second == "accuracy");
   CHECK(MetricRef("acc").resolve().second == "acc");

@@ -56,7 +56,8 @@ double max_relative_difference(const Tensor& a, const Tensor& b) {
   REQUIRE(va.size() == vb.size());
   double worst = 0;
   for (std::size_t i = 0; i < va.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(va[i]) - vb[i]) / (1.0 + std::abs(static_cast<double>(vb[i]))));
+    worst =
+        std::max(worst, std::abs(static_cast<double>(va[i]) - vb[i]) / (1.0 + std::abs(static_cast<double>(vb[i]))));
   }
   return worst;
 }
@@ -95,7 +96,8 @@ TEST_CASE("dtype policies: Keras's names, the global policy, and a clear error f
   CHECK(mixed_precision::global_policy().name() == "float32");
 }
 
-TEST_CASE("under mixed_bfloat16 layers compute in bfloat16, keep float32 weights, and softmax and outputs are float32") {
+TEST_CASE(
+    "under mixed_bfloat16 layers compute in bfloat16, keep float32 weights, and softmax and outputs are float32") {
   mixed_precision::PolicyScope scope("mixed_bfloat16");
   auto x = Input({8});
   Dense hidden(16, "relu");
@@ -242,7 +244,8 @@ TEST_CASE("mixed-precision weights and training checkpoints load into a float32 
   CHECK(state.epoch == 2);
   CHECK(resumed.optimizer().iterations() == iterations);
   const auto restored = resumed.get_weights();
-  for (std::size_t i = 0; i < restored.size(); ++i) CHECK(restored[i].to_vector<float>() == trained[i].to_vector<float>());
+  for (std::size_t i = 0; i < restored.size(); ++i)
+    CHECK(restored[i].to_vector<float>() == trained[i].to_vector<float>());
   resumed.fit(data.x, data.y, {.batch_size = 32, .epochs = 1, .verbose = 0});  // and trains on
   std::filesystem::remove(weights_path);
   std::filesystem::remove(checkpoint_path);
@@ -253,8 +256,8 @@ TEST_CASE("gradient all-reduce in bfloat16 under MirroredStrategy stays close to
   const auto data = regression_data(512, 14);
   const auto train = [&](std::optional<DType> wire) {
     mixed_precision::PolicyScope scope("mixed_bfloat16");
-    MirroredStrategy strategy(strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"},
-                                              .distribution = {.gradient_all_reduce_dtype = wire}});
+    MirroredStrategy strategy(
+        strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"}, .distribution = {.gradient_all_reduce_dtype = wire}});
     Model model;
     {
       auto s = strategy.scope();
@@ -279,7 +282,7 @@ TEST_CASE("gradient all-reduce in bfloat16 under MirroredStrategy stays close to
   // A dtype that is not 16-bit is refused with a message naming the option.
   mixed_precision::PolicyScope scope("mixed_bfloat16");
   MirroredStrategy strategy(strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"},
-                                            .distribution = {.gradient_all_reduce_dtype = DType::kI32}});
+                                                      .distribution = {.gradient_all_reduce_dtype = DType::kI32}});
   Model model;
   {
     auto s = strategy.scope();

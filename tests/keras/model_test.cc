@@ -31,8 +31,8 @@ Blobs blobs(std::int64_t n, int classes, std::uint64_t seed) {
 }  // namespace
 
 TEST_CASE("the Keras tutorial model: summary table and parameter counts") {
-  auto model = keras::Sequential({keras::Input({28, 28}), keras::Flatten("flatten_t"), keras::Dense(128, "relu", {.name = "hidden"}),
-                                  keras::Dense(10, {.name = "logits"})},
+  auto model = keras::Sequential({keras::Input({28, 28}), keras::Flatten("flatten_t"),
+                                  keras::Dense(128, "relu", {.name = "hidden"}), keras::Dense(10, {.name = "logits"})},
                                  "tutorial");
   CHECK(model.count_params() == 101770);
   const std::string expected =
@@ -107,11 +107,13 @@ TEST_CASE("the regression example: compile(\"adam\", \"mse\") on a dataset") {
   for (int i = 0; i < 2048; ++i) {
     xs[static_cast<std::size_t>(2 * i)] = normal(rng);
     xs[static_cast<std::size_t>(2 * i + 1)] = normal(rng);
-    ys[static_cast<std::size_t>(i)] = 0.5f * xs[static_cast<std::size_t>(2 * i)] - 0.25f * xs[static_cast<std::size_t>(2 * i + 1)] + 0.1f;
+    ys[static_cast<std::size_t>(i)] =
+        0.5f * xs[static_cast<std::size_t>(2 * i)] - 0.25f * xs[static_cast<std::size_t>(2 * i + 1)] + 0.1f;
   }
-  auto dataset = data::Dataset::from_tensor_slices({Tensor::from_vector(xs, {2048, 2}), Tensor::from_vector(ys, {2048})})
-                     .shuffle(2048)
-                     .batch(16);
+  auto dataset =
+      data::Dataset::from_tensor_slices({Tensor::from_vector(xs, {2048, 2}), Tensor::from_vector(ys, {2048})})
+          .shuffle(2048)
+          .batch(16);
   auto model = keras::Sequential({keras::Input({2}), keras::Dense(1)});
   model.compile(keras::Adam{.learning_rate = 0.01}, "mse", {"mae"});
   auto history = model.fit(dataset, {.epochs = 10, .verbose = 0});
@@ -186,10 +188,10 @@ TEST_CASE("user mistakes get clear errors") {
   CHECK_THROWS_WITH_AS(model.fit(xs, ys), doctest::Contains("call compile() before fit()"), FailedPrecondition);
   model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true});
   auto wrong = Tensor::zeros({16, 5}, kFloat32);
-  CHECK_THROWS_WITH_AS(model.fit(wrong, ys, {.verbose = 0}), doctest::Contains("expects shape (None, 4); the data gives (None, 5)"),
-                       InvalidArgument);
-  CHECK_THROWS_WITH_AS(model.fit(xs, Tensor::zeros({3}, kInt64), {.verbose = 0}), doctest::Contains("same number of examples"),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(model.fit(wrong, ys, {.verbose = 0}),
+                       doctest::Contains("expects shape (None, 4); the data gives (None, 5)"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(model.fit(xs, Tensor::zeros({3}, kInt64), {.verbose = 0}),
+                       doctest::Contains("same number of examples"), InvalidArgument);
   CHECK_THROWS_WITH_AS(model.compile("adam", "hinge"), doctest::Contains("unknown loss"), InvalidArgument);
   CHECK_THROWS_WITH_AS(model.get_layer("nope"), doctest::Contains("has no layer \"nope\""), NotFound);
   keras::Model empty;
@@ -227,14 +229,15 @@ TEST_CASE("fit honours steps_per_epoch, initial_epoch and stop_training") {
   auto [x, y] = blobs(64, 2, 4);
   auto data = data::Dataset::from_tensor_slices({x, y}).batch(8).repeat();
   int batches = 0;
-  auto counter = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-      .on_train_batch_end = [&](std::int64_t, keras::Logs&) { ++batches; }});
-  auto history = model.fit(data, {.epochs = 3, .verbose = 0, .callbacks = {counter}, .initial_epoch = 1, .steps_per_epoch = 5});
+  auto counter = std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t, keras::Logs&) { ++batches; }});
+  auto history =
+      model.fit(data, {.epochs = 3, .verbose = 0, .callbacks = {counter}, .initial_epoch = 1, .steps_per_epoch = 5});
   CHECK(batches == 10);
   CHECK(history.epoch == std::vector<int>{1, 2});
   const auto before = model.optimizer().iterations();
-  auto stopper = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-      .on_train_batch_end = [&](std::int64_t batch, keras::Logs&) {
+  auto stopper = std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t batch, keras::Logs&) {
         if (batch == 2) model.set_stop_training(true);
       }});
   model.fit(data, {.epochs = 5, .verbose = 0, .callbacks = {stopper}, .steps_per_epoch = 5});

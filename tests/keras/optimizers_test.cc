@@ -155,7 +155,8 @@ TEST_CASE("a gradient of the wrong shape is refused naming the variable") {
   auto v = make_variable({1, 2, 3});
   Optimizer opt(Adam{});
   opt.build({v});
-  CHECK_THROWS_WITH_AS(opt.apply(0, {Tensor::zeros({2}, kFloat32)}), doctest::Contains("gradient of \"w\""), InvalidArgument);
+  CHECK_THROWS_WITH_AS(opt.apply(0, {Tensor::zeros({2}, kFloat32)}), doctest::Contains("gradient of \"w\""),
+                       InvalidArgument);
   CHECK(opt.slots().size() == 2);
   CHECK(opt.slots()[0].first == "w/m");
 }

@@ -43,7 +43,6 @@ std::string raw_file(const std::string& header, const std::string& data) {
   return out + header + data;
 }
 
-
 std::string bytes_of(const Tensor& t) {
   const Tensor host = t.to(devices::default_cpu_device());
   return std::string(static_cast<const char*>(host.raw_data()), host.nbytes());
@@ -142,7 +141,8 @@ TEST_CASE("safetensors: the bytes on disk follow the spec exactly") {
   const std::string bytes = read_bytes(path);
   REQUIRE(bytes.size() >= 8);
   std::uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    n |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[static_cast<std::size_t>(i)])) << (8 * i);
   CHECK(n % 8 == 0);  // the data starts 8-byte aligned
   REQUIRE(bytes.size() == 8 + n + 16);
   std::string data = bytes.substr(8 + n);
@@ -218,8 +218,8 @@ print("python-ok")
 TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the file") {
   TempDir dir;
   const auto good = dir.file("good.safetensors");
-  keras::write_safetensors(good, {{"w", Tensor::from_vector<float>({1, 2, 3, 4}, {4})},
-                                  {"b", Tensor::from_vector<float>({5, 6}, {2})}});
+  keras::write_safetensors(
+      good, {{"w", Tensor::from_vector<float>({1, 2, 3, 4}, {4})}, {"b", Tensor::from_vector<float>({5, 6}, {2})}});
   const std::string bytes = read_bytes(good);
   const auto path = dir.file("bad.safetensors");
   const auto read = [&] { keras::read_safetensors(path); };
@@ -263,20 +263,32 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
     CHECK(tandem::testing::error_message<DataLoss>(read).find(path) != std::string::npos);
   }
   SUBCASE("offsets out of range") {
-    write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", std::string(12, 'x')));
+    write_bytes(
+        path,
+        raw_file(
+            R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+            std::string(12, 'x')));
     const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find(path) != std::string::npos);
     CHECK(m.find("\"v\"") != std::string::npos);
     CHECK(m.find("[8, 16]") != std::string::npos);
   }
   SUBCASE("overlapping tensors") {
-    write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", std::string(12, 'x')));
+    write_bytes(
+        path,
+        raw_file(
+            R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"v":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+            std::string(12, 'x')));
     const auto m = tandem::testing::error_message<DataLoss>(read);
     CHECK(m.find("overlaps") != std::string::npos);
     CHECK(m.find("\"v\"") != std::string::npos);
   }
   SUBCASE("a gap between tensors") {
-    write_bytes(path, raw_file(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"v":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", std::string(12, 'x')));
+    write_bytes(
+        path,
+        raw_file(
+            R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"v":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+            std::string(12, 'x')));
     CHECK(tandem::testing::error_message<DataLoss>(read).find("\"v\"") != std::string::npos);
   }
   SUBCASE("trailing bytes after the last tensor") {
@@ -300,11 +312,15 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
     CHECK(tandem::testing::error_message<DataLoss>(read).find("\"w\"") != std::string::npos);
   }
   SUBCASE("a malformed checksum") {
-    write_bytes(path, raw_file(R"({"__metadata__":{"checksum":"md5:1234"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(4, 'x')));
+    write_bytes(
+        path,
+        raw_file(R"({"__metadata__":{"checksum":"md5:1234"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                 std::string(4, 'x')));
     CHECK(tandem::testing::error_message<DataLoss>(read).find("md5:1234") != std::string::npos);
   }
   SUBCASE("non-string metadata") {
-    write_bytes(path, raw_file(R"({"__metadata__":{"epoch":3},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", std::string(4, 'x')));
+    write_bytes(path, raw_file(R"({"__metadata__":{"epoch":3},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                               std::string(4, 'x')));
     CHECK(tandem::testing::error_message<DataLoss>(read).find("epoch") != std::string::npos);
   }
 }
@@ -312,7 +328,8 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
 TEST_CASE("safetensors: a missing file is NotFound") {
   TempDir dir;
   const auto path = dir.file("nothing.safetensors");
-  CHECK(tandem::testing::error_message<NotFound>([&] { keras::read_safetensors(path); }).find(path) != std::string::npos);
+  CHECK(tandem::testing::error_message<NotFound>([&] { keras::read_safetensors(path); }).find(path) !=
+        std::string::npos);
 }
 
 TEST_CASE("safetensors: writes are atomic") {
@@ -323,7 +340,9 @@ TEST_CASE("safetensors: writes are atomic") {
 
   SUBCASE("a folder that does not exist is Unavailable, naming the path and the reason") {
     const auto missing = dir.file("no/such/folder/w.safetensors");
-    const auto m = tandem::testing::error_message<Unavailable>([&] { keras::write_safetensors(missing, {{"w", Tensor::scalar<float>(1)}}); });
+    const auto m = tandem::testing::error_message<Unavailable>([&] {
+      keras::write_safetensors(missing, {{"w", Tensor::scalar<float>(1)}});
+    });
     CHECK(m.find(missing) != std::string::npos);
     CHECK(m.find("No such file or directory") != std::string::npos);
   }
@@ -338,7 +357,9 @@ TEST_CASE("safetensors: writes are atomic") {
   }
   SUBCASE("renaming over a folder fails cleanly") {
     fs::create_directories(dir.path() / "taken");
-    const auto m = tandem::testing::error_message<Unavailable>([&] { keras::write_safetensors(dir.file("taken"), {{"w", Tensor::scalar<float>(1)}}); });
+    const auto m = tandem::testing::error_message<Unavailable>([&] {
+      keras::write_safetensors(dir.file("taken"), {{"w", Tensor::scalar<float>(1)}});
+    });
     CHECK(m.find(dir.file("taken")) != std::string::npos);
   }
   CHECK(read_bytes(path) == before);
@@ -423,7 +444,8 @@ TEST_CASE("model weights: a file that does not match changes nothing and names t
 TEST_CASE("training checkpoint: weights, optimizer slots, iterations and state round-trip") {
   TempDir dir;
   const auto path = dir.file("ckpt.safetensors");
-  auto x = Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
+  auto x =
+      Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
   auto y = Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2});
   auto model = small_model("ck_");
   model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
@@ -508,13 +530,15 @@ TEST_CASE("training checkpoint: a mismatch is refused before anything changes") 
 
   SUBCASE("a missing slot") {
     drop("optimizer/cm_out/bias/v");
-    const auto m = tandem::testing::error_message<InvalidArgument>([&] { keras::load_training_checkpoint(model, bad_path); });
+    const auto m =
+        tandem::testing::error_message<InvalidArgument>([&] { keras::load_training_checkpoint(model, bad_path); });
     CHECK(m.find("optimizer/cm_out/bias/v") != std::string::npos);
   }
   SUBCASE("no iteration count") {
     drop("optimizer/iterations");
-    CHECK(tandem::testing::error_message<DataLoss>([&] { keras::load_training_checkpoint(model, bad_path); }).find("optimizer/iterations") !=
-          std::string::npos);
+    CHECK(tandem::testing::error_message<DataLoss>([&] {
+            keras::load_training_checkpoint(model, bad_path);
+          }).find("optimizer/iterations") != std::string::npos);
   }
   SUBCASE("a weights file is not a checkpoint") {
     model.save_weights(bad_path);

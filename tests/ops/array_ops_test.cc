@@ -61,7 +61,8 @@ TEST_CASE("Transpose") {
           rest /= s[d];
         }
         std::int64_t o = 0;
-        for (int d = 0; d < out.rank(); ++d) o = o * out[d] + idx[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
+        for (int d = 0; d < out.rank(); ++d)
+          o = o * out[d] + idx[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
         r[o] = x[0][i];
       }
       return std::vector<RefTensor>{r};
@@ -103,7 +104,8 @@ TEST_CASE("Cast between float types carries the gradient; to int truncates") {
   CHECK(out[1].to_vector<std::uint8_t>() == std::vector<std::uint8_t>{1, 255, 0, 7});
 }
 
-TEST_CASE("Cast to and from float16 and bfloat16: round to nearest even, overflow, NaN, gradients in the source dtype") {
+TEST_CASE(
+    "Cast to and from float16 and bfloat16: round to nearest even, overflow, NaN, gradients in the source dtype") {
   auto g = std::make_shared<Graph>();
   auto x = g->placeholder(kFloat32, {8}, "x");
   auto h = ops::cast(x, DType::kF16);
@@ -117,7 +119,8 @@ TEST_CASE("Cast to and from float16 and bfloat16: round to nearest even, overflo
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // 1 + 2^-11 is halfway between two float16 values (ties to even: 1); 1 + 3 * 2^-11 rounds up.
   // 1 + 2^-8 is halfway between two bfloat16 values. 70000 overflows float16 but not bfloat16.
-  const std::vector<float> values{1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-8f, 70000.0f, -2.5f, nan, -inf, 3.0e38f};
+  const std::vector<float> values{1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 1.0f + 0x1p-8f, 70000.0f, -2.5f, nan, -inf,
+                                  3.0e38f};
   auto out = ex.run({{x, Tensor::from_vector<float>(values, {8})}}, {h_back, b_back, b_to_h, b_to_i, h, b});
   const auto hv = out[0].to_vector<float>();
   const auto bv = out[1].to_vector<float>();
@@ -173,7 +176,8 @@ TEST_CASE("a kernel without 16-bit code runs on float32 copies and rounds once: 
     for (int i = 0; i < 3; ++i) {
       for (int j = 0; j < 2; ++j) {
         float want = 0;
-        for (int k = 0; k < 5; ++k) want += af[static_cast<std::size_t>(i * 5 + k)] * bf[static_cast<std::size_t>(k * 2 + j)];
+        for (int k = 0; k < 5; ++k)
+          want += af[static_cast<std::size_t>(i * 5 + k)] * bf[static_cast<std::size_t>(k * 2 + j)];
         CHECK(static_cast<float>(got[static_cast<std::size_t>(i * 2 + j)]) ==
               doctest::Approx(static_cast<float>(graph::bfloat16(want))).epsilon(1e-6));
       }
@@ -185,7 +189,9 @@ TEST_CASE("ArgMax, Equal and OneHot (no gradients)") {
   OpCase argmax;
   argmax.name = "ArgMax axis 1";
   argmax.inputs = {InputSpec::floats({6, 5}).with_distinct()};
-  argmax.build = [](const std::vector<Output>& in) { return std::vector<Output>{ops::argmax(in[0], 1), ops::argmax(in[0], 0)}; };
+  argmax.build = [](const std::vector<Output>& in) {
+    return std::vector<Output>{ops::argmax(in[0], 1), ops::argmax(in[0], 0)};
+  };
   argmax.reference = [](const std::vector<RefTensor>& in) {
     RefTensor rows(Shape{6}), cols(Shape{5});
     for (int r = 0; r < 6; ++r) {

@@ -56,7 +56,8 @@ RefTensor ref_conv2d(const RefTensor& x, const RefTensor& f, std::int64_t s_h, s
             for (std::int64_t j = 0; j < kw; ++j) {
               const auto iw = ow * s_w - dw.pad_before + j;
               if (iw < 0 || iw >= w) continue;
-              for (std::int64_t ic = 0; ic < c; ++ic) sum += x[at4(x.shape, b, ih, iw, ic)] * f[at4(f.shape, i, j, ic, oc)];
+              for (std::int64_t ic = 0; ic < c; ++ic)
+                sum += x[at4(x.shape, b, ih, iw, ic)] * f[at4(f.shape, i, j, ic, oc)];
             }
           }
           y[at4(y.shape, b, oh, ow, oc)] = sum;
@@ -85,7 +86,8 @@ RefTensor ref_conv2d_backprop_input(const Shape& x_shape, const RefTensor& f, co
             if (iw < 0 || iw >= w) continue;
             for (std::int64_t ic = 0; ic < c; ++ic) {
               double sum = 0;
-              for (std::int64_t oc = 0; oc < o; ++oc) sum += dy[at4(dy.shape, b, oh, ow, oc)] * f[at4(f.shape, i, j, ic, oc)];
+              for (std::int64_t oc = 0; oc < o; ++oc)
+                sum += dy[at4(dy.shape, b, oh, ow, oc)] * f[at4(f.shape, i, j, ic, oc)];
               dx[at4(dx.shape, b, ih, iw, ic)] += sum;
             }
           }
@@ -199,14 +201,17 @@ Shape conv_out_shape(const Shape& x, const Shape& f, std::int64_t s_h, std::int6
   return Shape{x[0], window_dim(x[1], f[0], s_h, p).out, window_dim(x[2], f[1], s_w, p).out, f[3]};
 }
 
-OpCase conv_case(const std::string& name, const Shape& x, const Shape& f, std::int64_t s_h, std::int64_t s_w, Padding p) {
+OpCase conv_case(const std::string& name, const Shape& x, const Shape& f, std::int64_t s_h, std::int64_t s_w,
+                 Padding p) {
   OpCase c;
   c.name = name;
   c.inputs = {InputSpec::floats(x), InputSpec::floats(f)};
   c.build = [=](const std::vector<Output>& in) {
     return std::vector<Output>{ops::conv2d(in[0], in[1], {.strides = {s_h, s_w}, .padding = p})};
   };
-  c.reference = [=](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{ref_conv2d(in[0], in[1], s_h, s_w, p)}; };
+  c.reference = [=](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{ref_conv2d(in[0], in[1], s_h, s_w, p)};
+  };
   return c;
 }
 
@@ -215,9 +220,11 @@ OpCase backprop_input_case(const std::string& name, const Shape& x, const Shape&
                            Padding p) {
   OpCase c;
   c.name = name;
-  c.inputs = {InputSpec::floats(x).no_gradient(), InputSpec::floats(f), InputSpec::floats(conv_out_shape(x, f, s_h, s_w, p))};
+  c.inputs = {InputSpec::floats(x).no_gradient(), InputSpec::floats(f),
+              InputSpec::floats(conv_out_shape(x, f, s_h, s_w, p))};
   c.build = [=](const std::vector<Output>& in) {
-    return std::vector<Output>{ops::detail::add_op("Conv2DBackpropInput", {in[0], in[1], in[2]}, window_attrs(s_h, s_w, p))};
+    return std::vector<Output>{
+        ops::detail::add_op("Conv2DBackpropInput", {in[0], in[1], in[2]}, window_attrs(s_h, s_w, p))};
   };
   c.reference = [=](const std::vector<RefTensor>& in) {
     return std::vector<RefTensor>{ref_conv2d_backprop_input(in[0].shape, in[1], in[2], s_h, s_w, p)};
@@ -229,9 +236,11 @@ OpCase backprop_filter_case(const std::string& name, const Shape& x, const Shape
                             Padding p) {
   OpCase c;
   c.name = name;
-  c.inputs = {InputSpec::floats(x), InputSpec::floats(f).no_gradient(), InputSpec::floats(conv_out_shape(x, f, s_h, s_w, p))};
+  c.inputs = {InputSpec::floats(x), InputSpec::floats(f).no_gradient(),
+              InputSpec::floats(conv_out_shape(x, f, s_h, s_w, p))};
   c.build = [=](const std::vector<Output>& in) {
-    return std::vector<Output>{ops::detail::add_op("Conv2DBackpropFilter", {in[0], in[1], in[2]}, window_attrs(s_h, s_w, p))};
+    return std::vector<Output>{
+        ops::detail::add_op("Conv2DBackpropFilter", {in[0], in[1], in[2]}, window_attrs(s_h, s_w, p))};
   };
   c.reference = [=](const std::vector<RefTensor>& in) {
     return std::vector<RefTensor>{ref_conv2d_backprop_filter(in[0], in[1].shape, in[2], s_h, s_w, p)};
@@ -244,7 +253,8 @@ OpCase pool_case(const std::string& name, const Shape& x, const Window& win, boo
   c.name = name;
   // Distinct values: a finite-difference step must not change which cell is a window's maximum.
   c.inputs = {average ? InputSpec::floats(x) : InputSpec::floats(x).with_distinct()};
-  const ops::Pool2DOptions options{.pool_size = {win.k_h, win.k_w}, .strides = {win.s_h, win.s_w}, .padding = win.padding};
+  const ops::Pool2DOptions options{
+      .pool_size = {win.k_h, win.k_w}, .strides = {win.s_h, win.s_w}, .padding = win.padding};
   c.build = [=](const std::vector<Output>& in) {
     return std::vector<Output>{average ? ops::avg_pool2d(in[0], options) : ops::max_pool2d(in[0], options)};
   };
@@ -339,22 +349,25 @@ TEST_CASE("MaxPool2D and AvgPool2D, VALID and SAME, strides 1 and 2, with gradie
   for (const bool average : {false, true}) {
     const std::string kind = average ? "avg " : "max ";
     run_op_case(pool_case(kind + "valid 2x2 stride 2", {2, 6, 6, 3}, {2, 2, 2, 2, Padding::kValid}, average));
-    run_op_case(pool_case(kind + "valid 2x2 stride 2, odd input", {2, 7, 5, 3}, {2, 2, 2, 2, Padding::kValid}, average));
+    run_op_case(
+        pool_case(kind + "valid 2x2 stride 2, odd input", {2, 7, 5, 3}, {2, 2, 2, 2, Padding::kValid}, average));
     run_op_case(pool_case(kind + "same 3x3 stride 2", {2, 7, 5, 4}, {3, 3, 2, 2, Padding::kSame}, average));
-    run_op_case(pool_case(kind + "same 3x3 stride 1 (overlapping)", {1, 5, 5, 2}, {3, 3, 1, 1, Padding::kSame}, average));
+    run_op_case(
+        pool_case(kind + "same 3x3 stride 1 (overlapping)", {1, 5, 5, 2}, {3, 3, 1, 1, Padding::kSame}, average));
     run_op_case(pool_case(kind + "valid 3x3 stride 1", {2, 5, 6, 3}, {3, 3, 1, 1, Padding::kValid}, average));
     run_op_case(pool_case(kind + "valid 2x3 strides (1, 2)", {2, 5, 7, 2}, {2, 3, 1, 2, Padding::kValid}, average));
-    run_op_case(pool_case(kind + "valid 2x2 stride 3 (gaps between windows)", {2, 8, 7, 3}, {2, 2, 3, 3, Padding::kValid},
-                          average));
+    run_op_case(pool_case(kind + "valid 2x2 stride 3 (gaps between windows)", {2, 8, 7, 3},
+                          {2, 2, 3, 3, Padding::kValid}, average));
     run_op_case(pool_case(kind + "same 2x2 stride 3", {1, 7, 8, 2}, {2, 2, 3, 3, Padding::kSame}, average));
-    run_op_case(pool_case(kind + "same 2x2 stride 2, one image, 40 channels", {1, 5, 5, 40}, {2, 2, 2, 2, Padding::kSame},
-                          average));
+    run_op_case(pool_case(kind + "same 2x2 stride 2, one image, 40 channels", {1, 5, 5, 40},
+                          {2, 2, 2, 2, Padding::kSame}, average));
   }
 }
 
 TEST_CASE("pooling at the benchmark shape (26x26x32, 2x2 stride 2, batch 128)") {
   for (const bool average : {false, true}) {
-    OpCase c = pool_case(average ? "avg bench" : "max bench", {128, 26, 26, 32}, {2, 2, 2, 2, Padding::kValid}, average);
+    OpCase c =
+        pool_case(average ? "avg bench" : "max bench", {128, 26, 26, 32}, {2, 2, 2, 2, Padding::kValid}, average);
     c.check_gradient = false;
     run_op_case(c);
   }
@@ -374,7 +387,9 @@ TEST_CASE("MaxPool2DGrad sends the gradient to the first of tied maxima, like TF
     const Output y = ops::max_pool2d(in[0]);
     return std::vector<Output>{ops::detail::add_op("MaxPool2DGrad", {in[0], y, in[1]}, attrs)};
   };
-  c.reference = [=](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{ref_max_pool_grad(in[0], in[1], win)}; };
+  c.reference = [=](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{ref_max_pool_grad(in[0], in[1], win)};
+  };
   c.check_gradient = false;
   run_op_case(c);
 }
@@ -406,7 +421,8 @@ TEST_CASE("AvgPool2DGrad on its own, with its gradient (it is linear in dy)") {
           }
           for (std::int64_t ch = 0; ch < x.shape[3]; ++ch) {
             for (const auto& [ih, iw] : cells) {
-              dx[at4(dx.shape, b, ih, iw, ch)] += in[1][at4(in[1].shape, b, oh, ow, ch)] / static_cast<double>(cells.size());
+              dx[at4(dx.shape, b, ih, iw, ch)] +=
+                  in[1][at4(in[1].shape, b, oh, ow, ch)] / static_cast<double>(cells.size());
             }
           }
         }
@@ -464,11 +480,12 @@ TEST_CASE("shape errors name the node and the shapes") {
                        InvalidArgument);
 
   const Output tiny = g.placeholder(kFloat32, {-1, 2, 2, 1}, "tiny");
-  CHECK_THROWS_WITH_AS(ops::conv2d(tiny, f1), doctest::Contains("with VALID padding the filter (3, 3, 1, 32) does not fit"),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::conv2d(tiny, f1),
+                       doctest::Contains("with VALID padding the filter (3, 3, 1, 32) does not fit"), InvalidArgument);
   CHECK_THROWS_WITH_AS(ops::conv2d(tiny, f1), doctest::Contains("(None, 2, 2, 1)"), InvalidArgument);
   CHECK(ops::conv2d(tiny, f1, {.padding = Padding::kSame}).shape() == Shape{-1, 2, 2, 32});  // SAME pads instead
-  CHECK_THROWS_WITH_AS(ops::max_pool2d(tiny, {.pool_size = {3, 3}}), doctest::Contains("MaxPool2D \""), InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::max_pool2d(tiny, {.pool_size = {3, 3}}), doctest::Contains("MaxPool2D \""),
+                       InvalidArgument);
   CHECK_THROWS_WITH_AS(ops::max_pool2d(tiny, {.pool_size = {3, 3}}),
                        doctest::Contains("pool window 3x3 does not fit in the input (None, 2, 2, 1)"), InvalidArgument);
 
@@ -488,7 +505,8 @@ TEST_CASE("shape errors name the node and the shapes") {
   CHECK_THROWS_WITH_AS(ops::conv2d(x1, f3), doctest::Contains("filter must have rank 4"), InvalidArgument);
 
   const Output xd = g.placeholder(kFloat64, {-1, 28, 28, 1}, "xd");
-  CHECK_THROWS_WITH_AS(ops::conv2d(xd, f1), doctest::Contains("different dtypes: float64 and float32"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::conv2d(xd, f1), doctest::Contains("different dtypes: float64 and float32"),
+                       InvalidArgument);
   const Output xi = g.placeholder(kInt32, {-1, 28, 28, 1}, "xi");
   CHECK_THROWS_WITH_AS(ops::max_pool2d(xi), doctest::Contains("expected a floating-point tensor"), InvalidArgument);
 
@@ -507,8 +525,8 @@ TEST_CASE("shape errors name the node and the shapes") {
   graph::Attrs bad_padding;
   bad_padding.set("strides", std::vector<std::int64_t>{1, 1});
   bad_padding.set("padding", "full");
-  CHECK_THROWS_WITH_AS(ops::detail::add_op("Conv2D", {x1, f1}, bad_padding),
-                       doctest::Contains("Conv2D \"Conv2D_"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::detail::add_op("Conv2D", {x1, f1}, bad_padding), doctest::Contains("Conv2D \"Conv2D_"),
+                       InvalidArgument);
   CHECK_THROWS_WITH_AS(ops::detail::add_op("Conv2D", {x1, f1}, bad_padding), doctest::Contains("padding \"full\""),
                        InvalidArgument);
   CHECK_THROWS_WITH_AS(ops::detail::add_op("MaxPool2D", {x1}, attrs), doctest::Contains("MaxPool2D \"MaxPool2D"),
@@ -519,8 +537,8 @@ TEST_CASE("parse_padding accepts TF's names in any case") {
   CHECK(ops::parse_padding("VALID") == Padding::kValid);
   CHECK(ops::parse_padding("same") == Padding::kSame);
   CHECK(ops::parse_padding("Same") == Padding::kSame);
-  CHECK_THROWS_WITH_AS(ops::parse_padding("full"), doctest::Contains("padding \"full\": expected \"valid\" or \"same\""),
-                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::parse_padding("full"),
+                       doctest::Contains("padding \"full\": expected \"valid\" or \"same\""), InvalidArgument);
 }
 
 TEST_CASE("FusedConv2D: activation(conv2d + bias), against the reference with gradients") {

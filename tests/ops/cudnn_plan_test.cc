@@ -22,7 +22,6 @@
 
 using namespace tandem;
 using graph::Executor;
-using testing::random_values;
 using ops::Padding;
 using ops::detail::CudnnDataType;
 using ops::detail::CudnnMathType;
@@ -30,6 +29,7 @@ using ops::detail::CudnnPlan;
 using ops::detail::CudnnPoolingMode;
 using ops::detail::CudnnWindowOp;
 using ops::detail::Window2DGeometry;
+using testing::random_values;
 
 namespace {
 
@@ -93,7 +93,8 @@ std::size_t at(std::int64_t i) { return static_cast<std::size_t>(i); }
 
 // cuDNN's forward convolution (cross-correlation, dilation 1) read off the plan's descriptors:
 // x and y addressed by their descriptor strides, the filter KRSC, padding symmetric and zero.
-std::vector<float> cudnn_conv_semantics(const CudnnPlan& p, const std::vector<float>& x, const std::vector<float>& krsc) {
+std::vector<float> cudnn_conv_semantics(const CudnnPlan& p, const std::vector<float>& x,
+                                        const std::vector<float>& krsc) {
   const auto& xd = p.x;
   const auto& yd = p.y;
   const auto& f = p.filter;
@@ -180,8 +181,10 @@ std::vector<float> cudnn_avg_pool_grad_semantics(const CudnnPlan& p, const std::
     for (int c = 0; c < yd.c; ++c) {
       for (int oh = 0; oh < yd.h; ++oh) {
         for (int ow = 0; ow < yd.w; ++ow) {
-          const int h0 = std::max(oh * p.stride_h - p.pad_h, 0), h1 = std::min(oh * p.stride_h - p.pad_h + p.window_h, xd.h);
-          const int w0 = std::max(ow * p.stride_w - p.pad_w, 0), w1 = std::min(ow * p.stride_w - p.pad_w + p.window_w, xd.w);
+          const int h0 = std::max(oh * p.stride_h - p.pad_h, 0),
+                    h1 = std::min(oh * p.stride_h - p.pad_h + p.window_h, xd.h);
+          const int w0 = std::max(ow * p.stride_w - p.pad_w, 0),
+                    w1 = std::min(ow * p.stride_w - p.pad_w + p.window_w, xd.w);
           const float g = dy[at(std::int64_t{n} * yd.n_stride + std::int64_t{c} * yd.c_stride +
                                 std::int64_t{oh} * yd.h_stride + std::int64_t{ow} * yd.w_stride)];
           const float share = g / static_cast<float>((h1 - h0) * (w1 - w0));
@@ -456,12 +459,12 @@ TEST_CASE("the HWIO -> KRSC permutation, applied by the CPU Transpose, is filter
 
 TEST_CASE("cuDNN's convolution semantics on the plan's numbers reproduce the CPU Conv2D kernel") {
   const ConvCase cases[] = {
-      {{2, 5, 5, 2}, {3, 3, 2, 3}, 1, 1, Padding::kSame},   {{2, 7, 6, 3}, {3, 2, 3, 5}, 1, 1, Padding::kValid},
-      {{1, 7, 7, 3}, {3, 3, 3, 4}, 2, 2, Padding::kSame},   {{2, 7, 6, 6}, {2, 3, 6, 4}, 2, 1, Padding::kValid},
-      {{1, 5, 9, 2}, {2, 2, 2, 3}, 1, 3, Padding::kValid},  {{2, 4, 4, 5}, {1, 1, 5, 3}, 1, 1, Padding::kValid},
-      {{2, 5, 5, 3}, {1, 1, 3, 4}, 2, 2, Padding::kSame},   {{1, 6, 5, 4}, {5, 5, 4, 2}, 1, 1, Padding::kSame},
-      {{1, 5, 5, 4}, {3, 3, 4, 1}, 1, 1, Padding::kSame},   {{2, 3, 4, 2}, {3, 4, 2, 3}, 1, 1, Padding::kValid},
-      {{1, 2, 3, 2}, {5, 5, 2, 2}, 1, 1, Padding::kSame},   {{2, 9, 7, 5}, {5, 3, 5, 3}, 2, 2, Padding::kSame},
+      {{2, 5, 5, 2}, {3, 3, 2, 3}, 1, 1, Padding::kSame},  {{2, 7, 6, 3}, {3, 2, 3, 5}, 1, 1, Padding::kValid},
+      {{1, 7, 7, 3}, {3, 3, 3, 4}, 2, 2, Padding::kSame},  {{2, 7, 6, 6}, {2, 3, 6, 4}, 2, 1, Padding::kValid},
+      {{1, 5, 9, 2}, {2, 2, 2, 3}, 1, 3, Padding::kValid}, {{2, 4, 4, 5}, {1, 1, 5, 3}, 1, 1, Padding::kValid},
+      {{2, 5, 5, 3}, {1, 1, 3, 4}, 2, 2, Padding::kSame},  {{1, 6, 5, 4}, {5, 5, 4, 2}, 1, 1, Padding::kSame},
+      {{1, 5, 5, 4}, {3, 3, 4, 1}, 1, 1, Padding::kSame},  {{2, 3, 4, 2}, {3, 4, 2, 3}, 1, 1, Padding::kValid},
+      {{1, 2, 3, 2}, {5, 5, 2, 2}, 1, 1, Padding::kSame},  {{2, 9, 7, 5}, {5, 3, 5, 3}, 2, 2, Padding::kSame},
   };
   std::uint64_t seed = 100;
   for (const auto& c : cases) {
@@ -491,8 +494,9 @@ TEST_CASE("cuDNN's pooling semantics on the plan's numbers reproduce the CPU poo
     Padding padding;
   };
   const PoolCase cases[] = {
-      {{2, 6, 6, 3}, 2, 2, Padding::kValid}, {{2, 7, 5, 3}, 2, 2, Padding::kValid}, {{2, 7, 5, 4}, 3, 2, Padding::kSame},
-      {{1, 5, 5, 2}, 3, 1, Padding::kSame},  {{2, 5, 6, 3}, 3, 1, Padding::kValid}, {{2, 8, 7, 3}, 2, 3, Padding::kValid},
+      {{2, 6, 6, 3}, 2, 2, Padding::kValid}, {{2, 7, 5, 3}, 2, 2, Padding::kValid},
+      {{2, 7, 5, 4}, 3, 2, Padding::kSame},  {{1, 5, 5, 2}, 3, 1, Padding::kSame},
+      {{2, 5, 6, 3}, 3, 1, Padding::kValid}, {{2, 8, 7, 3}, 2, 3, Padding::kValid},
       {{1, 9, 9, 2}, 5, 2, Padding::kSame},
   };
   std::uint64_t seed = 200;

@@ -36,8 +36,10 @@ void check_product(GemmBackend backend, bool threaded, GemmShape s, T alpha, T b
       }
       double sum = 0;
       for (std::int64_t p = 0; p < s.k; ++p) {
-        const double av = s.transpose_a ? a[static_cast<std::size_t>(p * s.lda + i)] : a[static_cast<std::size_t>(i * s.lda + p)];
-        const double bv = s.transpose_b ? b[static_cast<std::size_t>(j * s.ldb + p)] : b[static_cast<std::size_t>(p * s.ldb + j)];
+        const double av =
+            s.transpose_a ? a[static_cast<std::size_t>(p * s.lda + i)] : a[static_cast<std::size_t>(i * s.lda + p)];
+        const double bv =
+            s.transpose_b ? b[static_cast<std::size_t>(j * s.ldb + p)] : b[static_cast<std::size_t>(p * s.ldb + j)];
         sum += av * bv;
       }
       want[ci] = alpha * sum + beta * c[ci];
@@ -86,7 +88,8 @@ TEST_CASE("both GEMM backends match a float64 reference") {
 TEST_CASE("the threaded split gives the same product on uneven sizes") {
   for (bool ta : {false, true}) {
     for (bool tb : {false, true}) {
-      for (const auto& [m, n, k] : std::vector<std::array<std::int64_t, 3>>{{129, 1025, 77}, {1031, 17, 300}, {64, 64, 64}}) {
+      for (const auto& [m, n, k] :
+           std::vector<std::array<std::int64_t, 3>>{{129, 1025, 77}, {1031, 17, 300}, {64, 64, 64}}) {
         GemmShape s{ta, tb, m, n, k, ta ? m : k, tb ? k : n, n};
         check_product<float>(ops::cpu::gemm_backend(), true, s, 1.0f, 0.0f);
         check_product<double>(ops::cpu::gemm_backend(), true, s, 1.0, 1.0);

@@ -1,9 +1,9 @@
 // The GPU kernels' index arithmetic, run on the CPU: every kernel of ops/cuda/kernels.cu that
 // moves elements around (broadcasting, transposes, reductions over any axes, SumToShape, column
-// sums in row chunks, im2col and col2im, pooling and its gradients, cuBLAS's column-major call) is emulated here by looping
-// over its threads with the same element functions (ops/cuda/element_math.h) and argument
-// builders (ops/cuda/index_args.h), and compared with the CPU kernels. It needs no GPU and no
-// CUDA, so it runs in every build; ops_gpu_test then checks the arithmetic itself on a GPU.
+// sums in row chunks, im2col and col2im, pooling and its gradients, cuBLAS's column-major call) is emulated here by
+// looping over its threads with the same element functions (ops/cuda/element_math.h) and argument builders
+// (ops/cuda/index_args.h), and compared with the CPU kernels. It needs no GPU and no CUDA, so it runs in every build;
+// ops_gpu_test then checks the arithmetic itself on a GPU.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -51,7 +51,8 @@ std::vector<float> matmul(const std::vector<float>& a, const std::vector<float>&
   for (std::int64_t i = 0; i < m; ++i) {
     for (std::int64_t j = 0; j < n; ++j) {
       double s = 0;
-      for (std::int64_t l = 0; l < k; ++l) s += static_cast<double>(a[static_cast<std::size_t>(i * k + l)]) * b[static_cast<std::size_t>(l * n + j)];
+      for (std::int64_t l = 0; l < k; ++l)
+        s += static_cast<double>(a[static_cast<std::size_t>(i * k + l)]) * b[static_cast<std::size_t>(l * n + j)];
       c[static_cast<std::size_t>(i * n + j)] = static_cast<float>(s);
     }
   }
@@ -61,7 +62,8 @@ std::vector<float> matmul(const std::vector<float>& a, const std::vector<float>&
 std::vector<float> transposed(const std::vector<float>& a, std::int64_t rows, std::int64_t cols) {
   std::vector<float> t(a.size());
   for (std::int64_t i = 0; i < rows; ++i) {
-    for (std::int64_t j = 0; j < cols; ++j) t[static_cast<std::size_t>(j * rows + i)] = a[static_cast<std::size_t>(i * cols + j)];
+    for (std::int64_t j = 0; j < cols; ++j)
+      t[static_cast<std::size_t>(j * rows + i)] = a[static_cast<std::size_t>(i * cols + j)];
   }
   return t;
 }
@@ -101,8 +103,8 @@ std::vector<float> im2col(const WindowGeometry& g, const std::vector<float>& x) 
 }  // namespace
 
 TEST_CASE("broadcasting binary ops: every output element reads the operands' elements the CPU kernel reads") {
-  const std::vector<std::pair<Shape, Shape>> cases = {{{2, 3, 4}, {3, 1}}, {{4}, {2, 3, 4}},   {{2, 1, 4}, {1, 3, 1}},
-                                                      {{}, {5, 2}},         {{3, 1}, {1, 1}}, {{2, 3, 4, 5}, {3, 1, 5}}};
+  const std::vector<std::pair<Shape, Shape>> cases = {{{2, 3, 4}, {3, 1}}, {{4}, {2, 3, 4}}, {{2, 1, 4}, {1, 3, 1}},
+                                                      {{}, {5, 2}},        {{3, 1}, {1, 1}}, {{2, 3, 4, 5}, {3, 1, 5}}};
   int seed = 0;
   for (const auto& [sa, sb] : cases) {
     CAPTURE(sa.to_string());
@@ -117,8 +119,8 @@ TEST_CASE("broadcasting binary ops: every output element reads the operands' ele
     const BroadcastArgs args = broadcast_args(out, sa, &sb);
     std::vector<float> got(static_cast<std::size_t>(args.elements));
     for (std::int64_t i = 0; i < args.elements; ++i) {
-      got[static_cast<std::size_t>(i)] =
-          av[static_cast<std::size_t>(broadcast_offset(args, i, 0))] - bv[static_cast<std::size_t>(broadcast_offset(args, i, 1))];
+      got[static_cast<std::size_t>(i)] = av[static_cast<std::size_t>(broadcast_offset(args, i, 0))] -
+                                         bv[static_cast<std::size_t>(broadcast_offset(args, i, 1))];
     }
     check_close(got, want, 0.0);
   }
@@ -136,7 +138,8 @@ TEST_CASE("transposes: the permuted strides read what the CPU kernel reads") {
     const auto want = run_cpu(g, {{x, tensor(xv, shape)}}, y);
     const BroadcastArgs args = transpose_args(shape, y.shape(), perm);
     std::vector<float> got(static_cast<std::size_t>(args.elements));
-    for (std::int64_t i = 0; i < args.elements; ++i) got[static_cast<std::size_t>(i)] = xv[static_cast<std::size_t>(broadcast_offset(args, i, 0))];
+    for (std::int64_t i = 0; i < args.elements; ++i)
+      got[static_cast<std::size_t>(i)] = xv[static_cast<std::size_t>(broadcast_offset(args, i, 0))];
     check_close(got, want, 0.0);
   }
 }
@@ -150,7 +153,8 @@ TEST_CASE("reductions over any set of axes, and SumToShape, visit what the CPU k
     for (std::int64_t o = 0; o < args.out_elements; ++o) {
       const std::int64_t base = reduce_base(args, o);
       double s = 0;
-      for (std::int64_t r = 0; r < args.reduced_elements; ++r) s += xv[static_cast<std::size_t>(reduce_offset(args, base, r))];
+      for (std::int64_t r = 0; r < args.reduced_elements; ++r)
+        s += xv[static_cast<std::size_t>(reduce_offset(args, base, r))];
       out[static_cast<std::size_t>(o)] = static_cast<float>(s);
     }
     return out;
@@ -199,7 +203,8 @@ TEST_CASE("MaxGrad: each output's thread splits its gradient between the ties, a
       const std::int64_t base = reduce_base(args, o);
       const float best = yv[static_cast<std::size_t>(o)];
       std::int64_t ties = 0;
-      for (std::int64_t r = 0; r < args.reduced_elements; ++r) ties += xv[static_cast<std::size_t>(reduce_offset(args, base, r))] == best;
+      for (std::int64_t r = 0; r < args.reduced_elements; ++r)
+        ties += xv[static_cast<std::size_t>(reduce_offset(args, base, r))] == best;
       const float share = dyv[static_cast<std::size_t>(o)] / static_cast<float>(ties);
       for (std::int64_t r = 0; r < args.reduced_elements; ++r) {
         const auto i = static_cast<std::size_t>(reduce_offset(args, base, r));
@@ -250,7 +255,8 @@ TEST_CASE("column sums in row chunks: each row counted once per column, totals e
       }
     }
     for (std::int64_t c = 0; c < cols; ++c) {  // pass 2
-      for (std::int64_t chunk = 0; chunk < split.chunks; ++chunk) totals[static_cast<std::size_t>(c)] += partial[static_cast<std::size_t>(chunk * cols + c)];
+      for (std::int64_t chunk = 0; chunk < split.chunks; ++chunk)
+        totals[static_cast<std::size_t>(c)] += partial[static_cast<std::size_t>(chunk * cols + c)];
     }
     CHECK(std::all_of(visits.begin(), visits.end(), [](int v) { return v == 1; }));
     if (rows == 0) {
@@ -273,14 +279,16 @@ TEST_CASE("cuBLAS's column-major call computes the row-major product for every t
       CAPTURE(tb);
       const auto a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
       const auto av = random_values(a_rows * a_cols, 7), bv = random_values(b_rows * b_cols, 8);
-      const auto want = matmul(ta ? transposed(av, a_rows, a_cols) : av, tb ? transposed(bv, b_rows, b_cols) : bv, m, k, n);
+      const auto want =
+          matmul(ta ? transposed(av, a_rows, a_cols) : av, tb ? transposed(bv, b_rows, b_cols) : bv, m, k, n);
       // What cublasGemmEx computes with these arguments: column-major C = op(X) op(Y), X = the
       // first operand (B's memory), Y = the second (A's memory).
       const ColumnMajorGemm cm = column_major_gemm(ta, tb, m, n, k, a_cols, b_cols);
       const auto element = [](const std::vector<float>& data, std::int64_t ld, bool transpose, std::int64_t row,
                               std::int64_t col) {
         // op(M)[row, col] of a column-major M with leading dimension ld.
-        return transpose ? data[static_cast<std::size_t>(row * ld + col)] : data[static_cast<std::size_t>(col * ld + row)];
+        return transpose ? data[static_cast<std::size_t>(row * ld + col)]
+                         : data[static_cast<std::size_t>(col * ld + row)];
       };
       std::vector<float> c(static_cast<std::size_t>(m * n));
       for (std::int64_t i = 0; i < cm.m; ++i) {
@@ -320,7 +328,8 @@ TEST_CASE("convolution as im2col + GEMM, its input gradient by col2im and its fi
     auto dw = g->add("Conv2DBackpropFilter", {x, w, dy}, attrs);
     const auto xv = random_values(cc.x.num_elements(), ++seed), wv = random_values(cc.filter.num_elements(), ++seed),
                dyv = random_values(out_shape.num_elements(), ++seed);
-    const std::vector<graph::Feed> feeds{{x, tensor(xv, cc.x)}, {w, tensor(wv, cc.filter)}, {dy, tensor(dyv, out_shape)}};
+    const std::vector<graph::Feed> feeds{
+        {x, tensor(xv, cc.x)}, {w, tensor(wv, cc.filter)}, {dy, tensor(dyv, out_shape)}};
 
     const auto col = im2col(geo, xv);
     check_close(matmul(col, wv, pixels, patch, out_c), run_cpu(g, feeds, y));  // y = col @ W

@@ -57,8 +57,10 @@ RefTensor reduce_ref(const RefTensor& x, std::vector<int> axes, bool keep_dims, 
   for (int d = 0; d < x.shape.rank(); ++d) {
     const bool reduced = std::find(axes.begin(), axes.end(), d) != axes.end();
     kept.push_back(reduced ? 1 : x.shape[d]);
-    if (!reduced) out.push_back(x.shape[d]);
-    else if (keep_dims) out.push_back(1);
+    if (!reduced)
+      out.push_back(x.shape[d]);
+    else if (keep_dims)
+      out.push_back(1);
   }
   RefTensor r(out, kind == 2 ? -1e300 : 0.0);
   std::vector<double> count(static_cast<std::size_t>(r.size()), 0);
@@ -98,7 +100,9 @@ OpCase binary_case(std::string name, Shape sa, Shape sb, Output (*op)(Output, Ou
   c.name = std::move(name);
   c.inputs = {InputSpec::floats(sa), positive_b ? InputSpec::positive_floats(sb, 0.5, 2.0) : InputSpec::floats(sb)};
   c.build = [op](const std::vector<Output>& in) { return std::vector<Output>{op(in[0], in[1])}; };
-  c.reference = [f](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{broadcast_ref(in[0], in[1], f)}; };
+  c.reference = [f](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{broadcast_ref(in[0], in[1], f)};
+  };
   return c;
 }
 
@@ -115,13 +119,15 @@ OpCase unary_case(std::string name, InputSpec input, Output (*op)(Output), doubl
 
 TEST_CASE("Add, Sub, Mul, Div with broadcasting") {
   const std::vector<std::pair<Shape, Shape>> shapes = {
-      {{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 4}, {3, 1}}, {{2, 3, 4}, {1, 3, 1}}, {{4}, {2, 3, 4}}, {{3, 4}, {}}, {{}, {2, 2}}};
+      {{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 4}, {3, 1}}, {{2, 3, 4}, {1, 3, 1}},
+      {{4}, {2, 3, 4}}, {{3, 4}, {}},  {{}, {2, 2}}};
   for (const auto& [sa, sb] : shapes) {
     const std::string suffix = sa.to_string() + " " + sb.to_string();
     run_op_case(binary_case("Add " + suffix, sa, sb, ops::add, [](double a, double b) { return a + b; }));
     run_op_case(binary_case("Sub " + suffix, sa, sb, ops::sub, [](double a, double b) { return a - b; }));
     run_op_case(binary_case("Mul " + suffix, sa, sb, ops::mul, [](double a, double b) { return a * b; }));
-    run_op_case(binary_case("Div " + suffix, sa, sb, ops::div, [](double a, double b) { return a / b; }, true));
+    run_op_case(binary_case(
+        "Div " + suffix, sa, sb, ops::div, [](double a, double b) { return a / b; }, true));
   }
 }
 
@@ -129,7 +135,9 @@ TEST_CASE("operators on outputs build the same ops") {
   OpCase c;
   c.name = "operators";
   c.inputs = {InputSpec::floats({2, 3}), InputSpec::positive_floats({3}, 0.5, 2.0)};
-  c.build = [](const std::vector<Output>& in) { return std::vector<Output>{(in[0] + in[1]) * in[0] / in[1] - (-in[0])}; };
+  c.build = [](const std::vector<Output>& in) {
+    return std::vector<Output>{(in[0] + in[1]) * in[0] / in[1] - (-in[0])};
+  };
   c.reference = [](const std::vector<RefTensor>& in) {
     return std::vector<RefTensor>{broadcast_ref(in[0], in[1], [](double a, double b) { return (a + b) * a / b + a; })};
   };
@@ -148,7 +156,8 @@ TEST_CASE("unary element-wise ops") {
 }
 
 TEST_CASE("Sign is not differentiable and gives -1, 0, 1") {
-  OpCase c = unary_case("Sign", InputSpec::floats({4, 4}), ops::sign, [](double x) { return double((x > 0) - (x < 0)); });
+  OpCase c =
+      unary_case("Sign", InputSpec::floats({4, 4}), ops::sign, [](double x) { return double((x > 0) - (x < 0)); });
   c.check_gradient = false;
   run_op_case(c);
 }
@@ -172,9 +181,9 @@ TEST_CASE("Sum, Mean, Max over axes") {
     std::vector<std::int64_t> axes;
     bool keep;
   };
-  const std::vector<R> cases = {{{4, 5}, {}, false},     {{4, 5}, {0}, false},      {{4, 5}, {1}, true},
-                                {{2, 3, 4}, {1}, false}, {{2, 3, 4}, {0, 2}, true}, {{2, 3, 4}, {-1}, false},
-                                {{3, 1, 4}, {0, 1}, false}, {{64, 600}, {0}, false}, {{600, 64}, {1}, false}};
+  const std::vector<R> cases = {{{4, 5}, {}, false},        {{4, 5}, {0}, false},      {{4, 5}, {1}, true},
+                                {{2, 3, 4}, {1}, false},    {{2, 3, 4}, {0, 2}, true}, {{2, 3, 4}, {-1}, false},
+                                {{3, 1, 4}, {0, 1}, false}, {{64, 600}, {0}, false},   {{600, 64}, {1}, false}};
   for (const auto& rc : cases) {
     std::vector<int> axes;
     for (auto a : rc.axes) axes.push_back(static_cast<int>(a < 0 ? a + rc.shape.rank() : a));
@@ -232,7 +241,9 @@ TEST_CASE("MatMul at an MLP shape takes the threaded GEMM path and matches the r
   c.name = "MatMul 128x784x256";
   c.inputs = {InputSpec::floats({128, 784}), InputSpec::floats({784, 256})};
   c.build = [](const std::vector<Output>& in) { return std::vector<Output>{ops::matmul(in[0], in[1])}; };
-  c.reference = [](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{matmul_ref(in[0], in[1], false, false)}; };
+  c.reference = [](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{matmul_ref(in[0], in[1], false, false)};
+  };
   c.f32_tolerance = 1e-4;
   c.max_checked_elements = 8;
   run_op_case(c);
@@ -277,10 +288,13 @@ TEST_CASE("integer arithmetic, and integer division by zero is an error") {
   auto q = ops::div(a, b);
   auto s = ops::add(a, b);
   graph::Executor ex(g, devices::default_cpu_device());
-  auto out = ex.run({{a, Tensor::from_vector<std::int64_t>({7, -8, 9}, {3})}, {b, Tensor::from_vector<std::int64_t>({2, 3, 4}, {3})}},
-                    {q, s});
+  auto out = ex.run(
+      {{a, Tensor::from_vector<std::int64_t>({7, -8, 9}, {3})}, {b, Tensor::from_vector<std::int64_t>({2, 3, 4}, {3})}},
+      {q, s});
   CHECK(out[0].to_vector<std::int64_t>() == std::vector<std::int64_t>{3, -2, 2});
   CHECK(out[1].to_vector<std::int64_t>() == std::vector<std::int64_t>{9, -5, 13});
-  CHECK_THROWS_WITH_AS(ex.run({{a, Tensor::from_vector<std::int64_t>({1, 2, 3}, {3})}, {b, Tensor::from_vector<std::int64_t>({1, 0, 3}, {3})}}, {q}),
+  CHECK_THROWS_WITH_AS(ex.run({{a, Tensor::from_vector<std::int64_t>({1, 2, 3}, {3})},
+                               {b, Tensor::from_vector<std::int64_t>({1, 0, 3}, {3})}},
+                              {q}),
                        doctest::Contains("division by zero"), InvalidArgument);
 }

@@ -200,7 +200,9 @@ TEST_CASE("BiasActivation fuses bias and activation, forward and backward") {
       c.inputs = {InputSpec::floats(shape), InputSpec::floats({shape[shape.rank() - 1]})};
       c.inputs[1].min_abs = 0.01;
       c.inputs[1].max_abs = 0.05;
-      c.build = [a](const std::vector<Output>& in) { return std::vector<Output>{ops::bias_activation(in[0], in[1], a)}; };
+      c.build = [a](const std::vector<Output>& in) {
+        return std::vector<Output>{ops::bias_activation(in[0], in[1], a)};
+      };
       c.reference = [a](const Refs& in) { return Refs{bias_activation_ref(in[0], in[1], a)}; };
       c.max_checked_elements = 24;
       run_op_case(c);
@@ -493,10 +495,8 @@ TEST_CASE("FusedBatchNorm in training and inference mode") {
     std::vector<int> gradient_outputs;
   };
   const Variant variants[] = {
-      {{4, 3, 5}, true, {0}},
-      {{4, 3, 5}, true, {0, 1, 2}},  // batch statistics differentiated too
-      {{6, 5}, false, {0}},
-      {{2, 3, 2, 5}, false, {0, 1, 2}},
+      {{4, 3, 5}, true, {0}},         {{4, 3, 5}, true, {0, 1, 2}},  // batch statistics differentiated too
+      {{6, 5}, false, {0}},           {{2, 3, 2, 5}, false, {0, 1, 2}},
       {{1100, 70}, true, {0, 1, 2}},  // row partitions
       {{300, 270}, true, {0}},        // channel blocks
       {{300, 270}, false, {0, 1, 2}},
@@ -534,8 +534,9 @@ TEST_CASE("shape errors name the node and both shapes") {
   CHECK(contains(msg, "(10,)"));
   CHECK(contains(msg, "(None, 128)"));
 
-  msg = invalid_argument_message(
-      [&] { ops::bias_activation(x, g.placeholder(DType::kF32, {3, 128}, "b2"), Activation::kRelu); });
+  msg = invalid_argument_message([&] {
+    ops::bias_activation(x, g.placeholder(DType::kF32, {3, 128}, "b2"), Activation::kRelu);
+  });
   CHECK(contains(msg, "BiasActivation"));
   CHECK(contains(msg, "(3, 128)"));
 
@@ -560,16 +561,17 @@ TEST_CASE("shape errors name the node and both shapes") {
   });
   CHECK(contains(msg, "SparseSoftmaxCrossEntropyWithLogits"));
   CHECK(contains(msg, "(None, 10)"));
-  msg = invalid_argument_message([&] {
-    ops::sparse_softmax_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1}, "float_labels"));
-  });
-  CHECK(contains(msg, "int32 or int64"));
   msg = invalid_argument_message(
-      [&] { ops::softmax_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1, 9}, "labels9")); });
+      [&] { ops::sparse_softmax_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1}, "float_labels")); });
+  CHECK(contains(msg, "int32 or int64"));
+  msg = invalid_argument_message([&] {
+    ops::softmax_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1, 9}, "labels9"));
+  });
   CHECK(contains(msg, "(None, 9)"));
   CHECK(contains(msg, "(None, 10)"));
-  msg = invalid_argument_message(
-      [&] { ops::sigmoid_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1, 3}, "labels3")); });
+  msg = invalid_argument_message([&] {
+    ops::sigmoid_cross_entropy_with_logits(logits, g.placeholder(DType::kF32, {-1, 3}, "labels3"));
+  });
   CHECK(contains(msg, "(None, 3)"));
 
   const Output images = g.placeholder(DType::kF32, {-1, 8, 8, 4}, "images");
@@ -625,8 +627,9 @@ TEST_CASE("an out-of-range label fails at run time, naming the node, the row and
   const auto ok = ex.run({{logits, x}, {labels, Tensor::from_vector<std::int64_t>({0, 3, 1}, {3})}}, {loss});
   CHECK(ok[0].to_vector<float>()[1] == doctest::Approx(std::log(4.0)));
   for (const std::int64_t bad : {7, -1, 4}) {
-    const std::string msg = invalid_argument_message(
-        [&] { ex.run({{logits, x}, {labels, Tensor::from_vector<std::int64_t>({0, bad, 1}, {3})}}, {loss}); });
+    const std::string msg = invalid_argument_message([&] {
+      ex.run({{logits, x}, {labels, Tensor::from_vector<std::int64_t>({0, bad, 1}, {3})}}, {loss});
+    });
     CHECK(contains(msg, "SparseSoftmaxCrossEntropyWithLogits"));
     CHECK(contains(msg, "row 1"));
     CHECK(contains(msg, fmt::format("label {}", bad)));
@@ -643,8 +646,9 @@ TEST_CASE("unknown batch dimensions at construction, concrete at run time") {
   CHECK(h.shape() == Shape{-1, 3});
   const Output loss = ops::sparse_softmax_cross_entropy_with_logits(h, labels);
   CHECK(loss.shape() == Shape{-1});
-  const auto bn = ops::fused_batch_norm(x, g->placeholder(DType::kF32, {-1}, "scale"), g->placeholder(DType::kF32, {6}, "o"),
-                                        g->placeholder(DType::kF32, {6}, "m"), g->placeholder(DType::kF32, {6}, "v"));
+  const auto bn =
+      ops::fused_batch_norm(x, g->placeholder(DType::kF32, {-1}, "scale"), g->placeholder(DType::kF32, {6}, "o"),
+                            g->placeholder(DType::kF32, {6}, "m"), g->placeholder(DType::kF32, {6}, "v"));
   CHECK(bn.y.shape() == Shape{-1, 6});
   CHECK(bn.batch_mean.shape() == Shape{6});
   CHECK(ops::bias_add(g->placeholder(DType::kF32, {-1, -1}, "any"), bias).shape() == Shape{-1, 3});

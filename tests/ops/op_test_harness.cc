@@ -22,8 +22,12 @@ std::int64_t RefTensor::offset(std::initializer_list<std::int64_t> index) const 
   for (auto i : index) flat = flat * shape[d++] + i;
   return flat;
 }
-double& RefTensor::at(std::initializer_list<std::int64_t> index) { return values[static_cast<std::size_t>(offset(index))]; }
-double RefTensor::at(std::initializer_list<std::int64_t> index) const { return values[static_cast<std::size_t>(offset(index))]; }
+double& RefTensor::at(std::initializer_list<std::int64_t> index) {
+  return values[static_cast<std::size_t>(offset(index))];
+}
+double RefTensor::at(std::initializer_list<std::int64_t> index) const {
+  return values[static_cast<std::size_t>(offset(index))];
+}
 
 RefTensor to_ref(const Tensor& t) {
   RefTensor r(t.shape());
@@ -60,8 +64,7 @@ RefTensor generate(const InputSpec& spec, std::mt19937_64& rng) {
       for (auto& v : r.values) v = static_cast<double>(dist(rng));
       return r;
     }
-    case InputSpec::Kind::kFloat:
-      break;
+    case InputSpec::Kind::kFloat: break;
   }
   std::uniform_real_distribution<double> magnitude(spec.min_abs, spec.max_abs);
   std::bernoulli_distribution negative(0.5);
@@ -154,7 +157,8 @@ struct Instance {
 
   std::vector<Tensor> run(const std::vector<RefTensor>& values, const std::vector<Output>& fetches) {
     std::vector<Feed> feeds;
-    for (std::size_t i = 0; i < values.size(); ++i) feeds.emplace_back(placeholders[i], make_tensor(values[i], input_dtypes[i]));
+    for (std::size_t i = 0; i < values.size(); ++i)
+      feeds.emplace_back(placeholders[i], make_tensor(values[i], input_dtypes[i]));
     return executor->run(feeds, fetches, graph::RunOptions{.random_step = 7});
   }
 };
@@ -206,7 +210,8 @@ void compare_gpu_with_cpu(const OpCase& c, const std::vector<RefTensor>& values,
           default: tol = std::max(c.f32_tolerance, 1e-5) * (is_gradient ? 20 : 5); break;
         }
       }
-      const std::string pass = fmt::format("GPU against CPU, {} {}", graph::dtype_name(dt), is_gradient ? "gradient" : "forward");
+      const std::string pass =
+          fmt::format("GPU against CPU, {} {}", graph::dtype_name(dt), is_gradient ? "gradient" : "forward");
       compare(c, pass.c_str(), k, to_ref(got[k]), to_ref(want[k]), tol);
     }
   }
@@ -250,7 +255,10 @@ void run_op_case(const OpCase& c) {
         const bool is_float = graph::is_floating(got[k].dtype());
         // A 16-bit output is rounded to its own type; a float32 one (a loss) is not.
         const bool low = graph::is_low_precision(got[k].dtype());
-        const double tol = !is_float ? 0.0 : !low ? c.f32_tolerance * 10 : dt == DType::kBF16 ? c.bf16_tolerance : c.f16_tolerance;
+        const double tol = !is_float            ? 0.0
+                           : !low               ? c.f32_tolerance * 10
+                           : dt == DType::kBF16 ? c.bf16_tolerance
+                                                : c.f16_tolerance;
         compare(c, pass, k, to_ref(got[k]), want[k], tol);
       }
     }

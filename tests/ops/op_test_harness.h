@@ -65,7 +65,8 @@ struct InputSpec {
     return InputSpec{.shape = s, .min_abs = lo, .max_abs = hi, .positive = true};
   }
   static InputSpec indices(const Shape& s, std::int64_t limit, DType dtype = DType::kI64) {
-    return InputSpec{.shape = s, .kind = Kind::kIndex, .differentiable = false, .index_limit = limit, .index_dtype = dtype};
+    return InputSpec{
+        .shape = s, .kind = Kind::kIndex, .differentiable = false, .index_limit = limit, .index_dtype = dtype};
   }
   InputSpec no_gradient() const {
     InputSpec copy = *this;

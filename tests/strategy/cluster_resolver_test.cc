@@ -22,8 +22,8 @@ std::string tf_config_error(const std::string& json) {
   return testing::error_message([&] { (void)TFConfigClusterResolver::from_json(json, env_of({})); });
 }
 
-#define CHECK_CONTAINS(message, part)                                                   \
-  CHECK_MESSAGE(std::string(message).find(part) != std::string::npos,                   \
+#define CHECK_CONTAINS(message, part) \
+  CHECK_MESSAGE(std::string(message).find(part) != std::string::npos, \
                 "expected \"" << std::string(part) << "\" in the message: " << std::string(message))
 
 const char* kChiefAndWorkers =
@@ -128,8 +128,7 @@ TEST_CASE("TF_CONFIG with workers only: worker 0 is the chief; tasks on one host
   CHECK(r.restart_count() == 2);
 
   auto zero = TFConfigClusterResolver::from_json(
-      R"({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})",
-      env_of({}));
+      R"({"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})", env_of({}));
   CHECK(zero.is_chief());
   CHECK(zero.task_type() == "worker");
 }
@@ -191,7 +190,9 @@ TEST_CASE("TFConfigClusterResolver reads TF_CONFIG from the environment; unset o
   TFConfigClusterResolver r(env_of({{"TF_CONFIG", kChiefAndWorkers}}));
   CHECK(r.rank() == 2);
   for (const char* empty : {"", "  "}) {
-    CHECK_CONTAINS(testing::error_message([&] { TFConfigClusterResolver x(env_of({{"TF_CONFIG", empty}})); }),
+    CHECK_CONTAINS(testing::error_message([&] {
+                     TFConfigClusterResolver x(env_of({{"TF_CONFIG", empty}}));
+                   }),
                    "TF_CONFIG environment variable is not set");
   }
   CHECK_CONTAINS(testing::error_message([] { TFConfigClusterResolver x(env_of({})); }),
@@ -213,8 +214,7 @@ TEST_CASE("TF_CONFIG refusals") {
       {R"({"cluster": 5, "task": {"type": "worker", "index": 0}})",
        "TF_CONFIG: \"cluster\" must be an object of jobs, got 5"},
       {R"({"cluster": {"worker": ["a:1"]}})", "TF_CONFIG: has no \"task\""},
-      {R"({"cluster": {"worker": ["a:1"]}, "task": "worker"})",
-       "TF_CONFIG: \"task\" must be an object"},
+      {R"({"cluster": {"worker": ["a:1"]}, "task": "worker"})", "TF_CONFIG: \"task\" must be an object"},
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"index": 0}})", "TF_CONFIG: task has no \"type\""},
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": 3, "index": 0}})",
        "TF_CONFIG: task.type must be a string such as \"worker\", got 3"},
@@ -222,8 +222,7 @@ TEST_CASE("TF_CONFIG refusals") {
        "TF_CONFIG: task.type \"chief\" is not a job of the cluster (its jobs are \"worker\")"},
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "ps", "index": 0}})",
        "TF_CONFIG: task.type \"ps\": parameter servers are not supported"},
-      {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}})",
-       "TF_CONFIG: task has no \"index\""},
+      {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker"}})", "TF_CONFIG: task has no \"index\""},
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": "0"}})",
        "TF_CONFIG: task.index must be a non-negative integer, got \"0\""},
       {R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0.5}})",
@@ -252,8 +251,7 @@ TEST_CASE("TF_CONFIG refusals") {
        "TF_CONFIG: cluster.worker[0] \"h:http\" is not host:port (port \"http\" is not a number)"},
       {R"({"cluster": {"worker": ["h:65536"]}, "task": {"type": "worker", "index": 0}})",
        "TF_CONFIG: cluster.worker[0] \"h:65536\" is not host:port (port 65536 is not in 1..65535)"},
-      {R"({"cluster": {"worker": ["h:0"]}, "task": {"type": "worker", "index": 0}})",
-       "(port 0 is not in 1..65535)"},
+      {R"({"cluster": {"worker": ["h:0"]}, "task": {"type": "worker", "index": 0}})", "(port 0 is not in 1..65535)"},
       {R"({"cluster": {"worker": ["::1:2222"]}, "task": {"type": "worker", "index": 0}})",
        "\"::1:2222\" is not host:port (an IPv6 host must be in brackets"},
       {R"({"cluster": {"worker": ["[::1]2222"]}, "task": {"type": "worker", "index": 0}})",
@@ -284,9 +282,13 @@ TEST_CASE("TF_CONFIG refusals") {
 
 TEST_CASE("TANDEM_RESTART_COUNT must be a non-negative integer") {
   CHECK(LocalClusterResolver(env_of({{"TANDEM_RESTART_COUNT", "3"}})).restart_count() == 3);
-  CHECK_CONTAINS(testing::error_message([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "-1"}})); }),
+  CHECK_CONTAINS(testing::error_message([] {
+                   LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "-1"}}));
+                 }),
                  "environment variable TANDEM_RESTART_COUNT=\"-1\": expected a non-negative integer");
-  CHECK_CONTAINS(testing::error_message([] { LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "x"}})); }),
+  CHECK_CONTAINS(testing::error_message([] {
+                   LocalClusterResolver r(env_of({{"TANDEM_RESTART_COUNT", "x"}}));
+                 }),
                  "TANDEM_RESTART_COUNT=\"x\"");
 }
 
@@ -295,9 +297,8 @@ TEST_CASE("TANDEM_RESTART_COUNT must be a non-negative integer") {
 
 namespace {
 Vars torchrun_vars() {
-  return {{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}, {"RANK", "3"},
-          {"WORLD_SIZE", "8"},         {"LOCAL_RANK", "1"},      {"LOCAL_WORLD_SIZE", "2"},
-          {"GROUP_RANK", "1"}};
+  return {{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},  {"RANK", "3"},      {"WORLD_SIZE", "8"},
+          {"LOCAL_RANK", "1"},         {"LOCAL_WORLD_SIZE", "2"}, {"GROUP_RANK", "1"}};
 }
 std::string torchrun_error(Vars vars) {
   return testing::error_message([&] { TorchrunClusterResolver r(env_of(std::move(vars))); });
@@ -385,9 +386,8 @@ TEST_CASE("expand_slurm_nodelist") {
   using V = std::vector<std::string>;
   CHECK(expand_slurm_nodelist("n1") == V{"n1"});
   CHECK(expand_slurm_nodelist("n[1-3,5],gpu07") == V{"n1", "n2", "n3", "n5", "gpu07"});
-  CHECK(expand_slurm_nodelist("node[001-010]") ==
-        V{"node001", "node002", "node003", "node004", "node005", "node006", "node007", "node008",
-          "node009", "node010"});
+  CHECK(expand_slurm_nodelist("node[001-010]") == V{"node001", "node002", "node003", "node004", "node005", "node006",
+                                                    "node007", "node008", "node009", "node010"});
   CHECK(expand_slurm_nodelist("n[9-11]") == V{"n9", "n10", "n11"});
   CHECK(expand_slurm_nodelist("n[098-101]") == V{"n098", "n099", "n100", "n101"});
   CHECK(expand_slurm_nodelist("a[1-2]-b[3-4]") == V{"a1-b3", "a1-b4", "a2-b3", "a2-b4"});
@@ -484,8 +484,8 @@ TEST_CASE("SLURM: job-level variables, uneven nodes, no SLURM_NODEID, cyclic dis
   CHECK(r.task_label(3) == "rank 3 (SLURM node n2)");
   CHECK(r.task_label(4) == "rank 4 (SLURM node n3)");
   // The first rank of a node belongs to it, not to the node before.
-  SlurmClusterResolver first(env_of({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"},
-                                     {"SLURM_NODELIST", "n[1-2]"}, {"SLURM_TASKS_PER_NODE", "1,3"}}));
+  SlurmClusterResolver first(env_of(
+      {{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_NODELIST", "n[1-2]"}, {"SLURM_TASKS_PER_NODE", "1,3"}}));
   CHECK(first.local_world_size() == 3);
   CHECK(first.task_label(1) == "rank 1 (SLURM node n2)");
   CHECK(first.task_label(0) == "rank 0 (SLURM node n1)");
@@ -495,8 +495,8 @@ TEST_CASE("SLURM: job-level variables, uneven nodes, no SLURM_NODEID, cyclic dis
   CHECK(cyclic.task_label(0) == "rank 0 (SLURM node n1)");
   CHECK(cyclic.local_world_size() == 1);  // unknown without SLURM_NODEID
 
-  Vars uniform = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_JOB_NODELIST", "a,b"},
-                  {"SLURM_NTASKS_PER_NODE", "2"}};
+  Vars uniform = {
+      {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_JOB_NODELIST", "a,b"}, {"SLURM_NTASKS_PER_NODE", "2"}};
   SlurmClusterResolver u(env_of(uniform));
   CHECK(u.is_chief());
   CHECK(u.local_world_size() == 2);
@@ -505,8 +505,7 @@ TEST_CASE("SLURM: job-level variables, uneven nodes, no SLURM_NODEID, cyclic dis
   CHECK(u.task_label(3) == "rank 3 (SLURM node b)");
 
   // Nothing about the layout: local rank 0 of 1.
-  SlurmClusterResolver bare(env_of({{"SLURM_PROCID", "1"}, {"SLURM_NPROCS", "2"},
-                                    {"SLURM_NODELIST", "x1"}}));
+  SlurmClusterResolver bare(env_of({{"SLURM_PROCID", "1"}, {"SLURM_NPROCS", "2"}, {"SLURM_NODELIST", "x1"}}));
   CHECK(bare.num_workers() == 2);
   CHECK(bare.local_world_size() == 1);
   CHECK(bare.task_label(1) == "rank 1");
@@ -523,25 +522,32 @@ TEST_CASE("SLURM: refusals") {
       {{"SLURM_PROCID"}, {}, "SLURM: SLURM_PROCID is not set"},
       {{}, {{"SLURM_PROCID", "8"}}, "SLURM: SLURM_PROCID 8 is out of range: SLURM_NTASKS is 8"},
       {{}, {{"SLURM_PROCID", "x"}}, "SLURM: SLURM_PROCID \"x\" is not an integer"},
-      {{"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}, {},
+      {{"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"},
+       {},
        "SLURM: none of SLURM_STEP_NODELIST, SLURM_NODELIST and SLURM_JOB_NODELIST is set"},
-      {{}, {{"SLURM_STEP_NODELIST", "gpu[01-03"}},
+      {{},
+       {{"SLURM_STEP_NODELIST", "gpu[01-03"}},
        "SLURM: SLURM_STEP_NODELIST: SLURM node list \"gpu[01-03\": '[' without ']'"},
-      {{}, {{"SLURM_STEP_TASKS_PER_NODE", "2(x3)"}},
+      {{},
+       {{"SLURM_STEP_TASKS_PER_NODE", "2(x3)"}},
        "SLURM: SLURM_STEP_TASKS_PER_NODE \"2(x3)\" describes 3 nodes, but SLURM_STEP_NODELIST"},
-      {{}, {{"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}},
+      {{},
+       {{"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}},
        "SLURM: SLURM_STEP_TASKS_PER_NODE \"2(x3),1\" adds up to 7 tasks, but SLURM_NTASKS is 8"},
       {{}, {{"SLURM_STEP_TASKS_PER_NODE", "2(x"}}, "SLURM: SLURM_STEP_TASKS_PER_NODE: SLURM tasks per node"},
       {{}, {{"SLURM_LOCALID", "2"}}, "SLURM: SLURM_LOCALID 2 is out of range: node gpu03 runs 2 tasks"},
       {{}, {{"SLURM_NODEID", "4"}}, "SLURM: SLURM_NODEID 4 is out of range"},
       {{}, {{"MASTER_PORT", "0"}}, "SLURM: MASTER_PORT 0 is out of range"},
       {{}, {{"TANDEM_RENDEZVOUS_PORT", "port"}}, "SLURM: TANDEM_RENDEZVOUS_PORT \"port\" is not an integer"},
-      {{}, {{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}},
+      {{},
+       {{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}},
        "SLURM: rank 0 runs on node \"gpu03\" (SLURMD_NODENAME), but the chief must be the first node "
        "of SLURM_STEP_NODELIST, \"gpu01\""},
-      {{"SLURMD_NODENAME"}, {{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}},
+      {{"SLURMD_NODENAME"},
+       {{"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}},
        "SLURM: rank 0 runs on node index 2 (SLURM_NODEID)"},
-      {{}, {{"SLURM_STEP_NODELIST", "gpu_01,a b"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"}},
+      {{},
+       {{"SLURM_STEP_NODELIST", "gpu_01,a b"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"}},
        "SLURM: SLURM_STEP_NODELIST has the node \"a b\", which is not a host"},
   };
   for (const auto& c : cases) {
@@ -590,10 +596,16 @@ TEST_CASE("resolve_cluster: TF_CONFIG, then torchrun, then SLURM, then one local
   CHECK_CONTAINS(testing::error_message([&] { (void)local->task_label(1); }), "local: rank 1 is out of range");
 
   // A malformed environment is an error, never a silent single worker.
-  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"TF_CONFIG", "{"}})); }),
+  CHECK_CONTAINS(testing::error_message([] {
+                   resolve_cluster(env_of({{"TF_CONFIG", "{"}}));
+                 }),
                  "TF_CONFIG: invalid JSON");
-  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}})); }),
+  CHECK_CONTAINS(testing::error_message([] {
+                   resolve_cluster(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}}));
+                 }),
                  "torchrun: MASTER_ADDR is not set");
-  CHECK_CONTAINS(testing::error_message([] { resolve_cluster(env_of({{"SLURM_PROCID", "0"}})); }),
+  CHECK_CONTAINS(testing::error_message([] {
+                   resolve_cluster(env_of({{"SLURM_PROCID", "0"}}));
+                 }),
                  "SLURM: SLURM_NTASKS is not set");
 }

@@ -32,7 +32,9 @@ class QueueStream final : public devices::Stream {
 // runs inline (tests read results with copy_to_host).
 class DeferredGpu final : public devices::Device {
  public:
-  explicit DeferredGpu(int index) : Device(make_name(index)), allocator_("GPU (deferred copies)") { input_.device = this; }
+  explicit DeferredGpu(int index) : Device(make_name(index)), allocator_("GPU (deferred copies)") {
+    input_.device = this;
+  }
   devices::Allocator& allocator() override { return allocator_; }
   devices::Stream& compute_stream() override { return devices::default_cpu_device().compute_stream(); }
   devices::Stream& input_stream() override { return input_; }
@@ -128,7 +130,8 @@ data::Dataset make_dataset(std::int64_t batch = 5) {
     xs.insert(xs.end(), {static_cast<float>(i), i + 0.5f, static_cast<float>(-i)});
     ys.push_back(10 * i);
   }
-  return data::Dataset::from_tensor_slices({Tensor::from_vector(xs, {23, 3}), Tensor::from_vector(ys, {23})}).batch(batch);
+  return data::Dataset::from_tensor_slices({Tensor::from_vector(xs, {23, 3}), Tensor::from_vector(ys, {23})})
+      .batch(batch);
 }
 
 struct Fixture {
@@ -139,9 +142,9 @@ struct Fixture {
   MirroredStrategy two{std::vector<std::string>{"CPU:0", "CPU:1"}};
 
   std::unique_ptr<Strategy::WorkerIterator> staged(const data::Dataset& dataset, int ahead = 2) {
-    return strategy::detail::stage_on_devices(
-        std::make_unique<BatchSource>(dataset), devices, [this](const data::Element& b) { return two.split_batch(b); },
-        {.batches_ahead = ahead, .owner = "test"});
+    return strategy::detail::stage_on_devices(std::make_unique<BatchSource>(dataset), devices,
+                                              [this](const data::Element& b) { return two.split_batch(b); },
+                                              {.batches_ahead = ahead, .owner = "test"});
   }
 };
 
@@ -209,7 +212,7 @@ TEST_CASE("batches held by the caller keep their buffers: nothing is overwritten
 TEST_CASE("a batch with fewer rows than devices gives empty shards") {
   Fixture f;
   auto one_row = data::Dataset::from_tensor_slices({Tensor::from_vector(std::vector<float>{1, 2, 3}, {1, 3}),
-                                                     Tensor::from_vector(std::vector<std::int64_t>{0}, {1})})
+                                                    Tensor::from_vector(std::vector<std::int64_t>{0}, {1})})
                      .batch(4);
   auto it = f.staged(one_row);
   auto batch = it->next();
@@ -217,7 +220,8 @@ TEST_CASE("a batch with fewer rows than devices gives empty shards") {
   REQUIRE(batch->replica_shards.size() == 2);
   CHECK(batch->replica_shards[0][0].shape() == Shape{1, 3});
   CHECK(batch->replica_shards[1][0].shape() == Shape{0, 3});
-  CHECK(batch->replica_shards[0][0].to(devices::default_cpu_device()).to_vector<float>() == std::vector<float>{1, 2, 3});
+  CHECK(batch->replica_shards[0][0].to(devices::default_cpu_device()).to_vector<float>() ==
+        std::vector<float>{1, 2, 3});
   batch.reset();
   CHECK_FALSE(it->next().has_value());
 }

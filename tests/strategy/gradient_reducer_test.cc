@@ -68,16 +68,20 @@ struct Toy {
     fetches = grads;
     for (std::size_t r = 0; r < strategy.replica_devices().size(); ++r) {
       executors.push_back(std::make_unique<graph::Executor>(graph, *strategy.replica_devices()[r]));
-      for (std::size_t k = 0; k < variables.size(); ++k) executors[r]->bind_variable(nodes[k], variables[k]->value(static_cast<int>(r)));
+      for (std::size_t k = 0; k < variables.size(); ++k)
+        executors[r]->bind_variable(nodes[k], variables[k]->value(static_cast<int>(r)));
     }
   }
 
-  static Tensor input(int replica, int step) { return random_tensor({5, 8}, 100 + static_cast<std::uint64_t>(replica * 31 + step)); }
+  static Tensor input(int replica, int step) {
+    return random_tensor({5, 8}, 100 + static_cast<std::uint64_t>(replica * 31 + step));
+  }
 
   // Replica r's own gradients for its input (no reducer), as host copies.
   std::vector<std::vector<float>> local_gradients(int r, int step) {
     std::vector<std::vector<float>> out;
-    for (const auto& t : executors[static_cast<std::size_t>(r)]->run({{x, input(r, step)}}, fetches)) out.push_back(t.to_vector<float>());
+    for (const auto& t : executors[static_cast<std::size_t>(r)]->run({{x, input(r, step)}}, fetches))
+      out.push_back(t.to_vector<float>());
     return out;
   }
 
@@ -94,11 +98,13 @@ struct Toy {
   }
 };
 
-void check_close(const std::vector<float>& got, const std::vector<float>& want, double tolerance, const std::string& what) {
+void check_close(const std::vector<float>& got, const std::vector<float>& want, double tolerance,
+                 const std::string& what) {
   REQUIRE(got.size() == want.size());
   double scale = 1e-3, worst = 0;
   for (float v : want) scale = std::max(scale, static_cast<double>(std::abs(v)));
-  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / scale);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / scale);
   CHECK_MESSAGE(worst <= tolerance, what, ": relative difference ", worst);
 }
 
@@ -120,8 +126,9 @@ TEST_CASE("buckets: reverse creation order, a small first bucket, large gradient
   Graph graph;
   std::vector<strategy::GradientSource> sources;
   // Sizes in bytes: 64, 64, 512, 2048, 64 (float64), 64, 64.
-  const std::vector<std::pair<Shape, DType>> specs{{{16}, kFloat32},  {{16}, kFloat32}, {{128}, kFloat32}, {{512}, kFloat32},
-                                                   {{8}, kFloat64},   {{16}, kFloat32}, {{16}, kFloat32}};
+  const std::vector<std::pair<Shape, DType>> specs{{{16}, kFloat32},  {{16}, kFloat32}, {{128}, kFloat32},
+                                                   {{512}, kFloat32}, {{8}, kFloat64},  {{16}, kFloat32},
+                                                   {{16}, kFloat32}};
   for (std::size_t k = 0; k < specs.size(); ++k) {
     const auto& [shape, dtype] = specs[k];
     auto v = two.create_variable({.name = fmt::format("v{}", k), .initial_value = Tensor::zeros(shape, dtype)});
@@ -139,7 +146,8 @@ TEST_CASE("a custom loop's gradients are summed over every replica, overlapping 
   for (const int replicas : {2, 4}) {
     CAPTURE(replicas);
     // 64-byte buckets: every gradient its own bucket, all but the last reduced during backward.
-    MirroredStrategy mirrored({.devices = cpu_devices(replicas), .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64}});
+    MirroredStrategy mirrored(
+        {.devices = cpu_devices(replicas), .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64}});
     Toy toy(mirrored);
     CHECK(toy.reducer->buckets().size() == 3);
     for (int step = 0; step < 3; ++step) {
@@ -148,15 +156,17 @@ TEST_CASE("a custom loop's gradients are summed over every replica, overlapping 
       const auto want = sum_over_replicas(local);
       const auto got = toy.step(step, StepKind::kReduce);
       for (int r = 0; r < replicas; ++r) {
-        for (std::size_t k = 0; k < want.size(); ++k) check_close(got[static_cast<std::size_t>(r)][k], want[k], 1e-6, toy.variables[k]->name());
+        for (std::size_t k = 0; k < want.size(); ++k)
+          check_close(got[static_cast<std::size_t>(r)][k], want[k], 1e-6, toy.variables[k]->name());
         CHECK(got[static_cast<std::size_t>(r)] == got.front());  // bitwise the same on every replica
       }
     }
     for (int r = 0; r < replicas; ++r) CHECK(toy.reducer->overlapped_buckets(r) == 3 * 2);  // 2 of 3 buckets a step
   }
   // Without overlap, every bucket waits for finish_step.
-  MirroredStrategy after({.devices = cpu_devices(2), .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64,
-                                                                     .overlap_communication = false}});
+  MirroredStrategy after(
+      {.devices = cpu_devices(2),
+       .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64, .overlap_communication = false}});
   Toy toy(after);
   toy.step(0, StepKind::kReduce);
   CHECK(toy.reducer->overlapped_buckets(0) == 0);
@@ -177,7 +187,8 @@ TEST_CASE("accumulation: micro-steps communicate nothing; the reduce step sums e
   }
   const auto want = sum_over_replicas(parts);
   for (std::size_t k = 0; k < want.size(); ++k) check_close(reduced[0][k], want[k], 1e-5, toy.variables[k]->name());
-  CHECK_THROWS_WITH_AS(Toy(two).step(0, StepKind::kAccumulate), doctest::Contains("needs accumulators"), FailedPrecondition);
+  CHECK_THROWS_WITH_AS(Toy(two).step(0, StepKind::kAccumulate), doctest::Contains("needs accumulators"),
+                       FailedPrecondition);
 }
 
 TEST_CASE("compressed all-reduce: 16-bit sums on the wire, float32 gradients back") {
@@ -207,7 +218,7 @@ TEST_CASE("a tensor summed with the last bucket rides in its collective") {
       Tensor extra = Tensor::from_vector<float>({static_cast<float>(r + 1), 10}, {2});
       carried[static_cast<std::size_t>(r)] = toy.reducer->sum_with_last_bucket(r, extra);
       toy.executors[static_cast<std::size_t>(r)]->run({{toy.x, Toy::input(r, 0)}}, toy.fetches,
-                                                     {.observer = toy.reducer->observer(r)});
+                                                      {.observer = toy.reducer->observer(r)});
       toy.reducer->finish_step(r);
       sums[static_cast<std::size_t>(r)] = extra.data<float>()[0];
     });
@@ -233,19 +244,22 @@ TEST_CASE("mistakes are reported naming the variable") {
   auto read_again = ops::reduce_sum(grads[0]);  // another node reads the gradient
   (void)read_again;
   CHECK_THROWS_WITH_AS(GradientReducer(two, {{v, grads[0]}}), doctest::Contains("\"dense/kernel\""), InvalidArgument);
-  CHECK_THROWS_WITH_AS(GradientReducer(two, {{v, grads[0]}}), doctest::Contains("make_gradients_reducible"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(GradientReducer(two, {{v, grads[0]}}), doctest::Contains("make_gradients_reducible"),
+                       InvalidArgument);
   strategy::make_gradients_reducible(graph, grads);
   GradientReducer reducer(two, {{v, grads[0]}});
   // A run without the reducer's observer: the gradient never reaches it.
   reducer.begin_step(0, StepKind::kReduce);
   CHECK_THROWS_WITH_AS(reducer.finish_step(0), doctest::Contains("without the gradient of variable \"dense/kernel\""),
                        FailedPrecondition);
-  CHECK_THROWS_WITH_AS(reducer.begin_step(2, StepKind::kReduce), doctest::Contains("replica 2 out of range"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(reducer.begin_step(2, StepKind::kReduce), doctest::Contains("replica 2 out of range"),
+                       InvalidArgument);
   auto wrong = two.create_variable({.name = "dense/bias", .initial_value = Tensor::zeros({3}, kFloat32)});
   CHECK_THROWS_WITH_AS(GradientReducer(two, {{wrong, grads[0]}}), doctest::Contains("\"dense/bias\" (float32 (3,))"),
                        InvalidArgument);
   OneDeviceStrategy other("CPU:0");
-  CHECK_THROWS_WITH_AS(GradientReducer(other, {{v, grads[0]}}), doctest::Contains("was created under"), FailedPrecondition);
+  CHECK_THROWS_WITH_AS(GradientReducer(other, {{v, grads[0]}}), doctest::Contains("was created under"),
+                       FailedPrecondition);
 }
 
 namespace {

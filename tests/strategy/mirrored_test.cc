@@ -52,8 +52,8 @@ Run train(Strategy& strategy, const keras::OptimizerRef& optimizer, std::int64_t
     model.compile(optimizer, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }
   Run run;
-  auto recorder = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-      .on_train_batch_end = [&](std::int64_t, keras::Logs& logs) {
+  auto recorder = std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t, keras::Logs& logs) {
         run.losses.push_back(logs.at("loss"));
         ++run.steps;
       }});
@@ -96,7 +96,8 @@ TEST_CASE("MirroredStrategy on 2 and 4 devices trains exactly like one device (p
   REQUIRE(devices::list_logical_devices(devices::DeviceType::kCPU).size() == 4);
   const Data data = make_data();
   for (const auto& [name, optimizer] : std::vector<std::pair<std::string, keras::OptimizerRef>>{
-           {"adam", keras::Adam{.learning_rate = 0.01}}, {"sgd momentum", keras::SGD{.learning_rate = 0.1, .momentum = 0.9}}}) {
+           {"adam", keras::Adam{.learning_rate = 0.01}},
+           {"sgd momentum", keras::SGD{.learning_rate = 0.1, .momentum = 0.9}}}) {
     OneDeviceStrategy one("CPU:0");
     const Run reference = train(one, optimizer, 64, 7, data);
     MirroredStrategy two(std::vector<std::string>{"CPU:0", "CPU:1"});
@@ -139,8 +140,9 @@ TEST_CASE("batches fetched to the devices ahead of their step train exactly like
     std::vector<std::string> names;
     for (int r = 0; r < replicas; ++r) names.push_back(fmt::format("CPU:{}", r));
     MirroredStrategy fed({.devices = names, .distribution = {.fetch_to_device = strategy::FetchToDevice::kNever}});
-    MirroredStrategy staged({.devices = names, .distribution = {.fetch_to_device = strategy::FetchToDevice::kAlways,
-                                                                 .device_prefetch_batches = 1}});
+    MirroredStrategy staged(
+        {.devices = names,
+         .distribution = {.fetch_to_device = strategy::FetchToDevice::kAlways, .device_prefetch_batches = 1}});
     CHECK_FALSE(fed.fetches_to_device());
     CHECK(staged.fetches_to_device());
     const auto a = train(fed, adam, 64, 40, data);
@@ -152,7 +154,8 @@ TEST_CASE("batches fetched to the devices ahead of their step train exactly like
       CHECK(a.weights[w].to_vector<float>() == b.weights[w].to_vector<float>());
     }
   }
-  CHECK_THROWS_AS(MirroredStrategy({.devices = {"CPU:0"}, .distribution = {.device_prefetch_batches = 0}}), InvalidArgument);
+  CHECK_THROWS_AS(MirroredStrategy({.devices = {"CPU:0"}, .distribution = {.device_prefetch_batches = 0}}),
+                  InvalidArgument);
   // CPU devices are read by the host: kAuto does not stage for them.
   CHECK_FALSE(MirroredStrategy(std::vector<std::string>{"CPU:0", "CPU:1"}).fetches_to_device());
 }
@@ -209,7 +212,8 @@ TEST_CASE("mistakes and failures are reported, never waited on") {
     auto scope = two.scope();
     CHECK_THROWS_WITH_AS(keras::Model(x, outside(x)), doctest::Contains("has weights from"), FailedPrecondition);
   }
-  auto v = strategy::default_strategy().create_variable({.name = "lonely", .initial_value = Tensor::zeros({2}, kFloat32)});
+  auto v =
+      strategy::default_strategy().create_variable({.name = "lonely", .initial_value = Tensor::zeros({2}, kFloat32)});
   CHECK_THROWS_WITH_AS(two.run([&](strategy::ReplicaContext& ctx) { v->value(ctx.replica_id_in_sync_group()); }),
                        doctest::Contains("create it under the scope of the strategy that runs it"), InvalidArgument);
 
@@ -243,12 +247,12 @@ TEST_CASE("ReductionToOneDevice and reduction after backward train like the defa
   const keras::OptimizerRef adam = keras::Adam{.learning_rate = 0.01};
   OneDeviceStrategy one("CPU:0");
   const Run reference = train(one, adam, 32, 9, data);
-  MirroredStrategy to_one(strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1", "CPU:2"},
-                                                    .cross_device_ops = std::make_shared<strategy::ReductionToOneDevice>()});
+  MirroredStrategy to_one(strategy::MirroredOptions{
+      .devices = {"CPU:0", "CPU:1", "CPU:2"}, .cross_device_ops = std::make_shared<strategy::ReductionToOneDevice>()});
   CHECK(to_one.cross_device_ops().name() == "ReductionToOneDevice");
   check_equivalent(reference, train(to_one, adam, 32, 9, data), "adam, ReductionToOneDevice, 3 replicas");
-  MirroredStrategy after_backward(strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"},
-                                                            .distribution = {.overlap_communication = false}});
+  MirroredStrategy after_backward(
+      strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"}, .distribution = {.overlap_communication = false}});
   check_equivalent(reference, train(after_backward, adam, 32, 9, data), "adam, no overlap, 2 replicas");
   // Small buckets: every weight its own bucket, reduced as soon as backward produced it.
   MirroredStrategy small_buckets(strategy::MirroredOptions{
@@ -279,7 +283,8 @@ TEST_CASE("VariableAggregation: replica updates and reads combine as in TF") {
   first->assign_per_replica(per_replica);
   CHECK(first->value(1).item<float>() == 2);
   auto none = make(VariableSynchronization::kOnWrite, VariableAggregation::kNone);
-  CHECK_THROWS_WITH_AS(none->assign_per_replica(per_replica), doctest::Contains("aggregation NONE"), FailedPrecondition);
+  CHECK_THROWS_WITH_AS(none->assign_per_replica(per_replica), doctest::Contains("aggregation NONE"),
+                       FailedPrecondition);
 
   // On read: each replica keeps its own value; reading combines them.
   auto counter = make(VariableSynchronization::kOnRead, VariableAggregation::kSum);

@@ -122,7 +122,8 @@ std::vector<int> run_workers(const std::string& dir, int workers, std::vector<st
     if (only_ranks >= 0 && r >= only_ranks) break;
     auto a = args;
     a.insert(a.end(), {"--out", dir});
-    if (const auto it = extra_args.find(r); it != extra_args.end()) a.insert(a.end(), it->second.begin(), it->second.end());
+    if (const auto it = extra_args.find(r); it != extra_args.end())
+      a.insert(a.end(), it->second.begin(), it->second.end());
     auto e = env;
     e["TF_CONFIG"] = tf_config(port, workers, r);
     ps.push_back(spawn(TANDEM_MW_TRAINER, a, e, fmt::format("{}/log-{}.txt", dir, r)));
@@ -134,7 +135,8 @@ std::vector<int> run_workers(const std::string& dir, int workers, std::vector<st
 
 std::string describe_logs(const std::string& dir, int workers) {
   std::string out;
-  for (int r = 0; r < workers; ++r) out += fmt::format("--- worker {} ---\n{}", r, read_file(fmt::format("{}/log-{}.txt", dir, r)));
+  for (int r = 0; r < workers; ++r)
+    out += fmt::format("--- worker {} ---\n{}", r, read_file(fmt::format("{}/log-{}.txt", dir, r)));
   return out;
 }
 
@@ -142,7 +144,8 @@ std::string describe_logs(const std::string& dir, int workers) {
 const std::string& reference_dir() {
   static testing::TempDir dir;
   static const bool done = [] {
-    Process p = spawn(TANDEM_MW_TRAINER, {"--strategy", "one", "--out", dir.path().string()}, {}, dir.path().string() + "/log-0.txt");
+    Process p = spawn(TANDEM_MW_TRAINER, {"--strategy", "one", "--out", dir.path().string()}, {},
+                      dir.path().string() + "/log-0.txt");
     const int code = wait_for(p);
     INFO(read_file(dir.path().string() + "/log-0.txt"));
     REQUIRE(code == 0);
@@ -210,7 +213,8 @@ TEST_CASE("2 and 3 workers give the per-step losses and final weights of one dev
     INFO(describe_logs(dir.path().string(), workers));
     for (int r = 0; r < workers; ++r) {
       REQUIRE(codes[static_cast<std::size_t>(r)] == 0);
-      check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r), ref + "/weights-0.safetensors");
+      check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r),
+                          ref + "/weights-0.safetensors");
       check_losses_equal(fmt::format("{}/losses-{}.txt", dir.path().string(), r), ref + "/losses-0.txt");
     }
   }
@@ -219,11 +223,13 @@ TEST_CASE("2 and 3 workers give the per-step losses and final weights of one dev
 TEST_CASE("2 workers of 2 local replicas each (hierarchical all-reduce) equal one device") {
   const std::string ref = reference_dir();
   testing::TempDir dir;
-  const auto codes = run_workers(dir.path().string(), 2, {"--local-devices", "2"}, {}, {{"TANDEM_NUM_CPU_DEVICES", "2"}});
+  const auto codes =
+      run_workers(dir.path().string(), 2, {"--local-devices", "2"}, {}, {{"TANDEM_NUM_CPU_DEVICES", "2"}});
   INFO(describe_logs(dir.path().string(), 2));
   for (int r = 0; r < 2; ++r) {
     REQUIRE(codes[static_cast<std::size_t>(r)] == 0);
-    check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r), ref + "/weights-0.safetensors");
+    check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r),
+                        ref + "/weights-0.safetensors");
     check_losses_equal(fmt::format("{}/losses-{}.txt", dir.path().string(), r), ref + "/losses-0.txt");
   }
 }
@@ -274,14 +280,32 @@ TEST_CASE("only the chief prints progress and writes CSV logs and checkpoints") 
   CHECK_FALSE(std::filesystem::exists(d + "/checkpoint-of-1.weights.safetensors"));
 }
 
-TEST_CASE("a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the job resumes and ends as if uninterrupted") {
+TEST_CASE(
+    "a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the job resumes and ends as if uninterrupted") {
   const std::string ref = reference_dir();
   testing::TempDir dir;
   const std::string backup = dir.path().string() + "/backup";
   Process launcher = spawn(TANDEM_RUN,
-                           {"--nproc_per_node", "2", "--master_port", std::to_string(free_port()), "--max_restarts", "1",
-                            "--stop_timeout", "10", "--", TANDEM_MW_TRAINER, "--out", dir.path().string(), "--backup", backup,
-                            "--save-freq", "3", "--kill-at-step", "14", "--timeout", "30"},
+                           {"--nproc_per_node",
+                            "2",
+                            "--master_port",
+                            std::to_string(free_port()),
+                            "--max_restarts",
+                            "1",
+                            "--stop_timeout",
+                            "10",
+                            "--",
+                            TANDEM_MW_TRAINER,
+                            "--out",
+                            dir.path().string(),
+                            "--backup",
+                            backup,
+                            "--save-freq",
+                            "3",
+                            "--kill-at-step",
+                            "14",
+                            "--timeout",
+                            "30"},
                            {}, dir.path().string() + "/launcher.txt");
   const int code = wait_for(launcher);
   const std::string log = read_file(dir.path().string() + "/launcher.txt");
@@ -291,7 +315,8 @@ TEST_CASE("a worker SIGKILLed mid-epoch under tandem-run --max_restarts 1: the j
   CHECK(log.find("SIGKILL") != std::string::npos);
   CHECK(log.find("restart") != std::string::npos);
   for (int r = 0; r < 2; ++r) {
-    check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r), ref + "/weights-0.safetensors");
+    check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r),
+                        ref + "/weights-0.safetensors");
   }
   // delete_checkpoint: the finished run removed its backups.
   CHECK_FALSE(std::filesystem::exists(backup + "/backup.safetensors"));
@@ -324,7 +349,8 @@ TEST_CASE("a worker that never arrives: the others fail at the rendezvous deadli
   testing::TempDir dir;
   const int port = free_port();
   Process chief = spawn(TANDEM_MW_TRAINER, {"--out", dir.path().string()},
-                        {{"TF_CONFIG", tf_config(port, 2, 0)}, {"TANDEM_RENDEZVOUS_TIMEOUT", "3"}}, dir.path().string() + "/log-0.txt");
+                        {{"TF_CONFIG", tf_config(port, 2, 0)}, {"TANDEM_RENDEZVOUS_TIMEOUT", "3"}},
+                        dir.path().string() + "/log-0.txt");
   const auto start = Clock::now();
   const int code = wait_for(chief, std::chrono::seconds(60));
   const std::string log = read_file(dir.path().string() + "/log-0.txt");

@@ -36,31 +36,47 @@ struct Args {
   double timeout = 0;
   bool files = false;  // the data as 5 "files" (Dataset::from_files): the FILE auto-shard policy
   int verbose = 0;
-  std::uint64_t seed = 42;  // the global seed (initializers)
+  std::uint64_t seed = 42;              // the global seed (initializers)
   std::string implementation = "auto";  // auto, ring, shm, nccl
-  bool writers = false;  // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
+  bool writers = false;                 // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
 };
 
 Args parse(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--out") a.out = v;
-    else if (k == "--strategy") a.strategy = v;
-    else if (k == "--epochs") a.epochs = std::stoi(v);
-    else if (k == "--hidden") a.hidden = std::stoi(v);
-    else if (k == "--local-devices") a.local_devices = std::stoi(v);
-    else if (k == "--kill-at-step") a.kill_at_step = std::stol(v);
-    else if (k == "--victim") a.victim = std::stoi(v);
-    else if (k == "--backup") a.backup = v;
-    else if (k == "--save-freq") a.save_freq = std::stol(v);
-    else if (k == "--timeout") a.timeout = std::stod(v);
-    else if (k == "--files") a.files = v == "1";
-    else if (k == "--verbose") a.verbose = std::stoi(v);
-    else if (k == "--seed") a.seed = std::stoull(v);
-    else if (k == "--implementation") a.implementation = v;
-    else if (k == "--writers") a.writers = v == "1";
-    else throw InvalidArgument("unknown option " + k);
+    if (k == "--out")
+      a.out = v;
+    else if (k == "--strategy")
+      a.strategy = v;
+    else if (k == "--epochs")
+      a.epochs = std::stoi(v);
+    else if (k == "--hidden")
+      a.hidden = std::stoi(v);
+    else if (k == "--local-devices")
+      a.local_devices = std::stoi(v);
+    else if (k == "--kill-at-step")
+      a.kill_at_step = std::stol(v);
+    else if (k == "--victim")
+      a.victim = std::stoi(v);
+    else if (k == "--backup")
+      a.backup = v;
+    else if (k == "--save-freq")
+      a.save_freq = std::stol(v);
+    else if (k == "--timeout")
+      a.timeout = std::stod(v);
+    else if (k == "--files")
+      a.files = v == "1";
+    else if (k == "--verbose")
+      a.verbose = std::stoi(v);
+    else if (k == "--seed")
+      a.seed = std::stoull(v);
+    else if (k == "--implementation")
+      a.implementation = v;
+    else if (k == "--writers")
+      a.writers = v == "1";
+    else
+      throw InvalidArgument("unknown option " + k);
   }
   return a;
 }
@@ -129,29 +145,29 @@ int run(const Args& a) {
   {
     auto scope = strategy->scope();
     model = keras::Sequential({keras::Input({10}), keras::Dense(a.hidden, "relu"), keras::Dense(3)});
-    model.compile(keras::Adam{.learning_rate = 0.01},
-                  keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+    model.compile(keras::Adam{.learning_rate = 0.01}, keras::SparseCategoricalCrossentropy{.from_logits = true},
+                  {"accuracy"});
   }
   std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
   long step = 0;
   keras::FitOptions fit{.epochs = a.epochs, .verbose = a.verbose};
   if (a.writers) {
     fit.callbacks.push_back(std::make_shared<keras::CSVLogger>(fmt::format("{}/log-of-{}.csv", a.out, rank)));
-    fit.callbacks.push_back(std::make_shared<keras::ModelCheckpoint>(
-        fmt::format("{}/checkpoint-of-{}.weights.safetensors", a.out, rank), keras::ModelCheckpointOptions{.monitor = "loss"}));
+    fit.callbacks.push_back(
+        std::make_shared<keras::ModelCheckpoint>(fmt::format("{}/checkpoint-of-{}.weights.safetensors", a.out, rank),
+                                                 keras::ModelCheckpointOptions{.monitor = "loss"}));
   }
-  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-      .on_train_batch_end =
-          [&](std::int64_t batch, keras::Logs& logs) {
-            ++step;
-            losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
-            if (a.kill_at_step >= 0 && step == a.kill_at_step && first_attempt && rank == a.victim) {
-              std::raise(SIGKILL);
-            }
-          }}));
+  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(
+      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
+        ++step;
+        losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+        if (a.kill_at_step >= 0 && step == a.kill_at_step && first_attempt && rank == a.victim) {
+          std::raise(SIGKILL);
+        }
+      }}));
   if (!a.backup.empty()) {
-    fit.callbacks.push_back(std::make_shared<keras::BackupAndRestore>(
-        a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
+    fit.callbacks.push_back(
+        std::make_shared<keras::BackupAndRestore>(a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
   }
   model.fit(make_data(a.files), fit);
   model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));

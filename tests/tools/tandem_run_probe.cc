@@ -76,7 +76,9 @@ int main(int argc, char** argv) {
   app.add_option("--long-line", long_line, "print BYTES 'x' then one newline");
   app.add_flag("--ready", ready, "print \"ready pid P\"");
   app.add_option("--exit-delay", exit_delay_ms, "wait MS before --exit and --kill-self (on that rank only)");
-  app.add_option("--exit", exit_spec, "exit with code X when rank == R (every attempt)")->type_name("R:X")->delimiter(':');
+  app.add_option("--exit", exit_spec, "exit with code X when rank == R (every attempt)")
+      ->type_name("R:X")
+      ->delimiter(':');
   app.add_option("--kill-self", kill_rank, "SIGKILL itself when rank == R and TANDEM_RESTART_COUNT == 0");
   app.add_option("--sleep", sleep_s, "sleep S seconds");
   app.add_option("--partial", partial, "print TEXT without a newline");
@@ -99,9 +101,9 @@ int main(int argc, char** argv) {
   }
   const int rank = my_rank();
   if (print_env) {
-    for (const char* name : {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                             "LOCAL_WORLD_SIZE", "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE",
-                             "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"}) {
+    for (const char* name :
+         {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+          "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"}) {
       const char* v = std::getenv(name);
       line(v ? std::string(name) + "=" + v : std::string(name) + " unset");
     }

@@ -169,8 +169,8 @@ std::map<int, std::vector<std::string>> by_rank(const std::string& text) {
   for (const std::string& line : lines_of(text)) {
     const std::size_t digits = line.starts_with("[rank ") ? 6 : std::string::npos;
     const std::size_t close = digits == std::string::npos ? std::string::npos : line.find("] ", digits);
-    const bool numeric = close != std::string::npos && close > digits &&
-                         line.find_first_not_of("0123456789", digits) == close;
+    const bool numeric =
+        close != std::string::npos && close > digits && line.find_first_not_of("0123456789", digits) == close;
     if (numeric) {
       result[std::stoi(line.substr(digits, close - digits))].push_back(line.substr(close + 2));
     } else {
@@ -262,8 +262,8 @@ TEST_CASE("one node: TF_CONFIG names every worker, index = rank; TANDEM_* are se
 
 TEST_CASE("several nodes with --hosts: TF_CONFIG lists every node's workers") {
   // The probe binds nothing, so a fixed port here is only data (--master_port 0 needs one node).
-  const Result r = run_launcher({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_port",
-                                 "29500", "--hosts", "127.0.0.1,127.0.0.2", "--", kProbe, "--print-env"});
+  const Result r = run_launcher({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_port", "29500",
+                                 "--hosts", "127.0.0.1,127.0.0.2", "--", kProbe, "--print-env"});
   INFO("stderr: ", r.err);
   REQUIRE(r.exit_code == 0);
   const auto lines = by_rank(r.out);
@@ -307,9 +307,9 @@ TEST_CASE("several nodes without --hosts: torchrun's variables instead of TF_CON
 TEST_CASE("every line of both streams carries its rank; long and partial lines are relayed whole") {
   constexpr int kLines = 40;
   constexpr std::size_t kLongLine = 100000;  // more than the launcher's 64 KiB piece
-  const Result r = run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--lines",
-                                 std::to_string(kLines), "--long-line", std::to_string(kLongLine), "--partial",
-                                 "tail"});
+  const Result r =
+      run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--lines", std::to_string(kLines),
+                    "--long-line", std::to_string(kLongLine), "--partial", "tail"});
   REQUIRE(r.exit_code == 0);
   const auto out = by_rank(r.out);
   const auto err = by_rank(r.err);
@@ -341,8 +341,8 @@ TEST_CASE("every line of both streams carries its rank; long and partial lines a
 
 TEST_CASE("a worker exiting non-zero: message names the rank and pid, the others are stopped at once") {
   // Rank 0 would sleep 20 s; with the default 30 s stop timeout only SIGTERM ends it early.
-  const Result r = run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--ready", "--exit",
-                                 "1:3", "--sleep", "20"});
+  const Result r = run_launcher(
+      {"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--ready", "--exit", "1:3", "--sleep", "20"});
   INFO("stderr: ", r.err);
   CHECK(r.exit_code == 3);
   const pid_t pid = ready_pid(r.out, 1);
@@ -353,8 +353,8 @@ TEST_CASE("a worker exiting non-zero: message names the rank and pid, the others
 }
 
 TEST_CASE("a SIGKILLed worker: exit 137 and a message naming the rank and the signal") {
-  const Result r = run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--kill-self", "1",
-                                 "--sleep", "20"});
+  const Result r =
+      run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--kill-self", "1", "--sleep", "20"});
   INFO("stderr: ", r.err);
   CHECK(r.exit_code == 137);
   CHECK(std::regex_search(r.err, std::regex(R"(tandem-run: rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\)\n)")));
@@ -403,8 +403,8 @@ TEST_CASE("--max_restarts 1: a failure on every attempt ends after two attempts 
 }
 
 TEST_CASE("SIGTERM to the launcher reaches every worker; it exits 143") {
-  Launch launch({"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--report-sigterm", "--ready",
-                 "--sleep", "20"});
+  Launch launch(
+      {"--nproc_per_node", "2", "--master_port", "0", "--", kProbe, "--report-sigterm", "--ready", "--sleep", "20"});
   const bool ready = launch.wait_for([](const std::string& out) { return count(out, "] ready pid ") == 2; }, 10s);
   REQUIRE_MESSAGE(ready, "workers did not start; stdout: ", launch.out());
   const auto signalled = Clock::now();
@@ -419,8 +419,8 @@ TEST_CASE("SIGTERM to the launcher reaches every worker; it exits 143") {
 }
 
 TEST_CASE("a stopped worker's own children are stopped too (process group)") {
-  Launch launch({"--nproc_per_node", "1", "--master_port", "0", "--", kProbe, "--spawn-child", "--ready", "--sleep",
-                 "20"});
+  Launch launch(
+      {"--nproc_per_node", "1", "--master_port", "0", "--", kProbe, "--spawn-child", "--ready", "--sleep", "20"});
   REQUIRE(launch.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 10s));
   const std::smatch m = [&] {
     std::smatch match;

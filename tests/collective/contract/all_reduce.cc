@@ -31,15 +31,15 @@ const Section& kValues = add_section({
           for (DType dtype : ctx.traits().reduce_dtypes) {
             for (ReduceOp op : kReduceOps) {
               for (std::int64_t count : kCounts) {
-                graph::dispatch<ReducibleTypes>(dtype, "contract", [&]<class T>() {
-                  check_all_reduce<T>(ctx, count, op, ++call, digest);
-                });
+                graph::dispatch<ReducibleTypes>(
+                    dtype, "contract", [&]<class T>() { check_all_reduce<T>(ctx, count, op, ++call, digest); });
               }
             }
           }
           // Sequence numbers count every call.
           if (ctx.comm().sequence_number() != static_cast<std::uint64_t>(call)) {
-            throw ContractViolation(fmt::format("sequence_number() is {} after {} calls", ctx.comm().sequence_number(), call));
+            throw ContractViolation(
+                fmt::format("sequence_number() is {} after {} calls", ctx.comm().sequence_number(), call));
           }
           ctx.note(digest.text());
         },
@@ -115,14 +115,16 @@ const Section& kInStep = add_section({
             }
           }
           if (ctx.comm().sequence_number() != kRounds) {
-            throw ContractViolation(fmt::format("sequence_number() is {} after {} calls", ctx.comm().sequence_number(), kRounds));
+            throw ContractViolation(
+                fmt::format("sequence_number() is {} after {} calls", ctx.comm().sequence_number(), kRounds));
           }
         },
 });
 
 }  // namespace
 
-TEST_CASE("all_reduce: SUM, MEAN, MAX and MIN of every dtype equal the serial reference, bitwise the same on every rank") {
+TEST_CASE(
+    "all_reduce: SUM, MEAN, MAX and MIN of every dtype equal the serial reference, bitwise the same on every rank") {
   check_contract(kValues);
 }
 

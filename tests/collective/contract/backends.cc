@@ -76,47 +76,74 @@ devices::Device& gpu(int rank) { return devices::get_device(fmt::format("GPU:{}"
 const std::vector<Backend>& backends() {
   static const std::vector<Backend> table = {
       {.name = "in_process",
-       .traits = {.backend = "in-process", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3, 4, 8}, .failure_size = 4,
-                  .rank_order = true, .flat_span = true},
+       .traits = {.backend = "in-process",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 3, 4, 8},
+                  .failure_size = 4,
+                  .rank_order = true,
+                  .flat_span = true},
        .make_group = [](int n) { return collective::make_in_process_group(n); }},
       {.name = "shared_memory",
-       .traits = {.backend = "shared-memory", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3}, .failure_size = 3,
-                  .rank_order = true, .flat_span = true},
+       .traits = {.backend = "shared-memory",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 3},
+                  .failure_size = 3,
+                  .rank_order = true,
+                  .flat_span = true},
        // The smallest slot: calls go through the segment in many pieces.
-       .make_rank = [](int rank, int n, std::shared_ptr<Store> store) {
-         return collective::make_shared_memory_communicator({.rank = rank, .size = n, .store = std::move(store),
-                                                             .timeout = kProcessTimeout,
-                                                             .slot_bytes = collective::kMinSlotBytes});
-       }},
+       .make_rank =
+           [](int rank, int n, std::shared_ptr<Store> store) {
+             return collective::make_shared_memory_communicator({.rank = rank,
+                                                                 .size = n,
+                                                                 .store = std::move(store),
+                                                                 .timeout = kProcessTimeout,
+                                                                 .slot_bytes = collective::kMinSlotBytes});
+           }},
       {.name = "gloo",
-       .traits = {.backend = "gloo", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 3}, .failure_size = 3,
-                  .flat_span = true, .mismatch = MismatchReport::kTimeout},
-       .make_rank = [](int rank, int n, std::shared_ptr<Store> store) {
-         return collective::make_gloo_communicator(
-             {.rank = rank, .size = n, .store = std::move(store), .timeout = kProcessTimeout});
-       }},
+       .traits = {.backend = "gloo",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 3},
+                  .failure_size = 3,
+                  .flat_span = true,
+                  .mismatch = MismatchReport::kTimeout},
+       .make_rank =
+           [](int rank, int n, std::shared_ptr<Store> store) {
+             return collective::make_gloo_communicator(
+                 {.rank = rank, .size = n, .store = std::move(store), .timeout = kProcessTimeout});
+           }},
       // Workers do not compare their calls (a disagreement between replicas of one worker is the
-      // in-process group's InvalidArgument, between workers a timeout or nothing), a timeout names the missing rank's local number (not
-      // its global one), and a worker waiting for a local replica learns of another worker's abort
+      // in-process group's InvalidArgument, between workers a timeout or nothing), a timeout names the missing rank's
+      // local number (not its global one), and a worker waiting for a local replica learns of another worker's abort
       // only at its next cross-worker step.
       {.name = "hierarchical",
-       .traits = {.backend = "hierarchical", .reduce_dtypes = kAllReducible, .sizes = {2, 4, 6}, .failure_size = 4,
-                  .mismatch = MismatchReport::kTimeout, .names_missing_rank = false,
+       .traits = {.backend = "hierarchical",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {2, 4, 6},
+                  .failure_size = 4,
+                  .mismatch = MismatchReport::kTimeout,
+                  .names_missing_rank = false,
                   .abort_reaches_waiting_ranks = false},
        .make_group = hierarchical_group},
       {.name = "nccl",
-       .traits = {.backend = "nccl", .reduce_dtypes = kAllReducible, .sizes = {1, 2, 4, 8}, .failure_size = 2,
+       .traits = {.backend = "nccl",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 4, 8},
+                  .failure_size = 2,
                   .mismatch = MismatchReport::kUnchecked},
        .make_group = [](int n) { return collective::make_nccl_group(first_ranks(n)); },
        .unavailable = gpus_missing,
        .device = gpu},
       {.name = "nccl_process",
-       .traits = {.backend = "nccl", .reduce_dtypes = kAllReducible, .sizes = {2}, .failure_size = 2,
+       .traits = {.backend = "nccl",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {2},
+                  .failure_size = 2,
                   .mismatch = MismatchReport::kUnchecked},
-       .make_rank = [](int rank, int n, std::shared_ptr<Store> store) {
-         return collective::make_nccl_process_communicator(
-             {.rank = rank, .size = n, .cuda_device = rank, .store = std::move(store), .timeout = kProcessTimeout});
-       },
+       .make_rank =
+           [](int rank, int n, std::shared_ptr<Store> store) {
+             return collective::make_nccl_process_communicator(
+                 {.rank = rank, .size = n, .cuda_device = rank, .store = std::move(store), .timeout = kProcessTimeout});
+           },
        .unavailable = gpus_missing,
        .device = gpu},
   };

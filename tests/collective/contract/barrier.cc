@@ -14,10 +14,10 @@ const Section& kIdentity = add_section({
           Communicator& c = ctx.comm();
           if (c.rank() != ctx.rank() || c.size() != ctx.size() || c.backend() != ctx.traits().backend ||
               c.sequence_number() != 0) {
-            throw ContractViolation(fmt::format("rank {} of {}, backend \"{}\", sequence number {}; expected rank {} of "
-                                                "{}, \"{}\", 0",
-                                                c.rank(), c.size(), c.backend(), c.sequence_number(), ctx.rank(),
-                                                ctx.size(), ctx.traits().backend));
+            throw ContractViolation(fmt::format(
+                "rank {} of {}, backend \"{}\", sequence number {}; expected rank {} of "
+                "{}, \"{}\", 0",
+                c.rank(), c.size(), c.backend(), c.sequence_number(), ctx.rank(), ctx.size(), ctx.traits().backend));
           }
           c.barrier();
           if (c.sequence_number() != 1) {

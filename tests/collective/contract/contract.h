@@ -67,16 +67,16 @@ enum class MismatchReport {
 
 // What a backend supports and promises beyond the common contract.
 struct Traits {
-  std::string backend;                 // what Communicator::backend() says
-  std::vector<DType> reduce_dtypes;    // all_reduce and reduce_scatter dtypes
-  std::vector<int> sizes;              // group sizes of the data sections
-  int failure_size = 3;                // group size of the failure sections
-  bool rank_order = false;             // results bitwise equal to the rank-order reference
-                                       // ((x0 op x1) op x2 ...), checked on fractional inputs;
-                                       // otherwise inputs are small integers (exact in any order)
-  bool flat_span = false;              // ranks may split an all_reduce span differently
+  std::string backend;               // what Communicator::backend() says
+  std::vector<DType> reduce_dtypes;  // all_reduce and reduce_scatter dtypes
+  std::vector<int> sizes;            // group sizes of the data sections
+  int failure_size = 3;              // group size of the failure sections
+  bool rank_order = false;           // results bitwise equal to the rank-order reference
+                                     // ((x0 op x1) op x2 ...), checked on fractional inputs;
+                                     // otherwise inputs are small integers (exact in any order)
+  bool flat_span = false;            // ranks may split an all_reduce span differently
   MismatchReport mismatch = MismatchReport::kInvalidArgument;
-  bool names_missing_rank = true;      // a timeout names the ranks that did not arrive
+  bool names_missing_rank = true;  // a timeout names the ranks that did not arrive
   // An abort ends every pending call promptly, even one that waits for a rank that stays away;
   // false: only calls that would reach the aborting rank (hierarchical: a rank waiting for a local
   // peer learns of another worker's abort at its next cross-worker step).
@@ -292,13 +292,17 @@ void expect_equal(const std::vector<T>& got, const std::vector<T>& expected, con
     if (std::memcmp(&got[i], &expected[i], sizeof(T)) == 0) continue;
     if constexpr (!std::is_integral_v<T>) {
       const auto as_double = [](T x) {
-        if constexpr (std::is_same_v<T, double>) return x;
-        else return static_cast<double>(static_cast<float>(x));
+        if constexpr (std::is_same_v<T, double>)
+          return x;
+        else
+          return static_cast<double>(static_cast<float>(x));
       };
       const double g = as_double(got[i]);
       const double e = as_double(expected[i]);
-      const double ulp = std::is_same_v<T, double> ? 0x1p-52 : std::is_same_v<T, float> ? 0x1p-23
-                         : std::is_same_v<T, graph::float16> ? 0x1p-10 : 0x1p-7;
+      const double ulp = std::is_same_v<T, double>           ? 0x1p-52
+                         : std::is_same_v<T, float>          ? 0x1p-23
+                         : std::is_same_v<T, graph::float16> ? 0x1p-10
+                                                             : 0x1p-7;
       if (mean_tolerance && std::abs(g - e) <= 4 * ulp * std::max(1.0, std::abs(e))) continue;
       throw ContractViolation(fmt::format("{}: element {} is {}, expected {}", what, i, g, e));
     } else {

@@ -16,7 +16,10 @@ const Section& kKilled = add_section({
     .applies = [](const Backend& b) { return b.processes(); },
     .sizes = [](const Backend& b) { return std::vector<int>{b.traits.failure_size}; },
     // The victim: the last rank, and rank 0.
-    .params = [](const Backend&, int size) { return std::vector<int>{size - 1, 0}; },
+    .params =
+        [](const Backend&, int size) {
+          return std::vector<int>{size - 1, 0};
+        },
     .body =
         [](RankContext& ctx) {
           ctx.step("warm-up", [&] { ctx.comm().barrier(); });

@@ -21,7 +21,10 @@ const Section& kMissing = add_section({
     .name = "failure/missing_rank",
     .sizes = [](const Backend& b) { return std::vector<int>{b.traits.failure_size}; },
     // One missing rank, and two where a group has room for them.
-    .params = [](const Backend&, int size) { return size >= 3 ? std::vector<int>{1, 2} : std::vector<int>{1}; },
+    .params =
+        [](const Backend&, int size) {
+          return size >= 3 ? std::vector<int>{1, 2} : std::vector<int>{1};
+        },
     .body =
         [](RankContext& ctx) {
           // A call every rank completes first: NCCL connects the peers in the first one.

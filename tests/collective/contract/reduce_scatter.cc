@@ -16,8 +16,8 @@ void check_reduce_scatter(RankContext& ctx, std::int64_t rows, std::int64_t cols
   ctx.comm().reduce_scatter(input, output, op);
   const std::vector<T> full = reference<T>(ctx.size(), total, op, call, fractional);
   const std::vector<T> got = output.to_vector<T>();
-  const std::string what = fmt::format("reduce_scatter {} of {} ({}, {})", reduce_op_name(op), graph::dtype_of<T>,
-                                       rows * ctx.size(), cols);
+  const std::string what =
+      fmt::format("reduce_scatter {} of {} ({}, {})", reduce_op_name(op), graph::dtype_of<T>, rows * ctx.size(), cols);
   expect_equal(got, std::vector<T>(full.begin() + part * ctx.rank(), full.begin() + part * (ctx.rank() + 1)), what,
                op == ReduceOp::kMean && !fractional);
   expect_equal(input.to_vector<T>(), mine, what + ": its input");
@@ -31,9 +31,8 @@ const Section& kParts = add_section({
           int call = 0;
           for (DType dtype : ctx.traits().reduce_dtypes) {
             for (ReduceOp op : kReduceOps) {
-              graph::dispatch<ReducibleTypes>(dtype, "contract", [&]<class T>() {
-                check_reduce_scatter<T>(ctx, 5, 3, op, ++call);
-              });
+              graph::dispatch<ReducibleTypes>(dtype, "contract",
+                                              [&]<class T>() { check_reduce_scatter<T>(ctx, 5, 3, op, ++call); });
             }
           }
           // Parts larger than one piece of the shared-memory segment.

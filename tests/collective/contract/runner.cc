@@ -120,7 +120,8 @@ Outcome read_outcome(const std::string& path, int rank) {
       outcome.note = fields.size() > 1 ? fields[1] : "";
       outcome.reported = true;
     } else if (fields.size() >= 4 && fields[0] == "step") {
-      outcome.steps.push_back({fields[1], fields[2], fields.size() > 4 ? fields[4] : "", std::atoll(fields[3].c_str())});
+      outcome.steps.push_back(
+          {fields[1], fields[2], fields.size() > 4 ? fields[4] : "", std::atoll(fields[3].c_str())});
     }
   }
   return outcome;
