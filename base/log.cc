@@ -48,7 +48,6 @@ Level from_spdlog(spdlog::level::level_enum level) {
 class FunctionSink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
  public:
   explicit FunctionSink(Sink function) : function_(std::move(function)) {}
-  const Sink& function() const { return function_; }
 
  protected:
   void sink_it_(const spdlog::details::log_msg& message) override {

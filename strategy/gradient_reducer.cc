@@ -120,27 +120,36 @@ void scale_in_place(Tensor& value, double factor) {
   if (host.raw_data() != value.raw_data()) value.copy_from(host);
 }
 
-// The first node after `value`'s producer that reads it, or -1. A view (an op that forwards its
-// input) counts as read by its producer's input.
-int first_other_reader(const graph::Graph& graph, graph::Output value) {
-  if (value.producer().op->forwards_input >= 0) return value.node;
-  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
-    for (const auto& in : graph.node(id).inputs) {
-      if (in == value) return id;
+// Which node reads each value of a graph first: one pass over the graph, then a lookup per
+// gradient (a transformer's graph has thousands of nodes and hundreds of gradients).
+class FirstReaders {
+ public:
+  explicit FirstReaders(const graph::Graph& graph) {
+    for (int id = 0; id < graph.num_nodes(); ++id) {
+      for (const auto& in : graph.node(id).inputs) first_.try_emplace(key(in), id);
     }
   }
-  return -1;
-}
+  // The node that reads `value`, or -1; `value`'s own node when it is a view (an op that forwards
+  // its input shares that input's buffer).
+  int of(graph::Output value) const {
+    if (value.producer().op->forwards_input >= 0) return value.node;
+    const auto it = first_.find(key(value));
+    return it == first_.end() ? -1 : it->second;
+  }
 
-std::int64_t bytes_of(const Variable& v) {
-  return v.shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(v.dtype()));
-}
+ private:
+  static std::uint64_t key(graph::Output value) {
+    return static_cast<std::uint64_t>(value.node) << 32 | static_cast<std::uint32_t>(value.index);
+  }
+  std::unordered_map<std::uint64_t, int> first_;
+};
 
 }  // namespace
 
 void make_gradients_reducible(graph::Graph& graph, std::span<graph::Output> gradients) {
+  const FirstReaders readers(graph);  // before the copies: they read gradients themselves
   for (auto& gradient : gradients) {
-    if (gradient.defined() && first_other_reader(graph, gradient) >= 0) gradient = ops::copy(gradient);
+    if (gradient.defined() && readers.of(gradient) >= 0) gradient = ops::copy(gradient);
   }
 }
 
@@ -149,6 +158,7 @@ struct GradientReducer::Plan {
   std::vector<std::vector<std::size_t>> buckets;  // gradient indices, per bucket
   std::vector<std::ptrdiff_t> bucket_of;          // per gradient; -1 when it is not communicated
   std::vector<std::size_t> order;                 // bucket ids, in the order backward completes them
+  std::vector<std::vector<std::size_t>> dtype_groups;  // the communicated gradients, one group per dtype
   std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
 };
 
@@ -180,6 +190,7 @@ struct GradientReducer::ReplicaState {
   // DistributionOptions::gradient_all_reduce_dtype: per bucket, its gradients rounded to 16 bits
   // in one buffer (made at the first step that needs it).
   std::vector<Tensor> compressed;
+  std::vector<Tensor> device_group;  // queue_reduction_on_device's tensors of one call (reused)
 };
 
 void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> outputs) {
@@ -207,6 +218,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
       plan_(std::make_unique<Plan>()) {
   TANDEM_REQUIRE(options_.accumulators.empty() || options_.accumulators.size() == sources_.size(), InvalidArgument,
                  "gradient reducer: {} accumulators for {} gradients", options_.accumulators.size(), sources_.size());
+  std::unique_ptr<FirstReaders> readers;  // of the gradients' graph, made at the first gradient
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto& [variable, gradient] = sources_[k];
     TANDEM_REQUIRE(variable != nullptr && gradient.defined(), InvalidArgument,
@@ -218,7 +230,11 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
                    InvalidArgument, "gradient reducer: the gradient of variable \"{}\" ({} {}) is {} {} ({})",
                    variable->name(), variable->dtype(), variable->shape(), gradient.dtype(), gradient.shape(),
                    gradient.name());
-    const int reader = first_other_reader(*gradient.graph, gradient);
+    if (!readers) readers = std::make_unique<FirstReaders>(*gradient.graph);
+    TANDEM_REQUIRE(gradient.graph == sources_.front().gradient.graph, InvalidArgument,
+                   "gradient reducer: the gradient of variable \"{}\" ({}) is in another graph than the first one's",
+                   variable->name(), gradient.name());
+    const int reader = readers->of(gradient);
     TANDEM_REQUIRE(
         reader < 0, InvalidArgument,
         "gradient reducer: the gradient of variable \"{}\" ({}) is {}; it is reduced in place while backward "
@@ -246,7 +262,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     plan.grads_of_node[gradient.node].emplace_back(k, gradient.index);
     if (strategy_.variable_plan(*variable).reduction != VariablePlan::Reduction::kAllReduce) continue;
     const std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
-    const std::int64_t size = bytes_of(*variable);
+    const auto size = static_cast<std::int64_t>(variable->value(0).nbytes());
     const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
                             sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype();
     if (starts_new) {
@@ -266,6 +282,15 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   }
   std::sort(completion.begin(), completion.end());
   for (const auto& [node, b] : completion) plan.order.push_back(b);
+  // The device-side reduction: one call per dtype (a bucket has one dtype).
+  std::map<DType, std::size_t> group_of;
+  for (const auto& bucket : plan.buckets) {
+    const DType dtype = sources_[bucket.front()].variable->dtype();
+    const auto [it, added] = group_of.try_emplace(dtype, plan.dtype_groups.size());
+    if (added) plan.dtype_groups.emplace_back();
+    auto& group = plan.dtype_groups[it->second];
+    group.insert(group.end(), bucket.begin(), bucket.end());
+  }
 
   // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
   const bool overlap = distribution.overlap_communication && strategy_.num_replicas_in_sync() > 1;
@@ -439,13 +464,13 @@ void GradientReducer::queue_reduction_on_device(int replica, std::span<Tensor> g
   if (strategy_.replica_devices().size() == 1) return;
   // One call per dtype: NCCL groups a call's tensors into one launch. No buckets: nothing
   // overlaps backward here, the whole step is one graph.
-  std::map<DType, std::vector<Tensor>> by_dtype;
-  for (const auto& bucket : plan_->buckets) {
-    for (const auto k : bucket) by_dtype[gradients[k].dtype()].push_back(gradients[k]);
-  }
-  for (auto& [dtype, tensors] : by_dtype) {
+  auto& tensors = state(replica).device_group;
+  for (const auto& group : plan_->dtype_groups) {
+    tensors.clear();
+    for (const auto k : group) tensors.push_back(gradients[k]);
     strategy_.communicator(replica).all_reduce_on_device(tensors, collective::ReduceOp::kSum);
   }
+  tensors.clear();  // views of the run's arena: held, they would move it next run
 }
 
 void GradientReducer::weighted_sum_across_replicas(int replica, Tensor& value, double weight) {

@@ -16,6 +16,7 @@
 #include <iostream>
 #include <string>
 
+#include <CLI/CLI.hpp>
 #include <tandem/base/env.h>
 #include <tandem/keras_like/keras.h>
 
@@ -41,42 +42,29 @@ struct Args {
   bool writers = false;                 // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
 };
 
+// Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
 Args parse(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--out")
-      a.out = v;
-    else if (k == "--strategy")
-      a.strategy = v;
-    else if (k == "--epochs")
-      a.epochs = std::stoi(v);
-    else if (k == "--hidden")
-      a.hidden = std::stoi(v);
-    else if (k == "--local-devices")
-      a.local_devices = std::stoi(v);
-    else if (k == "--kill-at-step")
-      a.kill_at_step = std::stol(v);
-    else if (k == "--victim")
-      a.victim = std::stoi(v);
-    else if (k == "--backup")
-      a.backup = v;
-    else if (k == "--save-freq")
-      a.save_freq = std::stol(v);
-    else if (k == "--timeout")
-      a.timeout = std::stod(v);
-    else if (k == "--files")
-      a.files = v == "1";
-    else if (k == "--verbose")
-      a.verbose = std::stoi(v);
-    else if (k == "--seed")
-      a.seed = std::stoull(v);
-    else if (k == "--implementation")
-      a.implementation = v;
-    else if (k == "--writers")
-      a.writers = v == "1";
-    else
-      throw InvalidArgument("unknown option " + k);
+  CLI::App app("multi_worker_trainer: the worker program of the multi-worker tests");
+  app.add_option("--out", a.out, "folder for losses-<rank>.txt and weights-<rank>.safetensors");
+  app.add_option("--strategy", a.strategy, "one or multiworker");
+  app.add_option("--epochs", a.epochs);
+  app.add_option("--hidden", a.hidden, "units of the hidden layer");
+  app.add_option("--local-devices", a.local_devices, "replicas per worker");
+  app.add_option("--kill-at-step", a.kill_at_step, "SIGKILL the victim after this global step (first attempt)");
+  app.add_option("--victim", a.victim, "the rank --kill-at-step kills");
+  app.add_option("--backup", a.backup, "BackupAndRestore's folder");
+  app.add_option("--save-freq", a.save_freq, "BackupAndRestore's save_freq in batches");
+  app.add_option("--timeout", a.timeout, "collective timeout in seconds");
+  app.add_option("--files", a.files, "1: the data as 5 files (the FILE auto-shard policy)");
+  app.add_option("--verbose", a.verbose);
+  app.add_option("--seed", a.seed, "the global seed");
+  app.add_option("--implementation", a.implementation, "auto, ring, shm or nccl");
+  app.add_option("--writers", a.writers, "1: a CSVLogger and a ModelCheckpoint per worker");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    std::exit(app.exit(e));
   }
   return a;
 }
