@@ -143,9 +143,18 @@ inline constexpr Variable kRestartCount{
     .name = "TANDEM_RESTART_COUNT",
     .type = Type::kInt,
     .default_value = "0",
-    .meaning = "set by tandem-run: restarts of the worker group so far (each attempt meets under its own key)",
+    .meaning =
+        "set by tandem-run: the restart round all nodes' launchers agreed on (0, then 1, 2, ...); each round "
+        "meets under its own keys",
     .min = 0,
     .max = kMaxInt};
+inline constexpr Variable kLauncherStore{
+    .name = "TANDEM_LAUNCHER_STORE",
+    .type = Type::kBool,
+    .default_value = "0",
+    .meaning =
+        "set by tandem-run: the launcher serves the rendezvous store on the chief's address for the whole "
+        "job, so the chief worker connects to it instead of serving one"};
 inline constexpr Variable kCheckCollectives{
     .name = "TANDEM_CHECK_COLLECTIVES",
     .type = Type::kBool,
@@ -158,7 +167,7 @@ inline constexpr Variable kCheckCollectives{
 inline constexpr const Variable* kAll[] = {&kNumCpuDevices, &kIntraOpThreads,  &kWaitPolicy,        &kGemm,
                                            &kAllowTf32,     &kCudnn,           &kCudnnLibrary,      &kCudaGraphs,
                                            &kProfile,       &kLogLevel,        &kRendezvousTimeout, &kRendezvousPort,
-                                           &kRestartCount,  &kCheckCollectives};
+                                           &kRestartCount,  &kLauncherStore,  &kCheckCollectives};
 
 // ---------------------------------------------------------------------------------------------
 // Reading. Each accessor checks that the variable has the type it reads (else Internal: a bug);

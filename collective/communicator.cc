@@ -61,9 +61,20 @@ std::string rank_names(const std::vector<std::string>& labels, const std::vector
   return fmt::format("{}", fmt::join(named, ", "));
 }
 
+namespace {
+thread_local std::optional<Clock::time_point> scope_deadline;
+}  // namespace
+
 Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
-  return Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kMaxTimeout);
+  const Clock::time_point deadline = Clock::now() + std::clamp(timeout, std::chrono::milliseconds(0), kMaxTimeout);
+  return scope_deadline ? std::min(deadline, *scope_deadline) : deadline;
 }
+
+DeadlineScope::DeadlineScope(Clock::time_point deadline) : saved_(scope_deadline) {
+  scope_deadline = saved_ ? std::min(*saved_, deadline) : deadline;
+}
+
+DeadlineScope::~DeadlineScope() { scope_deadline = saved_; }
 
 std::string format_duration(std::chrono::milliseconds d) {
   const auto ms = d.count();

@@ -271,7 +271,15 @@ struct Config {
   std::vector<std::string> labels;
   std::int64_t bytes_per_pack = 0;
   bool check = false;
+  std::string group_name;  // GlooOptions::group_name
 };
+
+// How long a failed call may spend on its diagnosis (recording its failure, reading the peers'
+// records), on top of its own timeout: every store call in it ends by then, even when the store's
+// server is frozen or cut off, so a failure is reported within timeout + this.
+constexpr milliseconds kDiagnosisBudget = kFailureReportGrace + milliseconds(1000);
+// The monitor's look at the store, likewise bounded.
+constexpr milliseconds kMonitorStoreBudget = milliseconds(1000);
 
 // A connection of this rank to a peer: gloo keeps the socket private, so it is found by its local
 // address (which the pair reports) and remembered with its peer's, to recognise it later.
@@ -544,6 +552,7 @@ class GlooCommunicator final : public Communicator {
     OpKind kind = OpKind::kBarrier;
     std::uint64_t seq = 0;
     milliseconds timeout{0};
+    Clock::time_point started{};
     DType dtype = kFloat32;
     std::int64_t elements = 0;
     ReduceOp reduce = ReduceOp::kSum;
@@ -579,6 +588,7 @@ class GlooCommunicator final : public Communicator {
     call.kind = kind;
     call.seq = seq_.fetch_add(1, std::memory_order_relaxed);
     call.timeout = options.timeout == kDefaultTimeout ? config_.timeout : options.timeout;
+    call.started = Clock::now();
     if (call.timeout <= milliseconds(0)) {
       throw InvalidArgument(
           fmt::format("{}: the timeout must be positive, got {} ms", describe(call), call.timeout.count()));
@@ -594,7 +604,9 @@ class GlooCommunicator final : public Communicator {
   std::string describe(const Call& call) const {
     std::string details;
     if (call.kind != OpKind::kBarrier) details = fmt::format(" ({}, {} elements)", call.dtype, call.elements);
-    return fmt::format("gloo {}{} on {}", detail::call_label(call.kind, call.seq), details, label(config_.rank));
+    const std::string group = config_.group_name.empty() ? "" : fmt::format(" in the {} group", config_.group_name);
+    return fmt::format("gloo {}{} on {}{}", detail::call_label(call.kind, call.seq), details, label(config_.rank),
+                       group);
   }
 
   std::string label(int rank) const { return detail::rank_label(config_.labels, rank); }
@@ -734,6 +746,9 @@ class GlooCommunicator final : public Communicator {
   // Decides whom to blame for a failed call, fails the communicator and throws.
   [[noreturn]] void fail(const Call& call, FailureKind kind, const std::string& gloo_error) {
     const std::string what = describe(call);
+    // The time it really waited (messages once said "after 10 s" of a wait that took longer).
+    const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - call.started);
+    const detail::DeadlineScope diagnosis(Clock::now() + kDiagnosisBudget);
     {
       std::lock_guard lock(mutex_);
       if (aborted_) {
@@ -744,9 +759,11 @@ class GlooCommunicator final : public Communicator {
       }
     }
     const bool store_reachable =
-        records_.record_failure(call.seq + 1, kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout
-                                              : kind == FailureKind::kGloo  ? detail::FailureCause::kError
-                                                                            : detail::FailureCause::kConnection);
+        records_.record_failure(call.seq + 1,
+                                kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout
+                                : kind == FailureKind::kGloo  ? detail::FailureCause::kError
+                                                              : detail::FailureCause::kConnection,
+                                what);
     // Peers still inside the call fail now rather than at their own timeout.
     poisoned_.store(true, std::memory_order_release);
     shut_down_connections();
@@ -756,7 +773,7 @@ class GlooCommunicator final : public Communicator {
       verdict = fmt::format("{}: gloo: {} (do all ranks issue the same collectives? TANDEM_CHECK_COLLECTIVES=1 checks)",
                             what, gloo_error);
     } else {
-      std::tie(verdict, deadline) = diagnose(call, kind, gloo_error, store_reachable);
+      std::tie(verdict, deadline) = diagnose(call, kind, gloo_error, store_reachable, waited);
     }
     {
       std::lock_guard lock(mutex_);
@@ -772,7 +789,7 @@ class GlooCommunicator final : public Communicator {
 
   // Returns the message and whether it is a DeadlineExceeded (else Unavailable).
   std::pair<std::string, bool> diagnose(const Call& call, FailureKind kind, const std::string& gloo_error,
-                                        bool store_reachable) {
+                                        bool store_reachable, milliseconds waited) {
     const std::string what = describe(call);
     const milliseconds grace = std::min(kFailureReportGrace, std::max(call.timeout, milliseconds(200)));
     detail::PeerSurvey survey;
@@ -790,7 +807,15 @@ class GlooCommunicator final : public Communicator {
               false};
     }
     const bool someone_timed_out = kind == FailureKind::kTimeout || survey.peer_timed_out;
-    const std::string timeout = format_duration(call.timeout);
+    const std::string timeout = format_duration(waited);
+    if (!survey.elsewhere.empty()) {
+      const auto& [peer, their_call] = survey.elsewhere.front();
+      return {fmt::format("{}: timed out after {}: {} never reached it, and failed in another call instead: {}. The "
+                          "workers issue different collectives: do they run the same program with the same global "
+                          "batch size and steps per epoch?",
+                          what, timeout, label(peer), their_call),
+              true};
+    }
     if (!survey.behind.empty()) {
       if (someone_timed_out) {
         return {fmt::format("{}: timed out after {} waiting for {}, which never reached it", what, timeout,
@@ -867,6 +892,7 @@ class GlooCommunicator final : public Communicator {
   bool connection_failed() {
     if (std::all_of(sockets_.begin(), sockets_.end(), still_open)) return false;
     try {
+      const detail::DeadlineScope bounded(Clock::now() + kMonitorStoreBudget);
       return records_.peer_failed();
     } catch (const std::exception&) {
       return true;  // the store's server is gone with its process
@@ -943,11 +969,13 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
   config.labels = std::move(options.rank_labels);
   config.bytes_per_pack = options.bytes_per_pack;
   config.check = options.check_consistency.value_or(check_from_environment());
+  config.group_name = std::move(options.group_name);
   const auto label = [&](int r) {
     return config.labels.empty() ? fmt::format("rank {}", r) : config.labels[static_cast<std::size_t>(r)];
   };
   const std::string who = fmt::format("make_gloo_communicator on {} of {}", label(config.rank), config.size);
   Store& store = *config.store;
+  const milliseconds connect_timeout = std::max(milliseconds(1), options.connect_timeout.value_or(config.timeout));
 
   try {
     config.prefix = detail::group_prefix(store, "gloo", config.rank);
@@ -957,11 +985,11 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
     // report a key it waited for).
     const auto arrived = [&](int q) { return config.prefix + fmt::format("arrived/{}", q); };
     store.set(arrived(config.rank), bytes_of(label(config.rank)));
-    const std::vector<int> missing = detail::wait_for_ranks(store, arrived, config.size, config.timeout);
+    const std::vector<int> missing = detail::wait_for_ranks(store, arrived, config.size, connect_timeout);
     if (!missing.empty()) {
       throw DeadlineExceeded(fmt::format("{}: {} did not arrive at the store {} within {}", who,
                                          detail::rank_names(config.labels, missing, config.size), store.address(),
-                                         format_duration(config.timeout)));
+                                         format_duration(connect_timeout)));
     }
   } catch (const Unavailable& e) {
     throw Unavailable(fmt::format("{}: the store is unreachable: {}", who, e.what()));
@@ -978,10 +1006,11 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
                                       gloo_message(e.what())));
   }
   auto context = std::make_shared<gloo::rendezvous::Context>(config.rank, config.size);
-  context->setTimeout(config.timeout);
-  GlooStoreAdapter adapter(config.store, config.prefix + "mesh/", config.timeout);
+  context->setTimeout(connect_timeout);
+  GlooStoreAdapter adapter(config.store, config.prefix + "mesh/", connect_timeout);
   try {
     context->connectFullMesh(adapter, device);
+    context->setTimeout(config.timeout);
   } catch (const Error&) {
     throw;
   } catch (const gloo::IoException& e) {

@@ -53,8 +53,13 @@ struct GlooOptions {
   // Connecting, and every collective whose CallOptions keep the default timeout (kDefaultTimeout);
   // a call that passes another timeout uses its own.
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  // Connecting only, when set: a start-up bounds it by its own deadline (the rendezvous timeout).
+  std::optional<std::chrono::milliseconds> connect_timeout;
   // How messages name rank r ("worker 1 (10.0.0.2:2222)"). Empty: "rank r".
   std::vector<std::string> rank_labels;
+  // What the group is for, when a job has several ("gradient", "control"): messages then say
+  // "... on worker 0 in the control group".
+  std::string group_name;
   // Large all-reduces are split into packs of this many bytes, issued in turn (TF's
   // CommunicationOptions.bytes_per_pack). 0: one pack.
   std::int64_t bytes_per_pack = 0;
@@ -66,7 +71,7 @@ struct GlooOptions {
 
 // Connects rank options.rank to the others and returns its communicator (backend "gloo").
 // Blocks until every rank has connected; DeadlineExceeded naming the ranks that did not arrive
-// within options.timeout; InvalidArgument for bad options (rank out of range, no store, a label
+// within options.connect_timeout (else options.timeout); InvalidArgument for bad options (rank out of range, no store, a label
 // count that is not size); Unavailable when the store or a peer cannot be reached.
 //
 // all_reduce reduces float32, float64, int32 and int64 (SUM, MAX, MIN natively; MEAN is a SUM

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <random>
+#include <thread>
 
 #include "tandem/base/errors.h"
 #include "tandem/collective/detail/common.h"
@@ -27,7 +29,41 @@ std::string this_process() {
 
 std::string rank_key(int rank) { return fmt::format("rendezvous/rank/{}", rank); }
 std::string claim_key(int rank) { return fmt::format("rendezvous/claims/{}", rank); }
+// Which call of rendezvous() claimed the rank: its own retry is no duplicate.
+std::string claimant_key(int rank) { return fmt::format("rendezvous/claimant/{}", rank); }
+// The chief's setup ("<world_size> <setup>"), read by every other rank as soon as the chief has
+// arrived.
 constexpr const char* kWorldSizeKey = "rendezvous/world_size";
+// Arrivals in order ("<rank> <world_size> <setup>"), counted by kArrivalsKey, read by the chief as
+// they come: a rank of another world size may have an index the chief does not wait for.
+constexpr const char* kArrivalsKey = "rendezvous/arrivals";
+std::string arrival_key(std::int64_t n) { return fmt::format("rendezvous/arrival/{}", n); }
+// How often a waiting chief looks at new arrivals.
+constexpr auto kArrivalScanInterval = std::chrono::milliseconds(200);
+// Pause between two attempts at a store that was stale or went away.
+constexpr auto kRetryPause = std::chrono::milliseconds(500);
+
+std::string string_of(const std::vector<char>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+
+int int_of(std::string_view text) {
+  int value = -1;
+  std::from_chars(text.data(), text.data() + text.size(), value);
+  return value;
+}
+
+// "world_size 3" or "world_size 3 (--nnodes 3 --nproc_per_node 1)", from "<world_size> <setup>".
+std::string describe_setup(std::string_view record) {
+  const std::size_t space = record.find(' ');
+  const std::string_view world = record.substr(0, space);
+  const std::string_view setup = space == std::string_view::npos ? "" : record.substr(space + 1);
+  return setup.empty() ? fmt::format("world_size {}", world) : fmt::format("world_size {} ({})", world, setup);
+}
+
+// Thrown inside one attempt when this rank must leave the store and look for it again: it went
+// away, or it belongs to an earlier run.
+struct RetryLater {
+  std::string why;
+};
 
 class Names {
  public:
@@ -73,6 +109,179 @@ void validate(const RendezvousOptions& options) {
 
 }  // namespace
 
+namespace {
+
+// One rendezvous, from connecting to everybody's arrival: rendezvous() below retries it while a
+// store is stale or vanishes.
+class Meeting {
+ public:
+  Meeting(const RendezvousOptions& options, Clock::time_point deadline, std::chrono::milliseconds timeout)
+      : options_(options),
+        names_(options),
+        deadline_(deadline),
+        timeout_(timeout),
+        me_(fmt::format("{} (rank {} of {})", names_.label(options.rank), options.rank, options.world_size)),
+        prefix_(fmt::format("rendezvous at {}: ", options.address)),
+        who_(this_process()),
+        token_(fmt::format("{:x}", std::random_device{}()) + fmt::format("{:x}", std::random_device{}())) {}
+
+  const std::string& me() const { return me_; }
+  const std::string& prefix() const { return prefix_; }
+
+  std::chrono::milliseconds remaining() const {
+    return std::max(std::chrono::milliseconds(0),
+                    std::chrono::ceil<std::chrono::milliseconds>(deadline_ - Clock::now()));
+  }
+
+  // Connects to the store at store_address and meets the others there. `own_server`: this rank
+  // serves that store (it cannot be stale, and losing it is not worth a retry).
+  std::shared_ptr<Store> attempt(const std::string& store_address, bool own_server) {
+    const std::string run_prefix = fmt::format("run/{}/", options_.run_id);
+    TcpStoreOptions store_options;
+    store_options.connect_timeout = remaining();
+    store_options.label_of_server = options_.store_served_by_launcher ? "the launcher" : names_.label(0);
+    store_options.rank = options_.rank;
+    store_options.lost_key_prefix = run_prefix;
+    std::shared_ptr<Store> client;
+    try {
+      client = connect_tcp_store(store_address, store_options);
+    } catch (const DeadlineExceeded& e) {
+      throw DeadlineExceeded(
+          fmt::format("{}{} could not reach {}: {}", prefix_, me_, names_.label_and_address(0), e.what()));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("{}{}: {}", prefix_, me_, e.what()));
+    } catch (const Unavailable& e) {
+      if (own_server) throw Unavailable(fmt::format("{}{}: {}", prefix_, me_, e.what()));
+      throw RetryLater{e.what()};
+    }
+    auto store = make_prefix_store(client, run_prefix);
+    try {
+      meet(*store);
+    } catch (const Unavailable& e) {
+      if (own_server) throw;
+      throw RetryLater{fmt::format("lost the store while waiting for the other workers: {}", e.what())};
+    }
+    return store;
+  }
+
+ private:
+  void meet(Store& store) {
+    const int rank = options_.rank;
+    const int world_size = options_.world_size;
+    claim(store);
+    const std::string mine = fmt::format("{} {}", world_size, options_.setup);
+    if (rank == 0) store.set(kWorldSizeKey, to_bytes(mine));
+    // The arrival record before the rank key: once the chief sees every rank key, it has seen
+    // every arrival record too.
+    const std::int64_t n = store.add(kArrivalsKey, 1);
+    store.set(arrival_key(n), to_bytes(fmt::format("{} {}", rank, mine)));
+    store.set(rank_key(rank), to_bytes(who_));
+
+    if (rank != 0) {
+      // The chief's world size as soon as the chief is there, not after everybody is.
+      std::vector<char> bytes;
+      try {
+        bytes = store.get(kWorldSizeKey, remaining());
+      } catch (const DeadlineExceeded&) {
+        throw_missing(store);
+      }
+      const std::string chief = string_of(bytes);
+      if (chief != mine) {
+        throw InvalidArgument(fmt::format("{}{} was started with {}, but {} with {}: every task must be given the "
+                                          "same cluster",
+                                          prefix_, me_, describe_setup(mine), names_.label(0), describe_setup(chief)));
+      }
+    }
+    std::vector<std::string> keys;
+    for (int r = 0; r < world_size; ++r) keys.push_back(rank_key(r));
+    std::int64_t next_arrival = 1;
+    for (;;) {
+      if (rank == 0) next_arrival = check_arrivals(store, next_arrival);
+      const auto left = remaining();
+      try {
+        store.wait(keys, rank == 0 ? std::min(left, std::chrono::milliseconds(kArrivalScanInterval)) : left);
+        break;
+      } catch (const DeadlineExceeded&) {
+        if (remaining() > std::chrono::milliseconds(0)) continue;
+        throw_missing(store);
+        break;  // everybody arrived right at the deadline: a success
+      }
+    }
+    if (rank == 0) check_arrivals(store, next_arrival);
+  }
+
+  // Claims this rank with a counter: a second claim in the same run is a duplicate, unless the
+  // first claimant was this very process (an earlier attempt) or has died there (the store is
+  // an earlier run's: leave it and look again).
+  void claim(Store& store) {
+    const int rank = options_.rank;
+    if (store.add(claim_key(rank), 1) == 1) {
+      store.set(claimant_key(rank), to_bytes(token_));
+      return;
+    }
+    if (store.check(claimant_key(rank)) &&
+        string_of(store.get(claimant_key(rank), std::chrono::milliseconds(0))) == token_) {
+      return;
+    }
+    std::string first = "another process";
+    if (store.check(rank_key(rank))) first = string_of(store.get(rank_key(rank), std::chrono::milliseconds(0)));
+    if (store.check(lost_rank_key(rank))) {
+      throw RetryLater{fmt::format(
+          "the store belongs to an earlier run: rank {} was claimed there by {}, which has died", rank, first)};
+    }
+    throw InvalidArgument(
+        fmt::format("{}rank {} ({}) was claimed twice in run \"{}\" (first by {}, again by {}): "
+                    "two processes were started as rank {}; each task needs its own index",
+                    prefix_, rank, names_.label(rank), options_.run_id, first, who_, rank));
+  }
+
+  // The chief compares the world size of every rank that arrived since `next`; returns the next
+  // arrival to look at.
+  std::int64_t check_arrivals(Store& store, std::int64_t next) {
+    while (store.check(arrival_key(next))) {
+      const std::string record = string_of(store.get(arrival_key(next), std::chrono::milliseconds(0)));
+      const std::size_t space = record.find(' ');
+      const int rank = int_of(record.substr(0, space));
+      const std::string theirs = space == std::string::npos ? "" : record.substr(space + 1);
+      const std::string mine = fmt::format("{} {}", options_.world_size, options_.setup);
+      if (theirs != mine) {
+        throw InvalidArgument(fmt::format(
+            "{}{} was started with {}, but rank {} ({}) arrived with {}: every task must be given the same cluster",
+            prefix_, me_, describe_setup(mine), rank,
+            rank >= 0 && rank < options_.world_size ? names_.label(rank) : "a task outside this cluster",
+            describe_setup(theirs)));
+      }
+      ++next;
+    }
+    return next;
+  }
+
+  [[noreturn]] void throw_missing(Store& store) {
+    std::vector<int> missing;
+    for (int r = 0; r < options_.world_size; ++r) {
+      if (!store.check(rank_key(r))) missing.push_back(r);
+    }
+    std::string list;
+    for (const int r : missing) {
+      if (!list.empty()) list += ", ";
+      list += names_.label_and_address(r);
+    }
+    throw DeadlineExceeded(fmt::format("{}{} of {} workers did not arrive within {}: {}", prefix_, missing.size(),
+                                       options_.world_size, format_duration(timeout_), list));
+  }
+
+  const RendezvousOptions& options_;
+  const Names names_;
+  const Clock::time_point deadline_;
+  const std::chrono::milliseconds timeout_;
+  const std::string me_;
+  const std::string prefix_;
+  const std::string who_;
+  const std::string token_;  // this call's, to recognise its own claim after a retry
+};
+
+}  // namespace
+
 Rendezvous rendezvous(const RendezvousOptions& options) {
   validate(options);
   HostPort target;
@@ -87,108 +296,42 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
                  options.address, options.world_size - 1);
 
   const auto timeout = std::clamp(options.timeout, std::chrono::milliseconds(0), detail::kMaxTimeout);
-  const Clock::time_point deadline = Clock::now() + timeout;
-  const auto remaining = [&] {
-    return std::max(std::chrono::milliseconds(0),
-                    std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
-  };
-  const Names names(options);
-  const int rank = options.rank;
-  const int world_size = options.world_size;
-  const std::string me = fmt::format("{} (rank {} of {})", names.label(rank), rank, world_size);
-  const std::string prefix = fmt::format("rendezvous at {}: ", options.address);
+  Meeting meeting(options, Clock::now() + timeout, timeout);
 
   Rendezvous result;
-  result.rank = rank;
-  result.world_size = world_size;
+  result.rank = options.rank;
+  result.world_size = options.world_size;
 
   std::string store_address = options.address;
-  if (rank == 0) {
+  const bool own_server = options.rank == 0 && !options.store_served_by_launcher;
+  if (own_server) {
     try {
       result.server = TcpStoreServer::start(target.host, target.port);
     } catch (const AlreadyExists& e) {
-      throw AlreadyExists(fmt::format("{}{}: {}", prefix, me, e.what()));
+      throw AlreadyExists(fmt::format("{}{}: {}", meeting.prefix(), meeting.me(), e.what()));
     } catch (const Unavailable& e) {
-      throw Unavailable(fmt::format("{}{}: {}", prefix, me, e.what()));
+      throw Unavailable(fmt::format("{}{}: {}", meeting.prefix(), meeting.me(), e.what()));
     }
     // The server listens on every interface; loopback reaches it even where the cluster's name for
     // this machine does not route back to it.
     store_address = fmt::format("127.0.0.1:{}", result.server->port());
   }
 
-  TcpStoreOptions store_options;
-  store_options.connect_timeout = remaining();
-  store_options.label_of_server = names.label(0);
-  store_options.rank = rank;
-  const std::string run_prefix = fmt::format("run/{}/", options.run_id);
-  store_options.lost_key_prefix = run_prefix;
-  std::shared_ptr<Store> client;
-  try {
-    client = connect_tcp_store(store_address, store_options);
-  } catch (const DeadlineExceeded& e) {
-    throw DeadlineExceeded(
-        fmt::format("{}{} could not reach {}: {}", prefix, me, names.label_and_address(0), e.what()));
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("{}{}: {}", prefix, me, e.what()));
-  } catch (const Unavailable& e) {
-    throw Unavailable(fmt::format("{}{} lost {}: {}", prefix, me, names.label_and_address(0), e.what()));
-  }
-  result.store = make_prefix_store(client, run_prefix);
-  Store& store = *result.store;
-
-  try {
-    const std::string who = this_process();
-    if (store.add(claim_key(rank), 1) > 1) {
-      std::string first = "another process";
-      if (store.check(rank_key(rank))) {
-        const auto v = store.get(rank_key(rank), std::chrono::milliseconds(0));
-        first.assign(v.begin(), v.end());
-      }
-      throw InvalidArgument(
-          fmt::format("{}rank {} ({}) was claimed twice in run \"{}\" (first by {}, again by {}): "
-                      "two processes were started as rank {}; each task needs its own index",
-                      prefix, rank, names.label(rank), options.run_id, first, who, rank));
-    }
-    if (rank == 0) store.set(kWorldSizeKey, to_bytes(std::to_string(world_size)));
-    store.set(rank_key(rank), to_bytes(who));
-
-    std::vector<std::string> keys;
-    for (int r = 0; r < world_size; ++r) keys.push_back(rank_key(r));
+  for (;;) {
     try {
-      store.wait(keys, remaining());
-    } catch (const DeadlineExceeded&) {
-      std::vector<int> missing;
-      for (int r = 0; r < world_size; ++r) {
-        if (!store.check(rank_key(r))) missing.push_back(r);
+      result.store = meeting.attempt(store_address, own_server);
+      return result;
+    } catch (const RetryLater& retry) {
+      // A restarted worker met the previous run's store, or the store went away: the chief is being
+      // restarted too. Look again until the deadline.
+      const auto pause = std::min<std::chrono::milliseconds>(kRetryPause, meeting.remaining());
+      if (pause <= std::chrono::milliseconds(0)) {
+        throw DeadlineExceeded(fmt::format("{}{} found no usable store within {}; last: {}", meeting.prefix(),
+                                           meeting.me(), format_duration(timeout), retry.why));
       }
-      if (!missing.empty()) {
-        std::string list;
-        for (const int r : missing) {
-          if (!list.empty()) list += ", ";
-          list += names.label_and_address(r);
-        }
-        throw DeadlineExceeded(fmt::format("{}{} of {} workers did not arrive within {}: {}", prefix, missing.size(),
-                                           world_size, format_duration(timeout), list));
-      }
-      // Everybody arrived right at the deadline: that is a success.
+      std::this_thread::sleep_for(pause);
     }
-
-    if (rank != 0) {
-      const auto bytes = store.get(kWorldSizeKey, std::max(remaining(), std::chrono::milliseconds(1000)));
-      int chief_world_size = 0;
-      std::from_chars(bytes.data(), bytes.data() + bytes.size(), chief_world_size);
-      TANDEM_REQUIRE(chief_world_size == world_size, InvalidArgument,
-                     "{}{} was started with world_size {}, but {} with world_size {}: every task must be given the "
-                     "same cluster",
-                     prefix, me, world_size, names.label(0), chief_world_size);
-    }
-  } catch (const Unavailable& e) {
-    throw Unavailable(
-        fmt::format("{}{} lost the store of {} while waiting for the other workers (did {} exit or give "
-                    "up?): {}",
-                    prefix, me, names.label_and_address(0), names.label(0), e.what()));
   }
-  return result;
 }
 
 }  // namespace tandem::collective

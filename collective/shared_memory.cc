@@ -1033,7 +1033,7 @@ std::unique_ptr<Communicator> make_shared_memory_communicator(SharedMemoryOption
 
   Store& store = *options.store;
   const Layout layout = layout_of(config.size, config.slot_bytes);
-  const milliseconds timeout = config.timeout;
+  const milliseconds timeout = options.connect_timeout.value_or(config.timeout);
   NameRemover remover;
   Mapping mapping;
   // The k-th communicator of every rank meets the others' k-th under keys of its own.

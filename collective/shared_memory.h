@@ -46,6 +46,7 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -67,6 +68,8 @@ struct SharedMemoryOptions {
   // Meeting, and every collective whose CallOptions keep the default timeout (kDefaultTimeout); a
   // call that passes another timeout uses its own.
   std::chrono::milliseconds timeout = kDefaultTimeout;
+  // Meeting only, when set: a start-up bounds it by its own deadline (the rendezvous timeout).
+  std::optional<std::chrono::milliseconds> connect_timeout;
   // How messages name rank r ("worker 1 (127.0.0.1:2223)"). Empty: "rank r".
   std::vector<std::string> rank_labels;
   // Each rank's staging slot in the segment; larger calls go through it in pieces, two barriers

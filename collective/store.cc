@@ -111,6 +111,12 @@ class PrefixStore final : public Store {
 
 std::shared_ptr<Store> make_in_memory_store() { return std::make_shared<InMemoryStore>(); }
 
+std::string failed_call_key(int rank) { return fmt::format("tandem/failed_call/{}", rank); }
+
+bool is_job_wide_key(std::string_view key) {
+  return key.starts_with("tandem/lost/") || key.starts_with("tandem/failed_call/");
+}
+
 std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> inner, std::string prefix) {
   TANDEM_REQUIRE(inner != nullptr, InvalidArgument, "make_prefix_store(prefix \"{}\"): the inner store is null",
                  prefix);

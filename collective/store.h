@@ -52,4 +52,12 @@ std::shared_ptr<Store> make_in_memory_store();
 // Keys under a prefix ("gloo/", "nccl/"): several users share one store without clashing.
 std::shared_ptr<Store> make_prefix_store(std::shared_ptr<Store> inner, std::string prefix);
 
+// Keys about the whole job rather than one group, which every group of a job reads and writes
+// outside its own prefix (a store that gives each group a prefix must pass them through
+// unprefixed): tcp_store.h's lost_rank_key(r), and failed_call_key(r), where rank r records the
+// collective call it failed in ("gloo all_reduce #938 (float32, 1024 elements) on worker 1 in the
+// gradient group"), so that a peer waiting in another group of the job can say where r was.
+std::string failed_call_key(int rank);
+bool is_job_wide_key(std::string_view key);
+
 }  // namespace tandem::collective

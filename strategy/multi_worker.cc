@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 
 #include "tandem/base/env.h"
 #include "tandem/base/errors.h"
@@ -103,9 +104,9 @@ std::pair<std::int64_t, std::int64_t> replica_rows(std::int64_t n, std::int64_t 
   return {begin, rows_before(first + count) - begin};
 }
 
-// The keys of one Gloo group under its own prefix, except the store server's reports of lost
-// ranks (collective::lost_rank_key), which concern the whole job and are read where the server
-// writes them.
+// The keys of one Gloo group under its own prefix, except the keys about the whole job
+// (collective::is_job_wide_key: the store server's reports of lost ranks, the calls ranks failed
+// in), which every group reads where they are written.
 class GroupStore final : public collective::Store {
  public:
   GroupStore(std::shared_ptr<collective::Store> inner, std::string prefix)
@@ -124,8 +125,7 @@ class GroupStore final : public collective::Store {
 
  private:
   collective::Store& route(const std::string& key) {
-    static const std::string lost = collective::lost_rank_key(0).substr(0, collective::lost_rank_key(0).size() - 1);
-    return key.starts_with(lost) ? *inner_ : *prefixed_;
+    return collective::is_job_wide_key(key) ? *inner_ : *prefixed_;
   }
   std::shared_ptr<collective::Store> inner_, prefixed_;
 };
@@ -137,14 +137,17 @@ class CollectiveAllReduce final : public CrossDeviceOps {
  public:
   // shared_memory: the workers' gradients meet in a segment of this machine's memory instead of
   // going through TCP (every worker must be on this machine).
+  // first_connect_deadline: the start-up's deadline, which bounds connecting the first group
+  // (groups rebuilt later connect within the collective timeout).
   CollectiveAllReduce(std::shared_ptr<collective::Store> store, int rank, int workers, std::vector<std::string> labels,
-                      const CommunicationOptions& options, bool shared_memory)
+                      const CommunicationOptions& options, bool shared_memory, Clock::time_point first_connect_deadline)
       : store_(std::move(store)),
         rank_(rank),
         workers_(workers),
         labels_(std::move(labels)),
         options_(options),
-        shared_memory_(shared_memory) {}
+        shared_memory_(shared_memory),
+        first_connect_deadline_(first_connect_deadline) {}
 
   std::string name() const override { return "CollectiveAllReduce"; }
 
@@ -160,18 +163,26 @@ class CollectiveAllReduce final : public CrossDeviceOps {
     // the old ones' addresses in the store.
     const int generation = generation_++;
     auto group_store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
+    const auto connect_timeout =
+        generation == 0 ? std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(
+                                                                     first_connect_deadline_ - Clock::now()))
+                        : collective_timeout(options_);
     if (gpus) return make_gpu_group(devices, std::move(group_store));
     TANDEM_REQUIRE(options_.implementation != CommunicationImplementation::kNccl, InvalidArgument,
                    "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas; this worker's "
                    "devices are CPUs (use kAuto, kRing or kSharedMemory)");
     std::unique_ptr<collective::Communicator> cross;
     if (shared_memory_) {
-      cross = collective::make_shared_memory_communicator(member_options<collective::SharedMemoryOptions>(
-          rank_, workers_, std::move(group_store), collective_timeout(options_), labels_));
+      auto shm = member_options<collective::SharedMemoryOptions>(rank_, workers_, std::move(group_store),
+                                                                 collective_timeout(options_), labels_);
+      shm.connect_timeout = connect_timeout;
+      cross = collective::make_shared_memory_communicator(std::move(shm));
     } else {
       auto gloo = member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
                                                           collective_timeout(options_), labels_);
       gloo.bytes_per_pack = options_.bytes_per_pack;
+      gloo.connect_timeout = connect_timeout;
+      gloo.group_name = "gradient";
       cross = collective::make_gloo_communicator(std::move(gloo));
     }
     if (devices.size() == 1) {
@@ -215,6 +226,7 @@ class CollectiveAllReduce final : public CrossDeviceOps {
   std::vector<std::string> labels_;
   CommunicationOptions options_;
   bool shared_memory_;
+  Clock::time_point first_connect_deadline_;
   mutable int generation_ = 0;
 };
 
@@ -230,6 +242,13 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::unique_ptr<collective::Communicator> control;  // null on a single worker
   std::shared_ptr<CrossDeviceOps> cross_device_ops;
   AutoShardPolicy policy = AutoShardPolicy::kAuto;
+  Clock::time_point connect_deadline{};
+
+  // What is left of the start-up's deadline for connecting a communicator (at least 1 ms).
+  std::chrono::milliseconds connect_time_left() const {
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::ceil<std::chrono::milliseconds>(connect_deadline - Clock::now()));
+  }
 
   static std::unique_ptr<Impl> connect(MultiWorkerOptions options);
   std::string label(int r) const {
@@ -292,11 +311,18 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     for (int r = 0; r < impl->workers; ++r) rv.task_addresses.push_back(resolver.expected_address(r));
     rv.timeout = rendezvous_timeout(options);
     rv.run_id = std::to_string(resolver.restart_count());
+    rv.store_served_by_launcher = env::get_bool(env::kLauncherStore);
+    // Connecting the communicators is part of the start-up: it ends by the rendezvous deadline,
+    // not the collective timeout.
+    impl->connect_deadline = Clock::now() + rv.timeout;
     impl->rendezvous = collective::rendezvous(rv);
 
-    impl->control = collective::make_gloo_communicator(member_options<collective::GlooOptions>(
+    auto control = member_options<collective::GlooOptions>(
         impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
-        collective_timeout(options.communication_options), impl->labels));
+        collective_timeout(options.communication_options), impl->labels);
+    control.connect_timeout = impl->connect_time_left();
+    control.group_name = "control";
+    impl->control = collective::make_gloo_communicator(std::move(control));
     // Workers that all share this machine exchange gradients through its memory (TCP over
     // loopback costs a kernel copy of every byte, twice): AUTO picks shared memory then.
     const auto implementation = options.communication_options.implementation;
@@ -308,7 +334,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     const bool shared_memory = implementation == CommunicationImplementation::kSharedMemory ||
                                (implementation == CommunicationImplementation::kAuto && all_local);
     impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(
-        impl->rendezvous.store, impl->rank, impl->workers, impl->labels, options.communication_options, shared_memory);
+        impl->rendezvous.store, impl->rank, impl->workers, impl->labels, options.communication_options, shared_memory,
+        impl->connect_deadline);
   } else {
     impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
   }
@@ -334,7 +361,9 @@ MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions opti
 }
 
 MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
-  if (impl_->control == nullptr) return;
+  // Destroyed while an error propagates (a collective failed, a peer is frozen or gone): waiting
+  // for the peers would only delay the report, by up to the collective timeout.
+  if (impl_->control == nullptr || std::uncaught_exceptions() > 0) return;
   try {
     impl_->control->barrier({.timeout = std::min<std::chrono::milliseconds>(
                                  kClosingBarrierTimeout, collective_timeout(impl_->options.communication_options))});

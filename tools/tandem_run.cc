@@ -39,6 +39,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "coordination.h"
+#include "tandem/base/env.h"
+
 extern char** environ;
 
 namespace {
@@ -82,6 +85,7 @@ constexpr std::string_view kManagedVariables[] = {"TF_CONFIG",
                                                   "TANDEM_LOCAL_RANK",
                                                   "TANDEM_LOCAL_WORLD_SIZE",
                                                   "TANDEM_RESTART_COUNT",
+                                                  "TANDEM_LAUNCHER_STORE",
                                                   "TANDEM_LAUNCHER"};
 
 // The --help text around CLI11's list of options.
@@ -542,23 +546,47 @@ struct AttemptOutcome {
 
 class Launcher {
  public:
-  Launcher(Options options, int signal_pipe) : options_(std::move(options)), signal_pipe_(signal_pipe) {
+  Launcher(Options options, int signal_pipe, int wake_fd) : options_(std::move(options)), signal_pipe_(signal_pipe) {
     program_path_ = resolve_program(options_.program[0]);
     if (options_.master_port == 0) options_.master_port = pick_free_ports(options_.nproc_per_node);
     devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (devnull_ < 0) throw LaunchError(1, fmt::format("cannot open /dev/null: {}", errno_text(errno)));
+    try {
+      coordinator_ = std::make_unique<tandem::tools::Coordinator>(tandem::tools::CoordinationOptions{
+          .master_addr = options_.master_addr,
+          .master_port = options_.master_port,
+          .node_rank = options_.node_rank,
+          .nnodes = options_.nnodes,
+          .setup = fmt::format("--nnodes {} --nproc_per_node {} --max_restarts {}", options_.nnodes,
+                               options_.nproc_per_node, options_.max_restarts),
+          .timeout = tandem::env::get_seconds(tandem::env::kRendezvousTimeout),
+          .wake_fd = wake_fd});
+    } catch (const std::exception& e) {
+      throw LaunchError(1, e.what());
+    }
   }
   ~Launcher() { close_fd(devnull_); }
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
 
   // Runs the group, restarting it after failures while restarts remain; returns the exit code.
+  // Every round starts with all nodes' launchers meeting (coordination.h), so that all nodes
+  // restart in step and count the same rounds.
   int run() {
     for (int restart = 0;; ++restart) {
-      const AttemptOutcome outcome = run_attempt(restart);
+      try {
+        coordinator_->meet(restart);
+      } catch (const std::exception& e) {
+        throw LaunchError(1, e.what());
+      }
+      AttemptOutcome outcome = run_attempt(restart);
+      if (outcome.kind == AttemptOutcome::Kind::kSucceeded) outcome = await_other_nodes();
       switch (outcome.kind) {
-        case AttemptOutcome::Kind::kSucceeded: return 0;
-        case AttemptOutcome::Kind::kSignalled: return outcome.exit_code;
+        case AttemptOutcome::Kind::kSucceeded: coordinator_->finish(); return 0;
+        case AttemptOutcome::Kind::kSignalled:
+          coordinator_->report_failure(fmt::format("tandem-run was stopped by {}", signal_name(outcome.exit_code - 128)),
+                                       outcome.exit_code);
+          return outcome.exit_code;
         case AttemptOutcome::Kind::kWorkerFailed: break;
       }
       if (restart >= options_.max_restarts) {
@@ -609,6 +637,7 @@ class Launcher {
     env.push_back(fmt::format("TANDEM_LOCAL_RANK={}", local_rank));
     env.push_back(fmt::format("TANDEM_LOCAL_WORLD_SIZE={}", n));
     env.push_back(fmt::format("TANDEM_RESTART_COUNT={}", restart));
+    env.push_back("TANDEM_LAUNCHER_STORE=1");
     env.push_back("TANDEM_LAUNCHER=tandem-run");
     return env;
   }
@@ -730,7 +759,7 @@ class Launcher {
     unsigned char buffer[64];
     for (ssize_t n; (n = ::read(signal_pipe_, buffer, sizeof buffer)) > 0;) {
       for (ssize_t i = 0; i < n; ++i) {
-        if (buffer[i] != SIGCHLD && found == 0) found = buffer[i];
+        if (buffer[i] != SIGCHLD && buffer[i] != tandem::tools::kWakeByte && found == 0) found = buffer[i];
       }
     }
     return found;
@@ -758,6 +787,8 @@ class Launcher {
 
     const auto begin_stop = [&](int sig) {
       signal_groups(workers, sig, /*only_running=*/false);
+      // A stopped (frozen) worker handles the signal only once it runs again.
+      if (sig != SIGKILL) signal_groups(workers, SIGCONT, /*only_running=*/true);
       if (!stopping) stop_deadline = Clock::now() + options_.stop_timeout;
       stopping = true;
     };
@@ -835,7 +866,7 @@ class Launcher {
         for (ssize_t got; (got = ::read(signal_pipe_, buffer, sizeof buffer)) > 0;) {
           for (ssize_t i = 0; i < got; ++i) {
             const int sig = buffer[i];
-            if (sig == SIGCHLD) continue;
+            if (sig == SIGCHLD || sig == tandem::tools::kWakeByte) continue;
             if (launcher_signal == 0) {
               launcher_signal = sig;
               say(fmt::format("received {}; forwarding it to the workers", signal_name(sig)));
@@ -861,6 +892,16 @@ class Launcher {
         outcome.failure = describe_exit(*w);
         say(outcome.failure);
         begin_stop(SIGTERM);
+        coordinator_->report_failure(outcome.failure, outcome.exit_code);
+      }
+      // Another node's worker failed (or the job's store is gone): this node's workers stop too.
+      const auto event = coordinator_->event();
+      if (!stopping && (event == Coordinator::Event::kFailed || event == Coordinator::Event::kStoreLost)) {
+        outcome.kind = AttemptOutcome::Kind::kWorkerFailed;
+        outcome.exit_code = event == Coordinator::Event::kFailed ? coordinator_->failure_exit_code() : 1;
+        outcome.failure = coordinator_->failure();
+        say(fmt::format("{}; stopping the workers of this node", outcome.failure));
+        begin_stop(SIGTERM);
       }
     }
 
@@ -880,10 +921,41 @@ class Launcher {
     return outcome;
   }
 
+  // After every worker of this node exited 0: says so, and waits until every node has (success)
+  // or the round failed elsewhere (a restart for this node too), or a signal ends the job.
+  AttemptOutcome await_other_nodes() {
+    coordinator_->report_done();
+    AttemptOutcome outcome;
+    for (;;) {
+      if (const int sig = take_pending_terminating_signal()) {
+        say(fmt::format("received {}; stopping", signal_name(sig)));
+        return {AttemptOutcome::Kind::kSignalled, 128 + sig, ""};
+      }
+      switch (coordinator_->event()) {
+        case Coordinator::Event::kAllDone: return outcome;
+        case Coordinator::Event::kStoreLost:
+          // This node's part is done; node 0's launcher has gone, most likely after the others did.
+          return outcome;
+        case Coordinator::Event::kFailed:
+          outcome.kind = AttemptOutcome::Kind::kWorkerFailed;
+          outcome.exit_code = coordinator_->failure_exit_code();
+          outcome.failure = coordinator_->failure();
+          say(outcome.failure);
+          return outcome;
+        case Coordinator::Event::kNone: break;
+      }
+      pollfd p{signal_pipe_, POLLIN, 0};
+      ::poll(&p, 1, static_cast<int>(kPollInterval.count()));
+    }
+  }
+
+  using Coordinator = tandem::tools::Coordinator;
+
   Options options_;
   int signal_pipe_;
   std::string program_path_;
   int devnull_ = -1;
+  std::unique_ptr<Coordinator> coordinator_;
 };
 
 }  // namespace
@@ -902,7 +974,7 @@ int main(int argc, char** argv) {
   }
   try {
     const int signal_pipe = install_signal_handlers();
-    Launcher launcher(std::move(options), signal_pipe);
+    Launcher launcher(std::move(options), signal_pipe, g_signal_pipe_write);
     return launcher.run();
   } catch (const LaunchError& e) {
     say(fmt::format("failed: {}", e.what()));

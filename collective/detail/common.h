@@ -36,8 +36,24 @@ using Clock = std::chrono::steady_clock;
 // Timeouts beyond a year are a year: the clock arithmetic must not overflow.
 constexpr std::chrono::milliseconds kMaxTimeout = std::chrono::hours(24 * 365);
 
-// now + timeout, with the timeout clamped to [0, kMaxTimeout].
+// now + timeout, with the timeout clamped to [0, kMaxTimeout], and no later than the innermost
+// DeadlineScope of this thread.
 Clock::time_point deadline_after(std::chrono::milliseconds timeout);
+
+// While it lives, every deadline this thread takes from deadline_after ends by `deadline`: the
+// store calls of a failed collective's diagnosis (the TCP store's client measures every request
+// with deadline_after) end by the call's own deadline, even when the store's server is frozen or
+// cut off by a partition. Scopes nest; the earliest deadline wins.
+class DeadlineScope {
+ public:
+  explicit DeadlineScope(Clock::time_point deadline);
+  ~DeadlineScope();
+  DeadlineScope(const DeadlineScope&) = delete;
+  DeadlineScope& operator=(const DeadlineScope&) = delete;
+
+ private:
+  std::optional<Clock::time_point> saved_;
+};
 
 // "250 ms", "5 s", "2.5 s": how messages print a timeout.
 std::string format_duration(std::chrono::milliseconds d);

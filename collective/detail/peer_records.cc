@@ -88,8 +88,9 @@ void PeerRecords::forget_earlier_losses() {
   }
 }
 
-bool PeerRecords::record_failure(std::uint64_t issued, FailureCause cause) noexcept {
+bool PeerRecords::record_failure(std::uint64_t issued, FailureCause cause, std::string_view call) noexcept {
   try {
+    if (!call.empty()) store_->set(failed_call_key(rank_), bytes_of(call));
     store_->set(key("progress", rank_), bytes_of(fmt::format("{} {}", issued, cause_name(cause))));
     return true;
   } catch (const std::exception&) {
@@ -130,6 +131,7 @@ PeerSurvey PeerRecords::survey(std::uint64_t seq, std::chrono::milliseconds grac
   PeerSurvey s;
   const auto n = static_cast<std::size_t>(size_);
   std::vector<bool> reached(n, false), lost(n, false), aborted(n, false);
+  std::vector<std::string> elsewhere(n);  // the call a peer that never reached this one failed in
   reached[static_cast<std::size_t>(rank_)] = true;
   const auto deadline = Clock::now() + grace;
   try {
@@ -143,6 +145,11 @@ PeerSurvey PeerRecords::survey(std::uint64_t seq, std::chrono::milliseconds grac
           if (reached[qu] && p.issued == seq + 1 && p.timed_out) s.peer_timed_out = true;
         }
         if (!lost[qu] && lost_now(q)) lost[qu] = true;
+        if (!reached[qu] && elsewhere[qu].empty() && !store_->check(key("progress", q)) &&
+            store_->check(failed_call_key(q))) {
+          const std::vector<char> call = store_->get(failed_call_key(q), grace);
+          elsewhere[qu].assign(call.begin(), call.end());
+        }
         if (!aborted[qu] && store_->check(key("aborted", q))) {
           const std::vector<char> reason = store_->get(key("aborted", q), grace);
           aborted[qu] = true;
@@ -151,7 +158,7 @@ PeerSurvey PeerRecords::survey(std::uint64_t seq, std::chrono::milliseconds grac
       }
       bool accounted = true, culprit = false;
       for (std::size_t q = 0; q < n; ++q) {
-        accounted = accounted && (reached[q] || lost[q] || aborted[q]);
+        accounted = accounted && (reached[q] || lost[q] || aborted[q] || !elsewhere[q].empty());
         culprit = culprit || lost[q] || aborted[q];
       }
       if (accounted || (stop_at_culprit && culprit) || Clock::now() >= deadline) break;
@@ -167,6 +174,7 @@ PeerSurvey PeerRecords::survey(std::uint64_t seq, std::chrono::milliseconds grac
       s.lost.push_back(q);
     } else if (!reached[qu] && !aborted[qu]) {
       s.behind.push_back(q);
+      if (!elsewhere[qu].empty()) s.elsewhere.emplace_back(q, elsewhere[qu]);
     }
   }
   return s;

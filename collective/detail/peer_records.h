@@ -9,7 +9,11 @@
 //                     failed in it too) from those that never did;
 //   aborted/<rank>    the reason a rank gave to abort();
 //   tandem/lost/<rank> (tcp_store.h's lost_rank_key, outside the group's prefix) set by the TCP
-//                     store's server when that rank's process died.
+//                     store's server when that rank's process died;
+//   tandem/failed_call/<rank> (store.h's failed_call_key, outside the group's prefix too) the call
+//                     a rank failed in, in words, so that a peer of another group of the same
+//                     job (a strategy's control group beside its gradient group) can tell "it
+//                     never reached this call" from "it was waiting in another call".
 // PeerRecords writes and reads these keys under the group's prefix and words the verdicts the
 // backends share ("lost rank 2 of 3: its process died ..."). Writes never throw (a store that cannot
 // be reached is itself a finding); reads throw what the store throws, except survey(), which
@@ -52,6 +56,7 @@ struct PeerSurvey {
   std::vector<int> lost;                             // died (in rank order)
   std::vector<std::pair<int, std::string>> aborted;  // aborted the group, with their reasons
   std::vector<int> behind;                           // neither reached the call nor died nor aborted
+  std::vector<std::pair<int, std::string>> elsewhere;  // of `behind`: failed in another call (named)
   bool peer_timed_out = false;                       // a peer that reached the call timed out in it
 };
 
@@ -70,8 +75,9 @@ class PeerRecords {
   void forget_earlier_losses();
 
   // Records that this rank failed after issuing `issued` collectives (the failed one included),
-  // and why. False when the store cannot be reached.
-  bool record_failure(std::uint64_t issued, FailureCause cause) noexcept;
+  // and why; `call`, when given, names the call for peers of other groups (failed_call_key).
+  // False when the store cannot be reached.
+  bool record_failure(std::uint64_t issued, FailureCause cause, std::string_view call = {}) noexcept;
   // Records that this rank aborted the group with `reason`, having issued `issued` collectives.
   void record_abort(std::uint64_t issued, std::string_view reason) noexcept;
 
@@ -81,8 +87,8 @@ class PeerRecords {
   std::vector<int> lost_peers();
 
   // Reads the peers' records about call number `seq` for up to `grace`, until every peer is
-  // accounted for (it reached the call, died or aborted), or, with stop_at_culprit, until one died
-  // or aborted.
+  // accounted for (it reached the call, died, aborted, or failed in another group's call), or, with
+  // stop_at_culprit, until one died or aborted.
   PeerSurvey survey(std::uint64_t seq, std::chrono::milliseconds grace, bool stop_at_culprit);
 
   // "rank 1 of 3", "ranks 1, 2 of 3", "worker 1, worker 2".

@@ -103,7 +103,7 @@ int main(int argc, char** argv) {
   if (print_env) {
     for (const char* name :
          {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-          "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER"}) {
+          "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER_STORE", "TANDEM_LAUNCHER"}) {
       const char* v = std::getenv(name);
       line(v ? std::string(name) + "=" + v : std::string(name) + " unset");
     }

@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <functional>
@@ -22,7 +23,11 @@
 #include <thread>
 #include <vector>
 
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
 #include <nlohmann/json.hpp>
+#include <sys/socket.h>
 
 extern char** environ;
 
@@ -260,19 +265,50 @@ TEST_CASE("one node: TF_CONFIG names every worker, index = rank; TANDEM_* are se
   }
 }
 
+// A port nothing listens on now (the kernel's pick for a socket bound to port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0);
+  socklen_t size = sizeof address;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+// Node 1's launcher of a two-node job (args), with node 0's started beside it (the same args with
+// --node_rank 0): the launchers meet through node 0's store before any worker starts.
+Result run_node_1(std::vector<std::string> args, const std::vector<std::string>& extra_env = {}) {
+  std::vector<std::string> node_0 = args;
+  const auto node_rank = std::find(node_0.begin(), node_0.end(), "--node_rank");
+  REQUIRE(node_rank != node_0.end());
+  *(node_rank + 1) = "0";
+  Launch first(node_0, extra_env);
+  Result r = run_launcher(args, extra_env);
+  const Result r0 = first.finish();
+  CHECK_MESSAGE(r0.exit_code == 0, "node 0: ", r0.err);
+  return r;
+}
+
 TEST_CASE("several nodes with --hosts: TF_CONFIG lists every node's workers") {
-  // The probe binds nothing, so a fixed port here is only data (--master_port 0 needs one node).
-  const Result r = run_launcher({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_port", "29500",
-                                 "--hosts", "127.0.0.1,127.0.0.2", "--", kProbe, "--print-env"});
+  const std::string port = std::to_string(free_port());
+  const Result r = run_node_1({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_port", port,
+                               "--hosts", "127.0.0.1,127.0.0.2", "--", kProbe, "--print-env"});
   INFO("stderr: ", r.err);
   REQUIRE(r.exit_code == 0);
+  const int p = std::stoi(port);
   const auto lines = by_rank(r.out);
   for (int rank : {2, 3}) {
     CAPTURE(rank);
     const nlohmann::json tf = nlohmann::json::parse(env_of(lines, rank, "TF_CONFIG"));
     CHECK(tf.at("task").at("index") == rank);
+    const auto at = [&](const char* host, int k) { return fmt::format("{}:{}", host, p + k); };
     CHECK(tf.at("cluster").at("worker") ==
-          nlohmann::json::array({"127.0.0.1:29500", "127.0.0.1:29501", "127.0.0.2:29500", "127.0.0.2:29501"}));
+          nlohmann::json::array({at("127.0.0.1", 0), at("127.0.0.1", 1), at("127.0.0.2", 0), at("127.0.0.2", 1)}));
+    CHECK(env_of(lines, rank, "TANDEM_LAUNCHER_STORE") == "1");
     CHECK(env_of(lines, rank, "TANDEM_LOCAL_RANK") == std::to_string(rank - 2));
     CHECK(env_of(lines, rank, "RANK") == "unset");
   }
@@ -280,10 +316,10 @@ TEST_CASE("several nodes with --hosts: TF_CONFIG lists every node's workers") {
 }
 
 TEST_CASE("several nodes without --hosts: torchrun's variables instead of TF_CONFIG") {
-  // As above, the port is only data: nothing listens on it.
-  const Result r = run_launcher({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr",
-                                 "10.1.2.3", "--master_port", "29500", "--", kProbe, "--print-env"},
-                                {"TF_CONFIG=stale"});
+  const std::string port = std::to_string(free_port());
+  const Result r = run_node_1({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr",
+                               "127.0.0.1", "--master_port", port, "--", kProbe, "--print-env"},
+                              {"TF_CONFIG=stale"});
   INFO("stderr: ", r.err);
   REQUIRE(r.exit_code == 0);
   const auto lines = by_rank(r.out);
@@ -291,8 +327,8 @@ TEST_CASE("several nodes without --hosts: torchrun's variables instead of TF_CON
     const int rank = 2 + local;
     CAPTURE(rank);
     CHECK(env_of(lines, rank, "TF_CONFIG") == "unset");
-    CHECK(env_of(lines, rank, "MASTER_ADDR") == "10.1.2.3");
-    CHECK(env_of(lines, rank, "MASTER_PORT") == "29500");
+    CHECK(env_of(lines, rank, "MASTER_ADDR") == "127.0.0.1");
+    CHECK(env_of(lines, rank, "MASTER_PORT") == port);
     CHECK(env_of(lines, rank, "RANK") == std::to_string(rank));
     CHECK(env_of(lines, rank, "WORLD_SIZE") == "4");
     CHECK(env_of(lines, rank, "LOCAL_RANK") == std::to_string(local));
@@ -387,6 +423,44 @@ TEST_CASE("--max_restarts 1: a failure on attempt 0 only is restarted once and t
   CHECK(count(r.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
   CHECK(count(r.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);
   CHECK(r.out.find("TANDEM_RESTART_COUNT=2") == std::string::npos);
+}
+
+TEST_CASE("two nodes restart in step: a worker killed on node 1 restarts node 0's workers too, in the same round") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node", "1",  "--nnodes",     "2",         "--node_rank", "0",
+                                      "--master_port",    port, "--max_restarts", "1",       "--",          kProbe,
+                                      "--print-env",      "--ready", "--kill-self", "1",     "--sleep",     "2"};
+  std::vector<std::string> node_1 = args;
+  node_1[5] = "1";
+  Launch first(args);
+  const Result r1 = run_launcher(node_1);
+  const Result r0 = first.finish();
+  INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
+  CHECK(r0.exit_code == 0);
+  CHECK(r1.exit_code == 0);
+  CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
+  CHECK(count(r0.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);  // node 0 followed node 1's failure
+  CHECK(r0.err.find("node 1: rank 1 (pid ") != std::string::npos);
+  CHECK(r0.out.find("TANDEM_RESTART_COUNT=2") == std::string::npos);
+  CHECK(r0.seconds < 15);  // not 2 s of sleep per worker plus a timeout: node 0 stopped at once
+}
+
+TEST_CASE("two nodes started with different --nnodes both fail at once, naming both") {
+  const std::string port = std::to_string(free_port());
+  Launch first({"--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "0", "--master_port", port, "--", kProbe},
+               {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  const Result r1 = run_launcher(
+      {"--nproc_per_node", "1", "--nnodes", "3", "--node_rank", "1", "--master_port", port, "--", kProbe},
+      {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  const Result r0 = first.finish();
+  INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
+  CHECK(r0.exit_code == 1);
+  CHECK(r1.exit_code == 1);
+  CHECK(r0.seconds < 10);
+  CHECK(r1.seconds < 10);
+  CHECK(r1.err.find("was started with world_size 3 (--nnodes 3 --nproc_per_node 1 --max_restarts 0), but node 0 with "
+                    "world_size 2 (--nnodes 2 --nproc_per_node 1 --max_restarts 0)") != std::string::npos);
+  CHECK(r0.err.find("arrived with world_size 3 (--nnodes 3") != std::string::npos);
 }
 
 TEST_CASE("--max_restarts 1: a failure on every attempt ends after two attempts with its exit code") {
