@@ -333,6 +333,14 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   auto& trainer = trainer_for(s, data.element_spec(), true);
   const std::int64_t steps = steps_of(data, options.steps_per_epoch);
   TANDEM_REQUIRE(steps != 0, InvalidArgument, "model \"{}\": the training data is empty", s.name);
+  // Workers that would train differently meet in different collectives much later: compare now.
+  std::string batches;
+  for (const auto& spec : data.element_spec()) batches += fmt::format("{}{} {}", batches.empty() ? "" : ", ", spec.dtype, spec.shape);
+  s.strategy->check_workers_agree(
+      "fit", {{"batches of", batches},
+              {"steps per epoch", steps < 0 ? "unknown" : std::to_string(steps)},
+              {"epochs", fmt::format("{} from epoch {}", options.epochs, options.initial_epoch)},
+              {"parameters", std::to_string(count_params())}});
 
   std::vector<CallbackPtr> list = options.callbacks;
   // Under a multi-worker strategy only the chief prints, unless asked otherwise.

@@ -35,6 +35,8 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kClosingBarrierTimeout = std::chrono::seconds(30);
 // The variable descriptor compared across workers at creation: name, dtype and shape, as text.
 constexpr std::size_t kDescriptorBytes = 256;
+// The facts compared before fit (check_workers_agree), as text.
+constexpr std::size_t kFactsBytes = 1024;
 
 std::chrono::milliseconds collective_timeout(const CommunicationOptions& options) {
   if (options.timeout_seconds <= 0) return collective::kDefaultTimeout;
@@ -257,6 +259,20 @@ struct MultiWorkerMirroredStrategy::Impl {
   collective::CallOptions call_options() const {
     return {.timeout = collective_timeout(options.communication_options)};
   }
+  // Every worker's `mine` (up to `bytes` - 1 bytes of it), gathered through the control group.
+  std::vector<std::string> gather_text(const std::string& mine, std::size_t bytes) const {
+    const auto words = static_cast<std::int64_t>(bytes / 8);
+    Tensor descriptor = Tensor::zeros({words}, DType::kI64);
+    std::memcpy(descriptor.raw_data(), mine.data(), std::min(mine.size(), bytes - 1));
+    Tensor all = Tensor::zeros({workers * words}, DType::kI64);
+    control->all_gather(descriptor, all, call_options());
+    std::vector<std::string> texts;
+    for (int r = 0; r < workers; ++r) {
+      const char* p = static_cast<const char*>(all.raw_data()) + static_cast<std::size_t>(r) * bytes;
+      texts.emplace_back(p, strnlen(p, bytes));
+    }
+    return texts;
+  }
 };
 
 std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::Impl::connect(
@@ -385,17 +401,10 @@ void MultiWorkerMirroredStrategy::agree_on_variable(VariableOptions& options) {
   // 1. Every worker must be creating the same variable: compare descriptors, naming both sides.
   const std::string mine =
       fmt::format("\"{}\" {} {}", options.name, options.initial_value.dtype(), options.initial_value.shape());
-  Tensor descriptor = Tensor::zeros({static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
-  std::memcpy(descriptor.raw_data(), mine.data(), std::min(mine.size(), kDescriptorBytes - 1));
-  Tensor all = Tensor::zeros({impl_->workers * static_cast<std::int64_t>(kDescriptorBytes / 8)}, DType::kI64);
-  control.all_gather(descriptor, all, impl_->call_options());
-  const auto text_of = [&](int r) {
-    const char* p = static_cast<const char*>(all.raw_data()) + static_cast<std::size_t>(r) * kDescriptorBytes;
-    return std::string(p, strnlen(p, kDescriptorBytes));
-  };
-  const std::string chief = text_of(0);
+  const std::vector<std::string> all = impl_->gather_text(mine, kDescriptorBytes);
+  const std::string& chief = all[0];
   for (int r = 1; r < impl_->workers; ++r) {
-    const std::string theirs = text_of(r);
+    const std::string& theirs = all[static_cast<std::size_t>(r)];
     TANDEM_REQUIRE(theirs == chief, InvalidArgument,
                    "MultiWorkerMirroredStrategy: {} creates variable {} where {} creates {}: every worker must build "
                    "the same model (same layers, in the same order)",
@@ -407,6 +416,31 @@ void MultiWorkerMirroredStrategy::agree_on_variable(VariableOptions& options) {
     Tensor value = options.initial_value.to(devices::default_cpu_device()).clone();
     control.broadcast(value, 0, impl_->call_options());
     options.initial_value = value;
+  }
+}
+
+void MultiWorkerMirroredStrategy::check_workers_agree(std::string_view what,
+                                                      const std::vector<std::pair<std::string, std::string>>& facts) {
+  if (impl_->control == nullptr) return;
+  // One line per fact; the values, not their names, differ between workers.
+  std::string mine;
+  for (const auto& [name, value] : facts) mine += fmt::format("{}\n", value);
+  const std::vector<std::string> all = impl_->gather_text(mine, kFactsBytes);
+  for (int r = 1; r < impl_->workers; ++r) {
+    const std::string& theirs = all[static_cast<std::size_t>(r)];
+    if (theirs == all[0]) continue;
+    const auto line = [](const std::string& text, std::size_t i) {
+      std::size_t begin = 0;
+      for (; i > 0 && begin != std::string::npos; --i) begin = text.find('\n', begin) + 1;
+      const std::size_t end = text.find('\n', begin);
+      return text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    };
+    std::size_t k = 0;
+    while (k + 1 < facts.size() && line(theirs, k) == line(all[0], k)) ++k;
+    throw InvalidArgument(fmt::format(
+        "MultiWorkerMirroredStrategy: {} on {} has {} {} where {} has {}: every worker must run the same {} (the same "
+        "program with the same dataset, batch size and options)",
+        what, impl_->label(r), facts[k].first, line(theirs, k), impl_->label(0), line(all[0], k), what));
   }
 }
 

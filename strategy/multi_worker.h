@@ -105,6 +105,8 @@ class MultiWorkerMirroredStrategy final : public Strategy {
 
   void sum_across_workers(std::span<double> values) override;
   void broadcast_from_chief(std::span<Tensor> host_values) override;
+  void check_workers_agree(std::string_view what,
+                           const std::vector<std::pair<std::string, std::string>>& facts) override;
 
  protected:
   std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,

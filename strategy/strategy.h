@@ -139,6 +139,13 @@ class Strategy {
   virtual void sum_across_workers(std::span<double> /*values*/) {}
   // Replaces each host tensor by the chief's. Same rules as sum_across_workers.
   virtual void broadcast_from_chief(std::span<Tensor> /*host_values*/) {}
+  // Checks that every worker is about to do the same thing: `what` ("fit") and `facts`, pairs of
+  // a name and its value in words ({"steps per epoch", "235"}), are compared with the chief's;
+  // a difference is InvalidArgument on every worker naming the fact, both workers and both
+  // values, before any step runs (workers that disagree would otherwise meet in different
+  // collectives much later). Same rules as sum_across_workers; a no-op on one worker.
+  virtual void check_workers_agree(std::string_view /*what*/,
+                                   const std::vector<std::pair<std::string, std::string>>& /*facts*/) {}
 
   // One worker's share of each global batch, and the global batch's size (what the loss is
   // scaled by). Returned by iterate_for_worker.

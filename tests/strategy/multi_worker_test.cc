@@ -374,6 +374,23 @@ TEST_CASE("a worker with a different model: every worker names both sides") {
   }
 }
 
+TEST_CASE("workers started with different global batches fail before the first step, naming both") {
+  // Once, they ran in step until the one with fewer steps per epoch issued its end-of-epoch sums
+  // while the other was still all-reducing gradients, and each blamed the other at the timeout.
+  testing::TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  const auto codes = run_workers(dir.path().string(), 2, {"--timeout", "60"}, {{1, {"--batch", "32"}}});
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = read_file(fmt::format("{}/log-{}.txt", dir.path().string(), r));
+    INFO(log);
+    CHECK(codes[static_cast<std::size_t>(r)] == 1);
+    CHECK(log.find("MultiWorkerMirroredStrategy: fit on worker 1 (") != std::string::npos);
+    CHECK(log.find("has steps per epoch 20 where worker 0 (") != std::string::npos);
+    CHECK(log.find(") has 10: every worker must run the same fit") != std::string::npos);
+  }
+}
+
 TEST_CASE("kNccl with CPU replicas is refused on every worker, saying what it needs") {
   testing::TempDir dir;
   const auto codes = run_workers(dir.path().string(), 2, {"--timeout", "20", "--implementation", "nccl"}, {});

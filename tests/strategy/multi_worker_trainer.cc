@@ -5,7 +5,7 @@
 //   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
 //                        [--timeout SECONDS] [--files 1] [--verbose 2] [--writers 1]
-//                        [--implementation auto|ring|shm|nccl] [--seed S]
+//                        [--implementation auto|ring|shm|nccl] [--seed S] [--batch 64]
 //
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
@@ -29,6 +29,7 @@ struct Args {
   std::string strategy = "multiworker";
   int epochs = 3;
   int hidden = 16;
+  std::int64_t batch = 64;  // the global batch
   int local_devices = 1;
   long kill_at_step = -1;
   int victim = 1;
@@ -50,6 +51,7 @@ Args parse(int argc, char** argv) {
   app.add_option("--strategy", a.strategy, "one or multiworker");
   app.add_option("--epochs", a.epochs);
   app.add_option("--hidden", a.hidden, "units of the hidden layer");
+  app.add_option("--batch", a.batch, "the global batch size (default 64)");
   app.add_option("--local-devices", a.local_devices, "replicas per worker");
   app.add_option("--kill-at-step", a.kill_at_step, "SIGKILL the victim after this global step (first attempt)");
   app.add_option("--victim", a.victim, "the rank --kill-at-step kills");
@@ -71,7 +73,7 @@ Args parse(int argc, char** argv) {
 
 // 610 examples of 10 features, 3 classes: the last global batch of 64 has 34 rows, which 3
 // workers cannot split evenly.
-data::Dataset make_data(bool files) {
+data::Dataset make_data(bool files, std::int64_t batch) {
   constexpr std::int64_t kExamples = 610, kFeatures = 10;
   Tensor x = Tensor::empty({kExamples, kFeatures}, DType::kF32);
   Tensor y = Tensor::empty({kExamples}, DType::kI32);
@@ -103,9 +105,9 @@ data::Dataset make_data(bool files) {
                                        const std::int64_t k = std::stoll(path);
                                        return data::Dataset::from_tensor_slices({rows(x, k), rows(y, k)});
                                      })
-        .batch(64);
+        .batch(batch);
   }
-  return data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples, 7).batch(64);
+  return data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples, 7).batch(batch);
 }
 
 int run(const Args& a) {
@@ -157,7 +159,7 @@ int run(const Args& a) {
     fit.callbacks.push_back(
         std::make_shared<keras::BackupAndRestore>(a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
   }
-  model.fit(make_data(a.files), fit);
+  model.fit(make_data(a.files, a.batch), fit);
   model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
   std::cout << "worker " << rank << " done\n";
   return 0;
