@@ -236,3 +236,38 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string_view(argv[1]) == kWorkerFlag) return worker_main(argc, argv);
   return doctest::Context(argc, argv).run();
 }
+
+TEST_CASE("ranks waiting in different groups of one job: each names where the other was") {
+  // A job's control and gradient groups share its store: when rank 0 all-reduces gradients while
+  // rank 1 sums metrics in the control group, both time out, and each must say that the other was
+  // busy elsewhere rather than blame it for never arriving.
+  auto store = make_in_memory_store();
+  Group gradient = make_gloo_group(2, GlooOptions{.timeout = 1s, .group_name = "gradient"}, store);
+  Group control = make_gloo_group(2, GlooOptions{.timeout = 1s, .group_name = "control"}, store);
+  std::vector<std::string> errors(2);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Communicator& c = r == 0 ? *gradient[0] : *control[1];
+      Tensor t = Tensor::zeros({4}, DType::kF32);
+      try {
+        c.all_reduce(t, ReduceOp::kSum);
+      } catch (const DeadlineExceeded& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  // The timeout, plus at most the bounded diagnosis.
+  CHECK(std::chrono::steady_clock::now() - start < 1s + kFailureReportGrace + 2s);
+  CHECK_MESSAGE(errors[0].starts_with("gloo all_reduce #0 (float32, 4 elements) on rank 0 in the gradient group: timed "
+                                      "out after 1"),
+                errors[0]);
+  CHECK_MESSAGE(errors[0].find("rank 1 never reached it, and failed in another call instead: gloo all_reduce #0 "
+                               "(float32, 4 elements) on rank 1 in the control group") != std::string::npos,
+                errors[0]);
+  CHECK_MESSAGE(errors[1].find("rank 0 never reached it, and failed in another call instead: gloo all_reduce #0 "
+                               "(float32, 4 elements) on rank 0 in the gradient group") != std::string::npos,
+                errors[1]);
+}
