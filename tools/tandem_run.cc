@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -960,6 +961,31 @@ class Launcher {
 
 }  // namespace
 
+// The job's store admits only processes that hold TANDEM_STORE_SECRET. One node: when the user set
+// none, a fresh random one, which the workers inherit. Several nodes must share one: the user
+// sets it on every node (a launcher cannot hand it to another machine before they have met).
+void ensure_store_secret(const Options& options) {
+  const char* set = std::getenv("TANDEM_STORE_SECRET");
+  if (set != nullptr && *set != '\0') return;
+  if (options.nnodes > 1) {
+    say("TANDEM_STORE_SECRET is not set: the job's store accepts any process that reaches " +
+        host_port(options.master_addr, options.master_port) +
+        "; set the same secret on every node (e.g. TANDEM_STORE_SECRET=$(openssl rand -hex 32))");
+    return;
+  }
+  unsigned char bytes[32];
+  std::size_t got = 0;
+  while (got < sizeof bytes) {
+    const ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw LaunchError(1, fmt::format("cannot draw a secret for the job's store: {}", errno_text(errno)));
+    got += static_cast<std::size_t>(n);
+  }
+  std::string hex;
+  for (const unsigned char b : bytes) hex += fmt::format("{:02x}", b);
+  ::setenv("TANDEM_STORE_SECRET", hex.c_str(), 1);  // before any thread starts; the workers inherit it
+}
+
 int main(int argc, char** argv) {
   Options options;
   try {
@@ -973,6 +999,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   try {
+    ensure_store_secret(options);
     const int signal_pipe = install_signal_handlers();
     Launcher launcher(std::move(options), signal_pipe, g_signal_pipe_write);
     return launcher.run();
