@@ -37,11 +37,6 @@ hosts_require() {
   ip netns del "$probe"
 }
 
-# Skips unless TUN devices can be made (the relay's link).
-hosts_require_tun() {
-  [[ -c /dev/net/tun ]] || skip "the delay relay needs /dev/net/tun"
-}
-
 now() { echo "$EPOCHREALTIME"; }
 
 # elapsed FROM [TO]: seconds between two stamps (TO: now), with millisecond precision.
