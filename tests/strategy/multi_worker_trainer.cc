@@ -3,15 +3,22 @@
 // loss after every step (losses-<rank>.txt) and the final weights (weights-<rank>.safetensors).
 //
 //   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
-//                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
-//                        [--timeout SECONDS] [--files 1] [--verbose 2] [--writers 1]
-//                        [--implementation auto|ring|shm|nccl] [--seed S] [--batch 64]
+//                        [--local-devices N] [--kill-at-step K | --stop-at-step K] [--victim R]
+//                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
+//                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
+//                        [--batch 64]
 //
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
-// (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
+// (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1). --stop-at-step K
+// freezes it (SIGSTOP) instead. Either first writes one line on stderr saying so, which the
+// multi-host tests (tests/multihost/) take as the moment of the fault.
+// --step-times 1: also writes the steady clock's seconds at the end of every step
+// (step-times-<rank>.txt), from which the latency test takes the time per step.
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -32,6 +39,7 @@ struct Args {
   std::int64_t batch = 64;  // the global batch
   int local_devices = 1;
   long kill_at_step = -1;
+  long stop_at_step = -1;
   int victim = 1;
   std::string backup;
   long save_freq = 0;
@@ -41,6 +49,7 @@ struct Args {
   std::uint64_t seed = 42;              // the global seed (initializers)
   std::string implementation = "auto";  // auto, ring, shm, nccl
   bool writers = false;                 // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
+  bool step_times = false;              // step-times-<rank>.txt: the steady clock at the end of every step
 };
 
 // Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
@@ -54,7 +63,8 @@ Args parse(int argc, char** argv) {
   app.add_option("--batch", a.batch, "the global batch size (default 64)");
   app.add_option("--local-devices", a.local_devices, "replicas per worker");
   app.add_option("--kill-at-step", a.kill_at_step, "SIGKILL the victim after this global step (first attempt)");
-  app.add_option("--victim", a.victim, "the rank --kill-at-step kills");
+  app.add_option("--stop-at-step", a.stop_at_step, "SIGSTOP the victim after this global step (first attempt)");
+  app.add_option("--victim", a.victim, "the rank --kill-at-step kills or --stop-at-step freezes");
   app.add_option("--backup", a.backup, "BackupAndRestore's folder");
   app.add_option("--save-freq", a.save_freq, "BackupAndRestore's save_freq in batches");
   app.add_option("--timeout", a.timeout, "collective timeout in seconds");
@@ -63,6 +73,7 @@ Args parse(int argc, char** argv) {
   app.add_option("--seed", a.seed, "the global seed");
   app.add_option("--implementation", a.implementation, "auto, ring, shm or nccl");
   app.add_option("--writers", a.writers, "1: a CSVLogger and a ModelCheckpoint per worker");
+  app.add_option("--step-times", a.step_times, "1: the steady clock's seconds after every step, one per line");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -139,7 +150,16 @@ int run(const Args& a) {
                   {"accuracy"});
   }
   std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
+  std::ofstream step_times;
+  if (a.step_times) step_times.open(fmt::format("{}/step-times-{}.txt", a.out, rank));
   long step = 0;
+  // The victim's fault, announced first so that a test can time what the others report from it.
+  const auto fault = [&](long at_step, int sig) {
+    if (at_step < 0 || step != at_step || !first_attempt || rank != a.victim) return;
+    std::cerr << fmt::format("multi_worker_trainer: rank {} raises SIG{} after step {}\n", rank, sigabbrev_np(sig), step)
+              << std::flush;
+    std::raise(sig);
+  };
   keras::FitOptions fit{.epochs = a.epochs, .verbose = a.verbose};
   if (a.writers) {
     fit.callbacks.push_back(std::make_shared<keras::CSVLogger>(fmt::format("{}/log-of-{}.csv", a.out, rank)));
@@ -151,9 +171,14 @@ int run(const Args& a) {
       keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
         ++step;
         losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
-        if (a.kill_at_step >= 0 && step == a.kill_at_step && first_attempt && rank == a.victim) {
-          std::raise(SIGKILL);
+        if (step_times.is_open()) {
+          step_times << fmt::format("{:.6f}\n", std::chrono::duration<double>(
+                                                    std::chrono::steady_clock::now().time_since_epoch())
+                                                    .count())
+                     << std::flush;
         }
+        fault(a.kill_at_step, SIGKILL);
+        fault(a.stop_at_step, SIGSTOP);
       }}));
   if (!a.backup.empty()) {
     fit.callbacks.push_back(
