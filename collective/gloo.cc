@@ -274,10 +274,12 @@ struct Config {
   std::string group_name;  // GlooOptions::group_name
 };
 
-// How long a failed call may spend on its diagnosis (recording its failure, reading the peers'
-// records), on top of its own timeout: every store call in it ends by then, even when the store's
-// server is frozen or cut off, so a failure is reported within timeout + this.
-constexpr milliseconds kDiagnosisBudget = kFailureReportGrace + milliseconds(1000);
+// How long a failed call may spend on its diagnosis, on top of its own timeout: recording its
+// failure (a live store answers in milliseconds; one that does not within this is reported as
+// unreachable, and the survey is skipped), then reading the peers' records. Every store call in
+// it ends by then, even when the store's server is frozen or cut off, so a failure is reported
+// within timeout + kRecordBudget + kFailureReportGrace at most.
+constexpr milliseconds kRecordBudget = milliseconds(1000);
 // The monitor's look at the store, likewise bounded.
 constexpr milliseconds kMonitorStoreBudget = milliseconds(1000);
 
@@ -748,7 +750,7 @@ class GlooCommunicator final : public Communicator {
     const std::string what = describe(call);
     // The time it really waited (messages once said "after 10 s" of a wait that took longer).
     const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - call.started);
-    const detail::DeadlineScope diagnosis(Clock::now() + kDiagnosisBudget);
+    std::optional<detail::DeadlineScope> bounded(std::in_place, Clock::now() + kRecordBudget);
     {
       std::lock_guard lock(mutex_);
       if (aborted_) {
@@ -764,6 +766,7 @@ class GlooCommunicator final : public Communicator {
                                 : kind == FailureKind::kGloo  ? detail::FailureCause::kError
                                                               : detail::FailureCause::kConnection,
                                 what);
+    bounded.emplace(Clock::now() + kFailureReportGrace + milliseconds(500));
     // Peers still inside the call fail now rather than at their own timeout.
     poisoned_.store(true, std::memory_order_release);
     shut_down_connections();

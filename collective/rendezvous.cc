@@ -170,15 +170,18 @@ class Meeting {
     const int world_size = options_.world_size;
     claim(store);
     const std::string mine = fmt::format("{} {}", world_size, options_.setup);
-    if (rank == 0) store.set(kWorldSizeKey, to_bytes(mine));
-    // The arrival record before the rank key: once the chief sees every rank key, it has seen
-    // every arrival record too.
-    const std::int64_t n = store.add(kArrivalsKey, 1);
-    store.set(arrival_key(n), to_bytes(fmt::format("{} {}", rank, mine)));
-    store.set(rank_key(rank), to_bytes(who_));
-
-    if (rank != 0) {
-      // The chief's world size as soon as the chief is there, not after everybody is.
+    // The arrival record ("<rank> <setup>") before the rank key: once the chief sees every rank
+    // key, it has seen every arrival record too.
+    const auto arrive = [&] {
+      const std::int64_t n = store.add(kArrivalsKey, 1);
+      store.set(arrival_key(n), to_bytes(fmt::format("{} {}", rank, mine)));
+    };
+    if (rank == 0) {
+      store.set(kWorldSizeKey, to_bytes(mine));
+    } else {
+      // The chief's setup as soon as the chief is there, and before this rank shows itself: the
+      // chief, seeing a mismatched arrival, gives up at once and takes the store with it, so this
+      // rank must know the verdict by then.
       std::vector<char> bytes;
       try {
         bytes = store.get(kWorldSizeKey, remaining());
@@ -187,11 +190,14 @@ class Meeting {
       }
       const std::string chief = string_of(bytes);
       if (chief != mine) {
+        arrive();  // so that the chief fails too, naming this rank
         throw InvalidArgument(fmt::format("{}{} was started with {}, but {} with {}: every task must be given the "
                                           "same cluster",
                                           prefix_, me_, describe_setup(mine), names_.label(0), describe_setup(chief)));
       }
     }
+    arrive();
+    store.set(rank_key(rank), to_bytes(who_));
     std::vector<std::string> keys;
     for (int r = 0; r < world_size; ++r) keys.push_back(rank_key(r));
     std::int64_t next_arrival = 1;
@@ -259,7 +265,7 @@ class Meeting {
   [[noreturn]] void throw_missing(Store& store) {
     std::vector<int> missing;
     for (int r = 0; r < options_.world_size; ++r) {
-      if (!store.check(rank_key(r))) missing.push_back(r);
+      if (r != options_.rank && !store.check(rank_key(r))) missing.push_back(r);
     }
     std::string list;
     for (const int r : missing) {

@@ -189,8 +189,8 @@ std::string PeerRecords::lost_message(const std::vector<int>& lost) const {
 
 std::string PeerRecords::store_unreachable_message(std::string_view how) const {
   return fmt::format(
-      "the store at {} is unreachable{}, so the process serving it ({} in a tandem job, the chief) has "
-      "probably died",
+      "the store at {} is unreachable{}: the process serving it (tandem-run on the first node, else {}) has "
+      "died or stopped, or the network to it is cut",
       store_->address(), how, chief_);
 }
 
