@@ -62,6 +62,8 @@ constexpr auto kDefaultStopTimeout = 30s;
 // the launcher's memory stays bounded.
 constexpr std::size_t kMaxLineBytes = 64 * 1024;
 constexpr std::size_t kReadChunkBytes = 64 * 1024;
+// How much of a failed worker's last error line the other nodes are told.
+constexpr std::size_t kLastLineBytes = 400;
 // After every worker has exited, output still buffered in the pipes is relayed; pipes that a
 // worker's own children keep open are read for at most this long.
 constexpr auto kDrainTimeout = 2s;
@@ -459,6 +461,7 @@ struct OutputPipe {
   int fd = -1;          // read end; -1 once closed
   int target = -1;      // the launcher's STDOUT_FILENO or STDERR_FILENO
   std::string pending;  // bytes after the last newline
+  std::string last_line;  // the last line relayed (cut to kLastLineBytes), for failure reports
 
   void relay(const std::string& prefix, bool at_eof) {
     std::string out;
@@ -467,6 +470,7 @@ struct OutputPipe {
       const std::size_t nl = pending.find('\n', start);
       if (nl != std::string::npos && nl - start <= kMaxLineBytes) {
         out.append(prefix).append(pending, start, nl + 1 - start);
+        if (nl > start) last_line.assign(pending, start, std::min(nl - start, kLastLineBytes));
         start = nl + 1;
       } else if (pending.size() - start >= kMaxLineBytes) {
         // Too long for one line: relayed in pieces, each ended with a newline so that every
@@ -495,6 +499,15 @@ struct OutputPipe {
     } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
       relay(prefix, true);
       close_fd(fd);
+    }
+  }
+
+  // Relays what is in the pipe now, without waiting for more (a bounded number of chunks).
+  void read_available(const std::string& prefix) {
+    for (int i = 0; i < 64 && fd >= 0; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 0) <= 0) return;
+      read_some(prefix);
     }
   }
 
@@ -893,7 +906,12 @@ class Launcher {
         outcome.failure = describe_exit(*w);
         say(outcome.failure);
         begin_stop(SIGTERM);
-        coordinator_->report_failure(outcome.failure, outcome.exit_code);
+        // The other nodes learn why too: their own workers' errors may not name the culprit.
+        w->err.read_available(w->prefix);
+        coordinator_->report_failure(w->err.last_line.empty()
+                                         ? outcome.failure
+                                         : fmt::format("{} ({})", outcome.failure, w->err.last_line),
+                                     outcome.exit_code);
       }
       // Another node's worker failed (or the job's store is gone): this node's workers stop too.
       const auto event = coordinator_->event();
