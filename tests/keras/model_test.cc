@@ -4,8 +4,10 @@
 
 #include <random>
 
+#include "common/error_message.h"
 #include "tandem/base/random.h"
 #include "tandem/keras_like/keras.h"
+#include "tandem/ops/ops.h"
 
 using namespace tandem;
 
@@ -263,4 +265,41 @@ TEST_CASE("after its first steps a training step allocates only its batch: nothi
   REQUIRE(counts.size() == 20);
   // Each batch is two new tensors (its rows of x and y, copied by the input pipeline).
   for (std::size_t s = 4; s < counts.size(); ++s) CHECK_MESSAGE(counts[s] - counts[s - 1] <= 2, "step ", s);
+}
+
+TEST_CASE("no data is an error naming what was empty: fit, evaluate and predict alike") {
+  auto model = keras::Sequential({keras::Input({4}), keras::Dense(3)}, "nodata");
+  model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  const Tensor no_x = Tensor::zeros({0, 4}, kFloat32);
+  const Tensor no_y = Tensor::zeros({0}, kInt64);
+  const auto empty = data::Dataset::from_tensor_slices({no_x, no_y}).batch(8);
+  // A pipeline whose length is known only by running it, and which yields nothing.
+  const auto empty_unknown = data::Dataset::from_files({"a", "b"}, [&](const std::string&) {
+                               return data::Dataset::from_tensor_slices({no_x, no_y});
+                             }).batch(8);
+  REQUIRE(empty_unknown.cardinality() < 0);
+
+  // evaluate() returned loss 0 here.
+  for (const auto* data : {&empty, &empty_unknown}) {
+    const auto m = testing::error_message([&] { model.evaluate(*data, {.verbose = 0}); });
+    CHECK(m.find("model \"nodata\"") != std::string::npos);
+    CHECK(m.find("evaluate()") != std::string::npos);
+    CHECK(m.find("no batches") != std::string::npos);
+    CHECK_THROWS_WITH_AS(model.fit(*data, {.verbose = 0}), doctest::Contains("no batches"), InvalidArgument);
+    CHECK_THROWS_WITH_AS(model.predict(*data), doctest::Contains("no batches"), InvalidArgument);
+  }
+  // Empty validation data is named as such.
+  auto [x, y] = blobs(16, 3, 1);
+  CHECK_THROWS_WITH_AS(model.fit(x, y, {.verbose = 0, .validation_data = empty}),
+                       doctest::Contains("validation_data"), InvalidArgument);
+
+  // fit(x, y) with no rows reported a shuffle buffer of 0; the arrays are what is empty.
+  for (const bool shuffle : {true, false}) {
+    const auto m = testing::error_message([&] { model.fit(no_x, no_y, {.verbose = 0, .shuffle = shuffle}); });
+    CHECK(m.find("fit(x, y): x has 0 rows") != std::string::npos);
+    CHECK(m.find("shuffle") == std::string::npos);
+  }
+  CHECK_THROWS_WITH_AS(model.evaluate(no_x, no_y, {.verbose = 0}), doctest::Contains("evaluate(x, y): x has 0 rows"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(model.predict(no_x), doctest::Contains("predict(x): x has 0 rows"), InvalidArgument);
 }
