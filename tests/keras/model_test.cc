@@ -303,3 +303,64 @@ TEST_CASE("no data is an error naming what was empty: fit, evaluate and predict 
                        InvalidArgument);
   CHECK_THROWS_WITH_AS(model.predict(no_x), doctest::Contains("predict(x): x has 0 rows"), InvalidArgument);
 }
+
+TEST_CASE("targets whose shape does not suit the loss are reported at the loss, before any graph is built") {
+  const Tensor x = Tensor::zeros({10, 4}, kFloat32);
+  const auto model_with = [](keras::LossRef loss, std::int64_t units) {
+    auto model = keras::Sequential({keras::Input({4}), keras::Dense(8, "relu"), keras::Dense(units, {.name = "head"})},
+                                   "shapes");
+    model.compile("adam", std::move(loss));
+    return model;
+  };
+  struct Case {
+    keras::LossRef loss;
+    std::int64_t units;
+    Shape y;
+    std::string expected;  // what the message must say the loss needs
+  };
+  const std::vector<Case> cases = {
+      // These failed inside the Dense layer's FusedMatMul, or broadcast silently.
+      {"mse", 3, {10}, "(None, 3)"},
+      {"mse", 3, {10, 5}, "(None, 3)"},
+      {"mse", 3, {10, 1}, "(None, 3)"},
+      {"mae", 3, {10, 3, 2}, "(None, 3)"},
+      {keras::CategoricalCrossentropy{.from_logits = true}, 3, {10}, "(None, 3)"},
+      {keras::CategoricalCrossentropy{.from_logits = true}, 3, {10, 5}, "(None, 3)"},
+      {"binary_crossentropy", 1, {10, 2}, "(None, 1)"},
+      {keras::SparseCategoricalCrossentropy{.from_logits = true}, 3, {10, 3}, "(None,) or (None, 1)"},
+  };
+  for (const auto& c : cases) {
+    auto model = model_with(c.loss, c.units);
+    const Tensor y = Tensor::zeros(c.y, kFloat32);
+    Shape fed = c.y;
+    fed[0] = Shape::kUnknown;
+    const auto m = testing::error_message([&] { model.fit(x, y, {.verbose = 0}); });
+    INFO(c.loss.name(), " ", fmt::format("{}", c.y), ": ", m);
+    CHECK(m.find(c.loss.name()) != std::string::npos);
+    CHECK(m.find("\"head\"") != std::string::npos);
+    CHECK(m.find(fmt::format("{}", fed)) != std::string::npos);
+    CHECK(m.find(c.expected) != std::string::npos);
+    CHECK(m.find("MatMul") == std::string::npos);
+    // evaluate() checks the same.
+    CHECK_THROWS_AS(model.evaluate(x, y, {.verbose = 0}), InvalidArgument);
+  }
+  // One-hot targets with the sparse loss: the message points to the loss that takes them.
+  auto sparse = model_with(keras::SparseCategoricalCrossentropy{.from_logits = true}, 3);
+  CHECK_THROWS_WITH_AS(sparse.fit(x, Tensor::zeros({10, 3}, kFloat32), {.verbose = 0}),
+                       doctest::Contains("categorical_crossentropy"), InvalidArgument);
+  // What Keras accepts still trains: (batch,) targets against a (batch, 1) output, class ids as
+  // (batch,) or (batch, 1), and probabilities of the output's shape.
+  model_with("mse", 1).fit(x, Tensor::zeros({10}, kFloat32), {.verbose = 0});
+  model_with("binary_crossentropy", 1).fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
+  model_with(keras::SparseCategoricalCrossentropy{.from_logits = true}, 3)
+      .fit(x, Tensor::zeros({10, 1}, kInt64), {.verbose = 0});
+  model_with(keras::CategoricalCrossentropy{.from_logits = true}, 3).fit(x, Tensor::zeros({10, 3}, kFloat32),
+                                                                          {.verbose = 0});
+  // A custom loss decides for itself.
+  model_with(keras::CustomLoss{.name = "first_column",
+                               .fn = [](graph::Output y_true, graph::Output y_pred) {
+                                 return ops::reduce_sum(ops::square(y_pred - y_true), {.axes = {-1}});
+                               }},
+             3)
+      .fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
+}
