@@ -5,7 +5,6 @@
 
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -28,17 +27,12 @@ struct Args {
   int verbose = 1;
   double expect_accuracy = 0.0;          // exit non-zero when the test accuracy ends below this
   std::string strategy = "mirrored";     // "one", "mirrored" or "multiworker"
-  int cpu_devices = 0;                   // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
+  int cpu_devices = 0;                   // logical CPU devices; 0: MirroredStrategy's default, one per usable core
   std::string dtype_policy = "float32";  // keras::mixed_precision's global policy, set by parse_args
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
 };
-
-// How many logical CPU devices a sample gets when --cpu-devices is not given: one per core, so
-// that MirroredStrategy on a CPU-only machine trains on all of it (capped: more replicas than 8
-// only add synchronisation on the machines the samples are meant for).
-inline constexpr int kMaxDefaultCpuDevices = 8;
 
 // Parses the common flags; defaults are the sample's own. --help prints the flags on stdout; a bad
 // flag or value prints what is wrong on stderr; both set exit_code.
@@ -61,9 +55,9 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
       ->capture_default_str()
       ->check(CLI::IsMember({"one", "mirrored", "multiworker"}));
   app.add_option("--cpu-devices", a.cpu_devices,
-                 fmt::format("logical CPU devices (default: one per usable core, at most {};\n"
+                 fmt::format("logical CPU devices (default: MirroredStrategy's, one per usable\ncore, at most {}; "
                              "TANDEM_NUM_CPU_DEVICES also sets it)",
-                             kMaxDefaultCpuDevices))
+                             tandem::devices::kMaxDefaultCpuDevices))
       ->check(CLI::Range(1, static_cast<int>(tandem::env::kNumCpuDevices.max)));
   app.add_option("--dtype-policy", a.dtype_policy,
                  "float32, mixed_bfloat16 or mixed_float16 (compute in 16 bits,\nweights in float32; mixed_float16 "
@@ -102,16 +96,11 @@ inline int report_test(double loss, double accuracy, const Args& a) {
   return 0;
 }
 
-// The strategy --strategy names, after dividing the CPU into --cpu-devices logical devices. The
-// samples' code reads as if it had written one of these two lines itself:
+// The strategy --strategy names, on --cpu-devices logical CPU devices when given. The samples'
+// code reads as if it had written one of these two lines itself:
 //   tandem::OneDeviceStrategy strategy("CPU:0");
-//   tandem::MirroredStrategy strategy;  // every GPU, else every logical CPU device
+//   tandem::MirroredStrategy strategy;  // every GPU, else one logical CPU device per core
 inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
-  int cpu_devices = a.cpu_devices;
-  // One device keeps every core for itself; mirrored gets one device per core unless told.
-  if (cpu_devices == 0 && a.strategy == "mirrored" && !tandem::env::is_set(tandem::env::kNumCpuDevices)) {
-    cpu_devices = std::min(tandem::devices::usable_cpu_cores(), kMaxDefaultCpuDevices);
-  }
   if (a.strategy == "multiworker") {
     // One replica per worker on CPU:0 (TF's choice), or --cpu-devices replicas per worker (the
     // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.
@@ -124,7 +113,7 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
     }
     return multi;
   }
-  if (cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = cpu_devices});
+  if (a.cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = a.cpu_devices});
   if (a.strategy == "one") return std::make_unique<tandem::OneDeviceStrategy>("CPU:0");
   auto mirrored = std::make_unique<tandem::MirroredStrategy>();
   std::printf("MirroredStrategy on %d devices\n", mirrored->num_replicas_in_sync());
