@@ -51,12 +51,13 @@ inline constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
 // ---------------------------------------------------------------------------------------------
 // The table. The README's "Environment variables" section lists exactly these, in this order.
 
-// Devices (devices/registry.cc; the samples and MultiWorkerMirroredStrategy read them too).
+// Devices (devices/registry.cc; strategies ask it for their layouts there).
 inline constexpr Variable kNumCpuDevices{
     .name = "TANDEM_NUM_CPU_DEVICES",
     .type = Type::kInt,
     .default_value = "1",
-    .meaning = "logical CPU devices (MirroredStrategy's replicas on a machine without GPUs); fixed at first use",
+    .meaning = "logical CPU devices (MirroredStrategy's replicas on a machine without GPUs); unset: 1, or one per "
+               "usable core (at most 8) when a MirroredStrategy with default devices comes first; fixed at first use",
     .min = 1,
     .max = 1024};
 inline constexpr Variable kIntraOpThreads{

@@ -13,6 +13,9 @@
 // is used, with set_logical_device_configuration() or the environment:
 //   TANDEM_NUM_CPU_DEVICES=4      four logical CPU devices
 //   TANDEM_INTRA_OP_THREADS=1     threads per logical CPU device (default: cores / devices)
+// Otherwise one device takes every core, unless a strategy made before the first device asks for
+// a layout of its own (share_cpu_cores: MirroredStrategy's default on a machine without GPUs, one
+// device per core; MultiWorkerMirroredStrategy, the workers' share of the cores).
 //
 // GPUs are discovered at run time. No CUDA driver, no device, or a build without CUDA all mean
 // zero GPUs, never a crash; gpu_discovery_message() says which.
@@ -179,6 +182,23 @@ struct LogicalDeviceConfiguration {
 // (TF raises the same), InvalidArgument for counts below 1.
 void set_logical_device_configuration(const LogicalDeviceConfiguration& config);
 
+// How many logical CPU devices MirroredStrategy's default makes on a machine without GPUs: one per
+// usable core, up to this many (beyond it, more replicas add synchronisation and little speed for
+// the models a CPU trains; the cores are then shared out among the devices).
+inline constexpr int kMaxDefaultCpuDevices = 8;
+// min(usable_cpu_cores(), kMaxDefaultCpuDevices).
+int default_cpu_device_count();
+
+// A strategy's request for a CPU layout, applied only when nobody chose one: `num_cpu_devices`
+// devices (TANDEM_NUM_CPU_DEVICES wins when set), each with this process's share of the usable
+// cores, split among `processes_on_machine` processes (TANDEM_INTRA_OP_THREADS wins when set).
+// Does nothing once the layout is fixed: set_logical_device_configuration was called, or the
+// devices exist (the first tensor, graph or strategy creates them). Then, when they were created
+// from the defaults and give fewer CPU devices than asked, it logs a warning naming `requester`
+// and how to get the layout. Returns whether the request took effect. Throws InvalidArgument for
+// counts below 1. Callers: strategy constructors, before they look their devices up.
+bool share_cpu_cores(int num_cpu_devices, int processes_on_machine, std::string_view requester);
+
 // All local devices, CPUs first, then GPUs; or only those of `type`. Creates them on first call.
 std::vector<Device*> list_logical_devices(std::optional<DeviceType> type = std::nullopt);
 
@@ -189,6 +209,8 @@ Device& get_device(std::string_view name);
 // The first CPU device: where tensors go when no device is given.
 Device& default_cpu_device();
 
+// GPUs found (zero without CUDA). Unlike the functions above it leaves the CPU layout open, so a
+// strategy can ask whether there are GPUs before it asks for a CPU layout.
 int num_gpus();
 // Why the GPU count is what it is: "2 CUDA devices", "no CUDA driver (…)", "built without CUDA".
 std::string gpu_discovery_message();

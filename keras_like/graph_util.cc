@@ -20,17 +20,24 @@ Output mean_over_non_batch_axes(Output x) {
   return ops::reduce_mean(x, {.axes = axes});
 }
 
+Shape adapted_target_shape(const Shape& y_true, const Shape& y_pred) {
+  Shape t = y_true;
+  if (t.rank() == y_pred.rank() - 1 && y_pred.rank() > 0 && y_pred.dim(-1) == 1) t.push_back(1);
+  return t;
+}
+
 Output targets_like_predictions(Output y_true, Output y_pred) {
   Output y = ops::cast(y_true, y_pred.dtype());
   const Shape& t = y.shape();
   const Shape& p = y_pred.shape();
-  if (t.rank() == p.rank() - 1 && p.dim(-1) == 1) {
+  if (adapted_target_shape(t, p).rank() != t.rank()) {
     Shape target = p;
     target[0] = Shape::kUnknown;
     y = ops::reshape(y, target);
   }
-  TANDEM_REQUIRE(y.shape().rank() == p.rank(), InvalidArgument,
-                 "{}: targets of shape {} do not match predictions of shape {}", y_pred.producer().label(), t, p);
+  // The trainer checked the loss's targets (target_shape_requirement); a metric's may still differ.
+  TANDEM_REQUIRE(y.shape().rank() == p.rank(), InvalidArgument, "targets of shape {} do not match predictions of shape {}",
+                 t, p);
   return y;
 }
 

@@ -11,6 +11,10 @@ constexpr std::string_view kKnownLosses =
     "mse, mean_squared_error, mae, mean_absolute_error, sparse_categorical_crossentropy, categorical_crossentropy, "
     "binary_crossentropy";
 
+bool are_class_ids(const Shape& y_true) {
+  return y_true.rank() == 1 || (y_true.rank() == 2 && (y_true[1] == 1 || y_true[1] == Shape::kUnknown));
+}
+
 }  // namespace
 
 LossRef::LossRef(std::string_view name) {
@@ -91,6 +95,19 @@ Output per_example_loss(const LossSpec& loss, Output y_true, Output y_pred) {
         }
       },
       loss);
+}
+
+std::optional<std::string> target_shape_requirement(const LossSpec& loss, const Shape& y_true, const Shape& y_pred) {
+  if (std::holds_alternative<CustomLoss>(loss)) return std::nullopt;
+  if (std::holds_alternative<SparseCategoricalCrossentropy>(loss)) {
+    if (are_class_ids(y_true)) return std::nullopt;
+    return fmt::format("class ids of shape (None,) or (None, 1) for the output's shape {}{}", y_pred,
+                       y_true.compatible_with(y_pred) ? " (one-hot targets go with categorical_crossentropy)" : "");
+  }
+  if (detail::adapted_target_shape(y_true, y_pred).compatible_with(y_pred)) return std::nullopt;
+  const bool class_ids_given = std::holds_alternative<CategoricalCrossentropy>(loss) && y_true.rank() == 1;
+  return fmt::format("targets of the output's shape {}{}", y_pred,
+                     class_ids_given ? " (class ids go with sparse_categorical_crossentropy)" : "");
 }
 
 }  // namespace tandem::keras

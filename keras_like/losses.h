@@ -9,6 +9,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
@@ -65,5 +66,16 @@ class LossRef {
 // The per-example loss [batch] of y_pred against y_true, added to y_pred's graph. Adapts labels
 // like Keras: casts dtypes, and reshapes a [batch] target against a [batch, 1] prediction.
 Output per_example_loss(const LossSpec& loss, Output y_true, Output y_pred);
+
+// Whether targets of shape `y_true` suit `loss` against predictions of shape `y_pred` (batch
+// dimensions unknown): nullopt when they do, else what the loss needs, e.g. "targets of the
+// output's shape (None, 3)". The element-wise losses need the predictions' shape (a [batch] target
+// against a [batch, 1] prediction included), as Keras's cross-entropies do ("Arguments `target`
+// and `output` must have the same shape"); Keras's MSE and MAE would broadcast a (None, 1) target
+// over (None, 3), almost always a mistake, so here they need it too. The sparse cross-entropy
+// needs class ids, (None,) or (None, 1). A CustomLoss decides for itself. Callers: the trainer,
+// before it builds a model's graph, so that a wrong target is named at the loss rather than in
+// whichever node first fails.
+std::optional<std::string> target_shape_requirement(const LossSpec& loss, const Shape& y_true, const Shape& y_pred);
 
 }  // namespace tandem::keras

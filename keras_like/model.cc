@@ -147,8 +147,21 @@ std::int64_t steps_of(const data::Dataset& data, const std::optional<std::int64_
   return n >= 0 ? n : -1;
 }
 
+// fit, evaluate and predict on data that yields nothing raise alike (Keras's loops fail too, with
+// "Unexpected result ... (Empty logs)"): a loss or prediction over no examples is meaningless,
+// and 0 would pass for a result. `batches` is the count known beforehand, or the count taken.
+void require_batches(const ModelState& s, std::int64_t batches, std::string_view what) {
+  TANDEM_REQUIRE(batches != 0, InvalidArgument, "model \"{}\": {} got no batches: the dataset is empty", s.name, what);
+}
+
+// fit(x, y), evaluate(x, y) and predict(x) on arrays of no examples, said before anything is built
+// (a shuffle of them would complain about its buffer instead).
+void require_rows(const Tensor& x, std::string_view call, std::string_view purpose) {
+  TANDEM_REQUIRE(x.shape()[0] > 0, InvalidArgument, "{}: x has 0 rows (shape {}): there are no examples to {}", call,
+                 x.shape(), purpose);
+}
+
 Tensor concatenate_rows(const std::vector<Tensor>& parts) {
-  TANDEM_REQUIRE(!parts.empty(), InvalidArgument, "predict: the data produced no batches");
   std::int64_t rows = 0;
   for (const auto& p : parts) rows += p.shape()[0];
   Shape shape = parts.front().shape();
@@ -163,16 +176,19 @@ Tensor concatenate_rows(const std::vector<Tensor>& parts) {
   return out;
 }
 
-// One pass of evaluation, reporting to `callbacks` through their on_test_* hooks.
+// One pass of evaluation, reporting to `callbacks` through their on_test_* hooks. `what` names the
+// data in errors: "evaluate()", "fit()'s validation_data".
 Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps,
-                    CallbackList& callbacks) {
+                    CallbackList& callbacks, std::string_view what) {
   auto& trainer = trainer_for(s, data.element_spec(), true);
   const std::int64_t total = steps_of(data, steps);
+  require_batches(s, total, what);
   Logs logs;
   callbacks.on_test_begin(logs);
   trainer.reset_metrics(detail::Phase::kTest);
   auto iterator = s.strategy->iterate_for_worker(data, {});
-  for (std::int64_t step = 0; total < 0 || step < total; ++step) {
+  std::int64_t step = 0;
+  for (; total < 0 || step < total; ++step) {
     auto batch = iterator->next();
     if (!batch) break;
     Logs batch_logs;
@@ -181,6 +197,7 @@ Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std:
     trainer.write_logs(detail::Phase::kTest, batch_logs);
     callbacks.on_test_batch_end(step, batch_logs);
   }
+  require_batches(s, step, what);  // a pipeline of unknown length that yielded nothing
   trainer.write_logs(detail::Phase::kTest, logs);
   callbacks.on_test_end(logs);
   return logs;
@@ -332,10 +349,12 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   auto scope = enter_model_scope(s, "fit");
   auto& trainer = trainer_for(s, data.element_spec(), true);
   const std::int64_t steps = steps_of(data, options.steps_per_epoch);
-  TANDEM_REQUIRE(steps != 0, InvalidArgument, "model \"{}\": the training data is empty", s.name);
+  require_batches(s, steps, "fit()");
   // Workers that would train differently meet in different collectives much later: compare now.
   std::string batches;
-  for (const auto& spec : data.element_spec()) batches += fmt::format("{}{} {}", batches.empty() ? "" : ", ", spec.dtype, spec.shape);
+  for (const auto& spec : data.element_spec()) {
+    batches += fmt::format("{}{} {}", batches.empty() ? "" : ", ", spec.dtype, spec.shape);
+  }
   s.strategy->check_workers_agree(
       "fit", {{"batches of", batches},
               {"steps per epoch", steps < 0 ? "unknown" : std::to_string(steps)},
@@ -409,12 +428,14 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
       callbacks.on_train_batch_end(step, batch_logs);
       if (s.stop_training) break;
     }
+    require_batches(s, step, "fit()");  // a pipeline of unknown length that yielded nothing
     trainer.write_logs(detail::Phase::kTrain, epoch_logs);
     // Every replica applied the same updates: their copies must still be equal.
     trainer.check_replicas_agree();
     if (options.validation_data && (epoch + 1) % options.validation_freq == 0) {
       // Validation reports to the same callbacks (on_test_*), as in Keras; the bar ignores it.
-      const Logs val = run_evaluation(s, *options.validation_data, options.validation_steps, callbacks);
+      const Logs val =
+          run_evaluation(s, *options.validation_data, options.validation_steps, callbacks, "fit()'s validation_data");
       for (const auto& [key, value] : val) epoch_logs.set(fmt::format("val_{}", key), value);
     }
     callbacks.on_epoch_end(epoch, epoch_logs);
@@ -429,6 +450,7 @@ History Model::fit(const Tensor& x, const Tensor& y, const FitOptions& options) 
       x.defined() && y.defined() && x.shape().rank() >= 1 && y.shape().rank() >= 1 && x.shape()[0] == y.shape()[0],
       InvalidArgument, "fit(x, y): x {} and y {} must have the same number of examples (first dimension)",
       x.defined() ? x.shape() : Shape{}, y.defined() ? y.shape() : Shape{});
+  require_rows(x, "fit(x, y)", "train on");
   TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "fit(x, y): batch_size must be positive; got {}",
                  options.batch_size);
   TANDEM_REQUIRE(options.validation_split >= 0.0 && options.validation_split < 1.0, InvalidArgument,
@@ -438,16 +460,14 @@ History Model::fit(const Tensor& x, const Tensor& y, const FitOptions& options) 
   const std::int64_t n = x.shape()[0];
   // Keras takes the validation examples from the end, before any shuffling.
   const auto n_train = static_cast<std::int64_t>(static_cast<double>(n) * (1.0 - options.validation_split));
+  TANDEM_REQUIRE(options.validation_split == 0 || (n_train > 0 && n_train < n), InvalidArgument,
+                 "fit(x, y): validation_split {} of {} examples leaves no training or no validation examples",
+                 options.validation_split, n);
   auto all = data::Dataset::from_tensor_slices({x, y});
   auto train = all.take(n_train);
   if (options.shuffle) train = train.shuffle(n_train);
   FitOptions o = options;
-  if (options.validation_split > 0) {
-    TANDEM_REQUIRE(n_train > 0 && n_train < n, InvalidArgument,
-                   "fit(x, y): validation_split {} of {} examples leaves no training or no validation examples",
-                   options.validation_split, n);
-    o.validation_data = all.skip(n_train).batch(options.batch_size);
-  }
+  if (options.validation_split > 0) o.validation_data = all.skip(n_train).batch(options.batch_size);
   return fit(train.batch(options.batch_size), o);
 }
 
@@ -460,11 +480,13 @@ Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) 
   add_defaults(list, verbose, /*with_history=*/false);
   CallbackList callbacks(std::move(list), this,
                          {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = verbose});
-  return run_evaluation(s, data, options.steps, callbacks);
+  return run_evaluation(s, data, options.steps, callbacks, "evaluate()");
 }
 
 Logs Model::evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& options) {
   TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "evaluate(x, y): batch_size must be positive");
+  TANDEM_REQUIRE(x.defined() && x.shape().rank() >= 1, InvalidArgument, "evaluate(x, y): x must have a batch dimension");
+  require_rows(x, "evaluate(x, y)", "evaluate");
   return evaluate(data::Dataset::from_tensor_slices({x, y}).batch(options.batch_size), options);
 }
 
@@ -473,6 +495,7 @@ std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const Pred
   auto scope = enter_model_scope(s, "predict");
   auto& trainer = trainer_for(s, data.element_spec(), false);
   const std::int64_t total = steps_of(data, options.steps);
+  require_batches(s, total, "predict()");
   std::vector<CallbackPtr> callbacks = options.callbacks;
   add_defaults(callbacks, options.verbose, /*with_history=*/false);
   CallbackList list(std::move(callbacks), this, {.epochs = 1, .steps = total, .verbose = options.verbose});
@@ -480,7 +503,8 @@ std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const Pred
   list.on_predict_begin(logs);
   std::vector<std::vector<Tensor>> parts(s.outputs.size());
   auto iterator = data.iterate();
-  for (std::int64_t step = 0; total < 0 || step < total; ++step) {
+  std::int64_t step = 0;
+  for (; total < 0 || step < total; ++step) {
     auto batch = iterator->next();
     if (!batch) break;
     Logs batch_logs;
@@ -490,6 +514,7 @@ std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const Pred
       parts[j].push_back(outputs[j].to(devices::default_cpu_device()).clone());
     list.on_predict_batch_end(step, batch_logs);
   }
+  require_batches(s, step, "predict()");  // a pipeline of unknown length that yielded nothing
   list.on_predict_end(logs);
   std::vector<Tensor> result;
   for (const auto& p : parts) result.push_back(concatenate_rows(p));
@@ -505,6 +530,8 @@ Tensor Model::predict(const data::Dataset& data, const PredictOptions& options) 
 
 Tensor Model::predict(const Tensor& x, const PredictOptions& options) {
   TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "predict(x): batch_size must be positive");
+  TANDEM_REQUIRE(x.defined() && x.shape().rank() >= 1, InvalidArgument, "predict(x): x must have a batch dimension");
+  require_rows(x, "predict(x)", "predict");
   return predict(data::Dataset::from_tensor_slices({x}).batch(options.batch_size), options);
 }
 

@@ -154,7 +154,9 @@ class Model {
   void set_weights(const std::vector<Tensor>& values);  // checks count, dtypes and shapes first
 
   // Weights in the safetensors format, named "<layer>/<weight>" ("dense/kernel"), with a
-  // checksum. load_weights checks every tensor first and changes nothing on a mismatch.
+  // checksum. load_weights matches by name, or by structure when the names differ only by
+  // auto-generated numbering (saving.h), checks every tensor first and changes nothing on a
+  // mismatch.
   void save_weights(const std::string& path) const;
   void load_weights(const std::string& path);
 

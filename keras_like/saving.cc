@@ -302,16 +302,112 @@ std::string join(const std::vector<std::string>& items) {
 
 std::string describe(DType dtype, const Shape& shape) { return fmt::format("{} {}", dtype, shape); }
 
-// Pairs every variable with the file's tensor of the same name, checking dtype and shape, and
-// marks the names used. Every problem is collected so one error lists them all.
+// A weight name without the numbers unique_layer_name appends ("dense_3/kernel" -> "dense/kernel",
+// "conv2d_1/bias" -> "conv2d/bias"): what two models built by the same code share.
+std::string without_numbering(std::string_view name) {
+  std::string out;
+  while (true) {
+    const auto slash = name.find('/');
+    std::string_view part = name.substr(0, slash);
+    const auto underscore = part.rfind('_');
+    if (underscore != std::string_view::npos && underscore > 0 && underscore + 1 < part.size() &&
+        part.find_first_not_of("0123456789", underscore + 1) == std::string_view::npos) {
+      part = part.substr(0, underscore);
+    }
+    out += part;
+    if (slash == std::string_view::npos) return out;
+    out += '/';
+    name = name.substr(slash + 1);
+  }
+}
+
+// Where the model's variables are in a file. By name; or, when the file was written by a model
+// built the same way whose layers were numbered otherwise (auto-generated names count up through
+// the process: dense, dense_1, then dense_2, dense_3 for an identical second model), by structure
+// as Keras 3 loads weights: the model's weights in order against the file's, pairwise, their names
+// equal but for the numbering. Optimizer slots ("<weight>/m") follow their weight.
+class FileNames {
+ public:
+  // weights: the model's unique weights in order; file: the file's weights (no optimizer state), in
+  // file order (the order save_weights writes).
+  FileNames(const std::vector<VariablePtr>& weights, const NamedTensors& file) {
+    std::set<std::string> in_file;
+    for (const auto& [name, tensor] : file) in_file.insert(name);
+    const bool by_name = std::all_of(weights.begin(), weights.end(),
+                                     [&](const VariablePtr& w) { return in_file.contains(w->name()); });
+    if (by_name) return;
+    const std::size_t n = std::min(weights.size(), file.size());
+    const auto same_name = [&](std::size_t k) {
+      return without_numbering(weights[k]->name()) == without_numbering(file[k].first);
+    };
+    std::size_t i = 0;
+    while (i < n && same_name(i)) ++i;
+    if (i == weights.size() && i == file.size()) {
+      // Paired; a dtype or shape that differs is then reported under the model's name.
+      for (std::size_t k = 0; k < n; ++k) {
+        if (weights[k]->name() != file[k].first) renamed_.emplace(weights[k]->name(), file[k].first);
+      }
+      return;
+    }
+    // Neither: say where the two part, for the error the missing names will raise.
+    i = 0;
+    while (i < n && same_name(i) && weights[i]->dtype() == file[i].second.dtype() &&
+           weights[i]->shape() == file[i].second.shape()) {
+      ++i;
+    }
+    if (i < n) {
+      first_difference_ =
+          fmt::format("in order, weight {} of the model is \"{}\" ({}) where the file has \"{}\" ({})", i + 1,
+                      weights[i]->name(), describe(weights[i]->dtype(), weights[i]->shape()), file[i].first,
+                      describe(file[i].second.dtype(), file[i].second.shape()));
+    } else {
+      first_difference_ = fmt::format("in order, the model has {} weights and the file {}; the first without a partner is "
+                                      "\"{}\"",
+                                      weights.size(), file.size(), i < weights.size() ? weights[i]->name() : file[i].first);
+    }
+  }
+
+  // The file's name for a model variable or optimizer slot.
+  std::string operator()(const std::string& name) const {
+    if (renamed_.empty()) return name;
+    if (const auto it = renamed_.find(name); it != renamed_.end()) return it->second;
+    // A slot "<weight>/<slot>": the longest renamed weight it starts with.
+    const std::pair<const std::string, std::string>* owner = nullptr;
+    for (const auto& entry : renamed_) {
+      if (name.size() > entry.first.size() && name.starts_with(entry.first) && name[entry.first.size()] == '/' &&
+          (owner == nullptr || entry.first.size() > owner->first.size())) {
+        owner = &entry;
+      }
+    }
+    return owner == nullptr ? name : owner->second + name.substr(owner->first.size());
+  }
+  // "" unless the names differ and the structures too: where they part.
+  const std::string& first_difference() const { return first_difference_; }
+
+ private:
+  std::map<std::string, std::string> renamed_;  // model name -> file name, matched by structure
+  std::string first_difference_;
+};
+
+// The file's weights in file order: every tensor but a training checkpoint's optimizer state.
+NamedTensors weights_in_file(const SafetensorsContent& content, bool checkpoint) {
+  NamedTensors out;
+  for (const auto& [name, tensor] : content.tensors) {
+    if (!checkpoint || !std::string_view(name).starts_with(kOptimizerPrefix)) out.emplace_back(name, tensor);
+  }
+  return out;
+}
+
+// Pairs every variable with the file's tensor of its name (in_file's), checking dtype and shape,
+// and marks the names used. Every problem is collected so one error lists them all.
 std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<VariablePtr>& variables,
                                                             const std::map<std::string, Tensor>& file,
-                                                            std::set<std::string>& used, std::string_view prefix,
-                                                            std::vector<std::string>& missing,
+                                                            const FileNames& in_file, std::set<std::string>& used,
+                                                            std::string_view prefix, std::vector<std::string>& missing,
                                                             std::vector<std::string>& mismatched) {
   std::vector<std::pair<VariablePtr, Tensor>> plan;
   for (const auto& v : variables) {
-    const std::string name = fmt::format("{}{}", prefix, v->name());
+    const std::string name = fmt::format("{}{}", prefix, in_file(v->name()));
     if (!used.insert(name).second) continue;  // the same variable listed twice: assign once
     const auto it = file.find(name);
     if (it == file.end()) {
@@ -320,7 +416,9 @@ std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<Va
     }
     const Tensor& t = it->second;
     if (t.dtype() != v->dtype() || t.shape() != v->shape()) {
-      mismatched.push_back(fmt::format("\"{}\" is {} in the file but {} in the model", name,
+      const std::string model_name = fmt::format("{}{}", prefix, v->name());
+      mismatched.push_back(fmt::format("\"{}\"{} is {} in the file but {} in the model", model_name,
+                                       model_name == name ? "" : fmt::format(" (the file's \"{}\")", name),
                                        describe(t.dtype(), t.shape()), describe(v->dtype(), v->shape())));
       continue;
     }
@@ -330,11 +428,12 @@ std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<Va
 }
 
 std::string mismatch_report(const std::vector<std::string>& missing, const std::vector<std::string>& extra,
-                            const std::vector<std::string>& mismatched) {
+                            const std::vector<std::string>& mismatched, const FileNames& in_file) {
   std::vector<std::string> parts;
   if (!missing.empty()) parts.push_back(fmt::format("missing from the file: {}", join(missing)));
   if (!extra.empty()) parts.push_back(fmt::format("in the file but not in the model: {}", join(extra)));
   for (const auto& m : mismatched) parts.push_back(m);
+  if (!missing.empty() && !in_file.first_difference().empty()) parts.push_back(in_file.first_difference());
   std::string out;
   for (const auto& p : parts) out += fmt::format("{}{}", out.empty() ? "" : "; ", p);
   return out;
@@ -557,14 +656,12 @@ void load_model_weights(Model& model, const std::string& path) {
   // A training checkpoint holds the weights too; its optimizer state is not the model's.
   const auto format = content.metadata.find(std::string(kFormatKey));
   const bool checkpoint = format != content.metadata.end() && format->second == kCheckpointFormat;
-  std::map<std::string, Tensor> file;
-  for (auto& [name, tensor] : content.tensors) {
-    if (checkpoint && std::string_view(name).starts_with(kOptimizerPrefix)) continue;
-    file.emplace(name, std::move(tensor));
-  }
+  const NamedTensors weights = weights_in_file(content, checkpoint);
+  const std::map<std::string, Tensor> file(weights.begin(), weights.end());
+  const FileNames in_file(unique_variables(model.weights()), weights);
   std::set<std::string> used;
   std::vector<std::string> missing, mismatched, extra;
-  const auto plan = match_variables(model.weights(), file, used, "", missing, mismatched);
+  const auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
   for (const auto& [name, tensor] : file) {
     if (!used.contains(name)) extra.push_back(name);
   }
@@ -572,7 +669,7 @@ void load_model_weights(Model& model, const std::string& path) {
     throw InvalidArgument(
         fmt::format("load_weights \"{}\" into model \"{}\": the file does not match the model ({}); "
                     "nothing was loaded",
-                    path, model.name(), mismatch_report(missing, extra, mismatched)));
+                    path, model.name(), mismatch_report(missing, extra, mismatched, in_file)));
   }
   for (const auto& [variable, value] : plan) variable->assign(value);
 }
@@ -628,6 +725,7 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
                    path, it->second, model.name(), optimizer.name());
   }
 
+  const FileNames in_file(unique_variables(model.weights()), weights_in_file(content, /*checkpoint=*/true));
   std::map<std::string, Tensor> file;
   for (auto& [name, tensor] : content.tensors) file.emplace(name, std::move(tensor));
   const auto take_scalar = [&](std::string_view name, DType dtype, bool required) -> std::optional<Tensor> {
@@ -657,7 +755,7 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
 
   std::set<std::string> used;
   std::vector<std::string> missing, mismatched, extra;
-  auto plan = match_variables(model.weights(), file, used, "", missing, mismatched);
+  auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
   bool has_slots_in_file = false;
   for (const auto& [name, tensor] : file) {
     if (std::string_view(name).starts_with(kOptimizerPrefix)) has_slots_in_file = true;
@@ -669,7 +767,7 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
   }
   std::vector<VariablePtr> slots;
   for (const auto& [name, slot] : optimizer.slots()) slots.push_back(slot);
-  auto slot_plan = match_variables(slots, file, used, kOptimizerPrefix, missing, mismatched);
+  auto slot_plan = match_variables(slots, file, in_file, used, kOptimizerPrefix, missing, mismatched);
   for (const auto& [name, tensor] : file) {
     if (!used.contains(name)) extra.push_back(name);
   }
@@ -682,7 +780,7 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
     throw InvalidArgument(
         fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
                     "the model and its {} optimizer ({}); nothing was loaded",
-                    path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched)));
+                    path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched, in_file)));
   }
   for (const auto& [variable, value] : plan) variable->assign(value);
   for (const auto& [variable, value] : slot_plan) variable->assign(value);

@@ -38,8 +38,12 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
 SafetensorsContent read_safetensors(const std::string& path);
 
 // The model's weights under their variable names ("dense/kernel"): what Model::save_weights and
-// Model::load_weights call. Loading checks every tensor (missing, extra, dtype, shape) before it
-// assigns any, and raises naming the tensor; the model is unchanged on error.
+// Model::load_weights call. Loading matches the file's tensors by name, or, when the names differ
+// only by the numbers of auto-generated layer names (a second model built by the same code in the
+// same process has dense_2 where the first had dense), by structure like Keras 3: the weights in
+// order, pairwise. It checks every tensor (missing, extra, dtype, shape) before it assigns any, and
+// raises naming the tensor and, when neither names nor structure match, the first weight where the
+// two part; the model is unchanged on error. Training checkpoints load the same way.
 void save_model_weights(const Model& model, const std::string& path);
 void load_model_weights(Model& model, const std::string& path);
 

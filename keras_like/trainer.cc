@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <span>
 #include <string_view>
 
 #include "tandem/base/env.h"
@@ -57,6 +58,21 @@ std::vector<Output> forward(ModelState& model, CallContext& ctx, const std::vect
   for (const auto& out : model.outputs)
     result.push_back(values.at(out.node().get())[static_cast<std::size_t>(out.index())]);
   return result;
+}
+
+// Every output's targets suit its loss (Keras checks in the loss; here before the graph exists, so
+// that the error names the loss and the output layer rather than whichever node fails first).
+void check_targets(const ModelState& model, std::span<const graph::TensorSpec> targets) {
+  for (std::size_t j = 0; j < model.outputs.size(); ++j) {
+    const auto& compiled = model.compiled_outputs[j];
+    Shape y = targets[j].shape;
+    if (y.rank() > 0) y[0] = Shape::kUnknown;
+    const Shape& output = model.outputs[j].spec().shape;
+    const auto requirement = target_shape_requirement(compiled.loss, y, output);
+    TANDEM_REQUIRE(!requirement, InvalidArgument,
+                   "model \"{}\", output \"{}\": loss {} needs {}; the data's targets have shape {}", model.name,
+                   compiled.name, LossRef(compiled.loss).name(), *requirement, y);
+  }
 }
 
 std::string spec_string(const std::vector<graph::TensorSpec>& specs) {
@@ -178,6 +194,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
                  "model \"{}\": elements with {} components; sample weights (a component after the targets) are not "
                  "supported yet",
                  model.name, element_spec.size());
+  if (with_targets && model.compiled) check_targets(model, std::span(element_spec).subspan(n_in));
   auto& g = *graphs_;
   Graph& graph = *g.graph;
   std::vector<Output> inputs;

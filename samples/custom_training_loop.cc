@@ -7,6 +7,7 @@
 //   build/samples/custom_training_loop                       # MirroredStrategy, 2 logical CPU devices
 //   build/samples/custom_training_loop --strategy one        # OneDeviceStrategy("CPU:0")
 //   build/samples/custom_training_loop --compare             # both; fails if they differ by > 1e-5
+//   build/samples/custom_training_loop --collective-timeout 30   # a replica that stalls fails in 30 s
 //
 // The model: a 3-layer MLP regressing a smooth function of 16 inputs, 5,377 weights, with small
 // buckets (4 KiB, then 16 KiB) so that a step has several of them to overlap with backward.
@@ -15,6 +16,7 @@
 #include <tandem/tandem.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -34,6 +36,7 @@ struct Options {
   float learning_rate = 0.05f;
   bool compare = false;
   int verbose = 1;
+  double collective_timeout = 0;  // seconds; 0: DistributionOptions' default
 };
 
 constexpr std::int64_t kFeatures = 16, kHidden = 64, kExamples = 4096;
@@ -161,9 +164,13 @@ Result train(Strategy& strategy, const Options& options) {
   return result;
 }
 
-std::unique_ptr<Strategy> make_strategy(const std::string& kind) {
+std::unique_ptr<Strategy> make_strategy(const std::string& kind, double collective_timeout) {
   // Small buckets: this model's 21 KB of gradients make three of them.
-  const strategy::DistributionOptions distribution{.first_bucket_bytes = 4 << 10, .bucket_bytes = 16 << 10};
+  strategy::DistributionOptions distribution{.first_bucket_bytes = 4 << 10, .bucket_bytes = 16 << 10};
+  if (collective_timeout > 0) {
+    distribution.collective_timeout =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(collective_timeout));
+  }
   if (kind == "one") return std::make_unique<OneDeviceStrategy>("CPU:0");
   strategy::MirroredOptions mirrored{.distribution = distribution};
   for (const auto* device : devices::list_logical_devices(devices::DeviceType::kCPU)) {
@@ -196,6 +203,9 @@ int main(int argc, char** argv) try {
   app.add_option("--batch", options.batch, "global batch size")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--learning-rate", options.learning_rate, "SGD's learning rate")->capture_default_str();
   app.add_option("--verbose", options.verbose, "0 silent, 1 the mean loss of every 50 steps")->capture_default_str();
+  app.add_option("--collective-timeout", options.collective_timeout,
+                 "seconds a replica waits for the others in an all-reduce before it fails naming them (default 300)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--compare", options.compare,
                "train under OneDeviceStrategy and MirroredStrategy, and fail when any step's loss or final weight "
                "differs by more than 1e-5 (relative)");
@@ -203,13 +213,13 @@ int main(int argc, char** argv) try {
 
   devices::set_logical_device_configuration({.num_cpu_devices = options.cpu_devices});
   if (!options.compare) {
-    const auto strategy = make_strategy(options.strategy);
+    const auto strategy = make_strategy(options.strategy, options.collective_timeout);
     const Result result = train(*strategy, options);
     std::printf("final loss %.6f\n", result.losses.back());
     return result.losses.back() < result.losses.front() ? 0 : 1;
   }
-  const auto one = make_strategy("one");
-  const auto mirrored = make_strategy("mirrored");
+  const auto one = make_strategy("one", options.collective_timeout);
+  const auto mirrored = make_strategy("mirrored", options.collective_timeout);
   const Result reference = train(*one, options);
   const Result result = train(*mirrored, options);
   double loss_difference = 0, weight_difference = 0;

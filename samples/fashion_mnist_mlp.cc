@@ -1,8 +1,8 @@
 // The Keras "basic classification" tutorial in tandem: Fashion-MNIST with a one-hidden-layer MLP.
 //
-//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
-//   [--dtype-policy P]
-//                            [--expect-accuracy A]
+//   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored|multiworker]
+//       [--cpu-devices N] [--dtype-policy P] [--backup DIR] [--checkpoint PATH] [--collective-timeout S]
+//       [--expect-accuracy A]
 //
 // Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
 #include <tandem/keras_like/keras.h>
@@ -21,7 +21,7 @@ int main(int argc, char** argv) try {
 
   // The one line that moves this model from one device to all of them; --strategy picks between
   //   tandem::OneDeviceStrategy strategy("CPU:0");
-  //   tandem::MirroredStrategy strategy;  // every GPU, else every logical CPU device (the default)
+  //   tandem::MirroredStrategy strategy;  // every GPU, else one logical CPU device per core (the default)
   auto strategy = samples::make_strategy(args);
   keras::Model model;
   {
@@ -33,7 +33,10 @@ int main(int argc, char** argv) try {
 
   auto data = data::fashion_mnist();
   model.fit(data.train.shuffle(60000).batch(args.batch),
-            {.epochs = args.epochs, .verbose = args.verbose, .validation_data = data.test.batch(1000)});
+            {.epochs = args.epochs,
+             .verbose = args.verbose,
+             .callbacks = samples::fit_callbacks(args, *strategy),  // --backup, --checkpoint
+             .validation_data = data.test.batch(1000)});
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
   return samples::report_test(test.at("loss"), test.at("accuracy"), args);
 } catch (const tandem::Error& e) {

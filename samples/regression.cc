@@ -1,7 +1,7 @@
 // The seed's regression example: compile("adam", "mse") and fit on generated data.
 //
-//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored] [--cpu-devices N]
-//   [--dtype-policy P]
+//   build/samples/regression [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored|multiworker]
+//       [--cpu-devices N] [--dtype-policy P] [--backup DIR] [--checkpoint PATH] [--collective-timeout S]
 //
 // y = x . w_true + 0.5 + noise (sigma 0.1) with 8 features and w_true in [-1, 1]: the noise floor
 // of the MSE is 0.01. Adam at Keras's default learning rate (1e-3) moves each weight by about
@@ -47,7 +47,8 @@ int main(int argc, char** argv) try {
     model.compile("adam", "mse");
   }
   auto dataset = data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples).batch(args.batch);
-  const auto history = model.fit(dataset, {.epochs = args.epochs, .verbose = args.verbose});
+  const auto history = model.fit(
+      dataset, {.epochs = args.epochs, .verbose = args.verbose, .callbacks = samples::fit_callbacks(args, *strategy)});
   const double mse = history.at("loss").back();
   const double floor = kNoiseStddev * kNoiseStddev;
   std::printf("final training MSE %.5f (noise floor %.5f, ratio %.2f)\n", mse, floor, mse / floor);

@@ -292,22 +292,16 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
   impl->workers = resolver.num_workers();
   for (int r = 0; r < impl->workers; ++r) impl->labels.push_back(resolver.task_label(r));
 
-  // Workers sharing a machine share its cores: each one's CPU device gets its part, unless the
-  // user chose (TANDEM_INTRA_OP_THREADS) or the devices exist already.
+  // Workers sharing a machine share its cores: the CPU devices this worker names get its part,
+  // unless the user chose a layout or the devices exist already (devices::share_cpu_cores).
   const std::vector<std::string> names =
       options.local_devices.empty() ? default_worker_devices(resolver) : options.local_devices;
-  if (resolver.local_world_size() > 1 && !env::is_set(env::kIntraOpThreads)) {
-    const int cpu_devices =
-        static_cast<int>(env::find_int(env::kNumCpuDevices).value_or(static_cast<std::int64_t>(names.size())));
-    try {
-      devices::set_logical_device_configuration(
-          {.num_cpu_devices = cpu_devices,
-           .intra_op_threads_per_device =
-               std::max(1, devices::usable_cpu_cores() / (resolver.local_world_size() * cpu_devices))});
-    } catch (const FailedPrecondition&) {
-      // Devices were created before the strategy: keep their layout.
-    }
+  int cpu_devices = 1;
+  for (const auto& name : names) {
+    const auto parsed = devices::DeviceName::parse(name);
+    if (parsed.type == devices::DeviceType::kCPU) cpu_devices = std::max(cpu_devices, parsed.index + 1);
   }
+  devices::share_cpu_cores(cpu_devices, resolver.local_world_size(), "MultiWorkerMirroredStrategy");
   for (const auto& name : names) {
     devices::Device* d = &devices::get_device(name);
     for (auto* seen : impl->devices) {

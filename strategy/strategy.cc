@@ -39,9 +39,13 @@ std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& n
   if (names.empty()) {
     // GPUs count only when this build can run a model on them: a build without CUDA on a
     // machine with GPUs trains on its CPU devices rather than failing at the first op.
-    if (kGpuKernelsBuilt) out = devices::list_logical_devices(devices::DeviceType::kGPU);
-    if (out.empty()) out = devices::list_logical_devices(devices::DeviceType::kCPU);
-    return out;
+    if (kGpuKernelsBuilt && devices::num_gpus() > 0) return devices::list_logical_devices(devices::DeviceType::kGPU);
+    // Without GPUs, one replica per core (TF takes the one CPU device; see docs/ARCHITECTURE.md's
+    // departures): `MirroredStrategy strategy;` then replicates on the machine it is written on,
+    // with the results of one device. Unless the user chose a layout, or the devices exist
+    // already (devices::share_cpu_cores warns then).
+    devices::share_cpu_cores(devices::default_cpu_device_count(), 1, "MirroredStrategy");
+    return devices::list_logical_devices(devices::DeviceType::kCPU);
   }
   for (const auto& name : names) {
     devices::Device* d = &devices::get_device(name);  // NotFound lists the local devices

@@ -258,7 +258,10 @@ class OneDeviceStrategy final : public Strategy {
 
 struct MirroredOptions {
   // Device names; default: every GPU (when this build has GPU kernels), or else every logical CPU
-  // device.
+  // device. Without GPUs, a strategy made before the first device (tensor, graph, strategy) splits
+  // the CPU into one logical device per usable core (at most devices::kMaxDefaultCpuDevices, each
+  // with its share of the cores), unless set_logical_device_configuration or
+  // TANDEM_NUM_CPU_DEVICES chose a layout; made later, it takes the CPU devices there are.
   std::vector<std::string> devices;
   // Default: chosen as TF does (NCCL when all devices are GPUs, else the in-process reduction).
   std::shared_ptr<CrossDeviceOps> cross_device_ops;

@@ -19,6 +19,9 @@ Output clip_probabilities(Output p);
 Output mean_over_non_batch_axes(Output x);
 // Targets cast to the predictions' dtype, and a [batch] target reshaped to a [batch, 1] prediction.
 Output targets_like_predictions(Output y_true, Output y_pred);
+// The shape targets_like_predictions gives targets of shape `y_true`: a [batch] target against a
+// [batch, 1] prediction gains the last axis; any other stays as it is.
+Shape adapted_target_shape(const Shape& y_true, const Shape& y_pred);
 // Class ids for sparse losses and metrics: [batch] or [batch, 1] of any dtype -> int64 [batch].
 Output class_ids(Output y_true, Output y_pred, std::string_view what);
 

@@ -1,20 +1,23 @@
-// samples/common/args.h — the samples' command line: --epochs N --batch N --seed N
-// --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P (and --help), parsed with
-// CLI11, and the strategy they choose.
+// samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
+// --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
+// --checkpoint PATH --collective-timeout S (and --help), parsed with CLI11; the strategy they
+// choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "tandem/base/env.h"
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
+#include "tandem/keras_like/callbacks.h"
 #include "tandem/keras_like/mixed_precision.h"
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"
@@ -28,17 +31,15 @@ struct Args {
   int verbose = 1;
   double expect_accuracy = 0.0;          // exit non-zero when the test accuracy ends below this
   std::string strategy = "mirrored";     // "one", "mirrored" or "multiworker"
-  int cpu_devices = 0;                   // logical CPU devices; 0: mirrored gets one per usable core (at most 8)
+  int cpu_devices = 0;                   // logical CPU devices; 0: MirroredStrategy's default, one per usable core
   std::string dtype_policy = "float32";  // keras::mixed_precision's global policy, set by parse_args
+  std::string backup_dir;                // keras::BackupAndRestore's folder; "": none
+  std::string checkpoint_path;           // keras::ModelCheckpoint's path; "": none
+  double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
 };
-
-// How many logical CPU devices a sample gets when --cpu-devices is not given: one per core, so
-// that MirroredStrategy on a CPU-only machine trains on all of it (capped: more replicas than 8
-// only add synchronisation on the machines the samples are meant for).
-inline constexpr int kMaxDefaultCpuDevices = 8;
 
 // Parses the common flags; defaults are the sample's own. --help prints the flags on stdout; a bad
 // flag or value prints what is wrong on stderr; both set exit_code.
@@ -61,9 +62,9 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
       ->capture_default_str()
       ->check(CLI::IsMember({"one", "mirrored", "multiworker"}));
   app.add_option("--cpu-devices", a.cpu_devices,
-                 fmt::format("logical CPU devices (default: one per usable core, at most {};\n"
+                 fmt::format("logical CPU devices (default: MirroredStrategy's, one per usable\ncore, at most {}; "
                              "TANDEM_NUM_CPU_DEVICES also sets it)",
-                             kMaxDefaultCpuDevices))
+                             tandem::devices::kMaxDefaultCpuDevices))
       ->check(CLI::Range(1, static_cast<int>(tandem::env::kNumCpuDevices.max)));
   app.add_option("--dtype-policy", a.dtype_policy,
                  "float32, mixed_bfloat16 or mixed_float16 (compute in 16 bits,\nweights in float32; mixed_float16 "
@@ -79,6 +80,20 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
             return {};
           },
           "POLICY"));
+  app.add_option("--backup", a.backup_dir,
+                 "back training up into DIR every epoch (keras::BackupAndRestore);\na run that starts with a backup "
+                 "there resumes from it: run the\ncommand again, or let tandem-run --max_restarts restart it")
+      ->type_name("DIR");
+  app.add_option("--checkpoint", a.checkpoint_path,
+                 "save the weights to PATH after every epoch (keras::ModelCheckpoint;\nPATH may hold fields such as "
+                 "{epoch:02d})")
+      ->type_name("PATH");
+  app.add_option("--collective-timeout", a.collective_timeout,
+                 "seconds a collective waits for the other replicas or workers before\nit fails naming them (default "
+                 "300): multiworker's\nCommunicationOptions::timeout_seconds, mirrored's\n"
+                 "DistributionOptions::collective_timeout; unused by one")
+      ->type_name("SECONDS")
+      ->check(CLI::PositiveNumber);
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
   try {
@@ -102,20 +117,16 @@ inline int report_test(double loss, double accuracy, const Args& a) {
   return 0;
 }
 
-// The strategy --strategy names, after dividing the CPU into --cpu-devices logical devices. The
-// samples' code reads as if it had written one of these two lines itself:
+// The strategy --strategy names, on --cpu-devices logical CPU devices when given. The samples'
+// code reads as if it had written one of these two lines itself:
 //   tandem::OneDeviceStrategy strategy("CPU:0");
-//   tandem::MirroredStrategy strategy;  // every GPU, else every logical CPU device
+//   tandem::MirroredStrategy strategy;  // every GPU, else one logical CPU device per core
 inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
-  int cpu_devices = a.cpu_devices;
-  // One device keeps every core for itself; mirrored gets one device per core unless told.
-  if (cpu_devices == 0 && a.strategy == "mirrored" && !tandem::env::is_set(tandem::env::kNumCpuDevices)) {
-    cpu_devices = std::min(tandem::devices::usable_cpu_cores(), kMaxDefaultCpuDevices);
-  }
   if (a.strategy == "multiworker") {
     // One replica per worker on CPU:0 (TF's choice), or --cpu-devices replicas per worker (the
     // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.
     tandem::strategy::MultiWorkerOptions options;
+    options.communication_options.timeout_seconds = a.collective_timeout;
     for (int d = 0; d < a.cpu_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto multi = std::make_unique<tandem::MultiWorkerMirroredStrategy>(options);
     if (multi->should_log()) {
@@ -124,11 +135,36 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
     }
     return multi;
   }
-  if (cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = cpu_devices});
+  if (a.cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = a.cpu_devices});
   if (a.strategy == "one") return std::make_unique<tandem::OneDeviceStrategy>("CPU:0");
-  auto mirrored = std::make_unique<tandem::MirroredStrategy>();
+  tandem::strategy::MirroredOptions options;
+  if (a.collective_timeout > 0) {
+    options.distribution.collective_timeout =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(a.collective_timeout));
+  }
+  auto mirrored = std::make_unique<tandem::MirroredStrategy>(options);
   std::printf("MirroredStrategy on %d devices\n", mirrored->num_replicas_in_sync());
   return mirrored;
+}
+
+// The callbacks --backup and --checkpoint ask for, for fit's list: Keras's BackupAndRestore (with
+// a line saying where a run resumed from) and ModelCheckpoint. Every worker of a multi-worker run
+// passes them; only the chief writes files and prints.
+inline std::vector<tandem::keras::CallbackPtr> fit_callbacks(const Args& a, const tandem::Strategy& strategy) {
+  namespace keras = tandem::keras;
+  std::vector<keras::CallbackPtr> out;
+  if (!a.backup_dir.empty()) {
+    auto backup = std::make_shared<keras::BackupAndRestore>(a.backup_dir);
+    out.push_back(backup);
+    out.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+        .on_train_begin = [backup, log = strategy.should_log()](keras::Logs&) {
+          if (log && !backup->restored_from().empty()) {
+            std::printf("BackupAndRestore: resuming from %s\n", backup->restored_from().c_str());
+          }
+        }}));
+  }
+  if (!a.checkpoint_path.empty()) out.push_back(std::make_shared<keras::ModelCheckpoint>(a.checkpoint_path));
+  return out;
 }
 
 }  // namespace samples

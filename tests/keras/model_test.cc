@@ -4,8 +4,10 @@
 
 #include <random>
 
+#include "common/error_message.h"
 #include "tandem/base/random.h"
 #include "tandem/keras_like/keras.h"
+#include "tandem/ops/ops.h"
 
 using namespace tandem;
 
@@ -263,4 +265,102 @@ TEST_CASE("after its first steps a training step allocates only its batch: nothi
   REQUIRE(counts.size() == 20);
   // Each batch is two new tensors (its rows of x and y, copied by the input pipeline).
   for (std::size_t s = 4; s < counts.size(); ++s) CHECK_MESSAGE(counts[s] - counts[s - 1] <= 2, "step ", s);
+}
+
+TEST_CASE("no data is an error naming what was empty: fit, evaluate and predict alike") {
+  auto model = keras::Sequential({keras::Input({4}), keras::Dense(3)}, "nodata");
+  model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  const Tensor no_x = Tensor::zeros({0, 4}, kFloat32);
+  const Tensor no_y = Tensor::zeros({0}, kInt64);
+  const auto empty = data::Dataset::from_tensor_slices({no_x, no_y}).batch(8);
+  // A pipeline whose length is known only by running it, and which yields nothing.
+  const auto empty_unknown = data::Dataset::from_files({"a", "b"}, [&](const std::string&) {
+                               return data::Dataset::from_tensor_slices({no_x, no_y});
+                             }).batch(8);
+  REQUIRE(empty_unknown.cardinality() < 0);
+
+  // evaluate() returned loss 0 here.
+  for (const auto* data : {&empty, &empty_unknown}) {
+    const auto m = testing::error_message([&] { model.evaluate(*data, {.verbose = 0}); });
+    CHECK(m.find("model \"nodata\"") != std::string::npos);
+    CHECK(m.find("evaluate()") != std::string::npos);
+    CHECK(m.find("no batches") != std::string::npos);
+    CHECK_THROWS_WITH_AS(model.fit(*data, {.verbose = 0}), doctest::Contains("no batches"), InvalidArgument);
+    CHECK_THROWS_WITH_AS(model.predict(*data), doctest::Contains("no batches"), InvalidArgument);
+  }
+  // Empty validation data is named as such.
+  auto [x, y] = blobs(16, 3, 1);
+  CHECK_THROWS_WITH_AS(model.fit(x, y, {.verbose = 0, .validation_data = empty}),
+                       doctest::Contains("validation_data"), InvalidArgument);
+
+  // fit(x, y) with no rows reported a shuffle buffer of 0; the arrays are what is empty.
+  for (const bool shuffle : {true, false}) {
+    const auto m = testing::error_message([&] { model.fit(no_x, no_y, {.verbose = 0, .shuffle = shuffle}); });
+    CHECK(m.find("fit(x, y): x has 0 rows") != std::string::npos);
+    CHECK(m.find("shuffle") == std::string::npos);
+  }
+  CHECK_THROWS_WITH_AS(model.evaluate(no_x, no_y, {.verbose = 0}), doctest::Contains("evaluate(x, y): x has 0 rows"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(model.predict(no_x), doctest::Contains("predict(x): x has 0 rows"), InvalidArgument);
+}
+
+TEST_CASE("targets whose shape does not suit the loss are reported at the loss, before any graph is built") {
+  const Tensor x = Tensor::zeros({10, 4}, kFloat32);
+  const auto model_with = [](keras::LossRef loss, std::int64_t units) {
+    auto model = keras::Sequential({keras::Input({4}), keras::Dense(8, "relu"), keras::Dense(units, {.name = "head"})},
+                                   "shapes");
+    model.compile("adam", std::move(loss));
+    return model;
+  };
+  struct Case {
+    keras::LossRef loss;
+    std::int64_t units;
+    Shape y;
+    std::string expected;  // what the message must say the loss needs
+  };
+  const std::vector<Case> cases = {
+      // These failed inside the Dense layer's FusedMatMul, or broadcast silently.
+      {"mse", 3, {10}, "(None, 3)"},
+      {"mse", 3, {10, 5}, "(None, 3)"},
+      {"mse", 3, {10, 1}, "(None, 3)"},
+      {"mae", 3, {10, 3, 2}, "(None, 3)"},
+      {keras::CategoricalCrossentropy{.from_logits = true}, 3, {10}, "(None, 3)"},
+      {keras::CategoricalCrossentropy{.from_logits = true}, 3, {10, 5}, "(None, 3)"},
+      {"binary_crossentropy", 1, {10, 2}, "(None, 1)"},
+      {keras::SparseCategoricalCrossentropy{.from_logits = true}, 3, {10, 3}, "(None,) or (None, 1)"},
+  };
+  for (const auto& c : cases) {
+    auto model = model_with(c.loss, c.units);
+    const Tensor y = Tensor::zeros(c.y, kFloat32);
+    Shape fed = c.y;
+    fed[0] = Shape::kUnknown;
+    const auto m = testing::error_message([&] { model.fit(x, y, {.verbose = 0}); });
+    INFO(c.loss.name(), " ", fmt::format("{}", c.y), ": ", m);
+    CHECK(m.find(c.loss.name()) != std::string::npos);
+    CHECK(m.find("\"head\"") != std::string::npos);
+    CHECK(m.find(fmt::format("{}", fed)) != std::string::npos);
+    CHECK(m.find(c.expected) != std::string::npos);
+    CHECK(m.find("MatMul") == std::string::npos);
+    // evaluate() checks the same.
+    CHECK_THROWS_AS(model.evaluate(x, y, {.verbose = 0}), InvalidArgument);
+  }
+  // One-hot targets with the sparse loss: the message points to the loss that takes them.
+  auto sparse = model_with(keras::SparseCategoricalCrossentropy{.from_logits = true}, 3);
+  CHECK_THROWS_WITH_AS(sparse.fit(x, Tensor::zeros({10, 3}, kFloat32), {.verbose = 0}),
+                       doctest::Contains("categorical_crossentropy"), InvalidArgument);
+  // What Keras accepts still trains: (batch,) targets against a (batch, 1) output, class ids as
+  // (batch,) or (batch, 1), and probabilities of the output's shape.
+  model_with("mse", 1).fit(x, Tensor::zeros({10}, kFloat32), {.verbose = 0});
+  model_with("binary_crossentropy", 1).fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
+  model_with(keras::SparseCategoricalCrossentropy{.from_logits = true}, 3)
+      .fit(x, Tensor::zeros({10, 1}, kInt64), {.verbose = 0});
+  model_with(keras::CategoricalCrossentropy{.from_logits = true}, 3).fit(x, Tensor::zeros({10, 3}, kFloat32),
+                                                                          {.verbose = 0});
+  // A custom loss decides for itself.
+  model_with(keras::CustomLoss{.name = "first_column",
+                               .fn = [](graph::Output y_true, graph::Output y_pred) {
+                                 return ops::reduce_sum(ops::square(y_pred - y_true), {.axes = {-1}});
+                               }},
+             3)
+      .fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
 }

@@ -595,3 +595,57 @@ TEST_CASE("safetensors and weight files from GPU tensors and GPU models") {
     CHECK(&model.weights().front()->value().device() == gpu);  // the weights stay on the GPU
   }
 }
+
+TEST_CASE("model weights and checkpoints load into a twin built later in the process: matched by structure") {
+  // Auto-generated layer names keep counting (dense_4, dense_5, then dense_6, dense_7): a second
+  // model built by the same code has other names. Keras 3 matches weights by the layers' order.
+  TempDir dir;
+  const auto build = [](std::int64_t hidden = 4) {
+    auto model = keras::Sequential({keras::Input({3}), keras::Dense(hidden, "relu"), keras::Dense(2)});
+    model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
+    return model;
+  };
+  auto x = Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
+  auto y = Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2});
+  auto first = build();
+  first.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
+  const auto weights = dir.file("w.safetensors");
+  const auto checkpoint = dir.file("ckpt.safetensors");
+  first.save_weights(weights);
+  keras::save_training_checkpoint(first, checkpoint, {.epoch = 2, .step = 0});
+
+  auto twin = build();
+  REQUIRE(twin.weights()[0]->name() != first.weights()[0]->name());
+  twin.load_weights(weights);
+  CHECK(weight_values(twin) == weight_values(first));
+
+  auto resumed = build();
+  const auto state = keras::load_training_checkpoint(resumed, checkpoint);
+  CHECK(state.epoch == 2);
+  CHECK(weight_values(resumed) == weight_values(first));
+  CHECK(resumed.optimizer().iterations() == first.optimizer().iterations());
+  first.fit(x, y, {.batch_size = 2, .epochs = 1, .verbose = 0, .shuffle = false});
+  resumed.fit(x, y, {.batch_size = 2, .epochs = 1, .verbose = 0, .shuffle = false});
+  CHECK(weight_values(resumed) == weight_values(first));
+
+  // Another structure is refused, naming the first weight that differs and both shapes, and
+  // changes nothing.
+  auto wider = build(5);
+  const auto before = weight_values(wider);
+  const auto m = tandem::testing::error_message([&] { wider.load_weights(weights); });
+  CHECK(m.find(wider.weights()[0]->name()) != std::string::npos);
+  CHECK(m.find("(3, 4)") != std::string::npos);
+  CHECK(m.find("(3, 5)") != std::string::npos);
+  CHECK_THROWS_AS(keras::load_training_checkpoint(wider, checkpoint), InvalidArgument);
+  CHECK(weight_values(wider) == before);
+  // So is a model with a layer more, naming where the two part.
+  auto deeper = keras::Sequential({keras::Input({3}), keras::Dense(4, "relu"), keras::Dense(4), keras::Dense(2)});
+  const auto d = tandem::testing::error_message([&] { deeper.load_weights(weights); });
+  CHECK(d.find(fmt::format("weight 3 of the model is \"{}\" (float32 (4, 4))", deeper.weights()[2]->name())) !=
+        std::string::npos);
+  // Names that differ other than by their numbering are not matched by position.
+  auto renamed = small_model("other_");
+  auto original = small_model("orig_");
+  original.save_weights(weights);
+  CHECK_THROWS_WITH_AS(renamed.load_weights(weights), doctest::Contains("missing from the file"), InvalidArgument);
+}

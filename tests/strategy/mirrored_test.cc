@@ -1,11 +1,17 @@
 // MirroredStrategy: the same training as one device, on 2 and 4 logical CPU devices (CTest runs
 // this suite with TANDEM_NUM_CPU_DEVICES=4), and its failure modes.
+//
+// The "default devices:" cases need a process whose devices do not exist yet, each its own: they
+// are skipped unless chosen, and CTest runs each alone (--no-skip --test-case=...).
 #include <doctest/doctest.h>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <random>
+#include <string>
 
+#include "tandem/base/log.h"
 #include "tandem/base/random.h"
 #include "tandem/keras_like/keras.h"
 
@@ -301,4 +307,77 @@ TEST_CASE("VariableAggregation: replica updates and reads combine as in TF") {
   auto only_first = make(VariableSynchronization::kOnRead, VariableAggregation::kOnlyFirstReplica);
   only_first->assign_per_replica(per_replica);
   CHECK(only_first->read_value().item<float>() == 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// MirroredStrategy's default devices on a machine without GPUs (each case in a fresh process).
+
+namespace {
+
+// What `MirroredStrategy strategy;` makes on a CPU-only machine: one replica per usable core, up
+// to devices::kMaxDefaultCpuDevices.
+int per_core_replicas() { return std::min(devices::usable_cpu_cores(), devices::kMaxDefaultCpuDevices); }
+
+bool uses_gpus(const Strategy& strategy) {
+  return strategy.replica_devices().front()->type() == devices::DeviceType::kGPU;
+}
+
+// Leaves the device layout to the case: the variables may be set where CTest runs.
+void unset_device_variables() {
+  ::unsetenv("TANDEM_NUM_CPU_DEVICES");
+  ::unsetenv("TANDEM_INTRA_OP_THREADS");
+}
+
+}  // namespace
+
+TEST_CASE("default devices: one replica per usable core, each with its share of the cores, training like one device" *
+          doctest::skip()) {
+  unset_device_variables();
+  MirroredStrategy strategy;  // as the README writes it, before any tensor
+  if (uses_gpus(strategy)) return;
+  CHECK(strategy.num_replicas_in_sync() == per_core_replicas());
+  for (auto* device : strategy.replica_devices()) {
+    CHECK(device->intra_op_threads() == std::max(1, devices::usable_cpu_cores() / per_core_replicas()));
+  }
+  const Data data = make_data();
+  OneDeviceStrategy one("CPU:0");
+  const keras::OptimizerRef adam = keras::Adam{.learning_rate = 0.01};
+  check_equivalent(train(one, adam, 64, 7, data), train(strategy, adam, 64, 7, data), "adam, the default devices");
+}
+
+TEST_CASE("default devices: TANDEM_NUM_CPU_DEVICES wins" * doctest::skip()) {
+  unset_device_variables();
+  ::setenv("TANDEM_NUM_CPU_DEVICES", "3", 1);
+  MirroredStrategy strategy;
+  if (uses_gpus(strategy)) return;
+  CHECK(strategy.num_replicas_in_sync() == 3);
+}
+
+TEST_CASE("default devices: a configuration made in code wins" * doctest::skip()) {
+  unset_device_variables();
+  devices::set_logical_device_configuration({.num_cpu_devices = 3, .intra_op_threads_per_device = 2});
+  MirroredStrategy strategy;
+  if (uses_gpus(strategy)) return;
+  CHECK(strategy.num_replicas_in_sync() == 3);
+  CHECK(strategy.replica_devices().front()->intra_op_threads() == 2);
+}
+
+TEST_CASE("default devices: made after the first tensor, it keeps the devices there are and says why" *
+          doctest::skip()) {
+  unset_device_variables();
+  std::string warnings;
+  auto previous = logging::set_sink([&](logging::Level level, std::string_view message) {
+    if (level == logging::Level::kWarn) warnings += std::string(message) + "\n";
+  });
+  const Tensor early = Tensor::zeros({2}, kFloat32);  // creates the devices: one CPU device
+  MirroredStrategy strategy;
+  logging::set_sink(std::move(previous));
+  if (uses_gpus(strategy)) return;
+  CHECK(strategy.num_replicas_in_sync() == 1);
+  if (per_core_replicas() > 1) {
+    CHECK(warnings.find("MirroredStrategy") != std::string::npos);
+    CHECK(warnings.find("TANDEM_NUM_CPU_DEVICES") != std::string::npos);
+  } else {
+    CHECK(warnings.empty());
+  }
 }
