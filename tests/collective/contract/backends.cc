@@ -99,7 +99,21 @@ const std::vector<Backend>& backends() {
                                                                  .timeout = kProcessTimeout,
                                                                  .slot_bytes = collective::kMinSlotBytes});
            }},
+      // The default algorithm sums in rank order, as the host backends in shared memory do.
       {.name = "gloo",
+       .traits = {.backend = "gloo",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 3, 4},
+                  .failure_size = 3,
+                  .rank_order = true,
+                  .flat_span = true,
+                  .mismatch = MismatchReport::kTimeout},
+       .make_rank =
+           [](int rank, int n, std::shared_ptr<Store> store) {
+             return collective::make_gloo_communicator(
+                 {.rank = rank, .size = n, .store = std::move(store), .timeout = kProcessTimeout});
+           }},
+      {.name = "gloo_ring",
        .traits = {.backend = "gloo",
                   .reduce_dtypes = kAllReducible,
                   .sizes = {1, 2, 3},
@@ -108,8 +122,11 @@ const std::vector<Backend>& backends() {
                   .mismatch = MismatchReport::kTimeout},
        .make_rank =
            [](int rank, int n, std::shared_ptr<Store> store) {
-             return collective::make_gloo_communicator(
-                 {.rank = rank, .size = n, .store = std::move(store), .timeout = kProcessTimeout});
+             return collective::make_gloo_communicator({.rank = rank,
+                                                        .size = n,
+                                                        .store = std::move(store),
+                                                        .timeout = kProcessTimeout,
+                                                        .all_reduce_algorithm = collective::GlooAllReduceAlgorithm::kRing});
            }},
       // Workers do not compare their calls (a disagreement between replicas of one worker is the
       // in-process group's InvalidArgument, between workers a timeout or nothing), a timeout names the missing rank's
