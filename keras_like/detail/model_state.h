@@ -99,8 +99,8 @@ class Trainer {
   // whole_step: the step runs as one piece of device work (runs_whole_step; every replica alike).
   void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update,
                         bool whole_step);
-  // Adds each replica's step sums to `metrics`: as they are on one worker; summed across workers
-  // (into replica 0's copies) on several.
+  // Adds each replica's step sums to `metrics`: as they are on one worker; on several, gathered
+  // from every worker first (each replica in sync keeps its own part).
   void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);
   // Whether replica r's training step runs as one piece of device work (see trainer.cc).
   bool runs_whole_step(int r) const;
