@@ -40,6 +40,14 @@ std::chrono::milliseconds collective_timeout(const CommunicationOptions& options
   return std::chrono::milliseconds(static_cast<std::int64_t>(options.timeout_seconds * 1000.0));
 }
 
+// A Gloo group's options: CommunicationOptions::deterministic picks the all-reduce's order.
+collective::GlooOptions gloo_options(collective::GlooOptions options, const CommunicationOptions& communication) {
+  options.bytes_per_pack = communication.bytes_per_pack;
+  options.all_reduce_algorithm = communication.deterministic ? collective::GlooAllReduceAlgorithm::kRankOrdered
+                                                             : collective::GlooAllReduceAlgorithm::kRing;
+  return options;
+}
+
 // TF's default: every GPU of the worker. Several workers on one machine (tandem-run
 // --nproc_per_node, torchrun) take one GPU each, by local rank. Without GPUs (or GPU kernels):
 // CPU:0. A CUDA build has GPU kernels (ops/cuda/).
@@ -169,10 +177,10 @@ class CollectiveAllReduce final : public CrossDeviceOps {
       cross = collective::make_shared_memory_communicator(member_options<collective::SharedMemoryOptions>(
           rank_, workers_, std::move(group_store), collective_timeout(options_), labels_));
     } else {
-      auto gloo = member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
-                                                          collective_timeout(options_), labels_);
-      gloo.bytes_per_pack = options_.bytes_per_pack;
-      cross = collective::make_gloo_communicator(std::move(gloo));
+      cross = collective::make_gloo_communicator(
+          gloo_options(member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
+                                                               collective_timeout(options_), labels_),
+                       options_));
     }
     if (devices.size() == 1) {
       std::vector<std::unique_ptr<collective::Communicator>> group;
@@ -294,9 +302,11 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     rv.run_id = std::to_string(resolver.restart_count());
     impl->rendezvous = collective::rendezvous(rv);
 
-    impl->control = collective::make_gloo_communicator(member_options<collective::GlooOptions>(
-        impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
-        collective_timeout(options.communication_options), impl->labels));
+    impl->control = collective::make_gloo_communicator(
+        gloo_options(member_options<collective::GlooOptions>(
+                         impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
+                         collective_timeout(options.communication_options), impl->labels),
+                     options.communication_options));
     // Workers that all share this machine exchange gradients through its memory (TCP over
     // loopback costs a kernel copy of every byte, twice): AUTO picks shared memory then.
     const auto implementation = options.communication_options.implementation;
@@ -387,6 +397,11 @@ void MultiWorkerMirroredStrategy::sum_across_workers(std::span<double> values) {
   std::memcpy(t.raw_data(), values.data(), values.size_bytes());
   impl_->control->all_reduce(t, collective::ReduceOp::kSum, impl_->call_options());
   std::memcpy(values.data(), t.raw_data(), values.size_bytes());
+}
+
+MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::collective_counts() {
+  if (impl_->control == nullptr) return {};
+  return {.data = communicator(0).sequence_number(), .control = impl_->control->sequence_number()};
 }
 
 void MultiWorkerMirroredStrategy::broadcast_from_chief(std::span<Tensor> host_values) {
