@@ -1,12 +1,20 @@
 // multi_worker_trainer: the worker program of the multi-worker tests. It trains a small model on
 // fixed synthetic data under the strategy it is told, and writes what the tests compare: the
-// loss after every step (losses-<rank>.txt) and the final weights (weights-<rank>.safetensors).
+// loss after every step (losses-<rank>.txt), every epoch's logs (epochs-<rank>.txt), the final weights (weights-<rank>.safetensors) and,
+// under multiworker, the collectives issued on each cross-worker communicator so far, once before
+// fit and after every step (collectives-<rank>.txt: "iterations batch data control").
 //
-//   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
+//   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K] [--backup DIR --save-freq N]
 //                        [--timeout SECONDS] [--files 1] [--verbose 2] [--writers 1]
-//                        [--implementation auto|ring|shm|nccl] [--seed S]
+//                        [--implementation auto|ring|shm|nccl] [--seed S] [--deterministic 0]
+//                        [--batchnorm 1] [--accumulate N] [--validation 1]
 //
+// --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
+// the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many).
+// --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
+// every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
+// on two global batches of the training data after every epoch. Losses are printed with 17 digits: bitwise.
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1).
 #include <csignal>
@@ -40,6 +48,10 @@ struct Args {
   std::uint64_t seed = 42;              // the global seed (initializers)
   std::string implementation = "auto";  // auto, ring, shm, nccl
   bool writers = false;                 // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
+  bool deterministic = true;            // CommunicationOptions::deterministic
+  bool batchnorm = false;
+  int accumulate = 0;  // Adam's gradient_accumulation_steps (0: none)
+  bool validation = false;
 };
 
 // Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
@@ -47,10 +59,10 @@ Args parse(int argc, char** argv) {
   Args a;
   CLI::App app("multi_worker_trainer: the worker program of the multi-worker tests");
   app.add_option("--out", a.out, "folder for losses-<rank>.txt and weights-<rank>.safetensors");
-  app.add_option("--strategy", a.strategy, "one or multiworker");
+  app.add_option("--strategy", a.strategy, "one, mirrored or multiworker");
   app.add_option("--epochs", a.epochs);
   app.add_option("--hidden", a.hidden, "units of the hidden layer");
-  app.add_option("--local-devices", a.local_devices, "replicas per worker");
+  app.add_option("--local-devices", a.local_devices, "replicas per worker (mirrored: replicas)");
   app.add_option("--kill-at-step", a.kill_at_step, "SIGKILL the victim after this global step (first attempt)");
   app.add_option("--victim", a.victim, "the rank --kill-at-step kills");
   app.add_option("--backup", a.backup, "BackupAndRestore's folder");
@@ -61,6 +73,10 @@ Args parse(int argc, char** argv) {
   app.add_option("--seed", a.seed, "the global seed");
   app.add_option("--implementation", a.implementation, "auto, ring, shm or nccl");
   app.add_option("--writers", a.writers, "1: a CSVLogger and a ModelCheckpoint per worker");
+  app.add_option("--deterministic", a.deterministic, "CommunicationOptions::deterministic (default 1)");
+  app.add_option("--batchnorm", a.batchnorm, "1: a BatchNormalization layer after the hidden one");
+  app.add_option("--accumulate", a.accumulate, "Adam's gradient_accumulation_steps");
+  app.add_option("--validation", a.validation, "1: validation data (two global batches)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -111,12 +127,18 @@ data::Dataset make_data(bool files) {
 int run(const Args& a) {
   set_global_seed(a.seed);
   std::unique_ptr<Strategy> strategy;
+  MultiWorkerMirroredStrategy* multi_worker = nullptr;
   int rank = 0;
   if (a.strategy == "one") {
     strategy = std::make_unique<OneDeviceStrategy>("CPU:0");
+  } else if (a.strategy == "mirrored") {
+    std::vector<std::string> devices;
+    for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
+    strategy = std::make_unique<MirroredStrategy>(devices);
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
+    options.communication_options.deterministic = a.deterministic;
     using Impl = strategy::CommunicationImplementation;
     options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
                                                    : a.implementation == "shm"  ? Impl::kSharedMemory
@@ -125,6 +147,7 @@ int run(const Args& a) {
     for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
     rank = mw->worker_rank();
+    multi_worker = mw.get();
     strategy = std::move(mw);
   }
   const bool first_attempt = env::get_int(env::kRestartCount) == 0;
@@ -132,11 +155,26 @@ int run(const Args& a) {
   keras::Model model;
   {
     auto scope = strategy->scope();
-    model = keras::Sequential({keras::Input({10}), keras::Dense(a.hidden, "relu"), keras::Dense(3)});
-    model.compile(keras::Adam{.learning_rate = 0.01}, keras::SparseCategoricalCrossentropy{.from_logits = true},
-                  {"accuracy"});
+    std::vector<keras::SequentialItem> layers{keras::Input({10}), keras::Dense(a.hidden, "relu")};
+    if (a.batchnorm) layers.push_back(keras::BatchNormalization());
+    layers.push_back(keras::Dense(3));
+    model = keras::Sequential(layers);
+    keras::Adam adam{.learning_rate = 0.01};
+    if (a.accumulate > 0) adam.gradient_accumulation_steps = a.accumulate;
+    model.compile(adam, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }
   std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
+  std::ofstream epochs(fmt::format("{}/epochs-{}.txt", a.out, rank));
+  std::ofstream collectives;
+  const auto count_collectives = [&](long iterations, long batch) {
+    if (multi_worker == nullptr) return;
+    const auto counts = multi_worker->collective_counts();
+    collectives << fmt::format("{} {} {} {}\n", iterations, batch, counts.data, counts.control) << std::flush;
+  };
+  if (multi_worker != nullptr) {
+    collectives.open(fmt::format("{}/collectives-{}.txt", a.out, rank));
+    count_collectives(-1, -1);
+  }
   long step = 0;
   keras::FitOptions fit{.epochs = a.epochs, .verbose = a.verbose};
   if (a.writers) {
@@ -146,9 +184,17 @@ int run(const Args& a) {
                                                  keras::ModelCheckpointOptions{.monitor = "loss"}));
   }
   fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(
-      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
+      keras::LambdaCallbackOptions{
+          .on_epoch_end =
+              [&](int epoch, keras::Logs& logs) {
+                epochs << epoch;
+                for (const auto& [key, value] : logs) epochs << fmt::format(" {}={:.17g}", key, value);
+                epochs << "\n" << std::flush;
+              },
+          .on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
         ++step;
-        losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+        losses << fmt::format("{} {} {:.17g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+        count_collectives(model.optimizer().iterations(), batch);
         if (a.kill_at_step >= 0 && step == a.kill_at_step && first_attempt && rank == a.victim) {
           std::raise(SIGKILL);
         }
@@ -157,6 +203,7 @@ int run(const Args& a) {
     fit.callbacks.push_back(
         std::make_shared<keras::BackupAndRestore>(a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
   }
+  if (a.validation) fit.validation_data = make_data(false).take(2);
   model.fit(make_data(a.files), fit);
   model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
   std::cout << "worker " << rank << " done\n";
