@@ -641,9 +641,11 @@ class GlooCommunicator final : public Communicator {
     for (std::int64_t begin = 0; begin < elements; begin += per_pack) {
       const std::int64_t n = std::min(per_pack, elements - begin);
       if (ordered_) {
-        const auto pack = ordered_->prepare(data + static_cast<std::size_t>(begin) * esize, n, call.dtype);
-        InFlight in_flight(*this, pack.data, pack.scratch);
-        run(call, [&] { ordered_->run(pack, call.reduce, op_tag(call), detail::deadline_after(call.timeout)); });
+        InFlight in_flight(*this, nullptr);  // interrupt() reaches the call through ordered_
+        run(call, [&] {
+          ordered_->run(data + static_cast<std::size_t>(begin) * esize, n, call.dtype, call.reduce, op_tag(call),
+                        detail::deadline_after(call.timeout));
+        });
         continue;
       }
       CachedAllreduce& setup = allreduce_setup(data + static_cast<std::size_t>(begin) * esize, n, call.dtype);
@@ -840,6 +842,7 @@ class GlooCommunicator final : public Communicator {
   void interrupt() {
     shut_down_connections();
     std::lock_guard lock(call_mutex_);
+    if (ordered_) ordered_->interrupt();
     for (auto* buffer : call_buffers_) {
       if (buffer == nullptr) continue;
       buffer->abortWaitSend();
