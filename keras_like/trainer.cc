@@ -91,14 +91,17 @@ StepSums read_sums(const StepSums& shape, const T* p) {
   return sums;
 }
 
-// `sums` in slot `slot` of `slots` of a flat tensor of `dtype`, zeros elsewhere.
-void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype, std::size_t slot, std::size_t slots) {
+// `sums` in slot `slot` of `slots` of a flat tensor of `dtype`, zeros elsewhere, followed by the
+// step's rider values (WorkerBatch::rider: `rider`, or as many zeros when null).
+void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype, std::size_t slot, std::size_t slots,
+                    std::size_t rider_size, const double* rider) {
   const std::size_t width = sums_width(sums);
-  const auto n = static_cast<std::int64_t>(width * slots);
+  const auto n = static_cast<std::int64_t>(width * slots + rider_size);
   if (!out.defined() || out.num_elements() != n || out.dtype() != dtype) out = Tensor::empty({n}, dtype);
   graph::dispatch<graph::FloatTypes>(dtype, "step sums", [&]<class T>() {
     std::fill_n(out.data<T>(), n, T(0));
     write_sums(sums, out.data<T>() + slot * width);
+    for (std::size_t k = 0; rider != nullptr && k < rider_size; ++k) out.data<T>()[width * slots + k] = T(rider[k]);
   });
 }
 
@@ -109,10 +112,30 @@ StepSums sums_from_tensor(const StepSums& shape, const Tensor& t, std::size_t sl
   return sums;
 }
 
+// The largest whole numbers float32 and float64 hold exactly.
+constexpr double kExactInFloat32 = 1 << 24;
+constexpr double kExactInFloat64 = 9007199254740992.0;  // 2^53
+
 // Whether `dtype` holds every step sum exactly: float32 and float64 hold the fetched float32
 // scalars, and the examples up to 2^24 (float32) or 2^53 rows.
 bool holds_step_sums(DType dtype, std::int64_t global_examples) {
-  return dtype == DType::kF64 || (dtype == DType::kF32 && global_examples < (std::int64_t{1} << 24));
+  return dtype == DType::kF64 || (dtype == DType::kF32 && static_cast<double>(global_examples) < kExactInFloat32);
+}
+
+// The rider's sums over the workers, from the tail of a reduced sums tensor; false when one is
+// beyond what the tensor's dtype holds exactly (the iterator then sums them itself: every
+// worker sees the same sums, so all decide alike).
+bool read_rider(const Tensor& sums, std::vector<double>& values) {
+  const std::size_t first = static_cast<std::size_t>(sums.num_elements()) - values.size();
+  const double exact = sums.dtype() == DType::kF64 ? kExactInFloat64 : kExactInFloat32;
+  bool held = true;
+  graph::dispatch<graph::FloatTypes>(sums.dtype(), "step rider", [&]<class T>() {
+    for (std::size_t k = 0; k < values.size(); ++k) {
+      values[k] = static_cast<double>(sums.data<T>()[first + k]);
+      held = held && std::abs(values[k]) < exact;
+    }
+  });
+  return held;
 }
 
 }  // namespace
@@ -425,7 +448,7 @@ std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const
 }
 
 void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update,
-                               bool whole_step) {
+                               bool whole_step, std::span<const double> rider) {
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
   const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
@@ -483,8 +506,10 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   if (strategy.num_workers() > 1 && replica.executor->device().host_accessible() &&
       holds_step_sums(reducer.extra_dtype(), global_examples)) {
     const auto slot = static_cast<std::size_t>(strategy.worker_rank()) * replicas_.size() + static_cast<std::size_t>(r);
+    // The rider's values once per worker (replica 0's), so that the sum is over the workers.
     sums_to_tensor(replica.sums, replica.sums_tensor, reducer.extra_dtype(), slot,
-                   static_cast<std::size_t>(strategy.num_replicas_in_sync()));
+                   static_cast<std::size_t>(strategy.num_replicas_in_sync()), rider.size(),
+                   r == 0 ? rider.data() : nullptr);
     replica.sums_reduced = reducer.sum_with_last_bucket(r, {&replica.sums_tensor, 1});
   }
   // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
@@ -561,18 +586,21 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   for (std::size_t r = 0; r < replicas_.size() && whole_step; ++r) {
     whole_step = !shards[r].empty() && shards[r][0].shape()[0] > 0 && runs_whole_step(static_cast<int>(r));
   }
+  std::span<const double> rider;
+  if (batch.rider != nullptr) rider = batch.rider->values;
   if (replicas_.size() == 1) {
-    run_replica_step(0, shards.front(), examples, update, whole_step);
+    run_replica_step(0, shards.front(), examples, update, whole_step, rider);
   } else {
     strategy.run([&](strategy::ReplicaContext& ctx) {
       const int r = ctx.replica_id_in_sync_group();
-      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step);
+      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step, rider);
     });
   }
   if (const Replica& first = *replicas_.front(); first.sums_reduced) {
-    // Every replica's sums, gathered in the last bucket's collective.
+    // Every replica's sums, gathered in the last bucket's collective, and the rider's.
     for (int slot = 0; slot < strategy.num_replicas_in_sync(); ++slot)
       train_metrics_->add(slot, sums_from_tensor(first.sums, first.sums_tensor, static_cast<std::size_t>(slot)));
+    if (batch.rider != nullptr) batch.rider->summed = read_rider(first.sums_tensor, batch.rider->values);
   } else {
     std::vector<StepSums> sums;
     for (const auto& replica : replicas_) sums.push_back(replica->sums);

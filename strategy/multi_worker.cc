@@ -5,8 +5,11 @@
 //   data:    the gradient buckets and layer updates, issued by local replica 0 (possibly from its
 //            communication thread while backward runs), inside the hierarchical group;
 //   control: everything fit does between steps on the thread that called fit: variable
-//            agreement at creation, the metric sums of each step, the FILE policy's end-of-data
-//            agreement, BackupAndRestore's broadcast.
+//            agreement at creation, the metric sums of steps with no gradient collective to ride
+//            in (evaluation, micro-steps), the FILE and OFF policies' agreement on a batch when
+//            no step carried it, BackupAndRestore's broadcast.
+// A training step's log sums, moving statistics and next-batch agreement ride in its last
+// gradient collective (the trainer and WorkerBatch::rider), so a step costs one collective.
 #include "tandem/strategy/multi_worker.h"
 
 #include <algorithm>
@@ -429,31 +432,59 @@ class DataShardIterator final : public Strategy::WorkerIterator {
   int workers_, rank_, local_;
 };
 
-// FILE and OFF: each worker's batches are its own; the workers agree at every step on the global
-// batch's size and on whether all of them still have data (the first to run out ends the epoch
-// for every worker, so that all run the same number of steps).
+// FILE and OFF: each worker's batches are its own; the workers agree before every step on the
+// global batch's size and on whether all of them still have data (the first to run out ends the
+// epoch for every worker, so that all run the same number of steps). The iterator reads one batch
+// ahead, so that the agreement on batch t + 1 rides in step t's gradient collective
+// (WorkerBatch::rider); the first batch of a pass, and any batch after a step that carried
+// nothing, take a control all-reduce. With batches staged on the devices ahead of their steps
+// (another thread calls next() early) nothing rides: every agreement is a control all-reduce.
 class OwnBatchIterator final : public Strategy::WorkerIterator {
  public:
-  OwnBatchIterator(std::unique_ptr<data::Iterator> it, Strategy& strategy)
-      : iterator_(std::move(it)), strategy_(strategy) {}
+  OwnBatchIterator(std::unique_ptr<data::Iterator> it, Strategy& strategy, bool ride_in_steps)
+      : iterator_(std::move(it)), strategy_(strategy), ride_in_steps_(ride_in_steps) {}
   std::optional<Strategy::WorkerBatch> next() override {
     if (ended_) return std::nullopt;
-    auto element = iterator_->next();
-    const std::int64_t rows =
-        !element || element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
-    double agreed[2] = {static_cast<double>(rows), element ? 1.0 : 0.0};
-    strategy_.sum_across_workers(agreed);
+    if (!started_) {
+      started_ = true;
+      ahead_ = iterator_->next();
+    }
+    // [global rows, workers with a batch] of the batch ahead: summed by the step before, or now.
+    std::vector<double> agreed;
+    if (rider_ != nullptr && rider_->summed) {
+      agreed = rider_->values;
+    } else {
+      agreed = agreement_of(ahead_);
+      strategy_.sum_across_workers(agreed);
+    }
     if (static_cast<int>(agreed[1]) < strategy_.num_workers()) {
       ended_ = true;
       return std::nullopt;
     }
-    return Strategy::WorkerBatch{std::move(*element), static_cast<std::int64_t>(agreed[0])};
+    Strategy::WorkerBatch batch{std::move(*ahead_), static_cast<std::int64_t>(agreed[0])};
+    ahead_ = iterator_->next();
+    rider_.reset();
+    if (ride_in_steps_) {
+      rider_ = std::make_shared<Strategy::StepRider>(Strategy::StepRider{.values = agreement_of(ahead_)});
+      batch.rider = rider_;
+    }
+    return batch;
   }
 
  private:
+  static std::vector<double> agreement_of(const std::optional<data::Element>& element) {
+    const std::int64_t rows =
+        !element || element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    return {static_cast<double>(rows), element ? 1.0 : 0.0};
+  }
+
   std::unique_ptr<data::Iterator> iterator_;
   Strategy& strategy_;
+  bool ride_in_steps_;
+  bool started_ = false;
   bool ended_ = false;
+  std::optional<data::Element> ahead_;          // the next batch, read one step early
+  std::shared_ptr<Strategy::StepRider> rider_;  // the agreement on ahead_, if a step may carry it
 };
 
 }  // namespace
@@ -476,12 +507,12 @@ std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_ba
       data::IterateOptions sharded = options;
       sharded.file_shards = impl_->workers;
       sharded.file_shard_index = impl_->rank;
-      return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self);
+      return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self, !fetches_to_device());
     }
     case AutoShardPolicy::kOff:
     case AutoShardPolicy::kAuto: break;
   }
-  return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self);
+  return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self, !fetches_to_device());
 }
 
 }  // namespace tandem::strategy

@@ -129,7 +129,8 @@ class MultiWorkerMirroredStrategy final : public Strategy {
   // Collectives this worker has issued so far on each of its two cross-worker communicators:
   // `data` (the gradient buckets, with the step's log sums and layer updates riding in the last
   // one) and `control` (between steps, on the thread that runs fit: variable agreement, log sums
-  // of steps without a bucket, the FILE and OFF policies' agreement on each batch, backups).
+  // of steps without a bucket, the FILE and OFF policies' agreement on a batch no step carried,
+  // backups).
   // What a step costs in round trips is what it adds here (see docs/ARCHITECTURE.md).
   struct CollectiveCounts {
     std::uint64_t data = 0;

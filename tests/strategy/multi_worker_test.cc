@@ -157,7 +157,10 @@ const std::string& reference_dir() {
   return path;
 }
 
-void check_weights_equal(const std::string& path, const std::string& reference_path) {
+// kClose: within kTolerance; kBitwise: every tensor holds the same bytes.
+enum class Match { kClose, kBitwise };
+
+void check_weights_equal(const std::string& path, const std::string& reference_path, Match match = Match::kClose) {
   const auto ours = keras::read_safetensors(path).tensors;
   const auto ref = keras::read_safetensors(reference_path).tensors;
   REQUIRE(ours.size() == ref.size());
@@ -166,6 +169,10 @@ void check_weights_equal(const std::string& path, const std::string& reference_p
     REQUIRE(ours[i].first == ref[i].first);
     const auto n = ref[i].second.num_elements();
     REQUIRE(ours[i].second.num_elements() == n);
+    if (match == Match::kBitwise) {
+      CHECK(std::memcmp(ours[i].second.raw_data(), ref[i].second.raw_data(), ref[i].second.nbytes()) == 0);
+      continue;
+    }
     // Relative error of the tensor, ||ours - ref|| / ||ref||: an element near zero has no
     // meaningful relative error of its own (float32 sums in another order differ in the last bits).
     double diff = 0, norm = 0;
@@ -247,19 +254,6 @@ void run_mirrored(const std::string& dir, int replicas, std::vector<std::string>
   REQUIRE(code == 0);
 }
 
-// Every tensor of the two files holds the same bytes.
-void check_weights_bitwise(const std::string& path, const std::string& reference_path) {
-  const auto ours = keras::read_safetensors(path).tensors;
-  const auto ref = keras::read_safetensors(reference_path).tensors;
-  REQUIRE(ours.size() == ref.size());
-  for (std::size_t i = 0; i < ours.size(); ++i) {
-    CAPTURE(ours[i].first);
-    REQUIRE(ours[i].first == ref[i].first);
-    REQUIRE(ours[i].second.nbytes() == ref[i].second.nbytes());
-    CHECK(std::memcmp(ours[i].second.raw_data(), ref[i].second.raw_data(), ref[i].second.nbytes()) == 0);
-  }
-}
-
 // One line per step (or epoch) of the trainer's counts: "iterations batch data control".
 struct CollectiveStep {
   long iterations = 0, batch = 0;
@@ -316,7 +310,7 @@ TEST_CASE("N workers train bitwise as MirroredStrategy with N replicas: every st
       const auto theirs = [&](const char* name, const char* ext) {
         return fmt::format("{}/{}-0.{}", ref.path().string(), name, ext);
       };
-      check_weights_bitwise(ours("weights", "safetensors"), theirs("weights", "safetensors"));
+      check_weights_equal(ours("weights", "safetensors"), theirs("weights", "safetensors"), Match::kBitwise);
       CHECK(read_file(ours("losses", "txt")) == read_file(theirs("losses", "txt")));  // 17 digits: bitwise
       CHECK(read_file(ours("epochs", "txt")) == read_file(theirs("epochs", "txt")));
     }
@@ -336,30 +330,43 @@ TEST_CASE("deterministic = false (Gloo's ring) from 3 workers on sums in another
         read_file(ref.path().string() + "/weights-0.safetensors"));
 }
 
-TEST_CASE("a training step issues one collective: the logs and moving statistics ride in the gradients' last one") {
-  // Before: every step sent its logs in the last bucket but each BatchNormalization variable in a
-  // collective of its own (3 a step here). Now: 1 data collective and no control collective a
+TEST_CASE("a training step issues one collective: the logs, moving statistics and FILE agreement ride in the last") {
+  // Before: every step sent its logs in the last bucket, but each BatchNormalization variable in a
+  // collective of its own (3 a step here), and under FILE sharding a control collective agreed on
+  // each batch before its step (2 a step). Now: 1 data collective and no control collective a
   // step. A micro-step of gradient accumulation has no gradient collective: its moving statistics
   // take one data collective and its logs one control collective. Each validation batch takes one
-  // control collective.
-  for (const bool accumulate : {false, true}) {
-    CAPTURE(accumulate);
+  // control collective, and so does a FILE epoch's first batch (its agreement has no step before).
+  struct Case {
+    std::string name;
+    std::vector<std::string> args;
+    std::size_t steps;
+  };
+  for (const auto& [name, args, steps] : std::vector<Case>{
+           {"batchnorm, validation", {"--batchnorm", "1", "--validation", "1"}, 30},
+           {"batchnorm, validation, accumulation", {"--batchnorm", "1", "--validation", "1", "--accumulate", "2"}, 30},
+           {"FILE sharding", {"--files", "1"}, 12}}) {
+    CAPTURE(name);
     testing::TempDir dir;
-    std::vector<std::string> args = {"--implementation", "ring", "--batchnorm", "1", "--validation", "1"};
-    if (accumulate) args.insert(args.end(), {"--accumulate", "2"});
-    const auto codes = run_workers(dir.path().string(), 2, args);
+    std::vector<std::string> all = {"--implementation", "ring"};
+    all.insert(all.end(), args.begin(), args.end());
+    const auto codes = run_workers(dir.path().string(), 2, all);
     INFO(describe_logs(dir.path().string(), 2));
     for (int code : codes) REQUIRE(code == 0);
+    const bool accumulate = name.find("accumulation") != std::string::npos;
+    const bool validation = name.find("validation") != std::string::npos;
+    const bool files = name.find("FILE") != std::string::npos;
     for (int r = 0; r < 2; ++r) {
-      const auto steps = collectives_per_step(fmt::format("{}/collectives-{}.txt", dir.path().string(), r));
-      REQUIRE(steps.size() == 30);  // 3 epochs of 10 steps
-      for (std::size_t k = 1; k < steps.size(); ++k) {  // the first step also agrees on the optimizer's slots
-        const auto& step = steps[k];
+      const auto per_step = collectives_per_step(fmt::format("{}/collectives-{}.txt", dir.path().string(), r));
+      REQUIRE(per_step.size() == steps);  // 3 epochs
+      for (std::size_t k = 1; k < per_step.size(); ++k) {  // the first step also agrees on the optimizer's slots
+        const auto& step = per_step[k];
         CAPTURE(k);
         const bool micro_step = accumulate && step.batch % 2 == 0;
-        const std::uint64_t validation = step.batch == 0 ? 2 : 0;  // the epoch before ended with 2 batches
+        std::uint64_t control = micro_step ? 1 : 0;
+        if (step.batch == 0) control += (validation ? 2 : 0) + (files ? 1 : 0);  // the epoch before, this one's start
         CHECK(step.data == 1u);
-        CHECK(step.control == validation + (micro_step ? 1u : 0u));
+        CHECK(step.control == control);
       }
     }
   }
