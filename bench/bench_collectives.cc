@@ -6,7 +6,7 @@
 //
 //   bench_collectives [--ranks 2,4] [--gloo-ranks 2,4] [--min 4K] [--max 256M] [--gloo-max 64M]
 //                     [--factor 4] [--iters N] [--samples N] [--gloo-samples 9] [--gloo-check]
-//                     [--gloo-pack BYTES]
+//                     [--gloo-pack BYTES] [--gloo-algorithm ordered|ring]
 //
 // Columns follow nccl-tests: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n (the rate at
 // which a ring all-reduce moves data over its busiest link; it makes rank counts comparable).
@@ -35,7 +35,9 @@
 // sample starts after a barrier and is the slowest rank's time (an all-reduce MAX of the ranks'
 // elapsed times, outside the timed region). ours/raw is the throughput ratio raw time / our time
 // of each back-to-back pair of samples (median and range over --gloo-samples pairs); shm/raw
-// likewise for the shared-memory communicator.
+// likewise for the shared-memory communicator. Ours all-reduces with --gloo-algorithm: `ordered`
+// (GlooAllReduceAlgorithm::kRankOrdered, the default) or `ring` (kRing, Gloo's ring, what raw gloo
+// runs): with `ordered`, ours/raw is the rank-ordered algorithm's cost against the ring.
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/math.h>
@@ -89,6 +91,7 @@ struct Options {
   int gloo_samples = 9;              // the Gloo section is noisier (two processes per core at 4 ranks)
   bool gloo_check = false;           // GlooOptions::check_consistency for ours
   std::int64_t gloo_pack_bytes = 0;  // GlooOptions::bytes_per_pack for ours
+  std::string gloo_algorithm = "ordered";  // GlooOptions::all_reduce_algorithm for ours: ordered or ring
 };
 
 constexpr double kSampleSeconds = 0.02;
@@ -379,6 +382,8 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
   gloo_options.timeout = kGlooTimeout;
   gloo_options.check_consistency = options.gloo_check;
   gloo_options.bytes_per_pack = options.gloo_pack_bytes;
+  gloo_options.all_reduce_algorithm = options.gloo_algorithm == "ring" ? collective::GlooAllReduceAlgorithm::kRing
+                                                                       : collective::GlooAllReduceAlgorithm::kRankOrdered;
   auto ours = collective::make_gloo_communicator(gloo_options);
   RawGloo raw(rank, n, store);
   auto shm =
@@ -548,8 +553,10 @@ std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, c
 
 void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options) {
   const int rule = 167;
-  fmt::print("\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}{}{}\n",
+  fmt::print(
+      "\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}, ours {}{}{}\n",
              n, n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
+             options.gloo_algorithm == "ring" ? "ring" : "rank-ordered",
              options.gloo_check ? ", ours with check_consistency" : "",
              options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
   fmt::print("{:-<{}}\n", "", rule);
@@ -675,6 +682,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   app.add_flag("--gloo-check", options.gloo_check, "GlooOptions::check_consistency for ours");
   app.add_option("--gloo-pack", options.gloo_pack_bytes, "GlooOptions::bytes_per_pack for ours")->transform(size);
+  app.add_option("--gloo-algorithm", options.gloo_algorithm,
+                 "GlooOptions::all_reduce_algorithm for ours: ordered (rank order, the default) or ring")
+      ->check(CLI::IsMember({"ordered", "ring"}));
   // Internal: a Gloo rank this program started (rank, group size, the store's address).
   std::tuple<int, int, std::string> worker{-1, 0, ""};
   app.add_option("--gloo-worker", worker)->group("");

@@ -48,6 +48,7 @@
 
 #include "tandem/base/env.h"
 #include "tandem/collective/detail/common.h"
+#include "tandem/collective/detail/ordered_all_reduce.h"
 #include "tandem/collective/detail/peer_records.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/collective/tcp_store.h"
@@ -270,6 +271,7 @@ struct Config {
   milliseconds timeout{0};
   std::vector<std::string> labels;
   std::int64_t bytes_per_pack = 0;
+  GlooAllReduceAlgorithm algorithm = GlooAllReduceAlgorithm::kRankOrdered;
   bool check = false;
   std::string group_name;  // GlooOptions::group_name
 };
@@ -376,6 +378,8 @@ class GlooCommunicator final : public Communicator {
       if (address != nullptr) locals.push_back(address->getSockaddr());
     }
     sockets_ = find_sockets(locals);
+    if (config_.algorithm == GlooAllReduceAlgorithm::kRankOrdered)
+      ordered_ = std::make_unique<detail::OrderedAllReduce>(context_);
     monitor_ = std::thread([this] { monitor(); });
   }
 
@@ -390,6 +394,7 @@ class GlooCommunicator final : public Communicator {
     }
     // Buffers of the context go before it.
     allreduce_cache_.clear();
+    ordered_.reset();
     descriptor_gather_.reset();
     barrier_reduce_.reset();
   }
@@ -649,6 +654,14 @@ class GlooCommunicator final : public Communicator {
     const ReduceFn fn = reduce_function(call.dtype, call.reduce);
     for (std::int64_t begin = 0; begin < elements; begin += per_pack) {
       const std::int64_t n = std::min(per_pack, elements - begin);
+      if (ordered_) {
+        InFlight in_flight(*this, nullptr);  // interrupt() reaches the call through ordered_
+        run(call, [&] {
+          ordered_->run(data + static_cast<std::size_t>(begin) * esize, n, call.dtype, call.reduce, op_tag(call),
+                        detail::deadline_after(call.timeout));
+        });
+        continue;
+      }
       CachedAllreduce& setup = allreduce_setup(data + static_cast<std::size_t>(begin) * esize, n, call.dtype);
       InFlight in_flight(*this, setup.buffer);
       run(call, [&] {
@@ -857,6 +870,7 @@ class GlooCommunicator final : public Communicator {
   void interrupt() {
     shut_down_connections();
     std::lock_guard lock(call_mutex_);
+    if (ordered_) ordered_->interrupt();
     for (auto* buffer : call_buffers_) {
       if (buffer == nullptr) continue;
       buffer->abortWaitSend();
@@ -934,6 +948,7 @@ class GlooCommunicator final : public Communicator {
   StagingBuffer staging_;
   std::vector<CachedAllreduce> allreduce_cache_;
   std::size_t next_eviction_ = 0;
+  std::unique_ptr<detail::OrderedAllReduce> ordered_;  // kRankOrdered's setups; null for kRing
   Descriptor descriptor_;
   std::vector<Descriptor> gathered_descriptors_;
   std::unique_ptr<gloo::AllgatherOptions> descriptor_gather_;
@@ -971,6 +986,7 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
   config.timeout = options.timeout;
   config.labels = std::move(options.rank_labels);
   config.bytes_per_pack = options.bytes_per_pack;
+  config.algorithm = options.all_reduce_algorithm;
   config.check = options.check_consistency.value_or(check_from_environment());
   config.group_name = std::move(options.group_name);
   const auto label = [&](int r) {

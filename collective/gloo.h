@@ -42,6 +42,18 @@
 
 namespace tandem::collective {
 
+// How all_reduce (and reduce_scatter, an all-reduce here) combines the ranks' values.
+enum class GlooAllReduceAlgorithm {
+  // Every element combined in rank order, (((x0 + x1) + x2) ...), as the in-process and
+  // shared-memory groups combine it: n processes sum bitwise as n threads, whatever the network.
+  // A reduce-scatter to each part's owner and an all-gather, every receive posted at the start:
+  // 1.5 round trips a call at any rank count, the ring's bytes per rank.
+  kRankOrdered,
+  // Gloo's ring: each part's sum starts at another rank, so from 3 ranks on the last bits differ
+  // from the other backends' (and between parts); about 2 (n - 1) round trips a call.
+  kRing,
+};
+
 struct GlooOptions {
   int rank = 0;
   int size = 1;
@@ -63,6 +75,7 @@ struct GlooOptions {
   // Large all-reduces are split into packs of this many bytes, issued in turn (TF's
   // CommunicationOptions.bytes_per_pack). 0: one pack.
   std::int64_t bytes_per_pack = 0;
+  GlooAllReduceAlgorithm all_reduce_algorithm = GlooAllReduceAlgorithm::kRankOrdered;
   // Before every collective, check that every rank issues the same one (operation, reduction,
   // dtype, element count, tensor count and shapes, root, sequence number). Costs one small
   // all-gather per call. Unset: on when the environment variable TANDEM_CHECK_COLLECTIVES=1.
@@ -75,7 +88,7 @@ struct GlooOptions {
 // count that is not size); Unavailable when the store or a peer cannot be reached.
 //
 // all_reduce reduces float32, float64, int32 and int64 (SUM, MAX, MIN natively; MEAN is a SUM
-// scaled by 1/size); a span of several tensors is copied through one staging buffer, a single
+// scaled by 1/size) with options.all_reduce_algorithm; a span of several tensors is copied through one staging buffer, a single
 // tensor is reduced in place. broadcast and all_gather move bytes (any dtype). reduce_scatter is
 // an all-reduce of a copy of the input of which each rank keeps its part. Tensors must be in host
 // memory.

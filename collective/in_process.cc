@@ -44,13 +44,12 @@ namespace tandem::collective {
 namespace {
 
 using detail::Clock;
-using detail::combine2;
-using detail::combine_into;
 using detail::deadline_after;
 using detail::dispatch_reduction;
 using detail::divide;
 using detail::OpKind;
 using detail::part_of;
+using detail::reduce_blocks;
 using detail::reducible;
 
 // How tensor-check messages name this backend: "... works on host memory (CPU devices)".
@@ -60,8 +59,6 @@ constexpr std::string_view kBackendName = "the in-process group";
 // ranks never write into the same cache line and the vector loops start aligned where the buffer
 // is (tensor buffers are 64-byte aligned).
 constexpr std::size_t kChunkAlignBytes = 64;
-// The n-rank reduction works through blocks that stay in L1 with all n inputs.
-constexpr std::size_t kBlockBytes = 4096;
 // A rank that arrives early polls this long before it sleeps: collectives of one training step
 // come in bursts, and a thread woken from a condition variable on a VM takes tens of microseconds.
 // When the group has more ranks than cores, polling only delays the ranks it waits for.
@@ -77,29 +74,6 @@ void reduce_pair_in_place(T* __restrict a, T* __restrict b, std::int64_t n) {
     if constexpr (kMean) x = x / T{2};
     a[i] = x;
     b[i] = x;
-  }
-}
-
-// Reduces `count` elements of inputs[0..n) into outputs[0..m) (which may be among the inputs)
-// block by block: the block's inputs and the accumulator stay in L1, so the writes hit lines the
-// reads just brought in.
-template <class T, class Op, bool kMean>
-void reduce_blocks(const void* const* inputs, int n, void* const* outputs, int m, std::int64_t count) {
-  constexpr std::int64_t kBlock = static_cast<std::int64_t>(kBlockBytes / sizeof(T));
-  alignas(64) T acc[kBlock];
-  const auto in = [&](int q, std::int64_t base) { return static_cast<const T*>(inputs[q]) + base; };
-  for (std::int64_t base = 0; base < count; base += kBlock) {
-    const std::int64_t len = std::min(kBlock, count - base);
-    if (n == 1) {
-      std::memcpy(acc, in(0, base), static_cast<std::size_t>(len) * sizeof(T));
-    } else {
-      combine2<T, Op>(acc, in(0, base), in(1, base), len);
-      for (int q = 2; q < n; ++q) combine_into<T, Op>(acc, in(q, base), len);
-    }
-    if constexpr (kMean) divide<T>(acc, static_cast<T>(n), len);
-    for (int q = 0; q < m; ++q) {
-      std::memcpy(static_cast<T*>(outputs[q]) + base, acc, static_cast<std::size_t>(len) * sizeof(T));
-    }
   }
 }
 

@@ -81,29 +81,77 @@ std::string spec_string(const std::vector<graph::TensorSpec>& specs) {
   return out;
 }
 
-// StepSums as a flat tensor of `dtype` and back: [loss, output losses..., metrics..., examples].
-void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype) {
-  const auto n = static_cast<std::int64_t>(2 + sums.output_loss.size() + sums.metrics.size());
+// Step sums travel as [loss, output losses..., metrics..., examples], one such slot per replica in
+// sync (global replica worker x local replicas + replica). A worker fills its own replicas' slots
+// and leaves zeros in the others, so a SUM across workers gathers every replica's sums exactly
+// (x + 0 is x in any order), and each worker then adds them up replica by replica, exactly as
+// MirroredStrategy's trainer does with its replicas: the logs of N workers are bitwise those of N
+// replicas in one process.
+std::size_t sums_width(const StepSums& sums) { return 2 + sums.output_loss.size() + sums.metrics.size(); }
+
+template <class T>
+void write_sums(const StepSums& sums, T* p) {
+  *p++ = static_cast<T>(sums.loss);
+  for (double v : sums.output_loss) *p++ = static_cast<T>(v);
+  for (double v : sums.metrics) *p++ = static_cast<T>(v);
+  *p = static_cast<T>(sums.examples);
+}
+
+template <class T>
+StepSums read_sums(const StepSums& shape, const T* p) {
+  StepSums sums = shape;
+  sums.loss = static_cast<double>(*p++);
+  for (double& v : sums.output_loss) v = static_cast<double>(*p++);
+  for (double& v : sums.metrics) v = static_cast<double>(*p++);
+  sums.examples = static_cast<std::int64_t>(std::llround(static_cast<double>(*p)));
+  return sums;
+}
+
+// `sums` in slot `slot` of `slots` of a flat tensor of `dtype`, zeros elsewhere, followed by the
+// step's rider values (WorkerBatch::rider: `rider`, or as many zeros when null).
+void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype, std::size_t slot, std::size_t slots,
+                    std::size_t rider_size, const double* rider) {
+  const std::size_t width = sums_width(sums);
+  const auto n = static_cast<std::int64_t>(width * slots + rider_size);
   if (!out.defined() || out.num_elements() != n || out.dtype() != dtype) out = Tensor::empty({n}, dtype);
   graph::dispatch<graph::FloatTypes>(dtype, "step sums", [&]<class T>() {
-    T* p = out.data<T>();
-    *p++ = static_cast<T>(sums.loss);
-    for (double v : sums.output_loss) *p++ = static_cast<T>(v);
-    for (double v : sums.metrics) *p++ = static_cast<T>(v);
-    *p = static_cast<T>(sums.examples);
+    std::fill_n(out.data<T>(), n, T(0));
+    write_sums(sums, out.data<T>() + slot * width);
+    for (std::size_t k = 0; rider != nullptr && k < rider_size; ++k) out.data<T>()[width * slots + k] = T(rider[k]);
   });
 }
 
-StepSums sums_from_tensor(const StepSums& shape, const Tensor& t) {
-  StepSums sums = shape;
-  graph::dispatch<graph::FloatTypes>(t.dtype(), "step sums", [&]<class T>() {
-    const T* p = t.data<T>();
-    sums.loss = static_cast<double>(*p++);
-    for (double& v : sums.output_loss) v = static_cast<double>(*p++);
-    for (double& v : sums.metrics) v = static_cast<double>(*p++);
-    sums.examples = static_cast<std::int64_t>(std::llround(static_cast<double>(*p)));
-  });
+StepSums sums_from_tensor(const StepSums& shape, const Tensor& t, std::size_t slot) {
+  StepSums sums;
+  graph::dispatch<graph::FloatTypes>(t.dtype(), "step sums",
+                                     [&]<class T>() { sums = read_sums(shape, t.data<T>() + slot * sums_width(shape)); });
   return sums;
+}
+
+// The largest whole numbers float32 and float64 hold exactly.
+constexpr double kExactInFloat32 = 1 << 24;
+constexpr double kExactInFloat64 = 9007199254740992.0;  // 2^53
+
+// Whether `dtype` holds every step sum exactly: float32 and float64 hold the fetched float32
+// scalars, and the examples up to 2^24 (float32) or 2^53 rows.
+bool holds_step_sums(DType dtype, std::int64_t global_examples) {
+  return dtype == DType::kF64 || (dtype == DType::kF32 && static_cast<double>(global_examples) < kExactInFloat32);
+}
+
+// The rider's sums over the workers, from the tail of a reduced sums tensor; false when one is
+// beyond what the tensor's dtype holds exactly (the iterator then sums them itself: every
+// worker sees the same sums, so all decide alike).
+bool read_rider(const Tensor& sums, std::vector<double>& values) {
+  const std::size_t first = static_cast<std::size_t>(sums.num_elements()) - values.size();
+  const double exact = sums.dtype() == DType::kF64 ? kExactInFloat64 : kExactInFloat32;
+  bool held = true;
+  graph::dispatch<graph::FloatTypes>(sums.dtype(), "step rider", [&]<class T>() {
+    for (std::size_t k = 0; k < values.size(); ++k) {
+      values[k] = static_cast<double>(sums.data<T>()[first + k]);
+      held = held && std::abs(values[k]) < exact;
+    }
+  });
+  return held;
 }
 
 }  // namespace
@@ -140,11 +188,14 @@ struct Trainer::Replica {
   std::vector<Tensor> grads;       // the step's reduced gradients, as the optimizer takes them
   bool applied = true;             // false when loss scaling skipped this step (non-finite gradients)
   StepSums sums;
-  // With several workers, the step's sums ride along with the gradients' last collective (the
-  // reducer's sum_with_last_bucket), so that the logs need no collective of their own:
-  // [loss, output losses..., metrics..., examples].
+  // With several workers, every replica's step sums (sums_to_tensor's slots) ride along with the
+  // gradients' last collective (the reducer's sum_with_last_bucket), so that the logs need no
+  // collective of their own; and so do the layers' updates (update_values, weighted by the
+  // replica's share of the batch).
   Tensor sums_tensor;
   bool sums_reduced = false;
+  std::vector<Tensor> update_values;
+  bool updates_reduced = false;
 };
 
 // Metric state of one phase: per replica, the sums of (loss, output losses..., metrics...) and of
@@ -152,8 +203,9 @@ struct Trainer::Replica {
 // parts are host doubles, not device variables: no kernel reads them, and on a GPU each bump of a
 // device scalar would synchronise the host with the device, several times a step.
 struct Trainer::Metrics {
-  std::vector<std::vector<double>> sums;  // per replica: [loss, output losses..., metrics...]
-  std::vector<double> counts;             // per replica: examples
+  // Per replica in sync (of every worker, by global replica): [loss, output losses..., metrics...].
+  std::vector<std::vector<double>> sums;
+  std::vector<double> counts;  // per replica in sync: examples
 
   Metrics(std::size_t replicas, std::size_t num_sums)
       : sums(replicas, std::vector<double>(num_sums, 0.0)), counts(replicas, 0.0) {}
@@ -313,8 +365,10 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     replicas_.push_back(std::move(replica));
   }
   if (with_targets && model.compiled) {
-    train_metrics_ = std::make_unique<Metrics>(replicas_.size(), g.num_sums);
-    test_metrics_ = std::make_unique<Metrics>(replicas_.size(), g.num_sums);
+    // One part per replica in sync, of every worker: the logs add them up in one order everywhere.
+    const auto parts = static_cast<std::size_t>(model.strategy->num_replicas_in_sync());
+    train_metrics_ = std::make_unique<Metrics>(parts, g.num_sums);
+    test_metrics_ = std::make_unique<Metrics>(parts, g.num_sums);
   }
 }
 
@@ -411,7 +465,7 @@ std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const
 }
 
 void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update,
-                               bool whole_step) {
+                               bool whole_step, std::span<const double> rider) {
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
   const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
@@ -461,14 +515,33 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     replica.sums.metrics.assign(g.num_sums - 1 - replica.sums.output_loss.size(), 0.0);
   }
 
+  // The step's log sums (several workers) and the layers' updates ride in the gradients' last
+  // collective: one round of communication a step. Every replica of every worker takes the same
+  // decisions (they depend on the step, the global batch and the model only).
   replica.sums_reduced = false;
-  if (model_.strategy->num_workers() > 1) {
-    sums_to_tensor(replica.sums, replica.sums_tensor, reducer.extra_dtype());
-    replica.sums_reduced = reducer.sum_with_last_bucket(r, replica.sums_tensor);
+  const auto& strategy = *model_.strategy;
+  if (strategy.num_workers() > 1 && replica.executor->device().host_accessible() &&
+      holds_step_sums(reducer.extra_dtype(), global_examples)) {
+    const auto slot = static_cast<std::size_t>(strategy.worker_rank()) * replicas_.size() + static_cast<std::size_t>(r);
+    // The rider's values once per worker (replica 0's), so that the sum is over the workers.
+    sums_to_tensor(replica.sums, replica.sums_tensor, reducer.extra_dtype(), slot,
+                   static_cast<std::size_t>(strategy.num_replicas_in_sync()), rider.size(),
+                   r == 0 ? rider.data() : nullptr);
+    replica.sums_reduced = reducer.sum_with_last_bucket(r, {&replica.sums_tensor, 1});
   }
+  // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
+  // so that every copy stays equal.
+  auto& updates = replica.update_values;
+  updates.clear();
+  for (std::size_t u = 0; u < g.updates.size(); ++u) {
+    const VariablePtr& variable = g.updates[u].first;
+    updates.push_back(rows > 0 ? fetched[g.num_sums + g.trainable.size() + u].clone()
+                               : Tensor::zeros(variable->shape(), variable->dtype(), variable->value(r).device()));
+  }
+  const double weight = static_cast<double>(rows) / static_cast<double>(std::max<std::int64_t>(1, global_examples));
+  replica.updates_reduced = !updates.empty() && reducer.weighted_sum_with_last_bucket(r, updates, weight);
   const auto reducing = std::chrono::steady_clock::now();
   const auto reduced = reducer.finish_step(r);  // on a micro-step: accumulated, not communicated
-  if (replica.sums_reduced) replica.sums = sums_from_tensor(replica.sums, replica.sums_tensor);
   const auto applying = std::chrono::steady_clock::now();
   replica.applied = true;
   if (update) {
@@ -478,20 +551,8 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // move to a fresh arena (an allocation and its page faults every step).
     replica.grads.clear();
   }
-  // Layer updates (moving statistics): the replicas' values averaged, weighted by their examples,
-  // so that every copy stays equal.
-  for (std::size_t u = 0; u < g.updates.size(); ++u) {
-    const VariablePtr& variable = g.updates[u].first;
-    Tensor value;
-    if (rows > 0) {
-      value = fetched[g.num_sums + g.trainable.size() + u].clone();
-    } else {
-      value = Tensor::zeros(variable->shape(), variable->dtype(), variable->value(r).device());
-    }
-    const double weight = static_cast<double>(rows) / static_cast<double>(std::max<std::int64_t>(1, global_examples));
-    reducer.weighted_sum_across_replicas(r, value, weight);
-    variable->value(r).copy_from(value);
-  }
+  if (!replica.updates_reduced) reducer.weighted_sum_across_replicas(r, updates, weight);
+  for (std::size_t u = 0; u < g.updates.size(); ++u) g.updates[u].first->value(r).copy_from(updates[u]);
   if (r == 0) {
     const auto end = std::chrono::steady_clock::now();
     g.times.reduce_wait_seconds += std::chrono::duration<double>(applying - reducing).count();
@@ -505,27 +566,16 @@ void Trainer::add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica
     for (std::size_t r = 0; r < per_replica.size(); ++r) metrics.add(static_cast<int>(r), per_replica[r]);
     return;
   }
-  // One small all-reduce per step: [loss, output losses..., metrics..., examples].
-  StepSums total = per_replica.front();
-  for (std::size_t r = 1; r < per_replica.size(); ++r) {
-    const StepSums& s = per_replica[r];
-    total.loss += s.loss;
-    for (std::size_t j = 0; j < total.output_loss.size(); ++j) total.output_loss[j] += s.output_loss[j];
-    for (std::size_t j = 0; j < total.metrics.size(); ++j) total.metrics[j] += s.metrics[j];
-    total.examples += s.examples;
-  }
-  std::vector<double> values;
-  values.push_back(total.loss);
-  values.insert(values.end(), total.output_loss.begin(), total.output_loss.end());
-  values.insert(values.end(), total.metrics.begin(), total.metrics.end());
-  values.push_back(static_cast<double>(total.examples));
+  // No gradient collective to ride in (evaluation, a micro-step): one small all-reduce on the
+  // control group gathers every replica's sums (sums_to_tensor's layout, in float64).
+  const std::size_t width = sums_width(per_replica.front());
+  const std::size_t first = static_cast<std::size_t>(strategy.worker_rank()) * per_replica.size();
+  std::vector<double> values(width * static_cast<std::size_t>(strategy.num_replicas_in_sync()), 0.0);
+  for (std::size_t r = 0; r < per_replica.size(); ++r) write_sums(per_replica[r], values.data() + (first + r) * width);
   strategy.sum_across_workers(values);
-  std::size_t k = 0;
-  total.loss = values[k++];
-  for (auto& v : total.output_loss) v = values[k++];
-  for (auto& v : total.metrics) v = values[k++];
-  total.examples = static_cast<std::int64_t>(values[k]);
-  metrics.add(0, total);
+  for (std::size_t slot = 0; slot * width < values.size(); ++slot) {
+    metrics.add(static_cast<int>(slot), read_sums(per_replica.front(), values.data() + slot * width));
+  }
 }
 
 std::vector<data::Element> Trainer::shards_of(const strategy::Strategy::WorkerBatch& batch) const {
@@ -553,16 +603,21 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   for (std::size_t r = 0; r < replicas_.size() && whole_step; ++r) {
     whole_step = !shards[r].empty() && shards[r][0].shape()[0] > 0 && runs_whole_step(static_cast<int>(r));
   }
+  std::span<const double> rider;
+  if (batch.rider != nullptr) rider = batch.rider->values;
   if (replicas_.size() == 1) {
-    run_replica_step(0, shards.front(), examples, update, whole_step);
+    run_replica_step(0, shards.front(), examples, update, whole_step, rider);
   } else {
     strategy.run([&](strategy::ReplicaContext& ctx) {
       const int r = ctx.replica_id_in_sync_group();
-      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step);
+      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step, rider);
     });
   }
-  if (replicas_.front()->sums_reduced) {
-    train_metrics_->add(0, replicas_.front()->sums);  // already summed over every replica
+  if (const Replica& first = *replicas_.front(); first.sums_reduced) {
+    // Every replica's sums, gathered in the last bucket's collective, and the rider's.
+    for (int slot = 0; slot < strategy.num_replicas_in_sync(); ++slot)
+      train_metrics_->add(slot, sums_from_tensor(first.sums, first.sums_tensor, static_cast<std::size_t>(slot)));
+    if (batch.rider != nullptr) batch.rider->summed = read_rider(first.sums_tensor, batch.rider->values);
   } else {
     std::vector<StepSums> sums;
     for (const auto& replica : replicas_) sums.push_back(replica->sums);

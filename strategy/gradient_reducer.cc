@@ -186,7 +186,7 @@ struct GradientReducer::ReplicaState {
   std::int64_t overlapped = 0;      // buckets handed to `comm` during backward, all steps
   bool overlap = false;
   std::unique_ptr<CommThread> comm;
-  Tensor extra;  // sum_with_last_bucket's tensor, when set for this step
+  std::vector<Tensor> extras;  // sum_with_last_bucket's tensors for this step
   // DistributionOptions::gradient_all_reduce_dtype: per bucket, its gradients rounded to 16 bits
   // in one buffer (made at the first step that needs it).
   std::vector<Tensor> compressed;
@@ -334,7 +334,7 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
   for (std::size_t b = 0; b < plan_->buckets.size(); ++b)
     s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
   s.next_bucket = 0;
-  s.extra = Tensor();
+  s.extras.clear();
 }
 
 void GradientReducer::set_zero_gradients(int replica) {
@@ -357,13 +357,16 @@ DType GradientReducer::extra_dtype() const {
   return sources_[plan_->buckets[plan_->order.back()].front()].variable->dtype();
 }
 
-bool GradientReducer::sum_with_last_bucket(int replica, Tensor extra) {
+bool GradientReducer::sum_with_last_bucket(int replica, std::span<const Tensor> extras) {
   ReplicaState& s = state(replica);
   if (s.kind != StepKind::kReduce || plan_->order.empty()) return false;
-  TANDEM_REQUIRE(extra.dtype() == extra_dtype() && extra.shape().rank() == 1, InvalidArgument,
-                 "gradient reducer: the tensor summed with the last bucket is {} {}; expected a 1-D {} tensor",
-                 extra.dtype(), extra.shape(), extra_dtype());
-  s.extra = std::move(extra);
+  for (const Tensor& extra : extras) {
+    TANDEM_REQUIRE(extra.dtype() == extra_dtype(), InvalidArgument,
+                   "gradient reducer: a tensor summed with the last bucket is {} {}; expected {} (the last bucket's "
+                   "dtype)",
+                   extra.dtype(), extra.shape(), extra_dtype());
+  }
+  s.extras.insert(s.extras.end(), extras.begin(), extras.end());
   return true;
 }
 
@@ -391,21 +394,21 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
 void GradientReducer::reduce_bucket(int replica, std::size_t bucket) {
   ReplicaState& s = state(replica);
   std::vector<Tensor> tensors;
-  tensors.reserve(plan_->buckets[bucket].size() + 1);
+  tensors.reserve(plan_->buckets[bucket].size() + s.extras.size());
   for (const auto k : plan_->buckets[bucket]) {
     if (!options_.accumulators.empty()) add_into(s.grads[k], options_.accumulators[k]->value(replica));
     tensors.push_back(s.grads[k]);
   }
-  const bool with_extra = s.extra.defined() && bucket == plan_->order.back();
+  const bool with_extras = !s.extras.empty() && bucket == plan_->order.back();
   auto& comm = strategy_.communicator(replica);
   const auto& distribution = strategy_.distribution_options();
   const collective::CallOptions call{.timeout = distribution.collective_timeout};
   if (comm.size() > 1 && distribution.gradient_all_reduce_dtype && tensors.front().dtype() == DType::kF32) {
     reduce_compressed(replica, bucket, tensors, *distribution.gradient_all_reduce_dtype);
-    if (with_extra) comm.all_reduce(s.extra, collective::ReduceOp::kSum, call);  // the sums stay exact
+    if (with_extras) comm.all_reduce(s.extras, collective::ReduceOp::kSum, call);  // the sums stay exact
     return;
   }
-  if (with_extra) tensors.push_back(s.extra);
+  if (with_extras) tensors.insert(tensors.end(), s.extras.begin(), s.extras.end());
   if (comm.size() > 1) comm.all_reduce(tensors, collective::ReduceOp::kSum, call);
 }
 
@@ -473,11 +476,30 @@ void GradientReducer::queue_reduction_on_device(int replica, std::span<Tensor> g
   tensors.clear();  // views of the run's arena: held, they would move it next run
 }
 
-void GradientReducer::weighted_sum_across_replicas(int replica, Tensor& value, double weight) {
+void GradientReducer::weighted_sum_across_replicas(int replica, std::span<Tensor> values, double weight) {
   auto& comm = strategy_.communicator(replica);
-  if (comm.size() == 1) return;
-  scale_in_place(value, weight);
-  comm.all_reduce(value, collective::ReduceOp::kSum, {.timeout = strategy_.distribution_options().collective_timeout});
+  if (comm.size() == 1 || values.empty()) return;
+  for (Tensor& value : values) scale_in_place(value, weight);
+  const collective::CallOptions call{.timeout = strategy_.distribution_options().collective_timeout};
+  const bool one_dtype = std::all_of(values.begin(), values.end(),
+                                     [&](const Tensor& v) { return v.dtype() == values.front().dtype(); });
+  if (one_dtype) {
+    comm.all_reduce(values, collective::ReduceOp::kSum, call);
+    return;
+  }
+  for (Tensor& value : values) comm.all_reduce(value, collective::ReduceOp::kSum, call);
+}
+
+bool GradientReducer::weighted_sum_with_last_bucket(int replica, std::span<Tensor> values, double weight) {
+  ReplicaState& s = state(replica);
+  if (s.kind != StepKind::kReduce || plan_->order.empty()) return false;
+  for (const Tensor& value : values) {
+    if (value.dtype() != extra_dtype()) return false;
+  }
+  if (strategy_.communicator(replica).size() > 1) {
+    for (Tensor& value : values) scale_in_place(value, weight);
+  }
+  return sum_with_last_bucket(replica, values);
 }
 
 }  // namespace tandem::strategy

@@ -100,11 +100,16 @@ class GradientReducer {
   // Instead of a run: replica had no examples this step (a last batch smaller than the replica
   // count). Its gradients are zeros, and it still takes part in every collective.
   virtual void set_zero_gradients(int replica);
-  // Sums `extra` (1-D, extra_dtype()) over the replicas in sync inside the step's last bucket
-  // collective: one collective less than a call of its own (a multi-worker step's log sums ride
-  // along). Call after begin_step; the sum is in `extra` after finish_step. Returns false, and
-  // does nothing, when the step reduces no bucket (a micro-step, no gradients).
-  virtual bool sum_with_last_bucket(int replica, Tensor extra);
+  // Sums `extras` (tensors of extra_dtype() on replica's device, any shapes) over the replicas in
+  // sync inside the step's last bucket collective, in place: no collective of their own (the
+  // step's log sums of a multi-worker step and the layers' moving statistics ride along, so that a
+  // step costs one round of communication). Call after begin_step, every replica alike; the sums
+  // are in the tensors after finish_step. Returns false, and does nothing, when the step reduces
+  // no bucket (a micro-step, no gradients). With a compressed all-reduce
+  // (gradient_all_reduce_dtype) they go in one call of their own, after the bucket's: they stay
+  // exact.
+  virtual bool sum_with_last_bucket(int replica, std::span<const Tensor> extras);
+  // The dtype of the last bucket (float32 when there are no gradients).
   DType extra_dtype() const;
   // Waits for the buckets handed over during backward, reduces the others, and returns replica's
   // gradients: on a reduce step summed over the replicas in sync (accumulated micro-steps
@@ -125,10 +130,16 @@ class GradientReducer {
   virtual void queue_reduction_on_device(int replica, std::span<Tensor> gradients);
 
   // --- other per-step synchronisation ----------------------------------------------------------
-  // Replaces `value` (on replica's device) by the sum over the replicas in sync of weight x value:
-  // with weights that add up to 1, a weighted mean (the layers' moving statistics, weighted by
-  // each replica's share of the batch). Every replica calls it, in the same order.
-  virtual void weighted_sum_across_replicas(int replica, Tensor& value, double weight);
+  // Replaces each of `values` (on replica's device) by its sum over the replicas in sync of
+  // weight x value: with weights that add up to 1, a weighted mean (the layers' moving
+  // statistics, weighted by each replica's share of the batch). One collective when the values
+  // share a dtype. Every replica calls it, in the same order.
+  virtual void weighted_sum_across_replicas(int replica, std::span<Tensor> values, double weight);
+  // The same, riding in the step's last bucket collective as sum_with_last_bucket's tensors do:
+  // scales them now; the sums are in them after finish_step.
+  // Returns false, and does nothing (not even the scaling), when the step reduces no bucket or a
+  // value's dtype is not extra_dtype(): call weighted_sum_across_replicas then.
+  virtual bool weighted_sum_with_last_bucket(int replica, std::span<Tensor> values, double weight);
 
  protected:
   struct ReplicaState;

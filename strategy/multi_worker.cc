@@ -5,8 +5,11 @@
 //   data:    the gradient buckets and layer updates, issued by local replica 0 (possibly from its
 //            communication thread while backward runs), inside the hierarchical group;
 //   control: everything fit does between steps on the thread that called fit: variable
-//            agreement at creation, the metric sums of each step, the FILE policy's end-of-data
-//            agreement, BackupAndRestore's broadcast.
+//            agreement at creation, the metric sums of steps with no gradient collective to ride
+//            in (evaluation, micro-steps), the FILE and OFF policies' agreement on a batch when
+//            no step carried it, BackupAndRestore's broadcast.
+// A training step's log sums, moving statistics and next-batch agreement ride in its last
+// gradient collective (the trainer and WorkerBatch::rider), so a step costs one collective.
 #include "tandem/strategy/multi_worker.h"
 
 #include <algorithm>
@@ -41,6 +44,14 @@ constexpr std::size_t kFactsBytes = 1024;
 std::chrono::milliseconds collective_timeout(const CommunicationOptions& options) {
   if (options.timeout_seconds <= 0) return collective::kDefaultTimeout;
   return std::chrono::milliseconds(static_cast<std::int64_t>(options.timeout_seconds * 1000.0));
+}
+
+// A Gloo group's options: CommunicationOptions::deterministic picks the all-reduce's order.
+collective::GlooOptions gloo_options(collective::GlooOptions options, const CommunicationOptions& communication) {
+  options.bytes_per_pack = communication.bytes_per_pack;
+  options.all_reduce_algorithm = communication.deterministic ? collective::GlooAllReduceAlgorithm::kRankOrdered
+                                                             : collective::GlooAllReduceAlgorithm::kRing;
+  return options;
 }
 
 // TF's default: every GPU of the worker. Several workers on one machine (tandem-run
@@ -180,9 +191,9 @@ class CollectiveAllReduce final : public CrossDeviceOps {
       shm.connect_timeout = connect_timeout;
       cross = collective::make_shared_memory_communicator(std::move(shm));
     } else {
-      auto gloo = member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
-                                                          collective_timeout(options_), labels_);
-      gloo.bytes_per_pack = options_.bytes_per_pack;
+      auto gloo = gloo_options(member_options<collective::GlooOptions>(rank_, workers_, std::move(group_store),
+                                                                       collective_timeout(options_), labels_),
+                               options_);
       gloo.connect_timeout = connect_timeout;
       gloo.group_name = "gradient";
       cross = collective::make_gloo_communicator(std::move(gloo));
@@ -327,9 +338,11 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     impl->connect_deadline = Clock::now() + rv.timeout;
     impl->rendezvous = collective::rendezvous(rv);
 
-    auto control = member_options<collective::GlooOptions>(
-        impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
-        collective_timeout(options.communication_options), impl->labels);
+    auto control = gloo_options(member_options<collective::GlooOptions>(
+                                    impl->rank, impl->workers,
+                                    std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
+                                    collective_timeout(options.communication_options), impl->labels),
+                                options.communication_options);
     control.connect_timeout = impl->connect_time_left();
     control.group_name = "control";
     impl->control = collective::make_gloo_communicator(std::move(control));
@@ -446,6 +459,11 @@ void MultiWorkerMirroredStrategy::sum_across_workers(std::span<double> values) {
   std::memcpy(values.data(), t.raw_data(), values.size_bytes());
 }
 
+MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::collective_counts() {
+  if (impl_->control == nullptr) return {};
+  return {.data = communicator(0).sequence_number(), .control = impl_->control->sequence_number()};
+}
+
 void MultiWorkerMirroredStrategy::broadcast_from_chief(std::span<Tensor> host_values) {
   if (impl_->control == nullptr) return;
   for (auto& value : host_values) impl_->control->broadcast(value, 0, impl_->call_options());
@@ -471,31 +489,59 @@ class DataShardIterator final : public Strategy::WorkerIterator {
   int workers_, rank_, local_;
 };
 
-// FILE and OFF: each worker's batches are its own; the workers agree at every step on the global
-// batch's size and on whether all of them still have data (the first to run out ends the epoch
-// for every worker, so that all run the same number of steps).
+// FILE and OFF: each worker's batches are its own; the workers agree before every step on the
+// global batch's size and on whether all of them still have data (the first to run out ends the
+// epoch for every worker, so that all run the same number of steps). The iterator reads one batch
+// ahead, so that the agreement on batch t + 1 rides in step t's gradient collective
+// (WorkerBatch::rider); the first batch of a pass, and any batch after a step that carried
+// nothing, take a control all-reduce. With batches staged on the devices ahead of their steps
+// (another thread calls next() early) nothing rides: every agreement is a control all-reduce.
 class OwnBatchIterator final : public Strategy::WorkerIterator {
  public:
-  OwnBatchIterator(std::unique_ptr<data::Iterator> it, Strategy& strategy)
-      : iterator_(std::move(it)), strategy_(strategy) {}
+  OwnBatchIterator(std::unique_ptr<data::Iterator> it, Strategy& strategy, bool ride_in_steps)
+      : iterator_(std::move(it)), strategy_(strategy), ride_in_steps_(ride_in_steps) {}
   std::optional<Strategy::WorkerBatch> next() override {
     if (ended_) return std::nullopt;
-    auto element = iterator_->next();
-    const std::int64_t rows =
-        !element || element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
-    double agreed[2] = {static_cast<double>(rows), element ? 1.0 : 0.0};
-    strategy_.sum_across_workers(agreed);
+    if (!started_) {
+      started_ = true;
+      ahead_ = iterator_->next();
+    }
+    // [global rows, workers with a batch] of the batch ahead: summed by the step before, or now.
+    std::vector<double> agreed;
+    if (rider_ != nullptr && rider_->summed) {
+      agreed = rider_->values;
+    } else {
+      agreed = agreement_of(ahead_);
+      strategy_.sum_across_workers(agreed);
+    }
     if (static_cast<int>(agreed[1]) < strategy_.num_workers()) {
       ended_ = true;
       return std::nullopt;
     }
-    return Strategy::WorkerBatch{std::move(*element), static_cast<std::int64_t>(agreed[0])};
+    Strategy::WorkerBatch batch{std::move(*ahead_), static_cast<std::int64_t>(agreed[0])};
+    ahead_ = iterator_->next();
+    rider_.reset();
+    if (ride_in_steps_) {
+      rider_ = std::make_shared<Strategy::StepRider>(Strategy::StepRider{.values = agreement_of(ahead_)});
+      batch.rider = rider_;
+    }
+    return batch;
   }
 
  private:
+  static std::vector<double> agreement_of(const std::optional<data::Element>& element) {
+    const std::int64_t rows =
+        !element || element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
+    return {static_cast<double>(rows), element ? 1.0 : 0.0};
+  }
+
   std::unique_ptr<data::Iterator> iterator_;
   Strategy& strategy_;
+  bool ride_in_steps_;
+  bool started_ = false;
   bool ended_ = false;
+  std::optional<data::Element> ahead_;          // the next batch, read one step early
+  std::shared_ptr<Strategy::StepRider> rider_;  // the agreement on ahead_, if a step may carry it
 };
 
 }  // namespace
@@ -518,12 +564,12 @@ std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_ba
       data::IterateOptions sharded = options;
       sharded.file_shards = impl_->workers;
       sharded.file_shard_index = impl_->rank;
-      return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self);
+      return std::make_unique<OwnBatchIterator>(dataset.iterate(sharded), self, !fetches_to_device());
     }
     case AutoShardPolicy::kOff:
     case AutoShardPolicy::kAuto: break;
   }
-  return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self);
+  return std::make_unique<OwnBatchIterator>(dataset.iterate(options), self, !fetches_to_device());
 }
 
 }  // namespace tandem::strategy

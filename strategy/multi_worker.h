@@ -20,10 +20,22 @@
 //     creates the same variable (name, dtype, shape; a mismatch names both sides) and broadcasts
 //     the chief's initial value;
 //   - fit's dataset is the global batch; it is auto-sharded (AutoShardPolicy): under DATA each
-//     worker takes its replicas' rows of every global batch, so the global batches, and the
-//     gradients, are exactly those of one device; under FILE each worker reads every N-th file;
+//     worker takes its replicas' rows of every global batch, the rows MirroredStrategy would give
+//     the same replicas in one process; under FILE each worker reads every N-th file;
 //   - gradients are all-reduced across all replicas: on the local replicas first (in-process),
-//     then across workers (Gloo ring), then back to the local replicas (hierarchical);
+//     then across workers (Gloo over TCP, or shared memory), then back to the local replicas
+//     (hierarchical). With CommunicationOptions::deterministic (the default) every sum is taken in
+//     global replica order, as MirroredStrategy takes it, and the logs gather every replica's
+//     sums: under DATA, N workers of one replica each give bitwise the losses, logs and weights of
+//     MirroredStrategy with N replicas, run after run. Not those of one device: a replica sums its
+//     shard's gradient, and the shards' sums added up round differently from one sum over the
+//     whole batch (MirroredStrategy differs from one device in the same last bits). Workers with
+//     several local replicas add each worker's replicas first ((r0 + r1) + (r2 + r3)), which
+//     equals MirroredStrategy with as many replicas to rounding only, deterministically;
+//   - a training step communicates once: one collective per gradient bucket (one for a model
+//     whose gradients fit DistributionOptions::first_bucket_bytes), the step's log sums and the
+//     layers' moving statistics riding in the last; over Gloo each collective takes 1.5 network
+//     round trips (docs/ARCHITECTURE.md lists what else communicates, and when);
 //   - only the chief writes checkpoints, CSV logs and the progress bar.
 // A worker that dies or hangs makes every other worker's pending collective fail within
 // CommunicationOptions::timeout_seconds, naming the rank: never a silent hang.
@@ -59,6 +71,14 @@ struct CommunicationOptions {
   // How long a collective waits for the other workers before DeadlineExceeded (0: the default,
   // collective::kDefaultTimeout, 5 minutes).
   double timeout_seconds = 0;
+  // Sum across workers in global replica order, (((r0 + r1) + r2) ...), as MirroredStrategy sums
+  // its replicas: N workers of one replica each then train bitwise as MirroredStrategy with N
+  // replicas, over TCP or shared memory alike (Gloo's rank-ordered all-reduce, 1.5 round trips a
+  // collective at any worker count, the ring's bytes per worker). false: Gloo's own ring, whose
+  // sums start at a different worker for each part of a buffer (from 3 workers on, the last bits
+  // differ) and which takes about 2 (workers - 1) round trips. Shared memory always sums in rank
+  // order; NCCL (GPU replicas) in NCCL's own order, whatever this says.
+  bool deterministic = true;
 };
 
 // TF's tf.data.experimental.AutoShardPolicy.
@@ -107,6 +127,18 @@ class MultiWorkerMirroredStrategy final : public Strategy {
   void broadcast_from_chief(std::span<Tensor> host_values) override;
   void check_workers_agree(std::string_view what,
                            const std::vector<std::pair<std::string, std::string>>& facts) override;
+
+  // Collectives this worker has issued so far on each of its two cross-worker communicators:
+  // `data` (the gradient buckets, with the step's log sums and layer updates riding in the last
+  // one) and `control` (between steps, on the thread that runs fit: variable agreement, log sums
+  // of steps without a bucket, the FILE and OFF policies' agreement on a batch no step carried,
+  // backups).
+  // What a step costs in round trips is what it adds here (see docs/ARCHITECTURE.md).
+  struct CollectiveCounts {
+    std::uint64_t data = 0;
+    std::uint64_t control = 0;
+  };
+  CollectiveCounts collective_counts();
 
  protected:
   std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,

@@ -147,6 +147,18 @@ class Strategy {
   virtual void check_workers_agree(std::string_view /*what*/,
                                    const std::vector<std::pair<std::string, std::string>>& /*facts*/) {}
 
+  // Values the workers sum across workers before the step after this one (the FILE and OFF
+  // policies' agreement on the next batch: its rows, whether every worker has one), which a
+  // training step carries in its gradients' last collective when it can, so that the agreement
+  // costs no collective of its own. The trainer adds this worker's `values` to what it sums there
+  // and, once the step is done, puts the sums over the workers in `values` and sets `summed`;
+  // otherwise (no bucket to ride in: a micro-step, evaluation) the iterator sums them itself. The
+  // same on every worker: whether a step carries them depends on the step and the model only.
+  struct StepRider {
+    std::vector<double> values;
+    bool summed = false;
+  };
+
   // One worker's share of each global batch, and the global batch's size (what the loss is
   // scaled by). Returned by iterate_for_worker.
   struct WorkerBatch {
@@ -160,6 +172,8 @@ class Strategy {
     // reused for a later batch once each device has finished the work queued so far. Drop a
     // batch after queueing the step that reads it.
     std::shared_ptr<const void> staging;
+    // What the training step on this batch may carry for the iterator (above); null: nothing.
+    std::shared_ptr<StepRider> rider;
   };
   class WorkerIterator {
    public:

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -52,6 +53,34 @@ void combine_into(T* __restrict acc, const T* __restrict a, std::int64_t n) {
 template <class T>
 void divide(T* __restrict acc, T divisor, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
+}
+
+// The n-rank reduction works through blocks that stay in L1 with all n inputs.
+constexpr std::size_t kReduceBlockBytes = 4096;
+
+// Reduces `count` elements of inputs[0..n) into outputs[0..m) (which may be among the inputs)
+// block by block, each element in rank order (((in0 op in1) op in2) ...): the block's inputs and
+// the accumulator stay in L1, so the writes hit lines the reads just brought in. The in-process
+// group and Gloo's rank-ordered all-reduce (ordered_all_reduce.h) share it, so that both give
+// bitwise the same sums.
+template <class T, class Op, bool kMean>
+void reduce_blocks(const void* const* inputs, int n, void* const* outputs, int m, std::int64_t count) {
+  constexpr std::int64_t kBlock = static_cast<std::int64_t>(kReduceBlockBytes / sizeof(T));
+  alignas(64) T acc[kBlock];
+  const auto in = [&](int q, std::int64_t base) { return static_cast<const T*>(inputs[q]) + base; };
+  for (std::int64_t base = 0; base < count; base += kBlock) {
+    const std::int64_t len = std::min(kBlock, count - base);
+    if (n == 1) {
+      std::memcpy(acc, in(0, base), static_cast<std::size_t>(len) * sizeof(T));
+    } else {
+      combine2<T, Op>(acc, in(0, base), in(1, base), len);
+      for (int q = 2; q < n; ++q) combine_into<T, Op>(acc, in(q, base), len);
+    }
+    if constexpr (kMean) divide<T>(acc, static_cast<T>(n), len);
+    for (int q = 0; q < m; ++q) {
+      std::memcpy(static_cast<T*>(outputs[q]) + base, acc, static_cast<std::size_t>(len) * sizeof(T));
+    }
+  }
 }
 
 // What the host backends reduce. float16 and bfloat16 (compressed gradients) combine through

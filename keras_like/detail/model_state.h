@@ -97,10 +97,11 @@ class Trainer {
   // The batch's shard for each replica: the staged ones, or split_batch's views of `local`.
   std::vector<data::Element> shards_of(const strategy::Strategy::WorkerBatch& batch) const;
   // whole_step: the step runs as one piece of device work (runs_whole_step; every replica alike).
+  // rider: the batch's WorkerBatch::rider values, carried with the step's sums when they ride.
   void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update,
-                        bool whole_step);
-  // Adds each replica's step sums to `metrics`: as they are on one worker; summed across workers
-  // (into replica 0's copies) on several.
+                        bool whole_step, std::span<const double> rider);
+  // Adds each replica's step sums to `metrics`: as they are on one worker; on several, gathered
+  // from every worker first (each replica in sync keeps its own part).
   void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);
   // Whether replica r's training step runs as one piece of device work (see trainer.cc).
   bool runs_whole_step(int r) const;

@@ -216,7 +216,7 @@ TEST_CASE("a tensor summed with the last bucket rides in its collective") {
       const int r = ctx.replica_id_in_sync_group();
       toy.reducer->begin_step(r, kind);
       Tensor extra = Tensor::from_vector<float>({static_cast<float>(r + 1), 10}, {2});
-      carried[static_cast<std::size_t>(r)] = toy.reducer->sum_with_last_bucket(r, extra);
+      carried[static_cast<std::size_t>(r)] = toy.reducer->sum_with_last_bucket(r, {&extra, 1});
       toy.executors[static_cast<std::size_t>(r)]->run({{toy.x, Toy::input(r, 0)}}, toy.fetches,
                                                       {.observer = toy.reducer->observer(r)});
       toy.reducer->finish_step(r);

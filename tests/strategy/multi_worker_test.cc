@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -156,7 +157,10 @@ const std::string& reference_dir() {
   return path;
 }
 
-void check_weights_equal(const std::string& path, const std::string& reference_path) {
+// kClose: within kTolerance; kBitwise: every tensor holds the same bytes.
+enum class Match { kClose, kBitwise };
+
+void check_weights_equal(const std::string& path, const std::string& reference_path, Match match = Match::kClose) {
   const auto ours = keras::read_safetensors(path).tensors;
   const auto ref = keras::read_safetensors(reference_path).tensors;
   REQUIRE(ours.size() == ref.size());
@@ -165,6 +169,10 @@ void check_weights_equal(const std::string& path, const std::string& reference_p
     REQUIRE(ours[i].first == ref[i].first);
     const auto n = ref[i].second.num_elements();
     REQUIRE(ours[i].second.num_elements() == n);
+    if (match == Match::kBitwise) {
+      CHECK(std::memcmp(ours[i].second.raw_data(), ref[i].second.raw_data(), ref[i].second.nbytes()) == 0);
+      continue;
+    }
     // Relative error of the tensor, ||ours - ref|| / ||ref||: an element near zero has no
     // meaningful relative error of its own (float32 sums in another order differ in the last bits).
     double diff = 0, norm = 0;
@@ -231,6 +239,136 @@ TEST_CASE("2 workers of 2 local replicas each (hierarchical all-reduce) equal on
     check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r),
                         ref + "/weights-0.safetensors");
     check_losses_equal(fmt::format("{}/losses-{}.txt", dir.path().string(), r), ref + "/losses-0.txt");
+  }
+}
+
+namespace {
+
+// MirroredStrategy with `replicas` replicas in one process (TANDEM_NUM_CPU_DEVICES logical CPU
+// devices), on the same data, global batches and trainer flags: what N workers must equal bitwise.
+void run_mirrored(const std::string& dir, int replicas, std::vector<std::string> args) {
+  args.insert(args.end(), {"--strategy", "mirrored", "--local-devices", std::to_string(replicas), "--out", dir});
+  Process p = spawn(TANDEM_MW_TRAINER, args, {{"TANDEM_NUM_CPU_DEVICES", std::to_string(replicas)}}, dir + "/log-0.txt");
+  const int code = wait_for(p);
+  INFO(read_file(dir + "/log-0.txt"));
+  REQUIRE(code == 0);
+}
+
+// One line per step (or epoch) of the trainer's counts: "iterations batch data control".
+struct CollectiveStep {
+  long iterations = 0, batch = 0;
+  std::uint64_t data = 0, control = 0;  // issued during the step (since the line before)
+};
+std::vector<CollectiveStep> collectives_per_step(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<CollectiveStep> steps;
+  std::uint64_t data = 0, control = 0;
+  long iterations = 0, batch = 0;
+  std::uint64_t d = 0, c = 0;
+  const bool header = static_cast<bool>(in >> iterations >> batch >> data >> control);
+  REQUIRE(header);  // the line before fit: variable agreement only
+  CHECK(data == 0);
+  while (in >> iterations >> batch >> d >> c) {
+    steps.push_back({iterations, batch, d - data, c - control});
+    data = d;
+    control = c;
+  }
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("N workers train bitwise as MirroredStrategy with N replicas: every step's loss, every epoch's logs, weights") {
+  // Gloo's rank-ordered all-reduce (CommunicationOptions::deterministic, the default) and shared
+  // memory both sum in global replica order, as the in-process group does; the logs gather every
+  // replica's sums. With BatchNormalization (moving statistics), gradient accumulation
+  // (micro-steps) and validation, every path of the step is covered.
+  const std::vector<std::string> extras = {"--batchnorm", "1", "--accumulate", "2", "--validation", "1"};
+  struct Case {
+    int workers;
+    std::string implementation;
+    bool extras;
+  };
+  for (const auto& [workers, implementation, with_extras] : std::vector<Case>{
+           {2, "ring", false}, {3, "ring", false}, {3, "shm", false}, {3, "ring", true}, {2, "shm", true}}) {
+    CAPTURE(workers);
+    CAPTURE(implementation);
+    CAPTURE(with_extras);
+    std::vector<std::string> args = {"--epochs", "2"};
+    if (with_extras) args.insert(args.end(), extras.begin(), extras.end());
+    testing::TempDir ref, dir;
+    run_mirrored(ref.path().string(), workers, args);
+    args.insert(args.end(), {"--implementation", implementation});
+    const auto codes = run_workers(dir.path().string(), workers, args);
+    INFO(describe_logs(dir.path().string(), workers));
+    for (int r = 0; r < workers; ++r) {
+      CAPTURE(r);
+      REQUIRE(codes[static_cast<std::size_t>(r)] == 0);
+      const auto ours = [&](const char* name, const char* ext) {
+        return fmt::format("{}/{}-{}.{}", dir.path().string(), name, r, ext);
+      };
+      const auto theirs = [&](const char* name, const char* ext) {
+        return fmt::format("{}/{}-0.{}", ref.path().string(), name, ext);
+      };
+      check_weights_equal(ours("weights", "safetensors"), theirs("weights", "safetensors"), Match::kBitwise);
+      CHECK(read_file(ours("losses", "txt")) == read_file(theirs("losses", "txt")));  // 17 digits: bitwise
+      CHECK(read_file(ours("epochs", "txt")) == read_file(theirs("epochs", "txt")));
+    }
+  }
+}
+
+TEST_CASE("deterministic = false (Gloo's ring) from 3 workers on sums in another order than MirroredStrategy") {
+  testing::TempDir ref, dir;
+  run_mirrored(ref.path().string(), 3, {"--epochs", "2"});
+  const auto codes =
+      run_workers(dir.path().string(), 3, {"--epochs", "2", "--implementation", "ring", "--deterministic", "0"});
+  INFO(describe_logs(dir.path().string(), 3));
+  for (int code : codes) REQUIRE(code == 0);
+  // Close (the ring is a correct sum), but not the same bits: why the default is the ordered one.
+  check_weights_equal(dir.path().string() + "/weights-0.safetensors", ref.path().string() + "/weights-0.safetensors");
+  CHECK(read_file(dir.path().string() + "/weights-0.safetensors") !=
+        read_file(ref.path().string() + "/weights-0.safetensors"));
+}
+
+TEST_CASE("a training step issues one collective: the logs, moving statistics and FILE agreement ride in the last") {
+  // Before: every step sent its logs in the last bucket, but each BatchNormalization variable in a
+  // collective of its own (3 a step here), and under FILE sharding a control collective agreed on
+  // each batch before its step (2 a step). Now: 1 data collective and no control collective a
+  // step. A micro-step of gradient accumulation has no gradient collective: its moving statistics
+  // take one data collective and its logs one control collective. Each validation batch takes one
+  // control collective, and so does a FILE epoch's first batch (its agreement has no step before).
+  struct Case {
+    std::string name;
+    std::vector<std::string> args;
+    std::size_t steps;
+  };
+  for (const auto& [name, args, steps] : std::vector<Case>{
+           {"batchnorm, validation", {"--batchnorm", "1", "--validation", "1"}, 30},
+           {"batchnorm, validation, accumulation", {"--batchnorm", "1", "--validation", "1", "--accumulate", "2"}, 30},
+           {"FILE sharding", {"--files", "1"}, 12}}) {
+    CAPTURE(name);
+    testing::TempDir dir;
+    std::vector<std::string> all = {"--implementation", "ring"};
+    all.insert(all.end(), args.begin(), args.end());
+    const auto codes = run_workers(dir.path().string(), 2, all);
+    INFO(describe_logs(dir.path().string(), 2));
+    for (int code : codes) REQUIRE(code == 0);
+    const bool accumulate = name.find("accumulation") != std::string::npos;
+    const bool validation = name.find("validation") != std::string::npos;
+    const bool files = name.find("FILE") != std::string::npos;
+    for (int r = 0; r < 2; ++r) {
+      const auto per_step = collectives_per_step(fmt::format("{}/collectives-{}.txt", dir.path().string(), r));
+      REQUIRE(per_step.size() == steps);  // 3 epochs
+      for (std::size_t k = 1; k < per_step.size(); ++k) {  // the first step also agrees on the optimizer's slots
+        const auto& step = per_step[k];
+        CAPTURE(k);
+        const bool micro_step = accumulate && step.batch % 2 == 0;
+        std::uint64_t control = micro_step ? 1 : 0;
+        if (step.batch == 0) control += (validation ? 2 : 0) + (files ? 1 : 0);  // the epoch before, this one's start
+        CHECK(step.data == 1u);
+        CHECK(step.control == control);
+      }
+    }
   }
 }
 

@@ -1,13 +1,20 @@
 // multi_worker_trainer: the worker program of the multi-worker tests. It trains a small model on
 // fixed synthetic data under the strategy it is told, and writes what the tests compare: the
-// loss after every step (losses-<rank>.txt) and the final weights (weights-<rank>.safetensors).
+// loss after every step (losses-<rank>.txt), every epoch's logs (epochs-<rank>.txt), the final weights (weights-<rank>.safetensors) and,
+// under multiworker, the collectives issued on each cross-worker communicator so far, once before
+// fit and after every step (collectives-<rank>.txt: "iterations batch data control").
 //
-//   multi_worker_trainer --out DIR [--strategy one|multiworker] [--epochs 3] [--hidden 16]
+//   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K | --stop-at-step K] [--victim R]
 //                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
 //                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
-//                        [--batch 64]
+//                        [--batch 64] [--deterministic 0] [--batchnorm 1] [--accumulate N] [--validation 1]
 //
+// --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
+// the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many).
+// --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
+// every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
+// on two global batches of the training data after every epoch. Losses are printed with 17 digits: bitwise.
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1). --stop-at-step K
 // freezes it (SIGSTOP) instead. Either first writes one line on stderr saying so, which the
@@ -50,6 +57,10 @@ struct Args {
   std::string implementation = "auto";  // auto, ring, shm, nccl
   bool writers = false;                 // a CSVLogger and a ModelCheckpoint, to files named after this worker's rank
   bool step_times = false;              // step-times-<rank>.txt: the steady clock at the end of every step
+  bool deterministic = true;            // CommunicationOptions::deterministic
+  bool batchnorm = false;
+  int accumulate = 0;  // Adam's gradient_accumulation_steps (0: none)
+  bool validation = false;
 };
 
 // Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
@@ -57,11 +68,11 @@ Args parse(int argc, char** argv) {
   Args a;
   CLI::App app("multi_worker_trainer: the worker program of the multi-worker tests");
   app.add_option("--out", a.out, "folder for losses-<rank>.txt and weights-<rank>.safetensors");
-  app.add_option("--strategy", a.strategy, "one or multiworker");
+  app.add_option("--strategy", a.strategy, "one, mirrored or multiworker");
   app.add_option("--epochs", a.epochs);
   app.add_option("--hidden", a.hidden, "units of the hidden layer");
   app.add_option("--batch", a.batch, "the global batch size (default 64)");
-  app.add_option("--local-devices", a.local_devices, "replicas per worker");
+  app.add_option("--local-devices", a.local_devices, "replicas per worker (mirrored: replicas)");
   app.add_option("--kill-at-step", a.kill_at_step, "SIGKILL the victim after this global step (first attempt)");
   app.add_option("--stop-at-step", a.stop_at_step, "SIGSTOP the victim after this global step (first attempt)");
   app.add_option("--victim", a.victim, "the rank --kill-at-step kills or --stop-at-step freezes");
@@ -74,6 +85,10 @@ Args parse(int argc, char** argv) {
   app.add_option("--implementation", a.implementation, "auto, ring, shm or nccl");
   app.add_option("--writers", a.writers, "1: a CSVLogger and a ModelCheckpoint per worker");
   app.add_option("--step-times", a.step_times, "1: the steady clock's seconds after every step, one per line");
+  app.add_option("--deterministic", a.deterministic, "CommunicationOptions::deterministic (default 1)");
+  app.add_option("--batchnorm", a.batchnorm, "1: a BatchNormalization layer after the hidden one");
+  app.add_option("--accumulate", a.accumulate, "Adam's gradient_accumulation_steps");
+  app.add_option("--validation", a.validation, "1: validation data (two global batches)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -124,12 +139,18 @@ data::Dataset make_data(bool files, std::int64_t batch) {
 int run(const Args& a) {
   set_global_seed(a.seed);
   std::unique_ptr<Strategy> strategy;
+  MultiWorkerMirroredStrategy* multi_worker = nullptr;
   int rank = 0;
   if (a.strategy == "one") {
     strategy = std::make_unique<OneDeviceStrategy>("CPU:0");
+  } else if (a.strategy == "mirrored") {
+    std::vector<std::string> devices;
+    for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
+    strategy = std::make_unique<MirroredStrategy>(devices);
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
+    options.communication_options.deterministic = a.deterministic;
     using Impl = strategy::CommunicationImplementation;
     options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
                                                    : a.implementation == "shm"  ? Impl::kSharedMemory
@@ -138,6 +159,7 @@ int run(const Args& a) {
     for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
     rank = mw->worker_rank();
+    multi_worker = mw.get();
     strategy = std::move(mw);
   }
   const bool first_attempt = env::get_int(env::kRestartCount) == 0;
@@ -145,13 +167,28 @@ int run(const Args& a) {
   keras::Model model;
   {
     auto scope = strategy->scope();
-    model = keras::Sequential({keras::Input({10}), keras::Dense(a.hidden, "relu"), keras::Dense(3)});
-    model.compile(keras::Adam{.learning_rate = 0.01}, keras::SparseCategoricalCrossentropy{.from_logits = true},
-                  {"accuracy"});
+    std::vector<keras::SequentialItem> layers{keras::Input({10}), keras::Dense(a.hidden, "relu")};
+    if (a.batchnorm) layers.push_back(keras::BatchNormalization());
+    layers.push_back(keras::Dense(3));
+    model = keras::Sequential(layers);
+    keras::Adam adam{.learning_rate = 0.01};
+    if (a.accumulate > 0) adam.gradient_accumulation_steps = a.accumulate;
+    model.compile(adam, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }
   std::ofstream losses(fmt::format("{}/losses-{}.txt", a.out, rank));
   std::ofstream step_times;
   if (a.step_times) step_times.open(fmt::format("{}/step-times-{}.txt", a.out, rank));
+  std::ofstream epochs(fmt::format("{}/epochs-{}.txt", a.out, rank));
+  std::ofstream collectives;
+  const auto count_collectives = [&](long iterations, long batch) {
+    if (multi_worker == nullptr) return;
+    const auto counts = multi_worker->collective_counts();
+    collectives << fmt::format("{} {} {} {}\n", iterations, batch, counts.data, counts.control) << std::flush;
+  };
+  if (multi_worker != nullptr) {
+    collectives.open(fmt::format("{}/collectives-{}.txt", a.out, rank));
+    count_collectives(-1, -1);
+  }
   long step = 0;
   // The victim's fault, announced first so that a test can time what the others report from it.
   const auto fault = [&](long at_step, int sig) {
@@ -168,9 +205,17 @@ int run(const Args& a) {
                                                  keras::ModelCheckpointOptions{.monitor = "loss"}));
   }
   fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(
-      keras::LambdaCallbackOptions{.on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
+      keras::LambdaCallbackOptions{
+          .on_epoch_end =
+              [&](int epoch, keras::Logs& logs) {
+                epochs << epoch;
+                for (const auto& [key, value] : logs) epochs << fmt::format(" {}={:.17g}", key, value);
+                epochs << "\n" << std::flush;
+              },
+          .on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
         ++step;
-        losses << fmt::format("{} {} {:.9g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+        losses << fmt::format("{} {} {:.17g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
+        count_collectives(model.optimizer().iterations(), batch);
         if (step_times.is_open()) {
           step_times << fmt::format("{:.6f}\n", std::chrono::duration<double>(
                                                     std::chrono::steady_clock::now().time_since_epoch())
@@ -184,6 +229,7 @@ int run(const Args& a) {
     fit.callbacks.push_back(
         std::make_shared<keras::BackupAndRestore>(a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));
   }
+  if (a.validation) fit.validation_data = make_data(false, a.batch).take(2);
   model.fit(make_data(a.files, a.batch), fit);
   model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
   std::cout << "worker " << rank << " done\n";

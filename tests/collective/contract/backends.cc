@@ -69,6 +69,17 @@ std::string gpus_missing(int size) {
   return "";
 }
 
+// A Gloo rank all-reducing with `algorithm`.
+auto gloo_rank(collective::GlooAllReduceAlgorithm algorithm) {
+  return [algorithm](int rank, int n, std::shared_ptr<Store> store) {
+    return collective::make_gloo_communicator({.rank = rank,
+                                               .size = n,
+                                               .store = std::move(store),
+                                               .timeout = kProcessTimeout,
+                                               .all_reduce_algorithm = algorithm});
+  };
+}
+
 devices::Device& gpu(int rank) { return devices::get_device(fmt::format("GPU:{}", rank)); }
 
 }  // namespace
@@ -99,18 +110,24 @@ const std::vector<Backend>& backends() {
                                                                  .timeout = kProcessTimeout,
                                                                  .slot_bytes = collective::kMinSlotBytes});
            }},
+      // The default algorithm sums in rank order, as the host backends in shared memory do.
       {.name = "gloo",
+       .traits = {.backend = "gloo",
+                  .reduce_dtypes = kAllReducible,
+                  .sizes = {1, 2, 3, 4},
+                  .failure_size = 3,
+                  .rank_order = true,
+                  .flat_span = true,
+                  .mismatch = MismatchReport::kTimeout},
+       .make_rank = gloo_rank(collective::GlooAllReduceAlgorithm::kRankOrdered)},
+      {.name = "gloo_ring",
        .traits = {.backend = "gloo",
                   .reduce_dtypes = kAllReducible,
                   .sizes = {1, 2, 3},
                   .failure_size = 3,
                   .flat_span = true,
                   .mismatch = MismatchReport::kTimeout},
-       .make_rank =
-           [](int rank, int n, std::shared_ptr<Store> store) {
-             return collective::make_gloo_communicator(
-                 {.rank = rank, .size = n, .store = std::move(store), .timeout = kProcessTimeout});
-           }},
+       .make_rank = gloo_rank(collective::GlooAllReduceAlgorithm::kRing)},
       // Workers do not compare their calls (a disagreement between replicas of one worker is the
       // in-process group's InvalidArgument, between workers a timeout or nothing), a timeout names the missing rank's
       // local number (not its global one), and a worker waiting for a local replica learns of another worker's abort
