@@ -26,7 +26,8 @@ std::string this_process() {
 }
 
 std::string rank_key(int rank) { return fmt::format("rendezvous/rank/{}", rank); }
-std::string claim_key(int rank) { return fmt::format("rendezvous/claims/{}", rank); }
+// Under rank_key: only the rank's own client may write it (tcp_store.h's keys that belong to a rank).
+std::string claim_key(int rank) { return fmt::format("rendezvous/rank/{}/claims", rank); }
 constexpr const char* kWorldSizeKey = "rendezvous/world_size";
 
 class Names {
@@ -105,15 +106,16 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   std::string store_address = options.address;
   if (rank == 0) {
     try {
-      result.server = TcpStoreServer::start(target.host, target.port);
+      result.server = TcpStoreServer::start(target.host, target.port,
+                                            {.max_connections = store_connections_for(world_size)});
     } catch (const AlreadyExists& e) {
       throw AlreadyExists(fmt::format("{}{}: {}", prefix, me, e.what()));
     } catch (const Unavailable& e) {
       throw Unavailable(fmt::format("{}{}: {}", prefix, me, e.what()));
     }
-    // The server listens on every interface; loopback reaches it even where the cluster's name for
-    // this machine does not route back to it.
-    store_address = fmt::format("127.0.0.1:{}", result.server->port());
+    // The address it is bound to (loopback when it listens on every interface): reachable even
+    // where the cluster's name for this machine does not route back to it.
+    store_address = result.server->local_address();
   }
 
   TcpStoreOptions store_options;
