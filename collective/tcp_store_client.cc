@@ -412,6 +412,9 @@ class TcpStoreClient final : public Store {
 std::shared_ptr<Store> connect_tcp_store(std::string_view address, TcpStoreOptions options) {
   const HostPort target = parse_host_port(address);
   TANDEM_REQUIRE(target.port != 0, InvalidArgument, "connect_tcp_store(\"{}\"): port 0 names no server", address);
+  TANDEM_REQUIRE(options.lost_key_prefix.size() <= detail::wire::kMaxPrefixBytes, InvalidArgument,
+                 "connect_tcp_store(\"{}\"): the lost-key prefix has {} bytes; at most {}", address,
+                 options.lost_key_prefix.size(), detail::wire::kMaxPrefixBytes);
   const std::chrono::milliseconds connect_timeout = options.connect_timeout;
   const std::chrono::milliseconds request_timeout = options.request_timeout;
   auto interval = std::clamp(options.retry_interval, std::chrono::milliseconds(1), kMaxRetryInterval);

@@ -89,8 +89,8 @@ class TcpStoreServer::Impl {
   std::string address() const { return join_host_port(host_, bound_.port); }
   std::string local_address() const { return bound_.any ? fmt::format("127.0.0.1:{}", bound_.port) : bound_.text; }
   TcpStoreServerStats stats() const {
-    std::lock_guard lock(stats_mutex_);
-    return stats_;
+    std::lock_guard lock(mutex_);
+    return service_.stats();
   }
 
  private:
@@ -106,14 +106,16 @@ class TcpStoreServer::Impl {
     listeners_.clear();
   }
 
+  // The thread holds mutex_ except while it waits in poll(), so that stats() sees the effects of
+  // everything a client could have observed.
   void loop() {
     std::vector<pollfd> fds;
     std::vector<StoreService::Id> ids;
+    std::unique_lock lock(mutex_);
     for (;;) {
       const auto now = Clock::now();
       auto wake_at = service_.expire(now);
       close_finished();
-      publish_stats();
       const bool accepting = now >= accept_paused_until_;
       if (!accepting) wake_at = std::min(wake_at, accept_paused_until_);
 
@@ -132,9 +134,13 @@ class TcpStoreServer::Impl {
         const auto left = std::chrono::ceil<std::chrono::milliseconds>(wake_at - Clock::now()).count();
         timeout = static_cast<int>(std::clamp<long long>(left, 0, INT_MAX));
       }
-      if (::poll(fds.data(), fds.size(), timeout) < 0) {
-        if (errno == EINTR) continue;
-        throw Unavailable(fmt::format("poll: {}", socket_error_text(errno)));
+      lock.unlock();
+      const int polled = ::poll(fds.data(), fds.size(), timeout);
+      const int poll_errno = errno;
+      lock.lock();
+      if (polled < 0) {
+        if (poll_errno == EINTR) continue;
+        throw Unavailable(fmt::format("poll: {}", socket_error_text(poll_errno)));
       }
       if (fds[0].revents != 0) return;
       const std::size_t first_peer = 1 + listeners_.size();
@@ -225,12 +231,6 @@ class TcpStoreServer::Impl {
     for (const StoreService::Id id : service_.take_closed()) sockets_.erase(id);
   }
 
-  void publish_stats() {
-    const TcpStoreServerStats now = service_.stats();
-    std::lock_guard lock(stats_mutex_);
-    stats_ = now;
-  }
-
   std::string host_;
   std::vector<Fd> listeners_;
   Fd wake_;
@@ -239,8 +239,7 @@ class TcpStoreServer::Impl {
   std::unordered_map<StoreService::Id, Fd> sockets_;
   Clock::time_point accept_paused_until_{};
   std::thread thread_;
-  mutable std::mutex stats_mutex_;
-  TcpStoreServerStats stats_;
+  mutable std::mutex mutex_;  // the service's state, for stats()
 };
 
 TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

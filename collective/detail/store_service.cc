@@ -28,6 +28,15 @@ constexpr std::size_t kEntryOverhead = 64;
 // The bytes a VALUE reply carrying `value_bytes` takes: header, status, length, value.
 std::size_t value_reply_bytes(std::size_t value_bytes) { return 4 + 1 + 4 + value_bytes; }
 
+// A key as error replies and log lines show it: quoted, with control characters escaped (it
+// comes from the peer), whole when short, else its start and its size (a reply that is not
+// admitted against the budget must stay small).
+std::string shown(std::string_view key) {
+  constexpr std::size_t kShown = 200;
+  if (key.size() <= kShown) return fmt::format("{:?}", key);
+  return fmt::format("{:?}... ({} bytes)", key.substr(0, kShown), key.size());
+}
+
 std::string mib(std::size_t bytes) {
   return bytes >= (1u << 20) ? fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1u << 20))
                              : fmt::format("{} bytes", bytes);
@@ -248,7 +257,13 @@ std::vector<StoreService::Id> StoreService::take_closed() {
       const std::string reason = fmt::format("connection from {} closed without goodbye ({})", p->name, p->close_reason);
       const std::string key = p->session->prefix + lost_rank_key(p->session->rank);
       end_session(*p);
-      put(key, std::vector<char>(reason.begin(), reason.end()));
+      if (stored_ + key.size() + reason.size() + kEntryOverhead <= options_.max_stored_bytes) {
+        put(key, std::vector<char>(reason.begin(), reason.end()));
+      } else {
+        logging::warn("the store at {} is full (TcpStoreServerOptions::max_stored_bytes): it could not record that "
+                      "rank {} was lost ({})",
+                      address_, p->session->rank, reason);
+      }
     } else if (p->announcer) {
       end_session(*p);
     }
@@ -322,19 +337,23 @@ void StoreService::advance(Peer& p) {
       }
       break;
     }
-    const char* payload = p.in.data() + offset + 4;
+    const Served served = serve_frame(p, p.in.data() + offset + 4, scan.length);
+    if (served == Served::kNotYet) break;  // the frame stays, waiting for budget
     offset += 4 + static_cast<std::size_t>(scan.length);
     p.admitted = false;
-    if (!serve_frame(p, payload, scan.length)) break;
+    if (served == Served::kStop) break;
   }
   if (p.state == PeerState::kClosed) return;
   p.in.erase(p.in.begin(), p.in.begin() + static_cast<std::ptrdiff_t>(std::min(offset, p.in.size())));
-  // A large request's buffer goes once it has been served.
-  if (!p.admitted && p.in.capacity() > kAllowance) std::vector<char>(p.in.begin(), p.in.end()).swap(p.in);
+  // A large request's buffer goes once it has been served (not while one is admitted and
+  // arriving into it).
+  if (!p.admitted && p.in.capacity() > kAllowance && p.in.size() <= kAllowance) {
+    std::vector<char>(p.in.begin(), p.in.end()).swap(p.in);
+  }
   recount(p);
 }
 
-bool StoreService::serve_frame(Peer& p, const char* payload, std::size_t size) {
+StoreService::Served StoreService::serve_frame(Peer& p, const char* payload, std::size_t size) {
   Request q;
   std::string error;
   const bool parsed = wire::parse_request(payload, size, q, error);
@@ -344,17 +363,31 @@ bool StoreService::serve_frame(Peer& p, const char* payload, std::size_t size) {
              parsed ? "it sent a request before the handshake (a client of another tandem version, or not a tandem "
                       "store client)"
                     : fmt::format("a malformed handshake ({})", error));
-      return false;
+      return Served::kStop;
     }
     handshake(p, q);
-    return p.state == PeerState::kReady;
+    return p.state == PeerState::kReady ? Served::kNext : Served::kStop;
   }
   if (!parsed) {
     finish(p, wire::kProtocol, fmt::format("protocol error: {}", error));
-    return false;
+    return Served::kStop;
+  }
+  // A request that parks holds its keys until answered: they need budget like a frame does.
+  if ((q.op == Op::kGet || q.op == Op::kWait) && !p.is_parked()) {
+    const std::size_t cost = parking_cost(q.op == Op::kGet ? std::vector<std::string_view>{q.key} : q.keys);
+    if (cost > kAllowance && cost + p.in.capacity() > options_.max_buffered_bytes) {
+      queue(p, Writer(Status::kError)
+                   .u8(wire::kResourceExhausted)
+                   .str(fmt::format("the keys of this {} take {} to keep while it waits, more than the store buffers "
+                                    "for all connections together ({}, TcpStoreServerOptions::max_buffered_bytes)",
+                                    q.op == Op::kGet ? "get" : "wait", mib(cost), mib(options_.max_buffered_bytes)))
+                   .finish());
+      return Served::kNext;
+    }
+    if (cost > kAllowance && !admit(p, cost, fmt::format("a wait for keys of {}", mib(cost)))) return Served::kNotYet;
   }
   handle(p, q);
-  return p.state == PeerState::kReady;
+  return p.state == PeerState::kReady ? Served::kNext : Served::kStop;
 }
 
 void StoreService::handshake(Peer& p, const Request& q) {
@@ -457,8 +490,8 @@ void StoreService::add(Peer& p, const Request& q) {
     if (ec != std::errc() || ptr != end) {
       return queue(p, Writer(Status::kError)
                           .u8(wire::kInvalidArgument)
-                          .str(fmt::format("add(\"{}\"): the key holds a value that is not a decimal integer ({} bytes)",
-                                           key, it->second.size()))
+                          .str(fmt::format("add({}): the key holds a value that is not a decimal integer ({} bytes)",
+                                           shown(key), it->second.size()))
                           .finish());
     }
   }
@@ -472,10 +505,10 @@ void StoreService::add(Peer& p, const Request& q) {
 
 bool StoreService::may_store(Peer& p, std::string_view key, std::size_t value_bytes, std::string_view what) {
   if (const std::string why = why_not_writable(p, key); !why.empty()) {
-    warn_throttled("the store at {} refused {}(\"{}\") from {}: {}", address_, what, key, p.name, why);
+    warn_throttled("the store at {} refused {}({}) from {}: {}", address_, what, shown(key), p.name, why);
     queue(p, Writer(Status::kError)
                  .u8(wire::kPermissionDenied)
-                 .str(fmt::format("{}(\"{}\") refused: {}", what, key, why))
+                 .str(fmt::format("{}({}) refused: {}", what, shown(key), why))
                  .finish());
     return false;
   }
@@ -485,13 +518,13 @@ bool StoreService::may_store(Peer& p, std::string_view key, std::size_t value_by
   }
   const std::size_t after = stored_ - held + key.size() + value_bytes + kEntryOverhead;
   if (after > options_.max_stored_bytes && after > stored_) {
-    warn_throttled("the store at {} refused {}(\"{}\") from {}: it holds {} of its {} (max_stored_bytes)", address_,
-                   what, key, p.name, mib(stored_), mib(options_.max_stored_bytes));
+    warn_throttled("the store at {} refused {}({}) from {}: it holds {} of its {} (max_stored_bytes)", address_,
+                   what, shown(key), p.name, mib(stored_), mib(options_.max_stored_bytes));
     queue(p, Writer(Status::kError)
                  .u8(wire::kResourceExhausted)
-                 .str(fmt::format("{}(\"{}\") refused: the store holds {} and may hold at most {} "
+                 .str(fmt::format("{}({}) refused: the store holds {} and may hold at most {} "
                                   "(TcpStoreServerOptions::max_stored_bytes)",
-                                  what, key, mib(stored_), mib(options_.max_stored_bytes)))
+                                  what, shown(key), mib(stored_), mib(options_.max_stored_bytes)))
                  .finish());
     return false;
   }
@@ -512,13 +545,20 @@ std::string StoreService::why_not_writable(const Peer& p, std::string_view key) 
   if (s != nullptr && s->live && s->rank == owner.rank && key.starts_with(s->prefix)) return {};
   const std::string mine = s == nullptr ? "this connection announced no rank"
                            : !s->live   ? fmt::format("this connection's announcement of rank {} has ended", s->rank)
-                                        : fmt::format("this connection acts for rank {} under \"{}\"", s->rank, s->prefix);
+                                        : fmt::format("this connection acts for rank {} under {:?}", s->rank, s->prefix);
   return fmt::format("the key belongs to rank {}, and only the client that announced rank {} (under a prefix the "
                      "key starts with) may write it; {}",
                      owner.rank, owner.rank, mine);
 }
 
 // ---- Parked requests ---------------------------------------------------------------------------
+
+// What parking these keys holds: each in the connection's list and in the index of waiters.
+std::size_t StoreService::parking_cost(const std::vector<std::string_view>& keys) {
+  std::size_t cost = 0;
+  for (const std::string_view key : keys) cost += 2 * (key.size() + kEntryOverhead);
+  return cost;
+}
 
 void StoreService::park(Peer& p, Op op, const std::vector<std::string_view>& keys) {
   p.parked = op;
@@ -528,15 +568,14 @@ void StoreService::park(Peer& p, Op op, const std::vector<std::string_view>& key
   for (const std::string_view key : keys) {
     std::string k(key);
     if (op == Op::kWait && data_.contains(k)) continue;
-    p.parked_bytes += k.size() + kEntryOverhead;
+    p.parked_bytes += 2 * (k.size() + kEntryOverhead);
     if (!data_.contains(k)) {
       waiting_for_[k].push_back(p.id);
       ++p.missing;
     }
     p.parked_keys.push_back(std::move(k));
   }
-  // The parked keys count against the budget like buffered bytes; they were in the request's
-  // frame a moment ago, which is released as they are taken.
+  // The parked keys count against the budget like buffered bytes (serve_frame admitted them).
   recount(p);
   try_answer(p);
 }
@@ -572,9 +611,9 @@ bool StoreService::try_answer(Peer& p) {
     unpark(p);
     queue(p, Writer(Status::kError)
                  .u8(wire::kResourceExhausted)
-                 .str(fmt::format("get(\"{}\"): the value's {} are more than the store buffers for all connections "
+                 .str(fmt::format("get({}): the value's {} are more than the store buffers for all connections "
                                   "together ({}, TcpStoreServerOptions::max_buffered_bytes)",
-                                  it->first, mib(reply), mib(options_.max_buffered_bytes)))
+                                  shown(it->first), mib(reply), mib(options_.max_buffered_bytes)))
                  .finish());
     return true;
   }

@@ -86,9 +86,14 @@ class StoreService {
   struct Peer;
   struct Session;
 
+  // What serving one frame did: go on to the next, stop (the connection is finishing), or not
+  // yet (it waits for budget; the frame stays).
+  enum class Served { kNext, kStop, kNotYet };
+
   Peer* find(Id id) const;
   void advance(Peer& p);
-  bool serve_frame(Peer& p, const char* payload, std::size_t size);
+  Served serve_frame(Peer& p, const char* payload, std::size_t size);
+  static std::size_t parking_cost(const std::vector<std::string_view>& keys);
   void handshake(Peer& p, const wire::Request& q);
   void handle(Peer& p, const wire::Request& q);
   void hello(Peer& p, const wire::Request& q);

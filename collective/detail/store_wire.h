@@ -40,6 +40,8 @@ constexpr std::size_t kMaxValueBytes = kMaxFrameBytes - 1024;
 constexpr std::uint32_t kMaxHandshakeFrameBytes = 512;
 // Keys one WAIT may name.
 constexpr std::uint32_t kMaxWaitKeys = 65536;
+// A HELLO's lost-key prefix ("run/3/"): the server keeps it while the rank is announced.
+constexpr std::uint32_t kMaxPrefixBytes = 1024;
 // The handshake's version: a client and a server of different versions refuse each other.
 constexpr std::uint8_t kProtocolVersion = 1;
 
