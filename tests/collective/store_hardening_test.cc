@@ -29,6 +29,7 @@
 #include "tandem/collective/detail/store_wire.h"
 #include "tandem/collective/rendezvous.h"
 #include "tandem/collective/tcp_store.h"
+#include "common/error_message.h"
 
 namespace {
 
@@ -36,6 +37,7 @@ using namespace std::chrono_literals;
 using namespace tandem::collective;
 using namespace tandem::collective::detail::wire;
 namespace auth = tandem::collective::detail::auth;
+using tandem::testing::error_message;
 using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t kMiB = 1 << 20;
@@ -46,19 +48,6 @@ std::string text(const std::vector<char>& v) { return std::string(v.begin(), v.e
 std::string local(int port) { return fmt::format("127.0.0.1:{}", port); }
 bool contains(const std::string& haystack, std::string_view needle) {
   return haystack.find(needle) != std::string::npos;
-}
-
-// The message of the E that fn throws; a description of anything else.
-template <class E>
-std::string thrown(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("<another error: ") + e.what() + ">";
-  }
-  return "<no error>";
 }
 
 // Polls `condition` until it holds or `timeout` passes; whether it held.
@@ -252,6 +241,21 @@ TcpStoreOptions quick(std::string secret = "") {
   return options;
 }
 
+// How many of `readers` clients, getting `key` at once, read `value`.
+int readers_matching(const TcpStoreServer& server, int readers, const std::string& key,
+                     const std::vector<char>& value) {
+  std::vector<std::thread> threads;
+  std::atomic<int> matched{0};
+  for (int i = 0; i < readers; ++i) {
+    threads.emplace_back([&] {
+      auto reader = connect_tcp_store(server.address(), quick());
+      if (reader->get(key, 60s) == value) ++matched;
+    });
+  }
+  for (auto& t : threads) t.join();
+  return matched;
+}
+
 // ---- Memory ------------------------------------------------------------------------------------
 
 TEST_CASE("store hardening: unfinished huge frames do not grow the server") {
@@ -340,21 +344,12 @@ TEST_CASE("store hardening: a large value waits for the budget and is served in 
   const std::vector<char> value(12 * kMiB, 'w');
   writer->set("value", value);
   // Four readers at once: only one 12 MiB reply fits the budget at a time.
-  std::vector<std::thread> readers;
-  std::atomic<int> matched{0};
-  for (int i = 0; i < 4; ++i) {
-    readers.emplace_back([&] {
-      auto reader = connect_tcp_store(server->address(), quick());
-      if (reader->get("value", 20s) == value) ++matched;
-    });
-  }
-  for (auto& t : readers) t.join();
-  CHECK(matched == 4);
+  CHECK(readers_matching(*server, 4, "value", value) == 4);
   CHECK(server->stats().peak_buffered_bytes <= 16 * kMiB + 8 * 128 * 1024);
   // A value larger than the whole budget cannot be buffered at all: refused with the reason, and
   // the connection stays usable.
   const std::string error =
-      thrown<tandem::ResourceExhausted>([&] { writer->set("too large", std::vector<char>(20 * kMiB, 't')); });
+      error_message<tandem::ResourceExhausted>([&] { writer->set("too large", std::vector<char>(20 * kMiB, 't')); });
   CHECK_MESSAGE(contains(error, "max_buffered_bytes"), error);
   CHECK_FALSE(writer->check("too large"));
   CHECK(server->stats().peak_buffered_bytes <= 16 * kMiB + 8 * 128 * 1024);
@@ -368,16 +363,7 @@ TEST_CASE("store hardening: values of the largest size still cross under the def
   std::vector<char> value(kMaxValueBytes - key.size());
   for (std::size_t i = 0; i < value.size(); i += 4096) value[i] = static_cast<char>(i / 4096);
   writer->set(key, value);
-  std::vector<std::thread> readers;
-  std::atomic<int> matched{0};
-  for (int i = 0; i < 2; ++i) {
-    readers.emplace_back([&] {
-      auto reader = connect_tcp_store(server->address(), quick());
-      if (reader->get(key, 60s) == value) ++matched;
-    });
-  }
-  for (auto& t : readers) t.join();
-  CHECK(matched == 2);
+  CHECK(readers_matching(*server, 2, key, value) == 2);
 }
 
 TEST_CASE("store hardening: what the store holds is bounded too") {
@@ -388,7 +374,7 @@ TEST_CASE("store hardening: what the store holds is bounded too") {
   auto client = connect_tcp_store(server->address(), quick());
   client->set("a", std::vector<char>(600 * 1024, 'a'));
   const std::string error =
-      thrown<tandem::ResourceExhausted>([&] { client->set("b", std::vector<char>(600 * 1024, 'b')); });
+      error_message<tandem::ResourceExhausted>([&] { client->set("b", std::vector<char>(600 * 1024, 'b')); });
   CHECK_MESSAGE(contains(error, "max_stored_bytes"), error);
   CHECK_FALSE(client->check("b"));
   client->set("a", bytes("smaller"));  // replacing a value frees its room
@@ -414,7 +400,7 @@ TEST_CASE("store hardening: a connection limit; handshakes make room, a full hou
   CHECK(server->stats().connections == 3);
   const auto start = Clock::now();
   const std::string error =
-      thrown<tandem::ResourceExhausted>([&] { connect_tcp_store(server->address(), quick()); });
+      error_message<tandem::ResourceExhausted>([&] { connect_tcp_store(server->address(), quick()); });
   CHECK(Clock::now() - start < 3s);  // at once, not at the connect timeout
   CHECK_MESSAGE(contains(error, "at most 3 connections"), error);
   CHECK_MESSAGE(contains(error, server->address()), error);
@@ -483,14 +469,14 @@ TEST_CASE("store hardening: secrets that differ are refused with a clear error, 
   TcpStoreOptions other = quick("Tr0ub4dor&3");
   other.label_of_server = "chief";
   const auto start = Clock::now();
-  const std::string wrong = thrown<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), other); });
+  const std::string wrong = error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), other); });
   CHECK(Clock::now() - start < 3s);  // not retried until the connect timeout
   CHECK_MESSAGE(contains(wrong, fmt::format("the store at {} (served by chief) refused this process: "
                                             "TANDEM_STORE_SECRET differs",
                                             server->address())),
                 wrong);
 
-  const std::string none = thrown<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), quick()); });
+  const std::string none = error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), quick()); });
   CHECK_MESSAGE(contains(none, "requires TANDEM_STORE_SECRET, and this process has none set"), none);
 
   // The server logs whom it refused, by address.
@@ -505,7 +491,7 @@ TEST_CASE("store hardening: secrets that differ are refused with a clear error, 
   // A server without a secret, and a client with one: the client refuses it (no downgrade).
   auto open_server = TcpStoreServer::start("127.0.0.1", 0, {});
   const std::string downgrade =
-      thrown<tandem::Unauthenticated>([&] { connect_tcp_store(open_server->address(), quick(kSecret)); });
+      error_message<tandem::Unauthenticated>([&] { connect_tcp_store(open_server->address(), quick(kSecret)); });
   CHECK_MESSAGE(contains(downgrade, "does not check TANDEM_STORE_SECRET"), downgrade);
 }
 
@@ -530,7 +516,7 @@ TEST_CASE("store hardening: the environment's secret serves both sides, and the 
     // Someone with another secret is turned away at the door.
     auto intruder_options = quick("not the secret");
     intruder_options.connect_timeout = 10s;
-    const std::string refused = thrown<tandem::Unauthenticated>(
+    const std::string refused = error_message<tandem::Unauthenticated>(
         [&] { connect_tcp_store(local(port), intruder_options); });
     CHECK_MESSAGE(contains(refused, "TANDEM_STORE_SECRET differs"), refused);
     Rendezvous worker = rendezvous(options(1));
@@ -561,22 +547,25 @@ TEST_CASE("store hardening: another connection cannot write a rank's arrival key
   Rendezvous chief;
   std::string chief_error;
   std::thread chief_thread([&] {
-    chief_error = thrown<tandem::Error>([&] { chief = rendezvous(options(port, 0)); });
+    try {
+      chief = rendezvous(options(port, 0));
+    } catch (const tandem::Error& e) {
+      chief_error = e.what();
+    }
   });
   // Another process, holding no rank, writes rank 1's arrival and claim.
   auto intruder = connect_tcp_store(local(port), quick());
-  const std::string injected = thrown<tandem::PermissionDenied>([&] {
+  const std::string injected = error_message<tandem::PermissionDenied>([&] {
     intruder->set("run/0/rendezvous/rank/1", bytes("an intruder"));
   });
   CHECK_MESSAGE(contains(injected, "belongs to rank 1"), injected);
-  CHECK(thrown<tandem::PermissionDenied>([&] { intruder->add("run/0/rendezvous/rank/1/claims", 1); }) !=
-        "<no error>");
+  CHECK_FALSE(error_message<tandem::PermissionDenied>([&] { intruder->add("run/0/rendezvous/rank/1/claims", 1); })
+                  .empty());
 
   // The real rank 1 still arrives, and the chief meets it, not the intruder.
-  std::string worker_error = thrown<tandem::Error>([&] { Rendezvous worker = rendezvous(options(port, 1)); });
+  CHECK_NOTHROW(Rendezvous worker = rendezvous(options(port, 1)));
   chief_thread.join();
-  CHECK_MESSAGE(worker_error == "<no error>", worker_error);
-  CHECK_MESSAGE(chief_error == "<no error>", chief_error);
+  CHECK_MESSAGE(chief_error.empty(), chief_error);
   if (chief.store) CHECK(text(chief.store->get("rendezvous/rank/1", 1s)) != "an intruder");
 }
 
@@ -603,12 +592,14 @@ TEST_CASE("store hardening: a rank's keys are written only by the client that an
   // Not another rank's, not another run's, not the server's lost keys, not a key of two ranks.
   for (const char* key : {"run/0/rendezvous/rank/2", "run/1/rendezvous/rank/1", "run/0/tandem/lost/1",
                           "run/0/rank/1/rank/2"}) {
-    CHECK_MESSAGE(thrown<tandem::PermissionDenied>([&] { rank1->set(key, bytes("x")); }) != "<no error>", key);
+    INFO(key);
+    CHECK_FALSE(error_message<tandem::PermissionDenied>([&] { rank1->set(key, bytes("x")); }).empty());
   }
   // Keys with "rank" in other places are anyone's.
   auto anyone = connect_tcp_store(server->address(), quick());
   for (const char* key : {"rank/x", "ranks/1", "rank/01", "rank/-1", "my_rank/1", "rank"}) {
-    CHECK_MESSAGE(thrown<tandem::Error>([&] { anyone->set(key, bytes("x")); }) == "<no error>", key);
+    INFO(key);
+    CHECK_NOTHROW(anyone->set(key, bytes("x")));
   }
   // Everyone reads everything.
   CHECK(text(anyone->get("run/0/rendezvous/rank/1/item/0", 1s)) == "mine");
