@@ -195,7 +195,7 @@ class TcpStoreServer::Impl {
       }
       const ssize_t n = ::recv(fd, buffer, want, 0);
       if (n > 0) {
-        service_.receive(id, buffer, static_cast<std::size_t>(n), Clock::now());
+        service_.receive(id, buffer, static_cast<std::size_t>(n));
         continue;
       }
       if (n == 0) return service_.hang_up(id, "connection closed");

@@ -173,7 +173,7 @@ std::size_t StoreService::wants(Id id) const {
   return cap > p->in.size() ? cap - p->in.size() : 0;
 }
 
-void StoreService::receive(Id id, const char* data, std::size_t size, Clock::time_point) {
+void StoreService::receive(Id id, const char* data, std::size_t size) {
   Peer* p = find(id);
   if (p == nullptr || (p->state != PeerState::kHandshake && p->state != PeerState::kReady)) return;
   const std::size_t dropped = std::min(p->discard, size);
@@ -605,18 +605,10 @@ bool StoreService::try_answer(Peer& p) {
   }
   const auto it = data_.find(p.parked_keys.front());
   if (it == data_.end()) return false;  // set, then overwritten? never removed: cannot happen
+  // The reply is smaller than the SET frame that brought the value, which fit the budget: it
+  // fits too once others drain.
   const std::size_t reply = value_reply_bytes(it->second.size());
   if (reply > kAllowance && !admit(p, reply, fmt::format("a {} reply", mib(reply)))) return false;
-  if (reply > options_.max_buffered_bytes) {
-    unpark(p);
-    queue(p, Writer(Status::kError)
-                 .u8(wire::kResourceExhausted)
-                 .str(fmt::format("get({}): the value's {} are more than the store buffers for all connections "
-                                  "together ({}, TcpStoreServerOptions::max_buffered_bytes)",
-                                  shown(it->first), mib(reply), mib(options_.max_buffered_bytes)))
-                 .finish());
-    return true;
-  }
   std::vector<char> frame = Writer(Status::kValue).bytes(it->second).finish();
   unpark(p);
   queue(p, std::move(frame));

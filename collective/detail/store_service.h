@@ -63,7 +63,7 @@ class StoreService {
   // How many bytes to read from the connection now (0: leave them in the socket for later).
   std::size_t wants(Id id) const;
   // Bytes read from the connection: whole frames are served at once.
-  void receive(Id id, const char* data, std::size_t size, Clock::time_point now);
+  void receive(Id id, const char* data, std::size_t size);
   // The peer closed the connection or it failed (`reason`, e.g. "connection reset by peer").
   void hang_up(Id id, std::string reason);
   // Bytes queued for the connection; sent(id, n) when the first n of them went out.
