@@ -527,6 +527,49 @@ TEST_CASE("store hardening: the environment's secret serves both sides, and the 
   CHECK(chief.store->check("rendezvous/rank/1"));
 }
 
+TEST_CASE("store hardening: with a secret, the rendezvous meets while a peer without it attacks") {
+  ScopedEnv secret("TANDEM_STORE_SECRET", kSecret);
+  int port = 0;
+  {
+    auto probe = TcpStoreServer::start("127.0.0.1", 0);
+    port = probe->port();
+  }
+  const auto options = [&](int rank) {
+    RendezvousOptions o;
+    o.address = local(port);
+    o.rank = rank;
+    o.world_size = 2;
+    o.timeout = 20s;
+    return o;
+  };
+  Rendezvous chief;
+  std::thread chief_thread([&] { chief = rendezvous(options(0)); });
+  REQUIRE(eventually([&] { return RawPeer(port).connected(); }));
+  const std::size_t baseline = resident_bytes();
+  // Every attack of the report, from peers that do not hold the secret.
+  std::vector<std::unique_ptr<RawPeer>> attackers;
+  for (int i = 0; i < 4; ++i) {
+    attackers.push_back(std::make_unique<RawPeer>(port));
+    attackers.back()->send_unfinished_frame(255 * kMiB, 32 * kMiB);
+  }
+  RawPeer pipeliner(port);
+  for (int i = 0; i < 32; ++i) pipeliner.send(Writer(Op::kGet).str("run/0/rendezvous/rank/0").finish());
+  RawPeer injector(port);
+  injector.send(Writer(Op::kSet).str("run/0/rendezvous/rank/1").str("an intruder").finish());
+  auto impostor_options = quick("a guess");
+  CHECK_FALSE(error_message<tandem::Unauthenticated>([&] { connect_tcp_store(local(port), impostor_options); }).empty());
+  const std::size_t growth = growth_within(baseline, 500ms);
+  MESSAGE("the chief's process grew by " << growth / kMiB << " MiB under the attacks");
+  CHECK(growth < 16 * kMiB);
+  // The real worker arrives, and the chief meets it.
+  Rendezvous worker = rendezvous(options(1));
+  chief_thread.join();
+  REQUIRE(chief.store != nullptr);
+  CHECK(text(chief.store->get("rendezvous/rank/1", 1s)) != "an intruder");
+  CHECK(chief.server->stats().refused_connections >= 7);
+  CHECK(chief.server->stats().peak_buffered_bytes < 1 * kMiB);
+}
+
 // ---- Keys that belong to a rank ----------------------------------------------------------------
 
 TEST_CASE("store hardening: another connection cannot write a rank's arrival keys") {
