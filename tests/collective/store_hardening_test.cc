@@ -241,6 +241,19 @@ TcpStoreOptions quick(std::string secret = "") {
   return options;
 }
 
+// A port that was free a moment ago (a server bound it and let it go).
+int unused_port() { return TcpStoreServer::start("127.0.0.1", 0)->port(); }
+
+// Rank `rank` of a rendezvous of two at 127.0.0.1:port.
+RendezvousOptions two_ranks(int port, int rank) {
+  RendezvousOptions o;
+  o.address = local(port);
+  o.rank = rank;
+  o.world_size = 2;
+  o.timeout = 20s;
+  return o;
+}
+
 // How many of `readers` clients, getting `key` at once, read `value`.
 int readers_matching(const TcpStoreServer& server, int readers, const std::string& key,
                      const std::vector<char>& value) {
@@ -497,21 +510,9 @@ TEST_CASE("store hardening: secrets that differ are refused with a clear error, 
 
 TEST_CASE("store hardening: the environment's secret serves both sides, and the rendezvous") {
   ScopedEnv secret("TANDEM_STORE_SECRET", kSecret);
-  int port = 0;
-  {
-    auto probe = TcpStoreServer::start("127.0.0.1", 0);
-    port = probe->port();
-  }
-  const auto options = [&](int rank) {
-    RendezvousOptions o;
-    o.address = local(port);
-    o.rank = rank;
-    o.world_size = 2;
-    o.timeout = 10s;
-    return o;
-  };
+  const int port = unused_port();
   Rendezvous chief;
-  std::thread chief_thread([&] { chief = rendezvous(options(0)); });
+  std::thread chief_thread([&] { chief = rendezvous(two_ranks(port, 0)); });
   {
     // Someone with another secret is turned away at the door.
     auto intruder_options = quick("not the secret");
@@ -519,7 +520,7 @@ TEST_CASE("store hardening: the environment's secret serves both sides, and the 
     const std::string refused = error_message<tandem::Unauthenticated>(
         [&] { connect_tcp_store(local(port), intruder_options); });
     CHECK_MESSAGE(contains(refused, "TANDEM_STORE_SECRET differs"), refused);
-    Rendezvous worker = rendezvous(options(1));
+    Rendezvous worker = rendezvous(two_ranks(port, 1));
     CHECK(worker.rank == 1);
   }
   chief_thread.join();
@@ -529,21 +530,9 @@ TEST_CASE("store hardening: the environment's secret serves both sides, and the 
 
 TEST_CASE("store hardening: with a secret, the rendezvous meets while a peer without it attacks") {
   ScopedEnv secret("TANDEM_STORE_SECRET", kSecret);
-  int port = 0;
-  {
-    auto probe = TcpStoreServer::start("127.0.0.1", 0);
-    port = probe->port();
-  }
-  const auto options = [&](int rank) {
-    RendezvousOptions o;
-    o.address = local(port);
-    o.rank = rank;
-    o.world_size = 2;
-    o.timeout = 20s;
-    return o;
-  };
+  const int port = unused_port();
   Rendezvous chief;
-  std::thread chief_thread([&] { chief = rendezvous(options(0)); });
+  std::thread chief_thread([&] { chief = rendezvous(two_ranks(port, 0)); });
   REQUIRE(eventually([&] { return RawPeer(port).connected(); }));
   const std::size_t baseline = resident_bytes();
   // Every attack of the report, from peers that do not hold the secret.
@@ -562,7 +551,7 @@ TEST_CASE("store hardening: with a secret, the rendezvous meets while a peer wit
   MESSAGE("the chief's process grew by " << growth / kMiB << " MiB under the attacks");
   CHECK(growth < 16 * kMiB);
   // The real worker arrives, and the chief meets it.
-  Rendezvous worker = rendezvous(options(1));
+  Rendezvous worker = rendezvous(two_ranks(port, 1));
   chief_thread.join();
   REQUIRE(chief.store != nullptr);
   CHECK(text(chief.store->get("rendezvous/rank/1", 1s)) != "an intruder");
@@ -574,24 +563,12 @@ TEST_CASE("store hardening: with a secret, the rendezvous meets while a peer wit
 
 TEST_CASE("store hardening: another connection cannot write a rank's arrival keys") {
   ScopedEnv no_secret("TANDEM_STORE_SECRET", nullptr);
-  const auto options = [](int port, int rank) {
-    RendezvousOptions o;
-    o.address = local(port);
-    o.rank = rank;
-    o.world_size = 2;
-    o.timeout = 10s;
-    return o;
-  };
-  int port = 0;
-  {
-    auto probe = TcpStoreServer::start("127.0.0.1", 0);
-    port = probe->port();
-  }
+  const int port = unused_port();
   Rendezvous chief;
   std::string chief_error;
   std::thread chief_thread([&] {
     try {
-      chief = rendezvous(options(port, 0));
+      chief = rendezvous(two_ranks(port, 0));
     } catch (const tandem::Error& e) {
       chief_error = e.what();
     }
@@ -606,7 +583,7 @@ TEST_CASE("store hardening: another connection cannot write a rank's arrival key
                   .empty());
 
   // The real rank 1 still arrives, and the chief meets it, not the intruder.
-  CHECK_NOTHROW(Rendezvous worker = rendezvous(options(port, 1)));
+  CHECK_NOTHROW(Rendezvous worker = rendezvous(two_ranks(port, 1)));
   chief_thread.join();
   CHECK_MESSAGE(chief_error.empty(), chief_error);
   if (chief.store) CHECK(text(chief.store->get("rendezvous/rank/1", 1s)) != "an intruder");
