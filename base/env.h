@@ -164,11 +164,19 @@ inline constexpr Variable kCheckCollectives{
         "check that every collective call matches across workers; the first mismatch is reported with "
         "both sides"};
 
+inline constexpr Variable kStoreSecret{
+    .name = "TANDEM_STORE_SECRET",
+    .type = Type::kString,
+    .default_value = "",
+    .meaning =
+        "the shared secret every worker proves it holds before the chief's store serves it (TcpStoreOptions::secret "
+        "wins); the same on every node; unset: no authentication. Never logged"};
+
 // Every variable, in the README's order.
 inline constexpr const Variable* kAll[] = {&kNumCpuDevices, &kIntraOpThreads,  &kWaitPolicy,        &kGemm,
                                            &kAllowTf32,     &kCudnn,           &kCudnnLibrary,      &kCudaGraphs,
                                            &kProfile,       &kLogLevel,        &kRendezvousTimeout, &kRendezvousPort,
-                                           &kRestartCount,  &kLauncherStore,  &kCheckCollectives};
+                                           &kRestartCount,  &kLauncherStore,  &kCheckCollectives,  &kStoreSecret};
 
 // ---------------------------------------------------------------------------------------------
 // Reading. Each accessor checks that the variable has the type it reads (else Internal: a bug);

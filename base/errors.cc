@@ -8,6 +8,8 @@ std::string_view error_code_name(ErrorCode code) {
     case ErrorCode::kFailedPrecondition: return "FailedPrecondition";
     case ErrorCode::kNotFound: return "NotFound";
     case ErrorCode::kAlreadyExists: return "AlreadyExists";
+    case ErrorCode::kPermissionDenied: return "PermissionDenied";
+    case ErrorCode::kUnauthenticated: return "Unauthenticated";
     case ErrorCode::kOutOfRange: return "OutOfRange";
     case ErrorCode::kDeadlineExceeded: return "DeadlineExceeded";
     case ErrorCode::kUnavailable: return "Unavailable";

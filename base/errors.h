@@ -22,6 +22,8 @@ enum class ErrorCode {
   kFailedPrecondition,  // the call is valid, but not in the current state
   kNotFound,            // a named thing (device, node, file, tensor) does not exist
   kAlreadyExists,       // creating something whose name is taken
+  kPermissionDenied,    // the caller is known but may not do this (write another rank's key)
+  kUnauthenticated,     // the caller could not prove who it is (a store's secret differs)
   kOutOfRange,          // iterating past the end (a dataset, a file)
   kDeadlineExceeded,    // a wait ran past its timeout
   kUnavailable,         // a peer or a device went away
@@ -52,6 +54,8 @@ TANDEM_DEFINE_ERROR(InvalidArgument, ErrorCode::kInvalidArgument)
 TANDEM_DEFINE_ERROR(FailedPrecondition, ErrorCode::kFailedPrecondition)
 TANDEM_DEFINE_ERROR(NotFound, ErrorCode::kNotFound)
 TANDEM_DEFINE_ERROR(AlreadyExists, ErrorCode::kAlreadyExists)
+TANDEM_DEFINE_ERROR(PermissionDenied, ErrorCode::kPermissionDenied)
+TANDEM_DEFINE_ERROR(Unauthenticated, ErrorCode::kUnauthenticated)
 TANDEM_DEFINE_ERROR(OutOfRange, ErrorCode::kOutOfRange)
 TANDEM_DEFINE_ERROR(DeadlineExceeded, ErrorCode::kDeadlineExceeded)
 TANDEM_DEFINE_ERROR(Unavailable, ErrorCode::kUnavailable)

@@ -10,6 +10,9 @@ find_package(Gloo CONFIG REQUIRED)
 # spdlog (libspdlog-dev, built on the same libfmt): the library's leveled messages (base/log.cc).
 # Linked privately: no public header includes it.
 find_package(spdlog CONFIG REQUIRED)
+# OpenSSL's libcrypto (libssl-dev): the TCP store's challenge-response handshake (HMAC-SHA256,
+# random nonces, constant-time comparison; collective/detail/store_auth.cc). Linked privately.
+find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)
 # CLI11 (libcli11-dev, header-only): the command lines of the samples, benchmarks and tandem-run.
 find_package(CLI11 CONFIG REQUIRED)
 

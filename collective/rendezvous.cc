@@ -28,9 +28,11 @@ std::string this_process() {
 }
 
 std::string rank_key(int rank) { return fmt::format("rendezvous/rank/{}", rank); }
-std::string claim_key(int rank) { return fmt::format("rendezvous/claims/{}", rank); }
+// Under rank_key: only the rank's own client may write them (tcp_store.h's keys that belong to a
+// rank).
+std::string claim_key(int rank) { return fmt::format("rendezvous/rank/{}/claims", rank); }
 // Which call of rendezvous() claimed the rank: its own retry is no duplicate.
-std::string claimant_key(int rank) { return fmt::format("rendezvous/claimant/{}", rank); }
+std::string claimant_key(int rank) { return fmt::format("rendezvous/rank/{}/claimant", rank); }
 // The chief's setup ("<world_size> <setup>"), read by every other rank as soon as the chief has
 // arrived.
 constexpr const char* kWorldSizeKey = "rendezvous/world_size";
@@ -312,15 +314,16 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   const bool own_server = options.rank == 0 && !options.store_served_by_launcher;
   if (own_server) {
     try {
-      result.server = TcpStoreServer::start(target.host, target.port);
+      result.server = TcpStoreServer::start(target.host, target.port,
+                                            {.max_connections = store_connections_for(world_size)});
     } catch (const AlreadyExists& e) {
       throw AlreadyExists(fmt::format("{}{}: {}", meeting.prefix(), meeting.me(), e.what()));
     } catch (const Unavailable& e) {
       throw Unavailable(fmt::format("{}{}: {}", meeting.prefix(), meeting.me(), e.what()));
     }
-    // The server listens on every interface; loopback reaches it even where the cluster's name for
-    // this machine does not route back to it.
-    store_address = fmt::format("127.0.0.1:{}", result.server->port());
+    // The address it is bound to (loopback when it listens on every interface): reachable even
+    // where the cluster's name for this machine does not route back to it.
+    store_address = result.server->local_address();
   }
 
   for (;;) {

@@ -37,7 +37,7 @@ namespace tandem::collective {
 
 struct RendezvousOptions {
   // "host:port" where rank 0 serves the store (from the cluster spec). Rank 0 listens on that
-  // port on every interface.
+  // address (every interface for 0.0.0.0); TANDEM_STORE_SECRET, when set, guards it (tcp_store.h).
   std::string address;
   int rank = 0;
   int world_size = 1;

@@ -1,11 +1,14 @@
 // The TCP store's client (tcp_store.h): a Store whose calls each lease a connection from a
-// pool. The sockets are socket.h's, the frames store_wire.h's; this file is about the calls.
+// pool. The sockets are socket.h's, the frames store_wire.h's, the handshake's proofs
+// store_auth.h's; this file is about the calls.
 //
-// Every call leases a connection from the pool (or opens one), so concurrent callers never queue
-// behind a waiting get. A get/wait that times out sends CANCEL and reads until CANCELLED, taking
-// an answer that crossed the cancel as the result, so that its connection can be reused. The
-// connection that says HELLO stays out of the pool: its only job is to stay open while the
-// process lives and to say BYE when the client is destroyed.
+// Every connection starts with the handshake (the server's challenge, our proof, the server's
+// proof). Every call leases a connection from the pool (or opens one), so concurrent callers
+// never queue behind a waiting get. A get/wait that times out sends CANCEL and reads until
+// CANCELLED, taking an answer that crossed the cancel as the result, so that its connection can
+// be reused. The connection that says HELLO stays out of the pool: its only job is to stay open
+// while the process lives and to say BYE when the client is destroyed; HELLO's answer is a
+// session token with which each pool connection JOINs, so that it may write the rank's keys.
 #include <algorithm>
 #include <mutex>
 #include <optional>
@@ -14,6 +17,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/collective/detail/socket.h"
+#include "tandem/collective/detail/store_auth.h"
 #include "tandem/collective/detail/store_wire.h"
 #include "tandem/collective/tcp_store.h"
 
@@ -29,13 +33,13 @@ using detail::format_duration;
 using detail::IoKind;
 using detail::IoResult;
 using detail::quoted_list;
+using detail::recv_frame;
 using detail::send_all;
 using detail::socket_error_text;
-using detail::wire::kInvalidArgument;
 using detail::wire::kMaxValueBytes;
+using detail::wire::kMaxWaitKeys;
 using detail::wire::Op;
 using detail::wire::parse_reply;
-using detail::wire::recv_frame;
 using detail::wire::Reply;
 using detail::wire::Status;
 using detail::wire::Writer;
@@ -47,11 +51,17 @@ constexpr auto kCancelTimeout = std::chrono::seconds(5);
 // Idle connections a client keeps for later calls; more concurrent callers than this open and
 // close their own.
 constexpr std::size_t kMaxIdleConnections = 8;
+// Attempts at opening a pool connection whose handshake the server cut short (it makes room for
+// new connections by closing those still in their handshake).
+constexpr int kOpenAttempts = 3;
 
 class TcpStoreClient final : public Store {
  public:
   TcpStoreClient(std::string address, HostPort target, TcpStoreOptions options)
-      : address_(std::move(address)), target_(std::move(target)), options_(std::move(options)) {
+      : address_(std::move(address)),
+        target_(std::move(target)),
+        options_(std::move(options)),
+        secret_(detail::auth::resolve_secret(options_.secret)) {
     description_ = options_.label_of_server.empty()
                        ? fmt::format("the store at {}", address_)
                        : fmt::format("the store at {} (served by {})", address_, options_.label_of_server);
@@ -73,22 +83,69 @@ class TcpStoreClient final : public Store {
 
   const std::string& description() const { return description_; }
 
-  // Takes the first connection: it announces the rank, or else joins the pool.
+  // The handshake on a new connection: proves this process holds the secret and checks that the
+  // server does. Returns why it failed when trying again may help (the connection closed or
+  // stalled); throws Unauthenticated when the secrets differ, and what the server says when it
+  // refuses the connection (ResourceExhausted: at its connection limit).
+  std::optional<std::string> handshake(int fd, Deadline deadline) const {
+    const std::string what = "the handshake";
+    std::vector<char> frame;
+    Reply challenge;
+    if (const auto failed = exchange(fd, nullptr, frame, challenge, deadline)) return failed;
+    if (challenge.status == Status::kError) throw_server_error(challenge, what);
+    if (challenge.status != Status::kChallenge) throw_malformed_reply(what);
+    if (challenge.number != detail::wire::kProtocolVersion) {
+      throw FailedPrecondition(fmt::format("{} speaks version {} of the store's protocol and this process version {}: "
+                                           "every worker must run the same tandem",
+                                           description_, challenge.number, detail::wire::kProtocolVersion));
+    }
+    if (!secret_.empty() && !challenge.flag) {
+      throw Unauthenticated(fmt::format(
+          "{} does not check TANDEM_STORE_SECRET, and this process has one set: the secrets differ (set the same "
+          "TANDEM_STORE_SECRET for the chief and every worker, or none)",
+          description_));
+    }
+    const std::string server_nonce(challenge.value.begin(), challenge.value.end());
+    const std::string nonce = detail::auth::random_bytes(detail::auth::kNonceBytes);
+    const std::string proof =
+        secret_.empty() ? std::string() : detail::auth::proof(detail::auth::Side::kClient, secret_, server_nonce, nonce);
+    const std::vector<char> auth = Writer(Op::kAuth).str(nonce).str(proof).finish();
+    Reply welcome;
+    if (const auto failed = exchange(fd, &auth, frame, welcome, deadline)) return failed;
+    if (welcome.status == Status::kError && welcome.error_code == detail::wire::kUnauthenticated) {
+      throw Unauthenticated(fmt::format("{} refused this process: {}", description_,
+                                        secret_.empty() ? "it requires TANDEM_STORE_SECRET, and this process has none set"
+                                                        : "TANDEM_STORE_SECRET differs"));
+    }
+    if (welcome.status == Status::kError) throw_server_error(welcome, what);
+    if (welcome.status != Status::kWelcome) throw_malformed_reply(what);
+    const std::string expected = secret_.empty() ? std::string()
+                                                 : detail::auth::proof(detail::auth::Side::kServer, secret_,
+                                                                       server_nonce, nonce);
+    const std::string offered(welcome.value.begin(), welcome.value.end());
+    if (!secret_.empty() && !detail::auth::proofs_equal(offered, expected)) {
+      throw Unauthenticated(fmt::format("{} could not prove that it holds TANDEM_STORE_SECRET: the secrets differ, or "
+                                        "another program answers at that address",
+                                        description_));
+    }
+    return std::nullopt;
+  }
+
+  // Takes the first connection (past its handshake): it announces the rank, or else joins the pool.
   void adopt_first_connection(Fd fd) {
     if (options_.rank < 0) {
       idle_.push_back(std::move(fd));
       return;
     }
     const std::string what = fmt::format("announcing rank {}", options_.rank);
-    const Deadline deadline = deadline_after(options_.request_timeout);
-    IoResult io =
-        send_all(fd.get(), Writer(Op::kHello).i64(options_.rank).str(options_.lost_key_prefix).finish(), deadline);
+    const std::vector<char> hello = Writer(Op::kHello).i64(options_.rank).str(options_.lost_key_prefix).finish();
     std::vector<char> frame;
-    if (io.kind == IoKind::kOk) io = recv_frame(fd.get(), frame, deadline, deadline);
-    if (io.kind != IoKind::kOk) throw_io_error(what, io);
     Reply reply;
-    if (!parse_reply(frame, reply)) throw_malformed_reply(what);
-    expect(reply, Status::kOk, what);
+    if (const auto failed = exchange(fd.get(), &hello, frame, reply, deadline_after(options_.request_timeout))) {
+      throw Unavailable(fmt::format("{}: lost the connection while {}: {}", description_, what, *failed));
+    }
+    expect(reply, Status::kValue, what);
+    token_.assign(reply.value.begin(), reply.value.end());
     liveness_ = std::move(fd);
   }
 
@@ -119,6 +176,8 @@ class TcpStoreClient final : public Store {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     if (keys.empty()) return;
     const std::string what = fmt::format("wait for {} key(s)", keys.size());
+    TANDEM_REQUIRE(keys.size() <= kMaxWaitKeys, InvalidArgument, "{}: {}: at most {} keys per wait", description_,
+                   what, kMaxWaitKeys);
     {
       Lease lease = acquire(what);
       Writer request(Op::kWait);
@@ -191,13 +250,53 @@ class TcpStoreClient final : public Store {
         return Lease(this, std::move(fd));
       }
     }
+    return Lease(this, open_connection(what));
+  }
+
+  // A new pool connection: connected, past its handshake, and acting for the announced rank.
+  Fd open_connection(const std::string& what) {
     std::string error;
-    Fd fd = connect_once(target_, deadline_after(options_.request_timeout), &error);
-    if (!fd) {
-      throw Unavailable(fmt::format("{}: cannot open a connection for {}: {} (has the server's process exited?)",
-                                    description_, what, error));
+    for (int attempt = 0; attempt < kOpenAttempts; ++attempt) {
+      const Deadline deadline = deadline_after(options_.request_timeout);
+      Fd fd = connect_once(target_, deadline, &error);
+      if (!fd) break;
+      if (const auto failed = handshake(fd.get(), deadline)) {
+        error = *failed;
+        continue;
+      }
+      if (!token_.empty()) join(fd.get(), what);
+      return fd;
     }
-    return Lease(this, std::move(fd));
+    throw Unavailable(fmt::format("{}: cannot open a connection for {}: {} (has the server's process exited?)",
+                                  description_, what, error));
+  }
+
+  void join(int fd, const std::string& what) {
+    const std::vector<char> request = Writer(Op::kJoin).str(token_).finish();
+    std::vector<char> frame;
+    Reply reply;
+    if (const auto failed = exchange(fd, &request, frame, reply, deadline_after(options_.request_timeout))) {
+      throw Unavailable(fmt::format("{}: lost a new connection for {}: {}", description_, what, *failed));
+    }
+    expect(reply, Status::kOk, what);
+  }
+
+  // Sends `request` (unless null) and reads one reply, for the calls made while connecting.
+  // Returns why it failed when the connection closed or stalled; throws DataLoss for a reply
+  // that does not parse.
+  std::optional<std::string> exchange(int fd, const std::vector<char>* request, std::vector<char>& frame, Reply& reply,
+                                      Deadline deadline) const {
+    IoResult io;
+    if (request != nullptr) io = send_all(fd, *request, deadline);
+    if (io.kind == IoKind::kOk) io = recv_frame(fd, frame, deadline, deadline);
+    switch (io.kind) {
+      case IoKind::kOk: break;
+      case IoKind::kTimeout: return "the server did not answer in time";
+      case IoKind::kClosed: return "the server closed the connection";
+      case IoKind::kError: return socket_error_text(io.err);
+    }
+    if (!parse_reply(frame, reply)) throw_malformed_reply("connecting");
+    return std::nullopt;
   }
 
   void release(Fd fd) {
@@ -279,19 +378,31 @@ class TcpStoreClient final : public Store {
 
   void expect(const Reply& reply, Status status, const std::string& what) const {
     if (reply.status == status) return;
-    if (reply.status == Status::kError) {
-      if (reply.error_code == kInvalidArgument) throw InvalidArgument(fmt::format("{}: {}", description_, reply.error));
-      throw Internal(fmt::format("{}: {} failed on the server: {}", description_, what, reply.error));
-    }
+    if (reply.status == Status::kError) throw_server_error(reply, what);
     throw DataLoss(
         fmt::format("{}: unexpected reply (status {}) to {}", description_, static_cast<int>(reply.status), what));
+  }
+
+  // The tandem error an ERROR reply stands for.
+  [[noreturn]] void throw_server_error(const Reply& reply, const std::string& what) const {
+    const std::string message = fmt::format("{}: {}", description_, reply.error);
+    switch (reply.error_code) {
+      case detail::wire::kInvalidArgument: throw InvalidArgument(message);
+      case detail::wire::kResourceExhausted: throw ResourceExhausted(message);
+      case detail::wire::kPermissionDenied: throw PermissionDenied(message);
+      case detail::wire::kUnauthenticated: throw Unauthenticated(message);
+      default: break;
+    }
+    throw Internal(fmt::format("{}: {} failed on the server: {}", description_, what, reply.error));
   }
 
   const std::string address_;
   const HostPort target_;
   const TcpStoreOptions options_;
+  const std::string secret_;  // resolved: the option, else TANDEM_STORE_SECRET; never printed
   std::string description_;
-  Fd liveness_;  // says HELLO at connect and BYE in the destructor; no requests
+  Fd liveness_;        // says HELLO at connect and BYE in the destructor; no requests
+  std::string token_;  // HELLO's answer: what pool connections JOIN with
   std::mutex mutex_;
   std::vector<Fd> idle_;
 };
@@ -301,7 +412,11 @@ class TcpStoreClient final : public Store {
 std::shared_ptr<Store> connect_tcp_store(std::string_view address, TcpStoreOptions options) {
   const HostPort target = parse_host_port(address);
   TANDEM_REQUIRE(target.port != 0, InvalidArgument, "connect_tcp_store(\"{}\"): port 0 names no server", address);
+  TANDEM_REQUIRE(options.lost_key_prefix.size() <= detail::wire::kMaxPrefixBytes, InvalidArgument,
+                 "connect_tcp_store(\"{}\"): the lost-key prefix has {} bytes; at most {}", address,
+                 options.lost_key_prefix.size(), detail::wire::kMaxPrefixBytes);
   const std::chrono::milliseconds connect_timeout = options.connect_timeout;
+  const std::chrono::milliseconds request_timeout = options.request_timeout;
   auto interval = std::clamp(options.retry_interval, std::chrono::milliseconds(1), kMaxRetryInterval);
   auto client = std::make_shared<TcpStoreClient>(std::string(address), target, std::move(options));
 
@@ -311,10 +426,15 @@ std::shared_ptr<Store> connect_tcp_store(std::string_view address, TcpStoreOptio
   for (;;) {
     ++attempts;
     Fd fd = connect_once(target, deadline, &last_error);
-    if (fd) {
+    // A server that accepted but did not finish the handshake (it was stopping, or made room
+    // for others) is retried like one that refused.
+    const auto failed = fd ? client->handshake(fd.get(), std::min(deadline, deadline_after(request_timeout)))
+                           : std::optional<std::string>();
+    if (fd && !failed) {
       client->adopt_first_connection(std::move(fd));
       return client;
     }
+    if (failed) last_error = *failed;
     const auto now = Clock::now();
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(interval, deadline - now));

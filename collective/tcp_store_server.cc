@@ -1,52 +1,76 @@
 // The TCP store's server (tcp_store.h): one thread polling every connection. The sockets are
-// socket.h's, the frames store_wire.h's; this file is about serving them.
+// socket.h's; what the bytes mean, and every bound on them, is detail/store_service.h's. This
+// file moves bytes between the two.
 //
-// One thread runs poll() over an eventfd (the stop signal), the listening socket and every client
-// socket, all non-blocking. Requests on one connection are answered in order; a GET or WAIT whose
-// keys are missing is parked on its connection (at most one per connection: a client sends its
-// next request only after the reply) and answered when a SET or ADD creates the key. CANCEL
-// unparks it and is answered with CANCELLED, so that a client whose wait timed out can reuse the
-// connection. A connection that announced a rank (HELLO) and closes without BYE makes the server
-// set that rank's lost key.
+// One thread runs poll() over an eventfd (the stop signal), the listening sockets and every client
+// socket, all non-blocking. A connection is polled for input only while the service wants bytes
+// from it (so a client that does not read its replies, or a frame waiting for budget, is left in
+// the kernel's buffers: TCP flow control slows the sender) and for output while it has replies
+// queued. poll() wakes at the service's next deadline too (a handshake taking too long).
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <climits>
+#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <utility>
 
 #include "tandem/base/errors.h"
+#include "tandem/base/log.h"
 #include "tandem/collective/detail/socket.h"
-#include "tandem/collective/detail/store_wire.h"
+#include "tandem/collective/detail/store_auth.h"
+#include "tandem/collective/detail/store_service.h"
 #include "tandem/collective/tcp_store.h"
 
 namespace tandem::collective {
 
-using detail::bind_listener;
-using detail::bound_port;
+using detail::BoundAddress;
 using detail::enable_keepalive;
 using detail::Fd;
 using detail::format_sockaddr;
 using detail::set_no_delay;
 using detail::socket_error_text;
-using detail::wire::kInvalidArgument;
-using detail::wire::kMaxFrameBytes;
-using detail::wire::kProtocol;
-using detail::wire::Op;
-using detail::wire::read_u32;
-using detail::wire::Reader;
-using detail::wire::Status;
-using detail::wire::Writer;
+using detail::StoreService;
+
+namespace {
+
+using Clock = StoreService::Clock;
+
+// How long accepting pauses when the process is out of file descriptors and no connection could
+// make room: the listener stays readable, and polling it at once would spin.
+constexpr auto kAcceptPause = std::chrono::milliseconds(100);
+// Reads from one connection per wake-up, so that one fast sender does not starve the others.
+constexpr int kReadsPerWake = 16;
+
+// "host:port", bracketing an IPv6 host.
+std::string join_host_port(const std::string& host, int port) {
+  return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+
+// Whether the user named loopback on purpose: a numeric address, or localhost.
+bool names_an_address_or_localhost(const std::string& host) {
+  in6_addr v6{};
+  in_addr v4{};
+  return ::inet_pton(AF_INET, host.c_str(), &v4) == 1 || ::inet_pton(AF_INET6, host.c_str(), &v6) == 1 ||
+         host == "localhost" || host.ends_with(".localhost");
+}
+
+}  // namespace
 
 class TcpStoreServer::Impl {
  public:
-  Impl(std::string host, int port, Fd listener, Fd wake)
-      : host_(std::move(host)), port_(port), listener_(std::move(listener)), wake_(std::move(wake)) {}
+  Impl(std::string host, std::vector<Fd> listeners, Fd wake, TcpStoreServerOptions options)
+      : host_(std::move(host)),
+        listeners_(std::move(listeners)),
+        wake_(std::move(wake)),
+        bound_(detail::bound_address(listeners_.front().get())),
+        service_(std::move(options), join_host_port(host_, bound_.port)) {}
 
   ~Impl() {
     if (thread_.joinable()) {
@@ -61,350 +85,229 @@ class TcpStoreServer::Impl {
     thread_ = std::thread([this] { serve(); });
   }
 
-  int port() const { return port_; }
-  std::string address() const {
-    return host_.find(':') != std::string::npos ? fmt::format("[{}]:{}", host_, port_)
-                                                : fmt::format("{}:{}", host_, port_);
+  int port() const { return bound_.port; }
+  std::string address() const { return join_host_port(host_, bound_.port); }
+  std::string local_address() const { return bound_.any ? fmt::format("127.0.0.1:{}", bound_.port) : bound_.text; }
+  TcpStoreServerStats stats() const {
+    std::lock_guard lock(mutex_);
+    return service_.stats();
   }
 
  private:
-  enum class Parked { kNone, kGet, kWait };
-
-  struct Peer {
-    Fd fd;
-    std::string name;  // "10.0.0.2:41234"
-    std::vector<char> in;
-    std::vector<char> out;
-    std::size_t out_sent = 0;
-    bool closed = false;
-    std::string close_reason;
-    int rank = -1;
-    std::string lost_prefix;
-    bool said_goodbye = false;
-    Parked parked = Parked::kNone;
-    std::vector<std::string> parked_keys;  // kGet: the key; kWait: those still missing
-  };
-
   void serve() {
     try {
       loop();
-    } catch (const std::exception&) {
+    } catch (const std::exception& e) {
       // Nothing sensible is left to do on this thread (out of memory): stop serving, so that
       // clients see closed connections (Unavailable) instead of waiting out their timeouts.
+      logging::error("the store at {} stopped serving: {}", address(), e.what());
     }
-    peers_.clear();
-    listener_.reset();
+    sockets_.clear();
+    listeners_.clear();
   }
 
+  // The thread holds mutex_ except while it waits in poll(), so that stats() sees the effects of
+  // everything a client could have observed.
   void loop() {
     std::vector<pollfd> fds;
+    std::vector<StoreService::Id> ids;
+    std::unique_lock lock(mutex_);
     for (;;) {
+      const auto now = Clock::now();
+      auto wake_at = service_.expire(now);
+      close_finished();
+      const bool accepting = now >= accept_paused_until_;
+      if (!accepting) wake_at = std::min(wake_at, accept_paused_until_);
+
       fds.clear();
+      ids.clear();
       fds.push_back({wake_.get(), POLLIN, 0});
-      fds.push_back({listener_.get(), POLLIN, 0});
-      for (const auto& peer : peers_) {
-        const short events = static_cast<short>(POLLIN | (peer->out_sent < peer->out.size() ? POLLOUT : 0));
-        fds.push_back({peer->fd.get(), events, 0});
+      for (const auto& listener : listeners_) fds.push_back({listener.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
+      for (const auto& [id, fd] : sockets_) {
+        const short events = static_cast<short>((service_.wants(id) > 0 ? POLLIN : 0) |
+                                                (service_.output(id).empty() ? 0 : POLLOUT));
+        fds.push_back({fd.get(), events, 0});
+        ids.push_back(id);
       }
-      // No timeout: the destructor wakes this thread through the eventfd.
-      if (::poll(fds.data(), fds.size(), -1) < 0) {
-        if (errno == EINTR) continue;
-        return;
+      int timeout = -1;
+      if (wake_at != Clock::time_point::max()) {
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(wake_at - Clock::now()).count();
+        timeout = static_cast<int>(std::clamp<long long>(left, 0, INT_MAX));
+      }
+      lock.unlock();
+      const int polled = ::poll(fds.data(), fds.size(), timeout);
+      const int poll_errno = errno;
+      lock.lock();
+      if (polled < 0) {
+        if (poll_errno == EINTR) continue;
+        throw Unavailable(fmt::format("poll: {}", socket_error_text(poll_errno)));
       }
       if (fds[0].revents != 0) return;
-      const std::size_t polled = peers_.size();
-      for (std::size_t i = 0; i < polled; ++i) {
-        Peer& peer = *peers_[i];
-        const short revents = fds[i + 2].revents;
-        if (!peer.closed && (revents & (POLLIN | POLLHUP | POLLERR)) != 0) read_from(peer);
-        if (!peer.closed && (revents & POLLOUT) != 0) flush(peer);
+      const std::size_t first_peer = 1 + listeners_.size();
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const short revents = fds[first_peer + i].revents;
+        const int fd = fds[first_peer + i].fd;
+        if ((revents & (POLLIN | POLLHUP | POLLERR)) != 0) read_from(ids[i], fd, revents);
+        if ((revents & POLLOUT) != 0 || !service_.output(ids[i]).empty()) write_to(ids[i], fd);
       }
-      if ((fds[1].revents & POLLIN) != 0) accept_all();
-      reap();
+      for (std::size_t l = 0; l < listeners_.size(); ++l) {
+        if ((fds[1 + l].revents & POLLIN) != 0) accept_all(listeners_[l].get());
+      }
+      close_finished();
     }
   }
 
-  void accept_all() {
+  void accept_all(int listener) {
     for (;;) {
       sockaddr_storage addr{};
       socklen_t length = sizeof addr;
-      const int fd =
-          ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &length, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      const int fd = ::accept4(listener, reinterpret_cast<sockaddr*>(&addr), &length, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR || errno == ECONNABORTED) continue;
-        return;  // EAGAIN: all taken; EMFILE and friends: the client's connect times out or retries
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        // Out of descriptors (or memory): a connection still in its handshake makes room, else
+        // the waiting clients stay in the backlog for a while (their connect retries).
+        if (service_.evict_a_handshake()) {
+          close_finished();
+          continue;
+        }
+        logging::warn("the store at {} cannot accept connections for now: {}", address(), socket_error_text(errno));
+        accept_paused_until_ = Clock::now() + kAcceptPause;
+        return;
       }
-      auto peer = std::make_unique<Peer>();
-      peer->fd = Fd(fd);
-      peer->name = format_sockaddr(reinterpret_cast<sockaddr*>(&addr), length);
+      Fd socket(fd);
       set_no_delay(fd);
       enable_keepalive(fd);
-      peers_.push_back(std::move(peer));
+      const StoreService::Id id = service_.open(format_sockaddr(reinterpret_cast<sockaddr*>(&addr), length), Clock::now());
+      sockets_.emplace(id, std::move(socket));
+      write_to(id, fd);  // the challenge (or the refusal)
     }
   }
 
-  void close_peer(Peer& peer, std::string reason) {
-    if (peer.closed) return;
-    peer.closed = true;
-    peer.close_reason = std::move(reason);
-  }
-
-  // Removes closed connections. One that announced a rank and did not say goodbye sets the
-  // lost key, which may answer parked waits (and a failed reply there closes another peer:
-  // hence the loop).
-  void reap() {
-    for (;;) {
-      const auto it = std::find_if(peers_.begin(), peers_.end(), [](const auto& p) { return p->closed; });
-      if (it == peers_.end()) return;
-      std::unique_ptr<Peer> peer = std::move(*it);
-      peers_.erase(it);
-      if (peer->rank >= 0 && !peer->said_goodbye) {
-        const std::string reason =
-            fmt::format("connection from {} closed without goodbye ({})", peer->name, peer->close_reason);
-        put(peer->lost_prefix + lost_rank_key(peer->rank), std::vector<char>(reason.begin(), reason.end()));
+  void read_from(StoreService::Id id, int fd, short revents) {
+    char buffer[StoreService::kAllowance];
+    for (int reads = 0; reads < kReadsPerWake; ++reads) {
+      const std::size_t want = std::min(service_.wants(id), sizeof buffer);
+      if (want == 0) {
+        // Not reading now; a hang-up still counts (the kernel reports it whatever we ask for).
+        if ((revents & (POLLHUP | POLLERR)) != 0) service_.hang_up(id, hang_up_reason(fd));
+        return;
       }
-    }
-  }
-
-  void read_from(Peer& peer) {
-    char buffer[64 * 1024];
-    bool eof = false;
-    for (;;) {
-      const ssize_t n = ::recv(peer.fd.get(), buffer, sizeof buffer, 0);
+      const ssize_t n = ::recv(fd, buffer, want, 0);
       if (n > 0) {
-        peer.in.insert(peer.in.end(), buffer, buffer + n);
+        service_.receive(id, buffer, static_cast<std::size_t>(n));
         continue;
       }
-      if (n == 0) {
-        eof = true;
-        peer.close_reason = "connection closed";
-        break;
-      }
+      if (n == 0) return service_.hang_up(id, "connection closed");
       if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) {
-        eof = true;
-        peer.close_reason = socket_error_text(errno);
-      }
-      break;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) service_.hang_up(id, socket_error_text(errno));
+      return;
     }
-    // Frames that arrived with the close still count: a goodbye comes right before it.
-    std::size_t offset = 0;
-    while (!peer.closed && peer.in.size() - offset >= 4) {
-      const std::uint32_t length = read_u32(peer.in.data() + offset);
-      if (length > kMaxFrameBytes) {
-        close_peer(peer, fmt::format("protocol error: a frame of {} bytes", length));
-        break;
-      }
-      if (peer.in.size() - offset - 4 < length) break;
-      try {
-        handle(peer, Reader(peer.in.data() + offset + 4, length));
-      } catch (const std::exception& e) {
-        close_peer(peer, fmt::format("error serving the connection: {}", e.what()));
-      }
-      offset += 4 + length;
-    }
-    peer.in.erase(peer.in.begin(), peer.in.begin() + static_cast<std::ptrdiff_t>(std::min(offset, peer.in.size())));
-    if (eof) close_peer(peer, peer.close_reason);
   }
 
-  void flush(Peer& peer) {
-    while (!peer.closed && peer.out_sent < peer.out.size()) {
-      const ssize_t n =
-          ::send(peer.fd.get(), peer.out.data() + peer.out_sent, peer.out.size() - peer.out_sent, MSG_NOSIGNAL);
+  static std::string hang_up_reason(int fd) {
+    int error = 0;
+    socklen_t length = sizeof error;
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+    return error != 0 ? socket_error_text(error) : "connection closed";
+  }
+
+  void write_to(StoreService::Id id, int fd) {
+    for (std::string_view out = service_.output(id); !out.empty(); out = service_.output(id)) {
+      const ssize_t n = ::send(fd, out.data(), out.size(), MSG_NOSIGNAL);
       if (n > 0) {
-        peer.out_sent += static_cast<std::size_t>(n);
+        service_.sent(id, static_cast<std::size_t>(n));
       } else if (n < 0 && errno == EINTR) {
         continue;
       } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
         return;  // the rest goes when poll says the socket is writable
       } else {
-        close_peer(peer, socket_error_text(n < 0 ? errno : EPIPE));
-      }
-    }
-    if (peer.out_sent == peer.out.size()) {
-      peer.out.clear();
-      peer.out_sent = 0;
-    }
-  }
-
-  void reply(Peer& peer, std::vector<char> frame) {
-    if (peer.closed) return;
-    peer.out.insert(peer.out.end(), frame.begin(), frame.end());
-    flush(peer);
-  }
-
-  void reply_error(Peer& peer, std::uint8_t code, const std::string& message) {
-    reply(peer, Writer(Status::kError).u8(code).str(message).finish());
-  }
-
-  void protocol_error(Peer& peer, std::string_view what) {
-    reply_error(peer, kProtocol, fmt::format("protocol error: {}", what));
-    close_peer(peer, fmt::format("protocol error: {}", what));
-  }
-
-  // Stores a value and answers the parked requests it completes.
-  void put(const std::string& key, std::vector<char> value) {
-    data_[key] = std::move(value);
-    for (const auto& other : peers_) {
-      Peer& p = *other;
-      if (p.closed || p.parked == Parked::kNone) continue;
-      if (p.parked == Parked::kGet) {
-        if (p.parked_keys.front() != key) continue;
-        p.parked = Parked::kNone;
-        p.parked_keys.clear();
-        reply(p, Writer(Status::kValue).bytes(data_.at(key)).finish());
-      } else {
-        std::erase(p.parked_keys, key);
-        if (!p.parked_keys.empty()) continue;
-        p.parked = Parked::kNone;
-        reply(p, Writer(Status::kOk).finish());
+        return service_.hang_up(id, socket_error_text(n < 0 ? errno : EPIPE));
       }
     }
   }
 
-  void handle(Peer& peer, Reader r) {
-    std::uint8_t op_byte = 0;
-    if (!r.u8(op_byte)) return protocol_error(peer, "empty frame");
-    const auto op = static_cast<Op>(op_byte);
-    if (peer.parked != Parked::kNone && op != Op::kCancel) {
-      return protocol_error(peer, "a request while another waits");
-    }
-    switch (op) {
-      case Op::kHello: {
-        std::int64_t rank = -1;
-        std::string prefix;
-        r.i64(rank);
-        r.str(prefix);
-        if (!r.at_end() || rank < 0 || rank > INT_MAX) return protocol_error(peer, "malformed HELLO");
-        if (peer.rank >= 0) return protocol_error(peer, "HELLO twice on one connection");
-        for (const auto& other : peers_) {
-          if (other.get() != &peer && !other->closed && !other->said_goodbye && other->rank == rank &&
-              other->lost_prefix == prefix) {
-            return reply_error(peer, kInvalidArgument,
-                               fmt::format("rank {} is already claimed by a live process (connected from {}): two "
-                                           "processes were started as rank {}; each task needs its own index",
-                                           rank, other->name, rank));
-          }
-        }
-        peer.rank = static_cast<int>(rank);
-        peer.lost_prefix = std::move(prefix);
-        return reply(peer, Writer(Status::kOk).finish());
-      }
-      case Op::kBye:
-        if (!r.at_end()) return protocol_error(peer, "malformed BYE");
-        peer.said_goodbye = true;
-        return reply(peer, Writer(Status::kOk).finish());
-      case Op::kSet: {
-        std::string key;
-        std::vector<char> value;
-        r.str(key);
-        r.bytes(value);
-        if (!r.at_end()) return protocol_error(peer, "malformed SET");
-        reply(peer, Writer(Status::kOk).finish());
-        return put(key, std::move(value));
-      }
-      case Op::kGet: {
-        std::string key;
-        r.str(key);
-        if (!r.at_end()) return protocol_error(peer, "malformed GET");
-        if (const auto it = data_.find(key); it != data_.end()) {
-          return reply(peer, Writer(Status::kValue).bytes(it->second).finish());
-        }
-        peer.parked = Parked::kGet;
-        peer.parked_keys = {std::move(key)};
-        return;
-      }
-      case Op::kWait: {
-        std::uint32_t count = 0;
-        r.u32(count);
-        std::vector<std::string> missing;
-        for (std::uint32_t i = 0; i < count && r.ok(); ++i) {
-          std::string key;
-          if (r.str(key) && !data_.contains(key)) missing.push_back(std::move(key));
-        }
-        if (!r.at_end()) return protocol_error(peer, "malformed WAIT");
-        if (missing.empty()) return reply(peer, Writer(Status::kOk).finish());
-        peer.parked = Parked::kWait;
-        peer.parked_keys = std::move(missing);
-        return;
-      }
-      case Op::kCheck: {
-        std::string key;
-        r.str(key);
-        if (!r.at_end()) return protocol_error(peer, "malformed CHECK");
-        return reply(peer, Writer(Status::kBool).u8(data_.contains(key) ? 1 : 0).finish());
-      }
-      case Op::kAdd: {
-        std::string key;
-        std::int64_t delta = 0;
-        r.str(key);
-        r.i64(delta);
-        if (!r.at_end()) return protocol_error(peer, "malformed ADD");
-        std::int64_t value = 0;
-        if (const auto it = data_.find(key); it != data_.end() && !it->second.empty()) {
-          const char* begin = it->second.data();
-          const char* end = begin + it->second.size();
-          const auto [ptr, ec] = std::from_chars(begin, end, value);
-          if (ec != std::errc() || ptr != end) {
-            return reply_error(
-                peer, kInvalidArgument,
-                fmt::format("add(\"{}\"): the key holds a value that is not a decimal integer ({} bytes)", key,
-                            it->second.size()));
-          }
-        }
-        value += delta;
-        reply(peer, Writer(Status::kInt).i64(value).finish());
-        const std::string text = std::to_string(value);
-        return put(key, std::vector<char>(text.begin(), text.end()));
-      }
-      case Op::kCancel:
-        if (!r.at_end()) return protocol_error(peer, "malformed CANCEL");
-        peer.parked = Parked::kNone;
-        peer.parked_keys.clear();
-        return reply(peer, Writer(Status::kCancelled).finish());
-    }
-    protocol_error(peer, fmt::format("unknown request {}", op_byte));
+  void close_finished() {
+    for (const StoreService::Id id : service_.take_closed()) sockets_.erase(id);
   }
 
   std::string host_;
-  int port_;
-  Fd listener_;
+  std::vector<Fd> listeners_;
   Fd wake_;
+  BoundAddress bound_;
+  StoreService service_;
+  std::unordered_map<StoreService::Id, Fd> sockets_;
+  Clock::time_point accept_paused_until_{};
   std::thread thread_;
-  std::unordered_map<std::string, std::vector<char>> data_;
-  std::vector<std::unique_ptr<Peer>> peers_;
+  mutable std::mutex mutex_;  // the service's state, for stats()
 };
 
 TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TcpStoreServer::~TcpStoreServer() = default;
 
-std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int port) {
+std::size_t store_connections_for(int world_size) { return 16 * static_cast<std::size_t>(std::max(world_size, 1)) + 16; }
+
+std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int port, TcpStoreServerOptions options) {
   TANDEM_REQUIRE(port >= 0 && port <= 65535, InvalidArgument, "TcpStoreServer::start(\"{}\", {}): port not in 0..65535",
                  host, port);
-  const std::string host_name = host.empty() ? std::string("0.0.0.0") : std::string(host);
-  int bind_errno = 0;
-  Fd listener = bind_listener(port, &bind_errno);
-  if (!listener) {
-    const std::string where = fmt::format("{}:{}", host_name, port);
-    if (bind_errno == EADDRINUSE) {
+  TANDEM_REQUIRE(options.max_connections >= 1 && options.max_buffered_bytes >= StoreService::kAllowance &&
+                     options.handshake_timeout.count() > 0,
+                 InvalidArgument,
+                 "TcpStoreServer::start(\"{}\", {}): max_connections must be at least 1, max_buffered_bytes at least "
+                 "{} and handshake_timeout positive (got {}, {} and {} ms)",
+                 host, port, StoreService::kAllowance, options.max_connections, options.max_buffered_bytes,
+                 options.handshake_timeout.count());
+  std::string host_name = host.empty() ? std::string("0.0.0.0") : std::string(host);
+  const std::string where = join_host_port(host_name, port);
+  detail::Listeners bound = detail::bind_listeners(host_name, port);
+  // A name this machine resolves only to loopback (Debian's 127.0.1.1 for its own name) while the
+  // other machines resolve it to a reachable address: listening there would lock them out.
+  const auto only_loopback = [](const detail::Listeners& l) {
+    return std::all_of(l.fds.begin(), l.fds.end(), [](const Fd& fd) { return detail::bound_address(fd.get()).loopback; });
+  };
+  if (!bound.fds.empty() && !names_an_address_or_localhost(host_name) && !detail::is_any_host(host_name) &&
+      only_loopback(bound)) {
+    const BoundAddress first = detail::bound_address(bound.fds.front().get());
+    logging::warn(
+        "the store's host \"{}\" resolves to {} on this machine, a loopback address other machines cannot reach: "
+        "the store listens on every interface instead (give the chief's address as a number to listen there only)",
+        host_name, first.text);
+    bound.fds.clear();
+    bound = detail::bind_listeners("", first.port);
+  }
+  if (bound.fds.empty()) {
+    if (bound.bind_errno == EADDRINUSE) {
       throw AlreadyExists(
           fmt::format("cannot serve the store at {}: port {} is already in use (another job on this "
                       "machine, or a process of a previous run still alive?)",
                       where, port));
     }
-    throw Unavailable(fmt::format("cannot serve the store at {}: {}", where, socket_error_text(bind_errno)));
+    throw Unavailable(fmt::format("cannot serve the store at {}: {}", where, bound.error));
   }
-  const int port_bound = bound_port(listener.get());
   Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake)
-    throw Unavailable(
-        fmt::format("cannot serve the store at {}:{}: eventfd: {}", host_name, port_bound, socket_error_text(errno)));
-  auto impl = std::make_unique<Impl>(host_name, port_bound, std::move(listener), std::move(wake));
+  if (!wake) throw Unavailable(fmt::format("cannot serve the store at {}: eventfd: {}", where, socket_error_text(errno)));
+
+  options.secret = detail::auth::resolve_secret(options.secret);
+  const bool has_secret = !options.secret.empty();
+  std::string exposed;
+  for (const Fd& fd : bound.fds) {
+    const BoundAddress a = detail::bound_address(fd.get());
+    if (!a.loopback) exposed = a.any ? fmt::format("every interface (port {})", a.port) : a.text;
+  }
+  auto impl = std::make_unique<Impl>(host_name, std::move(bound.fds), std::move(wake), std::move(options));
+  if (!has_secret && !exposed.empty()) {
+    logging::warn(
+        "the store at {} listens on {} without a secret: any process that reaches the port can read and write its keys "
+        "and pose as a worker; set TANDEM_STORE_SECRET, the same for every worker, to require one",
+        impl->address(), exposed);
+  }
   impl->start_thread();
   return std::unique_ptr<TcpStoreServer>(new TcpStoreServer(std::move(impl)));
 }
 
 int TcpStoreServer::port() const { return impl_->port(); }
 std::string TcpStoreServer::address() const { return impl_->address(); }
+std::string TcpStoreServer::local_address() const { return impl_->local_address(); }
+TcpStoreServerStats TcpStoreServer::stats() const { return impl_->stats(); }
 
 }  // namespace tandem::collective

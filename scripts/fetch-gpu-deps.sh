@@ -28,6 +28,7 @@ packages=(
   doctest-dev
   zlib1g-dev zlib1g
   libgloo-dev libgloo0 libhiredis0.14 libibverbs1 libnl-3-200 libnl-route-3-200
+  libssl-dev libssl3         # libcrypto, for the TCP store's handshake
   dataset-fashion-mnist      # /usr/share/datasets/fashion-mnist, for the PyTorch peer
 )
 

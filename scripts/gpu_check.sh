@@ -86,7 +86,8 @@ system_has_deps() {
   local f
   for f in /usr/include/eigen3/Eigen/Core /usr/include/fmt/core.h /usr/include/nlohmann/json.hpp \
            /usr/include/doctest/doctest.h /usr/include/zlib.h /usr/include/gloo/config.h \
-           /usr/share/cmake/Gloo/GlooConfig.cmake /usr/include/spdlog/spdlog.h /usr/include/CLI/CLI.hpp; do
+           /usr/share/cmake/Gloo/GlooConfig.cmake /usr/include/spdlog/spdlog.h /usr/include/CLI/CLI.hpp \
+           /usr/include/openssl/hmac.h; do
     [ -e "$f" ] || return 1
   done
 }

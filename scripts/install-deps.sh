@@ -10,6 +10,7 @@ packages=(
   libspdlog-dev              # the library's leveled messages (base/log.h)
   libcli11-dev               # command lines of the samples, benchmarks and tandem-run
   libgloo-dev                # collectives between worker processes (TCP)
+  libssl-dev                 # libcrypto: the TCP store's handshake (HMAC-SHA256)
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)

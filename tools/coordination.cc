@@ -43,7 +43,9 @@ std::vector<char> bytes_of(std::string_view s) { return {s.begin(), s.end()}; }
 Coordinator::Coordinator(CoordinationOptions options) : options_(std::move(options)) {
   if (options_.node_rank != 0) return;
   try {
-    server_ = collective::TcpStoreServer::start(options_.master_addr, options_.master_port);
+    server_ = collective::TcpStoreServer::start(
+        options_.master_addr, options_.master_port,
+        {.max_connections = collective::store_connections_for(options_.processes)});
   } catch (const Error& e) {
     throw CoordinationError(
         fmt::format("cannot serve the job's store on {}: {}", address_of(options_.master_addr, options_.master_port),

@@ -50,6 +50,7 @@ struct CoordinationOptions {
   int master_port = 0;
   int node_rank = 0;
   int nnodes = 1;
+  int processes = 1;                  // every node's launcher and workers: the store's connections
   std::string setup;                  // compared across nodes, quoted in errors
   std::chrono::milliseconds timeout;  // each round's meeting (TANDEM_RENDEZVOUS_TIMEOUT)
   int wake_fd = -1;                   // the launcher's self-pipe

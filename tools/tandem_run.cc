@@ -571,6 +571,7 @@ class Launcher {
           .master_port = options_.master_port,
           .node_rank = options_.node_rank,
           .nnodes = options_.nnodes,
+          .processes = options_.nnodes * (options_.nproc_per_node + 1),
           .setup = fmt::format("--nnodes {} --nproc_per_node {} --max_restarts {}", options_.nnodes,
                                options_.nproc_per_node, options_.max_restarts),
           .timeout = tandem::env::get_seconds(tandem::env::kRendezvousTimeout),

@@ -17,6 +17,8 @@
 
 #include <fmt/format.h>
 
+#include "tandem/collective/detail/store_wire.h"
+
 namespace tandem::collective::detail {
 namespace {
 
@@ -106,6 +108,17 @@ IoResult recv_all(int fd, char* data, std::size_t size, Deadline deadline) {
   return {};
 }
 
+IoResult recv_frame(int fd, std::vector<char>& frame, Deadline deadline, Deadline rest_deadline) {
+  char header[4];
+  IoResult r = recv_all(fd, header, 1, deadline);
+  if (r.kind == IoKind::kOk) r = recv_all(fd, header + 1, sizeof header - 1, std::max(deadline, rest_deadline));
+  if (r.kind != IoKind::kOk) return r;
+  const std::uint32_t length = wire::read_u32(header);
+  if (length > wire::kMaxFrameBytes) return {IoKind::kError, EPROTO};
+  frame.resize(length);
+  return recv_all(fd, frame.data(), length, std::max(deadline, rest_deadline));
+}
+
 void set_no_delay(int fd) {
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -181,47 +194,142 @@ Fd connect_once(const HostPort& target, Deadline deadline, std::string* error) {
   return Fd();
 }
 
-Fd bind_listener(int port, int* bind_errno) {
-  for (const int family : {AF_INET6, AF_INET}) {
-    Fd fd(::socket(family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
-    if (!fd) {
-      *bind_errno = errno;
-      continue;
-    }
-    const int one = 1;
-    const int zero = 0;
-    // A restarted job binds the port again at once, while the previous run's connections linger
-    // in TIME_WAIT.
-    ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    int rc = 0;
-    if (family == AF_INET6) {
-      ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
-      sockaddr_in6 addr{};
-      addr.sin6_family = AF_INET6;
-      addr.sin6_addr = in6addr_any;
-      addr.sin6_port = htons(static_cast<std::uint16_t>(port));
-      rc = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
-    } else {
-      sockaddr_in addr{};
-      addr.sin_family = AF_INET;
-      addr.sin_addr.s_addr = htonl(INADDR_ANY);
-      addr.sin_port = htons(static_cast<std::uint16_t>(port));
-      rc = ::bind(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
-    }
-    if (rc == 0 && ::listen(fd.get(), SOMAXCONN) == 0) return fd;
-    *bind_errno = errno;
-    // A taken port is taken for IPv4 too; anything else (IPv6 disabled) may work with IPv4.
-    if (*bind_errno == EADDRINUSE) return Fd();
+bool is_any_host(std::string_view host) { return host.empty() || host == "0.0.0.0" || host == "::" || host == "*"; }
+
+namespace {
+
+// A listening socket on one address, or an empty Fd with *err set.
+Fd listen_on(const sockaddr* addr, socklen_t length, int* err) {
+  Fd fd(::socket(addr->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd) {
+    *err = errno;
+    return Fd();
   }
-  return Fd();
+  const int one = 1;
+  // A restarted job binds the port again at once, while the previous run's connections linger
+  // in TIME_WAIT.
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (addr->sa_family == AF_INET6) {
+    // The wildcard takes IPv4 too (dual-stack); a specific IPv6 address only itself, so that
+    // "localhost" can bind ::1 beside 127.0.0.1.
+    const bool any = IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6*>(addr)->sin6_addr);
+    const int v6_only = any ? 0 : 1;
+    ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &v6_only, sizeof v6_only);
+  }
+  if (::bind(fd.get(), addr, length) != 0 || ::listen(fd.get(), SOMAXCONN) != 0) {
+    *err = errno;
+    return Fd();
+  }
+  return fd;
 }
 
-int bound_port(int fd) {
+void set_port(sockaddr_storage& addr, int port) {
+  const auto p = htons(static_cast<std::uint16_t>(port));
+  if (addr.ss_family == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port = p;
+  } else {
+    reinterpret_cast<sockaddr_in*>(&addr)->sin_port = p;
+  }
+}
+
+// The addresses to bind: the wildcard (IPv6 dual-stack first, IPv4 as the fallback: only one of
+// them is bound), or what `host` resolves to, without repeats.
+std::vector<sockaddr_storage> addresses_to_bind(const std::string& host, Listeners& out) {
+  std::vector<sockaddr_storage> found;
+  if (is_any_host(host)) {
+    sockaddr_storage v6{};
+    reinterpret_cast<sockaddr_in6*>(&v6)->sin6_family = AF_INET6;
+    reinterpret_cast<sockaddr_in6*>(&v6)->sin6_addr = in6addr_any;
+    sockaddr_storage v4{};
+    reinterpret_cast<sockaddr_in*>(&v4)->sin_family = AF_INET;
+    reinterpret_cast<sockaddr_in*>(&v4)->sin_addr.s_addr = htonl(INADDR_ANY);
+    return {v6, v4};
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* list = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &list);
+  if (rc != 0) {
+    out.error = fmt::format("cannot resolve host \"{}\": {}", host, ::gai_strerror(rc));
+    return {};
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(list, &::freeaddrinfo);
+  for (const addrinfo* ai = list; ai != nullptr; ai = ai->ai_next) {
+    if (ai->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    sockaddr_storage addr{};
+    std::memcpy(&addr, ai->ai_addr, ai->ai_addrlen);
+    const bool seen = std::any_of(found.begin(), found.end(), [&](const sockaddr_storage& other) {
+      return std::memcmp(&other, &addr, sizeof addr) == 0;
+    });
+    if (!seen) found.push_back(addr);
+  }
+  return found;
+}
+
+socklen_t length_of(const sockaddr_storage& addr) {
+  return addr.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+}
+
+}  // namespace
+
+Listeners bind_listeners(const std::string& host, int port) {
+  Listeners out;
+  const std::vector<sockaddr_storage> addresses = addresses_to_bind(host, out);
+  const bool any = is_any_host(host);
+  for (sockaddr_storage addr : addresses) {
+    set_port(addr, port);
+    int err = 0;
+    Fd fd = listen_on(reinterpret_cast<const sockaddr*>(&addr), length_of(addr), &err);
+    if (!fd) {
+      // A taken port is taken for every address; an address this machine cannot bind (IPv6
+      // disabled, an address of another machine) is skipped while another one works.
+      if (err == EADDRINUSE) {
+        out.fds.clear();
+        out.bind_errno = err;
+        out.error = socket_error_text(err);
+        return out;
+      }
+      if (out.bind_errno == 0) {
+        out.bind_errno = err;
+        out.error = socket_error_text(err);
+      }
+      continue;
+    }
+    // Port 0: the others take the port the kernel gave the first.
+    if (port == 0) port = bound_address(fd.get()).port;
+    out.fds.push_back(std::move(fd));
+    if (any) break;  // the dual-stack wildcard covers IPv4 too
+  }
+  if (!out.fds.empty()) {
+    out.bind_errno = 0;
+    out.error.clear();
+  } else if (out.error.empty()) {
+    out.error = fmt::format("host \"{}\" has no address to listen on", host);
+  }
+  return out;
+}
+
+BoundAddress bound_address(int fd) {
   sockaddr_storage bound{};
   socklen_t length = sizeof bound;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length);
-  return bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<const sockaddr_in6*>(&bound)->sin6_port)
-                                     : ntohs(reinterpret_cast<const sockaddr_in*>(&bound)->sin_port);
+  BoundAddress out;
+  out.text = format_sockaddr(reinterpret_cast<const sockaddr*>(&bound), length);
+  if (bound.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&bound);
+    out.port = ntohs(in6->sin6_port);
+    out.any = IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr);
+    out.loopback = IN6_IS_ADDR_LOOPBACK(&in6->sin6_addr) ||
+                   (IN6_IS_ADDR_V4MAPPED(&in6->sin6_addr) && in6->sin6_addr.s6_addr[12] == 127);
+  } else {
+    const auto* in4 = reinterpret_cast<const sockaddr_in*>(&bound);
+    out.port = ntohs(in4->sin_port);
+    out.any = in4->sin_addr.s_addr == htonl(INADDR_ANY);
+    out.loopback = (ntohl(in4->sin_addr.s_addr) >> 24) == 127;
+  }
+  return out;
 }
 
 }  // namespace tandem::collective::detail

@@ -1,19 +1,27 @@
 // tandem/collective/detail/store_wire.h — the TCP store's wire format, shared by its client
-// (tcp_store_client.cc) and server (tcp_store_server.cc). Not part of the public contract.
+// (tcp_store_client.cc), its server's service (store_service.cc) and the wire fuzzer
+// (tests/fuzz/store_wire_fuzz.cc). Not part of the public contract.
 //
 // Both directions carry frames: a little-endian u32 length and that many bytes. A request is an
 // opcode byte and its fields, a reply a status byte and its fields. Fields are u8, u32, i64 (little
-// endian) and byte strings (a u32 length, then the bytes). Requests and their fields:
-//   HELLO rank:i64 lost_key_prefix:str      announces the rank whose lost key the server keeps
-//   BYE                                     the announced rank leaves cleanly
+// endian) and byte strings (a u32 length, then the bytes).
+//
+// A connection opens with the handshake (see store_auth.h for the proofs):
+//   server: CHALLENGE version:u8 secret_required:u8 server_nonce:bytes
+//   client: AUTH client_nonce:bytes proof:bytes      (proof empty without a secret)
+//   server: WELCOME proof:bytes                       (empty without a secret), or ERROR
+// and only then carries requests:
+//   HELLO rank:i64 lost_key_prefix:str      announces the rank -> VALUE session token
+//   JOIN token:bytes                        this connection acts for the announced rank -> OK
+//   BYE                                     the announced rank leaves cleanly -> OK
 //   SET key:str value:bytes                 -> OK
 //   GET key:str                             -> VALUE value:bytes (parked until the key exists)
 //   WAIT count:u32 key:str x count          -> OK (parked until every key exists)
 //   CHECK key:str                           -> BOOL u8
 //   ADD key:str delta:i64                   -> INT i64 (counters are decimal text)
 //   CANCEL                                  withdraws a parked GET/WAIT -> CANCELLED
-// Any request may instead be answered ERROR code:u8 message:str. Nothing here does I/O but
-// recv_frame; nothing throws: a malformed frame is a false return.
+// Any request may instead be answered ERROR code:u8 message:str. Nothing here does I/O or throws:
+// a malformed frame is a false return (socket.h's recv_frame reads frames off a socket).
 #pragma once
 
 #include <cstdint>
@@ -21,22 +29,32 @@
 #include <string_view>
 #include <vector>
 
-#include "tandem/collective/detail/socket.h"
-
 namespace tandem::collective::detail::wire {
 
 // A frame this large is a protocol error (or someone else's protocol on our port), not a value.
 constexpr std::uint32_t kMaxFrameBytes = 256u << 20;
 // Key and value of one set, leaving room in the frame for the fields around them.
 constexpr std::size_t kMaxValueBytes = kMaxFrameBytes - 1024;
+// Before the handshake the only frame a server accepts is AUTH, well under this: a peer that has
+// not proved anything cannot make the server buffer more.
+constexpr std::uint32_t kMaxHandshakeFrameBytes = 512;
+// Keys one WAIT may name.
+constexpr std::uint32_t kMaxWaitKeys = 65536;
+// A HELLO's lost-key prefix ("run/3/"): the server keeps it while the rank is announced.
+constexpr std::uint32_t kMaxPrefixBytes = 1024;
+// The handshake's version: a client and a server of different versions refuse each other.
+constexpr std::uint8_t kProtocolVersion = 1;
 
-enum class Op : std::uint8_t { kHello = 1, kBye, kSet, kGet, kWait, kCheck, kAdd, kCancel };
-enum class Status : std::uint8_t { kOk = 0, kValue, kBool, kInt, kError, kCancelled };
+enum class Op : std::uint8_t { kHello = 1, kBye, kSet, kGet, kWait, kCheck, kAdd, kCancel, kAuth, kJoin };
+enum class Status : std::uint8_t { kOk = 0, kValue, kBool, kInt, kError, kCancelled, kChallenge, kWelcome };
 
-// Error codes an ERROR reply carries: the client throws InvalidArgument for the first, Internal
-// for the others.
+// Error codes an ERROR reply carries; the client throws the tandem error of the same name
+// (Internal for kProtocol).
 constexpr std::uint8_t kInvalidArgument = 1;
 constexpr std::uint8_t kProtocol = 2;
+constexpr std::uint8_t kResourceExhausted = 3;
+constexpr std::uint8_t kPermissionDenied = 4;
+constexpr std::uint8_t kUnauthenticated = 5;
 
 // The little-endian u32 at p (4 bytes): a frame's length, or a u32 field.
 std::uint32_t read_u32(const char* p);
@@ -87,8 +105,11 @@ class Reader {
   bool i64(std::int64_t& v);
   bool bytes(std::vector<char>& v);
   bool str(std::string& s);
+  // A byte string as a view into the payload (valid while the payload is).
+  bool view(std::string_view& s);
   bool ok() const { return ok_; }
   bool at_end() const { return ok_ && p_ == end_; }
+  std::size_t remaining() const { return static_cast<std::size_t>(end_ - p_); }
 
  private:
   // The next `n` bytes (advancing past them), or null when fewer remain.
@@ -101,12 +122,39 @@ class Reader {
   bool ok_ = true;
 };
 
+// Where the next frame of a byte stream stands: complete (its payload is data[4, 4 + length)),
+// still arriving (`missing` more bytes), or declaring more than `limit` payload bytes.
+struct FrameScan {
+  enum Kind { kIncomplete, kComplete, kTooLarge } kind = kIncomplete;
+  std::uint32_t length = 0;  // the payload's, once the 4 header bytes are in
+  std::size_t missing = 0;   // kIncomplete: bytes still to come, header included
+};
+FrameScan scan_frame(const char* data, std::size_t size, std::uint32_t limit);
+
+// One request, its fields as views into the frame's payload.
+struct Request {
+  Op op = Op::kBye;
+  std::int64_t rank = -1;              // kHello: 0..INT_MAX
+  std::string_view prefix;             // kHello
+  std::string_view key;                // kSet, kGet, kCheck, kAdd
+  std::string_view value;              // kSet
+  std::string_view nonce;              // kAuth: the client's
+  std::string_view proof;              // kAuth
+  std::string_view token;              // kJoin
+  std::int64_t delta = 0;              // kAdd
+  std::vector<std::string_view> keys;  // kWait
+};
+
+// Parses a request frame's payload. False when it is malformed, with `error` saying how
+// ("malformed SET", "unknown request 77").
+bool parse_request(const char* data, std::size_t size, Request& request, std::string& error);
+
 // One reply, whichever its status.
 struct Reply {
   Status status = Status::kOk;
-  std::vector<char> value;  // kValue
-  bool flag = false;        // kBool
-  std::int64_t number = 0;  // kInt
+  std::vector<char> value;  // kValue; kChallenge: the server's nonce; kWelcome: its proof
+  bool flag = false;        // kBool; kChallenge: whether the server requires a secret
+  std::int64_t number = 0;  // kInt; kChallenge: the protocol version
   std::uint8_t error_code = 0;
   std::string error;  // kError
 };
@@ -114,10 +162,14 @@ struct Reply {
 // Parses a reply frame's payload; false when it is malformed.
 bool parse_reply(const std::vector<char>& frame, Reply& reply);
 
-// Reads one frame's payload. `deadline` bounds the wait for its first byte; once that has come,
-// the rest is in flight and gets until `rest_deadline` (a reply cut off halfway would leave the
-// connection unusable, where a reply not yet begun can still be cancelled). A length above
-// kMaxFrameBytes is kError (EPROTO).
-IoResult recv_frame(int fd, std::vector<char>& frame, Deadline deadline, Deadline rest_deadline);
+// Who may write a key (SET, ADD). A key with the path segments "rank/<r>" (r a decimal rank
+// without sign or leading zeros, e.g. "run/0/rendezvous/rank/1" or ".../rank/1/claims") belongs
+// to rank r; one ending in "tandem/lost/<r>" (tcp_store.h's lost keys) to the server; any other
+// key to anyone. A key naming two different ranks belongs to nobody (kConflict).
+struct KeyOwner {
+  enum Kind { kAnyone, kRank, kServer, kConflict } kind = kAnyone;
+  int rank = -1;  // kRank, kServer
+};
+KeyOwner key_owner(std::string_view key);
 
 }  // namespace tandem::collective::detail::wire

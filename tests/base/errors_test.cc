@@ -23,6 +23,8 @@ TEST_CASE("every error is a tandem::Error with its code") {
   CHECK_THROWS_AS(throw DeadlineExceeded("x"), Error);
   CHECK(DataLoss("x").code() == ErrorCode::kDataLoss);
   CHECK(error_code_name(ErrorCode::kUnavailable) == "Unavailable");
+  CHECK(Unauthenticated("x").code() == ErrorCode::kUnauthenticated);
+  CHECK(error_code_name(PermissionDenied("x").code()) == "PermissionDenied");
 }
 
 TEST_CASE("TANDEM_ASSERT marks an internal bug with file and line") {

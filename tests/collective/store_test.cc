@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/detail/store_auth.h"
 #include "tandem/collective/detail/store_wire.h"
 #include "tandem/collective/rendezvous.h"
 #include "tandem/collective/store.h"
@@ -379,6 +380,97 @@ TEST_CASE("tcp store wire format: fields round-trip; a truncated, padded or unkn
   CHECK_FALSE(parse_reply(padded, reply));
   CHECK_FALSE(parse_reply({static_cast<char>(99)}, reply));
   CHECK_FALSE(parse_reply({}, reply));
+}
+
+TEST_CASE("tcp store wire format: requests parse field by field; malformed ones say how") {
+  using namespace tandem::collective::detail::wire;
+  const auto payload_of = [](Writer w) {
+    std::vector<char> f = w.finish();
+    return std::vector<char>(f.begin() + 4, f.end());
+  };
+  const auto parse = [](const std::vector<char>& payload, Request& request) {
+    std::string error;
+    const bool ok = parse_request(payload.data(), payload.size(), request, error);
+    return ok ? std::string("ok") : error;
+  };
+  // The fields are views into the payload: each payload outlives the checks of its fields.
+  Request q;
+  const auto set = payload_of(std::move(Writer(Op::kSet).str("key").bytes(bytes(std::string("v\0", 2)))));
+  REQUIRE(parse(set, q) == "ok");
+  CHECK(q.op == Op::kSet);
+  CHECK(q.key == "key");
+  CHECK(q.value == std::string_view("v\0", 2));
+  const auto hello = payload_of(std::move(Writer(Op::kHello).i64(3).str("run/1/")));
+  REQUIRE(parse(hello, q) == "ok");
+  CHECK(q.rank == 3);
+  CHECK(q.prefix == "run/1/");
+  const auto wait = payload_of(std::move(Writer(Op::kWait).u32(2).str("a").str("bc")));
+  REQUIRE(parse(wait, q) == "ok");
+  CHECK(q.keys == std::vector<std::string_view>{"a", "bc"});
+  const auto auth = payload_of(std::move(Writer(Op::kAuth).str("nonce").str("")));
+  REQUIRE(parse(auth, q) == "ok");
+  CHECK(q.nonce == "nonce");
+  CHECK(q.proof.empty());
+
+  CHECK(parse({}, q) == "empty frame");
+  CHECK(parse({static_cast<char>(99)}, q) == "unknown request 99");
+  CHECK(parse(payload_of(std::move(Writer(Op::kGet).str("k").u8(0))), q) == "malformed GET");  // padded
+  CHECK(parse(payload_of(std::move(Writer(Op::kHello).i64(-1).str(""))), q) == "malformed HELLO");
+  CHECK(parse(payload_of(std::move(Writer(Op::kHello).i64(0).str(std::string(kMaxPrefixBytes + 1, 'p')))), q) ==
+        "malformed HELLO");
+  // A count the frame cannot hold is refused before anything is allocated for it.
+  CHECK(parse(payload_of(std::move(Writer(Op::kWait).u32(kMaxWaitKeys))), q) == "malformed WAIT");
+  CHECK(parse(payload_of(std::move(Writer(Op::kWait).u32(kMaxWaitKeys + 1))), q) == "malformed WAIT");
+
+  // Frames in a byte stream: complete, still arriving, or declaring too much.
+  const std::vector<char> frame = Writer(Op::kCheck).str("k").finish();
+  CHECK(scan_frame(frame.data(), 2, 100).kind == FrameScan::kIncomplete);
+  CHECK(scan_frame(frame.data(), 2, 100).missing == 2);
+  CHECK(scan_frame(frame.data(), frame.size() - 1, 100).missing == 1);
+  CHECK(scan_frame(frame.data(), frame.size(), 100).kind == FrameScan::kComplete);
+  CHECK(scan_frame(frame.data(), frame.size(), 5).kind == FrameScan::kTooLarge);
+}
+
+TEST_CASE("tcp store keys: who may write a key") {
+  using namespace tandem::collective::detail::wire;
+  const auto owner = [](std::string_view key) {
+    const KeyOwner o = key_owner(key);
+    switch (o.kind) {
+      case KeyOwner::kAnyone: return std::string("anyone");
+      case KeyOwner::kRank: return "rank " + std::to_string(o.rank);
+      case KeyOwner::kServer: return "server " + std::to_string(o.rank);
+      case KeyOwner::kConflict: return std::string("nobody");
+    }
+    return std::string("?");
+  };
+  CHECK(owner("run/0/rendezvous/rank/1") == "rank 1");
+  CHECK(owner("run/0/rendezvous/rank/1/claims") == "rank 1");
+  CHECK(owner("rank/0") == "rank 0");
+  CHECK(owner("run/0/tandem/lost/3") == "server 3");
+  CHECK(owner("tandem/lost/3") == "server 3");
+  CHECK(owner("rank/1/x/rank/1") == "rank 1");
+  CHECK(owner("rank/1/rank/2") == "nobody");
+  for (const char* anyone : {"k", "", "rank", "rank/", "rank/x", "rank/01", "rank/-1", "rank/+1", "ranks/1",
+                             "my_rank/1", "rank/99999999999", "tandem/lost/x", "tandem/lost/1/more"}) {
+    CHECK_MESSAGE(owner(anyone) == "anyone", anyone);
+  }
+}
+
+TEST_CASE("tcp store handshake: proofs depend on the side, both nonces and the secret") {
+  namespace auth = tandem::collective::detail::auth;
+  const std::string ns(auth::kNonceBytes, 's');
+  const std::string nc(auth::kNonceBytes, 'c');
+  const std::string client = auth::proof(auth::Side::kClient, "secret", ns, nc);
+  CHECK(client.size() == auth::kProofBytes);
+  CHECK(auth::proofs_equal(client, auth::proof(auth::Side::kClient, "secret", ns, nc)));
+  CHECK_FALSE(auth::proofs_equal(client, auth::proof(auth::Side::kServer, "secret", ns, nc)));
+  CHECK_FALSE(auth::proofs_equal(client, auth::proof(auth::Side::kClient, "secret!", ns, nc)));
+  CHECK_FALSE(auth::proofs_equal(client, auth::proof(auth::Side::kClient, "secret", nc, ns)));
+  CHECK_FALSE(auth::proofs_equal(client, auth::proof(auth::Side::kClient, "secret", ns, nc + "x")));
+  CHECK_FALSE(auth::proofs_equal(client, client.substr(1)));
+  CHECK_FALSE(auth::proofs_equal("", ""));
+  // Nonces do not repeat.
+  CHECK(auth::random_bytes(auth::kNonceBytes) != auth::random_bytes(auth::kNonceBytes));
 }
 
 TEST_CASE("tcp store: the Store contract over TCP") {
