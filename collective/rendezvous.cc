@@ -315,7 +315,7 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   if (own_server) {
     try {
       result.server = TcpStoreServer::start(target.host, target.port,
-                                            {.max_connections = store_connections_for(world_size)});
+                                            {.max_connections = store_connections_for(options.world_size)});
     } catch (const AlreadyExists& e) {
       throw AlreadyExists(fmt::format("{}{}: {}", meeting.prefix(), meeting.me(), e.what()));
     } catch (const Unavailable& e) {
