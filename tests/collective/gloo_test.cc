@@ -228,8 +228,8 @@ TEST_CASE("processes: when the store's server dies with a rank, the others say t
   std::getline(in, message);
   CAPTURE(message);
   CHECK(type == "Unavailable");
-  CHECK(message.find("is unreachable too, so the process serving it (rank 0 in a tandem job, the chief) has probably "
-                     "died") != std::string::npos);
+  CHECK(message.find("is unreachable too: the process serving it (tandem-run on the first node, else rank 0) has "
+                     "died or stopped, or the network to it is cut") != std::string::npos);
 }
 
 int main(int argc, char** argv) {
