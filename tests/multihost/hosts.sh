@@ -137,7 +137,9 @@ stamp() {
 node_start() {
   local node=$1 log=$2 limit=$3
   shift 3
-  local vars=()
+  # The README's two-machine command exports one secret on every node; so do the tests (a case
+  # may override it with a variable of its own).
+  local vars=("TANDEM_STORE_SECRET=${MH_STORE_SECRET:-multihost-test-secret-$$}")
   while [[ $1 != -- ]]; do
     vars+=("$1")
     shift
