@@ -372,7 +372,8 @@ CsvTable read_csv(const std::string& path, const CsvOptions& options) {
       const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
       if (ec != std::errc() || ptr != text.data() + text.size() || text.empty()) {
         throw DataLoss(fmt::format("{}: line {}, column {} ({}): {} is {}", path, line_number, c + 1,
-                                   tandem::detail::quoted(table.column_names[c]), tandem::detail::quoted(fields[c]),
+                                   tandem::detail::quote_value(table.column_names[c]),
+                                   tandem::detail::quote_value(fields[c]),
                                    ec == std::errc::result_out_of_range ? "out of float32's range" : "not a number"));
       }
       values.push_back(value);

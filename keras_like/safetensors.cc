@@ -29,6 +29,8 @@
 #include <string_view>
 #include <system_error>
 
+#include "tandem/base/detail/json.h"
+#include "tandem/base/detail/text.h"
 #include "tandem/base/errors.h"
 #include "tandem/keras_like/saving.h"
 
@@ -39,6 +41,10 @@ static_assert(std::endian::native == std::endian::little,
               "safetensors data is little-endian; tandem writes the host's bytes as they are");
 
 using Json = nlohmann::ordered_json;  // keeps the header in file order
+using tandem::detail::quote_value;
+
+// A header's value in a message: short, whatever the file holds.
+std::string show(const Json& value) { return tandem::detail::json_for_message(value); }
 
 constexpr std::string_view kChecksumKey = "checksum";
 // The reference implementation's limit: a bigger header is a corrupt length, not a real header.
@@ -227,18 +233,18 @@ std::uint64_t json_unsigned(const Json& value, const std::string& path, const st
                             std::string_view field) {
   // JSON numbers parse as unsigned when non-negative integers; anything else is not an offset.
   if (!value.is_number_unsigned()) {
-    throw DataLoss(
-        fmt::format("\"{}\": tensor \"{}\": {} holds {}, not a non-negative integer", path, name, field, value.dump()));
+    throw DataLoss(fmt::format("\"{}\": tensor {}: {} holds {}, not a non-negative integer", path, quote_value(name),
+                               field, show(value)));
   }
   return value.get<std::uint64_t>();
 }
 
 Entry parse_entry(const std::string& path, const std::string& name, const Json& value, std::uint64_t data_bytes) {
   const auto bad = [&](const std::string& what) {
-    return DataLoss(fmt::format("\"{}\": tensor \"{}\": {}", path, name, what));
+    return DataLoss(fmt::format("\"{}\": tensor {}: {}", path, quote_value(name), what));
   };
   if (!value.is_object())
-    throw bad(fmt::format("expected an object with dtype, shape and data_offsets; got {}", value.dump()));
+    throw bad(fmt::format("expected an object with dtype, shape and data_offsets; got {}", show(value)));
   Entry e;
   e.name = name;
   const auto dtype_it = value.find("dtype");
@@ -247,30 +253,35 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
   if (dtype_it == value.end() || shape_it == value.end() || offsets_it == value.end()) {
     throw bad("the header entry lacks dtype, shape or data_offsets");
   }
-  if (!dtype_it->is_string()) throw bad(fmt::format("dtype {} is not a string", dtype_it->dump()));
-  const auto dtype = parse_safetensors_dtype(dtype_it->get<std::string>());
+  if (!dtype_it->is_string()) throw bad(fmt::format("dtype {} is not a string", show(*dtype_it)));
+  const auto& dtype_name = dtype_it->get_ref<const std::string&>();
+  const auto dtype = parse_safetensors_dtype(dtype_name);
   if (!dtype) {
-    throw bad(fmt::format("unknown dtype \"{}\" (tandem reads F32, F64, I32, I64, U8, BOOL, F16, BF16)",
-                          dtype_it->get<std::string>()));
+    throw bad(fmt::format("unknown dtype {} (tandem reads F32, F64, I32, I64, U8, BOOL, F16, BF16)",
+                          quote_value(dtype_name)));
   }
   e.dtype = *dtype;
-  if (!shape_it->is_array()) throw bad(fmt::format("shape {} is not an array", shape_it->dump()));
+  if (!shape_it->is_array()) throw bad(fmt::format("shape {} is not an array", show(*shape_it)));
   if (shape_it->size() > static_cast<std::size_t>(Shape::kMaxRank)) {
-    throw bad(fmt::format("shape {} has rank {}; tandem supports at most {}", shape_it->dump(), shape_it->size(),
+    throw bad(fmt::format("shape {} has rank {}; tandem supports at most {}", show(*shape_it), shape_it->size(),
                           Shape::kMaxRank));
   }
-  // The byte count, with overflow caught: a huge shape is a corrupt one.
-  std::uint64_t bytes = graph::dtype_size(e.dtype);
-  bool overflow = false;
+  // The byte count. The element size times the dimensions other than 0 must fit in int64: a
+  // shape of 0 x 2^32 x 2^31 holds nothing, but code that multiplies its dimensions in another
+  // order (Shape::num_elements, strides) would overflow. A larger shape is a corrupt one.
+  constexpr auto kMaxBytes = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+  std::uint64_t nonzero_bytes = graph::dtype_size(e.dtype);
+  bool empty = false;
   for (const auto& d : *shape_it) {
     const auto dim = json_unsigned(d, path, name, "shape");
-    if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) overflow = true;
+    if (dim != 0 && nonzero_bytes > kMaxBytes / dim) throw bad(fmt::format("shape {} is too large", show(*shape_it)));
+    if (dim == 0) empty = true;
+    if (dim != 0) nonzero_bytes *= dim;
     e.shape.push_back(static_cast<std::int64_t>(dim));
-    if (dim != 0 && bytes > std::numeric_limits<std::uint64_t>::max() / dim) overflow = true;
-    bytes *= dim;
   }
+  const std::uint64_t bytes = empty ? 0 : nonzero_bytes;
   if (!offsets_it->is_array() || offsets_it->size() != 2) {
-    throw bad(fmt::format("data_offsets {} is not [begin, end]", offsets_it->dump()));
+    throw bad(fmt::format("data_offsets {} is not [begin, end]", show(*offsets_it)));
   }
   e.begin = json_unsigned((*offsets_it)[0], path, name, "data_offsets");
   e.end = json_unsigned((*offsets_it)[1], path, name, "data_offsets");
@@ -279,12 +290,9 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
     throw bad(fmt::format("data_offsets [{}, {}] run past the data section, which holds {} bytes (truncated?)", e.begin,
                           e.end, data_bytes));
   }
-  if (overflow || bytes > std::numeric_limits<std::uint64_t>::max() / 2) {
-    throw bad(fmt::format("shape {} is too large", shape_it->dump()));
-  }
   if (e.end - e.begin != bytes) {
-    throw bad(fmt::format("shape {} of {} needs {} bytes, but data_offsets [{}, {}] hold {}", e.shape,
-                          dtype_it->get<std::string>(), bytes, e.begin, e.end, e.end - e.begin));
+    throw bad(fmt::format("shape {} of {} needs {} bytes, but data_offsets [{}, {}] hold {}", e.shape, dtype_name,
+                          bytes, e.begin, e.end, e.end - e.begin));
   }
   return e;
 }
@@ -374,10 +382,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
   std::string text(static_cast<std::size_t>(header_bytes), '\0');
   file.read(text.data(), text.size(), 8);
   Json header;
-  try {
-    header = Json::parse(text);
-  } catch (const Json::exception& e) {
-    throw DataLoss(fmt::format("\"{}\": the header is not valid JSON ({})", path, e.what()));
+  if (auto problem = tandem::detail::parse_json(text, header)) {
+    throw DataLoss(fmt::format("\"{}\": the header: {}", path, *problem));
   }
   if (!header.is_object())
     throw DataLoss(fmt::format("\"{}\": the header is {}, not a JSON object", path, header.type_name()));
@@ -389,10 +395,10 @@ SafetensorsContent read_safetensors(const std::string& path) {
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object())
-        throw DataLoss(fmt::format("\"{}\": __metadata__ is {}, not an object", path, value.dump()));
+        throw DataLoss(fmt::format("\"{}\": __metadata__ is {}, not an object", path, show(value)));
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string()) {
-          throw DataLoss(fmt::format("\"{}\": metadata \"{}\" is {}, not a string", path, mk, mv.dump()));
+          throw DataLoss(fmt::format("\"{}\": metadata {} is {}, not a string", path, quote_value(mk), show(mv)));
         }
         content.metadata[mk] = mv.get<std::string>();
       }
@@ -413,12 +419,12 @@ SafetensorsContent read_safetensors(const std::string& path) {
   for (const auto i : order) {
     const Entry& e = entries[i];
     if (e.begin < covered) {
-      throw DataLoss(fmt::format("\"{}\": tensor \"{}\" at bytes [{}, {}] overlaps tensor \"{}\", which ends at {}",
-                                 path, e.name, e.begin, e.end, previous->name, covered));
+      throw DataLoss(fmt::format("\"{}\": tensor {} at bytes [{}, {}] overlaps tensor {}, which ends at {}", path,
+                                 quote_value(e.name), e.begin, e.end, quote_value(previous->name), covered));
     }
     if (e.begin > covered) {
-      throw DataLoss(fmt::format("\"{}\": {} unused bytes at data offset {}, before tensor \"{}\"", path,
-                                 e.begin - covered, covered, e.name));
+      throw DataLoss(fmt::format("\"{}\": {} unused bytes at data offset {}, before tensor {}", path, e.begin - covered,
+                                 covered, quote_value(e.name)));
     }
     covered = e.end;
     previous = &e;
@@ -444,8 +450,8 @@ SafetensorsContent read_safetensors(const std::string& path) {
     const std::string& expected = it->second;
     if (expected.size() != 14 || expected.rfind("crc32:", 0) != 0 ||
         expected.find_first_not_of("0123456789abcdef", 6) != std::string::npos) {
-      throw DataLoss(
-          fmt::format("\"{}\": checksum \"{}\" in the metadata is not \"crc32:<8 hex digits>\"", path, expected));
+      throw DataLoss(fmt::format("\"{}\": checksum {} in the metadata is not \"crc32:<8 hex digits>\"", path,
+                                 quote_value(expected)));
     }
     const std::string actual = checksum_string(crc);
     if (actual != expected) {

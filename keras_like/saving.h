@@ -8,6 +8,9 @@
 // file in the same folder, flushed, then renamed), so a crash never leaves half a file under the
 // final name. Reading checks the header, every tensor's byte range and the checksum (when there
 // is one) before returning: a corrupt file raises DataLoss naming the file and what was wrong.
+// Whatever a file holds, reading allocates no more than the file's size (every length, offset and
+// shape is checked against it first), refuses JSON nested over 32 levels and shapes whose
+// nonzero dimensions multiply past int64, and quotes names short and escaped.
 #pragma once
 
 #include <cstdint>

@@ -52,7 +52,7 @@ using tandem::detail::escape_char;
 using tandem::detail::trim;
 
 // A value from outside in double quotes, escaped and cut short, for messages.
-std::string quote(std::string_view s) { return tandem::detail::quoted(s); }
+std::string quote(std::string_view s) { return tandem::detail::quote_value(s); }
 
 // A JSON value as JSON text ("localhost" keeps its quotes, 5 does not), for messages.
 std::string dump(const Json& value) { return tandem::detail::json_for_message(value); }

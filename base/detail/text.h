@@ -63,7 +63,7 @@ inline std::string escape(std::string_view text) {
 }
 
 // A value from outside, for an error message: escaped, in double quotes, cut to max_chars.
-inline std::string quoted(std::string_view text, std::size_t max_chars = kMaxQuotedChars) {
+inline std::string quote_value(std::string_view text, std::size_t max_chars = kMaxQuotedChars) {
   return '"' + shorten(escape(text.substr(0, max_chars + 1)), max_chars) + '"';
 }
 

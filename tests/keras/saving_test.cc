@@ -325,6 +325,45 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
   }
 }
 
+TEST_CASE("safetensors: hostile headers raise DataLoss with a short message, never a crash") {
+  TempDir dir;
+  const auto path = dir.file("hostile.safetensors");
+  const auto message_for = [&](const std::string& header, const std::string& data) {
+    write_bytes(path, raw_file(header, data));
+    const auto m = tandem::testing::error_message<DataLoss>([&] { keras::read_safetensors(path); });
+    CHECK(m.find(path) != std::string::npos);
+    CHECK_MESSAGE(m.size() < 1000, "a message of " << m.size() << " bytes");
+    return m;
+  };
+  const auto contains = [](const std::string& m, const std::string& part) { return m.find(part) != std::string::npos; };
+  // Nesting: dumping this value into the message overflowed the stack.
+  const std::string deep = std::string(200'000, '[') + std::string(200'000, ']');
+  CHECK(contains(message_for(R"({"w": )" + deep + "}", ""), "nested deeper than 32 levels"));
+  CHECK(contains(message_for(R"({"__metadata__": {"a": )" + deep + "}}", ""), "nested deeper than 32 levels"));
+  // Numbers beyond double's range.
+  CHECK(
+      contains(message_for(R"({"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}})", "abcd"), "number"));
+  // A shape with a zero whose other dimensions multiply past int64: no data, but absurd.
+  CHECK(contains(
+      message_for(R"({"w": {"dtype": "U8", "shape": [4294967296, 2147483648, 0], "data_offsets": [0, 0]}})", ""),
+      "too large"));
+  CHECK(contains(
+      message_for(R"({"w": {"dtype": "U8", "shape": [0, 9223372036854775807, 2], "data_offsets": [0, 0]}})", ""),
+      "too large"));
+  // A name or value of a megabyte is quoted short.
+  const std::string long_name(1'000'000, 'n');
+  CHECK(contains(message_for(R"({")" + long_name + R"(": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}})",
+                             std::string(8, 'x')),
+                 "nnnn"));
+  CHECK(contains(message_for(R"({"w": {"dtype": ")" + long_name + R"(", "shape": [1], "data_offsets": [0, 8]}})",
+                             std::string(8, 'x')),
+                 "unknown dtype"));
+  CHECK(contains(message_for(R"({"w": ")" + long_name + R"("})", ""), "\"w\""));
+  CHECK(contains(message_for(R"({"__metadata__": {"checksum": ")" + long_name + R"("}})", ""), "checksum"));
+  // Control characters in names are escaped.
+  CHECK(contains(message_for("{\"w\\u001b[2J\": 5}", ""), "\\x1b[2J"));
+}
+
 TEST_CASE("safetensors: a missing file is NotFound") {
   TempDir dir;
   const auto path = dir.file("nothing.safetensors");
