@@ -3,9 +3,12 @@
 
 #include "common/error_message.h"
 #include "common/temp_dir.h"
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -409,6 +412,69 @@ TEST_CASE("safetensors: writes are atomic") {
   const auto content = keras::read_safetensors(path);
   REQUIRE(content.tensors.size() == 1);
   CHECK(content.tensors[0].first == "v");
+}
+
+TEST_CASE("safetensors: a write removes the temporaries that killed writers left for the same file") {
+  TempDir dir;
+  const auto path = dir.file("w.safetensors");
+  char host_buffer[256] = {};
+  REQUIRE(::gethostname(host_buffer, sizeof(host_buffer) - 1) == 0);
+  const std::string host = host_buffer;
+  // A process that is gone: a child that has exited and been reaped.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);
+  const auto gone = std::to_string(child);
+  const auto live = std::to_string(::getppid());
+  const auto mine = std::to_string(::getpid());
+
+  const auto now = fs::file_time_type::clock::now();
+  const auto idle_minutes = [&](const std::string& name, int minutes) {
+    write_bytes(dir.file(name), std::string(1000, 't'));
+    fs::last_write_time(dir.file(name), now - std::chrono::minutes(minutes));
+  };
+  // Removed: this host's writers that are gone (once idle for a minute), and any writer's file
+  // idle for hours (another host's process cannot be asked; a PID may have been reused).
+  const std::vector<std::string> stale = {
+      ".w.safetensors.tmp-" + host + "-" + gone + "-0",
+      ".w.safetensors.tmp-" + host + "-" + gone + "-17",
+      ".w.safetensors.tmp-other-host-" + gone + "-0",
+      ".w.safetensors.tmp-" + host + "-" + live + "-3",
+      ".w.safetensors.tmp-" + gone + "-2",  // the older name, without the host
+  };
+  idle_minutes(stale[0], 2);
+  idle_minutes(stale[1], 2);
+  idle_minutes(stale[2], 7 * 60);
+  idle_minutes(stale[3], 7 * 60);
+  idle_minutes(stale[4], 7 * 60);
+  // Kept: live writers, a gone writer's file still being written a moment ago (a process in
+  // another PID namespace of this host may own it), other hosts' recent files, other files.
+  const std::vector<std::string> kept = {
+      ".w.safetensors.tmp-" + host + "-" + live + "-0",
+      ".w.safetensors.tmp-" + host + "-" + mine + "-99",
+      ".w.safetensors.tmp-" + host + "-" + gone + "-5",
+      ".w.safetensors.tmp-other-host-" + gone + "-1",
+      ".w.safetensors.tmp-" + gone + "-4",
+      ".v.safetensors.tmp-" + host + "-" + gone + "-0",
+      ".w.safetensors.tmp-notes",
+      "w.safetensors.tmp-" + host + "-" + gone + "-0",
+  };
+  idle_minutes(kept[0], 60);
+  idle_minutes(kept[1], 60);
+  idle_minutes(kept[2], 0);
+  idle_minutes(kept[3], 60);
+  idle_minutes(kept[4], 60);
+  idle_minutes(kept[5], 7 * 60);
+  idle_minutes(kept[6], 7 * 60);
+  idle_minutes(kept[7], 7 * 60);
+
+  keras::write_safetensors(path, {{"w", Tensor::scalar<float>(1)}});
+  std::vector<std::string> expected = kept;
+  expected.push_back("w.safetensors");
+  std::sort(expected.begin(), expected.end());
+  CHECK(dir.entries() == expected);
+  CHECK(keras::read_safetensors(path).tensors.size() == 1);
 }
 
 TEST_CASE("model weights: save and load round-trip under the variable names") {
