@@ -40,14 +40,18 @@ inline std::string escape_char(char c) {
   return {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xf]};
 }
 
-// text with its control characters escaped (\n, \t, \x1b, ...); bytes from 0x80 up are kept,
-// so UTF-8 names read as they are.
+// text with its control characters, double quotes and backslashes escaped (\n, \x1b, \", \\),
+// as fmt's "{:?}" does; bytes from 0x80 up are kept, so UTF-8 names read as they are. Unlike
+// "{:?}" (fmt 9 aborts the process on a byte that is not UTF-8), any bytes are safe.
 inline std::string escape(std::string_view text) {
   std::string out;
   out.reserve(text.size());
   for (const char c : text) {
     const auto byte = static_cast<unsigned char>(c);
-    if (c == '\n') {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '\n') {
       out += "\\n";
     } else if (c == '\t') {
       out += "\\t";
