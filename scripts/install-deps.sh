@@ -12,6 +12,7 @@ packages=(
   libgloo-dev                # collectives between worker processes (TCP)
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
+  clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
 )
 
 missing=()

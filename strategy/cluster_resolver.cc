@@ -470,7 +470,10 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
                  dump(cluster));
 
   std::map<std::string, std::string> owner_of_address;  // address -> "cluster.job[i]"
-  for (const auto& [job, tasks] : cluster.items()) {
+  for (const auto& item : cluster.items()) {
+    // Not a structured binding: add_address below captures job, which clang before 16 refuses.
+    const std::string& job = item.key();
+    const Json& tasks = item.value();
     TANDEM_REQUIRE(job.size() <= kMaxJobNameBytes, InvalidArgument,
                    "TF_CONFIG: cluster has a job name of {} bytes, {}; the jobs are \"chief\", \"worker\" and "
                    "\"evaluator\"",
