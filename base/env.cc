@@ -38,8 +38,8 @@ std::string words(std::span<const std::string_view> list) {
 }
 
 [[noreturn]] void bad_value(const Variable& variable, std::string_view text) {
-  throw InvalidArgument(
-      fmt::format("environment variable {}={:?}: expected {}", variable.name, text, expected_values(variable)));
+  throw InvalidArgument(fmt::format("environment variable {}={}: expected {}", variable.name, detail::quote_value(text),
+                                    expected_values(variable)));
 }
 
 void require_type(const Variable& variable, Type type, const char* accessor) {

@@ -6,29 +6,37 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <string_view>
 #include <system_error>
 
+#include "tandem/base/detail/text.h"
 #include "tandem/base/errors.h"
 #include "tandem/data/detail/readers.h"
 
 namespace tandem::data {
 namespace {
 
-// zlib's default buffer is 8 KiB; a larger one halves the time to inflate the MNIST images.
+// zlib's default buffer is 8 KiB; a larger one halves the time to inflate the MNIST images. A
+// small file gets a buffer of its size (zlib takes three times the buffer), down to the default.
 constexpr unsigned kGzBufferBytes = 256 * 1024;
+constexpr unsigned kMinGzBufferBytes = 8 * 1024;
 // gzread takes an unsigned int count; larger reads go in pieces of this size.
 constexpr std::size_t kReadChunkBytes = std::size_t{1} << 30;
 // No real IDX file comes near 16 GiB; a header asking for more is corrupt, and we say so rather
 // than attempt the allocation.
 constexpr std::uint64_t kMaxIdxDataBytes = std::uint64_t{1} << 34;
 constexpr std::size_t kIdxMagicBytes = 4;
+// A gzip stream does not say how much it inflates to, so its data is read into memory that grows
+// with what arrives, from this much up, each step at most doubling it.
+constexpr std::size_t kMinStagingBytes = std::size_t{1} << 20;
 
 // A file opened for reading through zlib. Callers: one thread at a time.
 class GzFile {
@@ -45,7 +53,9 @@ class GzFile {
       throw FailedPrecondition(fmt::format("{}: cannot open: {}", path,
                                            error != 0 ? std::generic_category().message(error) : "out of memory"));
     }
-    gzbuffer(file_, kGzBufferBytes);
+    const auto size = std::filesystem::file_size(path, ec);
+    gzbuffer(file_, ec ? kGzBufferBytes
+                       : static_cast<unsigned>(std::clamp<std::uintmax_t>(size, kMinGzBufferBytes, kGzBufferBytes)));
   }
   ~GzFile() { gzclose_r(file_); }
   GzFile(const GzFile&) = delete;
@@ -74,6 +84,16 @@ class GzFile {
 
   // Where the reader stands: bytes of content read so far.
   std::uint64_t offset() const { return offset_; }
+
+  // The content's size when the file is not compressed (its size on disk), known after the first
+  // read; nullopt for a gzip stream, whose inflated size is known only by reading it.
+  std::optional<std::uint64_t> plain_size() const {
+    if (gzdirect(file_) == 0) return std::nullopt;
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path_, ec);
+    if (ec) return std::nullopt;
+    return static_cast<std::uint64_t>(size);
+  }
 
   // Why the content ended early: for a gzip file whose compressed stream is cut short, zlib
   // reports it, and the user should know the .gz file itself is truncated.
@@ -171,33 +191,59 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
   }
   Shape shape;
   std::uint64_t count = 1;
+  // The product of the dimensions other than 0 is bounded too: a shape of 0 x 4G x 4G x 4G has no
+  // data, but code that multiplies its dimensions in another order would overflow.
+  std::uint64_t nonzero = 1;
   for (int d = 0; d < rank; ++d) {
     const std::uint32_t dim = load_big_endian_u32(dim_bytes + 4 * d);
     shape.push_back(dim);
     // Check before multiplying, so the product itself cannot overflow.
-    if (dim != 0 && count > kMaxIdxDataBytes / type->bytes / dim) {
+    if (dim != 0 && nonzero > kMaxIdxDataBytes / type->bytes / dim) {
       throw DataLoss(
           fmt::format("{}: the IDX header's dimensions (byte offsets {} to {}) multiply to more than "
                       "{} bytes of {} data; the header is corrupt",
                       path, kIdxMagicBytes, kIdxMagicBytes + dims_size - 1, kMaxIdxDataBytes, type->name));
     }
+    if (dim != 0) nonzero *= dim;
     count *= dim;
   }
   const std::uint64_t header_bytes = kIdxMagicBytes + dims_size;
   const std::uint64_t data_bytes = count * type->bytes;
-
-  Tensor out = Tensor::empty(shape, type->dtype);
-  const auto n = static_cast<std::int64_t>(count);
-  // Same width in the file and in memory: read straight into the tensor. Narrower: stage, widen.
-  const bool direct = graph::dtype_size(type->dtype) == type->bytes;
-  std::vector<unsigned char> staging(direct ? 0 : static_cast<std::size_t>(data_bytes));
-  void* destination = direct ? out.raw_data() : staging.data();
-  if (const auto got = file.read(destination, static_cast<std::size_t>(data_bytes)); got < data_bytes) {
-    throw DataLoss(fmt::format(
+  const auto truncated = [&](std::uint64_t got) {
+    return DataLoss(fmt::format(
         "{}: truncated data at byte offset {}: the header declares {} {} values of shape {} "
         "({} bytes from byte offset {}), but only {} bytes follow{}",
         path, header_bytes + got, count, type->name, shape, data_bytes, header_bytes, got, file.truncated_note()));
+  };
+
+  // What the header declares is checked against what the file holds before anything is
+  // allocated: a 16-byte file declaring 13 GB is refused from its size (plain), or by reading
+  // into memory that grows only with the data that arrives (gzip).
+  const auto plain_size = file.plain_size();
+  if (plain_size && *plain_size < header_bytes + data_bytes) throw truncated(*plain_size - header_bytes);
+  // Same width in the file and in memory: a plain file reads straight into the tensor. Otherwise
+  // the bytes are staged, then copied or widened.
+  const bool direct = graph::dtype_size(type->dtype) == type->bytes;
+  std::vector<unsigned char> staging;
+  Tensor out;
+  if (plain_size && direct) {
+    out = Tensor::empty(shape, type->dtype);
+    const auto got = file.read(out.raw_data(), static_cast<std::size_t>(data_bytes));
+    if (got < data_bytes) throw truncated(got);  // the file shrank under us
+  } else {
+    std::size_t have = 0;
+    while (have < data_bytes) {
+      const auto want =
+          static_cast<std::size_t>(std::min<std::uint64_t>(data_bytes, std::max(2 * have, kMinStagingBytes)));
+      staging.resize(want);
+      const auto got = file.read(staging.data() + have, want - have);
+      have += got;
+      if (have < want) throw truncated(have);
+    }
+    out = Tensor::empty(shape, type->dtype);
+    if (direct && data_bytes > 0) std::memcpy(out.raw_data(), staging.data(), static_cast<std::size_t>(data_bytes));
   }
+  const auto n = static_cast<std::int64_t>(count);
   unsigned char extra = 0;
   if (file.read(&extra, 1) != 0) {
     throw DataLoss(
@@ -330,14 +376,18 @@ CsvTable read_csv(const std::string& path, const CsvOptions& options) {
       float value = 0.0f;
       const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
       if (ec != std::errc() || ptr != text.data() + text.size() || text.empty()) {
-        throw DataLoss(fmt::format("{}: line {}, column {} (\"{}\"): \"{}\" is {}", path, line_number, c + 1,
-                                   table.column_names[c], fields[c],
+        throw DataLoss(fmt::format("{}: line {}, column {} ({}): {} is {}", path, line_number, c + 1,
+                                   tandem::detail::quote_value(table.column_names[c]),
+                                   tandem::detail::quote_value(fields[c]),
                                    ec == std::errc::result_out_of_range ? "out of float32's range" : "not a number"));
       }
       values.push_back(value);
     }
     ++rows;
   }
+  // A table with no columns is no table: an empty file (or one of blank lines) is a mistake,
+  // such as a download that failed, and training on it would fail later and less clearly.
+  TANDEM_REQUIRE(shape_line != 0, DataLoss, "{}: empty: {}", path, options.header ? "no header row" : "no rows");
   table.values = Tensor::from_vector<float>(values, Shape{rows, static_cast<std::int64_t>(columns)});
   return table;
 }

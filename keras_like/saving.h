@@ -5,9 +5,14 @@
 // little-endian data; any safetensors reader loads what tandem writes. tandem adds to the
 // header's "__metadata__" a "checksum" ("crc32:<8 hex digits>" over the data bytes) and a
 // "format" ("tandem.weights" or "tandem.checkpoint"). Files are written atomically (a temporary
-// file in the same folder, flushed, then renamed), so a crash never leaves half a file under the
-// final name. Reading checks the header, every tensor's byte range and the checksum (when there
-// is one) before returning: a corrupt file raises DataLoss naming the file and what was wrong.
+// file .NAME.tmp-HOST-PID-N in the same folder, flushed, then renamed), so a crash never leaves
+// half a file under the final name; each write removes the temporaries that killed writers left
+// for the same file (safetensors.cc says which, and why a live writer's never are). Reading
+// checks the header, every tensor's byte range and the checksum (when there is one) before
+// returning: a corrupt file raises DataLoss naming the file and what was wrong. Whatever a file
+// holds, reading allocates no more than the file's size (every length, offset and shape is
+// checked against it first), refuses JSON nested over 32 levels and shapes whose nonzero
+// dimensions multiply past int64, and quotes names short and escaped.
 #pragma once
 
 #include <cstdint>

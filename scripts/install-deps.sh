@@ -14,6 +14,7 @@ packages=(
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
+  clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
 )
 
 missing=()

@@ -16,6 +16,7 @@
 #include <numeric>
 #include <utility>
 
+#include "tandem/base/detail/json.h"
 #include "tandem/base/detail/text.h"
 #include "tandem/base/errors.h"
 
@@ -27,28 +28,34 @@ using Json = nlohmann::json;
 // A bound on ranks and world sizes, far above any real job: a typo like WORLD_SIZE=80000000
 // would otherwise allocate a cluster spec of that many entries before anything else fails.
 constexpr std::int64_t kMaxWorkers = 1 << 20;
-// How much of a JSON value or variable a message quotes before cutting it short.
-constexpr std::size_t kMaxQuotedChars = 200;
+// TF_CONFIG of a cluster of thousands of tasks takes a few hundred KiB; more is not a TF_CONFIG
+// (and Linux passes no environment string over 128 KiB to a program anyway).
+constexpr std::size_t kMaxTfConfigBytes = std::size_t{1} << 20;
+// RFC 1035: a host name has at most 253 bytes (without a final dot), each label at most 63.
+constexpr std::size_t kMaxHostNameBytes = 253;
+constexpr std::size_t kMaxHostLabelBytes = 63;
+// An IPv6 address has at most 45 characters (INET6_ADDRSTRLEN - 1), a %zone an interface name.
+constexpr std::size_t kMaxIpv6Chars = 45 + 1 + 15;
+// Job names and task types are "chief", "worker", "evaluator" (and the refused "ps"): a longer
+// one is a mistake, quoted short.
+constexpr std::size_t kMaxJobNameBytes = 64;
+// What an expanded SLURM node list may hold in all: a 100,000-node cluster of 20-character names
+// takes 2 MiB, and a list like n[0-999999] with long names would take gigabytes.
+constexpr std::size_t kMaxSlurmHostBytes = std::size_t{64} << 20;
 
 constexpr std::string_view kChief = "chief";
 constexpr std::string_view kWorker = "worker";
 constexpr std::string_view kEvaluator = "evaluator";
 
+using tandem::detail::escape;
+using tandem::detail::escape_char;
 using tandem::detail::trim;
 
-std::string shorten(std::string text) {
-  if (text.size() > kMaxQuotedChars) {
-    text.resize(kMaxQuotedChars);
-    text += "...";
-  }
-  return text;
-}
-
-// A string in double quotes, for messages.
-std::string quote(std::string_view s) { return shorten(fmt::format("\"{}\"", s)); }
+// A value from outside in double quotes, escaped and cut short, for messages.
+std::string quote(std::string_view s) { return tandem::detail::quote_value(s); }
 
 // A JSON value as JSON text ("localhost" keeps its quotes, 5 does not), for messages.
-std::string dump(const Json& value) { return shorten(value.dump(-1, ' ', false, Json::error_handler_t::replace)); }
+std::string dump(const Json& value) { return tandem::detail::json_for_message(value); }
 
 // The variable's value, trimmed; nullopt when unset or blank (launchers sometimes export an
 // empty variable to "unset" it).
@@ -109,24 +116,47 @@ std::optional<char> first_character_not_in(std::string_view text, std::string_vi
   return std::nullopt;
 }
 
-// Why host cannot be a host name or (unbracketed) IP address; nullopt when it can.
-std::optional<std::string> host_problem(std::string_view host, bool bracketed) {
-  if (host.empty()) return std::string("empty host");
-  if (bracketed) {
-    if (host.find(':') == std::string_view::npos) {
-      return fmt::format("brackets are for IPv6 addresses, and \"{}\" is not one", host);
-    }
-    // Hex digits, ':' and '.' (an embedded IPv4 part), and '%zone' such as %eth0.
-    if (auto c = first_character_not_in(host, ":.%")) {
-      return fmt::format("the IPv6 address has the character '{}'", *c);
-    }
-    return std::nullopt;
+// Why host cannot be a host name (RFC 1035's lengths) or an IPv4 address; nullopt when it can.
+// Lengths and characters are checked first, so that the messages after them quote a short,
+// printable host.
+std::optional<std::string> host_name_problem(std::string_view host) {
+  std::string_view name = host;
+  if (name.size() > 1 && name.back() == '.') name.remove_suffix(1);  // a fully qualified "h.example."
+  if (name.size() > kMaxHostNameBytes) {
+    return fmt::format("the host name is {} bytes; at most {}", name.size(), kMaxHostNameBytes);
+  }
+  if (auto c = first_character_not_in(host, ".-_:")) {
+    return fmt::format("the host has the character '{}', which no host name has", escape_char(*c));
   }
   if (host.find(':') != std::string_view::npos) {
     return fmt::format("an IPv6 host must be in brackets, as in [{}]:2222", host);
   }
-  if (auto c = first_character_not_in(host, ".-_")) {
-    return fmt::format("the host has the character '{}', which no host name has", *c);
+  for (std::size_t start = 0; start <= name.size();) {
+    const auto dot = std::min(name.find('.', start), name.size());
+    const std::size_t label = dot - start;
+    if (label == 0) return std::string("the host name has an empty label (a dot at the start or two in a row)");
+    if (label > kMaxHostLabelBytes) {
+      return fmt::format("the host name has a label of {} bytes; at most {}", label, kMaxHostLabelBytes);
+    }
+    start = dot + 1;
+  }
+  return std::nullopt;
+}
+
+// Why host cannot be a host name or (unbracketed) IP address; nullopt when it can.
+std::optional<std::string> host_problem(std::string_view host, bool bracketed) {
+  if (host.empty()) return std::string("empty host");
+  if (!bracketed) return host_name_problem(host);
+  if (host.size() > kMaxIpv6Chars) {
+    return fmt::format("the bracketed host is {} bytes, longer than any IPv6 address with a %zone ({})", host.size(),
+                       kMaxIpv6Chars);
+  }
+  if (host.find(':') == std::string_view::npos) {
+    return fmt::format("brackets are for IPv6 addresses, and \"{}\" is not one", escape(host));
+  }
+  // Hex digits, ':' and '.' (an embedded IPv4 part), and '%zone' such as %eth0.
+  if (auto c = first_character_not_in(host, ":.%")) {
+    return fmt::format("the IPv6 address has the character '{}'", escape_char(*c));
   }
   return std::nullopt;
 }
@@ -134,7 +164,7 @@ std::optional<std::string> host_problem(std::string_view host, bool bracketed) {
 std::optional<std::string> port_problem(std::string_view port_text, int* port) {
   if (port_text.empty()) return std::string("no port");
   auto value = parse_int(port_text);
-  if (!value) return fmt::format("port \"{}\" is not a number", port_text);
+  if (!value) return fmt::format("port {} is not a number", quote(port_text));
   if (*value < 1 || *value > 65535) return fmt::format("port {} is not in 1..65535", *value);
   *port = static_cast<int>(*value);
   return std::nullopt;
@@ -247,6 +277,7 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
   // One host pattern: literal text and bracket groups, each group a list of numbers.
   using Group = std::vector<std::string>;  // a literal is a group of one
   std::vector<std::string> hosts;
+  std::size_t host_bytes = 0;  // an upper bound on the bytes of hosts' names
   std::size_t start = 0;
   while (start <= list.size()) {
     // Find the end of this pattern: the next comma outside brackets.
@@ -269,12 +300,33 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
     if (pattern.empty()) fail("an empty host name (two commas, or a comma at an end)");
 
     std::vector<Group> groups;
+    // The pattern's names so far: how many, and the longest one's bytes. Checked as each group
+    // comes, so that no group is expanded after the limits are passed.
+    std::size_t count = 1;
+    std::size_t name_bytes = 0;
+    const auto add_group = [&](Group group) {
+      std::size_t longest = 0;
+      for (const auto& piece : group) longest = std::max(longest, piece.size());
+      name_bytes += longest;
+      if (name_bytes > kMaxHostNameBytes) {
+        fail(fmt::format("{} makes host names of {} bytes or more; at most {}", quote(pattern), name_bytes,
+                         kMaxHostNameBytes));
+      }
+      count *= group.size();
+      if (count + hosts.size() > static_cast<std::size_t>(kMaxSlurmNodes)) {
+        fail(fmt::format("more than {} nodes", kMaxSlurmNodes));
+      }
+      if (host_bytes + count * name_bytes > kMaxSlurmHostBytes) {
+        fail(fmt::format("it expands to more than {} bytes of host names", kMaxSlurmHostBytes));
+      }
+      groups.push_back(std::move(group));
+    };
     std::size_t pos = 0;
     while (pos < pattern.size()) {
       if (pattern[pos] != '[') {
         const auto next = pattern.find('[', pos);
         const auto stop = next == std::string_view::npos ? pattern.size() : next;
-        groups.push_back({std::string(pattern.substr(pos, stop - pos))});
+        add_group({std::string(pattern.substr(pos, stop - pos))});
         pos = stop;
         continue;
       }
@@ -305,17 +357,10 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
           fail(fmt::format("more than {} nodes", kMaxSlurmNodes));
         }
       }
-      groups.push_back(std::move(numbers));
+      add_group(std::move(numbers));
     }
 
     // The product of the groups, first group outermost.
-    std::size_t count = 1;
-    for (const auto& group : groups) {
-      count *= group.size();
-      if (count + hosts.size() > static_cast<std::size_t>(kMaxSlurmNodes)) {
-        fail(fmt::format("more than {} nodes", kMaxSlurmNodes));
-      }
-    }
     std::vector<std::string> names{std::string()};
     for (const auto& group : groups) {
       std::vector<std::string> longer;
@@ -326,6 +371,7 @@ std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist) {
       names = std::move(longer);
     }
     for (auto& name : names) hosts.push_back(std::move(name));
+    host_bytes += count * name_bytes;
     start = end + 1;
   }
   return hosts;
@@ -397,14 +443,18 @@ TFConfigClusterResolver TFConfigClusterResolver::from_json(std::string_view tf_c
   return resolver;
 }
 
-void TFConfigClusterResolver::parse(std::string_view tf_config, const EnvironmentLookup& env) {
+// A function try block: whatever nlohmann throws while the value is read (a type_error or
+// out_of_range a check here missed) is still InvalidArgument naming TF_CONFIG, never an uncaught
+// exception.
+void TFConfigClusterResolver::parse(std::string_view tf_config, const EnvironmentLookup& env) try {
   read_restart_count(env);
+  TANDEM_REQUIRE(tf_config.size() <= kMaxTfConfigBytes, InvalidArgument,
+                 "TF_CONFIG: is {} bytes; at most {} are accepted (a TF_CONFIG of thousands of tasks takes a few "
+                 "hundred KiB)",
+                 tf_config.size(), kMaxTfConfigBytes);
   Json doc;
-  try {
-    doc = Json::parse(tf_config);
-  } catch (const Json::parse_error& e) {
-    throw InvalidArgument(
-        fmt::format("TF_CONFIG: invalid JSON at byte {}: {} (TF_CONFIG is {})", e.byte, e.what(), quote(tf_config)));
+  if (auto problem = tandem::detail::parse_json(tf_config, doc)) {
+    throw InvalidArgument(fmt::format("TF_CONFIG: {} (TF_CONFIG is {})", *problem, quote(tf_config)));
   }
   TANDEM_REQUIRE(doc.is_object(), InvalidArgument,
                  "TF_CONFIG: must be a JSON object with \"cluster\" and \"task\", got {}", dump(doc));
@@ -420,14 +470,21 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
                  dump(cluster));
 
   std::map<std::string, std::string> owner_of_address;  // address -> "cluster.job[i]"
-  for (const auto& [job, tasks] : cluster.items()) {
+  for (const auto& item : cluster.items()) {
+    // Not a structured binding: add_address below captures job, which clang before 16 refuses.
+    const std::string& job = item.key();
+    const Json& tasks = item.value();
+    TANDEM_REQUIRE(job.size() <= kMaxJobNameBytes, InvalidArgument,
+                   "TF_CONFIG: cluster has a job name of {} bytes, {}; the jobs are \"chief\", \"worker\" and "
+                   "\"evaluator\"",
+                   job.size(), quote(job));
     TANDEM_REQUIRE(job != "ps", InvalidArgument,
                    "TF_CONFIG: cluster.ps: parameter servers are not supported: tandem trains with "
                    "MultiWorkerMirroredStrategy, whose jobs are \"chief\" and \"worker\"");
     TANDEM_REQUIRE(job == kChief || job == kWorker || job == kEvaluator, InvalidArgument,
                    "TF_CONFIG: cluster.{}: unknown job {}; the jobs are \"chief\", \"worker\" and "
                    "\"evaluator\"",
-                   job, quote(job));
+                   escape(job), quote(job));
     std::vector<std::string> addresses;
     const auto add_address = [&](std::size_t index, const Json& value) {
       const std::string where = fmt::format("cluster.{}[{}]", job, index);
@@ -500,7 +557,12 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
   TANDEM_REQUIRE(type_it != task.end(), InvalidArgument, "TF_CONFIG: task has no \"type\": got {}", dump(task));
   TANDEM_REQUIRE(type_it->is_string(), InvalidArgument,
                  "TF_CONFIG: task.type must be a string such as \"worker\", got {}", dump(*type_it));
-  task_type_ = type_it->get<std::string>();
+  const auto& type = type_it->get_ref<const std::string&>();
+  TANDEM_REQUIRE(type.size() <= kMaxJobNameBytes, InvalidArgument,
+                 "TF_CONFIG: task.type is {} bytes long, {}; the task types are \"chief\", \"worker\" and "
+                 "\"evaluator\"",
+                 type.size(), quote(type));
+  task_type_ = type;
   TANDEM_REQUIRE(task_type_ != "ps", InvalidArgument,
                  "TF_CONFIG: task.type \"ps\": parameter servers are not supported: tandem trains "
                  "with MultiWorkerMirroredStrategy, whose tasks are \"chief\" and \"worker\"");
@@ -545,6 +607,9 @@ void TFConfigClusterResolver::parse(std::string_view tf_config, const Environmen
       ++local_world_size_;
     }
   }
+} catch (const Json::exception& e) {
+  throw InvalidArgument(
+      fmt::format("TF_CONFIG: {} (TF_CONFIG is {})", tandem::detail::shorten(e.what()), quote(tf_config)));
 }
 
 std::pair<std::string_view, int> TFConfigClusterResolver::training_task(int rank) const {

@@ -22,6 +22,12 @@
 // "torchrun: ", "SLURM: ") and quotes the offending part, e.g.
 //   TF_CONFIG: task.index 3 is out of range: cluster.worker has 2 tasks
 //   TF_CONFIG: cluster.worker[1] "localhost" is not host:port (no port)
+// Whatever a variable holds, the answer is that InvalidArgument (never a crash, never another
+// exception), and its message quotes at most a few hundred bytes, with control characters
+// escaped. The limits: TF_CONFIG at most 1 MiB and JSON nested at most 32 levels (refused while
+// parsing: a deeper value is never built, so nothing walks it recursively), numbers within
+// double's range; host names at most 253 bytes with labels of at most 63 (RFC 1035), IPv6
+// addresses at most 61 characters with their %zone; job names and task types at most 64 bytes.
 #pragma once
 
 #include <functional>
@@ -87,7 +93,8 @@ std::string join_host_port(std::string_view host, int port);
 // lower bound's zero padding ("node[001-010]" -> node001..node010); several bracket groups in one
 // name expand as a product, first group outermost ("a[1-2]-b[3-4]" -> a1-b3 a1-b4 a2-b3 a2-b4).
 // Order is kept and duplicates are not removed. InvalidArgument quoting the list for unbalanced
-// or nested brackets, empty names, reversed or non-numeric ranges, or more than kMaxSlurmNodes.
+// or nested brackets, empty names, reversed or non-numeric ranges, more than kMaxSlurmNodes,
+// names over 253 bytes or over 64 MiB of names in all (checked before anything is expanded).
 inline constexpr int kMaxSlurmNodes = 1'000'000;
 std::vector<std::string> expand_slurm_nodelist(std::string_view nodelist);
 // Expands SLURM's tasks-per-node syntax: "2(x3),1" -> {2, 2, 2, 1}. InvalidArgument quoting it

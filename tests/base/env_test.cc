@@ -97,6 +97,10 @@ TEST_CASE("choices: one of the listed words in any case, returned in lower case"
 TEST_CASE("a bad value is quoted as it is, escapes included") {
   CHECK(testing::error_message([] { env::parse_bool(env::kCudaGraphs, "o\"n\n"); }) ==
         "environment variable TANDEM_CUDA_GRAPHS=\"o\\\"n\\n\": expected 1, true, yes, on, 0, false, no or off");
+  // Bytes that are not UTF-8 (fmt's "{:?}" aborted the process on them) and a long value.
+  CHECK(testing::error_message([] { env::parse_int(env::kRestartCount, "1\xd0\xd0"); }) ==
+        "environment variable TANDEM_RESTART_COUNT=\"1\xd0\xd0\": expected a non-negative integer");
+  CHECK(testing::error_message([] { env::parse_int(env::kRestartCount, std::string(100'000, 'x')); }).size() < 400);
 }
 
 TEST_CASE("the accessors read the process environment; unset, empty or blank means the default") {

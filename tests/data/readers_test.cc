@@ -15,6 +15,7 @@
 
 #include "tandem/data/datasets.h"
 #include "tandem/data/readers.h"
+#include "tandem/devices/device.h"
 
 using namespace tandem;
 namespace fs = std::filesystem;
@@ -222,6 +223,36 @@ TEST_CASE("read_idx: absurd dimensions and trailing bytes raise DataLoss") {
   CHECK(contains(message, "byte offset 16"));
 }
 
+TEST_CASE("read_idx: sizes a header declares are checked against the file before anything is allocated") {
+  TempDir dir;
+  // 16 bytes whose header declares 13 GB: refused from the file's size, plain or gzip.
+  const auto bytes = idx_bytes(0x08, {3250, 2000, 2000}, {});
+  REQUIRE(bytes.size() == 16);
+  write_plain(dir.file("lying"), bytes);
+  write_gzip(dir.file("lying.gz"), bytes);
+  auto& allocator = devices::default_cpu_device().allocator();
+  for (const auto& name : {std::string("lying"), std::string("lying.gz")}) {
+    CAPTURE(name);
+    allocator.reset_peak_bytes_in_use();
+    const auto before = allocator.stats().bytes_in_use;
+    const auto message = error_message<DataLoss>([&] { data::read_idx(dir.file(name)); });
+    CHECK(contains(message, dir.file(name)));
+    CHECK(contains(message, "truncated data at byte offset 16"));
+    CHECK(contains(message, "13000000000 bytes"));
+    CHECK(allocator.stats().peak_bytes_in_use - before < (1 << 20));
+  }
+  // Widened types stage the file's bytes: the same check comes first.
+  write_plain(dir.file("int16"), idx_bytes(0x0B, {1u << 30}, Bytes(10, 0)));
+  CHECK(contains(error_message<DataLoss>([&] { data::read_idx(dir.file("int16")); }),
+                 "truncated data at byte offset 18"));
+  // A zero among dimensions whose product would overflow: refused, not an empty tensor of
+  // absurd dimensions.
+  write_plain(dir.file("zero"), idx_bytes(0x08, {0xffffffffu, 0xffffffffu, 0xffffffffu, 0}, {}));
+  CHECK(contains(error_message<DataLoss>([&] { data::read_idx(dir.file("zero")); }), "corrupt"));
+  write_plain(dir.file("zero_first"), idx_bytes(0x08, {0, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {}));
+  CHECK(contains(error_message<DataLoss>([&] { data::read_idx(dir.file("zero_first")); }), "corrupt"));
+}
+
 TEST_CASE("read_csv reads numbers with or without a header") {
   TempDir dir;
   write_text(dir.file("a.csv"), "x, y,\"label\"\n1, 2.5, 0\n\n-3,4e2,+1\r\n  5 ,6,  7\n");
@@ -240,8 +271,33 @@ TEST_CASE("read_csv reads numbers with or without a header") {
 
   write_text(dir.file("header_only.csv"), "a,b\n");
   CHECK(data::read_csv(dir.file("header_only.csv")).values.shape() == Shape{0, 2});
-  write_text(dir.file("empty.csv"), "");
-  CHECK(data::read_csv(dir.file("empty.csv")).values.shape() == Shape{0, 0});
+}
+
+TEST_CASE("read_csv: an empty file is an error naming it, not an empty table") {
+  TempDir dir;
+  for (const std::string text : {"", "\n\n", " \r\n\t\n"}) {
+    write_text(dir.file("empty.csv"), text);
+    auto message = error_message<DataLoss>([&] { data::read_csv(dir.file("empty.csv")); });
+    CHECK(contains(message, dir.file("empty.csv")));
+    CHECK(contains(message, "empty: no header row"));
+    message = error_message<DataLoss>([&] { data::read_csv(dir.file("empty.csv"), {.header = false}); });
+    CHECK(contains(message, dir.file("empty.csv")));
+    CHECK(contains(message, "empty: no rows"));
+  }
+  write_gzip(dir.file("empty.csv.gz"), {});
+  CHECK(contains(error_message<DataLoss>([&] { data::read_csv(dir.file("empty.csv.gz")); }), "empty: no header row"));
+}
+
+TEST_CASE("read_csv: a huge or unprintable field is quoted short and escaped") {
+  TempDir dir;
+  write_text(dir.file("wide.csv"), "a\n" + std::string(1'000'000, 'x') + "\n");
+  auto message = error_message<DataLoss>([&] { data::read_csv(dir.file("wide.csv")); });
+  CHECK(contains(message, "line 2, column 1"));
+  CHECK(message.size() < 1000);
+  write_text(dir.file("escape.csv"), std::string(1'000, 'n') + "\n\x1b[2J\n");
+  message = error_message<DataLoss>([&] { data::read_csv(dir.file("escape.csv")); });
+  CHECK(contains(message, "\"\\x1b[2J\" is not a number"));
+  CHECK(message.size() < 1000);
 }
 
 TEST_CASE("read_csv errors name the file, the line and the column") {

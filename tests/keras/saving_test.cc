@@ -3,9 +3,12 @@
 
 #include "common/error_message.h"
 #include "common/temp_dir.h"
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -325,6 +328,45 @@ TEST_CASE("safetensors: corrupt and truncated files raise DataLoss naming the fi
   }
 }
 
+TEST_CASE("safetensors: hostile headers raise DataLoss with a short message, never a crash") {
+  TempDir dir;
+  const auto path = dir.file("hostile.safetensors");
+  const auto message_for = [&](const std::string& header, const std::string& data) {
+    write_bytes(path, raw_file(header, data));
+    const auto m = tandem::testing::error_message<DataLoss>([&] { keras::read_safetensors(path); });
+    CHECK(m.find(path) != std::string::npos);
+    CHECK_MESSAGE(m.size() < 1000, "a message of " << m.size() << " bytes");
+    return m;
+  };
+  const auto contains = [](const std::string& m, const std::string& part) { return m.find(part) != std::string::npos; };
+  // Nesting: dumping this value into the message overflowed the stack.
+  const std::string deep = std::string(200'000, '[') + std::string(200'000, ']');
+  CHECK(contains(message_for(R"({"w": )" + deep + "}", ""), "nested deeper than 32 levels"));
+  CHECK(contains(message_for(R"({"__metadata__": {"a": )" + deep + "}}", ""), "nested deeper than 32 levels"));
+  // Numbers beyond double's range.
+  CHECK(
+      contains(message_for(R"({"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 4]}})", "abcd"), "number"));
+  // A shape with a zero whose other dimensions multiply past int64: no data, but absurd.
+  CHECK(contains(
+      message_for(R"({"w": {"dtype": "U8", "shape": [4294967296, 2147483648, 0], "data_offsets": [0, 0]}})", ""),
+      "too large"));
+  CHECK(contains(
+      message_for(R"({"w": {"dtype": "U8", "shape": [0, 9223372036854775807, 2], "data_offsets": [0, 0]}})", ""),
+      "too large"));
+  // A name or value of a megabyte is quoted short.
+  const std::string long_name(1'000'000, 'n');
+  CHECK(contains(message_for(R"({")" + long_name + R"(": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}})",
+                             std::string(8, 'x')),
+                 "nnnn"));
+  CHECK(contains(message_for(R"({"w": {"dtype": ")" + long_name + R"(", "shape": [1], "data_offsets": [0, 8]}})",
+                             std::string(8, 'x')),
+                 "unknown dtype"));
+  CHECK(contains(message_for(R"({"w": ")" + long_name + R"("})", ""), "\"w\""));
+  CHECK(contains(message_for(R"({"__metadata__": {"checksum": ")" + long_name + R"("}})", ""), "checksum"));
+  // Control characters in names are escaped.
+  CHECK(contains(message_for("{\"w\\u001b[2J\": 5}", ""), "\\x1b[2J"));
+}
+
 TEST_CASE("safetensors: a missing file is NotFound") {
   TempDir dir;
   const auto path = dir.file("nothing.safetensors");
@@ -370,6 +412,69 @@ TEST_CASE("safetensors: writes are atomic") {
   const auto content = keras::read_safetensors(path);
   REQUIRE(content.tensors.size() == 1);
   CHECK(content.tensors[0].first == "v");
+}
+
+TEST_CASE("safetensors: a write removes the temporaries that killed writers left for the same file") {
+  TempDir dir;
+  const auto path = dir.file("w.safetensors");
+  char host_buffer[256] = {};
+  REQUIRE(::gethostname(host_buffer, sizeof(host_buffer) - 1) == 0);
+  const std::string host = host_buffer;
+  // A process that is gone: a child that has exited and been reaped.
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) ::_exit(0);
+  REQUIRE(::waitpid(child, nullptr, 0) == child);
+  const auto gone = std::to_string(child);
+  const auto live = std::to_string(::getppid());
+  const auto mine = std::to_string(::getpid());
+
+  const auto now = fs::file_time_type::clock::now();
+  const auto idle_minutes = [&](const std::string& name, int minutes) {
+    write_bytes(dir.file(name), std::string(1000, 't'));
+    fs::last_write_time(dir.file(name), now - std::chrono::minutes(minutes));
+  };
+  // Removed: this host's writers that are gone (once idle for a minute), and any writer's file
+  // idle for hours (another host's process cannot be asked; a PID may have been reused).
+  const std::vector<std::string> stale = {
+      ".w.safetensors.tmp-" + host + "-" + gone + "-0",
+      ".w.safetensors.tmp-" + host + "-" + gone + "-17",
+      ".w.safetensors.tmp-other-host-" + gone + "-0",
+      ".w.safetensors.tmp-" + host + "-" + live + "-3",
+      ".w.safetensors.tmp-" + gone + "-2",  // the older name, without the host
+  };
+  idle_minutes(stale[0], 2);
+  idle_minutes(stale[1], 2);
+  idle_minutes(stale[2], 7 * 60);
+  idle_minutes(stale[3], 7 * 60);
+  idle_minutes(stale[4], 7 * 60);
+  // Kept: live writers, a gone writer's file still being written a moment ago (a process in
+  // another PID namespace of this host may own it), other hosts' recent files, other files.
+  const std::vector<std::string> kept = {
+      ".w.safetensors.tmp-" + host + "-" + live + "-0",
+      ".w.safetensors.tmp-" + host + "-" + mine + "-99",
+      ".w.safetensors.tmp-" + host + "-" + gone + "-5",
+      ".w.safetensors.tmp-other-host-" + gone + "-1",
+      ".w.safetensors.tmp-" + gone + "-4",
+      ".v.safetensors.tmp-" + host + "-" + gone + "-0",
+      ".w.safetensors.tmp-notes",
+      "w.safetensors.tmp-" + host + "-" + gone + "-0",
+  };
+  idle_minutes(kept[0], 60);
+  idle_minutes(kept[1], 60);
+  idle_minutes(kept[2], 0);
+  idle_minutes(kept[3], 60);
+  idle_minutes(kept[4], 60);
+  idle_minutes(kept[5], 7 * 60);
+  idle_minutes(kept[6], 7 * 60);
+  idle_minutes(kept[7], 7 * 60);
+
+  keras::write_safetensors(path, {{"w", Tensor::scalar<float>(1)}});
+  std::vector<std::string> expected = kept;
+  expected.push_back("w.safetensors");
+  std::sort(expected.begin(), expected.end());
+  CHECK(dir.entries() == expected);
+  CHECK(keras::read_safetensors(path).tensors.size() == 1);
 }
 
 TEST_CASE("model weights: save and load round-trip under the variable names") {

@@ -609,3 +609,143 @@ TEST_CASE("resolve_cluster: TF_CONFIG, then torchrun, then SLURM, then one local
                  }),
                  "SLURM: SLURM_NTASKS is not set");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile input: whatever a launcher's variable holds, the resolver answers InvalidArgument with
+// a message of bounded size that names the variable or field, never a crash or an uncaught
+// exception.
+
+namespace {
+
+constexpr std::size_t kShortMessage = 1000;  // every message quotes at most a few hundred bytes
+
+// The message of the InvalidArgument, checked for a bounded size.
+template <class Fn>
+std::string short_error(Fn&& fn) {
+  std::string message = testing::error_message(std::forward<Fn>(fn));
+  CHECK_MESSAGE(message.size() < kShortMessage, "a message of " << message.size() << " bytes");
+  return message;
+}
+
+std::string tf_config_with_worker(const std::string& address) {
+  return R"({"cluster": {"worker": [")" + address + R"("]}, "task": {"type": "worker", "index": 0}})";
+}
+
+std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+}  // namespace
+
+TEST_CASE("TF_CONFIG: numbers beyond double's range are refused, not an uncaught exception") {
+  for (const char* json : {"1e999", "-1e999", R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker",
+                                                  "index": 1e999}})"}) {
+    const std::string json_text = json;
+    CAPTURE(json_text);
+    const std::string message = short_error([&] { (void)TFConfigClusterResolver::from_json(json, env_of({})); });
+    CHECK(message.rfind("TF_CONFIG: ", 0) == 0);
+    CHECK_CONTAINS(message, "number");
+  }
+  // Through the environment too, as `TF_CONFIG=1e999 program` does.
+  CHECK_CONTAINS(short_error([] { resolve_cluster(env_of({{"TF_CONFIG", "1e999"}})); }), "TF_CONFIG: ");
+}
+
+TEST_CASE("TF_CONFIG: nesting deeper than the limit is refused while parsing, before any walk of the value") {
+  // Each of these overflowed the stack (SIGSEGV) when a message dumped the value.
+  const std::string deep = nested(200'000);
+  const std::string cases[] = {
+      deep, R"({"cluster": )" + deep + R"(, "task": {"type": "worker", "index": 0}})",
+      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}, "environment": )" + deep + "}",
+      R"({"cluster": {"worker": ["a:1"]}, "task": )" + std::string(100'000, '[') + "{",  // unfinished as well
+  };
+  for (const auto& json : cases) {
+    const std::string message = short_error([&] { (void)TFConfigClusterResolver::from_json(json, env_of({})); });
+    CHECK(message.rfind("TF_CONFIG: ", 0) == 0);
+    CHECK_CONTAINS(message, "nested deeper than 32 levels");
+  }
+  // Real TF_CONFIGs nest 3 or 4 levels; the limit leaves room.
+  const std::string ok =
+      R"({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}, "environment": )" + nested(28) + "}";
+  CHECK(TFConfigClusterResolver::from_json(ok, env_of({})).num_workers() == 1);
+}
+
+TEST_CASE("TF_CONFIG: sizes and characters are bounded, and the message names the field") {
+  CHECK_CONTAINS(
+      short_error([] { (void)TFConfigClusterResolver::from_json(std::string(2 << 20, ' ') + "{}", env_of({})); }),
+      "TF_CONFIG: is 2097154 bytes; at most 1048576");
+  // Host names: 253 bytes at most (RFC 1035), 63 per label.
+  const std::string cases[][2] = {
+      {std::string(1'000'000, 'a') + ":1", "cluster.worker[0]"},
+      {std::string(254, 'a') + ":1", "the host name is 254 bytes; at most 253"},
+      {std::string(64, 'a') + ".example.com:1", "the host name has a label of 64 bytes; at most 63"},
+      {"a..b:1", "the host name has an empty label"},
+      {"a\\u0001b:1", "the host has the character '\\x01'"},
+      {"a\\u00e9:1", "the host has the character '\\xc3'"},
+      {"[" + std::string(100, '1') + "]:1", "longer than any IPv6 address"},
+      {"h:" + std::string(100'000, '9'), "not a number"},
+  };
+  for (const auto& [address, expected] : cases) {
+    CAPTURE(expected);
+    const std::string message =
+        short_error([&] { (void)TFConfigClusterResolver::from_json(tf_config_with_worker(address), env_of({})); });
+    CHECK_CONTAINS(message, "TF_CONFIG: cluster.worker[0]");
+    CHECK_CONTAINS(message, expected);
+  }
+  // The longest names that are allowed still are.
+  const std::string longest = std::string(63, 'a') + "." + std::string(63, 'b') + "." + std::string(63, 'c') + "." +
+                              std::string(61, 'd') + ":1";
+  CHECK(TFConfigClusterResolver::from_json(tf_config_with_worker(longest), env_of({})).num_workers() == 1);
+
+  // Job and task type names are short words: a long or odd one is quoted short and escaped.
+  const std::string long_name(100'000, 'j');
+  CHECK_CONTAINS(short_error([&] {
+                   (void)TFConfigClusterResolver::from_json(
+                       R"({"cluster": {")" + long_name + R"(": ["a:1"]}, "task": {"type": "worker", "index": 0}})",
+                       env_of({}));
+                 }),
+                 "TF_CONFIG: cluster has a job name of 100000 bytes");
+  CHECK_CONTAINS(short_error([&] {
+                   (void)TFConfigClusterResolver::from_json(
+                       R"({"cluster": {"worker": ["a:1"]}, "task": {"type": ")" + long_name + R"(", "index": 0}})",
+                       env_of({}));
+                 }),
+                 "TF_CONFIG: task.type is 100000 bytes long");
+  CHECK_CONTAINS(short_error([&] {
+                   (void)TFConfigClusterResolver::from_json(
+                       R"({"cluster": {"work\ner": ["a:1"]}, "task": {"type": "worker", "index": 0}})", env_of({}));
+                 }),
+                 R"(unknown job "work\ner")");
+  // Not UTF-8: a parse error, still InvalidArgument.
+  CHECK_CONTAINS(
+      short_error([] { (void)TFConfigClusterResolver::from_json("{\"cluster\": \"\xff\xfe\"}", env_of({})); }),
+      "TF_CONFIG: invalid JSON");
+}
+
+TEST_CASE("torchrun and SLURM: long and odd values are refused with short messages naming the variable") {
+  auto vars = torchrun_vars();
+  vars["MASTER_ADDR"] = std::string(1'000'000, 'm');
+  CHECK_CONTAINS(short_error([&] { TorchrunClusterResolver r(env_of(vars)); }), "torchrun: MASTER_ADDR \"mmm");
+  CHECK_CONTAINS(short_error([&] { TorchrunClusterResolver r(env_of(vars)); }),
+                 "the host name is 1000000 bytes; at most 253");
+  vars = torchrun_vars();
+  vars["MASTER_ADDR"] = "host\x1b[31m";
+  CHECK_CONTAINS(short_error([&] { TorchrunClusterResolver r(env_of(vars)); }), R"(MASTER_ADDR "host\x1b[31m")");
+  vars = torchrun_vars();
+  vars["RANK"] = std::string(100'000, '7');
+  CHECK_CONTAINS(short_error([&] { TorchrunClusterResolver r(env_of(vars)); }), "torchrun: RANK \"777");
+
+  auto slurm = slurm_vars();
+  slurm["SLURM_STEP_NODELIST"] = std::string(300, 'n') + "[1-3]";
+  CHECK_CONTAINS(short_error([&] { SlurmClusterResolver r(env_of(slurm)); }),
+                 "SLURM: SLURM_STEP_NODELIST: SLURM node list");
+  CHECK_CONTAINS(short_error([&] { SlurmClusterResolver r(env_of(slurm)); }), "253");
+  // A million long names would take gigabytes: refused by the total size before expanding.
+  slurm["SLURM_STEP_NODELIST"] = std::string(200, 'n') + "[000000-999999]";
+  CHECK_CONTAINS(short_error([&] { SlurmClusterResolver r(env_of(slurm)); }), "bytes of host names");
+  slurm = slurm_vars();
+  slurm["SLURMD_NODENAME"] = std::string(100'000, 'x');
+  slurm["SLURM_PROCID"] = "0";
+  slurm["SLURM_LOCALID"] = "0";
+  CHECK_CONTAINS(short_error([&] { SlurmClusterResolver r(env_of(slurm)); }), "SLURMD_NODENAME");
+  slurm = slurm_vars();
+  slurm["SLURM_STEP_TASKS_PER_NODE"] = std::string(100'000, '2');
+  CHECK_CONTAINS(short_error([&] { SlurmClusterResolver r(env_of(slurm)); }), "SLURM_STEP_TASKS_PER_NODE");
+}
