@@ -88,9 +88,9 @@ struct Options {
   int factor = 4;
   int iters = 0;  // 0: enough calls for ~20 ms per sample (~40 ms per variant for Gloo)
   int samples = 5;
-  int gloo_samples = 9;              // the Gloo section is noisier (two processes per core at 4 ranks)
-  bool gloo_check = false;           // GlooOptions::check_consistency for ours
-  std::int64_t gloo_pack_bytes = 0;  // GlooOptions::bytes_per_pack for ours
+  int gloo_samples = 9;                    // the Gloo section is noisier (two processes per core at 4 ranks)
+  bool gloo_check = false;                 // GlooOptions::check_consistency for ours
+  std::int64_t gloo_pack_bytes = 0;        // GlooOptions::bytes_per_pack for ours
   std::string gloo_algorithm = "ordered";  // GlooOptions::all_reduce_algorithm for ours: ordered or ring
 };
 
@@ -382,8 +382,9 @@ std::vector<GlooRow> gloo_rank_main(int rank, int n, const std::string& store_ad
   gloo_options.timeout = kGlooTimeout;
   gloo_options.check_consistency = options.gloo_check;
   gloo_options.bytes_per_pack = options.gloo_pack_bytes;
-  gloo_options.all_reduce_algorithm = options.gloo_algorithm == "ring" ? collective::GlooAllReduceAlgorithm::kRing
-                                                                       : collective::GlooAllReduceAlgorithm::kRankOrdered;
+  gloo_options.all_reduce_algorithm = options.gloo_algorithm == "ring"
+                                          ? collective::GlooAllReduceAlgorithm::kRing
+                                          : collective::GlooAllReduceAlgorithm::kRankOrdered;
   auto ours = collective::make_gloo_communicator(gloo_options);
   RawGloo raw(rank, n, store);
   auto shm =
@@ -554,11 +555,12 @@ std::vector<GlooRow> measure_gloo(int n, const std::vector<std::string>& argv, c
 void print_gloo(int n, const std::vector<GlooRow>& rows, const Options& options) {
   const int rule = 167;
   fmt::print(
-      "\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}, ours {}{}{}\n",
-             n, n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
-             options.gloo_algorithm == "ring" ? "ring" : "rank-ordered",
-             options.gloo_check ? ", ours with check_consistency" : "",
-             options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
+      "\nall_reduce SUM, float32, in place, Gloo over TCP on 127.0.0.1 and shared memory, {} processes{}, ours "
+      "{}{}{}\n",
+      n, n > devices::usable_cpu_cores() ? " (more processes than cores)" : "",
+      options.gloo_algorithm == "ring" ? "ring" : "rank-ordered",
+      options.gloo_check ? ", ours with check_consistency" : "",
+      options.gloo_pack_bytes > 0 ? fmt::format(", ours with bytes_per_pack {}", options.gloo_pack_bytes) : "");
   fmt::print("{:-<{}}\n", "", rule);
   fmt::print("{:>8} {:>10} {:>6} | {:<33} | {:<33} | {:<18} | {:<33} | {}\n", "", "", "", "tandem gloo", "raw gloo",
              "ours/raw", "tandem shm", "shm/raw");

@@ -84,14 +84,13 @@ struct GlooOptions {
 
 // Connects rank options.rank to the others and returns its communicator (backend "gloo").
 // Blocks until every rank has connected; DeadlineExceeded naming the ranks that did not arrive
-// within options.connect_timeout (else options.timeout); InvalidArgument for bad options (rank out of range, no store, a label
-// count that is not size); Unavailable when the store or a peer cannot be reached.
+// within options.connect_timeout (else options.timeout); InvalidArgument for bad options (rank out of range, no store,
+// a label count that is not size); Unavailable when the store or a peer cannot be reached.
 //
 // all_reduce reduces float32, float64, int32 and int64 (SUM, MAX, MIN natively; MEAN is a SUM
-// scaled by 1/size) with options.all_reduce_algorithm; a span of several tensors is copied through one staging buffer, a single
-// tensor is reduced in place. broadcast and all_gather move bytes (any dtype). reduce_scatter is
-// an all-reduce of a copy of the input of which each rank keeps its part. Tensors must be in host
-// memory.
+// scaled by 1/size) with options.all_reduce_algorithm; a span of several tensors is copied through one staging buffer,
+// a single tensor is reduced in place. broadcast and all_gather move bytes (any dtype). reduce_scatter is an all-reduce
+// of a copy of the input of which each rank keeps its part. Tensors must be in host memory.
 //
 // Failures end pending calls promptly, not at their timeout: abort(reason) shuts this rank's
 // connections down, which ends its own pending call (Unavailable with the reason) and the peers'

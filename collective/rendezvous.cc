@@ -193,9 +193,10 @@ class Meeting {
       const std::string chief = string_of(bytes);
       if (chief != mine) {
         arrive();  // so that the chief fails too, naming this rank
-        throw InvalidArgument(fmt::format("{}{} was started with {}, but {} with {}: every task must be given the "
-                                          "same cluster",
-                                          prefix_, me_, describe_setup(mine), names_.label(0), describe_setup(chief)));
+        throw InvalidArgument(
+            fmt::format("{}{} was started with {}, but {} with {}: every task must be given the "
+                        "same cluster",
+                        prefix_, me_, describe_setup(mine), names_.label(0), describe_setup(chief)));
       }
     }
     arrive();
@@ -326,6 +327,11 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
     store_address = result.server->local_address();
   }
 
+  std::string retried;  // why the last attempt had to look again, if it did
+  const auto no_usable_store = [&] {
+    return DeadlineExceeded(fmt::format("{}{} found no usable store within {}; last: {}", meeting.prefix(),
+                                        meeting.me(), format_duration(timeout), retried));
+  };
   for (;;) {
     try {
       result.store = meeting.attempt(store_address, own_server);
@@ -333,12 +339,14 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
     } catch (const RetryLater& retry) {
       // A restarted worker met the previous run's store, or the store went away: the chief is being
       // restarted too. Look again until the deadline.
+      retried = retry.why;
       const auto pause = std::min<std::chrono::milliseconds>(kRetryPause, meeting.remaining());
-      if (pause <= std::chrono::milliseconds(0)) {
-        throw DeadlineExceeded(fmt::format("{}{} found no usable store within {}; last: {}", meeting.prefix(),
-                                           meeting.me(), format_duration(timeout), retry.why));
-      }
+      if (pause <= std::chrono::milliseconds(0)) throw no_usable_store();
       std::this_thread::sleep_for(pause);
+    } catch (const DeadlineExceeded&) {
+      // After a retry, why it looked again says more than the last attempt's timeout.
+      if (!retried.empty()) throw no_usable_store();
+      throw;
     }
   }
 }

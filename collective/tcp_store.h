@@ -121,10 +121,10 @@ std::size_t store_connections_for(int world_size);
 
 // What a server holds now, for monitoring and tests.
 struct TcpStoreServerStats {
-  std::size_t connections = 0;          // open, in or past their handshake
-  std::size_t buffered_bytes = 0;       // requests arriving, replies unsent, parked keys
-  std::size_t peak_buffered_bytes = 0;  // the most buffered_bytes has been
-  std::size_t stored_bytes = 0;         // keys and values, as max_stored_bytes counts them
+  std::size_t connections = 0;            // open, in or past their handshake
+  std::size_t buffered_bytes = 0;         // requests arriving, replies unsent, parked keys
+  std::size_t peak_buffered_bytes = 0;    // the most buffered_bytes has been
+  std::size_t stored_bytes = 0;           // keys and values, as max_stored_bytes counts them
   std::uint64_t refused_connections = 0;  // failed or timed-out handshakes, over the limit
 };
 

@@ -95,9 +95,10 @@ class TcpStoreClient final : public Store {
     if (challenge.status == Status::kError) throw_server_error(challenge, what);
     if (challenge.status != Status::kChallenge) throw_malformed_reply(what);
     if (challenge.number != detail::wire::kProtocolVersion) {
-      throw FailedPrecondition(fmt::format("{} speaks version {} of the store's protocol and this process version {}: "
-                                           "every worker must run the same tandem",
-                                           description_, challenge.number, detail::wire::kProtocolVersion));
+      throw FailedPrecondition(
+          fmt::format("{} speaks version {} of the store's protocol and this process version {}: "
+                      "every worker must run the same tandem",
+                      description_, challenge.number, detail::wire::kProtocolVersion));
     }
     if (!secret_.empty() && !challenge.flag) {
       throw Unauthenticated(fmt::format(
@@ -107,26 +108,29 @@ class TcpStoreClient final : public Store {
     }
     const std::string server_nonce(challenge.value.begin(), challenge.value.end());
     const std::string nonce = detail::auth::random_bytes(detail::auth::kNonceBytes);
-    const std::string proof =
-        secret_.empty() ? std::string() : detail::auth::proof(detail::auth::Side::kClient, secret_, server_nonce, nonce);
+    const std::string proof = secret_.empty()
+                                  ? std::string()
+                                  : detail::auth::proof(detail::auth::Side::kClient, secret_, server_nonce, nonce);
     const std::vector<char> auth = Writer(Op::kAuth).str(nonce).str(proof).finish();
     Reply welcome;
     if (const auto failed = exchange(fd, &auth, frame, welcome, deadline)) return failed;
     if (welcome.status == Status::kError && welcome.error_code == detail::wire::kUnauthenticated) {
       throw Unauthenticated(fmt::format("{} refused this process: {}", description_,
-                                        secret_.empty() ? "it requires TANDEM_STORE_SECRET, and this process has none set"
-                                                        : "TANDEM_STORE_SECRET differs"));
+                                        secret_.empty()
+                                            ? "it requires TANDEM_STORE_SECRET, and this process has none set"
+                                            : "TANDEM_STORE_SECRET differs"));
     }
     if (welcome.status == Status::kError) throw_server_error(welcome, what);
     if (welcome.status != Status::kWelcome) throw_malformed_reply(what);
-    const std::string expected = secret_.empty() ? std::string()
-                                                 : detail::auth::proof(detail::auth::Side::kServer, secret_,
-                                                                       server_nonce, nonce);
+    const std::string expected = secret_.empty()
+                                     ? std::string()
+                                     : detail::auth::proof(detail::auth::Side::kServer, secret_, server_nonce, nonce);
     const std::string offered(welcome.value.begin(), welcome.value.end());
     if (!secret_.empty() && !detail::auth::proofs_equal(offered, expected)) {
-      throw Unauthenticated(fmt::format("{} could not prove that it holds TANDEM_STORE_SECRET: the secrets differ, or "
-                                        "another program answers at that address",
-                                        description_));
+      throw Unauthenticated(
+          fmt::format("{} could not prove that it holds TANDEM_STORE_SECRET: the secrets differ, or "
+                      "another program answers at that address",
+                      description_));
     }
     return std::nullopt;
   }
@@ -176,8 +180,8 @@ class TcpStoreClient final : public Store {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
     if (keys.empty()) return;
     const std::string what = fmt::format("wait for {} key(s)", keys.size());
-    TANDEM_REQUIRE(keys.size() <= kMaxWaitKeys, InvalidArgument, "{}: {}: at most {} keys per wait", description_,
-                   what, kMaxWaitKeys);
+    TANDEM_REQUIRE(keys.size() <= kMaxWaitKeys, InvalidArgument, "{}: {}: at most {} keys per wait", description_, what,
+                   kMaxWaitKeys);
     {
       Lease lease = acquire(what);
       Writer request(Op::kWait);

@@ -122,10 +122,11 @@ class TcpStoreServer::Impl {
       fds.clear();
       ids.clear();
       fds.push_back({wake_.get(), POLLIN, 0});
-      for (const auto& listener : listeners_) fds.push_back({listener.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
+      for (const auto& listener : listeners_)
+        fds.push_back({listener.get(), static_cast<short>(accepting ? POLLIN : 0), 0});
       for (const auto& [id, fd] : sockets_) {
-        const short events = static_cast<short>((service_.wants(id) > 0 ? POLLIN : 0) |
-                                                (service_.output(id).empty() ? 0 : POLLOUT));
+        const short events =
+            static_cast<short>((service_.wants(id) > 0 ? POLLIN : 0) | (service_.output(id).empty() ? 0 : POLLOUT));
         fds.push_back({fd.get(), events, 0});
         ids.push_back(id);
       }
@@ -178,7 +179,8 @@ class TcpStoreServer::Impl {
       Fd socket(fd);
       set_no_delay(fd);
       enable_keepalive(fd);
-      const StoreService::Id id = service_.open(format_sockaddr(reinterpret_cast<sockaddr*>(&addr), length), Clock::now());
+      const StoreService::Id id =
+          service_.open(format_sockaddr(reinterpret_cast<sockaddr*>(&addr), length), Clock::now());
       sockets_.emplace(id, std::move(socket));
       write_to(id, fd);  // the challenge (or the refusal)
     }
@@ -245,7 +247,9 @@ class TcpStoreServer::Impl {
 TcpStoreServer::TcpStoreServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TcpStoreServer::~TcpStoreServer() = default;
 
-std::size_t store_connections_for(int world_size) { return 16 * static_cast<std::size_t>(std::max(world_size, 1)) + 16; }
+std::size_t store_connections_for(int world_size) {
+  return 16 * static_cast<std::size_t>(std::max(world_size, 1)) + 16;
+}
 
 std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int port, TcpStoreServerOptions options) {
   TANDEM_REQUIRE(port >= 0 && port <= 65535, InvalidArgument, "TcpStoreServer::start(\"{}\", {}): port not in 0..65535",
@@ -263,7 +267,8 @@ std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int
   // A name this machine resolves only to loopback (Debian's 127.0.1.1 for its own name) while the
   // other machines resolve it to a reachable address: listening there would lock them out.
   const auto only_loopback = [](const detail::Listeners& l) {
-    return std::all_of(l.fds.begin(), l.fds.end(), [](const Fd& fd) { return detail::bound_address(fd.get()).loopback; });
+    return std::all_of(l.fds.begin(), l.fds.end(),
+                       [](const Fd& fd) { return detail::bound_address(fd.get()).loopback; });
   };
   if (!bound.fds.empty() && !names_an_address_or_localhost(host_name) && !detail::is_any_host(host_name) &&
       only_loopback(bound)) {
@@ -285,7 +290,8 @@ std::unique_ptr<TcpStoreServer> TcpStoreServer::start(std::string_view host, int
     throw Unavailable(fmt::format("cannot serve the store at {}: {}", where, bound.error));
   }
   Fd wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake) throw Unavailable(fmt::format("cannot serve the store at {}: eventfd: {}", where, socket_error_text(errno)));
+  if (!wake)
+    throw Unavailable(fmt::format("cannot serve the store at {}: eventfd: {}", where, socket_error_text(errno)));
 
   options.secret = detail::auth::resolve_secret(options.secret);
   const bool has_secret = !options.secret.empty();

@@ -36,8 +36,8 @@ Output targets_like_predictions(Output y_true, Output y_pred) {
     y = ops::reshape(y, target);
   }
   // The trainer checked the loss's targets (target_shape_requirement); a metric's may still differ.
-  TANDEM_REQUIRE(y.shape().rank() == p.rank(), InvalidArgument, "targets of shape {} do not match predictions of shape {}",
-                 t, p);
+  TANDEM_REQUIRE(y.shape().rank() == p.rank(), InvalidArgument,
+                 "targets of shape {} do not match predictions of shape {}", t, p);
   return y;
 }
 

@@ -355,11 +355,11 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   for (const auto& spec : data.element_spec()) {
     batches += fmt::format("{}{} {}", batches.empty() ? "" : ", ", spec.dtype, spec.shape);
   }
-  s.strategy->check_workers_agree(
-      "fit", {{"batches of", batches},
-              {"steps per epoch", steps < 0 ? "unknown" : std::to_string(steps)},
-              {"epochs", fmt::format("{} from epoch {}", options.epochs, options.initial_epoch)},
-              {"parameters", std::to_string(count_params())}});
+  s.strategy->check_workers_agree("fit",
+                                  {{"batches of", batches},
+                                   {"steps per epoch", steps < 0 ? "unknown" : std::to_string(steps)},
+                                   {"epochs", fmt::format("{} from epoch {}", options.epochs, options.initial_epoch)},
+                                   {"parameters", std::to_string(count_params())}});
 
   std::vector<CallbackPtr> list = options.callbacks;
   // Under a multi-worker strategy only the chief prints, unless asked otherwise.
@@ -485,7 +485,8 @@ Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) 
 
 Logs Model::evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& options) {
   TANDEM_REQUIRE(options.batch_size > 0, InvalidArgument, "evaluate(x, y): batch_size must be positive");
-  TANDEM_REQUIRE(x.defined() && x.shape().rank() >= 1, InvalidArgument, "evaluate(x, y): x must have a batch dimension");
+  TANDEM_REQUIRE(x.defined() && x.shape().rank() >= 1, InvalidArgument,
+                 "evaluate(x, y): x must have a batch dimension");
   require_rows(x, "evaluate(x, y)", "evaluate");
   return evaluate(data::Dataset::from_tensor_slices({x, y}).batch(options.batch_size), options);
 }

@@ -55,7 +55,6 @@ constexpr std::string_view kChecksumKey = "checksum";
 // The reference implementation's limit: a bigger header is a corrupt length, not a real header.
 constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
 
-
 std::string system_reason(int error) { return std::system_category().message(error); }
 
 std::optional<std::string_view> safetensors_dtype(DType dtype) {

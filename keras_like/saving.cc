@@ -24,7 +24,6 @@ constexpr std::string_view kOptimizerPrefix = "optimizer/";
 constexpr std::string_view kIterationsName = "optimizer/iterations";
 constexpr std::string_view kLearningRateName = "optimizer/learning_rate";
 
-
 std::string join(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& item : items) out += fmt::format("{}{}", out.empty() ? "" : ", ", item);
@@ -64,8 +63,8 @@ class FileNames {
   FileNames(const std::vector<VariablePtr>& weights, const NamedTensors& file) {
     std::set<std::string> in_file;
     for (const auto& [name, tensor] : file) in_file.insert(name);
-    const bool by_name = std::all_of(weights.begin(), weights.end(),
-                                     [&](const VariablePtr& w) { return in_file.contains(w->name()); });
+    const bool by_name =
+        std::all_of(weights.begin(), weights.end(), [&](const VariablePtr& w) { return in_file.contains(w->name()); });
     if (by_name) return;
     const std::size_t n = std::min(weights.size(), file.size());
     const auto same_name = [&](std::size_t k) {
@@ -87,14 +86,14 @@ class FileNames {
       ++i;
     }
     if (i < n) {
-      first_difference_ =
-          fmt::format("in order, weight {} of the model is \"{}\" ({}) where the file has \"{}\" ({})", i + 1,
-                      weights[i]->name(), describe(weights[i]->dtype(), weights[i]->shape()), file[i].first,
-                      describe(file[i].second.dtype(), file[i].second.shape()));
+      first_difference_ = fmt::format("in order, weight {} of the model is \"{}\" ({}) where the file has \"{}\" ({})",
+                                      i + 1, weights[i]->name(), describe(weights[i]->dtype(), weights[i]->shape()),
+                                      file[i].first, describe(file[i].second.dtype(), file[i].second.shape()));
     } else {
-      first_difference_ = fmt::format("in order, the model has {} weights and the file {}; the first without a partner is "
-                                      "\"{}\"",
-                                      weights.size(), file.size(), i < weights.size() ? weights[i]->name() : file[i].first);
+      first_difference_ = fmt::format(
+          "in order, the model has {} weights and the file {}; the first without a partner is "
+          "\"{}\"",
+          weights.size(), file.size(), i < weights.size() ? weights[i]->name() : file[i].first);
     }
   }
 

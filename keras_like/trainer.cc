@@ -123,8 +123,8 @@ void sums_to_tensor(const StepSums& sums, Tensor& out, DType dtype, std::size_t 
 
 StepSums sums_from_tensor(const StepSums& shape, const Tensor& t, std::size_t slot) {
   StepSums sums;
-  graph::dispatch<graph::FloatTypes>(t.dtype(), "step sums",
-                                     [&]<class T>() { sums = read_sums(shape, t.data<T>() + slot * sums_width(shape)); });
+  graph::dispatch<graph::FloatTypes>(
+      t.dtype(), "step sums", [&]<class T>() { sums = read_sums(shape, t.data<T>() + slot * sums_width(shape)); });
   return sums;
 }
 

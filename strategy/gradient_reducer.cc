@@ -155,9 +155,9 @@ void make_gradients_reducible(graph::Graph& graph, std::span<graph::Output> grad
 
 // Which gradients each bucket holds, and the order every replica reduces the buckets in.
 struct GradientReducer::Plan {
-  std::vector<std::vector<std::size_t>> buckets;  // gradient indices, per bucket
-  std::vector<std::ptrdiff_t> bucket_of;          // per gradient; -1 when it is not communicated
-  std::vector<std::size_t> order;                 // bucket ids, in the order backward completes them
+  std::vector<std::vector<std::size_t>> buckets;       // gradient indices, per bucket
+  std::vector<std::ptrdiff_t> bucket_of;               // per gradient; -1 when it is not communicated
+  std::vector<std::size_t> order;                      // bucket ids, in the order backward completes them
   std::vector<std::vector<std::size_t>> dtype_groups;  // the communicated gradients, one group per dtype
   std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
 };
@@ -481,8 +481,8 @@ void GradientReducer::weighted_sum_across_replicas(int replica, std::span<Tensor
   if (comm.size() == 1 || values.empty()) return;
   for (Tensor& value : values) scale_in_place(value, weight);
   const collective::CallOptions call{.timeout = strategy_.distribution_options().collective_timeout};
-  const bool one_dtype = std::all_of(values.begin(), values.end(),
-                                     [&](const Tensor& v) { return v.dtype() == values.front().dtype(); });
+  const bool one_dtype =
+      std::all_of(values.begin(), values.end(), [&](const Tensor& v) { return v.dtype() == values.front().dtype(); });
   if (one_dtype) {
     comm.all_reduce(values, collective::ReduceOp::kSum, call);
     return;

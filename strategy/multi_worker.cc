@@ -137,9 +137,7 @@ class GroupStore final : public collective::Store {
   std::string address() const override { return inner_->address(); }
 
  private:
-  collective::Store& route(const std::string& key) {
-    return collective::is_job_wide_key(key) ? *inner_ : *prefixed_;
-  }
+  collective::Store& route(const std::string& key) { return collective::is_job_wide_key(key) ? *inner_ : *prefixed_; }
   std::shared_ptr<collective::Store> inner_, prefixed_;
 };
 
@@ -177,8 +175,8 @@ class CollectiveAllReduce final : public CrossDeviceOps {
     const int generation = generation_++;
     auto group_store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
     const auto connect_timeout =
-        generation == 0 ? std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(
-                                                                     first_connect_deadline_ - Clock::now()))
+        generation == 0 ? std::max(std::chrono::milliseconds(1),
+                                   std::chrono::ceil<std::chrono::milliseconds>(first_connect_deadline_ - Clock::now()))
                         : collective_timeout(options_);
     if (gpus) return make_gpu_group(devices, std::move(group_store));
     TANDEM_REQUIRE(options_.implementation != CommunicationImplementation::kNccl, InvalidArgument,
@@ -338,11 +336,11 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     impl->connect_deadline = Clock::now() + rv.timeout;
     impl->rendezvous = collective::rendezvous(rv);
 
-    auto control = gloo_options(member_options<collective::GlooOptions>(
-                                    impl->rank, impl->workers,
-                                    std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
-                                    collective_timeout(options.communication_options), impl->labels),
-                                options.communication_options);
+    auto control =
+        gloo_options(member_options<collective::GlooOptions>(
+                         impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
+                         collective_timeout(options.communication_options), impl->labels),
+                     options.communication_options);
     control.connect_timeout = impl->connect_time_left();
     control.group_name = "control";
     impl->control = collective::make_gloo_communicator(std::move(control));
@@ -356,9 +354,9 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
                    resolver.local_world_size(), impl->workers, resolver.kind());
     const bool shared_memory = implementation == CommunicationImplementation::kSharedMemory ||
                                (implementation == CommunicationImplementation::kAuto && all_local);
-    impl->cross_device_ops = std::make_shared<CollectiveAllReduce>(
-        impl->rendezvous.store, impl->rank, impl->workers, impl->labels, options.communication_options, shared_memory,
-        impl->connect_deadline);
+    impl->cross_device_ops =
+        std::make_shared<CollectiveAllReduce>(impl->rendezvous.store, impl->rank, impl->workers, impl->labels,
+                                              options.communication_options, shared_memory, impl->connect_deadline);
   } else {
     impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
   }

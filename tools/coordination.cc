@@ -43,13 +43,12 @@ std::vector<char> bytes_of(std::string_view s) { return {s.begin(), s.end()}; }
 Coordinator::Coordinator(CoordinationOptions options) : options_(std::move(options)) {
   if (options_.node_rank != 0) return;
   try {
-    server_ = collective::TcpStoreServer::start(
-        options_.master_addr, options_.master_port,
-        {.max_connections = collective::store_connections_for(options_.processes)});
+    server_ =
+        collective::TcpStoreServer::start(options_.master_addr, options_.master_port,
+                                          {.max_connections = collective::store_connections_for(options_.processes)});
   } catch (const Error& e) {
-    throw CoordinationError(
-        fmt::format("cannot serve the job's store on {}: {}", address_of(options_.master_addr, options_.master_port),
-                    e.what()));
+    throw CoordinationError(fmt::format("cannot serve the job's store on {}: {}",
+                                        address_of(options_.master_addr, options_.master_port), e.what()));
   }
 }
 
@@ -88,9 +87,7 @@ void Coordinator::stop_watching() {
   if (watcher_.joinable()) watcher_.join();
 }
 
-void Coordinator::wake() const {
-  [[maybe_unused]] const ssize_t ignored = ::write(options_.wake_fd, &kWakeByte, 1);
-}
+void Coordinator::wake() const { [[maybe_unused]] const ssize_t ignored = ::write(options_.wake_fd, &kWakeByte, 1); }
 
 void Coordinator::watch(std::shared_ptr<collective::Store> store) {
   while (!stop_) {

@@ -92,7 +92,7 @@ class Coordinator {
 
   CoordinationOptions options_;
   std::unique_ptr<collective::TcpStoreServer> server_;  // node 0
-  collective::Rendezvous round_;                       // the current round's store
+  collective::Rendezvous round_;                        // the current round's store
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> done_reported_{false};

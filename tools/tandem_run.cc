@@ -458,9 +458,9 @@ int install_signal_handlers() {
 
 // One of a worker's output pipes, relayed line by line with the worker's prefix.
 struct OutputPipe {
-  int fd = -1;          // read end; -1 once closed
-  int target = -1;      // the launcher's STDOUT_FILENO or STDERR_FILENO
-  std::string pending;  // bytes after the last newline
+  int fd = -1;            // read end; -1 once closed
+  int target = -1;        // the launcher's STDOUT_FILENO or STDERR_FILENO
+  std::string pending;    // bytes after the last newline
   std::string last_line;  // the last line relayed (cut to kLastLineBytes), for failure reports
 
   void relay(const std::string& prefix, bool at_eof) {
@@ -599,8 +599,8 @@ class Launcher {
       switch (outcome.kind) {
         case AttemptOutcome::Kind::kSucceeded: coordinator_->finish(); return 0;
         case AttemptOutcome::Kind::kSignalled:
-          coordinator_->report_failure(fmt::format("tandem-run was stopped by {}", signal_name(outcome.exit_code - 128)),
-                                       outcome.exit_code);
+          coordinator_->report_failure(
+              fmt::format("tandem-run was stopped by {}", signal_name(outcome.exit_code - 128)), outcome.exit_code);
           return outcome.exit_code;
         case AttemptOutcome::Kind::kWorkerFailed: break;
       }
@@ -909,10 +909,9 @@ class Launcher {
         begin_stop(SIGTERM);
         // The other nodes learn why too: their own workers' errors may not name the culprit.
         w->err.read_available(w->prefix);
-        coordinator_->report_failure(w->err.last_line.empty()
-                                         ? outcome.failure
-                                         : fmt::format("{} ({})", outcome.failure, w->err.last_line),
-                                     outcome.exit_code);
+        coordinator_->report_failure(
+            w->err.last_line.empty() ? outcome.failure : fmt::format("{} ({})", outcome.failure, w->err.last_line),
+            outcome.exit_code);
       }
       // Another node's worker failed (or the job's store is gone): this node's workers stop too.
       const auto event = coordinator_->event();

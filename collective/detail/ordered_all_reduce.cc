@@ -39,7 +39,7 @@ std::chrono::milliseconds remaining(Clock::time_point deadline) {
 struct OrderedAllReduce::Chunk {
   std::int64_t begin = 0;
   std::int64_t elements = 0;
-  std::size_t scratch_offset = 0;  // of this rank's part's n - 1 copies
+  std::size_t scratch_offset = 0;                           // of this rank's part's n - 1 copies
   std::unique_ptr<gloo::transport::UnboundBuffer> data;     // the chunk in the caller's buffer
   std::unique_ptr<gloo::transport::UnboundBuffer> scratch;  // the copies, in scratch_
 };
@@ -67,8 +67,8 @@ OrderedAllReduce::Setup& OrderedAllReduce::setup(std::byte* bytes, std::int64_t 
   made->elements = elements;
   made->dtype = dtype;
   made->align = static_cast<std::int64_t>(std::max<std::size_t>(1, kPartAlignBytes / esize));
-  const std::int64_t part_limit = std::max<std::int64_t>(
-      made->align, static_cast<std::int64_t>(kMaxPartBytes / esize) / made->align * made->align);
+  const std::int64_t part_limit =
+      std::max<std::int64_t>(made->align, static_cast<std::int64_t>(kMaxPartBytes / esize) / made->align * made->align);
   std::size_t scratch_bytes = 0;
   for (std::int64_t begin = 0; begin < elements; begin += part_limit * n) {
     Chunk chunk;

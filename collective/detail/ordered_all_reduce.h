@@ -75,8 +75,8 @@ class OrderedAllReduce {
   std::shared_ptr<gloo::Context> context_;
   std::vector<std::unique_ptr<Setup>> cache_;
   std::size_t next_eviction_ = 0;
-  std::vector<std::byte> scratch_;   // where the peers' copies of this rank's parts arrive
-  std::vector<const void*> inputs_;  // the reduction's inputs, in rank order
+  std::vector<std::byte> scratch_;    // where the peers' copies of this rank's parts arrive
+  std::vector<const void*> inputs_;   // the reduction's inputs, in rank order
   std::vector<int> gathers_, sends_;  // run()'s per-chunk message counts
   std::mutex mutex_;
   Setup* running_ = nullptr;  // guarded by mutex_: the call interrupt() ends

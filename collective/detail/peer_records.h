@@ -52,12 +52,12 @@ enum class FailureCause { kTimeout, kConnection, kError, kAborted };
 // What a failed rank learned from its peers' records about one call (PeerRecords::survey).
 struct PeerSurvey {
   bool store_reachable = true;
-  std::string store_error;                           // why not, when unreachable
-  std::vector<int> lost;                             // died (in rank order)
-  std::vector<std::pair<int, std::string>> aborted;  // aborted the group, with their reasons
-  std::vector<int> behind;                           // neither reached the call nor died nor aborted
+  std::string store_error;                             // why not, when unreachable
+  std::vector<int> lost;                               // died (in rank order)
+  std::vector<std::pair<int, std::string>> aborted;    // aborted the group, with their reasons
+  std::vector<int> behind;                             // neither reached the call nor died nor aborted
   std::vector<std::pair<int, std::string>> elsewhere;  // of `behind`: failed in another call (named)
-  bool peer_timed_out = false;                       // a peer that reached the call timed out in it
+  bool peer_timed_out = false;                         // a peer that reached the call timed out in it
 };
 
 class PeerRecords {

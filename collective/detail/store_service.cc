@@ -62,12 +62,12 @@ struct StoreService::Peer {
   std::vector<char> in;          // the frame arriving (and a little read ahead for small ones)
   std::vector<char> out;         // replies; out_sent of them went
   std::size_t out_sent = 0;
-  std::size_t counted = 0;       // what this connection adds to buffered_
-  bool admitted = false;         // the large frame arriving has its budget
-  std::size_t discard = 0;       // bytes still to drop of a frame larger than the whole budget
+  std::size_t counted = 0;  // what this connection adds to buffered_
+  bool admitted = false;    // the large frame arriving has its budget
+  std::size_t discard = 0;  // bytes still to drop of a frame larger than the whole budget
   bool waits_for_budget = false;
-  bool told_about_budget = false;  // the budget warning names each connection once
-  Op parked = Op::kBye;            // kGet or kWait while a request is parked; kBye: none
+  bool told_about_budget = false;        // the budget warning names each connection once
+  Op parked = Op::kBye;                  // kGet or kWait while a request is parked; kBye: none
   std::vector<std::string> parked_keys;  // kGet: the key; kWait: those missing when it parked
   std::size_t missing = 0;               // kWait: parked_keys not yet set
   std::size_t parked_bytes = 0;
@@ -98,7 +98,8 @@ void StoreService::warn_throttled(fmt::format_string<Args...> format, Args&&... 
   last_warning_ = now;
   const std::uint64_t suppressed = std::exchange(suppressed_warnings_, 0);
   std::string message = fmt::format(format, std::forward<Args>(args)...);
-  if (suppressed > 0) message += fmt::format(" ({} similar message{} suppressed)", suppressed, suppressed == 1 ? "" : "s");
+  if (suppressed > 0)
+    message += fmt::format(" ({} similar message{} suppressed)", suppressed, suppressed == 1 ? "" : "s");
   logging::warn("{}", message);
 }
 
@@ -254,15 +255,17 @@ std::vector<StoreService::Id> StoreService::take_closed() {
     unpark(*p);
     buffered_ -= p->counted;
     if (p->announcer && p->session && p->session->live && !p->said_goodbye) {
-      const std::string reason = fmt::format("connection from {} closed without goodbye ({})", p->name, p->close_reason);
+      const std::string reason =
+          fmt::format("connection from {} closed without goodbye ({})", p->name, p->close_reason);
       const std::string key = p->session->prefix + lost_rank_key(p->session->rank);
       end_session(*p);
       if (stored_ + key.size() + reason.size() + kEntryOverhead <= options_.max_stored_bytes) {
         put(key, std::vector<char>(reason.begin(), reason.end()));
       } else {
-        logging::warn("the store at {} is full (TcpStoreServerOptions::max_stored_bytes): it could not record that "
-                      "rank {} was lost ({})",
-                      address_, p->session->rank, reason);
+        logging::warn(
+            "the store at {} is full (TcpStoreServerOptions::max_stored_bytes): it could not record that "
+            "rank {} was lost ({})",
+            address_, p->session->rank, reason);
       }
     } else if (p->announcer) {
       end_session(*p);
@@ -427,9 +430,7 @@ void StoreService::handle(Peer& p, const Request& q) {
     case Op::kGet: return park(p, Op::kGet, {q.key});
     case Op::kWait: return park(p, Op::kWait, q.keys);
     case Op::kCheck: return queue(p, Writer(Status::kBool).u8(data_.contains(std::string(q.key)) ? 1 : 0).finish());
-    case Op::kCancel:
-      unpark(p);
-      return queue(p, Writer(Status::kCancelled).finish());
+    case Op::kCancel: unpark(p); return queue(p, Writer(Status::kCancelled).finish());
   }
 }
 
@@ -518,8 +519,8 @@ bool StoreService::may_store(Peer& p, std::string_view key, std::size_t value_by
   }
   const std::size_t after = stored_ - held + key.size() + value_bytes + kEntryOverhead;
   if (after > options_.max_stored_bytes && after > stored_) {
-    warn_throttled("the store at {} refused {}({}) from {}: it holds {} of its {} (max_stored_bytes)", address_,
-                   what, shown(key), p.name, mib(stored_), mib(options_.max_stored_bytes));
+    warn_throttled("the store at {} refused {}({}) from {}: it holds {} of its {} (max_stored_bytes)", address_, what,
+                   shown(key), p.name, mib(stored_), mib(options_.max_stored_bytes));
     queue(p, Writer(Status::kError)
                  .u8(wire::kResourceExhausted)
                  .str(fmt::format("{}({}) refused: the store holds {} and may hold at most {} "
@@ -545,10 +546,11 @@ std::string StoreService::why_not_writable(const Peer& p, std::string_view key) 
   if (s != nullptr && s->live && s->rank == owner.rank && key.starts_with(s->prefix)) return {};
   const std::string mine = s == nullptr ? "this connection announced no rank"
                            : !s->live   ? fmt::format("this connection's announcement of rank {} has ended", s->rank)
-                                        : fmt::format("this connection acts for rank {} under {:?}", s->rank, s->prefix);
-  return fmt::format("the key belongs to rank {}, and only the client that announced rank {} (under a prefix the "
-                     "key starts with) may write it; {}",
-                     owner.rank, owner.rank, mine);
+                                      : fmt::format("this connection acts for rank {} under {:?}", s->rank, s->prefix);
+  return fmt::format(
+      "the key belongs to rank {}, and only the client that announced rank {} (under a prefix the "
+      "key starts with) may write it; {}",
+      owner.rank, owner.rank, mine);
 }
 
 // ---- Parked requests ---------------------------------------------------------------------------
@@ -629,9 +631,10 @@ bool StoreService::admit(Peer& p, std::size_t extra, std::string_view what) {
   }
   if (!p.told_about_budget) {
     p.told_about_budget = true;
-    warn_throttled("the store at {} buffers {} of its {} (TcpStoreServerOptions::max_buffered_bytes): {} for {} waits "
-                   "until other connections drain",
-                   address_, mib(buffered_), mib(options_.max_buffered_bytes), what, p.name);
+    warn_throttled(
+        "the store at {} buffers {} of its {} (TcpStoreServerOptions::max_buffered_bytes): {} for {} waits "
+        "until other connections drain",
+        address_, mib(buffered_), mib(options_.max_buffered_bytes), what, p.name);
   }
   return false;
 }

@@ -92,7 +92,8 @@ namespace {
 bool parse_fields(Reader& r, Request& q) {
   switch (q.op) {
     case Op::kHello:
-      return r.i64(q.rank) && r.view(q.prefix) && q.rank >= 0 && q.rank <= INT_MAX && q.prefix.size() <= kMaxPrefixBytes;
+      return r.i64(q.rank) && r.view(q.prefix) && q.rank >= 0 && q.rank <= INT_MAX &&
+             q.prefix.size() <= kMaxPrefixBytes;
     case Op::kJoin: return r.view(q.token);
     case Op::kAuth: return r.view(q.nonce) && r.view(q.proof);
     case Op::kBye:

@@ -156,8 +156,8 @@ inline std::vector<tandem::keras::CallbackPtr> fit_callbacks(const Args& a, cons
   if (!a.backup_dir.empty()) {
     auto backup = std::make_shared<keras::BackupAndRestore>(a.backup_dir);
     out.push_back(backup);
-    out.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
-        .on_train_begin = [backup, log = strategy.should_log()](keras::Logs&) {
+    out.push_back(std::make_shared<keras::LambdaCallback>(
+        keras::LambdaCallbackOptions{.on_train_begin = [backup, log = strategy.should_log()](keras::Logs&) {
           if (log && !backup->restored_from().empty()) {
             std::printf("BackupAndRestore: resuming from %s\n", backup->restored_from().c_str());
           }

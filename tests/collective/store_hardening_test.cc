@@ -482,14 +482,16 @@ TEST_CASE("store hardening: secrets that differ are refused with a clear error, 
   TcpStoreOptions other = quick("Tr0ub4dor&3");
   other.label_of_server = "chief";
   const auto start = Clock::now();
-  const std::string wrong = error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), other); });
+  const std::string wrong =
+      error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), other); });
   CHECK(Clock::now() - start < 3s);  // not retried until the connect timeout
   CHECK_MESSAGE(contains(wrong, fmt::format("the store at {} (served by chief) refused this process: "
                                             "TANDEM_STORE_SECRET differs",
                                             server->address())),
                 wrong);
 
-  const std::string none = error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), quick()); });
+  const std::string none =
+      error_message<tandem::Unauthenticated>([&] { connect_tcp_store(server->address(), quick()); });
   CHECK_MESSAGE(contains(none, "requires TANDEM_STORE_SECRET, and this process has none set"), none);
 
   // The server logs whom it refused, by address.
@@ -517,8 +519,8 @@ TEST_CASE("store hardening: the environment's secret serves both sides, and the 
     // Someone with another secret is turned away at the door.
     auto intruder_options = quick("not the secret");
     intruder_options.connect_timeout = 10s;
-    const std::string refused = error_message<tandem::Unauthenticated>(
-        [&] { connect_tcp_store(local(port), intruder_options); });
+    const std::string refused =
+        error_message<tandem::Unauthenticated>([&] { connect_tcp_store(local(port), intruder_options); });
     CHECK_MESSAGE(contains(refused, "TANDEM_STORE_SECRET differs"), refused);
     Rendezvous worker = rendezvous(two_ranks(port, 1));
     CHECK(worker.rank == 1);
@@ -546,7 +548,8 @@ TEST_CASE("store hardening: with a secret, the rendezvous meets while a peer wit
   RawPeer injector(port);
   injector.send(Writer(Op::kSet).str("run/0/rendezvous/rank/1").str("an intruder").finish());
   auto impostor_options = quick("a guess");
-  CHECK_FALSE(error_message<tandem::Unauthenticated>([&] { connect_tcp_store(local(port), impostor_options); }).empty());
+  CHECK_FALSE(
+      error_message<tandem::Unauthenticated>([&] { connect_tcp_store(local(port), impostor_options); }).empty());
   const std::size_t growth = growth_within(baseline, 500ms);
   MESSAGE("the chief's process grew by " << growth / kMiB << " MiB under the attacks");
   CHECK(growth < 16 * kMiB);
@@ -575,12 +578,11 @@ TEST_CASE("store hardening: another connection cannot write a rank's arrival key
   });
   // Another process, holding no rank, writes rank 1's arrival and claim.
   auto intruder = connect_tcp_store(local(port), quick());
-  const std::string injected = error_message<tandem::PermissionDenied>([&] {
-    intruder->set("run/0/rendezvous/rank/1", bytes("an intruder"));
-  });
+  const std::string injected =
+      error_message<tandem::PermissionDenied>([&] { intruder->set("run/0/rendezvous/rank/1", bytes("an intruder")); });
   CHECK_MESSAGE(contains(injected, "belongs to rank 1"), injected);
-  CHECK_FALSE(error_message<tandem::PermissionDenied>([&] { intruder->add("run/0/rendezvous/rank/1/claims", 1); })
-                  .empty());
+  CHECK_FALSE(
+      error_message<tandem::PermissionDenied>([&] { intruder->add("run/0/rendezvous/rank/1/claims", 1); }).empty());
 
   // The real rank 1 still arrives, and the chief meets it, not the intruder.
   CHECK_NOTHROW(Rendezvous worker = rendezvous(two_ranks(port, 1)));
@@ -610,8 +612,8 @@ TEST_CASE("store hardening: a rank's keys are written only by the client that an
   CHECK(written == 4);
   CHECK(text(rank1->get("run/0/rendezvous/rank/1/count", 1s)) == "4");
   // Not another rank's, not another run's, not the server's lost keys, not a key of two ranks.
-  for (const char* key : {"run/0/rendezvous/rank/2", "run/1/rendezvous/rank/1", "run/0/tandem/lost/1",
-                          "run/0/rank/1/rank/2"}) {
+  for (const char* key :
+       {"run/0/rendezvous/rank/2", "run/1/rendezvous/rank/1", "run/0/tandem/lost/1", "run/0/rank/1/rank/2"}) {
     INFO(key);
     CHECK_FALSE(error_message<tandem::PermissionDenied>([&] { rank1->set(key, bytes("x")); }).empty());
   }

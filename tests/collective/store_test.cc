@@ -748,6 +748,27 @@ TEST_CASE("rendezvous: two live processes claiming one rank") {
   CHECK(read_file(dir.file("rank1")) == "ok 1 3");
 }
 
+TEST_CASE("rendezvous: a restarted rank that meets a previous run's store looks again instead of failing") {
+  // A rank whose earlier process claimed its index and died there (the store's lost key says so)
+  // has met a store its chief has not given up yet: not a duplicate, but a store to leave.
+  ScratchDir dir;
+  const int port = free_port();
+  Child chief({"rendezvous", std::to_string(port), "0", "3", "20000", dir.file("rank0")});
+  Child first({"rendezvous", std::to_string(port), "1", "3", "20000", dir.file("first")});
+  auto observer = connect_tcp_store(local(port), quick(10s));
+  observer->wait({"run/0/rendezvous/rank/1"}, 15s);
+  first.kill_hard();
+  CHECK(first.wait(10s) == -SIGKILL);
+  observer->wait({"run/0/" + lost_rank_key(1)}, 10s);
+  Child restarted({"rendezvous", std::to_string(port), "1", "3", "2000", dir.file("restarted")});
+  CHECK(restarted.wait(15s) == 1);
+  const std::string report = read_file(dir.file("restarted"));
+  CHECK_MESSAGE(report.starts_with("DeadlineExceeded: "), report);
+  CHECK_MESSAGE(contains(report, "found no usable store within 2 s"), report);
+  CHECK_MESSAGE(contains(report, "the store belongs to an earlier run: rank 1 was claimed there by pid "), report);
+  chief.kill_hard();
+}
+
 // Threads of one process are enough when the processes' deaths are not the point.
 TEST_CASE("rendezvous: a rank claimed again in the same run, and mismatched world sizes") {
   const int port = free_port();
@@ -776,9 +797,8 @@ TEST_CASE("rendezvous: a rank claimed again in the same run, and mismatched worl
   // Both sides learn it as soon as they meet, not at the deadline, and name both sizes.
   std::string chief_error;
   const auto start = std::chrono::steady_clock::now();
-  std::thread chief3([&] {
-    chief_error = thrown<tandem::InvalidArgument>([&] { rendezvous(cluster_options(port2, 0, 3, 10s)); });
-  });
+  std::thread chief3(
+      [&] { chief_error = thrown<tandem::InvalidArgument>([&] { rendezvous(cluster_options(port2, 0, 3, 10s)); }); });
   std::this_thread::sleep_for(100ms);
   const std::string mismatch = thrown<tandem::InvalidArgument>([&] { rendezvous(cluster_options(port2, 1, 2, 10s)); });
   chief3.join();

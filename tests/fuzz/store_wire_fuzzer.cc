@@ -67,9 +67,16 @@ class Script {
 };
 
 // Keys whose shape matters to the server (rank ownership, lost keys), and a few plain ones.
-constexpr std::string_view kKeys[] = {
-    "k", "run/0/rendezvous/rank/0", "run/0/rendezvous/rank/1", "run/0/rendezvous/rank/1/claims",
-    "run/0/tandem/lost/1", "rank/1/rank/2", "run/1/rendezvous/rank/1", "", "counter", "rank/01"};
+constexpr std::string_view kKeys[] = {"k",
+                                      "run/0/rendezvous/rank/0",
+                                      "run/0/rendezvous/rank/1",
+                                      "run/0/rendezvous/rank/1/claims",
+                                      "run/0/tandem/lost/1",
+                                      "rank/1/rank/2",
+                                      "run/1/rendezvous/rank/1",
+                                      "",
+                                      "counter",
+                                      "rank/01"};
 constexpr std::string_view kPrefixes[] = {"run/0/", "", "run/1/", "x"};
 
 struct Slot {
@@ -271,7 +278,8 @@ void parse_everything(const std::uint8_t* data, std::size_t size) {
   wire::Request request;
   std::string error;
   if (wire::parse_request(bytes, size, request, error)) {
-    for (const std::string_view key : request.keys) require(key.data() >= bytes && key.data() + key.size() <= bytes + size);
+    for (const std::string_view key : request.keys)
+      require(key.data() >= bytes && key.data() + key.size() <= bytes + size);
   }
   wire::Reply reply;
   wire::parse_reply(std::vector<char>(bytes, bytes + size), reply);

@@ -290,8 +290,8 @@ TEST_CASE("no data is an error naming what was empty: fit, evaluate and predict 
   }
   // Empty validation data is named as such.
   auto [x, y] = blobs(16, 3, 1);
-  CHECK_THROWS_WITH_AS(model.fit(x, y, {.verbose = 0, .validation_data = empty}),
-                       doctest::Contains("validation_data"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(model.fit(x, y, {.verbose = 0, .validation_data = empty}), doctest::Contains("validation_data"),
+                       InvalidArgument);
 
   // fit(x, y) with no rows reported a shuffle buffer of 0; the arrays are what is empty.
   for (const bool shuffle : {true, false}) {
@@ -354,13 +354,14 @@ TEST_CASE("targets whose shape does not suit the loss are reported at the loss, 
   model_with("binary_crossentropy", 1).fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
   model_with(keras::SparseCategoricalCrossentropy{.from_logits = true}, 3)
       .fit(x, Tensor::zeros({10, 1}, kInt64), {.verbose = 0});
-  model_with(keras::CategoricalCrossentropy{.from_logits = true}, 3).fit(x, Tensor::zeros({10, 3}, kFloat32),
-                                                                          {.verbose = 0});
+  model_with(keras::CategoricalCrossentropy{.from_logits = true}, 3)
+      .fit(x, Tensor::zeros({10, 3}, kFloat32), {.verbose = 0});
   // A custom loss decides for itself.
   model_with(keras::CustomLoss{.name = "first_column",
-                               .fn = [](graph::Output y_true, graph::Output y_pred) {
-                                 return ops::reduce_sum(ops::square(y_pred - y_true), {.axes = {-1}});
-                               }},
+                               .fn =
+                                   [](graph::Output y_true, graph::Output y_pred) {
+                                     return ops::reduce_sum(ops::square(y_pred - y_true), {.axes = {-1}});
+                                   }},
              3)
       .fit(x, Tensor::zeros({10, 1}, kFloat32), {.verbose = 0});
 }

@@ -710,7 +710,8 @@ TEST_CASE("model weights and checkpoints load into a twin built later in the pro
     model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
     return model;
   };
-  auto x = Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
+  auto x =
+      Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
   auto y = Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2});
   auto first = build();
   first.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});

@@ -101,7 +101,8 @@ struct Direction {
 class Relay {
  public:
   Relay(const Options& options, int a, int b)
-      : delay_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(options.delay_ms))),
+      : delay_(
+            std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(options.delay_ms))),
         loss_(options.loss),
         max_queue_(options.max_queue),
         random_(options.seed) {
@@ -134,11 +135,12 @@ class Relay {
   void report() const {
     for (int d = 0; d < 2; ++d) {
       const Direction& dir = directions_[d];
-      std::printf("delay_relay: %s: %llu packets moved, %llu lost at random, %llu dropped by the partition, %llu "
-                  "dropped on a full queue\n",
-                  d == 0 ? "first -> second" : "second -> first", static_cast<unsigned long long>(dir.moved),
-                  static_cast<unsigned long long>(dir.lost), static_cast<unsigned long long>(dir.partitioned),
-                  static_cast<unsigned long long>(dir.overflowed));
+      std::printf(
+          "delay_relay: %s: %llu packets moved, %llu lost at random, %llu dropped by the partition, %llu "
+          "dropped on a full queue\n",
+          d == 0 ? "first -> second" : "second -> first", static_cast<unsigned long long>(dir.moved),
+          static_cast<unsigned long long>(dir.lost), static_cast<unsigned long long>(dir.partitioned),
+          static_cast<unsigned long long>(dir.overflowed));
     }
     std::fflush(stdout);
   }
@@ -204,7 +206,8 @@ int run(const Options& options) {
   sigemptyset(&handled);
   for (const int sig : {SIGTERM, SIGINT, SIGUSR1}) sigaddset(&handled, sig);
   ::sigprocmask(SIG_BLOCK, &handled, &unblocked);
-  struct sigaction stop {}, toggle {};
+  struct sigaction stop {
+  }, toggle{};
   stop.sa_handler = on_stop;
   toggle.sa_handler = on_toggle;
   ::sigaction(SIGTERM, &stop, nullptr);

@@ -248,7 +248,8 @@ namespace {
 // devices), on the same data, global batches and trainer flags: what N workers must equal bitwise.
 void run_mirrored(const std::string& dir, int replicas, std::vector<std::string> args) {
   args.insert(args.end(), {"--strategy", "mirrored", "--local-devices", std::to_string(replicas), "--out", dir});
-  Process p = spawn(TANDEM_MW_TRAINER, args, {{"TANDEM_NUM_CPU_DEVICES", std::to_string(replicas)}}, dir + "/log-0.txt");
+  Process p =
+      spawn(TANDEM_MW_TRAINER, args, {{"TANDEM_NUM_CPU_DEVICES", std::to_string(replicas)}}, dir + "/log-0.txt");
   const int code = wait_for(p);
   INFO(read_file(dir + "/log-0.txt"));
   REQUIRE(code == 0);
@@ -278,7 +279,8 @@ std::vector<CollectiveStep> collectives_per_step(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("N workers train bitwise as MirroredStrategy with N replicas: every step's loss, every epoch's logs, weights") {
+TEST_CASE(
+    "N workers train bitwise as MirroredStrategy with N replicas: every step's loss, every epoch's logs, weights") {
   // Gloo's rank-ordered all-reduce (CommunicationOptions::deterministic, the default) and shared
   // memory both sum in global replica order, as the in-process group does; the logs gather every
   // replica's sums. With BatchNormalization (moving statistics), gradient accumulation
@@ -358,7 +360,7 @@ TEST_CASE("a training step issues one collective: the logs, moving statistics an
     const bool files = name.find("FILE") != std::string::npos;
     for (int r = 0; r < 2; ++r) {
       const auto per_step = collectives_per_step(fmt::format("{}/collectives-{}.txt", dir.path().string(), r));
-      REQUIRE(per_step.size() == steps);  // 3 epochs
+      REQUIRE(per_step.size() == steps);                   // 3 epochs
       for (std::size_t k = 1; k < per_step.size(); ++k) {  // the first step also agrees on the optimizer's slots
         const auto& step = per_step[k];
         CAPTURE(k);

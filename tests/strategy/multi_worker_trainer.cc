@@ -1,8 +1,8 @@
 // multi_worker_trainer: the worker program of the multi-worker tests. It trains a small model on
 // fixed synthetic data under the strategy it is told, and writes what the tests compare: the
-// loss after every step (losses-<rank>.txt), every epoch's logs (epochs-<rank>.txt), the final weights (weights-<rank>.safetensors) and,
-// under multiworker, the collectives issued on each cross-worker communicator so far, once before
-// fit and after every step (collectives-<rank>.txt: "iterations batch data control").
+// loss after every step (losses-<rank>.txt), every epoch's logs (epochs-<rank>.txt), the final weights
+// (weights-<rank>.safetensors) and, under multiworker, the collectives issued on each cross-worker communicator so far,
+// once before fit and after every step (collectives-<rank>.txt: "iterations batch data control").
 //
 //   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K | --stop-at-step K] [--victim R]
@@ -193,7 +193,8 @@ int run(const Args& a) {
   // The victim's fault, announced first so that a test can time what the others report from it.
   const auto fault = [&](long at_step, int sig) {
     if (at_step < 0 || step != at_step || !first_attempt || rank != a.victim) return;
-    std::cerr << fmt::format("multi_worker_trainer: rank {} raises SIG{} after step {}\n", rank, sigabbrev_np(sig), step)
+    std::cerr << fmt::format("multi_worker_trainer: rank {} raises SIG{} after step {}\n", rank, sigabbrev_np(sig),
+                             step)
               << std::flush;
     std::raise(sig);
   };
@@ -204,27 +205,29 @@ int run(const Args& a) {
         std::make_shared<keras::ModelCheckpoint>(fmt::format("{}/checkpoint-of-{}.weights.safetensors", a.out, rank),
                                                  keras::ModelCheckpointOptions{.monitor = "loss"}));
   }
-  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(
-      keras::LambdaCallbackOptions{
-          .on_epoch_end =
-              [&](int epoch, keras::Logs& logs) {
-                epochs << epoch;
-                for (const auto& [key, value] : logs) epochs << fmt::format(" {}={:.17g}", key, value);
-                epochs << "\n" << std::flush;
-              },
-          .on_train_batch_end = [&](std::int64_t batch, keras::Logs& logs) {
-        ++step;
-        losses << fmt::format("{} {} {:.17g}\n", model.optimizer().iterations(), batch, *logs.get("loss")) << std::flush;
-        count_collectives(model.optimizer().iterations(), batch);
-        if (step_times.is_open()) {
-          step_times << fmt::format("{:.6f}\n", std::chrono::duration<double>(
-                                                    std::chrono::steady_clock::now().time_since_epoch())
-                                                    .count())
-                     << std::flush;
-        }
-        fault(a.kill_at_step, SIGKILL);
-        fault(a.stop_at_step, SIGSTOP);
-      }}));
+  fit.callbacks.push_back(std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+      .on_epoch_end =
+          [&](int epoch, keras::Logs& logs) {
+            epochs << epoch;
+            for (const auto& [key, value] : logs) epochs << fmt::format(" {}={:.17g}", key, value);
+            epochs << "\n" << std::flush;
+          },
+      .on_train_batch_end =
+          [&](std::int64_t batch, keras::Logs& logs) {
+            ++step;
+            losses << fmt::format("{} {} {:.17g}\n", model.optimizer().iterations(), batch, *logs.get("loss"))
+                   << std::flush;
+            count_collectives(model.optimizer().iterations(), batch);
+            if (step_times.is_open()) {
+              step_times
+                  << fmt::format(
+                         "{:.6f}\n",
+                         std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count())
+                  << std::flush;
+            }
+            fault(a.kill_at_step, SIGKILL);
+            fault(a.stop_at_step, SIGSTOP);
+          }}));
   if (!a.backup.empty()) {
     fit.callbacks.push_back(
         std::make_shared<keras::BackupAndRestore>(a.backup, keras::BackupAndRestoreOptions{.save_freq = a.save_freq}));

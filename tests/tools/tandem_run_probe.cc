@@ -101,9 +101,9 @@ int main(int argc, char** argv) {
   }
   const int rank = my_rank();
   if (print_env) {
-    for (const char* name :
-         {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-          "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE", "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER_STORE", "TANDEM_LAUNCHER"}) {
+    for (const char* name : {"TF_CONFIG", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                             "LOCAL_WORLD_SIZE", "GROUP_RANK", "TANDEM_LOCAL_RANK", "TANDEM_LOCAL_WORLD_SIZE",
+                             "TANDEM_RESTART_COUNT", "TANDEM_LAUNCHER_STORE", "TANDEM_LAUNCHER"}) {
       const char* v = std::getenv(name);
       line(v ? std::string(name) + "=" + v : std::string(name) + " unset");
     }

@@ -427,9 +427,9 @@ TEST_CASE("--max_restarts 1: a failure on attempt 0 only is restarted once and t
 
 TEST_CASE("two nodes restart in step: a worker killed on node 1 restarts node 0's workers too, in the same round") {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node", "1",  "--nnodes",     "2",         "--node_rank", "0",
-                                      "--master_port",    port, "--max_restarts", "1",       "--",          kProbe,
-                                      "--print-env",      "--ready", "--kill-self", "1",     "--sleep",     "2"};
+  const std::vector<std::string> args{"--nproc_per_node", "1",       "--nnodes",       "2", "--node_rank", "0",
+                                      "--master_port",    port,      "--max_restarts", "1", "--",          kProbe,
+                                      "--print-env",      "--ready", "--kill-self",    "1", "--sleep",     "2"};
   std::vector<std::string> node_1 = args;
   node_1[5] = "1";
   Launch first(args);
@@ -449,9 +449,9 @@ TEST_CASE("two nodes started with different --nnodes both fail at once, naming b
   const std::string port = std::to_string(free_port());
   Launch first({"--nproc_per_node", "1", "--nnodes", "2", "--node_rank", "0", "--master_port", port, "--", kProbe},
                {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
-  const Result r1 = run_launcher(
-      {"--nproc_per_node", "1", "--nnodes", "3", "--node_rank", "1", "--master_port", port, "--", kProbe},
-      {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  const Result r1 =
+      run_launcher({"--nproc_per_node", "1", "--nnodes", "3", "--node_rank", "1", "--master_port", port, "--", kProbe},
+                   {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
   const Result r0 = first.finish();
   INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
   CHECK(r0.exit_code == 1);
