@@ -123,7 +123,8 @@ detection() {
   local best="" how="" line="" s pattern
   s=$(first_stamp "$fault" "^\\[rank $rank\\] .*error" "$log")
   [[ -n $s ]] && best=$s how=error line=$(first_line "$fault" "^\\[rank $rank\\] .*error" "$log")
-  for pattern in "^tandem-run: rank $rank \\(pid [0-9]+\\) (exited|was killed)" "^tandem-run: (restarting|failed)"; do
+  for pattern in "^tandem-run: rank $rank \\(pid [0-9]+\\) (exited|was killed)" "^tandem-run: (restarting|failed)" \
+    "^tandem-run: node [0-9]+: .*; stopping the workers of this node"; do
     s=$(first_stamp "$fault" "$pattern" "$log")
     if [[ -n $s ]] && { [[ -z $best ]] || awk -v a="$s" -v b="$best" 'BEGIN { exit !(a < b) }'; }; then
       best=$s how=launcher line=$(first_line "$fault" "$pattern" "$log")
@@ -256,8 +257,12 @@ judge_detection() {
     how=$(cut -d'|' -f2 <<<"$d")
     line=$(cut -d'|' -f3- <<<"$d")
     if [[ $how == launcher ]]; then
-      # Stopped by its launcher: the host's error line (a sibling's) must name the peer.
-      line=$(first_line "$fault" '^\[rank [0-9]+\] .*error' "$dir/node$(node_of "$r" "$nproc").log")
+      # Stopped by its launcher: the host's error line (a sibling's) must name the peer, or else
+      # the launcher's, which carries the failed worker's last error line from another host.
+      local host_log
+      host_log="$dir/node$(node_of "$r" "$nproc").log"
+      line=$(first_line "$fault" '^\[rank [0-9]+\] .*error' "$host_log")
+      [[ -n $line ]] || line=$(first_line "$fault" '^tandem-run: node [0-9]+: .*; stopping the workers' "$host_log")
     fi
     result="ok"
     if awk -v t="$took" -v b="$bound" 'BEGIN { exit !(t > b) }'; then result="FAIL: after the bound"; ok=0; fi
