@@ -26,6 +26,7 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -416,8 +417,12 @@ std::string resolve_program(const std::string& name) {
 // Signals: the handlers only write the signal number into a pipe that the poll loop reads.
 
 int g_signal_pipe_write = -1;
+// Set while the launcher meets the others (no worker runs then, and the meeting blocks for up to
+// the rendezvous timeout): a stop signal then ends tandem-run at once.
+volatile std::sig_atomic_t g_exit_on_signal = 0;
 
 extern "C" void on_signal(int sig) {
+  if (g_exit_on_signal != 0 && sig != SIGCHLD) ::_exit(128 + sig);
   const int saved_errno = errno;
   const auto byte = static_cast<unsigned char>(sig);
   [[maybe_unused]] const ssize_t ignored = ::write(g_signal_pipe_write, &byte, 1);
@@ -590,10 +595,14 @@ class Launcher {
   int run() {
     for (int restart = 0;; ++restart) {
       try {
+        g_exit_on_signal = 1;
         coordinator_->meet(restart);
+        g_exit_on_signal = 0;
       } catch (const std::exception& e) {
+        g_exit_on_signal = 0;
         throw LaunchError(1, e.what());
       }
+      if (const int sig = take_pending_terminating_signal()) return 128 + sig;
       AttemptOutcome outcome = run_attempt(restart);
       if (outcome.kind == AttemptOutcome::Kind::kSucceeded) outcome = await_other_nodes();
       switch (outcome.kind) {
