@@ -84,6 +84,12 @@ Options member_options(int rank, int workers, std::shared_ptr<collective::Store>
   return options;
 }
 
+// What is left until `deadline`, at least 1 ms: how long connecting a communicator may take
+// within the start-up's deadline.
+std::chrono::milliseconds time_left(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(1), std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
+}
+
 std::chrono::milliseconds rendezvous_timeout(const MultiWorkerOptions& options) {
   if (options.rendezvous_timeout) return *options.rendezvous_timeout;
   // The variable's default is collective::kDefaultRendezvousTimeout's (a strategy test checks).
@@ -174,10 +180,7 @@ class CollectiveAllReduce final : public CrossDeviceOps {
     // the old ones' addresses in the store.
     const int generation = generation_++;
     auto group_store = std::make_shared<GroupStore>(store_, fmt::format("data/{}/", generation));
-    const auto connect_timeout =
-        generation == 0 ? std::max(std::chrono::milliseconds(1),
-                                   std::chrono::ceil<std::chrono::milliseconds>(first_connect_deadline_ - Clock::now()))
-                        : collective_timeout(options_);
+    const auto connect_timeout = generation == 0 ? time_left(first_connect_deadline_) : collective_timeout(options_);
     if (gpus) return make_gpu_group(devices, std::move(group_store));
     TANDEM_REQUIRE(options_.implementation != CommunicationImplementation::kNccl, InvalidArgument,
                    "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas; this worker's "
@@ -254,12 +257,6 @@ struct MultiWorkerMirroredStrategy::Impl {
   std::shared_ptr<CrossDeviceOps> cross_device_ops;
   AutoShardPolicy policy = AutoShardPolicy::kAuto;
   Clock::time_point connect_deadline{};
-
-  // What is left of the start-up's deadline for connecting a communicator (at least 1 ms).
-  std::chrono::milliseconds connect_time_left() const {
-    return std::max(std::chrono::milliseconds(1),
-                    std::chrono::ceil<std::chrono::milliseconds>(connect_deadline - Clock::now()));
-  }
 
   static std::unique_ptr<Impl> connect(MultiWorkerOptions options);
   std::string label(int r) const {
@@ -341,7 +338,7 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
                          impl->rank, impl->workers, std::make_shared<GroupStore>(impl->rendezvous.store, "control/"),
                          collective_timeout(options.communication_options), impl->labels),
                      options.communication_options);
-    control.connect_timeout = impl->connect_time_left();
+    control.connect_timeout = time_left(impl->connect_deadline);
     control.group_name = "control";
     impl->control = collective::make_gloo_communicator(std::move(control));
     // Workers that all share this machine exchange gradients through its memory (TCP over

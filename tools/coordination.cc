@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <charconv>
+#include <future>
 #include <vector>
 
 #include "tandem/base/errors.h"
@@ -156,21 +157,21 @@ void Coordinator::report_failure(const std::string& reason, int exit_code) noexc
   // workers; given up after kReportTimeout (the thread then ends with the process).
   auto store = round_.store;
   if (store == nullptr) return;
-  auto finished = std::make_shared<std::atomic<bool>>(false);
+  auto reported = std::make_shared<std::promise<void>>();
+  std::future<void> done = reported->get_future();
   try {
-    std::thread([store, finished, record = fmt::format("{} node {}: {}", exit_code, options_.node_rank, reason)] {
+    std::thread([store, reported, record = fmt::format("{} node {}: {}", exit_code, options_.node_rank, reason)] {
       try {
         if (!store->check(kFailedKey)) store->set(kFailedKey, bytes_of(record));
       } catch (const std::exception&) {
         // The store is gone: the other nodes' workers fail on their own, and their launchers see it.
       }
-      *finished = true;
+      reported->set_value();
     }).detach();
   } catch (const std::exception&) {
     return;
   }
-  const auto deadline = std::chrono::steady_clock::now() + kReportTimeout;
-  while (!*finished && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(10ms);
+  done.wait_for(kReportTimeout);
 }
 
 void Coordinator::report_done() noexcept {
