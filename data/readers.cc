@@ -95,12 +95,18 @@ class GzFile {
     return static_cast<std::uint64_t>(size);
   }
 
+  // Whether the content ended because the compressed stream is cut short: zlib reads it as a
+  // short file and records Z_BUF_ERROR ("unexpected end of file").
+  bool stream_truncated() {
+    int code = Z_OK;
+    gzerror(file_, &code);
+    return code == Z_BUF_ERROR;
+  }
+
   // Why the content ended early: for a gzip file whose compressed stream is cut short, zlib
   // reports it, and the user should know the .gz file itself is truncated.
   std::string truncated_note() {
-    int code = Z_OK;
-    gzerror(file_, &code);
-    if (code == Z_BUF_ERROR) return " (the gzip stream ends early: the compressed file is truncated)";
+    if (stream_truncated()) return " (the gzip stream ends early: the compressed file is truncated)";
     return gzdirect(file_) ? "" : " (offsets count decompressed bytes)";
   }
 
@@ -277,6 +283,33 @@ Tensor read_idx(const std::string& path, std::string_view not_found_hint) {
   return out;
 }
 
+std::string read_file(const std::string& path, std::string_view not_found_hint, std::uint64_t max_bytes) {
+  GzFile file(path, not_found_hint);
+  std::string content;
+  std::error_code ec;
+  const auto size = std::filesystem::file_size(path, ec);
+  constexpr std::size_t kMinChunkBytes = 1 << 16;
+  // One byte more than the limit, so that content over it is seen.
+  const std::uint64_t wanted = max_bytes == std::numeric_limits<std::uint64_t>::max() ? max_bytes : max_bytes + 1;
+  std::size_t chunk = ec ? kMinChunkBytes : std::max<std::size_t>(static_cast<std::size_t>(size) + 1, kMinChunkBytes);
+  for (;;) {
+    const auto used = content.size();
+    chunk = static_cast<std::size_t>(std::min<std::uint64_t>(chunk, wanted - used));
+    content.resize(used + chunk);
+    const auto got = file.read(content.data() + used, chunk);
+    content.resize(used + got);
+    if (got < chunk || content.size() >= wanted) break;
+    chunk = std::max(chunk, content.size());  // a gzip file inflates: grow geometrically
+  }
+  TANDEM_REQUIRE(content.size() <= max_bytes, DataLoss, "{}: larger than {} bytes{}; not a file of this kind", path,
+                 max_bytes, file.plain_size() ? "" : " once decompressed");
+  // A cut gzip stream reads as a short file; the content would be silently incomplete.
+  TANDEM_REQUIRE(!file.stream_truncated(), DataLoss,
+                 "{}: the gzip stream ends early after {} decompressed bytes: the compressed file is truncated", path,
+                 content.size());
+  return content;
+}
+
 }  // namespace detail
 
 Tensor read_idx(const std::string& path) { return detail::read_idx(path, ""); }
@@ -305,30 +338,12 @@ void split_fields(std::string_view line, char delimiter, std::vector<std::string
   }
 }
 
-std::string read_whole_file(const std::string& path) {
-  GzFile file(path, "");
-  std::string content;
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  constexpr std::size_t kMinChunkBytes = 1 << 16;
-  std::size_t chunk = ec ? kMinChunkBytes : std::max<std::size_t>(static_cast<std::size_t>(size) + 1, kMinChunkBytes);
-  for (;;) {
-    const auto used = content.size();
-    content.resize(used + chunk);
-    const auto got = file.read(content.data() + used, chunk);
-    content.resize(used + got);
-    if (got < chunk) break;
-    chunk = std::max(chunk, content.size());  // a gzip file inflates: grow geometrically
-  }
-  return content;
-}
-
 }  // namespace
 
 CsvTable read_csv(const std::string& path, const CsvOptions& options) {
   TANDEM_REQUIRE(options.delimiter != '\n' && options.delimiter != '\r', InvalidArgument,
                  "read_csv {}: the delimiter cannot be a line break", path);
-  const std::string content = read_whole_file(path);
+  const std::string content = detail::read_file(path, "");
 
   CsvTable table;
   std::vector<float> values;
