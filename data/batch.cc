@@ -111,10 +111,11 @@ class BatchNode final : public DatasetNode {
         for (auto d : spec.shape.dims()) shape.push_back(d);
         Tensor out = Tensor::empty(shape, spec.dtype, devices::default_cpu_device());
         const std::size_t bytes = source_->row_bytes[c];
+        const std::size_t stride = source_->row_stride_bytes[c];
         const auto* src = static_cast<const char*>(source_->components[c].raw_data());
         auto* dst = static_cast<char*>(out.raw_data());
         for (std::size_t i = 0; i < rows_.size(); ++i) {
-          std::memcpy(dst + i * bytes, src + static_cast<std::size_t>(rows_[i]) * bytes, bytes);
+          std::memcpy(dst + i * bytes, src + static_cast<std::size_t>(rows_[i]) * stride, bytes);
         }
         batch.push_back(std::move(out));
       }

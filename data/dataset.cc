@@ -34,7 +34,7 @@ Element SliceSource::row(std::int64_t index) const {
   element.reserve(components.size());
   for (std::size_t c = 0; c < components.size(); ++c) {
     element.emplace_back(row_specs[c].shape, row_specs[c].dtype, components[c].buffer(),
-                         components[c].byte_offset() + static_cast<std::size_t>(index) * row_bytes[c]);
+                         components[c].byte_offset() + static_cast<std::size_t>(index) * row_stride_bytes[c]);
   }
   return element;
 }
@@ -66,28 +66,20 @@ std::vector<TensorSpec> specs_of(const Element& element) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// from_tensor_slices: element i is a view of row i of every component.
+// A row-mode source (from_tensor_slices, text_windows): element i is a view of row i of every
+// component.
 
 class SlicesNode final : public DatasetNode {
  public:
-  explicit SlicesNode(std::vector<Tensor> components) {
-    auto source = std::make_shared<detail::SliceSource>();
-    source->rows = components.front().shape()[0];
-    for (const auto& c : components) {
-      const Shape row(c.shape().dims().subspan(1));
-      source->row_specs.push_back({c.dtype(), row});
-      source->row_bytes.push_back(static_cast<std::size_t>(row.num_elements()) * graph::dtype_size(c.dtype()));
-    }
-    source->components = std::move(components);
-    source_ = std::move(source);
-  }
+  SlicesNode(std::shared_ptr<const detail::SliceSource> source, const char* name)
+      : source_(std::move(source)), name_(name) {}
 
   std::unique_ptr<IteratorBase> make_iterator(const IterateContext&) const override {
     return std::make_unique<SlicesIterator>(source_);
   }
   std::int64_t cardinality() const override { return source_->rows; }
   std::vector<TensorSpec> element_spec() const override { return source_->row_specs; }
-  const char* name() const override { return "from_tensor_slices"; }
+  const char* name() const override { return name_; }
   std::shared_ptr<const detail::SliceSource> slice_source() const override { return source_; }
 
  private:
@@ -114,6 +106,7 @@ class SlicesNode final : public DatasetNode {
   };
 
   std::shared_ptr<const detail::SliceSource> source_;
+  const char* name_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -498,6 +491,12 @@ class ShardNode final : public DatasetNode {
 
 }  // namespace
 
+namespace detail {
+std::shared_ptr<const DatasetNode> make_slices_node(std::shared_ptr<const SliceSource> source, const char* name) {
+  return std::make_shared<const SlicesNode>(std::move(source), name);
+}
+}  // namespace detail
+
 // ---------------------------------------------------------------------------------------------
 // Dataset
 
@@ -524,7 +523,16 @@ Dataset Dataset::from_tensor_slices(std::vector<Tensor> components) {
                    "needs the same first dimension ({} vs {})",
                    i, components[i].shape(), components[0].shape(), components[i].shape()[0], components[0].shape()[0]);
   }
-  return Dataset(std::make_shared<const SlicesNode>(std::move(components)));
+  auto source = std::make_shared<detail::SliceSource>();
+  source->rows = components.front().shape()[0];
+  for (const auto& c : components) {
+    const Shape row(c.shape().dims().subspan(1));
+    source->row_specs.push_back({c.dtype(), row});
+    source->row_bytes.push_back(static_cast<std::size_t>(row.num_elements()) * graph::dtype_size(c.dtype()));
+  }
+  source->row_stride_bytes = source->row_bytes;
+  source->components = std::move(components);
+  return Dataset(detail::make_slices_node(std::move(source), "from_tensor_slices"));
 }
 
 Dataset Dataset::from_tensors(std::vector<Tensor> components) {

@@ -17,7 +17,9 @@ namespace tandem::data::detail {
 namespace {
 
 // Reserving the whole buffer up front would allocate for a buffer_size meant as "everything"
-// (tf code often passes a huge number); beyond this the vector grows as it fills.
+// (tf code often passes a huge number); when the input's size is unknown, the vector grows as it
+// fills beyond this. When it is known, the buffer holds at most that many items and is reserved
+// exactly (1.5 million text windows: 12 MB of row numbers rather than the 16 MB of a doubling).
 constexpr std::int64_t kMaxReservedElements = std::int64_t{1} << 20;
 
 // splitmix64: a fast generator with a fixed definition, so orders do not depend on the standard
@@ -61,8 +63,8 @@ class ShuffleNode final : public DatasetNode {
     } else if (reshuffle_) {
       epoch = epochs_.fetch_add(1, std::memory_order_relaxed);
     }
-    std::int64_t reserve = std::min(buffer_size_, kMaxReservedElements);
-    if (const auto n = input_->cardinality(); n >= 0) reserve = std::min(reserve, n);
+    const auto n = input_->cardinality();
+    const std::int64_t reserve = std::min(buffer_size_, n >= 0 ? n : kMaxReservedElements);
     auto input = input_->make_iterator(context);
     const auto seed = mix_seed(seed_, epoch);
     if (auto source = input_->slice_source()) {
