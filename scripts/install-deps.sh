@@ -13,6 +13,7 @@ packages=(
   libssl-dev                 # libcrypto: the TCP store's handshake (HMAC-SHA256)
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
+  jargon-text                # the GPT sample's text, /usr/share/doc/jargon-text/jargon.txt.gz
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
   clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
 )
