@@ -8,7 +8,7 @@
 #include "tandem/ops/cpu/broadcast.h"
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/gather_args.h"
-#include "tandem/ops/detail/block_copy.h"
+#include "tandem/ops/detail/slice_args.h"
 #include "tandem/ops/detail/registration.h"
 
 namespace tandem::ops::cpu {
@@ -285,10 +285,7 @@ void run_block_copies(KernelContext& ctx, const std::vector<BlockCopyJob>& jobs,
 void slice_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
-  const auto& begin = ctx.attrs().get<std::vector<std::int64_t>>("begin");
-  const std::vector<std::int64_t> zeros(begin.size(), 0);
-  const auto copy = detail::block_copy(y.shape().rank(), y.shape().dims().data(), x.shape().dims().data(), begin.data(),
-                                       y.shape().dims().data(), zeros.data());
+  const auto copy = detail::slice_copy(x.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), y.shape());
   run_block_copies(ctx, {{copy, static_cast<const char*>(x.raw_data()), static_cast<char*>(y.raw_data())}},
                    graph::dtype_size(x.dtype()));
 }
@@ -297,30 +294,24 @@ void slice_kernel(KernelContext& ctx) {
 void slice_grad_kernel(KernelContext& ctx) {
   const Tensor& dy = ctx.input(0);
   Tensor& dx = ctx.output(0);
-  const auto& begin = ctx.attrs().get<std::vector<std::int64_t>>("begin");
-  const std::vector<std::int64_t> zeros(begin.size(), 0);
   auto* out = static_cast<char*>(dx.raw_data());
   ctx.device().parallel_for(
       static_cast<std::int64_t>(dx.nbytes()), kElementwiseGrain * 4,
       [&](std::int64_t b, std::int64_t e) { std::memset(out + b, 0, static_cast<std::size_t>(e - b)); });
-  const auto copy = detail::block_copy(dy.shape().rank(), dy.shape().dims().data(), dy.shape().dims().data(),
-                                       zeros.data(), dx.shape().dims().data(), begin.data());
+  const auto copy =
+      detail::slice_grad_copy(dy.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), dx.shape());
   run_block_copies(ctx, {{copy, static_cast<const char*>(dy.raw_data()), out}}, graph::dtype_size(dy.dtype()));
 }
 
 void concat_kernel(KernelContext& ctx) {
   Tensor& y = ctx.output(0);
-  const int rank = y.shape().rank();
-  const auto axis =
-      static_cast<std::size_t>(graph::normalize_axis(static_cast<int>(ctx.attrs().get_int("axis")), rank, ctx.label()));
-  std::vector<std::int64_t> zeros(static_cast<std::size_t>(rank), 0), at(static_cast<std::size_t>(rank), 0);
+  std::vector<Shape> shapes;
+  for (int i = 0; i < ctx.num_inputs(); ++i) shapes.push_back(ctx.input(i).shape());
+  const auto copies = detail::concat_copies(ctx.attrs(), ctx.label(), shapes, y.shape());
   std::vector<BlockCopyJob> jobs;
   for (int i = 0; i < ctx.num_inputs(); ++i) {
-    const Tensor& x = ctx.input(i);
-    jobs.push_back({detail::block_copy(rank, x.shape().dims().data(), x.shape().dims().data(), zeros.data(),
-                                       y.shape().dims().data(), at.data()),
-                    static_cast<const char*>(x.raw_data()), static_cast<char*>(y.raw_data())});
-    at[axis] += x.shape()[static_cast<int>(axis)];
+    jobs.push_back({copies[static_cast<std::size_t>(i)], static_cast<const char*>(ctx.input(i).raw_data()),
+                    static_cast<char*>(y.raw_data())});
   }
   run_block_copies(ctx, jobs, graph::dtype_size(y.dtype()));
 }

@@ -14,7 +14,7 @@
 #include "tandem/ops/cuda/kernel_util.h"
 #include "tandem/ops/detail/gather_args.h"
 #include "tandem/ops/detail/batch_matmul_args.h"
-#include "tandem/ops/detail/block_copy.h"
+#include "tandem/ops/detail/slice_args.h"
 #include "tandem/ops/detail/registration.h"
 
 namespace tandem::ops::cuda {
@@ -121,40 +121,26 @@ void copy_block(KernelContext& ctx, const detail::BlockCopy& copy, const Tensor&
 void slice_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
-  const auto& begin = ctx.attrs().get<std::vector<std::int64_t>>("begin");
-  const std::vector<std::int64_t> zeros(begin.size(), 0);
-  copy_block(ctx,
-             detail::block_copy(y.shape().rank(), y.shape().dims().data(), x.shape().dims().data(), begin.data(),
-                                y.shape().dims().data(), zeros.data()),
-             x, y.raw_data());
+  copy_block(ctx, detail::slice_copy(x.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), y.shape()), x,
+             y.raw_data());
 }
 
 // SliceGrad (dy, x): zeros shaped like x, then dy copied in at `begin`.
 void slice_grad_kernel(KernelContext& ctx) {
   const Tensor& dy = ctx.input(0);
   Tensor& dx = ctx.output(0);
-  const auto& begin = ctx.attrs().get<std::vector<std::int64_t>>("begin");
-  const std::vector<std::int64_t> zeros(begin.size(), 0);
   ctx.device().fill_zero(dx.raw_data(), dx.nbytes());
-  copy_block(ctx,
-             detail::block_copy(dy.shape().rank(), dy.shape().dims().data(), dy.shape().dims().data(), zeros.data(),
-                                dx.shape().dims().data(), begin.data()),
+  copy_block(ctx, detail::slice_grad_copy(dy.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), dx.shape()),
              dy, dx.raw_data());
 }
 
 void concat_kernel(KernelContext& ctx) {
   Tensor& y = ctx.output(0);
-  const int rank = y.shape().rank();
-  const auto axis =
-      static_cast<std::size_t>(graph::normalize_axis(static_cast<int>(ctx.attrs().get_int("axis")), rank, ctx.label()));
-  std::vector<std::int64_t> zeros(static_cast<std::size_t>(rank), 0), at(static_cast<std::size_t>(rank), 0);
+  std::vector<Shape> shapes;
+  for (int i = 0; i < ctx.num_inputs(); ++i) shapes.push_back(ctx.input(i).shape());
+  const auto copies = detail::concat_copies(ctx.attrs(), ctx.label(), shapes, y.shape());
   for (int i = 0; i < ctx.num_inputs(); ++i) {
-    const Tensor& x = ctx.input(i);
-    copy_block(ctx,
-               detail::block_copy(rank, x.shape().dims().data(), x.shape().dims().data(), zeros.data(),
-                                  y.shape().dims().data(), at.data()),
-               x, y.raw_data());
-    at[axis] += x.shape()[static_cast<int>(axis)];
+    copy_block(ctx, copies[static_cast<std::size_t>(i)], ctx.input(i), y.raw_data());
   }
 }
 
