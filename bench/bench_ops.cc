@@ -1,8 +1,8 @@
-// bench_ops — GFLOP/s of tandem's MatMul and Conv2D ops next to the ceilings measured in the same
-// run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one thread and
-// all threads) and memory-copy bandwidth. See bench/README.md for what each row means.
+// bench_ops — GFLOP/s of tandem's MatMul, BatchMatMul and Conv2D ops next to the ceilings measured
+// in the same run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one
+// thread and all threads) and memory-copy bandwidth. See bench/README.md for what each row means.
 //
-//   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|conv]
+//   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|bmm|conv]
 //
 // --threads sets the CPU device's intra-op threads (default: every usable core).
 //
@@ -57,7 +57,7 @@ struct Options {
   int rounds = 3;
   int samples = 5;
   bool quick = false;
-  std::string only;  // "matmul" or "conv": run only that part
+  std::string only;  // "matmul", "bmm" or "conv": run only that part
 };
 
 std::vector<float> random_floats(std::int64_t n, std::uint64_t seed) {
@@ -310,6 +310,36 @@ std::vector<Product> mlp_products() {
   return products;
 }
 
+// A BatchMatMul of the char_gpt sample (batch 32, 4 heads, context 128, head size 32): the two
+// attention products and the four products of their gradients, and a dense layer over the
+// sequence (B shared by the batch: one folded product).
+struct BatchProduct {
+  std::string name;
+  Shape a, b;
+  bool adj_x, adj_y;
+  std::int64_t batch() const { return a.num_elements() / (a.dim(-1) * a.dim(-2)); }
+  std::int64_t m() const { return a.dim(adj_x ? -1 : -2); }
+  std::int64_t k() const { return a.dim(adj_x ? -2 : -1); }
+  std::int64_t n() const { return b.dim(adj_y ? -2 : -1); }
+  double flops() const {
+    return 2.0 * static_cast<double>(batch()) * static_cast<double>(m() * n()) * static_cast<double>(k());
+  }
+  // One of the batch's products, as a single-threaded sgemm (the per-matrix reference).
+  Product one() const { return {name, adj_x, adj_y, m(), n(), k()}; }
+};
+
+std::vector<BatchProduct> attention_products() {
+  const std::int64_t B = 32, H = 4, T = 128, D = 32;
+  const Shape q{B, H, T, D}, s{B, H, T, T};
+  return {{"scores S=Q@Kt", q, q, false, true},
+          {"context O=P@V", s, q, false, false},
+          {"dQ = dS@K", s, q, false, false},
+          {"dK = dSt@Q", s, q, true, false},
+          {"dP = dO@Vt", q, q, false, true},
+          {"dV = Pt@dO", s, q, true, false},
+          {"MLP X@W (folded)", {B, T, 128}, {128, 512}, false, false}};
+}
+
 struct ConvLayer {
   std::string name;
   std::int64_t h, w, cin, cout, k;
@@ -360,6 +390,43 @@ void print_matmul(const Timings& t, const devices::Device& device) {
   fmt::print("{:<21} {:<21} {:>6.1f} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6.1f} | {:>6.1f} {:>9.1f} {:>7.2f}\n",
              "all 9 (flop-weighted)", "", flops / 1e6, "", "", "", "", "", best_total, flops / kernel_s / 1e9, op_total,
              op_total / best_total);
+}
+
+std::string batch_shape_text(const BatchProduct& p) {
+  return fmt::format("{}{} @ {}{}", p.adj_x ? "T" : "", p.a, p.adj_y ? "T" : "", p.b);
+}
+
+void print_batch_matmul(const Timings& t, const devices::Device& device, double ceiling) {
+  const int threads = device.intra_op_threads();
+  fmt::print("\nBatchMatMul at the attention shapes of char_gpt (B=32, H=4, T=128, head 32), float32 ({})\n",
+             threads_text(threads));
+  fmt::print(
+      "  1 matrix = one of the batch's products as one single-threaded sgemm (the best of OpenBLAS and Eigen):\n"
+      "  the rate a thread can reach at this matrix size. op = the op through graph + executor; op/1 matrix\n"
+      "  divides by {} x that rate; ratio = op over the run's sgemm 2048^3 ceiling ({:.1f} GFLOP/s). T = adjoint.\n",
+      threads, ceiling);
+  print_rule();
+  fmt::print("{:<18} {:<44} {:>7} {:>8} {:>9} {:>8} {:>11} {:>6}\n", "product", "shape", "MFLOP", "ms", "1 matrix",
+             "op", "op/1 matrix", "ratio");
+  print_rule();
+  double flops = 0, seconds = 0;
+  for (const auto& p : attention_products()) {
+    const std::string key = "bmm/" + p.name;
+    const Product one = p.one();
+    const double single = std::max(t.gflops(key + "/openblas1", one.flops()), t.gflops(key + "/eigen1", one.flops()));
+    const double op = t.gflops(key + "/op", p.flops());
+    fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11.2f} {:>6.2f}\n", p.name, batch_shape_text(p),
+               p.flops() / 1e6, t.seconds(key + "/op") * 1e3, gf_text(single), op, op / (threads * single),
+               op / ceiling);
+    if (p.a.rank() == 4) {
+      flops += p.flops();
+      seconds += t.seconds(key + "/op");
+    }
+  }
+  print_rule();
+  const double all = flops / seconds / 1e9;
+  fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11} {:>6.2f}\n", "attention, all 6", "", flops / 1e6,
+             seconds * 1e3, "", all, "", all / ceiling);
 }
 
 void print_conv(const Timings& t, const devices::Device& device, double ceiling) {
@@ -438,7 +505,7 @@ int run(const Options& options) {
   const Product square{"square", false, false, kLargeSquare, kLargeSquare, kLargeSquare};
   add_sgemm(t, device, own, square, "square", true, operands);
 
-  if (options.only != "conv") {
+  if (options.only.empty() || options.only == "matmul") {
     for (const auto& p : mlp_products()) {
       const std::string key = "mlp/" + p.name;
       add_sgemm(t, device, own, p, key, true, operands);
@@ -453,7 +520,28 @@ int run(const Options& options) {
       t.add(key + "/op", [&runner] { runner.run(); });
     }
   }
-  if (options.only != "matmul") {
+  if (options.only.empty() || options.only == "bmm") {
+    for (const auto& p : attention_products()) {
+      const std::string key = "bmm/" + p.name;
+      const Product one = p.one();
+      auto& buf = *operands.emplace_back(std::make_unique<Operands>(one));
+      const GemmShape s = one.shape();
+      if (ops::cpu::openblas_available()) {
+        t.add(key + "/openblas1", [&buf, s] {
+          ops::cpu::gemm_serial_with(GemmBackend::kOpenBLAS, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+        });
+      }
+      t.add(key + "/eigen1", [&buf, s] {
+        ops::cpu::gemm_serial_with(GemmBackend::kEigen, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+      });
+      auto& runner = *runners.emplace_back(
+          std::make_unique<OpRunner>(device, std::vector<Shape>{p.a, p.b}, [&](const std::vector<Output>& in) {
+            return ops::batch_matmul(in[0], in[1], {.adj_x = p.adj_x, .adj_y = p.adj_y});
+          }));
+      t.add(key + "/op", [&runner] { runner.run(); });
+    }
+  }
+  if (options.only.empty() || options.only == "conv") {
     graph::Attrs attrs;
     attrs.set("strides", std::vector<std::int64_t>{1, 1});
     attrs.set("padding", "VALID");
@@ -495,8 +583,9 @@ int run(const Options& options) {
   const double ceiling = best_sgemm(t, "square", sq);
   fmt::print("best sgemm of this run at {}: {:.1f} GFLOP/s\n", threads_text(threads), ceiling);
 
-  if (options.only != "conv") print_matmul(t, device);
-  if (options.only != "matmul") print_conv(t, device, ceiling);
+  if (options.only.empty() || options.only == "matmul") print_matmul(t, device);
+  if (options.only.empty() || options.only == "bmm") print_batch_matmul(t, device, ceiling);
+  if (options.only.empty() || options.only == "conv") print_conv(t, device, ceiling);
   return 0;
 }
 
@@ -504,7 +593,8 @@ int run(const Options& options) {
 
 int main(int argc, char** argv) {
   Options options;
-  CLI::App app("bench_ops: GFLOP/s of tandem's MatMul and Conv2D next to this machine's sgemm and copy ceilings");
+  CLI::App app(
+      "bench_ops: GFLOP/s of tandem's MatMul, BatchMatMul and Conv2D next to this machine's sgemm and copy ceilings");
   app.add_option("--threads", options.threads, "the CPU device's intra-op threads (0: every usable core)")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
@@ -515,7 +605,7 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_flag("--quick", options.quick, "one round of two short samples (a smoke run)");
-  app.add_option("--only", options.only, "run only that part")->check(CLI::IsMember({"matmul", "conv"}));
+  app.add_option("--only", options.only, "run only that part")->check(CLI::IsMember({"matmul", "bmm", "conv"}));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(options);

@@ -14,6 +14,7 @@
 #include "tandem/ops/cpu/conv_geometry.h"
 #include "tandem/ops/cuda/cublas.h"
 #include "tandem/ops/cuda/cudnn.h"
+#include "tandem/ops/cuda/kernel_util.h"
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
@@ -40,29 +41,6 @@ static_assert(static_cast<int>(ElementType::kF16) == static_cast<int>(DType::kF1
 static_assert(static_cast<int>(ElementType::kBF16) == static_cast<int>(DType::kBF16));
 static_assert(static_cast<int>(Activation::kRelu) == static_cast<int>(ops::Activation::kRelu));
 static_assert(static_cast<int>(Activation::kTanh) == static_cast<int>(ops::Activation::kTanh));
-
-ElementType type_of(const Tensor& t) { return static_cast<ElementType>(t.dtype()); }
-cudaStream_t stream_of(KernelContext& ctx) {
-  return static_cast<cudaStream_t>(ctx.device().compute_stream().native_handle());
-}
-
-// Launch errors (a bad configuration, a missing sm_90 image) surface here, naming the node.
-void check_launch(KernelContext& ctx) {
-  const cudaError_t status = last_launch_error();
-  if (status != cudaSuccess) [[unlikely]] {
-    throw Internal(fmt::format("{}: CUDA kernel launch failed on {}: {} ({})", ctx.label(), ctx.device().short_name(),
-                               cudaGetErrorName(status), cudaGetErrorString(status)));
-  }
-}
-
-void require_types(KernelContext& ctx, const Tensor& t, std::initializer_list<DType> accepted) {
-  if (std::find(accepted.begin(), accepted.end(), t.dtype()) != accepted.end()) return;
-  graph::detail::throw_unsupported_dtype(fmt::format("{} on {}", ctx.label(), ctx.device().short_name()), t.dtype(),
-                                         accepted);
-}
-constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
-constexpr std::initializer_list<DType> kNumeric = {DType::kF32,  DType::kF64, DType::kF16,
-                                                   DType::kBF16, DType::kI32, DType::kI64};
 
 // ---- Element-wise ------------------------------------------------------------------------------
 
@@ -323,33 +301,16 @@ void sparse_xent_kernel(KernelContext& ctx) {
   require_types(ctx, labels, {DType::kI32, DType::kI64});
   const std::int64_t rows = x.shape()[0], classes = x.shape()[1];
   if (rows == 0) return;
-  Tensor& flag = ctx.scratch(0, {1}, DType::kI64);
-  fill(ElementType::kI64, static_cast<double>(rows), flag.raw_data(), 1, stream_of(ctx));
+  std::string label = ctx.label();
+  unsigned long long* bad_row =
+      defer_bad_id_check(ctx, 0, labels, rows, [label, classes](std::int64_t row, std::int64_t value) {
+        throw InvalidArgument(
+            fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value, row, classes));
+      });
   sparse_softmax_cross_entropy(type_of(x), type_of(labels), x.raw_data(), labels.raw_data(), ctx.output(0).raw_data(),
-                               ctx.output(1).raw_data(), rows, classes,
-                               static_cast<unsigned long long*>(flag.raw_data()), static_cast<int*>(ctx.fault_word()),
+                               ctx.output(1).raw_data(), rows, classes, bad_row, static_cast<int*>(ctx.fault_word()),
                                stream_of(ctx));
   check_launch(ctx);
-  devices::Device* device = &ctx.device();
-  const void* flag_data = flag.raw_data();
-  const void* label_data = labels.raw_data();
-  const DType label_dtype = labels.dtype();
-  std::string label = ctx.label();
-  ctx.defer([=] {
-    std::int64_t first_bad = rows;
-    device->copy_to_host(&first_bad, flag_data, sizeof(first_bad));  // waits for the kernel
-    if (first_bad == rows) return;
-    std::int64_t value = 0;
-    if (label_dtype == DType::kI32) {
-      std::int32_t narrow = 0;
-      device->copy_to_host(&narrow, static_cast<const std::int32_t*>(label_data) + first_bad, sizeof(narrow));
-      value = narrow;
-    } else {
-      device->copy_to_host(&value, static_cast<const std::int64_t*>(label_data) + first_bad, sizeof(value));
-    }
-    throw InvalidArgument(
-        fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value, first_bad, classes));
-  });
 }
 
 void xent_kernel(KernelContext& ctx) {
