@@ -55,6 +55,15 @@ void warn_missing(std::string_view callback, const std::string& monitor, const L
                 consequence);
 }
 
+// The callbacks that set the learning rate refuse a scheduled optimizer before the first step:
+// Keras's optimizer raises TypeError at their first change, which may come epochs in.
+void require_settable_learning_rate(std::string_view callback, const Optimizer& optimizer) {
+  TANDEM_REQUIRE(!optimizer.learning_rate_config().is_schedule(), FailedPrecondition,
+                 "{}: the optimizer ({}) was created with a learning-rate schedule ({}), so its learning rate cannot "
+                 "be set; give it a constant learning_rate to use this callback",
+                 callback, optimizer.name(), optimizer.learning_rate_config().kind());
+}
+
 // Python's str(float): the shortest repr, always with a decimal point or an exponent.
 std::string python_float(double value) {
   if (std::isnan(value)) return "nan";
@@ -549,7 +558,9 @@ void BackupAndRestore::on_train_begin(Logs& /*logs*/) {
     if (!is_chief()) {
       for (std::size_t i = 0; i < variables.size(); ++i) variables[i]->assign(values[i]);
       m.optimizer().set_iterations(h[3]);
-      m.optimizer().set_learning_rate(values.back().item<double>());
+      // A schedule is the same on every worker (compiled from the same code) and follows iterations.
+      if (!m.optimizer().learning_rate_config().is_schedule())
+        m.optimizer().set_learning_rate(values.back().item<double>());
     }
   }
   m.state()->resume = detail::ModelState::ResumePoint{.epoch = static_cast<int>(h[1]), .step = h[2]};
@@ -593,6 +604,10 @@ LearningRateScheduler::LearningRateScheduler(std::function<double(int, double)> 
   TANDEM_REQUIRE(static_cast<bool>(schedule_), InvalidArgument, "LearningRateScheduler: the schedule is empty");
 }
 
+void LearningRateScheduler::on_train_begin(Logs& /*logs*/) {
+  require_settable_learning_rate("LearningRateScheduler", model().optimizer());
+}
+
 void LearningRateScheduler::on_epoch_begin(int epoch, Logs& /*logs*/) {
   Optimizer& optimizer = model().optimizer();
   const double learning_rate = schedule_(epoch, optimizer.learning_rate());
@@ -626,6 +641,7 @@ ReduceLROnPlateau::ReduceLROnPlateau(ReduceLROnPlateauOptions options) : options
 }
 
 void ReduceLROnPlateau::on_train_begin(Logs& /*logs*/) {
+  require_settable_learning_rate("ReduceLROnPlateau", model().optimizer());
   best_.reset();
   wait_ = 0;
   cooldown_counter_ = 0;

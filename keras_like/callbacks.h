@@ -260,9 +260,13 @@ class BackupAndRestore : public Callback {
 };
 
 // Sets the learning rate at the start of each epoch: schedule(epoch, current_lr) -> new lr.
+// An optimizer with a learning-rate schedule (schedules.h) cannot take it: fit() fails before the
+// first step with FailedPrecondition (Keras raises TypeError at the first epoch). Same for
+// ReduceLROnPlateau.
 class LearningRateScheduler : public Callback {
  public:
   explicit LearningRateScheduler(std::function<double(int epoch, double learning_rate)> schedule, int verbose = 0);
+  void on_train_begin(Logs& logs) override;
   void on_epoch_begin(int epoch, Logs& logs) override;
   void on_epoch_end(int epoch, Logs& logs) override;  // adds "learning_rate" to the logs
 

@@ -14,5 +14,6 @@
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/optimizers.h"
 #include "tandem/keras_like/saving.h"
+#include "tandem/keras_like/schedules.h"
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"

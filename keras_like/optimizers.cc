@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <regex>
 
 #include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/detail/update_rules.h"
@@ -115,8 +116,36 @@ std::string rule_name(const OptimizerSpec& spec) {
       spec);
 }
 
-double learning_rate_of(const OptimizerSpec& spec) {
+LearningRate learning_rate_of(const OptimizerSpec& spec) {
   return std::visit([](const auto& o) { return o.learning_rate; }, spec);
+}
+
+// AdamW's weight_decay; 0 for the rules without one.
+double weight_decay_of(const OptimizerSpec& spec) {
+  return std::visit(
+      [](const auto& o) {
+        if constexpr (std::is_same_v<std::decay_t<decltype(o)>, AdamW>) {
+          return o.weight_decay;
+        } else {
+          return 0.0;
+        }
+      },
+      spec);
+}
+
+// exclude_from_weight_decay's var_names as regular expressions (Keras: re.search of any of them
+// in the name). ECMAScript's syntax agrees with Python's re on the patterns names need.
+std::vector<std::regex> compile_patterns(const std::string& optimizer, const std::vector<std::string>& patterns) {
+  std::vector<std::regex> out;
+  for (const auto& pattern : patterns) {
+    try {
+      out.emplace_back(pattern);
+    } catch (const std::regex_error& e) {
+      throw InvalidArgument(fmt::format("{}: exclude_from_weight_decay pattern \"{}\" is not a regular expression: {}",
+                                        optimizer, pattern, e.what()));
+    }
+  }
+  return out;
 }
 
 // Slot names per rule, in the order apply() uses them.
@@ -216,6 +245,7 @@ Optimizer::Optimizer(OptimizerSpec spec)
     : spec_(std::move(spec)),
       learning_rate_(learning_rate_of(spec_)),
       accumulation_steps_(accumulation_steps_of(spec_)) {
+  if (const auto* adamw = std::get_if<AdamW>(&spec_)) exclude_from_weight_decay({}, adamw->exclude_from_weight_decay);
   TANDEM_REQUIRE(accumulation_steps_ >= 1, InvalidArgument,
                  "{}: gradient_accumulation_steps must be at least 1; got {}", name(), accumulation_steps_);
   const Clip clip = clip_of(spec_);
@@ -251,10 +281,38 @@ std::string Optimizer::name() const {
   return loss_scale_ ? fmt::format("loss_scale_optimizer({})", rule_name(spec_)) : rule_name(spec_);
 }
 
-void Optimizer::set_learning_rate(double learning_rate) {
-  TANDEM_REQUIRE(std::isfinite(learning_rate) && learning_rate >= 0, InvalidArgument,
-                 "{}: learning rate {} must be finite and not negative", name(), learning_rate);
-  learning_rate_ = learning_rate;
+void Optimizer::set_learning_rate(LearningRate learning_rate) {
+  if (const auto* constant = std::get_if<double>(&learning_rate.value())) {
+    TANDEM_REQUIRE(!learning_rate_.is_schedule(), FailedPrecondition,
+                   "{}: this optimizer was created with a learning-rate schedule ({}), hence its learning rate is not "
+                   "settable to {}; create it with a constant learning_rate to set it (as Keras)",
+                   name(), learning_rate_.kind(), *constant);
+    TANDEM_REQUIRE(std::isfinite(*constant) && *constant >= 0, InvalidArgument,
+                   "{}: learning rate {} must be finite and not negative", name(), *constant);
+  }
+  learning_rate_ = std::move(learning_rate);
+}
+
+void Optimizer::exclude_from_weight_decay(const std::vector<VariablePtr>& var_list,
+                                          const std::vector<std::string>& var_names) {
+  TANDEM_REQUIRE(variables_.empty() && slot_list_.empty(), FailedPrecondition,
+                 "{}: exclude_from_weight_decay() can only be configured before the optimizer is built (before the "
+                 "first training step)",
+                 name());
+  compile_patterns(name(), var_names);  // refuses a bad pattern now, not at the first step
+  excluded_variables_ = var_list;
+  excluded_patterns_ = var_names;
+}
+
+bool Optimizer::uses_weight_decay(const strategy::Variable& variable) const {
+  if (weight_decay_of(spec_) == 0.0) return false;
+  if (std::any_of(excluded_variables_.begin(), excluded_variables_.end(),
+                  [&](const VariablePtr& v) { return v.get() == &variable; })) {
+    return false;
+  }
+  const auto patterns = compile_patterns(name(), excluded_patterns_);
+  return std::none_of(patterns.begin(), patterns.end(),
+                      [&](const std::regex& pattern) { return std::regex_search(variable.name(), pattern); });
 }
 
 void Optimizer::build(const std::vector<VariablePtr>& variables) {
@@ -303,6 +361,7 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
       slots.push_back(std::move(created));
     }
     slots_.push_back(std::move(slots));
+    decays_.push_back(uses_weight_decay(*variable));
   }
   variables_ = variables;
 }
@@ -352,7 +411,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   // Keras clips and applies. Under loss scaling they are also divided by the scale (a power of
   // two: exact), folded into the same factor so that unscaling costs no pass of its own.
   const double mean_scale = unscale / static_cast<double>(accumulation_steps_);
-  const double lr = learning_rate_;
+  const double lr = learning_rate();
   const auto t = static_cast<double>(iterations_ + 1);
 
   // Clipping by the global norm needs every gradient's norm first.
@@ -417,7 +476,9 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
               });
             } else {  // Adam, AdamW (AdamW first decays: w -= w * weight_decay * lr)
               T decay = T(0);
-              if constexpr (std::is_same_v<O, AdamW>) decay = static_cast<T>(o.weight_decay * lr);
+              if constexpr (std::is_same_v<O, AdamW>) {
+                if (decays_[vi]) decay = static_cast<T>(o.weight_decay * lr);
+              }
               const double beta1_power = std::pow(o.beta_1, t), beta2_power = std::pow(o.beta_2, t);
               const AdamStep<T> step{static_cast<T>(lr * std::sqrt(1.0 - beta2_power) / (1.0 - beta1_power)),
                                      static_cast<T>(1.0 - o.beta_1), static_cast<T>(1.0 - o.beta_2),
@@ -440,7 +501,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
 // The fused kernel's numbers: the rule's scalars as update() computes them for the coming step.
 ops::detail::UpdateParams Optimizer::device_update_params(double global_scale) const {
   const Clip clip = clip_of(spec_);
-  const double lr = learning_rate_;
+  const double lr = learning_rate();
   const auto t = static_cast<double>(iterations_ + 1);
   ops::detail::UpdateParams params;
   params.clip = clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm;
@@ -487,6 +548,7 @@ std::vector<ops::detail::UpdateTensor> Optimizer::device_update_tensors(int repl
     u.var = w.raw_data();
     u.grad = grad.raw_data();
     u.elements = w.num_elements();
+    u.weight_decay = decays_[vi];  // params.decay applies to this tensor (not excluded)
     // Slot order per rule (slot_names): SGD {momentum}; RMSprop {velocity, [momentum], [average]};
     // Adam {m, v, [v_hat]}. The kernel's RMSprop wants {velocity, momentum, average} by position.
     const auto slot_data = [&](std::size_t s) { return slots_[vi][s]->value(replica).raw_data(); };

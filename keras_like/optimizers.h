@@ -3,6 +3,12 @@
 //   model.compile("adam", ...);                                      // Adam{} defaults
 //   model.compile(keras::SGD{.learning_rate = 0.1, .momentum = 0.9, .nesterov = true}, ...);
 //   model.compile(keras::LossScaleOptimizer{.inner_optimizer = keras::Adam{}}, ...);  // float16
+//   model.compile(keras::AdamW{.learning_rate = keras::CosineDecay{.initial_learning_rate = 1e-3,
+//                                                                  .decay_steps = 5000},
+//                              .exclude_from_weight_decay = {"bias", "gamma", "beta"}}, ...);
+//
+// learning_rate is a constant or a schedule (schedules.h): the rate of each step is the
+// schedule's value at the optimizer's iterations before that step, as in Keras.
 //
 // The update of each variable runs as one fused pass over its elements on the replica's device
 // (clip, decay, moments and the step together). Every replica applies the same (all-reduced)
@@ -18,6 +24,7 @@
 #include <vector>
 
 #include "tandem/graph/tensor.h"
+#include "tandem/keras_like/schedules.h"
 #include "tandem/strategy/variable.h"
 
 namespace tandem::ops::detail {
@@ -35,14 +42,14 @@ using VariablePtr = std::shared_ptr<strategy::Variable>;
 // of the last N steps' gradients; iterations still count every step. Under a distribution
 // strategy the steps in between do not all-reduce (like DDP's no_sync).
 struct SGD {
-  double learning_rate = 0.01;
+  LearningRate learning_rate = 0.01;
   double momentum = 0.0;
   bool nesterov = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
   std::optional<int> gradient_accumulation_steps;
 };
 struct Adam {
-  double learning_rate = 0.001;
+  LearningRate learning_rate = 0.001;
   double beta_1 = 0.9;
   double beta_2 = 0.999;
   double epsilon = 1e-7;
@@ -51,7 +58,7 @@ struct Adam {
   std::optional<int> gradient_accumulation_steps;
 };
 struct AdamW {
-  double learning_rate = 0.001;
+  LearningRate learning_rate = 0.001;
   double weight_decay = 0.004;
   double beta_1 = 0.9;
   double beta_2 = 0.999;
@@ -59,9 +66,13 @@ struct AdamW {
   bool amsgrad = false;
   std::optional<double> clipnorm, clipvalue, global_clipnorm;
   std::optional<int> gradient_accumulation_steps;
+  // Keras's exclude_from_weight_decay(var_names=...): a variable whose name ("dense/bias",
+  // "layer_normalization/gamma") contains a match of any of these regular expressions is not
+  // decayed. {"bias", "gamma", "beta"} keeps biases and normalisation weights out.
+  std::vector<std::string> exclude_from_weight_decay;
 };
 struct RMSprop {
-  double learning_rate = 0.001;
+  LearningRate learning_rate = 0.001;
   double rho = 0.9;
   double momentum = 0.0;
   double epsilon = 1e-7;
@@ -127,11 +138,31 @@ class Optimizer {
   const OptimizerSpec& spec() const { return spec_; }
   const std::optional<LossScaleOptimizer>& loss_scale_optimizer() const { return loss_scale_; }
   std::string name() const;  // "adam"; "loss_scale_optimizer(adam)" under loss scaling
-  double learning_rate() const { return learning_rate_; }
-  void set_learning_rate(double learning_rate);
+  // The rate the coming step uses: the constant, or the schedule at iterations() (Keras's
+  // optimizer.learning_rate).
+  double learning_rate() const { return learning_rate_(iterations_); }
+  // What the optimizer was given: a constant (changed by set_learning_rate) or a schedule.
+  const LearningRate& learning_rate_config() const { return learning_rate_; }
+  // Keras's `optimizer.learning_rate = x`: a schedule replaces what was there; a constant
+  // replaces a constant, and over a schedule throws FailedPrecondition (Keras's TypeError: the
+  // optimizer was created with a LearningRateSchedule). A negative or non-finite constant throws
+  // InvalidArgument.
+  void set_learning_rate(LearningRate learning_rate);
   // Steps applied so far (Keras's optimizer.iterations).
   std::int64_t iterations() const { return iterations_; }
   void set_iterations(std::int64_t iterations) { iterations_ = iterations; }
+
+  // Keras's exclude_from_weight_decay(var_list, var_names): the variables of var_list, and those
+  // whose name contains a match of a regular expression of var_names, are not decayed (AdamW's
+  // weight_decay; the other rules decay nothing). Replaces the previous exclusions, the spec's
+  // exclude_from_weight_decay included. Keras 3 searches the variable's short name ("bias"); the
+  // names here are paths ("dense/bias"), so a pattern may name a layer too. Throws
+  // FailedPrecondition once built (as Keras: before the first step or build()), InvalidArgument
+  // for a pattern that is not a regular expression.
+  void exclude_from_weight_decay(const std::vector<VariablePtr>& var_list = {},
+                                 const std::vector<std::string>& var_names = {});
+  // Whether the update decays this variable (weight decay on, and not excluded).
+  bool uses_weight_decay(const strategy::Variable& variable) const;
 
   // Creates the slots (moments, momentum) of these variables, through each variable's own
   // strategy: a slot under a different strategy's scope than its variable is FailedPrecondition
@@ -193,8 +224,12 @@ class Optimizer {
 
  private:
   OptimizerSpec spec_;
-  double learning_rate_;
+  LearningRate learning_rate_;
   std::int64_t iterations_ = 0;
+  // exclude_from_weight_decay's arguments; per built variable, whether it is decayed.
+  std::vector<VariablePtr> excluded_variables_;
+  std::vector<std::string> excluded_patterns_;
+  std::vector<bool> decays_;
   std::vector<VariablePtr> variables_;
   // Per variable: its slots in the order the update rule uses them.
   std::vector<std::vector<VariablePtr>> slots_;

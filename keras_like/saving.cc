@@ -11,7 +11,11 @@
 #include <set>
 #include <string_view>
 
+#include <nlohmann/json.hpp>
+
+#include "tandem/base/detail/json.h"
 #include "tandem/base/errors.h"
+#include "tandem/base/log.h"
 #include "tandem/keras_like/model.h"
 
 namespace tandem::keras {
@@ -23,6 +27,8 @@ constexpr std::string_view kCheckpointFormat = "tandem.checkpoint";
 constexpr std::string_view kOptimizerPrefix = "optimizer/";
 constexpr std::string_view kIterationsName = "optimizer/iterations";
 constexpr std::string_view kLearningRateName = "optimizer/learning_rate";
+// Metadata: a scheduled optimizer's schedule, as Keras serialises it (LearningRate::to_json).
+constexpr std::string_view kScheduleKey = "learning_rate_schedule";
 
 std::string join(const std::vector<std::string>& items) {
   std::string out;
@@ -191,6 +197,37 @@ std::int64_t parse_metadata_int(const SafetensorsContent& content, const std::st
   return value;
 }
 
+// A constant rate comes back as it was saved (a callback may have changed it). A schedule is the
+// compiled optimizer's, as in Keras, where it is code rather than state (BackupAndRestore and
+// load_weights restore variables only; load_model rebuilds the optimizer it saved, but there is no
+// compiled one to disagree with): with the iterations restored, the same schedule gives the same
+// rate at the same step. When the checkpoint's rate was another schedule, or a constant where the
+// optimizer now has a schedule (or the reverse), the compiled one is kept and a warning says so:
+// changing the schedule between runs (a longer decay to train on) is a choice, not corruption.
+void restore_learning_rate(Optimizer& optimizer, const SafetensorsContent& content, std::optional<double> constant,
+                           const std::string& path, const std::string& model_name) {
+  const LearningRate& compiled = optimizer.learning_rate_config();
+  std::optional<std::string> saved;
+  if (const auto it = content.metadata.find(std::string(kScheduleKey)); it != content.metadata.end()) {
+    saved = it->second;
+  } else if (constant) {
+    if (!compiled.is_schedule()) {
+      optimizer.set_learning_rate(*constant);
+      return;
+    }
+    saved = LearningRate(*constant).to_json();
+  }
+  if (!saved || *saved == compiled.to_json()) return;
+  // The file's text is from outside: shown through the JSON parser, short and escaped.
+  nlohmann::ordered_json parsed;
+  const std::string shown = tandem::detail::parse_json(*saved, parsed) ? tandem::detail::quote_value(*saved)
+                                                                        : tandem::detail::json_for_message(parsed);
+  logging::warn(
+      "load_training_checkpoint \"{}\": the checkpoint was trained with learning rate {}, but model \"{}\"'s "
+      "optimizer has {}; training continues with the optimizer's",
+      path, shown, model_name, compiled.to_json());
+}
+
 }  // namespace
 
 void save_model_weights(const Model& model, const std::string& path) {
@@ -245,13 +282,19 @@ void save_training_checkpoint(const Model& model, const std::string& path, const
     tensors.emplace_back(fmt::format("{}{}", kOptimizerPrefix, name), slot->read_value());
   }
   tensors.emplace_back(std::string(kIterationsName), Tensor::scalar<std::int64_t>(optimizer.iterations()));
-  // Kept so a learning rate changed during training (ReduceLROnPlateau) resumes as it was.
-  tensors.emplace_back(std::string(kLearningRateName), Tensor::scalar<double>(optimizer.learning_rate()));
-  write_safetensors(path, tensors,
-                    {{std::string(kFormatKey), std::string(kCheckpointFormat)},
-                     {"optimizer", optimizer.name()},
-                     {"epoch", std::to_string(state.epoch)},
-                     {"step", std::to_string(state.step)}});
+  std::map<std::string, std::string> metadata{{std::string(kFormatKey), std::string(kCheckpointFormat)},
+                                              {"optimizer", optimizer.name()},
+                                              {"epoch", std::to_string(state.epoch)},
+                                              {"step", std::to_string(state.step)}};
+  const LearningRate& rate = optimizer.learning_rate_config();
+  if (rate.is_schedule()) {
+    // Its rate follows from iterations; the config says which schedule it was.
+    metadata.emplace(std::string(kScheduleKey), rate.to_json());
+  } else {
+    // Kept so a learning rate changed during training (ReduceLROnPlateau) resumes as it was.
+    tensors.emplace_back(std::string(kLearningRateName), Tensor::scalar<double>(optimizer.learning_rate()));
+  }
+  write_safetensors(path, tensors, metadata);
 }
 
 TrainingState load_training_checkpoint(Model& model, const std::string& path) {
@@ -346,7 +389,7 @@ TrainingState load_training_checkpoint(Model& model, const std::string& path) {
   for (const auto& [variable, value] : plan) variable->assign(value);
   for (const auto& [variable, value] : slot_plan) variable->assign(value);
   optimizer.set_iterations(iterations);
-  if (learning_rate) optimizer.set_learning_rate(*learning_rate);
+  restore_learning_rate(optimizer, content, learning_rate, path, model.name());
   return state;
 }
 

@@ -58,11 +58,16 @@ struct TrainingState {
   std::int64_t step = 0;  // batches completed in the current epoch
 };
 
-// Weights, the optimizer's slots and iteration count, and the training state. The model must be
-// compiled.
+// Weights, the optimizer's slots and iteration count, its learning rate (a constant's value as
+// "optimizer/learning_rate"; a schedule's kind and config, as Keras serialises it, in the metadata
+// "learning_rate_schedule"), and the training state. The model must be compiled.
 void save_training_checkpoint(const Model& model, const std::string& path, const TrainingState& state);
 // Restores what save_training_checkpoint wrote into a model of the same architecture (compiled,
-// with the same optimizer). Checks every tensor before changing anything.
+// with the same optimizer). Checks every tensor before changing anything. A constant learning
+// rate is restored; a schedule stays the compiled optimizer's (as with Keras's BackupAndRestore:
+// the schedule is code, the iterations state, so the same step gets the same rate), and when the
+// checkpoint's learning rate differs from it (another schedule or config, a constant) a warning
+// names both and the compiled one is used.
 TrainingState load_training_checkpoint(Model& model, const std::string& path);
 
 }  // namespace tandem::keras

@@ -678,6 +678,9 @@ __global__ void pool_grad_kernel(bool average, WindowGeometry g, const T* x, con
 struct UpdateBatch {
   UpdateTensor tensors[kMaxUpdateTensors];
 };
+// The kernel takes the batch by value: its parameters must fit CUDA's classic 4 KiB limit.
+static_assert(sizeof(UpdateBatch) + sizeof(UpdateParams) + 2 * sizeof(void*) <= 4096,
+              "update_kernel's parameters exceed 4 KiB: lower kMaxUpdateTensors");
 
 // blockIdx.y picks the tensor; x covers its elements with a grid-stride loop.
 template <class T>
@@ -715,7 +718,7 @@ __global__ void update_kernel(UpdateParams by_value, const UpdateParams* in_memo
       case UpdateRule::kAdam: {
         const detail::AdamStep<T> s{static_cast<T>(p.rate), static_cast<T>(p.beta_1_complement),
                                     static_cast<T>(p.beta_2_complement), static_cast<T>(p.epsilon),
-                                    static_cast<T>(p.decay)};
+                                    t.weight_decay ? static_cast<T>(p.decay) : T(0)};
         detail::adam_general(var[i], s0[i], s1[i], s2 != nullptr ? s2 + i : nullptr, gi, s);
         break;
       }

@@ -106,6 +106,7 @@ struct UpdateTensor {
   void* slots[3] = {};  // SGD {momentum}, RMSprop {velocity, momentum, average}, Adam {m, v, v_hat}; null when off
   const void* grad = nullptr;
   long long elements = 0;
+  bool weight_decay = true;  // UpdateParams::decay applies (false: excluded from weight decay)
 };
 enum class UpdateRule : unsigned char { kSgd, kRmsprop, kAdam };
 struct UpdateParams {

@@ -1,6 +1,7 @@
 // Callbacks, driven hook by hook with made-up logs (exact, fast), then through fit().
 #include <doctest/doctest.h>
 
+#include "common/error_message.h"
 #include "common/temp_dir.h"
 #include <unistd.h>
 
@@ -298,6 +299,28 @@ TEST_CASE("LearningRateScheduler sets the rate each epoch and logs it") {
 
   auto bad = std::make_shared<keras::LearningRateScheduler>([](int, double) { return -1.0; });
   CHECK_THROWS_AS(run_epochs(model, {bad}, "val_loss", {1}), InvalidArgument);
+}
+
+TEST_CASE("ReduceLROnPlateau and LearningRateScheduler refuse an optimizer with a schedule before training") {
+  // Keras's optimizer raises TypeError when they set a float over its schedule; here fit() fails
+  // in on_train_begin, before the first step, rather than epochs in.
+  const keras::PiecewiseConstantDecay schedule{.boundaries = {10}, .values = {0.1, 0.01}};
+  const std::vector<std::pair<std::string, keras::CallbackPtr>> callbacks{
+      {"ReduceLROnPlateau", std::make_shared<keras::ReduceLROnPlateau>()},
+      {"LearningRateScheduler",
+       std::make_shared<keras::LearningRateScheduler>([](int, double lr) { return lr; })}};
+  for (const auto& [name, callback] : callbacks) {
+    CAPTURE(name);
+    auto model = small_model();
+    model.compile(keras::SGD{.learning_rate = schedule}, "mse");
+    const auto x = Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f}, {2, 3});
+    const auto y = Tensor::from_vector<float>({1, 0, 0, 1}, {2, 2});
+    const auto message = tandem::testing::error_message<FailedPrecondition>(
+        [&] { model.fit(x, y, {.epochs = 2, .verbose = 0, .callbacks = {callback}}); });
+    CHECK(message.find(name + ": the optimizer (sgd) was created with a learning-rate schedule "
+                              "(PiecewiseConstantDecay)") == 0);
+    CHECK(model.optimizer().iterations() == 0);
+  }
 }
 
 // ----- TerminateOnNaN -----
@@ -808,14 +831,15 @@ struct BackupRun {
 };
 
 BackupRun run_with_backup(const std::string& dir, std::optional<int> stop_after, keras::BackupAndRestoreOptions options,
-                          std::optional<std::int64_t> steps_per_epoch) {
+                          std::optional<std::int64_t> steps_per_epoch,
+                          const keras::OptimizerRef& optimizer = keras::Adam{.learning_rate = 0.01}) {
   set_global_seed(5);
   auto x = keras::Input({3});
   // Fixed names: the resumed model must match the backup's names (a new process would give the
   // same automatic names; a second model in this process would not).
   auto y = keras::Dense(2, {.name = "out"})(keras::Dropout(0.3)(keras::Dense(8, "relu", {.name = "hidden"})(x)));
   keras::Model model(x, y);
-  model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
+  model.compile(optimizer, "mse");
   std::vector<float> xs, ys;
   for (int i = 0; i < 40; ++i) {
     xs.insert(xs.end(), {0.1f * static_cast<float>(i % 7), 0.05f * static_cast<float>(i % 5), 0.3f});
@@ -870,6 +894,22 @@ TEST_CASE("BackupAndRestore: a run interrupted mid-epoch and resumed ends exactl
     check_same_weights(resumed, reference);
     CHECK_FALSE(fs::exists(dir.path() / "backup.safetensors"));
   }
+}
+
+TEST_CASE("BackupAndRestore: AdamW with a warmup cosine schedule and exclusions resumes exactly") {
+  const keras::AdamW adamw{.learning_rate = keras::CosineDecay{.initial_learning_rate = 0.0,
+                                                               .decay_steps = 25,
+                                                               .warmup_target = 0.02,
+                                                               .warmup_steps = 5},
+                           .weight_decay = 0.05,
+                           .exclude_from_weight_decay = {"bias"}};
+  TempDir reference_dir, dir;
+  const auto reference = run_with_backup(reference_dir.path().string(), std::nullopt, {.save_freq = 3}, {}, adamw);
+  // A crash inside the warmup's first decay steps (step 7), resumed from the backup at step 6.
+  (void)run_with_backup(dir.path().string(), 7, {.save_freq = 3}, {}, adamw);
+  const auto resumed = run_with_backup(dir.path().string(), std::nullopt, {.save_freq = 3}, {}, adamw);
+  CHECK(resumed.steps == reference.steps - 6);
+  check_same_weights(resumed, reference);
 }
 
 TEST_CASE("BackupAndRestore: a corrupt newest backup is reported and the previous one used") {

@@ -1,7 +1,7 @@
 // Training on a GPU (OneDeviceStrategy("GPU:0")) against the same model on the CPU: float32 and
-// mixed_bfloat16, SGD with momentum and Adam, with the fused GPU optimizer update; and the same GPU
-// training with and without CUDA graphs. Where no GPU
-// is usable the program exits 77, which CTest reports as skipped.
+// mixed_bfloat16, SGD with momentum, Adam and AdamW with a schedule, with the fused GPU optimizer
+// update; and the same GPU training with and without CUDA graphs. Where no GPU is usable the
+// program exits 77, which CTest reports as skipped.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
@@ -120,6 +120,17 @@ TEST_CASE("whole-step graphs (update and moving statistics inside the graph) mat
     check_close(train("GPU:0", "float32", Adam{.learning_rate = 0.005}, true, batch_norm),
                 train("GPU:0", "float32", Adam{.learning_rate = 0.005}, false, batch_norm), 1e-6, 1e-6);
   }
+}
+
+TEST_CASE("a learning-rate schedule and AdamW's exclusions: GPU (graphs and eager) follows the CPU") {
+  // The whole-step graph reads each step's rate from the staged numbers; the fused kernel decays
+  // only the kernels (biases excluded per tensor).
+  const AdamW adamw{.learning_rate = CosineDecay{.initial_learning_rate = 0.0, .decay_steps = 40,
+                                                 .warmup_target = 0.01, .warmup_steps = 8},
+                    .weight_decay = 0.1, .exclude_from_weight_decay = {"bias"}};
+  const Run graphs = train("GPU:0", "float32", adamw, /*cuda_graphs=*/true);
+  check_close(graphs, train("GPU:0", "float32", adamw, /*cuda_graphs=*/false), 1e-6, 1e-6);
+  check_close(graphs, train("CPU:0", "float32", adamw), 1e-4, 1e-3);
 }
 
 TEST_CASE("a bad label inside a replayed whole-step graph: a clear error, and the update is skipped") {

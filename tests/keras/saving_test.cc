@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/base/log.h"
 #include "tandem/keras_like/keras.h"
 
 using namespace tandem;
@@ -70,6 +71,12 @@ keras::Model small_model(const std::string& prefix = "") {
   auto h = keras::Dense(4, "relu", {.name = prefix + "hidden"})(x);
   auto y = keras::Dense(2, {.name = prefix + "out"})(h);
   return keras::Model(x, y);
+}
+
+// Training data for small_model: 4 examples of 3 features, 2 targets each.
+std::pair<Tensor, Tensor> four_examples() {
+  return {Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3}),
+          Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2})};
 }
 
 std::vector<std::vector<float>> weight_values(const keras::Model& model) {
@@ -549,9 +556,7 @@ TEST_CASE("model weights: a file that does not match changes nothing and names t
 TEST_CASE("training checkpoint: weights, optimizer slots, iterations and state round-trip") {
   TempDir dir;
   const auto path = dir.file("ckpt.safetensors");
-  auto x =
-      Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
-  auto y = Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2});
+  const auto [x, y] = four_examples();
   auto model = small_model("ck_");
   model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
   model.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
@@ -661,6 +666,87 @@ TEST_CASE("training checkpoint: a mismatch is refused before anything changes") 
   CHECK(weight_values(model) == weights_before);
 }
 
+TEST_CASE("training checkpoint: a learning-rate schedule is saved as Keras serialises it and resumes") {
+  TempDir dir;
+  const auto path = dir.file("sched.safetensors");
+  const auto [x, y] = four_examples();
+  const keras::CosineDecay cosine{
+      .initial_learning_rate = 0.0, .decay_steps = 8, .alpha = 0.1, .warmup_target = 0.05, .warmup_steps = 3};
+  const keras::AdamW adamw{.learning_rate = cosine, .exclude_from_weight_decay = {"bias"}};
+  auto model = small_model("sc_");
+  model.compile(adamw, "mse");
+  model.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
+  keras::save_training_checkpoint(model, path, {.epoch = 2, .step = 0});
+
+  const auto content = keras::read_safetensors(path);
+  CHECK(content.metadata.at("learning_rate_schedule") == keras::LearningRate(cosine).to_json());
+  // The rate follows from iterations: no constant is stored.
+  CHECK(std::none_of(content.tensors.begin(), content.tensors.end(),
+                     [](const auto& nt) { return nt.first == "optimizer/learning_rate"; }));
+
+  const auto capture_warnings = [](const std::function<void()>& fn) {
+    std::string captured;
+    auto previous = logging::set_sink([&](logging::Level level, std::string_view message) {
+      if (level == logging::Level::kWarn) captured += message;
+    });
+    fn();
+    logging::set_sink(std::move(previous));
+    return captured;
+  };
+
+  SUBCASE("the same schedule: the same rate at the same step, and the same training after") {
+    auto restored = small_model("sc_");
+    restored.compile(adamw, "mse");
+    CHECK(capture_warnings([&] { keras::load_training_checkpoint(restored, path); }).empty());
+    CHECK(restored.optimizer().iterations() == 4);
+    CHECK(restored.optimizer().learning_rate() == model.optimizer().learning_rate());
+    CHECK(restored.optimizer().learning_rate() == keras::LearningRate(cosine)(4));
+    model.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
+    restored.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
+    CHECK(weight_values(restored) == weight_values(model));
+  }
+  SUBCASE("another schedule: the compiled one is kept, and a warning names both") {
+    keras::CosineDecay longer = cosine;
+    longer.decay_steps = 80;
+    auto restored = small_model("sc_");
+    restored.compile(keras::AdamW{.learning_rate = longer}, "mse");
+    const auto warning = capture_warnings([&] { keras::load_training_checkpoint(restored, path); });
+    CHECK(warning.find("\"decay_steps\":8,") != std::string::npos);
+    CHECK(warning.find("\"decay_steps\":80,") != std::string::npos);
+    CHECK(warning.find("training continues with the optimizer's") != std::string::npos);
+    CHECK(restored.optimizer().learning_rate_config() == keras::LearningRate(longer));
+    CHECK(restored.optimizer().learning_rate() == keras::LearningRate(longer)(4));
+    CHECK(weight_values(restored) == weight_values(model));
+  }
+  SUBCASE("a constant-rate optimizer keeps its constant") {
+    auto restored = small_model("sc_");
+    restored.compile(keras::AdamW{.learning_rate = 0.002}, "mse");
+    const auto warning = capture_warnings([&] { keras::load_training_checkpoint(restored, path); });
+    CHECK(warning.find("CosineDecay") != std::string::npos);
+    CHECK(restored.optimizer().learning_rate() == 0.002);
+  }
+  SUBCASE("a checkpoint from before schedules (a constant rate, or none) loads into a scheduled optimizer") {
+    auto constant = small_model("sc_");
+    constant.compile(keras::AdamW{.learning_rate = 0.002}, "mse");
+    constant.fit(x, y, {.batch_size = 2, .epochs = 1, .verbose = 0, .shuffle = false});
+    const auto old_path = dir.file("old.safetensors");
+    keras::save_training_checkpoint(constant, old_path, {.epoch = 1, .step = 0});
+    auto restored = small_model("sc_");
+    restored.compile(adamw, "mse");
+    const auto warning = capture_warnings([&] { keras::load_training_checkpoint(restored, old_path); });
+    CHECK(warning.find("learning rate 0.002") != std::string::npos);
+    CHECK(restored.optimizer().learning_rate_config().is_schedule());
+    CHECK(restored.optimizer().learning_rate() == keras::LearningRate(cosine)(2));
+    CHECK(weight_values(restored) == weight_values(constant));
+
+    auto old = keras::read_safetensors(old_path);
+    std::erase_if(old.tensors, [](const auto& nt) { return nt.first == "optimizer/learning_rate"; });
+    keras::write_safetensors(old_path, old.tensors, old.metadata);
+    CHECK(capture_warnings([&] { keras::load_training_checkpoint(restored, old_path); }).empty());
+    CHECK(restored.optimizer().iterations() == 2);
+  }
+}
+
 TEST_CASE("training checkpoint: needs a compiled model") {
   TempDir dir;
   auto model = small_model("nc_");
@@ -710,9 +796,7 @@ TEST_CASE("model weights and checkpoints load into a twin built later in the pro
     model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
     return model;
   };
-  auto x =
-      Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3});
-  auto y = Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2});
+  const auto [x, y] = four_examples();
   auto first = build();
   first.fit(x, y, {.batch_size = 2, .epochs = 2, .verbose = 0, .shuffle = false});
   const auto weights = dir.file("w.safetensors");
