@@ -63,6 +63,13 @@ const T* in_data(KernelContext& ctx, int i) {
 template <int K>
 using ChannelAccumulators = double[K][kChannelBlock];
 
+// A partition's K sums per channel seen like ChannelAccumulators (sums[k][c] for channels from 0).
+struct PartitionSums {
+  double* data;
+  std::int64_t channels;
+  double* operator[](int k) const { return data + k * channels; }
+};
+
 // How many row partitions a sum of K quantities per channel over [rows, channels] is split into:
 // about one per kElementwiseGrain elements, at most kMaxRowPartitions, and few enough that their
 // partial sums fit in kMaxPartialSums doubles. A function of the shape only.
@@ -101,7 +108,8 @@ const double* partitioned_row_sums(KernelContext& ctx, std::int64_t rows, std::i
 
 // Sums K quantities per element over the rows of a [rows, channels] tensor, in double.
 //   accumulate(r0, r1, c0, c1, acc) adds the quantities of rows [r0, r1) and channels [c0, c1) to
-//     acc[k][c - c0] (it may also write element-wise outputs: one sweep does both);
+//     acc[k][c - c0] (it may also write element-wise outputs: one sweep does both; acc is a
+//     ChannelAccumulators or a PartitionSums);
 //   finish(c0, c1, acc) receives the complete sums of a block of channels.
 // When there are at least as many blocks of channels as row partitions would be (many channels,
 // or a tensor too small to split), blocks run in parallel over all rows and need no scratch;
@@ -128,14 +136,12 @@ void channel_sums(KernelContext& ctx, std::int64_t rows, std::int64_t channels, 
     });
     return;
   }
+  // Whole rows at a time, into the partition's own sums: rows stream through the cache in order
+  // (blocks of a few hundred bytes per row, 2 KiB apart, defeat the hardware prefetcher).
   const double* totals = partitioned_row_sums<K>(
       ctx, rows, channels, partitions, [&](std::int64_t r0, std::int64_t r1, double* mine) {
-        for (std::int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
-          const std::int64_t c1 = std::min(channels, c0 + kChannelBlock);
-          ChannelAccumulators<K> acc = {};
-          accumulate(r0, r1, c0, c1, acc);
-          for (int k = 0; k < K; ++k) std::copy(acc[k], acc[k] + (c1 - c0), mine + k * channels + c0);
-        }
+        PartitionSums sums{mine, channels};
+        accumulate(r0, r1, std::int64_t{0}, channels, sums);
       });
   for (std::int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
     const std::int64_t c1 = std::min(channels, c0 + kChannelBlock);
@@ -755,33 +761,48 @@ void layer_norm_grad_kernel(KernelContext& ctx) {
 
 // ---- Masked softmax --------------------------------------------------------------------------
 
+// A causal row's prefix rounded up to whole 64-byte vectors (within the row): Eigen evaluates a
+// length that is not a multiple of its packet size with a scalar tail, and a scalar exp costs
+// more than the vector exp of the few keys beyond the prefix, which are then overwritten with 0.
+template <class T>
+std::int64_t whole_vectors(std::int64_t n, std::int64_t cols) {
+  constexpr std::int64_t kLanes = 64 / sizeof(T);
+  return std::min(cols, (n + kLanes - 1) / kLanes * kLanes);
+}
+
 // Row r of y = softmax(scale * x) over the keys it attends to (detail/masked_softmax_args.h), 0
 // elsewhere; all zeros when it attends to none. A causal row ends at its query: the keys beyond
-// are written as 0 with no exp. With a mask (M its element type), keep holds the row's 0/1 flags.
+// take no exp (but those of its last vector). With a mask (M its element type), keep holds the
+// row's 0/1 flags.
 template <class T, class M>
 void masked_softmax_row(const detail::MaskedSoftmaxRows& a, std::int64_t r, const T* xr, const M* mask, T scale,
                         T* keep, T* yr) {
   const std::int64_t n = detail::attended_prefix(a, r);
-  std::fill(yr + n, yr + a.cols, T(0));
-  if (n == 0) return;
-  const ConstArrayMap<T> xs(xr, n);
-  ArrayMap<T> ys(yr, n);
+  const std::int64_t padded = whole_vectors<T>(n, a.cols);
+  if (n == 0) {
+    std::fill(yr, yr + a.cols, T(0));
+    return;
+  }
+  ArrayMap<T> ys(yr, padded);
+  T max = -std::numeric_limits<T>::infinity();
   if (mask == nullptr) {
-    const T max = (xs * scale).maxCoeff();
-    ys = (xs * scale - max).exp();
+    max = (ConstArrayMap<T>(xr, n) * scale).maxCoeff();
+    ys = (ConstArrayMap<T>(xr, padded) * scale - max).exp();
+    std::fill(yr + n, yr + a.cols, T(0));
   } else {
     const M* mr = mask + detail::mask_row_offset(a, r);
     const std::int64_t stride = a.col_stride;
-    T max = -std::numeric_limits<T>::infinity();
     for (std::int64_t j = 0; j < n; ++j) keep[j] = mr[j * stride] != 0 ? T(1) : T(0);
+    std::fill(keep + n, keep + padded, T(0));
     for (std::int64_t j = 0; j < n; ++j) max = keep[j] != T(0) ? std::max(max, scale * xr[j]) : max;
     if (!(max > -std::numeric_limits<T>::infinity())) {  // nothing to attend
-      ys.setZero();
+      std::fill(yr, yr + a.cols, T(0));
       return;
     }
     // Masked keys take exp(0) and are then multiplied by 0: no inf, NaN or denormal on the way.
-    for (std::int64_t j = 0; j < n; ++j) yr[j] = keep[j] != T(0) ? scale * xr[j] - max : T(0);
-    ys = ys.exp() * ConstArrayMap<T>(keep, n);
+    for (std::int64_t j = 0; j < padded; ++j) yr[j] = keep[j] != T(0) ? scale * xr[j] - max : T(0);
+    ys = ys.exp() * ConstArrayMap<T>(keep, padded);
+    std::fill(yr + padded, yr + a.cols, T(0));
   }
   ys *= T(1) / ys.sum();  // the sum is >= 1: the maximum contributes exp(0)
 }
@@ -830,8 +851,9 @@ void masked_softmax_grad_kernel(KernelContext& ctx) {
     ctx.device().parallel_for(a.rows, row_grain(a.cols), [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t r = begin; r < end; ++r) {
         const std::int64_t o = r * a.cols, n = detail::attended_prefix(a, r);
-        const ConstArrayMap<T> g(dy + o, n), yr(y + o, n);
-        ArrayMap<T>(dx + o, n) = s * yr * (g - (g * yr).sum());
+        const std::int64_t padded = whole_vectors<T>(n, a.cols);
+        const T dot = (ConstArrayMap<T>(dy + o, n) * ConstArrayMap<T>(y + o, n)).sum();
+        ArrayMap<T>(dx + o, padded) = s * ConstArrayMap<T>(y + o, padded) * (ConstArrayMap<T>(dy + o, padded) - dot);
         std::fill(dx + o + n, dx + o + a.cols, T(0));
       }
     });
