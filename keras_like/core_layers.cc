@@ -5,7 +5,7 @@
 namespace tandem::keras {
 namespace {
 
-constexpr std::string_view kKnownActivations = "linear, relu, sigmoid, tanh, softmax";
+constexpr std::string_view kKnownActivations = "linear, relu, sigmoid, tanh, gelu, gelu_approximate, softmax";
 
 std::int64_t product_of_non_batch(const Shape& shape) {
   std::int64_t n = 1;
@@ -151,13 +151,16 @@ class AddImpl final : public LayerImpl {
 
 Output apply_activation(std::string_view activation, Output x, std::string_view layer_label) {
   const bool known = activation.empty() || activation == "linear" || activation == "relu" || activation == "sigmoid" ||
-                     activation == "tanh" || activation == "softmax";
+                     activation == "tanh" || activation == "gelu" || activation == "gelu_approximate" ||
+                     activation == "softmax";
   TANDEM_REQUIRE(known, InvalidArgument, "{}: unknown activation \"{}\"; known: {}", layer_label, activation,
                  kKnownActivations);
   if (!x.defined() || activation.empty() || activation == "linear") return x;
   if (activation == "relu") return ops::relu(x);
   if (activation == "sigmoid") return ops::sigmoid(x);
   if (activation == "tanh") return ops::tanh(x);
+  if (activation == "gelu") return ops::gelu(x);
+  if (activation == "gelu_approximate") return ops::gelu(x, true);
   // Softmax of 16-bit logits in float32, and a float32 result (Keras's advice for the output
   // layer of a mixed-precision model, done for the user).
   if (graph::is_low_precision(x.dtype())) x = ops::cast(x, DType::kF32);
@@ -169,6 +172,8 @@ std::optional<ops::Activation> fusable_activation(std::string_view a) {
   if (a == "relu") return ops::Activation::kRelu;
   if (a == "sigmoid") return ops::Activation::kSigmoid;
   if (a == "tanh") return ops::Activation::kTanh;
+  if (a == "gelu") return ops::Activation::kGelu;
+  if (a == "gelu_approximate") return ops::Activation::kGeluApproximate;
   return std::nullopt;
 }
 
