@@ -145,14 +145,23 @@ void LayerImpl::track(const Layer& layer) {
   for (const auto& t : tracked_) {
     TANDEM_REQUIRE(t != layer.ptr(), InvalidArgument, "{}: {} is tracked already", label(), layer->label());
   }
+  TANDEM_REQUIRE(!layer->built(), InvalidArgument,
+                 "{}: {} is built already; track the layers it holds before building them (in its constructor)",
+                 label(), layer->label());
   tracked_.push_back(layer.ptr());
+  layer->set_path_prefix(path_prefix_ + name_ + "/");
+}
+
+void LayerImpl::set_path_prefix(const std::string& prefix) {
+  path_prefix_ = prefix;
+  for (const auto& t : tracked_) t->set_path_prefix(path_prefix_ + name_ + "/");
 }
 
 VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
   TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument,
                  "{}: weight \"{}\" has shape {}; it must be fully defined", label(), options.name, options.shape);
   strategy::VariableOptions variable;
-  variable.name = fmt::format("{}/{}", name_, options.name);
+  variable.name = fmt::format("{}{}/{}", path_prefix_, name_, options.name);
   variable.initial_value =
       options.initializer(options.shape, options.dtype.value_or(dtype_policy_.variable_dtype()), next_seed());
   variable.trainable = options.trainable;

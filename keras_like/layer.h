@@ -196,8 +196,9 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   VariablePtr add_weight(const WeightOptions& options);
   // Makes `layer` part of this one, as Keras tracks the layers a custom layer holds: its weights
   // count among this layer's (a model lists them, saves them, trains them), after this layer's
-  // own. Call it in the constructor, once per held layer; a tracked layer belongs to this layer
-  // only (calling it from the model too would list its weights twice).
+  // own, and are named under this layer's name as Keras 3 names them ("block/dense/kernel"). Call
+  // it in the constructor, before the held layer is built, once per held layer; a tracked layer
+  // belongs to this layer only (calling it from the model too would list its weights twice).
   void track(const Layer& layer);
   // "Dense \"dense_1\"": how errors name the layer.
   std::string label() const;
@@ -210,6 +211,9 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   mixed_precision::Policy dtype_policy_ = mixed_precision::global_policy();
   std::vector<VariablePtr> weights_;
   std::vector<std::shared_ptr<LayerImpl>> tracked_;
+  std::string path_prefix_;  // "block/" for a layer that "block" tracks: its weights' names start so
+
+  void set_path_prefix(const std::string& prefix);
 };
 
 // What a layer call on several inputs returns: its outputs, and (for a layer with one output)
