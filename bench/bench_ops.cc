@@ -1,8 +1,10 @@
-// bench_ops — GFLOP/s of tandem's MatMul and Conv2D ops next to the ceilings measured in the same
-// run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one thread and
-// all threads) and memory-copy bandwidth. See bench/README.md for what each row means.
+// bench_ops — GFLOP/s of tandem's MatMul, BatchMatMul and Conv2D ops next to the ceilings measured
+// in the same run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one
+// thread and all threads) and memory-copy bandwidth; GB/s of the transformer's memory-bound nn ops
+// (LayerNorm, the causal masked softmax, GELU) next to the copy ceiling. See bench/README.md for
+// what each row means.
 //
-//   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|conv]
+//   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|bmm|conv|nn]
 //
 // --threads sets the CPU device's intra-op threads (default: every usable core).
 //
@@ -16,6 +18,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -57,7 +60,7 @@ struct Options {
   int rounds = 3;
   int samples = 5;
   bool quick = false;
-  std::string only;  // "matmul" or "conv": run only that part
+  std::string only;  // "matmul", "bmm", "conv" or "nn": run only that part
 };
 
 std::vector<float> random_floats(std::int64_t n, std::uint64_t seed) {
@@ -310,6 +313,36 @@ std::vector<Product> mlp_products() {
   return products;
 }
 
+// A BatchMatMul of the char_gpt sample (batch 32, 4 heads, context 128, head size 32): the two
+// attention products and the four products of their gradients, and a dense layer over the
+// sequence (B shared by the batch: one folded product).
+struct BatchProduct {
+  std::string name;
+  Shape a, b;
+  bool adj_x, adj_y;
+  std::int64_t batch() const { return a.num_elements() / (a.dim(-1) * a.dim(-2)); }
+  std::int64_t m() const { return a.dim(adj_x ? -1 : -2); }
+  std::int64_t k() const { return a.dim(adj_x ? -2 : -1); }
+  std::int64_t n() const { return b.dim(adj_y ? -2 : -1); }
+  double flops() const {
+    return 2.0 * static_cast<double>(batch()) * static_cast<double>(m() * n()) * static_cast<double>(k());
+  }
+  // One of the batch's products, as a single-threaded sgemm (the per-matrix reference).
+  Product one() const { return {name, adj_x, adj_y, m(), n(), k()}; }
+};
+
+std::vector<BatchProduct> attention_products() {
+  const std::int64_t B = 32, H = 4, T = 128, D = 32;
+  const Shape q{B, H, T, D}, s{B, H, T, T};
+  return {{"scores S=Q@Kt", q, q, false, true},
+          {"context O=P@V", s, q, false, false},
+          {"dQ = dS@K", s, q, false, false},
+          {"dK = dSt@Q", s, q, true, false},
+          {"dP = dO@Vt", q, q, false, true},
+          {"dV = Pt@dO", s, q, true, false},
+          {"MLP X@W (folded)", {B, T, 128}, {128, 512}, false, false}};
+}
+
 struct ConvLayer {
   std::string name;
   std::int64_t h, w, cin, cout, k;
@@ -362,6 +395,43 @@ void print_matmul(const Timings& t, const devices::Device& device) {
              op_total / best_total);
 }
 
+std::string batch_shape_text(const BatchProduct& p) {
+  return fmt::format("{}{} @ {}{}", p.adj_x ? "T" : "", p.a, p.adj_y ? "T" : "", p.b);
+}
+
+void print_batch_matmul(const Timings& t, const devices::Device& device, double ceiling) {
+  const int threads = device.intra_op_threads();
+  fmt::print("\nBatchMatMul at the attention shapes of char_gpt (B=32, H=4, T=128, head 32), float32 ({})\n",
+             threads_text(threads));
+  fmt::print(
+      "  1 matrix = one of the batch's products as one single-threaded sgemm (the best of OpenBLAS and Eigen):\n"
+      "  the rate a thread can reach at this matrix size. op = the op through graph + executor; op/1 matrix\n"
+      "  divides by {} x that rate; ratio = op over the run's sgemm 2048^3 ceiling ({:.1f} GFLOP/s). T = adjoint.\n",
+      threads, ceiling);
+  print_rule();
+  fmt::print("{:<18} {:<44} {:>7} {:>8} {:>9} {:>8} {:>11} {:>6}\n", "product", "shape", "MFLOP", "ms", "1 matrix",
+             "op", "op/1 matrix", "ratio");
+  print_rule();
+  double flops = 0, seconds = 0;
+  for (const auto& p : attention_products()) {
+    const std::string key = "bmm/" + p.name;
+    const Product one = p.one();
+    const double single = std::max(t.gflops(key + "/openblas1", one.flops()), t.gflops(key + "/eigen1", one.flops()));
+    const double op = t.gflops(key + "/op", p.flops());
+    fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11.2f} {:>6.2f}\n", p.name, batch_shape_text(p),
+               p.flops() / 1e6, t.seconds(key + "/op") * 1e3, gf_text(single), op, op / (threads * single),
+               op / ceiling);
+    if (p.a.rank() == 4) {
+      flops += p.flops();
+      seconds += t.seconds(key + "/op");
+    }
+  }
+  print_rule();
+  const double all = flops / seconds / 1e9;
+  fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11} {:>6.2f}\n", "attention, all 6", "", flops / 1e6,
+             seconds * 1e3, "", all, "", all / ceiling);
+}
+
 void print_conv(const Timings& t, const devices::Device& device, double ceiling) {
   fmt::print("\nConv2D 3x3, VALID, stride 1, batch {}, float32, through graph + executor ({})\n", kBatch,
              threads_text(device.intra_op_threads()));
@@ -397,6 +467,102 @@ void print_conv(const Timings& t, const devices::Device& device, double ceiling)
   print_rule();
   row("both layers", "forward + backward (all three)", all_flops, all_s);
   row("both layers", "training step (no dx for the data)", step_flops, step_s);
+}
+
+// --- the transformer's nn ops (char_gpt's shapes) ----------------------------------------------
+
+// One op at the GPT's shapes: `bytes` is what it must move at least (every input read once, every
+// output written once), for GB/s against the copy ceiling; `flops` is non-zero for the products.
+struct NnCase {
+  std::string name, shape;
+  double bytes = 0, flops = 0;
+};
+
+constexpr std::int64_t kTokens = 32 * 128;  // batch 32 x context 128
+constexpr std::int64_t kWidth = 128, kHidden = 512, kHeads = 4, kContext = 128;
+
+// Adds each case's runner under "nn/<name>" and returns the cases in table order.
+std::vector<NnCase> add_nn_ops(Timings& t, devices::Device& device, std::vector<std::unique_ptr<OpRunner>>& runners) {
+  std::vector<NnCase> cases;
+  const auto add = [&](NnCase c, std::vector<Shape> inputs, auto build) {
+    auto& runner = *runners.emplace_back(std::make_unique<OpRunner>(device, std::move(inputs), build));
+    t.add("nn/" + c.name, [&runner] { runner.run(); });
+    cases.push_back(std::move(c));
+  };
+  constexpr double kF = sizeof(float);
+  const Shape rows{kTokens, kWidth}, stats{kTokens}, channel{kWidth};
+  const double ln = static_cast<double>(kTokens * kWidth) * kF;
+  add({"LayerNorm forward", "[4096, 128]", 2 * ln}, {rows, channel, channel},
+      [](const std::vector<Output>& in) { return ops::layer_norm(in[0], in[1], in[2]); });
+  add({"LayerNorm backward", "[4096, 128]", 3 * ln}, {rows, rows, stats, stats, channel},
+      [](const std::vector<Output>& in) {
+        graph::Attrs attrs;
+        attrs.set("scale", true);
+        return in[0].graph->add_node("LayerNormGrad", {in[0], in[1], in[2], in[3], in[4]}, std::move(attrs))[0];
+      });
+  const Shape scores{32, kHeads, kContext, kContext};
+  const double sm = static_cast<double>(scores.num_elements()) * kF;
+  const double scale = 1.0 / std::sqrt(32.0);
+  add({"MaskedSoftmax causal forward", "[32, 4, 128, 128]", 2 * sm}, {scores}, [scale](const std::vector<Output>& in) {
+    return ops::masked_softmax(in[0], Output{}, {.scale = scale, .causal = true});
+  });
+  add({"MaskedSoftmax causal backward", "[32, 4, 128, 128]", 3 * sm}, {scores, scores},
+      [scale](const std::vector<Output>& in) {
+        graph::Attrs attrs;
+        attrs.set("scale", scale).set("causal", true);
+        return in[0].graph->add("MaskedSoftmaxGrad", {in[0], in[1]}, std::move(attrs));
+      });
+  add({"Softmax (no mask), for scale", "[32, 4, 128, 128]", 2 * sm}, {scores},
+      [](const std::vector<Output>& in) { return ops::softmax(in[0]); });
+  const Shape hidden{kTokens, kHidden};
+  const double h = static_cast<double>(hidden.num_elements()) * kF;
+  const double dense_flops = 2.0 * static_cast<double>(kTokens * kWidth * kHidden);
+  const double dense_bytes = (static_cast<double>(kTokens * kWidth + kWidth * kHidden) * kF) + h;
+  for (const auto activation : {ops::Activation::kLinear, ops::Activation::kGelu, ops::Activation::kGeluApproximate}) {
+    const bool gelu = activation != ops::Activation::kLinear;
+    add({fmt::format("Dense {} forward", ops::activation_name(activation)), "[4096, 128] @ [128, 512]",
+         dense_bytes + (gelu ? h : 0), dense_flops},
+        {rows, {kWidth, kHidden}, {kHidden}},
+        [activation](const std::vector<Output>& in) { return ops::dense(in[0], in[1], in[2], activation); });
+  }
+  for (const auto activation : {ops::Activation::kRelu, ops::Activation::kGelu, ops::Activation::kGeluApproximate}) {
+    add({fmt::format("BiasActivationGrad {}", ops::activation_name(activation)), "[4096, 512]", 3 * h},
+        {hidden, hidden}, [activation](const std::vector<Output>& in) {
+          graph::Attrs attrs;
+          attrs.set("activation", ops::activation_name(activation));
+          return in[0].graph->add_node("BiasActivationGrad", {in[0], in[1]}, std::move(attrs))[0];
+        });
+  }
+  add({"Gelu forward", "[4096, 512]", 2 * h}, {hidden}, [](const std::vector<Output>& in) { return ops::gelu(in[0]); });
+  add({"GeluGrad", "[4096, 512]", 3 * h}, {hidden, hidden}, [](const std::vector<Output>& in) {
+    graph::Attrs attrs;
+    attrs.set("approximate", false);
+    return in[0].graph->add("GeluGrad", {in[0], in[1]}, std::move(attrs));
+  });
+  return cases;
+}
+
+void print_nn_ops(const Timings& t, const devices::Device& device, const std::vector<NnCase>& cases, double copy_gbs,
+                  double ceiling) {
+  fmt::print("\nnn ops at the shapes of char_gpt (tokens 32 x 128, width 128, MLP 512, 4 heads), float32 ({})\n",
+             threads_text(device.intra_op_threads()));
+  fmt::print(
+      "  MB = every input read once + every output written once; copy = GB/s over the run's memory copy at the\n"
+      "  same thread count ({:.1f} GB/s; these tensors fit in the last-level cache, so more than 1 is possible).\n"
+      "  Dense rows: GFLOP/s and its ratio to the run's sgemm ceiling ({:.1f} GFLOP/s).\n",
+      copy_gbs, ceiling);
+  print_rule();
+  fmt::print("{:<32} {:<26} {:>7} {:>9} {:>8} {:>6} {:>9} {:>6}\n", "op", "shape", "MB", "ms", "GB/s", "copy",
+             "GFLOP/s", "sgemm");
+  print_rule();
+  for (const auto& c : cases) {
+    const double seconds = t.seconds("nn/" + c.name);
+    const double gbs = c.bytes / seconds / 1e9;
+    const std::string flops =
+        c.flops > 0 ? fmt::format("{:>9.1f} {:>6.2f}", c.flops / seconds / 1e9, c.flops / seconds / 1e9 / ceiling) : "";
+    fmt::print("{:<32} {:<26} {:>7.1f} {:>9.3f} {:>8.1f} {:>6.2f} {}\n", c.name, c.shape, c.bytes / 1e6, seconds * 1e3,
+               gbs, gbs / copy_gbs, flops);
+  }
 }
 
 int run(const Options& options) {
@@ -438,7 +604,7 @@ int run(const Options& options) {
   const Product square{"square", false, false, kLargeSquare, kLargeSquare, kLargeSquare};
   add_sgemm(t, device, own, square, "square", true, operands);
 
-  if (options.only != "conv") {
+  if (options.only.empty() || options.only == "matmul") {
     for (const auto& p : mlp_products()) {
       const std::string key = "mlp/" + p.name;
       add_sgemm(t, device, own, p, key, true, operands);
@@ -453,7 +619,28 @@ int run(const Options& options) {
       t.add(key + "/op", [&runner] { runner.run(); });
     }
   }
-  if (options.only != "matmul") {
+  if (options.only.empty() || options.only == "bmm") {
+    for (const auto& p : attention_products()) {
+      const std::string key = "bmm/" + p.name;
+      const Product one = p.one();
+      auto& buf = *operands.emplace_back(std::make_unique<Operands>(one));
+      const GemmShape s = one.shape();
+      if (ops::cpu::openblas_available()) {
+        t.add(key + "/openblas1", [&buf, s] {
+          ops::cpu::gemm_serial_with(GemmBackend::kOpenBLAS, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+        });
+      }
+      t.add(key + "/eigen1", [&buf, s] {
+        ops::cpu::gemm_serial_with(GemmBackend::kEigen, s, 1.0f, buf.a.data(), buf.b.data(), 0.0f, buf.c.data());
+      });
+      auto& runner = *runners.emplace_back(
+          std::make_unique<OpRunner>(device, std::vector<Shape>{p.a, p.b}, [&](const std::vector<Output>& in) {
+            return ops::batch_matmul(in[0], in[1], {.adj_x = p.adj_x, .adj_y = p.adj_y});
+          }));
+      t.add(key + "/op", [&runner] { runner.run(); });
+    }
+  }
+  if (options.only.empty() || options.only == "conv") {
     graph::Attrs attrs;
     attrs.set("strides", std::vector<std::int64_t>{1, 1});
     attrs.set("padding", "VALID");
@@ -473,6 +660,9 @@ int run(const Options& options) {
       }
     }
   }
+
+  std::vector<NnCase> nn_cases;
+  if (options.only.empty() || options.only == "nn") nn_cases = add_nn_ops(t, device, runners);
 
   t.run();
 
@@ -495,8 +685,13 @@ int run(const Options& options) {
   const double ceiling = best_sgemm(t, "square", sq);
   fmt::print("best sgemm of this run at {}: {:.1f} GFLOP/s\n", threads_text(threads), ceiling);
 
-  if (options.only != "conv") print_matmul(t, device);
-  if (options.only != "matmul") print_conv(t, device, ceiling);
+  if (options.only.empty() || options.only == "matmul") print_matmul(t, device);
+  if (options.only.empty() || options.only == "bmm") print_batch_matmul(t, device, ceiling);
+  if (options.only.empty() || options.only == "conv") print_conv(t, device, ceiling);
+  if (!nn_cases.empty()) {
+    const double copy_gbs = 2.0 * kCopyBytes / t.seconds(threads > 1 ? "copy/all" : "copy/1") / 1e9;
+    print_nn_ops(t, device, nn_cases, copy_gbs, ceiling);
+  }
   return 0;
 }
 
@@ -504,7 +699,9 @@ int run(const Options& options) {
 
 int main(int argc, char** argv) {
   Options options;
-  CLI::App app("bench_ops: GFLOP/s of tandem's MatMul and Conv2D next to this machine's sgemm and copy ceilings");
+  CLI::App app(
+      "bench_ops: GFLOP/s of tandem's MatMul, BatchMatMul and Conv2D, GB/s of its transformer nn ops, next to this "
+      "machine's sgemm and copy ceilings");
   app.add_option("--threads", options.threads, "the CPU device's intra-op threads (0: every usable core)")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
@@ -515,7 +712,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_flag("--quick", options.quick, "one round of two short samples (a smoke run)");
-  app.add_option("--only", options.only, "run only that part")->check(CLI::IsMember({"matmul", "conv"}));
+  app.add_option("--only", options.only, "run only that part")
+      ->check(CLI::IsMember({"matmul", "bmm", "conv", "nn"}));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(options);

@@ -54,6 +54,11 @@ Output conv2d(Output x, Output filter, const Conv2DOptions& options) {
 }
 
 Output fused_conv2d(Output x, Output filter, Output bias, Activation activation, const Conv2DOptions& options) {
+  // FusedConv2D's gradient differentiates its activation through the output y; GELU needs its
+  // input, so it follows the fused convolution as its own op.
+  if (activation_gradient_needs_input(activation)) {
+    return gelu(fused_conv2d(x, filter, bias, Activation::kLinear, options), activation == Activation::kGeluApproximate);
+  }
   Attrs attrs = window_attrs(options.strides, options.padding);
   attrs.set("activation", activation_name(activation));
   return detail::add_op("FusedConv2D", {x, filter, bias}, std::move(attrs));
@@ -163,7 +168,11 @@ std::vector<TensorSpec> fused_conv2d_shape(ShapeContext& ctx) {
   const Shape& bias = ctx.shape(2);
   ctx.require(bias.rank() == 1 && (bias[0] == filter[3] || bias[0] == Shape::kUnknown || filter[3] == Shape::kUnknown),
               "bias of shape {} does not match the filter's {} output channels (filter {})", bias, filter[3], filter);
-  parse_activation(ctx.attrs().get<std::string>("activation"));
+  const Activation activation = parse_activation(ctx.attrs().get<std::string>("activation"));
+  ctx.require(!activation_gradient_needs_input(activation),
+              "activation {} is not fused into a convolution (its gradient needs the pre-activation); ops::fused_conv2d "
+              "applies it after",
+              activation_name(activation));
   return out;
 }
 

@@ -60,6 +60,10 @@ Output matmul(Output a, Output b, const MatMulOptions& options) {
   return add_op("MatMul", {a, b}, {{"transpose_a", options.transpose_a}, {"transpose_b", options.transpose_b}});
 }
 
+Output batch_matmul(Output a, Output b, const BatchMatMulOptions& options) {
+  return add_op("BatchMatMul", {a, b}, {{"adj_x", options.adj_x}, {"adj_y", options.adj_y}});
+}
+
 Output sum_to_shape_of(Output x, Output like) {
   if (x.shape() == like.shape() && x.shape().is_fully_defined()) return x;
   return add_op("SumToShape", {x, like});
@@ -182,6 +186,40 @@ std::vector<TensorSpec> matmul_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), Shape{m, n}}};
 }
 
+// The leading (batch) axes of a BatchMatMul operand.
+Shape batch_axes(const Shape& s) {
+  Shape batch;
+  for (int d = 0; d + 2 < s.rank(); ++d) batch.push_back(s[d]);
+  return batch;
+}
+
+std::vector<TensorSpec> batch_matmul_shape(ShapeContext& ctx) {
+  ctx.require_float(0);
+  ctx.require_same_dtype(0, 1);
+  const Shape& a = ctx.shape(0);
+  const Shape& b = ctx.shape(1);
+  ctx.require(a.rank() >= 2 && b.rank() >= 2, "BatchMatMul takes tensors of rank 2 or more; got a {} and b {}", a, b);
+  const bool adj_x = ctx.attrs().get_bool_or("adj_x", false);
+  const bool adj_y = ctx.attrs().get_bool_or("adj_y", false);
+  const std::int64_t m = a.dim(adj_x ? -1 : -2), ka = a.dim(adj_x ? -2 : -1);
+  const std::int64_t kb = b.dim(adj_y ? -1 : -2), n = b.dim(adj_y ? -2 : -1);
+  ctx.require(ka == kb || ka == Shape::kUnknown || kb == Shape::kUnknown,
+              "inner dimensions differ: a is {}{}, b is {}{} ({} vs {})", a, adj_x ? " (adjoint)" : "", b,
+              adj_y ? " (adjoint)" : "", ka, kb);
+  const Shape ba = batch_axes(a), bb = batch_axes(b);
+  const int rank = std::max(ba.rank(), bb.rank());
+  for (int d = 0; d < rank; ++d) {
+    const int da = d - (rank - ba.rank()), db = d - (rank - bb.rank());
+    const std::int64_t x = da >= 0 ? ba[da] : 1, y = db >= 0 ? bb[db] : 1;
+    ctx.require(x == y || x == 1 || y == 1 || x == Shape::kUnknown || y == Shape::kUnknown,
+                "batch dimensions of a {} and b {} do not broadcast (batch axis {}: {} vs {})", a, b, d, x, y);
+  }
+  Shape out = detail::broadcast_shapes(ctx, ba, bb);
+  out.push_back(m);
+  out.push_back(n);
+  return {TensorSpec{ctx.dtype(0), out}};
+}
+
 // ----- gradient functions -----
 
 // The gradient of a broadcasting binary op for input i, reduced to that input's shape.
@@ -247,6 +285,48 @@ std::vector<Output> matmul_grad(GradContext& ctx) {
           matmul(dy, a, {.transpose_a = true, .transpose_b = true})};
 }
 
+// A BatchMatMul operand's gradient, summed over the batch axes along which it was broadcast.
+Output sum_over_broadcast_batch(Output grad, Output input, Output other) {
+  if (detail::broadcast_is_identity(batch_axes(input.shape()), batch_axes(other.shape()))) return grad;
+  return add_op("SumToShape", {grad, input});
+}
+
+std::vector<Output> batch_matmul_grad(GradContext& ctx) {
+  const bool ax = ctx.attrs().get_bool_or("adj_x", false);
+  const bool ay = ctx.attrs().get_bool_or("adj_y", false);
+  const Output a = ctx.input(0);
+  const Output b = ctx.input(1);
+  const Output dy = ctx.grad(0);
+  const auto bmm = [](Output x, Output y, bool adj_x, bool adj_y) {
+    return batch_matmul(x, y, {.adj_x = adj_x, .adj_y = adj_y});
+  };
+  // C = op(A) op(B): matmul_grad's four cases, batched.
+  Output da, db;
+  if (!ax && !ay) {
+    da = bmm(dy, b, false, true);
+    db = bmm(a, dy, true, false);
+  } else if (!ax && ay) {
+    da = bmm(dy, b, false, false);
+    db = bmm(dy, a, true, false);
+  } else if (ax && !ay) {
+    da = bmm(b, dy, false, true);
+    db = bmm(a, dy, false, false);
+  } else {
+    da = bmm(b, dy, true, true);
+    db = bmm(dy, a, true, true);
+  }
+  // A matrix b shared by a batch of a (a dense layer over a sequence): its gradient is one product
+  // over the flattened batch, not a product per matrix and then a sum.
+  const std::int64_t k = a.shape().dim(-1), n = dy.shape().dim(-1);
+  if (b.shape().rank() == 2 && a.shape().rank() > 2 && !ax && k != Shape::kUnknown && n != Shape::kUnknown) {
+    const Output flat_a = reshape(a, {-1, k});
+    const Output flat_dy = reshape(dy, {-1, n});
+    db = ay ? matmul(flat_dy, flat_a, {.transpose_a = true}) : matmul(flat_a, flat_dy, {.transpose_a = true});
+    return {da, db};
+  }
+  return {sum_over_broadcast_batch(da, a, b), sum_over_broadcast_batch(db, b, a)};
+}
+
 }  // namespace
 
 namespace detail {
@@ -280,6 +360,11 @@ void register_math_ops() {
          .shape_fn = sum_to_shape_shape,
          .grad_fn = sum_to_shape_grad});
   r.add({.name = "MatMul", .min_inputs = 2, .max_inputs = 2, .shape_fn = matmul_shape, .grad_fn = matmul_grad});
+  r.add({.name = "BatchMatMul",
+         .min_inputs = 2,
+         .max_inputs = 2,
+         .shape_fn = batch_matmul_shape,
+         .grad_fn = batch_matmul_grad});
 }
 }  // namespace detail
 

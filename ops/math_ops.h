@@ -43,6 +43,17 @@ struct MatMulOptions {
 // Rank-2 matrix product: op(a) @ op(b).
 Output matmul(Output a, Output b, const MatMulOptions& options = {});
 
+struct BatchMatMulOptions {
+  bool adj_x = false;  // use a's last two axes transposed
+  bool adj_y = false;  // use b's last two axes transposed
+};
+// tf.linalg.matmul / BatchMatMulV2: a [..., m, k] @ b [..., k, n] -> [..., m, n], each of rank 2
+// or more. The leading (batch) axes broadcast like NumPy ([2, 1, 3, 4] @ [5, 4, 6] is [2, 5, 3, 6]);
+// a broadcast operand is read in place, not copied. The gradient of a broadcast operand is summed
+// over the axes it was broadcast along. Shape errors (inner dimensions, batch axes) throw
+// InvalidArgument naming the node.
+Output batch_matmul(Output a, Output b, const BatchMatMulOptions& options = {});
+
 // TensorFloat-32 for float32 matrix products on GPUs (tf.config.experimental.
 // enable_tensor_float_32_execution): about 8x the float32 rate on an H100/H200, with 10-bit
 // mantissas in the products. Off by default here (PyTorch's default), so float32 means float32;

@@ -1,11 +1,19 @@
 // Definitions of the nn family: activations, softmax, bias (+ activation), the fused dense
-// layer, the fused losses, dropout and batch normalisation. Kernels: ops/cpu/nn_kernels.cc.
+// layer, the fused losses, dropout, batch and layer normalisation, the masked (attention)
+// softmax. Kernels: ops/cpu/nn_kernels.cc.
 //
 // Gradients of the activations are expressed through the op's output y (ReluGrad(dy, y), ...):
-// the forward output is kept alive anyway, the input need not be. Fused forward ops have fused
-// gradient ops (BiasActivationGrad computes dz and the bias gradient in one sweep;
-// FusedBatchNormGrad all three parameter gradients and dx in two).
+// the forward output is kept alive anyway, the input need not be. GELU is the exception: y does
+// not determine z, so GeluGrad takes the input, and the fused ops with a GELU epilogue
+// (BiasActivation, FusedMatMul) keep z as a second output for BiasActivationGrad (empty for the
+// other activations, which cost nothing more than before). Recomputing z in the backward pass
+// instead would mean a second matmul. Fused forward ops have fused gradient ops
+// (BiasActivationGrad computes dz and the bias gradient in one sweep; FusedBatchNormGrad all three
+// parameter gradients and dx in two; LayerNormGrad dx, dgamma and dbeta in one; MaskedSoftmaxGrad
+// the softmax's and the scale's derivative in one).
 #include "tandem/ops/nn_ops.h"
+
+#include <cmath>
 
 #include "tandem/ops/array_ops.h"
 #include "tandem/ops/detail/op_util.h"
@@ -20,8 +28,14 @@ std::string_view activation_name(Activation activation) {
     case Activation::kRelu: return "relu";
     case Activation::kSigmoid: return "sigmoid";
     case Activation::kTanh: return "tanh";
+    case Activation::kGelu: return "gelu";
+    case Activation::kGeluApproximate: return "gelu_approximate";
   }
   return "linear";
+}
+
+bool activation_gradient_needs_input(Activation activation) {
+  return activation == Activation::kGelu || activation == Activation::kGeluApproximate;
 }
 
 namespace {
@@ -87,6 +101,12 @@ std::int64_t require_channel_vector(const ShapeContext& ctx, int i, std::string_
   return merge_dims(channels, v[0]);
 }
 
+void require_positive_epsilon(const ShapeContext& ctx) {
+  const double epsilon = ctx.attrs().get_float_or("epsilon", 1e-3);
+  ctx.require(epsilon > 0.0, "epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)",
+              epsilon);
+}
+
 // ---- Shape functions ------------------------------------------------------------------------
 
 std::vector<TensorSpec> float_rank1_same(ShapeContext& ctx) {
@@ -102,9 +122,17 @@ std::vector<TensorSpec> bias_add_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), ctx.shape(0).with_dim(-1, channels)}};
 }
 
+// The fused ops' second output: the pre-activation for activations whose gradient needs it
+// (GELU), an empty tensor otherwise.
+TensorSpec pre_activation_spec(const ShapeContext& ctx, const TensorSpec& y) {
+  if (activation_gradient_needs_input(activation_attr(ctx))) return y;
+  return TensorSpec{y.dtype, Shape{0}};
+}
+
 std::vector<TensorSpec> bias_activation_shape(ShapeContext& ctx) {
-  activation_attr(ctx);
-  return bias_add_shape(ctx);
+  auto specs = bias_add_shape(ctx);
+  specs.push_back(pre_activation_spec(ctx, specs[0]));
+  return specs;
 }
 
 std::vector<TensorSpec> bias_add_grad_shape(ShapeContext& ctx) {
@@ -134,8 +162,8 @@ std::vector<TensorSpec> fused_matmul_shape(ShapeContext& ctx) {
               kernel[0]);
   ctx.require(bias.rank() == 1 && dims_compatible(bias[0], kernel[1]), "bias has shape {}; expected {} for kernel {}",
               bias, Shape{kernel[1]}, kernel);
-  activation_attr(ctx);
-  return {TensorSpec{ctx.dtype(0), Shape{x[0], merge_dims(kernel[1], bias[0])}}};
+  const TensorSpec y{ctx.dtype(0), Shape{x[0], merge_dims(kernel[1], bias[0])}};
+  return {y, pre_activation_spec(ctx, y)};
 }
 
 // Logits [batch, classes] and what the loss compares them with; outputs loss [batch] and the
@@ -199,9 +227,7 @@ std::vector<TensorSpec> dropout_shape(ShapeContext& ctx) {
 std::vector<TensorSpec> batch_norm_shape(ShapeContext& ctx) {
   require_float_input(ctx, 0, "input");
   ctx.require(ctx.shape(0).rank() >= 2, "input has shape {}; expected rank 2 or more (channels last)", ctx.shape(0));
-  const double epsilon = ctx.attrs().get_float_or("epsilon", 1e-3);
-  ctx.require(epsilon > 0.0, "epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)",
-              epsilon);
+  require_positive_epsilon(ctx);
   std::int64_t channels = ctx.shape(0).dim(-1);
   constexpr std::string_view kNames[] = {"", "scale", "offset", "mean", "variance"};
   for (int i = 1; i < 5; ++i) channels = merge_dims(channels, require_channel_vector(ctx, i, kNames[i]));
@@ -228,11 +254,99 @@ std::vector<TensorSpec> batch_norm_grad_shape(ShapeContext& ctx) {
           per_channel};
 }
 
+bool flag(const ShapeContext& ctx, std::string_view name) { return ctx.attrs().get_bool_or(name, false); }
+
+// Per-row statistics (layer norm's mean and 1 / std) are float32 for 16-bit x: kept for the
+// backward pass, they would lose what the normalisation is about in 8 or 11 bits.
+DType statistics_dtype(DType x) { return graph::is_low_precision(x) ? DType::kF32 : x; }
+
+// (x[, gamma][, beta]) -> (y, mean, inv_std); attrs "scale" and "center" say which are present.
+std::vector<TensorSpec> layer_norm_shape(ShapeContext& ctx) {
+  require_float_input(ctx, 0, "input");
+  require_rank_at_least(ctx, 0, 1, "input");
+  require_positive_epsilon(ctx);
+  const bool scale = flag(ctx, "scale"), center = flag(ctx, "center");
+  ctx.require(ctx.num_inputs() == 1 + int{scale} + int{center},
+              "{} inputs; expected the input{}{} (attributes scale={}, center={})", ctx.num_inputs(),
+              scale ? ", gamma" : "", center ? ", beta" : "", scale, center);
+  std::int64_t channels = ctx.shape(0).dim(-1);
+  if (scale) channels = merge_dims(channels, require_channel_vector(ctx, 1, "gamma"));
+  if (center) channels = merge_dims(channels, require_channel_vector(ctx, scale ? 2 : 1, "beta"));
+  const Shape& x = ctx.shape(0);
+  Shape rows;
+  for (int d = 0; d + 1 < x.rank(); ++d) rows.push_back(x[d]);
+  const TensorSpec stats{statistics_dtype(ctx.dtype(0)), rows};
+  return {TensorSpec{ctx.dtype(0), x.with_dim(-1, channels)}, stats, stats};
+}
+
+// (dy, x, mean, inv_std[, gamma]) -> (dx, dgamma, dbeta).
+std::vector<TensorSpec> layer_norm_grad_shape(ShapeContext& ctx) {
+  require_float_input(ctx, 0, "output gradient");
+  require_rank_at_least(ctx, 0, 1, "output gradient");
+  ctx.require(ctx.shape(1).compatible_with(ctx.shape(0)), "input has shape {}; expected the output gradient's {}",
+              ctx.shape(1), ctx.shape(0));
+  require_dtype_like(ctx, 1, "input", 0, "the output gradient");
+  const bool scale = flag(ctx, "scale");
+  ctx.require(ctx.num_inputs() == 4 + int{scale}, "{} inputs; expected dy, x, mean, inv_std{}", ctx.num_inputs(),
+              scale ? ", gamma" : "");
+  const DType stats = statistics_dtype(ctx.dtype(0));
+  for (int i = 2; i < 4; ++i) {
+    ctx.require(ctx.dtype(i) == stats && ctx.shape(i).rank() == ctx.shape(0).rank() - 1,
+                "input {} ({}) is {} {}; expected {} statistics of rank {}", i, i == 2 ? "mean" : "inv_std",
+                ctx.dtype(i), ctx.shape(i), stats, ctx.shape(0).rank() - 1);
+  }
+  std::int64_t channels = ctx.shape(0).dim(-1);
+  if (scale) channels = merge_dims(channels, require_channel_vector(ctx, 4, "gamma"));
+  const TensorSpec per_channel{ctx.dtype(0), Shape{channels}};
+  return {TensorSpec{ctx.dtype(0), ctx.shape(0).with_dim(-1, channels)}, per_channel, per_channel};
+}
+
+void require_masked_softmax_attrs(const ShapeContext& ctx) {
+  const double scale = ctx.attrs().get_float_or("scale", 1.0);
+  ctx.require(std::isfinite(scale), "scale is {}; expected a finite number", scale);
+  if (flag(ctx, "causal")) {
+    ctx.require(ctx.shape(0).rank() >= 2, "causal: input has shape {}; expected rank 2 or more ([..., T, S])",
+                ctx.shape(0));
+  }
+}
+
+// (x[, mask]) -> y. The mask broadcasts to x like NumPy (right-aligned, each dimension 1 or x's).
+std::vector<TensorSpec> masked_softmax_shape(ShapeContext& ctx) {
+  require_float_input(ctx, 0, "input");
+  require_rank_at_least(ctx, 0, 1, "input");
+  require_masked_softmax_attrs(ctx);
+  if (ctx.num_inputs() == 2) {
+    const Shape& x = ctx.shape(0);
+    const Shape& mask = ctx.shape(1);
+    const DType mt = ctx.dtype(1);
+    ctx.require(mt == DType::kI32 || mt == DType::kI64 || mt == DType::kU8,
+                "mask has dtype {}; expected int32, int64 or uint8 (non-zero = attend)", mt);
+    bool broadcasts = mask.rank() <= x.rank();
+    for (int d = 0; broadcasts && d < mask.rank(); ++d) {
+      const std::int64_t m = mask[d], xd = x[d + x.rank() - mask.rank()];
+      broadcasts = m == 1 || dims_compatible(m, xd);
+    }
+    ctx.require(broadcasts, "mask has shape {}, which does not broadcast to the input's {}", mask, x);
+  }
+  return {ctx.input(0)};
+}
+
+// (dy, y) -> dx.
+std::vector<TensorSpec> masked_softmax_grad_shape(ShapeContext& ctx) {
+  auto specs = detail::same_float_pair(ctx);
+  require_rank_at_least(ctx, 0, 1, "output gradient");
+  require_masked_softmax_attrs(ctx);
+  return specs;
+}
+
 // ---- Gradient functions ---------------------------------------------------------------------
 
 std::vector<Output> relu_grad(GradContext& ctx) { return {add_op("ReluGrad", {ctx.grad(0), ctx.output(0)})}; }
 std::vector<Output> sigmoid_grad(GradContext& ctx) { return {add_op("SigmoidGrad", {ctx.grad(0), ctx.output(0)})}; }
 std::vector<Output> tanh_grad(GradContext& ctx) { return {add_op("TanhGrad", {ctx.grad(0), ctx.output(0)})}; }
+std::vector<Output> gelu_grad(GradContext& ctx) {
+  return {add_op("GeluGrad", {ctx.grad(0), ctx.input(0)}, ctx.attrs())};
+}
 std::vector<Output> softmax_grad(GradContext& ctx) { return {add_op("SoftmaxGrad", {ctx.grad(0), ctx.output(0)})}; }
 std::vector<Output> log_softmax_grad(GradContext& ctx) {
   return {add_op("LogSoftmaxGrad", {ctx.grad(0), ctx.output(0)})};
@@ -240,10 +354,13 @@ std::vector<Output> log_softmax_grad(GradContext& ctx) {
 
 std::vector<Output> bias_add_grad(GradContext& ctx) { return {ctx.grad(0), add_op("BiasAddGrad", {ctx.grad(0)})}; }
 
-// dz = dy * act'(z) and the bias gradient, from the output y; linear needs no new dz.
+// dz = dy * act'(z) and the bias gradient, from the output y (or the kept pre-activation z for
+// GELU); linear needs no new dz. Only y is differentiated: the pre-activation output is internal.
 std::pair<Output, Output> bias_activation_backward(GradContext& ctx, Activation activation) {
+  if (!ctx.has_grad(0)) return {Output{}, Output{}};
   if (activation == Activation::kLinear) return {ctx.grad(0), add_op("BiasAddGrad", {ctx.grad(0)})};
-  auto outs = add_op_multi("BiasActivationGrad", {ctx.grad(0), ctx.output(0)}, activation_attrs(activation));
+  const Output saved = activation_gradient_needs_input(activation) ? ctx.output(1) : ctx.output(0);
+  auto outs = add_op_multi("BiasActivationGrad", {ctx.grad(0), saved}, activation_attrs(activation));
   return {outs[0], outs[1]};
 }
 
@@ -254,6 +371,7 @@ std::vector<Output> bias_activation_grad(GradContext& ctx) {
 
 std::vector<Output> fused_matmul_grad(GradContext& ctx) {
   auto [dz, dbias] = bias_activation_backward(ctx, activation_attr(ctx));
+  if (!dz.defined()) return {Output{}, Output{}, Output{}};
   const Output dx = matmul(dz, ctx.input(1), {.transpose_b = true});
   const Output dkernel = matmul(ctx.input(0), dz, {.transpose_a = true});
   return {dx, dkernel, dbias};
@@ -311,40 +429,76 @@ std::vector<Output> batch_norm_grad(GradContext& ctx) {
   return {outs[0], outs[1], outs[2], outs[3], outs[4]};
 }
 
+// dx, dgamma, dbeta in one op; the statistics outputs carry no gradient (they are internal).
+std::vector<Output> layer_norm_grad(GradContext& ctx) {
+  if (!ctx.has_grad(0)) return std::vector<Output>(static_cast<std::size_t>(ctx.node().inputs.size()));
+  const bool scale = ctx.attrs().get_bool_or("scale", false), center = ctx.attrs().get_bool_or("center", false);
+  std::vector<Output> inputs{ctx.grad(0), ctx.input(0), ctx.output(1), ctx.output(2)};
+  if (scale) inputs.push_back(ctx.input(1));
+  graph::Attrs attrs;
+  attrs.set("scale", scale);
+  auto outs = add_op_multi("LayerNormGrad", std::move(inputs), std::move(attrs));
+  std::vector<Output> grads{outs[0]};
+  if (scale) grads.push_back(outs[1]);
+  if (center) grads.push_back(outs[2]);
+  return grads;
+}
+
+// The mask is not differentiable; masked entries of y are 0, so their dx is 0 too.
+std::vector<Output> masked_softmax_grad(GradContext& ctx) {
+  graph::Attrs attrs;
+  attrs.set("scale", ctx.attrs().get_float_or("scale", 1.0)).set("causal", ctx.attrs().get_bool_or("causal", false));
+  std::vector<Output> grads{add_op("MaskedSoftmaxGrad", {ctx.grad(0), ctx.output(0)}, std::move(attrs))};
+  if (ctx.node().inputs.size() == 2) grads.emplace_back();
+  return grads;
+}
+
 // ---- Registration ---------------------------------------------------------------------------
 
-void add_def(std::string name, int inputs, int outputs, graph::ShapeFn shape_fn, graph::GradFn grad_fn = nullptr) {
+void add_def_range(std::string name, int min_inputs, int max_inputs, int outputs, graph::ShapeFn shape_fn,
+                   graph::GradFn grad_fn = nullptr) {
   OpRegistry::global().add(OpDef{.name = std::move(name),
-                                 .min_inputs = inputs,
-                                 .max_inputs = inputs,
+                                 .min_inputs = min_inputs,
+                                 .max_inputs = max_inputs,
                                  .num_outputs = outputs,
                                  .shape_fn = shape_fn,
                                  .grad_fn = grad_fn});
 }
 
+void add_def(std::string name, int inputs, int outputs, graph::ShapeFn shape_fn, graph::GradFn grad_fn = nullptr) {
+  add_def_range(std::move(name), inputs, inputs, outputs, shape_fn, grad_fn);
+}
+
 }  // namespace
 
 Activation parse_activation(std::string_view name) {
-  for (const Activation a : {Activation::kLinear, Activation::kRelu, Activation::kSigmoid, Activation::kTanh}) {
+  for (const Activation a : {Activation::kLinear, Activation::kRelu, Activation::kSigmoid, Activation::kTanh,
+                             Activation::kGelu, Activation::kGeluApproximate}) {
     if (name == activation_name(a)) return a;
   }
-  throw InvalidArgument(fmt::format("unknown activation \"{}\"; known activations: linear, relu, sigmoid, tanh", name));
+  throw InvalidArgument(fmt::format(
+      "unknown activation \"{}\"; known activations: linear, relu, sigmoid, tanh, gelu, gelu_approximate", name));
 }
 
 Output relu(Output x) { return add_op("Relu", {x}); }
 Output sigmoid(Output x) { return add_op("Sigmoid", {x}); }
 Output tanh(Output x) { return add_op("Tanh", {x}); }
+Output gelu(Output x, bool approximate) {
+  graph::Attrs attrs;
+  attrs.set("approximate", approximate);
+  return add_op("Gelu", {x}, std::move(attrs));
+}
 Output softmax(Output x) { return add_op("Softmax", {x}); }
 Output log_softmax(Output x) { return add_op("LogSoftmax", {x}); }
 
 Output bias_add(Output x, Output bias) { return add_op("BiasAdd", {x, bias}); }
 
 Output bias_activation(Output x, Output bias, Activation activation) {
-  return add_op("BiasActivation", {x, bias}, activation_attrs(activation));
+  return add_op_multi("BiasActivation", {x, bias}, activation_attrs(activation))[0];
 }
 
 Output dense(Output x, Output kernel, Output bias, Activation activation) {
-  return add_op("FusedMatMul", {x, kernel, bias}, activation_attrs(activation));
+  return add_op_multi("FusedMatMul", {x, kernel, bias}, activation_attrs(activation))[0];
 }
 
 Output sparse_softmax_cross_entropy_with_logits(Output logits, Output labels) {
@@ -375,6 +529,25 @@ BatchNormOutputs fused_batch_norm(Output x, Output scale, Output offset, Output 
   return BatchNormOutputs{outs[0], outs[1], outs[2]};
 }
 
+Output layer_norm(Output x, Output gamma, Output beta, const LayerNormOptions& options) {
+  TANDEM_REQUIRE(options.epsilon > 0.0, InvalidArgument, "layer_norm: epsilon is {}; expected a positive number",
+                 options.epsilon);
+  std::vector<Output> inputs{x};
+  if (gamma.defined()) inputs.push_back(gamma);
+  if (beta.defined()) inputs.push_back(beta);
+  graph::Attrs attrs;
+  attrs.set("epsilon", options.epsilon).set("scale", gamma.defined()).set("center", beta.defined());
+  return add_op_multi("LayerNorm", std::move(inputs), std::move(attrs))[0];
+}
+
+Output masked_softmax(Output x, Output mask, const MaskedSoftmaxOptions& options) {
+  std::vector<Output> inputs{x};
+  if (mask.defined()) inputs.push_back(mask);
+  graph::Attrs attrs;
+  attrs.set("scale", options.scale).set("causal", options.causal);
+  return add_op("MaskedSoftmax", std::move(inputs), std::move(attrs));
+}
+
 namespace detail {
 
 void register_nn_ops() {
@@ -384,6 +557,8 @@ void register_nn_ops() {
   add_def("ReluGrad", 2, 1, same_float_pair);
   add_def("SigmoidGrad", 2, 1, same_float_pair);
   add_def("TanhGrad", 2, 1, same_float_pair);
+  add_def("Gelu", 1, 1, same_as_input0_float, gelu_grad);
+  add_def("GeluGrad", 2, 1, same_float_pair);
 
   add_def("Softmax", 1, 1, float_rank1_same, softmax_grad);
   add_def("LogSoftmax", 1, 1, float_rank1_same, log_softmax_grad);
@@ -392,9 +567,9 @@ void register_nn_ops() {
 
   add_def("BiasAdd", 2, 1, bias_add_shape, bias_add_grad);
   add_def("BiasAddGrad", 1, 1, bias_add_grad_shape);
-  add_def("BiasActivation", 2, 1, bias_activation_shape, bias_activation_grad);
+  add_def("BiasActivation", 2, 2, bias_activation_shape, bias_activation_grad);
   add_def("BiasActivationGrad", 2, 2, bias_activation_grad_shape);
-  add_def("FusedMatMul", 3, 1, fused_matmul_shape, fused_matmul_grad);
+  add_def("FusedMatMul", 3, 2, fused_matmul_shape, fused_matmul_grad);
 
   add_def("SparseSoftmaxCrossEntropyWithLogits", 2, 2, sparse_xent_shape, sparse_xent_grad);
   add_def("SoftmaxCrossEntropyWithLogits", 2, 2, xent_shape, xent_grad);
@@ -409,6 +584,11 @@ void register_nn_ops() {
                                  .max_inputs = 7,
                                  .num_outputs = 5,
                                  .shape_fn = batch_norm_grad_shape});
+
+  add_def_range("LayerNorm", 1, 3, 3, layer_norm_shape, layer_norm_grad);
+  add_def_range("LayerNormGrad", 4, 5, 3, layer_norm_grad_shape);
+  add_def_range("MaskedSoftmax", 1, 2, 1, masked_softmax_shape, masked_softmax_grad);
+  add_def("MaskedSoftmaxGrad", 2, 1, masked_softmax_grad_shape);
 }
 
 }  // namespace detail

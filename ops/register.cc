@@ -18,6 +18,7 @@ void register_all() {
     detail::register_conv_cpu_kernels();
 #if TANDEM_HAVE_CUDA
     detail::register_cuda_kernels();
+    detail::register_cuda_array_kernels();
 #endif
   });
 }

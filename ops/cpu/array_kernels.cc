@@ -1,10 +1,14 @@
-// CPU kernels of the array family: transpose, cast, argmax, equal, one-hot, fills.
+// CPU kernels of the array family: transpose, cast, argmax, equal, one-hot, fills, gather and
+// scatter-add, slices and concatenation.
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "tandem/graph/detail/low_precision_types.h"
 #include "tandem/ops/cpu/broadcast.h"
 #include "tandem/ops/cpu/kernel_util.h"
+#include "tandem/ops/detail/gather_args.h"
+#include "tandem/ops/detail/slice_args.h"
 #include "tandem/ops/detail/registration.h"
 
 namespace tandem::ops::cpu {
@@ -160,6 +164,158 @@ void fill_like_kernel(KernelContext& ctx) {
   graph::dispatch<AllTypes>(y.dtype(), ctx.label(), [&]<class T>() { fill_value<T>(ctx, y, static_cast<T>(kValue)); });
 }
 
+// ----- Gather and UnsortedSegmentSum -----
+
+// Checks every id against [0, limit) before anything is written: a bad id is the user's error
+// (a token outside the vocabulary), reported with its value and position.
+template <class I>
+void check_ids(KernelContext& ctx, const Tensor& ids, const detail::IdRange& range) {
+  const I* p = static_cast<const I*>(ids.raw_data());
+  for (std::int64_t i = 0; i < ids.num_elements(); ++i) {
+    if (p[i] < 0 || p[i] >= range.limit) [[unlikely]] {
+      detail::throw_bad_id(ctx.label(), range, static_cast<std::int64_t>(p[i]), i, ids.shape());
+    }
+  }
+}
+
+// Gather (params, indices): out row i is params row indices[i]; rows are copied as bytes, so every
+// dtype (16-bit ones included) takes the same path.
+void gather_kernel(KernelContext& ctx) {
+  const Tensor& params = ctx.input(0);
+  const Tensor& ids = ctx.input(1);
+  const std::int64_t rows = params.shape()[0];
+  const std::int64_t width = detail::row_elements(params.shape(), 1);
+  const std::size_t row_bytes = static_cast<std::size_t>(width) * graph::dtype_size(params.dtype());
+  const auto* src = static_cast<const char*>(params.raw_data());
+  auto* dst = static_cast<char*>(ctx.output(0).raw_data());
+  graph::dispatch<IndexTypes>(ids.dtype(), ctx.label(), [&]<class I>() {
+    check_ids<I>(ctx, ids, detail::gather_id_range(rows));
+    const I* p = static_cast<const I*>(ids.raw_data());
+    ctx.device().parallel_for(ids.num_elements(), row_grain(width), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        std::memcpy(dst + static_cast<std::size_t>(i) * row_bytes, src + static_cast<std::size_t>(p[i]) * row_bytes,
+                    row_bytes);
+      }
+    });
+  });
+}
+
+// UnsortedSegmentSum (data, ids[, like]): out[ids[i]] += data[i]. Each thread owns a range of
+// output rows and scans every id, adding the rows that fall in its range in the order of i, so
+// every output row is the same sum in the same order whatever the threads: bitwise reproducible.
+// The ranges split the work (rows to clear plus rows to add) evenly, since ids are rarely uniform
+// (spaces in text, padding tokens).
+void segment_sum_kernel(KernelContext& ctx) {
+  const Tensor& data = ctx.input(0);
+  const Tensor& ids = ctx.input(1);
+  Tensor& out = ctx.output(0);
+  const std::int64_t segments = out.shape()[0];
+  const std::int64_t n = ids.num_elements();
+  const std::int64_t width = detail::row_elements(data.shape(), ids.shape().rank());
+  graph::dispatch<graph::NumericTypes>(data.dtype(), ctx.label(), [&]<class T>() {
+    graph::dispatch<IndexTypes>(ids.dtype(), ctx.label(), [&]<class I>() {
+      check_ids<I>(ctx, ids, detail::segment_id_range(segments));
+      const I* p = static_cast<const I*>(ids.raw_data());
+      const T* src = static_cast<const T*>(data.raw_data());
+      T* dst = static_cast<T*>(out.raw_data());
+      // Range boundaries over the output rows, by cumulative work.
+      const auto threads = static_cast<std::int64_t>(ctx.device().intra_op_threads());
+      const bool parallel = threads > 1 && segments > 1 && (n + segments) * width >= kElementwiseGrain;
+      std::vector<std::int64_t> bounds{0};
+      if (parallel) {
+        std::vector<std::int64_t> work(static_cast<std::size_t>(segments), 1);
+        for (std::int64_t i = 0; i < n; ++i) ++work[static_cast<std::size_t>(p[i])];
+        const std::int64_t share = (n + segments + threads - 1) / threads;
+        std::int64_t done = 0;
+        for (std::int64_t s = 0; s < segments; ++s) {
+          done += work[static_cast<std::size_t>(s)];
+          if (done >= share * static_cast<std::int64_t>(bounds.size()) && s + 1 < segments) bounds.push_back(s + 1);
+        }
+      }
+      bounds.push_back(segments);
+      const auto ranges = static_cast<std::int64_t>(bounds.size()) - 1;
+      ctx.device().parallel_for(ranges, 1, [&](std::int64_t first, std::int64_t last) {
+        for (std::int64_t r = first; r < last; ++r) {
+          const std::int64_t lo = bounds[static_cast<std::size_t>(r)], hi = bounds[static_cast<std::size_t>(r) + 1];
+          std::fill(dst + lo * width, dst + hi * width, T(0));
+          for (std::int64_t i = 0; i < n; ++i) {
+            const auto s = static_cast<std::int64_t>(p[i]);
+            if (s < lo || s >= hi) continue;
+            ArrayMap<T>(dst + s * width, width) += ConstArrayMap<T>(src + i * width, width);
+          }
+        }
+      });
+    });
+  });
+}
+
+// ----- Slice, SliceGrad, Concat: block copies (ops/detail/block_copy.h) -----
+
+struct BlockCopyJob {
+  detail::BlockCopy copy;
+  const char* src;
+  char* dst;
+};
+
+// Copies every job's rows, all jobs' rows split over the device's threads together.
+void run_block_copies(KernelContext& ctx, const std::vector<BlockCopyJob>& jobs, std::size_t element_bytes) {
+  std::vector<std::int64_t> first_row{0};
+  std::int64_t run_total = 0;
+  for (const auto& job : jobs) {
+    first_row.push_back(first_row.back() + (job.copy.run > 0 ? job.copy.rows : 0));
+    run_total += job.copy.run;
+  }
+  const std::int64_t rows = first_row.back();
+  if (rows == 0) return;
+  const std::int64_t mean_run = std::max<std::int64_t>(1, run_total / static_cast<std::int64_t>(jobs.size()));
+  ctx.device().parallel_for(rows, row_grain(mean_run), [&](std::int64_t begin, std::int64_t end) {
+    auto j =
+        static_cast<std::size_t>(std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1);
+    for (std::int64_t row = begin; row < end; ++row) {
+      while (row >= first_row[j + 1]) ++j;
+      const auto& job = jobs[j];
+      const std::int64_t r = row - first_row[j];
+      std::memcpy(job.dst + static_cast<std::size_t>(job.copy.dst_offset(r)) * element_bytes,
+                  job.src + static_cast<std::size_t>(job.copy.src_offset(r)) * element_bytes,
+                  static_cast<std::size_t>(job.copy.run) * element_bytes);
+    }
+  });
+}
+
+void slice_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  Tensor& y = ctx.output(0);
+  const auto copy = detail::slice_copy(x.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), y.shape());
+  run_block_copies(ctx, {{copy, static_cast<const char*>(x.raw_data()), static_cast<char*>(y.raw_data())}},
+                   graph::dtype_size(x.dtype()));
+}
+
+// SliceGrad (dy, x): zeros shaped like x, with dy at `begin`.
+void slice_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  Tensor& dx = ctx.output(0);
+  auto* out = static_cast<char*>(dx.raw_data());
+  ctx.device().parallel_for(
+      static_cast<std::int64_t>(dx.nbytes()), kElementwiseGrain * 4,
+      [&](std::int64_t b, std::int64_t e) { std::memset(out + b, 0, static_cast<std::size_t>(e - b)); });
+  const auto copy =
+      detail::slice_grad_copy(dy.shape(), ctx.attrs().get<std::vector<std::int64_t>>("begin"), dx.shape());
+  run_block_copies(ctx, {{copy, static_cast<const char*>(dy.raw_data()), out}}, graph::dtype_size(dy.dtype()));
+}
+
+void concat_kernel(KernelContext& ctx) {
+  Tensor& y = ctx.output(0);
+  std::vector<Shape> shapes;
+  for (int i = 0; i < ctx.num_inputs(); ++i) shapes.push_back(ctx.input(i).shape());
+  const auto copies = detail::concat_copies(ctx.attrs(), ctx.label(), shapes, y.shape());
+  std::vector<BlockCopyJob> jobs;
+  for (int i = 0; i < ctx.num_inputs(); ++i) {
+    jobs.push_back({copies[static_cast<std::size_t>(i)], static_cast<const char*>(ctx.input(i).raw_data()),
+                    static_cast<char*>(y.raw_data())});
+  }
+  run_block_copies(ctx, jobs, graph::dtype_size(y.dtype()));
+}
+
 }  // namespace
 }  // namespace tandem::ops::cpu
 
@@ -177,5 +333,12 @@ void register_array_cpu_kernels() {
   r.add_kernel("Fill", DeviceType::kCPU, fill_kernel);
   r.add_kernel("ZerosLike", DeviceType::kCPU, fill_like_kernel<0>);
   r.add_kernel("OnesLike", DeviceType::kCPU, fill_like_kernel<1>);
+  // Row copies work on bytes: 16-bit tensors need no float32 copies.
+  const graph::KernelOptions bytes{.low_precision = graph::LowPrecision::kNative};
+  r.add_kernel("Gather", DeviceType::kCPU, gather_kernel, bytes);
+  r.add_kernel("UnsortedSegmentSum", DeviceType::kCPU, segment_sum_kernel);
+  r.add_kernel("Slice", DeviceType::kCPU, slice_kernel, bytes);
+  r.add_kernel("SliceGrad", DeviceType::kCPU, slice_grad_kernel, bytes);
+  r.add_kernel("Concat", DeviceType::kCPU, concat_kernel, bytes);
 }
 }  // namespace tandem::ops::detail

@@ -1,4 +1,5 @@
-// CPU kernels of the math family: element-wise arithmetic with broadcasting, reductions, MatMul.
+// CPU kernels of the math family: element-wise arithmetic with broadcasting, reductions, MatMul,
+// BatchMatMul.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -6,6 +7,7 @@
 #include "tandem/ops/cpu/broadcast.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
+#include "tandem/ops/detail/batch_matmul_args.h"
 #include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/registration.h"
 
@@ -312,6 +314,71 @@ void matmul_kernel(KernelContext& ctx) {
   });
 }
 
+// ----- BatchMatMul -----
+//
+// Each product goes to gemm_serial on one thread, and the batch is split over the device's threads
+// (the attention products of a transformer: hundreds of small matrices, each too small to split
+// well). A batch too small to share out evenly runs its products one after another, each split
+// over the threads by gemm(); so does B shared by every product (one product of the folded batch).
+
+// True when splitting the batch over `threads` keeps them about equally busy.
+bool split_batch_over_threads(std::int64_t batch, int threads, std::int64_t macs_per_product) {
+  if (threads <= 1 || batch < threads || batch * macs_per_product < kParallelGemmMinMacs) return false;
+  return batch % threads == 0 || batch >= 4 * static_cast<std::int64_t>(threads);
+}
+
+void batch_matmul_kernel(KernelContext& ctx) {
+  graph::dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const auto args =
+        detail::batch_matmul_args(ctx.input(0).shape(), ctx.input(1).shape(), ctx.attrs().get_bool_or("adj_x", false),
+                                  ctx.attrs().get_bool_or("adj_y", false));
+    const T* a = in_ptr<T>(ctx, 0);
+    const T* b = in_ptr<T>(ctx, 1);
+    T* c = out_ptr<T>(ctx, 0);
+    if (args.batch * args.c_matrix == 0) return;
+    if (args.k == 0) {
+      std::fill_n(c, args.batch * args.c_matrix, T(0));
+      return;
+    }
+    GemmShape s{.transpose_a = args.adj_x,
+                .transpose_b = args.adj_y,
+                .m = args.m,
+                .n = args.n,
+                .k = args.k,
+                .lda = args.lda,
+                .ldb = args.ldb,
+                .ldc = args.n};
+    if (args.fold_batch_into_m) {
+      s.m *= args.batch;
+      gemm<T>(ctx.device(), s, T(1), a, b, T(0), c);
+      return;
+    }
+    const bool split = split_batch_over_threads(args.batch, ctx.device().intra_op_threads(), args.m * args.n * args.k);
+    // Output matrices [ci, ci + count): A and B advance by a_step and b_step matrices.
+    const auto run = [&](std::int64_t ci, std::int64_t count, std::int64_t ai, std::int64_t a_step, std::int64_t bi,
+                         std::int64_t b_step) {
+      for (std::int64_t j = 0; j < count; ++j) {
+        const T* pa = a + (ai + j * a_step) * args.a_matrix;
+        const T* pb = b + (bi + j * b_step) * args.b_matrix;
+        T* pc = c + (ci + j) * args.c_matrix;
+        if (split) {
+          gemm_serial<T>(s, T(1), pa, pb, T(0), pc);
+        } else {
+          gemm<T>(ctx.device(), s, T(1), pa, pb, T(0), pc);
+        }
+      }
+    };
+    const auto products = [&](std::int64_t begin, std::int64_t end) {
+      detail::for_each_strided_run(args, begin, end, run);
+    };
+    if (split) {
+      ctx.device().parallel_for(args.batch, 1, products);
+    } else {
+      products(0, args.batch);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace tandem::ops::cpu
 
@@ -341,5 +408,6 @@ void register_math_cpu_kernels() {
   r.add_kernel("MaxGrad", DeviceType::kCPU, max_grad_kernel);
   r.add_kernel("SumToShape", DeviceType::kCPU, sum_to_shape_kernel);
   r.add_kernel("MatMul", DeviceType::kCPU, matmul_kernel);
+  r.add_kernel("BatchMatMul", DeviceType::kCPU, batch_matmul_kernel);
 }
 }  // namespace tandem::ops::detail

@@ -6,11 +6,13 @@
 // whose exp/tanh/log1p are vectorised; plain arithmetic is written as loops the compiler
 // vectorises.
 //
-// Per-channel sums (bias gradients, batch statistics) accumulate in double and come out the same
-// whatever the number of threads: the split depends only on the shape (channel_sums).
+// Per-channel sums (bias gradients, batch statistics, layer norm's dgamma and dbeta) accumulate in
+// double and come out the same whatever the number of threads: the split depends only on the
+// shape (channel_sums, partitioned_row_sums).
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "tandem/ops/cpu/bias_activation.h"
@@ -18,6 +20,7 @@
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/kernel_args.h"
+#include "tandem/ops/detail/masked_softmax_args.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/nn_ops.h"
 
@@ -47,20 +50,6 @@ T* scratch_buffer(std::size_t n, int slot) {
   return buffer.data();
 }
 
-// dy * act'(z), from the activation's output y.
-template <Activation A, class T>
-inline T activation_backward(T dy, T y) {
-  if constexpr (A == Activation::kLinear) {
-    return dy;
-  } else if constexpr (A == Activation::kRelu) {
-    return y > T(0) ? dy : T(0);
-  } else if constexpr (A == Activation::kSigmoid) {
-    return dy * y * (T(1) - y);
-  } else {
-    return dy * (T(1) - y * y);
-  }
-}
-
 using detail::RowsCols;
 RowsCols rows_cols(const Tensor& t) { return detail::rows_cols(t.shape()); }
 
@@ -74,9 +63,53 @@ const T* in_data(KernelContext& ctx, int i) {
 template <int K>
 using ChannelAccumulators = double[K][kChannelBlock];
 
+// A partition's K sums per channel seen like ChannelAccumulators (sums[k][c] for channels from 0).
+struct PartitionSums {
+  double* data;
+  std::int64_t channels;
+  double* operator[](int k) const { return data + k * channels; }
+};
+
+// How many row partitions a sum of K quantities per channel over [rows, channels] is split into:
+// about one per kElementwiseGrain elements, at most kMaxRowPartitions, and few enough that their
+// partial sums fit in kMaxPartialSums doubles. A function of the shape only.
+template <int K>
+std::int64_t row_partitions(std::int64_t rows, std::int64_t channels) {
+  const std::int64_t max_partitions = std::max<std::int64_t>(
+      1, std::min({kMaxRowPartitions, rows, kMaxPartialSums / (K * std::max<std::int64_t>(1, channels))}));
+  return std::clamp<std::int64_t>(rows * channels / kElementwiseGrain, 1, max_partitions);
+}
+
+// Splits the rows into `partitions` ranges run on the device's threads: accumulate_rows(r0, r1,
+// sums) adds the range's K quantities per channel to its own zeroed sums (quantity k of channel c
+// at sums[k * channels + c]; whole rows, so it may also write row-wise outputs). Returns the
+// ranges' sums added in range order: the same for any number of threads. The result lives in
+// the calling thread's scratch until its next call.
+template <int K, class AccumulateRows>
+const double* partitioned_row_sums(KernelContext& ctx, std::int64_t rows, std::int64_t channels,
+                                   std::int64_t partitions, AccumulateRows&& accumulate_rows) {
+  const std::int64_t stride = K * channels;  // doubles per partition
+  double* partials = scratch_buffer<double>(static_cast<std::size_t>((partitions + 1) * stride), 0);
+  double* totals = partials + partitions * stride;
+  ctx.device().parallel_for(partitions, 1, [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      double* mine = partials + p * stride;
+      std::fill(mine, mine + stride, 0.0);
+      accumulate_rows(rows * p / partitions, rows * (p + 1) / partitions, mine);
+    }
+  });
+  std::fill(totals, totals + stride, 0.0);
+  for (std::int64_t p = 0; p < partitions; ++p) {
+    const double* part = partials + p * stride;
+    for (std::int64_t i = 0; i < stride; ++i) totals[i] += part[i];
+  }
+  return totals;
+}
+
 // Sums K quantities per element over the rows of a [rows, channels] tensor, in double.
 //   accumulate(r0, r1, c0, c1, acc) adds the quantities of rows [r0, r1) and channels [c0, c1) to
-//     acc[k][c - c0] (it may also write element-wise outputs: one sweep does both);
+//     acc[k][c - c0] (it may also write element-wise outputs: one sweep does both; acc is a
+//     ChannelAccumulators or a PartitionSums);
 //   finish(c0, c1, acc) receives the complete sums of a block of channels.
 // When there are at least as many blocks of channels as row partitions would be (many channels,
 // or a tensor too small to split), blocks run in parallel over all rows and need no scratch;
@@ -88,9 +121,7 @@ void channel_sums(KernelContext& ctx, std::int64_t rows, std::int64_t channels, 
                   Finish&& finish) {
   if (channels <= 0) return;
   const std::int64_t blocks = (channels + kChannelBlock - 1) / kChannelBlock;
-  const std::int64_t max_partitions =
-      std::max<std::int64_t>(1, std::min({kMaxRowPartitions, rows, kMaxPartialSums / (K * channels)}));
-  const std::int64_t partitions = std::clamp<std::int64_t>(rows * channels / kElementwiseGrain, 1, max_partitions);
+  const std::int64_t partitions = row_partitions<K>(rows, channels);
   if (partitions <= blocks) {
     const std::int64_t grain =
         std::max<std::int64_t>(1, kElementwiseGrain / std::max<std::int64_t>(1, rows * kChannelBlock));
@@ -105,30 +136,17 @@ void channel_sums(KernelContext& ctx, std::int64_t rows, std::int64_t channels, 
     });
     return;
   }
-  const std::int64_t stride = K * channels;  // doubles per partition
-  double* partials = scratch_buffer<double>(static_cast<std::size_t>(partitions * stride), 0);
-  ctx.device().parallel_for(partitions, 1, [&](std::int64_t p0, std::int64_t p1) {
-    for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t r0 = rows * p / partitions;
-      const std::int64_t r1 = rows * (p + 1) / partitions;
-      double* mine = partials + p * stride;
-      for (std::int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
-        const std::int64_t c1 = std::min(channels, c0 + kChannelBlock);
-        ChannelAccumulators<K> acc = {};
-        accumulate(r0, r1, c0, c1, acc);
-        for (int k = 0; k < K; ++k) std::copy(acc[k], acc[k] + (c1 - c0), mine + k * channels + c0);
-      }
-    }
-  });
+  // Whole rows at a time, into the partition's own sums: rows stream through the cache in order
+  // (blocks of a few hundred bytes per row, 2 KiB apart, defeat the hardware prefetcher).
+  const double* totals = partitioned_row_sums<K>(
+      ctx, rows, channels, partitions, [&](std::int64_t r0, std::int64_t r1, double* mine) {
+        PartitionSums sums{mine, channels};
+        accumulate(r0, r1, std::int64_t{0}, channels, sums);
+      });
   for (std::int64_t c0 = 0; c0 < channels; c0 += kChannelBlock) {
     const std::int64_t c1 = std::min(channels, c0 + kChannelBlock);
-    ChannelAccumulators<K> acc = {};
-    for (std::int64_t p = 0; p < partitions; ++p) {
-      for (int k = 0; k < K; ++k) {
-        const double* part = partials + p * stride + k * channels + c0;
-        for (std::int64_t j = 0; j < c1 - c0; ++j) acc[k][j] += part[j];
-      }
-    }
+    ChannelAccumulators<K> acc;
+    for (int k = 0; k < K; ++k) std::copy(totals + k * channels + c0, totals + k * channels + c1, acc[k]);
     finish(c0, c1, acc);
   }
 }
@@ -150,17 +168,34 @@ void activation_kernel(KernelContext& ctx) {
                        [&]<class T>() { map_elements<T>(ctx, [](const auto& x) { return activate<A>(x); }); });
 }
 
-// ReluGrad, SigmoidGrad, TanhGrad: (dy, y) -> dy * act'(y).
+// ReluGrad, SigmoidGrad, TanhGrad: (dy, y) -> dy * act'(y); GeluGrad: (dy, x) -> dy * gelu'(x).
 template <Activation A>
 void activation_grad_kernel(KernelContext& ctx) {
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const T* dy = in_ptr<T>(ctx, 0);
-    const T* y = in_ptr<T>(ctx, 1);
+    const T* saved = in_ptr<T>(ctx, 1);
     T* dx = out_ptr<T>(ctx, 0);
     parallel_elements(ctx, ctx.input(0).num_elements(), [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t i = begin; i < end; ++i) dx[i] = activation_backward<A>(dy[i], y[i]);
+      activation_backward<A>(dy + begin, saved + begin, dx + begin, end - begin);
     });
   });
+}
+
+// Gelu and GeluGrad: the "approximate" attribute picks the form.
+template <bool kGrad>
+void gelu_kernel(KernelContext& ctx) {
+  const auto run = [&]<Activation A>() {
+    if constexpr (kGrad) {
+      activation_grad_kernel<A>(ctx);
+    } else {
+      activation_kernel<A>(ctx);
+    }
+  };
+  if (ctx.attrs().get_bool_or("approximate", false)) {
+    run.template operator()<Activation::kGeluApproximate>();
+  } else {
+    run.template operator()<Activation::kGelu>();
+  }
 }
 
 // ---- Softmax ---------------------------------------------------------------------------------
@@ -218,8 +253,8 @@ void softmax_grad_kernel(KernelContext& ctx) {
 
 // ---- Bias, bias + activation, dense ----------------------------------------------------------
 
-// z = act(z + bias[c0:c1]) on rows [r0, r1), columns [c0, c1) of a row-major block.
-
+// BiasAdd, and BiasActivation, which also writes the pre-activation x + bias to its second output
+// when the activation's gradient needs it (GELU).
 template <bool kWithActivation>
 void bias_add_kernel(KernelContext& ctx) {
   const Activation activation = kWithActivation ? activation_of(ctx) : Activation::kLinear;
@@ -231,8 +266,9 @@ void bias_add_kernel(KernelContext& ctx) {
       const T* x = in_ptr<T>(ctx, 0);
       const T* bias = in_ptr<T>(ctx, 1);
       T* y = out_ptr<T>(ctx, 0);
+      T* pre = activation_gradient_needs_input(A) ? out_ptr<T>(ctx, 1) : nullptr;
       ctx.device().parallel_for(rows, row_grain(cols), [&](std::int64_t begin, std::int64_t end) {
-        bias_activation_rows<A>(x, y, cols, begin, end, 0, cols, bias);
+        bias_activation_rows<A>(x, y, pre, cols, begin, end, 0, cols, bias);
       });
     });
   });
@@ -260,7 +296,8 @@ void bias_add_grad_kernel(KernelContext& ctx) {
   });
 }
 
-// BiasActivationGrad: dz = dy * act'(y) and db = sum of dz over rows, in one sweep.
+// BiasActivationGrad: dz = dy * act'(z) (from y, or from z for GELU) and db = sum of dz over rows,
+// in one sweep.
 void bias_activation_grad_kernel(KernelContext& ctx) {
   const Activation activation = activation_of(ctx);
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
@@ -269,7 +306,7 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
       const std::int64_t rows = shape_2d.rows;
       const std::int64_t cols = shape_2d.cols;
       const T* dy = in_ptr<T>(ctx, 0);
-      const T* y = in_ptr<T>(ctx, 1);
+      const T* saved = in_ptr<T>(ctx, 1);
       T* dz = out_ptr<T>(ctx, 0);
       T* db = out_ptr<T>(ctx, 1);
       channel_sums<1>(
@@ -279,7 +316,7 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
             // turns relu's select into a branch around the accumulation.
             for (std::int64_t r = r0; r < r1; ++r) {
               const std::int64_t o = r * cols + c0;
-              for (std::int64_t j = 0; j < c1 - c0; ++j) dz[o + j] = activation_backward<A>(dy[o + j], y[o + j]);
+              activation_backward<A>(dy + o, saved + o, dz + o, c1 - c0);
               for (std::int64_t j = 0; j < c1 - c0; ++j) acc[0][j] += static_cast<double>(dz[o + j]);
             }
           },
@@ -292,7 +329,8 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
 
 // FusedMatMul: act(x @ kernel + bias). The product is split over the threads like gemm() splits
 // it (the larger side of the output), and each thread applies bias and activation to its block
-// right after computing it, while the block is still in its cache.
+// right after computing it, while the block is still in its cache. With GELU the product goes to
+// the second output, which keeps the pre-activation for the gradient.
 void fused_matmul_kernel(KernelContext& ctx) {
   const Activation activation = activation_of(ctx);
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
@@ -304,18 +342,20 @@ void fused_matmul_kernel(KernelContext& ctx) {
       const T* w = in_ptr<T>(ctx, 1);
       const T* bias = in_ptr<T>(ctx, 2);
       T* out = out_ptr<T>(ctx, 0);
+      T* pre = activation_gradient_needs_input(A) ? out_ptr<T>(ctx, 1) : nullptr;
+      T* product = pre != nullptr ? pre : out;
       const GemmShape shape{.m = m, .n = n, .k = k, .lda = k, .ldb = n, .ldc = n};
       const auto block = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
         if (r0 >= r1 || c0 >= c1) return;
         if (k == 0) {
-          for (std::int64_t r = r0; r < r1; ++r) std::fill(out + r * n + c0, out + r * n + c1, T(0));
+          for (std::int64_t r = r0; r < r1; ++r) std::fill(product + r * n + c0, product + r * n + c1, T(0));
         } else {
           GemmShape part = shape;
           part.m = r1 - r0;
           part.n = c1 - c0;
-          gemm_serial<T>(part, T(1), x + r0 * k, w + c0, T(0), out + r0 * n + c0);
+          gemm_serial<T>(part, T(1), x + r0 * k, w + c0, T(0), product + r0 * n + c0);
         }
-        bias_activation_rows<A>(out, out, n, r0, r1, c0, c1, bias);
+        bias_activation_rows<A>(product, out, pre, n, r0, r1, c0, c1, bias);
       };
       const std::int64_t threads = ctx.device().intra_op_threads();
       if (threads <= 1 || m * n * std::max<std::int64_t>(k, 1) < kParallelGemmMinMacs) {
@@ -623,6 +663,203 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
   });
 }
 
+// ---- Layer normalisation ---------------------------------------------------------------------
+
+// Inputs: x[, gamma][, beta] (attributes scale, center); outputs: y, mean and inv_std per row.
+// Each row is read twice while it is in L1: its mean, then the variance around that mean (two
+// passes keep the variance free of cancellation), y written on the second.
+void layer_norm_kernel(KernelContext& ctx) {
+  const double epsilon = ctx.attrs().get_float_or("epsilon", 1e-3);
+  const bool scale = ctx.attrs().get_bool_or("scale", false);
+  const bool center = ctx.attrs().get_bool_or("center", false);
+  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const auto [rows, cols] = rows_cols(ctx.input(0));
+    if (rows == 0) return;
+    const T* x = in_ptr<T>(ctx, 0);
+    const T* gamma = scale ? in_ptr<T>(ctx, 1) : nullptr;
+    const T* beta = center ? in_ptr<T>(ctx, scale ? 2 : 1) : nullptr;
+    T* y = out_ptr<T>(ctx, 0);
+    T* mean = out_ptr<T>(ctx, 1);  // the statistics are T too: float32 for 16-bit x, widened
+    T* inv_std = out_ptr<T>(ctx, 2);
+    const T inv_cols = T(1) / static_cast<T>(cols);
+    const T eps = static_cast<T>(epsilon);
+    ctx.device().parallel_for(rows, row_grain(cols), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) {
+        const ConstArrayMap<T> xr(x + r * cols, cols);
+        ArrayMap<T> yr(y + r * cols, cols);
+        const T mu = xr.sum() * inv_cols;
+        const T inv = T(1) / std::sqrt((xr - mu).square().sum() * inv_cols + eps);
+        mean[r] = mu;
+        inv_std[r] = inv;
+        const auto normalised = (xr - mu) * inv;
+        if (gamma != nullptr && beta != nullptr) {
+          yr = normalised * ConstArrayMap<T>(gamma, cols) + ConstArrayMap<T>(beta, cols);
+        } else if (gamma != nullptr) {
+          yr = normalised * ConstArrayMap<T>(gamma, cols);
+        } else if (beta != nullptr) {
+          yr = normalised + ConstArrayMap<T>(beta, cols);
+        } else {
+          yr = normalised;
+        }
+      }
+    });
+  });
+}
+
+// Inputs: dy, x, mean, inv_std[, gamma]; outputs: dx, dgamma, dbeta, in one sweep. With
+// xhat = (x - mean) * inv_std and g = dy * gamma, each row's
+//   dx = inv_std * (g - mean(g) - xhat * mean(g * xhat))
+// is written while dgamma += dy * xhat and dbeta += dy accumulate per channel, in double, over
+// partitions of whole rows added in a fixed order (partitioned_row_sums).
+void layer_norm_grad_kernel(KernelContext& ctx) {
+  const bool scale = ctx.attrs().get_bool_or("scale", false);
+  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const auto [rows, cols] = rows_cols(ctx.input(0));
+    if (cols == 0) return;
+    const T* dy = in_ptr<T>(ctx, 0);
+    const T* x = in_ptr<T>(ctx, 1);
+    const T* mean = in_ptr<T>(ctx, 2);
+    const T* inv_std = in_ptr<T>(ctx, 3);
+    const T* gamma = scale ? in_ptr<T>(ctx, 4) : nullptr;
+    T* dx = out_ptr<T>(ctx, 0);
+    T* dgamma = out_ptr<T>(ctx, 1);
+    T* dbeta = out_ptr<T>(ctx, 2);
+    const T inv_cols = T(1) / static_cast<T>(cols);
+    const double* totals = partitioned_row_sums<2>(
+        ctx, rows, cols, row_partitions<2>(rows, cols), [&](std::int64_t r0, std::int64_t r1, double* sums) {
+          double* sum_dy_xhat = sums;
+          double* sum_dy = sums + cols;
+          for (std::int64_t r = r0; r < r1; ++r) {
+            const std::int64_t o = r * cols;
+            const T inv = inv_std[r];
+            const ConstArrayMap<T> g(dy + o, cols);
+            ArrayMap<T> out(dx + o, cols);
+            out = (ConstArrayMap<T>(x + o, cols) - mean[r]) * inv;  // xhat, in dx's row while in L1
+            const T* xhat = dx + o;
+            for (std::int64_t c = 0; c < cols; ++c) {
+              sum_dy_xhat[c] += static_cast<double>(dy[o + c] * xhat[c]);
+              sum_dy[c] += static_cast<double>(dy[o + c]);
+            }
+            if (gamma != nullptr) {
+              const ConstArrayMap<T> gm(gamma, cols);
+              const T mean_g = (g * gm).sum() * inv_cols;
+              const T mean_gx = (g * gm * out).sum() * inv_cols;
+              out = inv * (g * gm - mean_g - out * mean_gx);
+            } else {
+              const T mean_g = g.sum() * inv_cols;
+              const T mean_gx = (g * out).sum() * inv_cols;
+              out = inv * (g - mean_g - out * mean_gx);
+            }
+          }
+        });
+    for (std::int64_t c = 0; c < cols; ++c) {
+      dgamma[c] = static_cast<T>(totals[c]);
+      dbeta[c] = static_cast<T>(totals[cols + c]);
+    }
+  });
+}
+
+// ---- Masked softmax --------------------------------------------------------------------------
+
+// A causal row's prefix rounded up to whole 64-byte vectors (within the row): Eigen evaluates a
+// length that is not a multiple of its packet size with a scalar tail, and a scalar exp costs
+// more than the vector exp of the few keys beyond the prefix, which are then overwritten with 0.
+template <class T>
+std::int64_t whole_vectors(std::int64_t n, std::int64_t cols) {
+  constexpr std::int64_t kLanes = 64 / sizeof(T);
+  return std::min(cols, (n + kLanes - 1) / kLanes * kLanes);
+}
+
+// Row r of y = softmax(scale * x) over the keys it attends to (detail/masked_softmax_args.h), 0
+// elsewhere; all zeros when it attends to none. A causal row ends at its query: the keys beyond
+// take no exp (but those of its last vector). With a mask (M its element type), keep holds the
+// row's 0/1 flags.
+template <class T, class M>
+void masked_softmax_row(const detail::MaskedSoftmaxRows& a, std::int64_t r, const T* xr, const M* mask, T scale,
+                        T* keep, T* yr) {
+  const std::int64_t n = detail::attended_prefix(a, r);
+  const std::int64_t padded = whole_vectors<T>(n, a.cols);
+  if (n == 0) {
+    std::fill(yr, yr + a.cols, T(0));
+    return;
+  }
+  ArrayMap<T> ys(yr, padded);
+  T max = -std::numeric_limits<T>::infinity();
+  if (mask == nullptr) {
+    max = (ConstArrayMap<T>(xr, n) * scale).maxCoeff();
+    ys = (ConstArrayMap<T>(xr, padded) * scale - max).exp();
+    std::fill(yr + n, yr + a.cols, T(0));
+  } else {
+    const M* mr = mask + detail::mask_row_offset(a, r);
+    const std::int64_t stride = a.col_stride;
+    for (std::int64_t j = 0; j < n; ++j) keep[j] = mr[j * stride] != 0 ? T(1) : T(0);
+    std::fill(keep + n, keep + padded, T(0));
+    for (std::int64_t j = 0; j < n; ++j) max = keep[j] != T(0) ? std::max(max, scale * xr[j]) : max;
+    if (!(max > -std::numeric_limits<T>::infinity())) {  // nothing to attend
+      std::fill(yr, yr + a.cols, T(0));
+      return;
+    }
+    // Masked keys take exp(0) and are then multiplied by 0: no inf, NaN or denormal on the way.
+    for (std::int64_t j = 0; j < padded; ++j) yr[j] = keep[j] != T(0) ? scale * xr[j] - max : T(0);
+    ys = ys.exp() * ConstArrayMap<T>(keep, padded);
+    std::fill(yr + padded, yr + a.cols, T(0));
+  }
+  ys *= T(1) / ys.sum();  // the sum is >= 1: the maximum contributes exp(0)
+}
+
+// Inputs: x[, mask] (int32, int64 or uint8, broadcast to x); attributes scale, causal.
+void masked_softmax_kernel(KernelContext& ctx) {
+  const double scale = ctx.attrs().get_float_or("scale", 1.0);
+  const bool causal = ctx.attrs().get_bool_or("causal", false);
+  const bool has_mask = ctx.num_inputs() == 2;
+  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const Shape& xs = ctx.input(0).shape();
+    const Shape empty;
+    const Shape& ms = has_mask ? ctx.input(1).shape() : empty;
+    const auto a =
+        detail::masked_softmax_rows(xs.dims().data(), xs.rank(), ms.dims().data(), ms.rank(), has_mask, causal);
+    const T* x = in_ptr<T>(ctx, 0);
+    T* y = out_ptr<T>(ctx, 0);
+    const auto run = [&]<class M>(const M* mask) {
+      ctx.device().parallel_for(a.rows, row_grain(a.cols), [&](std::int64_t begin, std::int64_t end) {
+        T* keep = mask != nullptr ? scratch_buffer<T>(static_cast<std::size_t>(a.cols), 1) : nullptr;
+        for (std::int64_t r = begin; r < end; ++r) {
+          masked_softmax_row<T, M>(a, r, x + r * a.cols, mask, static_cast<T>(scale), keep, y + r * a.cols);
+        }
+      });
+    };
+    if (!has_mask) {
+      run(static_cast<const std::uint8_t*>(nullptr));
+    } else {
+      dispatch<graph::IntegerTypes>(ctx.input(1).dtype(), ctx.label(), [&]<class M>() { run(in_ptr<M>(ctx, 1)); });
+    }
+  });
+}
+
+// MaskedSoftmaxGrad (dy, y): dx = scale * y * (dy - sum(dy * y)) per row; masked entries of y are
+// 0, so their dx is 0, and a causal row's keys beyond its query are skipped.
+void masked_softmax_grad_kernel(KernelContext& ctx) {
+  const double scale = ctx.attrs().get_float_or("scale", 1.0);
+  const bool causal = ctx.attrs().get_bool_or("causal", false);
+  dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const Shape& shape = ctx.input(0).shape();
+    const auto a = detail::masked_softmax_rows(shape.dims().data(), shape.rank(), nullptr, 0, false, causal);
+    const T* dy = in_ptr<T>(ctx, 0);
+    const T* y = in_ptr<T>(ctx, 1);
+    T* dx = out_ptr<T>(ctx, 0);
+    const auto s = static_cast<T>(scale);
+    ctx.device().parallel_for(a.rows, row_grain(a.cols), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) {
+        const std::int64_t o = r * a.cols, n = detail::attended_prefix(a, r);
+        const std::int64_t padded = whole_vectors<T>(n, a.cols);
+        const T dot = (ConstArrayMap<T>(dy + o, n) * ConstArrayMap<T>(y + o, n)).sum();
+        ArrayMap<T>(dx + o, padded) = s * ConstArrayMap<T>(y + o, padded) * (ConstArrayMap<T>(dy + o, padded) - dot);
+        std::fill(dx + o + n, dx + o + a.cols, T(0));
+      }
+    });
+  });
+}
+
 }  // namespace
 }  // namespace tandem::ops::cpu
 
@@ -640,6 +877,8 @@ void register_nn_cpu_kernels() {
   add("ReluGrad", activation_grad_kernel<Activation::kRelu>);
   add("SigmoidGrad", activation_grad_kernel<Activation::kSigmoid>);
   add("TanhGrad", activation_grad_kernel<Activation::kTanh>);
+  add("Gelu", gelu_kernel<false>);
+  add("GeluGrad", gelu_kernel<true>);
   add("Softmax", softmax_kernel<false>);
   add("LogSoftmax", softmax_kernel<true>);
   add("SoftmaxGrad", softmax_grad_kernel<false>);
@@ -656,6 +895,10 @@ void register_nn_cpu_kernels() {
   add("Dropout", dropout_kernel);
   add("FusedBatchNorm", batch_norm_kernel);
   add("FusedBatchNormGrad", batch_norm_grad_kernel);
+  add("LayerNorm", layer_norm_kernel);
+  add("LayerNormGrad", layer_norm_grad_kernel);
+  add("MaskedSoftmax", masked_softmax_kernel);
+  add("MaskedSoftmaxGrad", masked_softmax_grad_kernel);
 }
 
 }  // namespace tandem::ops::detail

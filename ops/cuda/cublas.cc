@@ -22,6 +22,11 @@ struct CublasApi {
                                     const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
                                     cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
   GemmEx gemm_ex = nullptr;
+  using GemmStridedBatchedEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int,
+                                                  const void*, const void*, cudaDataType, int, long long, const void*,
+                                                  cudaDataType, int, long long, const void*, void*, cudaDataType, int,
+                                                  long long, int, cublasComputeType_t, cublasGemmAlgo_t);
+  GemmStridedBatchedEx gemm_strided_batched_ex = nullptr;
   decltype(&::cublasGetStatusName) status_name = nullptr;
   std::string problem;  // empty when loaded
 };
@@ -40,6 +45,7 @@ const CublasApi& cublas() {
     load(a.create, "cublasCreate_v2");
     load(a.set_stream, "cublasSetStream_v2");
     load(a.gemm_ex, "cublasGemmEx");
+    load(a.gemm_strided_batched_ex, "cublasGemmStridedBatchedEx");
     load(a.status_name, "cublasGetStatusName");
     return a;
   }();
@@ -86,11 +92,23 @@ void gemm(int device, const std::string& device_name, cudaStream_t stream, const
   const auto m = static_cast<int>(cm.m), n = static_cast<int>(cm.n), k = static_cast<int>(cm.k);
   const auto ld_b = static_cast<int>(cm.ld_first), ld_a = static_cast<int>(cm.ld_second),
              ld_c = static_cast<int>(cm.ldc);
+  // Column-major, the batch strides stay those of the row-major operands (B is cuBLAS's first).
+  const auto run = [&](const void* alpha, const void* beta, cudaDataType type, cublasComputeType_t compute) {
+    if (call.batch == 1) {
+      TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, alpha, call.b, type, ld_b, call.a, type, ld_a, beta,
+                                      call.c, type, ld_c, compute, CUBLAS_GEMM_DEFAULT),
+                          device_name);
+      return;
+    }
+    TANDEM_CUBLAS_CHECK(
+        api.gemm_strided_batched_ex(h, op_b, op_a, m, n, k, alpha, call.b, type, ld_b, call.stride_b, call.a, type,
+                                    ld_a, call.stride_a, beta, call.c, type, ld_c, call.m * call.n,
+                                    static_cast<int>(call.batch), compute, CUBLAS_GEMM_DEFAULT),
+        device_name);
+  };
   if (call.dtype == graph::DType::kF64) {
     const double one = 1.0, zero = 0.0;
-    TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, CUDA_R_64F, ld_b, call.a, CUDA_R_64F, ld_a,
-                                    &zero, call.c, CUDA_R_64F, ld_c, CUBLAS_COMPUTE_64F, CUBLAS_GEMM_DEFAULT),
-                        device_name);
+    run(&one, &zero, CUDA_R_64F, CUBLAS_COMPUTE_64F);
     return;
   }
   cudaDataType_t type = CUDA_R_32F;
@@ -103,9 +121,7 @@ void gemm(int device, const std::string& device_name, cudaStream_t stream, const
     compute = CUBLAS_COMPUTE_32F;
   }
   const float one = 1.0f, zero = 0.0f;
-  TANDEM_CUBLAS_CHECK(api.gemm_ex(h, op_b, op_a, m, n, k, &one, call.b, type, ld_b, call.a, type, ld_a, &zero, call.c,
-                                  type, ld_c, compute, CUBLAS_GEMM_DEFAULT),
-                      device_name);
+  run(&one, &zero, type, compute);
 }
 
 }  // namespace tandem::ops::cuda

@@ -19,6 +19,9 @@ namespace tandem::ops::cuda {
 // float32 computes in float32 unless TF32 is enabled (tensor_float_32_execution_enabled()),
 // float16 and bfloat16 accumulate in float32, float64 in float64. Throws FailedPrecondition when
 // cuBLAS cannot be loaded, Internal when a call fails (with cuBLAS's status name).
+// With batch > 1, `batch` such products in one strided-batched call: product i reads A at a +
+// i * stride_a elements and B at b + i * stride_b (a stride of 0 shares the operand), and writes C
+// at c + i * m * n.
 struct GemmCall {
   graph::DType dtype = graph::DType::kF32;
   bool transpose_a = false, transpose_b = false;
@@ -26,6 +29,7 @@ struct GemmCall {
   const void* a = nullptr;
   const void* b = nullptr;
   void* c = nullptr;
+  std::int64_t batch = 1, stride_a = 0, stride_b = 0;
 };
 void gemm(int device, const std::string& device_name, cudaStream_t stream, const GemmCall& call);
 

@@ -14,6 +14,7 @@
 #include "tandem/ops/cpu/conv_geometry.h"
 #include "tandem/ops/cuda/cublas.h"
 #include "tandem/ops/cuda/cudnn.h"
+#include "tandem/ops/cuda/kernel_util.h"
 #include "tandem/ops/cuda/index_args.h"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/device_update.h"
@@ -40,29 +41,8 @@ static_assert(static_cast<int>(ElementType::kF16) == static_cast<int>(DType::kF1
 static_assert(static_cast<int>(ElementType::kBF16) == static_cast<int>(DType::kBF16));
 static_assert(static_cast<int>(Activation::kRelu) == static_cast<int>(ops::Activation::kRelu));
 static_assert(static_cast<int>(Activation::kTanh) == static_cast<int>(ops::Activation::kTanh));
-
-ElementType type_of(const Tensor& t) { return static_cast<ElementType>(t.dtype()); }
-cudaStream_t stream_of(KernelContext& ctx) {
-  return static_cast<cudaStream_t>(ctx.device().compute_stream().native_handle());
-}
-
-// Launch errors (a bad configuration, a missing sm_90 image) surface here, naming the node.
-void check_launch(KernelContext& ctx) {
-  const cudaError_t status = last_launch_error();
-  if (status != cudaSuccess) [[unlikely]] {
-    throw Internal(fmt::format("{}: CUDA kernel launch failed on {}: {} ({})", ctx.label(), ctx.device().short_name(),
-                               cudaGetErrorName(status), cudaGetErrorString(status)));
-  }
-}
-
-void require_types(KernelContext& ctx, const Tensor& t, std::initializer_list<DType> accepted) {
-  if (std::find(accepted.begin(), accepted.end(), t.dtype()) != accepted.end()) return;
-  graph::detail::throw_unsupported_dtype(fmt::format("{} on {}", ctx.label(), ctx.device().short_name()), t.dtype(),
-                                         accepted);
-}
-constexpr std::initializer_list<DType> kFloat = {DType::kF32, DType::kF64, DType::kF16, DType::kBF16};
-constexpr std::initializer_list<DType> kNumeric = {DType::kF32,  DType::kF64, DType::kF16,
-                                                   DType::kBF16, DType::kI32, DType::kI64};
+static_assert(static_cast<int>(Activation::kGelu) == static_cast<int>(ops::Activation::kGelu));
+static_assert(static_cast<int>(Activation::kGeluApproximate) == static_cast<int>(ops::Activation::kGeluApproximate));
 
 // ---- Element-wise ------------------------------------------------------------------------------
 
@@ -218,13 +198,39 @@ Activation activation_attr(KernelContext& ctx) {
   return static_cast<Activation>(ops::parse_activation(ctx.attrs().get<std::string>("activation")));
 }
 
+// The fused ops' second output when their activation's gradient needs the pre-activation (GELU).
+void* pre_activation_output(KernelContext& ctx, Activation activation) {
+  return ops::activation_gradient_needs_input(static_cast<ops::Activation>(activation)) ? ctx.output(1).raw_data()
+                                                                                        : nullptr;
+}
+
 template <bool kWithActivation>
 void bias_add_kernel(KernelContext& ctx) {
   require_types(ctx, ctx.input(0), kFloat);
   const auto [rows, cols] = rows_cols(ctx.input(0));
-  bias_activation(kWithActivation ? activation_attr(ctx) : Activation::kLinear, type_of(ctx.input(0)),
-                  ctx.input(0).raw_data(), ctx.input(1).raw_data(), ctx.output(0).raw_data(), rows, cols,
-                  stream_of(ctx));
+  const Activation activation = kWithActivation ? activation_attr(ctx) : Activation::kLinear;
+  bias_activation(activation, type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.input(1).raw_data(),
+                  pre_activation_output(ctx, activation), ctx.output(0).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+// Gelu: the activation with no bias; GeluGrad (dy, x): dy * gelu'(x).
+Activation gelu_form(KernelContext& ctx) {
+  return ctx.attrs().get_bool_or("approximate", false) ? Activation::kGeluApproximate : Activation::kGelu;
+}
+
+void gelu_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  bias_activation(gelu_form(ctx), type_of(x), x.raw_data(), nullptr, nullptr, ctx.output(0).raw_data(),
+                  x.num_elements(), 1, stream_of(ctx));
+  check_launch(ctx);
+}
+
+void gelu_grad_kernel(KernelContext& ctx) {
+  require_types(ctx, ctx.input(0), kFloat);
+  activation_grad(gelu_form(ctx), type_of(ctx.input(0)), ctx.input(0).raw_data(), ctx.input(1).raw_data(),
+                  ctx.output(0).raw_data(), ctx.input(0).num_elements(), stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -270,7 +276,8 @@ void matmul_kernel(KernelContext& ctx) {
 }
 
 // FusedMatMul: the product by cuBLAS, then bias and activation in place (one extra pass; a
-// cuBLASLt epilogue would fold it into the product).
+// cuBLASLt epilogue would fold it into the product). With GELU the product goes to the second
+// output, which keeps the pre-activation.
 void fused_matmul_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Tensor& w = ctx.input(1);
@@ -282,17 +289,19 @@ void fused_matmul_kernel(KernelContext& ctx) {
   call.n = w.shape()[1];
   call.lda = call.k;
   call.ldb = call.n;
+  const Activation activation = activation_attr(ctx);
+  void* pre = pre_activation_output(ctx, activation);
   call.a = x.raw_data();
   call.b = w.raw_data();
-  call.c = ctx.output(0).raw_data();
+  call.c = pre != nullptr ? pre : ctx.output(0).raw_data();
   if (call.m * call.n == 0) return;
   if (call.k == 0) {
     fill(type_of(x), 0.0, call.c, call.m * call.n, stream_of(ctx));
   } else {
     gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
   }
-  bias_activation(activation_attr(ctx), type_of(x), call.c, ctx.input(2).raw_data(), call.c, call.m, call.n,
-                  stream_of(ctx));
+  bias_activation(activation, type_of(x), call.c, ctx.input(2).raw_data(), pre, ctx.output(0).raw_data(), call.m,
+                  call.n, stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -323,33 +332,16 @@ void sparse_xent_kernel(KernelContext& ctx) {
   require_types(ctx, labels, {DType::kI32, DType::kI64});
   const std::int64_t rows = x.shape()[0], classes = x.shape()[1];
   if (rows == 0) return;
-  Tensor& flag = ctx.scratch(0, {1}, DType::kI64);
-  fill(ElementType::kI64, static_cast<double>(rows), flag.raw_data(), 1, stream_of(ctx));
+  std::string label = ctx.label();
+  unsigned long long* bad_row =
+      defer_bad_id_check(ctx, 0, labels, rows, [label, classes](std::int64_t row, std::int64_t value) {
+        throw InvalidArgument(
+            fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value, row, classes));
+      });
   sparse_softmax_cross_entropy(type_of(x), type_of(labels), x.raw_data(), labels.raw_data(), ctx.output(0).raw_data(),
-                               ctx.output(1).raw_data(), rows, classes,
-                               static_cast<unsigned long long*>(flag.raw_data()), static_cast<int*>(ctx.fault_word()),
+                               ctx.output(1).raw_data(), rows, classes, bad_row, static_cast<int*>(ctx.fault_word()),
                                stream_of(ctx));
   check_launch(ctx);
-  devices::Device* device = &ctx.device();
-  const void* flag_data = flag.raw_data();
-  const void* label_data = labels.raw_data();
-  const DType label_dtype = labels.dtype();
-  std::string label = ctx.label();
-  ctx.defer([=] {
-    std::int64_t first_bad = rows;
-    device->copy_to_host(&first_bad, flag_data, sizeof(first_bad));  // waits for the kernel
-    if (first_bad == rows) return;
-    std::int64_t value = 0;
-    if (label_dtype == DType::kI32) {
-      std::int32_t narrow = 0;
-      device->copy_to_host(&narrow, static_cast<const std::int32_t*>(label_data) + first_bad, sizeof(narrow));
-      value = narrow;
-    } else {
-      device->copy_to_host(&value, static_cast<const std::int64_t*>(label_data) + first_bad, sizeof(value));
-    }
-    throw InvalidArgument(
-        fmt::format("{}: label {} in row {} is outside the valid class ids [0, {})", label, value, first_bad, classes));
-  });
 }
 
 void xent_kernel(KernelContext& ctx) {
@@ -430,6 +422,61 @@ void batch_norm_grad_kernel(KernelContext& ctx) {
                   has_stat_grads ? ctx.input(6).raw_data() : nullptr, ctx.output(0).raw_data(),
                   ctx.output(1).raw_data(), ctx.output(2).raw_data(), ctx.output(3).raw_data(),
                   ctx.output(4).raw_data(), rows, channels, stream_of(ctx));
+  check_launch(ctx);
+}
+
+// ---- Transformer ops: LayerNorm, MaskedSoftmax -------------------------------------------------
+
+// LayerNorm (x[, gamma][, beta]) -> (y, mean, inv_std).
+void layer_norm_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  const bool scale = ctx.attrs().get_bool_or("scale", false);
+  const bool center = ctx.attrs().get_bool_or("center", false);
+  const auto [rows, cols] = rows_cols(x);
+  layer_norm(type_of(x), x.raw_data(), scale ? ctx.input(1).raw_data() : nullptr,
+             center ? ctx.input(scale ? 2 : 1).raw_data() : nullptr, ctx.attrs().get_float_or("epsilon", 1e-3),
+             ctx.output(0).raw_data(), ctx.output(1).raw_data(), ctx.output(2).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+// LayerNormGrad (dy, x, mean, inv_std[, gamma]) -> (dx, dgamma, dbeta).
+void layer_norm_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  require_types(ctx, dy, kFloat);
+  const bool scale = ctx.attrs().get_bool_or("scale", false);
+  const auto [rows, cols] = rows_cols(dy);
+  layer_norm_grad(type_of(dy), dy.raw_data(), ctx.input(1).raw_data(), ctx.input(2).raw_data(),
+                  ctx.input(3).raw_data(), scale ? ctx.input(4).raw_data() : nullptr, ctx.output(0).raw_data(),
+                  ctx.output(1).raw_data(), ctx.output(2).raw_data(), rows, cols, stream_of(ctx));
+  check_launch(ctx);
+}
+
+detail::MaskedSoftmaxRows masked_softmax_rows(KernelContext& ctx, const Shape& x, const Shape* mask) {
+  return detail::masked_softmax_rows(x.dims().data(), x.rank(), mask != nullptr ? mask->dims().data() : nullptr,
+                                     mask != nullptr ? mask->rank() : 0, mask != nullptr,
+                                     ctx.attrs().get_bool_or("causal", false));
+}
+
+// MaskedSoftmax (x[, mask]) -> y.
+void masked_softmax_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  const Tensor* mask = ctx.num_inputs() == 2 ? &ctx.input(1) : nullptr;
+  if (mask != nullptr) require_types(ctx, *mask, {DType::kI32, DType::kI64, DType::kU8});
+  masked_softmax(type_of(x), mask != nullptr ? type_of(*mask) : ElementType::kU8, x.raw_data(),
+                 mask != nullptr ? mask->raw_data() : nullptr,
+                 masked_softmax_rows(ctx, x.shape(), mask != nullptr ? &mask->shape() : nullptr),
+                 ctx.attrs().get_float_or("scale", 1.0), ctx.output(0).raw_data(), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// MaskedSoftmaxGrad (dy, y) -> dx.
+void masked_softmax_grad_kernel(KernelContext& ctx) {
+  const Tensor& dy = ctx.input(0);
+  require_types(ctx, dy, kFloat);
+  masked_softmax_grad(type_of(dy), dy.raw_data(), ctx.input(1).raw_data(), masked_softmax_rows(ctx, dy.shape(), nullptr),
+                      ctx.attrs().get_float_or("scale", 1.0), ctx.output(0).raw_data(), stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -562,8 +609,8 @@ void fused_conv2d_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
   Tensor& y = ctx.output(0);
   conv_forward(ctx, g, x, ctx.input(1), y.raw_data());
-  bias_activation(activation_attr(ctx), type_of(x), y.raw_data(), ctx.input(2).raw_data(), y.raw_data(), g.out_pixels(),
-                  g.out_c, stream_of(ctx));
+  bias_activation(activation_attr(ctx), type_of(x), y.raw_data(), ctx.input(2).raw_data(), nullptr, y.raw_data(),
+                  g.out_pixels(), g.out_c, stream_of(ctx));
   check_launch(ctx);
 }
 
@@ -774,6 +821,8 @@ void register_cuda_kernels() {
   add("ReluGrad", activation_grad_kernel<cuda::Activation::kRelu>);
   add("SigmoidGrad", activation_grad_kernel<cuda::Activation::kSigmoid>);
   add("TanhGrad", activation_grad_kernel<cuda::Activation::kTanh>);
+  add("Gelu", gelu_kernel);
+  add("GeluGrad", gelu_grad_kernel);
   add("AddN", add_n_kernel);
   add("Cast", cast_kernel);
   add("Copy", copy_kernel);
@@ -807,6 +856,10 @@ void register_cuda_kernels() {
   add("OneHot", one_hot_kernel);
   add("FusedBatchNorm", batch_norm_kernel);
   add("FusedBatchNormGrad", batch_norm_grad_kernel);
+  add("LayerNorm", layer_norm_kernel);
+  add("LayerNormGrad", layer_norm_grad_kernel);
+  add("MaskedSoftmax", masked_softmax_kernel);
+  add("MaskedSoftmaxGrad", masked_softmax_grad_kernel);
   add("Conv2D", conv2d_kernel);
   add("FusedConv2D", fused_conv2d_kernel);
   add("Conv2DBackpropInput", conv2d_backprop_input_kernel);

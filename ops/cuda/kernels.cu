@@ -13,51 +13,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "tandem/ops/cuda/device_common.cuh"
 #include "tandem/ops/cuda/launchers.h"
 #include "tandem/ops/detail/dropout_hash.h"
 #include "tandem/ops/detail/update_rules.h"
 
 namespace tandem::ops::cuda {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr std::int64_t kMaxBlocks = 65535;
-
-inline int blocks_for(std::int64_t n) {
-  const std::int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(b < 1 ? 1 : (b > kMaxBlocks ? kMaxBlocks : b));
-}
-
-// What T computes in.
-template <class T>
-struct ComputeOf {
-  using type = T;
-};
-template <>
-struct ComputeOf<__half> {
-  using type = float;
-};
-template <>
-struct ComputeOf<__nv_bfloat16> {
-  using type = float;
-};
-template <class T>
-using compute_t = typename ComputeOf<T>::type;
-
-template <class T>
-__device__ __forceinline__ compute_t<T> load(const T* p, std::int64_t i) {
-  return static_cast<compute_t<T>>(p[i]);
-}
-template <class T, class C>
-__device__ __forceinline__ void store(T* p, std::int64_t i, C value) {
-  if constexpr (std::is_same_v<T, __half>) {
-    p[i] = __float2half_rn(static_cast<float>(value));
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    p[i] = __float2bfloat16_rn(static_cast<float>(value));
-  } else {
-    p[i] = static_cast<T>(value);
-  }
-}
 
 __device__ __forceinline__ float d_exp(float x) { return expf(x); }
 __device__ __forceinline__ double d_exp(double x) { return exp(x); }
@@ -67,10 +29,10 @@ __device__ __forceinline__ float d_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double d_sqrt(double x) { return sqrt(x); }
 __device__ __forceinline__ float d_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double d_tanh(double x) { return tanh(x); }
-
-#define TANDEM_GRID_STRIDE(i, n) \
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); \
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+__device__ __forceinline__ float d_erf(float x) { return erff(x); }
+__device__ __forceinline__ double d_erf(double x) { return erf(x); }
+__device__ __forceinline__ float d_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ double d_rsqrt(double x) { return rsqrt(x); }
 
 // ---- Element-wise ------------------------------------------------------------------------------
 
@@ -133,13 +95,26 @@ __global__ void unary_kernel(UnaryOp op, const T* x, T* y, std::int64_t n) {
   TANDEM_GRID_STRIDE(i, n) { store(y, i, apply_unary(op, load(x, i))); }
 }
 
+// GELU's tanh form: 0.5 z (1 + tanh(kGeluK * (z + kGeluC * z^3))), as ops/cpu/bias_activation.h.
+constexpr double kGeluK = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluC = 0.044715;
+constexpr double kSqrtHalf = 0.7071067811865476;
+constexpr double kInvSqrt2Pi = 0.3989422804014327;
+
+// dy * act'(z) from v: the output y for relu, sigmoid and tanh, the input z for GELU.
 template <class C>
-__device__ __forceinline__ C activation_backward(Activation a, C dy, C y) {
+__device__ __forceinline__ C activation_backward(Activation a, C dy, C v) {
   switch (a) {
     case Activation::kLinear: return dy;
-    case Activation::kRelu: return y > C(0) ? dy : C(0);
-    case Activation::kSigmoid: return dy * y * (C(1) - y);
-    case Activation::kTanh: return dy * (C(1) - y * y);
+    case Activation::kRelu: return v > C(0) ? dy : C(0);
+    case Activation::kSigmoid: return dy * v * (C(1) - v);
+    case Activation::kTanh: return dy * (C(1) - v * v);
+    case Activation::kGelu:  // Phi(z) + z phi(z)
+      return dy * (C(0.5) * (C(1) + d_erf(v * C(kSqrtHalf))) + v * C(kInvSqrt2Pi) * d_exp(C(-0.5) * v * v));
+    case Activation::kGeluApproximate: {
+      const C t = d_tanh(C(kGeluK) * (v + C(kGeluC) * v * v * v));
+      return dy * (C(0.5) * (C(1) + t) + C(0.5 * kGeluK) * v * (C(1) - t * t) * (C(1) + C(3 * kGeluC) * v * v));
+    }
   }
   return dy;
 }
@@ -151,6 +126,8 @@ __device__ __forceinline__ C activate(Activation a, C z) {
     case Activation::kRelu: return z > C(0) ? z : C(0);
     case Activation::kSigmoid: return C(1) / (C(1) + d_exp(-z));
     case Activation::kTanh: return d_tanh(z);
+    case Activation::kGelu: return C(0.5) * z * (C(1) + d_erf(z * C(kSqrtHalf)));
+    case Activation::kGeluApproximate: return C(0.5) * z * (C(1) + d_tanh(C(kGeluK) * (z + C(kGeluC) * z * z * z)));
   }
   return z;
 }
@@ -210,9 +187,17 @@ __global__ void fill_kernel(double value, T* y, std::int64_t n) {
 }
 
 template <class T>
-__global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, T* y, std::int64_t rows,
+__global__ void bias_activation_kernel(Activation a, const T* x, const T* bias, T* pre, T* y, std::int64_t rows,
                                        std::int64_t cols) {
-  TANDEM_GRID_STRIDE(i, rows * cols) { store(y, i, activate(a, load(x, i) + load(bias, i % cols))); }
+  TANDEM_GRID_STRIDE(i, rows * cols) {
+    compute_t<T> z = load(x, i);
+    if (bias != nullptr) z += load(bias, i % cols);
+    if (pre != nullptr) {
+      store(pre, i, z);
+      z = load(pre, i);  // the gradient differentiates at the stored (rounded) z
+    }
+    store(y, i, activate(a, z));
+  }
 }
 
 // ---- Column sums (element_math.h: row chunks, then chunk partials in order) -------------------------
@@ -642,6 +627,136 @@ __global__ void argmax_kernel(const T* x, std::int64_t* out, std::int64_t outer,
   }
 }
 
+// ---- Transformer ops: layer normalisation, masked softmax (one block per row) -------------------
+
+// LayerNorm: two block sums over the row (mean, then the variance around it), then y.
+template <class T>
+__global__ void layer_norm_kernel(const T* x, const T* gamma, const T* beta, double epsilon, T* y,
+                                  compute_t<T>* mean, compute_t<T>* inv_std, std::int64_t cols) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  C s = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) s += load(x, o + c);
+  const C mu = block_sum(s, shared) / static_cast<C>(cols);
+  s = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    const C d = load(x, o + c) - mu;
+    s += d * d;
+  }
+  const C inv = d_rsqrt(block_sum(s, shared) / static_cast<C>(cols) + static_cast<C>(epsilon));
+  if (threadIdx.x == 0) {
+    mean[blockIdx.x] = mu;
+    inv_std[blockIdx.x] = inv;
+  }
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    C v = (load(x, o + c) - mu) * inv;
+    if (gamma != nullptr) v *= load(gamma, c);
+    if (beta != nullptr) v += load(beta, c);
+    store(y, o + c, v);
+  }
+}
+
+// LayerNormGrad's dx: two block sums over the row, then dx.
+template <class T>
+__global__ void layer_norm_grad_kernel(const T* dy, const T* x, const compute_t<T>* mean,
+                                       const compute_t<T>* inv_std, const T* gamma, T* dx, std::int64_t cols) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t o = blockIdx.x * cols;
+  const C mu = mean[blockIdx.x], inv = inv_std[blockIdx.x];
+  C sum_g = 0, sum_gx = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    const C g = load(dy, o + c) * (gamma != nullptr ? load(gamma, c) : C(1));
+    sum_g += g;
+    sum_gx += g * (load(x, o + c) - mu) * inv;
+  }
+  const C mean_g = block_sum(sum_g, shared) / static_cast<C>(cols);
+  const C mean_gx = block_sum(sum_gx, shared) / static_cast<C>(cols);
+  for (std::int64_t c = threadIdx.x; c < cols; c += kThreads) {
+    const C g = load(dy, o + c) * (gamma != nullptr ? load(gamma, c) : C(1));
+    store(dx, o + c, inv * (g - mean_g - (load(x, o + c) - mu) * inv * mean_gx));
+  }
+}
+
+// LayerNormGrad's column sums: dy * xhat and dy.
+template <class T>
+struct LayerNormParamRows {
+  const T* dy;
+  const T* x;
+  const compute_t<T>* mean;
+  const compute_t<T>* inv_std;
+  std::int64_t cols;
+  __device__ void operator()(std::int64_t r, std::int64_t c, double* sum) const {
+    const std::int64_t i = r * cols + c;
+    const compute_t<T> g = load(dy, i);
+    sum[0] += static_cast<double>(g * (load(x, i) - mean[r]) * inv_std[r]);
+    sum[1] += static_cast<double>(g);
+  }
+};
+template <class T>
+struct StoreColumnTotals2 {
+  T* first;
+  T* second;
+  __device__ void operator()(std::int64_t c, const double* total) const {
+    store(first, c, total[0]);
+    store(second, c, total[1]);
+  }
+};
+
+// Whether key c of a row attends: inside the causal prefix n, and the mask (when there is one)
+// non-zero there.
+template <class M>
+__device__ __forceinline__ bool attends(const M* mask, std::int64_t mask_row, std::int64_t col_stride, std::int64_t c,
+                                        std::int64_t n) {
+  return c < n && (mask == nullptr || mask[mask_row + c * col_stride] != 0);
+}
+
+template <class T, class M>
+__global__ void masked_softmax_kernel(const T* x, const M* mask, detail::MaskedSoftmaxRows a, double scale, T* y) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t o = row * a.cols;
+  const std::int64_t n = detail::attended_prefix(a, row);
+  const std::int64_t mask_row = mask != nullptr ? detail::mask_row_offset(a, row) : 0;
+  const C s = static_cast<C>(scale);
+  C max = -INFINITY;
+  for (std::int64_t c = threadIdx.x; c < n; c += kThreads) {
+    if (attends(mask, mask_row, a.col_stride, c, n)) max = fmax(max, s * load(x, o + c));
+  }
+  max = block_max(max, shared);
+  if (!(max > -INFINITY)) {  // nothing to attend: zeros (the whole block takes this branch)
+    for (std::int64_t c = threadIdx.x; c < a.cols; c += kThreads) store(y, o + c, C(0));
+    return;
+  }
+  C sum = 0;
+  for (std::int64_t c = threadIdx.x; c < n; c += kThreads) {
+    if (attends(mask, mask_row, a.col_stride, c, n)) sum += d_exp(s * load(x, o + c) - max);
+  }
+  sum = block_sum(sum, shared);
+  for (std::int64_t c = threadIdx.x; c < a.cols; c += kThreads) {
+    store(y, o + c, attends(mask, mask_row, a.col_stride, c, n) ? d_exp(s * load(x, o + c) - max) / sum : C(0));
+  }
+}
+
+template <class T>
+__global__ void masked_softmax_grad_kernel(const T* dy, const T* y, detail::MaskedSoftmaxRows a, double scale,
+                                           T* dx) {
+  using C = compute_t<T>;
+  __shared__ C shared[kThreads];
+  const std::int64_t row = blockIdx.x;
+  const std::int64_t o = row * a.cols;
+  const std::int64_t n = detail::attended_prefix(a, row);
+  C dot = 0;
+  for (std::int64_t c = threadIdx.x; c < n; c += kThreads) dot += load(dy, o + c) * load(y, o + c);
+  dot = block_sum(dot, shared);
+  const C s = static_cast<C>(scale);
+  for (std::int64_t c = threadIdx.x; c < a.cols; c += kThreads) {
+    store(dx, o + c, c < n ? s * load(y, o + c) * (load(dy, o + c) - dot) : C(0));
+  }
+}
+
 // ---- Windows: im2col, col2im, pooling ----------------------------------------------------------
 
 template <class T>
@@ -785,35 +900,6 @@ __global__ void check_finite_kernel(const T* x, std::int64_t n, int* flag) {
   }
 }
 
-// ---- Dispatch ------------------------------------------------------------------------------------
-
-template <class F>
-void with_float_type(ElementType type, F&& f) {
-  switch (type) {
-    case ElementType::kF32: f(static_cast<float*>(nullptr)); break;
-    case ElementType::kF64: f(static_cast<double*>(nullptr)); break;
-    case ElementType::kF16: f(static_cast<__half*>(nullptr)); break;
-    case ElementType::kBF16: f(static_cast<__nv_bfloat16*>(nullptr)); break;
-    default: break;  // cuda_kernels.cc accepts only the types a launcher supports
-  }
-}
-template <class F>
-void with_numeric_type(ElementType type, F&& f) {
-  switch (type) {
-    case ElementType::kI32: f(static_cast<std::int32_t*>(nullptr)); break;
-    case ElementType::kI64: f(static_cast<std::int64_t*>(nullptr)); break;
-    default: with_float_type(type, f); break;
-  }
-}
-template <class F>
-void with_any_type(ElementType type, F&& f) {
-  if (type == ElementType::kU8) {
-    f(static_cast<std::uint8_t*>(nullptr));
-  } else {
-    with_numeric_type(type, f);
-  }
-}
-
 }  // namespace
 
 void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void* a, const void* b, void* out,
@@ -890,13 +976,14 @@ void fill(ElementType type, double value, void* y, std::int64_t n, cudaStream_t 
   });
 }
 
-void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* y,
+void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* pre, void* y,
                      std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
   if (rows * cols == 0) return;
   with_float_type(type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     bias_activation_kernel<T><<<blocks_for(rows * cols), kThreads, 0, stream>>>(
-        activation, static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(y), rows, cols);
+        activation, static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<T*>(pre), static_cast<T*>(y),
+        rows, cols);
   });
 }
 
@@ -1089,6 +1176,68 @@ void argmax(ElementType type, const void* x, std::int64_t* out, std::int64_t out
     using T = std::remove_pointer_t<decltype(tag)>;
     argmax_kernel<T>
         <<<blocks_for(outer * inner), kThreads, 0, stream>>>(static_cast<const T*>(x), out, outer, axis, inner);
+  });
+}
+
+void layer_norm(ElementType type, const void* x, const void* gamma, const void* beta, double epsilon, void* y,
+                void* mean, void* inv_std, std::int64_t rows, std::int64_t cols, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using C = compute_t<T>;
+    layer_norm_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(gamma), static_cast<const T*>(beta), epsilon,
+        static_cast<T*>(y), static_cast<C*>(mean), static_cast<C*>(inv_std), cols);
+  });
+}
+
+void layer_norm_grad(ElementType type, const void* dy, const void* x, const void* mean, const void* inv_std,
+                     const void* gamma, void* dx, void* dgamma, void* dbeta, std::int64_t rows, std::int64_t cols,
+                     cudaStream_t stream) {
+  if (cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using C = compute_t<T>;
+    const auto* dy_t = static_cast<const T*>(dy);
+    const auto* x_t = static_cast<const T*>(x);
+    const auto* mean_c = static_cast<const C*>(mean);
+    const auto* inv_std_c = static_cast<const C*>(inv_std);
+    if (rows > 0) {
+      layer_norm_grad_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+          dy_t, x_t, mean_c, inv_std_c, static_cast<const T*>(gamma), static_cast<T*>(dx), cols);
+    }
+    column_sums<2>(LayerNormParamRows<T>{dy_t, x_t, mean_c, inv_std_c, cols},
+                   StoreColumnTotals2<T>{static_cast<T*>(dgamma), static_cast<T*>(dbeta)}, rows, cols, stream);
+  });
+}
+
+void masked_softmax(ElementType type, ElementType mask_type, const void* x, const void* mask,
+                    const detail::MaskedSoftmaxRows& rows, double scale, void* y, cudaStream_t stream) {
+  if (rows.rows * rows.cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const auto launch = [&](auto* mask_tag) {
+      using M = std::remove_pointer_t<decltype(mask_tag)>;
+      masked_softmax_kernel<T, M><<<static_cast<unsigned>(rows.rows), kThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const M*>(mask), rows, scale, static_cast<T*>(y));
+    };
+    if (mask == nullptr || mask_type == ElementType::kU8) {
+      launch(static_cast<std::uint8_t*>(nullptr));
+    } else if (mask_type == ElementType::kI32) {
+      launch(static_cast<std::int32_t*>(nullptr));
+    } else {
+      launch(static_cast<std::int64_t*>(nullptr));
+    }
+  });
+}
+
+void masked_softmax_grad(ElementType type, const void* dy, const void* y, const detail::MaskedSoftmaxRows& rows,
+                         double scale, void* dx, cudaStream_t stream) {
+  if (rows.rows * rows.cols == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    masked_softmax_grad_kernel<T><<<static_cast<unsigned>(rows.rows), kThreads, 0, stream>>>(
+        static_cast<const T*>(dy), static_cast<const T*>(y), rows, scale, static_cast<T*>(dx));
   });
 }
 

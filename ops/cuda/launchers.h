@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "tandem/ops/cuda/element_math.h"  // BroadcastArgs, ReduceArgs, WindowGeometry
+#include "tandem/ops/detail/masked_softmax_args.h"
 #include "tandem/ops/detail/update_rules.h"
 
 namespace tandem::ops::cuda {
@@ -22,7 +23,7 @@ enum class ElementType : std::uint8_t { kF32, kF64, kI32, kI64, kU8, kF16, kBF16
 enum class BinaryOp : std::uint8_t { kAdd, kSub, kMul, kDiv, kEqual };
 enum class UnaryOp : std::uint8_t { kNeg, kSquare, kAbs, kSqrt, kExp, kLog, kSign, kRelu, kSigmoid, kTanh };
 // ops::Activation's values.
-enum class Activation : std::uint8_t { kLinear, kRelu, kSigmoid, kTanh };
+enum class Activation : std::uint8_t { kLinear, kRelu, kSigmoid, kTanh, kGelu, kGeluApproximate };
 
 // out = a op b (kEqual writes uint8).
 void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void* a, const void* b, void* out,
@@ -32,7 +33,8 @@ void binary(BinaryOp op, ElementType type, const BroadcastArgs& args, const void
 void broadcast(ElementType type, const BroadcastArgs& args, const void* x, double scale, void* out,
                cudaStream_t stream);
 void unary(UnaryOp op, ElementType type, const void* x, void* y, std::int64_t n, cudaStream_t stream);
-// dx = dy * act'(y), from the activation's output y.
+// dx = dy * act'(z), from `y`: the activation's output for relu, sigmoid and tanh, its input z for
+// GELU (GeluGrad, and BiasActivationGrad below).
 void activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dx, std::int64_t n,
                      cudaStream_t stream);
 // out = sum of `count` inputs (count <= kMaxAddN per call; the caller chains larger sums).
@@ -42,10 +44,12 @@ void add_n(ElementType type, const void* const* inputs, int count, bool accumula
 void cast(ElementType from, ElementType to, const void* x, void* y, std::int64_t n, cudaStream_t stream);
 void fill(ElementType type, double value, void* y, std::int64_t n, cudaStream_t stream);
 
-// y[r, c] = act(x[r, c] + bias[c]) (x may be y).
-void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* y,
+// y[r, c] = act(x[r, c] + bias[c]) (x may be y). bias null: no bias (the Gelu op). pre, when not
+// null, receives x + bias, which GELU's gradient needs (pre may be x).
+void bias_activation(Activation activation, ElementType type, const void* x, const void* bias, void* pre, void* y,
                      std::int64_t rows, std::int64_t cols, cudaStream_t stream);
-// dz = dy * act'(y) (unless dz is null: BiasAddGrad) and db[c] = sum over rows of dz[r, c].
+// dz = dy * act'(z) from y (or from z for GELU; unless dz is null: BiasAddGrad) and db[c] = sum
+// over rows of dz[r, c].
 void bias_activation_grad(Activation activation, ElementType type, const void* dy, const void* y, void* dz, void* db,
                           std::int64_t rows, std::int64_t cols, cudaStream_t stream);
 
@@ -81,6 +85,26 @@ void sigmoid_cross_entropy_grad(ElementType type, const void* dy, const void* x,
 // elements on both devices. keep when the 53-bit hash >= threshold; y = x * scale, mask = scale.
 void dropout(ElementType type, const void* x, void* y, void* mask, std::int64_t n, std::uint64_t key,
              std::uint64_t threshold, double scale, cudaStream_t stream);
+// ---- Transformer ops: layer normalisation, masked softmax (one block per row) ----
+// LayerNorm over rows of `cols`: y = (x - mean) * inv_std * gamma + beta (gamma, beta may be
+// null), the row's mean and inv_std = 1 / sqrt(biased variance + epsilon) stored in the compute
+// type (float for 16-bit x, double for double).
+void layer_norm(ElementType type, const void* x, const void* gamma, const void* beta, double epsilon, void* y,
+                void* mean, void* inv_std, std::int64_t rows, std::int64_t cols, cudaStream_t stream);
+// LayerNormGrad: dx = inv_std * (g - mean(g) - xhat * mean(g * xhat)), g = dy * gamma (gamma may be
+// null), per row; dgamma = sum of dy * xhat and dbeta = sum of dy per column, deterministic.
+void layer_norm_grad(ElementType type, const void* dy, const void* x, const void* mean, const void* inv_std,
+                     const void* gamma, void* dx, void* dgamma, void* dbeta, std::int64_t rows, std::int64_t cols,
+                     cudaStream_t stream);
+// MaskedSoftmax: softmax(scale * x) over each row's attended keys (detail::MaskedSoftmaxRows: the
+// causal prefix, and mask, of mask_type int32/int64/uint8, when not null), 0 elsewhere; a row with
+// none is all zeros.
+void masked_softmax(ElementType type, ElementType mask_type, const void* x, const void* mask,
+                    const detail::MaskedSoftmaxRows& rows, double scale, void* y, cudaStream_t stream);
+// MaskedSoftmaxGrad: dx = scale * y * (dy - sum(dy * y)) per row (0 beyond a causal row's prefix).
+void masked_softmax_grad(ElementType type, const void* dy, const void* y, const detail::MaskedSoftmaxRows& rows,
+                         double scale, void* dx, cudaStream_t stream);
+
 // out[r, :] = off, out[r, index[r]] = on (float32 out; an index outside [0, depth) leaves all off).
 void one_hot(ElementType index_type, const void* indices, float* out, std::int64_t rows, std::int64_t depth, float on,
              float off, cudaStream_t stream);

@@ -17,5 +17,8 @@ void register_nn_cpu_kernels();
 void register_conv_cpu_kernels();
 // CUDA builds only (ops/cuda/cuda_kernels.cc).
 void register_cuda_kernels();
+// CUDA builds only (ops/cuda/array_cuda_kernels.cc): BatchMatMul, Gather, UnsortedSegmentSum,
+// Slice, SliceGrad, Concat.
+void register_cuda_array_kernels();
 
 }  // namespace tandem::ops::detail

@@ -1,7 +1,9 @@
-// Array family: reshape, transpose, cast, argmax, equal, one-hot, fills, identity, copy.
+// Array family: reshape, transpose, cast, argmax, equal, one-hot, fills, identity, copy, gather and
+// scatter-add, slice, concat.
 #include <doctest/doctest.h>
 
 #include "op_test_harness.h"
+#include "tandem/devices/detail/cpu_device.h"
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/detail/low_precision_types.h"
 
@@ -290,4 +292,287 @@ TEST_CASE("Copy: its own buffer, the input's values, the incoming gradient") {
   auto out = ex.run({{x, input}}, {copied});
   CHECK(out[0].to_vector<float>() == std::vector<float>{1, 2, 3, 4});
   CHECK(out[0].raw_data() != input.raw_data());  // not a view of the fed tensor
+}
+
+namespace {
+
+// The GPUs of this process: none in CPU builds or without a driver (the CPU suites), every GPU
+// under ops_gpu_test on a GPU machine.
+std::vector<devices::Device*> gpus() {
+  if (devices::num_gpus() == 0) return {};
+  return devices::list_logical_devices(devices::DeviceType::kGPU);
+}
+
+// Row-major multi-index helpers for the references below.
+std::vector<std::int64_t> unravel(std::int64_t i, const Shape& s) {
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(s.rank()));
+  for (int d = s.rank() - 1; d >= 0; --d) {
+    idx[static_cast<std::size_t>(d)] = i % s[d];
+    i /= s[d];
+  }
+  return idx;
+}
+std::int64_t ravel(const std::vector<std::int64_t>& idx, const Shape& s) {
+  std::int64_t o = 0;
+  for (int d = 0; d < s.rank(); ++d) o = o * s[d] + idx[static_cast<std::size_t>(d)];
+  return o;
+}
+
+RefTensor gather_ref(const RefTensor& params, const RefTensor& ids) {
+  Shape out = ids.shape;
+  for (int d = 1; d < params.shape.rank(); ++d) out.push_back(params.shape[d]);
+  const std::int64_t width = params.size() / params.shape[0];
+  RefTensor r(out);
+  for (std::int64_t i = 0; i < ids.size(); ++i)
+    for (std::int64_t j = 0; j < width; ++j) r[i * width + j] = params[static_cast<std::int64_t>(ids[i]) * width + j];
+  return r;
+}
+
+RefTensor segment_sum_ref(const RefTensor& data, const RefTensor& ids, std::int64_t segments) {
+  Shape out{segments};
+  for (int d = ids.shape.rank(); d < data.shape.rank(); ++d) out.push_back(data.shape[d]);
+  const std::int64_t width = ids.size() == 0 ? 0 : data.size() / ids.size();
+  RefTensor r(out);
+  for (std::int64_t i = 0; i < ids.size(); ++i)
+    for (std::int64_t j = 0; j < width; ++j) r[static_cast<std::int64_t>(ids[i]) * width + j] += data[i * width + j];
+  return r;
+}
+
+RefTensor slice_ref(const RefTensor& x, const std::vector<std::int64_t>& begin, const std::vector<std::int64_t>& size) {
+  Shape out;
+  for (int d = 0; d < x.shape.rank(); ++d) {
+    const auto du = static_cast<std::size_t>(d);
+    out.push_back(size[du] == -1 ? x.shape[d] - begin[du] : size[du]);
+  }
+  RefTensor r(out);
+  for (std::int64_t i = 0; i < r.size(); ++i) {
+    auto idx = unravel(i, out);
+    for (std::size_t d = 0; d < idx.size(); ++d) idx[d] += begin[d];
+    r[i] = x[ravel(idx, x.shape)];
+  }
+  return r;
+}
+
+RefTensor concat_ref(const std::vector<RefTensor>& xs, int axis) {
+  Shape out = xs[0].shape;
+  out[axis] = 0;
+  for (const auto& x : xs) out[axis] += x.shape[axis];
+  RefTensor r(out);
+  std::int64_t offset = 0;
+  for (const auto& x : xs) {
+    for (std::int64_t i = 0; i < x.size(); ++i) {
+      auto idx = unravel(i, x.shape);
+      idx[static_cast<std::size_t>(axis)] += offset;
+      r[ravel(idx, out)] = x[i];
+    }
+    offset += x.shape[axis];
+  }
+  return r;
+}
+
+OpCase gather_case(const Shape& params, const Shape& ids, DType index_dtype) {
+  OpCase c;
+  c.name = fmt::format("Gather {} by {} {}", params, ids, graph::dtype_name(index_dtype));
+  c.inputs = {InputSpec::floats(params), InputSpec::indices(ids, params[0], index_dtype)};
+  c.build = [](const std::vector<Output>& in) { return std::vector<Output>{ops::gather(in[0], in[1])}; };
+  c.reference = [](const std::vector<RefTensor>& in) { return std::vector<RefTensor>{gather_ref(in[0], in[1])}; };
+  return c;
+}
+
+OpCase slice_case(const Shape& x, std::vector<std::int64_t> begin, std::vector<std::int64_t> size) {
+  OpCase c;
+  c.name = fmt::format("Slice {} begin [{}] size [{}]", x, fmt::join(begin, ","), fmt::join(size, ","));
+  c.inputs = {InputSpec::floats(x)};
+  c.build = [begin, size](const std::vector<Output>& in) {
+    return std::vector<Output>{ops::slice(in[0], begin, size)};
+  };
+  c.reference = [begin, size](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{slice_ref(in[0], begin, size)};
+  };
+  return c;
+}
+
+OpCase concat_case(const std::vector<Shape>& shapes, int axis) {
+  OpCase c;
+  c.name = fmt::format("Concat axis {} of {} inputs, first {}", axis, shapes.size(), shapes[0]);
+  for (const auto& s : shapes) c.inputs.push_back(InputSpec::floats(s));
+  c.build = [axis](const std::vector<Output>& in) { return std::vector<Output>{ops::concat(in, axis)}; };
+  c.reference = [axis](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{concat_ref(in, axis < 0 ? axis + in[0].shape.rank() : axis)};
+  };
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("Gather along axis 0, with its scatter-add gradient") {
+  run_op_case(gather_case({7, 3}, {5}, kInt32));
+  run_op_case(gather_case({7, 3, 2}, {2, 4}, kInt64));
+  run_op_case(gather_case({9}, {3, 2}, kInt32));  // rows of one element
+  run_op_case(gather_case({6, 4}, {}, kInt64));   // a scalar index: one row
+  // An embedding lookup of GPT size: the threaded row copies and a many-to-one scatter-add.
+  OpCase big = gather_case({155, 128}, {8, 128}, kInt32);
+  big.max_checked_elements = 16;
+  run_op_case(big);
+}
+
+TEST_CASE("UnsortedSegmentSum, with Gather as its gradient") {
+  for (const DType index_dtype : {kInt32, kInt64}) {
+    OpCase c;
+    c.name = fmt::format("UnsortedSegmentSum {}", graph::dtype_name(index_dtype));
+    c.inputs = {InputSpec::floats({2, 6, 3}), InputSpec::indices({2, 6}, 4, index_dtype)};
+    // 5 segments for ids in [0, 4): the last one is empty (zeros).
+    c.build = [](const std::vector<Output>& in) {
+      return std::vector<Output>{ops::unsorted_segment_sum(in[0], in[1], 5)};
+    };
+    c.reference = [](const std::vector<RefTensor>& in) {
+      return std::vector<RefTensor>{segment_sum_ref(in[0], in[1], 5)};
+    };
+    run_op_case(c);
+  }
+}
+
+TEST_CASE("the scatter-add is bitwise the same on 1, 2 and 3 threads (and GPUs): rows add in the order of their ids") {
+  // Skewed ids, like characters of text: a third of them are 0.
+  const std::int64_t n = 4096, width = 128, segments = 155;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
+  std::vector<float> data(static_cast<std::size_t>(n * width));
+  std::uint64_t state = 12345;
+  const auto next = [&] { return (state = state * 6364136223846793005ULL + 1442695040888963407ULL) >> 33; };
+  for (auto& id : ids) id = next() % 3 == 0 ? 0 : static_cast<std::int32_t>(next() % segments);
+  for (auto& v : data) v = static_cast<float>(static_cast<double>(next() % 2000000) / 1e6 - 1.0);
+  // The same sums in the same order, serially.
+  std::vector<float> want(static_cast<std::size_t>(segments * width), 0.0f);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < width; ++j)
+      want[static_cast<std::size_t>(ids[static_cast<std::size_t>(i)] * width + j)] +=
+          data[static_cast<std::size_t>(i * width + j)];
+  auto g = std::make_shared<Graph>();
+  auto d = g->placeholder(kFloat32, {n, width}, "data");
+  auto s = g->placeholder(kInt32, {n}, "ids");
+  auto sum = ops::unsorted_segment_sum(d, s, segments);
+  const auto check_on = [&](devices::Device& device) {
+    graph::Executor ex(g, device);
+    auto out = ex.run({{d, Tensor::from_vector<float>(data, {n, width})}, {s, Tensor::from_vector(ids, {n})}}, {sum});
+    INFO(device.short_name(), ", ", device.intra_op_threads(), " threads");
+    CHECK(out[0].to_vector<float>() == want);
+  };
+  for (const int threads : {1, 2, 3}) {
+    devices::detail::CpuDevice device(100 + threads, threads);
+    check_on(device);
+  }
+  for (auto* gpu : gpus()) check_on(*gpu);  // the sorted GPU scatter-add gives the same bits
+}
+
+TEST_CASE("Gather and UnsortedSegmentSum refuse an id outside the rows, naming the node and the id") {
+  auto g = std::make_shared<Graph>();
+  auto params = g->placeholder(kFloat32, {7, 2}, "params");
+  auto ids = g->placeholder(kInt64, {4}, "ids");
+  auto rows = ops::gather(params, ids);
+  auto h = std::make_shared<Graph>();
+  auto data = h->placeholder(kFloat32, {3, 2}, "data");
+  auto seg = h->placeholder(kInt32, {3}, "seg");
+  auto total = ops::unsorted_segment_sum(data, seg, 2);
+  const Tensor p = Tensor::zeros({7, 2}, kFloat32);
+  // CPUs throw before writing; GPUs through the check deferred until the step is queued.
+  std::vector<devices::Device*> devices{&devices::default_cpu_device()};
+  for (auto* gpu : gpus()) devices.push_back(gpu);
+  for (auto* device : devices) {
+    INFO(device->short_name());
+    graph::Executor ex(g, *device);
+    CHECK_THROWS_WITH_AS(ex.run({{params, p}, {ids, Tensor::from_vector<std::int64_t>({1, 6, 9, 0}, {4})}}, {rows}),
+                         doctest::Contains("Gather \"Gather\": index 9 (element 2 of indices (4,)) is outside "
+                                           "[0, 7), the rows of params"),
+                         InvalidArgument);
+    CHECK_THROWS_WITH_AS(ex.run({{params, p}, {ids, Tensor::from_vector<std::int64_t>({-1, 0, 0, 0}, {4})}}, {rows}),
+                         doctest::Contains("index -1 (element 0"), InvalidArgument);
+    graph::Executor hx(h, *device);
+    CHECK_THROWS_WITH_AS(
+        hx.run({{data, Tensor::zeros({3, 2}, kFloat32)}, {seg, Tensor::from_vector<std::int32_t>({0, 2, 1}, {3})}},
+               {total}),
+        doctest::Contains("UnsortedSegmentSum \"UnsortedSegmentSum\": segment id 2 (element 1 of "
+                          "segment_ids (3,)) is outside [0, 2)"),
+        InvalidArgument);
+  }
+}
+
+TEST_CASE("Gather's gradient when params' first dimension is unknown takes num_segments from params") {
+  auto g = std::make_shared<Graph>();
+  auto params = g->placeholder(kFloat32, {-1, 2}, "params");
+  auto ids = g->placeholder(kInt32, {3}, "ids");
+  auto loss = ops::reduce_sum(ops::gather(params, ids));
+  auto grads = graph::gradients({&loss, 1}, {&params, 1});
+  CHECK(grads[0].shape() == Shape{-1, 2});
+  graph::Executor ex(g, devices::default_cpu_device());
+  auto out =
+      ex.run({{params, Tensor::zeros({4, 2}, kFloat32)}, {ids, Tensor::from_vector<std::int32_t>({3, 0, 3}, {3})}},
+             {grads[0]});
+  CHECK(out[0].to_vector<float>() == std::vector<float>{1, 1, 0, 0, 0, 0, 2, 2});
+}
+
+TEST_CASE("Gather, UnsortedSegmentSum shape and dtype errors") {
+  ops::register_all();
+  Graph g;
+  auto params = g.placeholder(kFloat32, {7, 2}, "params");
+  auto scalar = g.placeholder(kFloat32, {}, "scalar");
+  auto ids = g.placeholder(kInt64, {4}, "ids");
+  auto float_ids = g.placeholder(kFloat32, {4}, "float_ids");
+  CHECK_THROWS_WITH_AS(ops::gather(params, float_ids), doctest::Contains("indices have dtype float32"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::gather(scalar, ids), doctest::Contains("params () must have rank 1 or more"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::unsorted_segment_sum(params, ids, 3),
+                       doctest::Contains("data (7, 2) must start with the shape of the segment ids (4,)"),
+                       InvalidArgument);
+  auto data = g.placeholder(kFloat32, {4, 2}, "data");
+  CHECK_THROWS_WITH_AS(ops::unsorted_segment_sum(data, ids, -1), doctest::Contains("num_segments is -1"),
+                       InvalidArgument);
+  CHECK(ops::unsorted_segment_sum(data, ids, 3).shape() == Shape{3, 2});
+  CHECK(ops::gather(params, g.placeholder(kInt32, {-1, 5}, "batch_ids")).shape() == Shape{-1, 5, 2});
+}
+
+TEST_CASE("Slice, with size -1 to the end, and its zero-padding gradient") {
+  run_op_case(slice_case({4, 5, 6}, {1, 0, 2}, {2, -1, 3}));
+  run_op_case(slice_case({5, 7}, {0, 3}, {-1, 4}));
+  run_op_case(slice_case({5, 7}, {2, 0}, {2, 7}));  // whole rows: one contiguous block
+  run_op_case(slice_case({9}, {4}, {3}));
+  run_op_case(slice_case({3, 4, 2}, {0, 1, 1}, {3, 0, 1}));  // empty
+  run_op_case(slice_case({128, 96}, {0, 0}, {100, -1}));     // large enough for the threaded copy
+}
+
+TEST_CASE("Concat along any axis, with slices as its gradient") {
+  run_op_case(concat_case({{2, 3, 4}, {2, 1, 4}, {2, 2, 4}}, 1));
+  run_op_case(concat_case({{2, 3, 4}, {2, 3, 1}}, -1));
+  run_op_case(concat_case({{1, 3}, {4, 3}, {2, 3}}, 0));
+  run_op_case(concat_case({{5}, {0}, {2}}, 0));  // an empty input
+}
+
+TEST_CASE("Slice and Concat shape errors name the node") {
+  ops::register_all();
+  Graph g;
+  auto x = g.placeholder(kFloat32, {-1, 5}, "x");
+  CHECK(ops::slice(x, {0, 1}, {-1, 3}).shape() == Shape{-1, 3});
+  CHECK(ops::slice(x, {1, 1}, {-1, -1}).shape() == Shape{-1, 4});
+  CHECK_THROWS_WITH_AS(
+      ops::slice(x, {0, 3}, {-1, 3}),
+      doctest::Contains("Slice \"Slice_2\": axis 1: [3, 6) is outside x (None, 5), whose axis 1 has 5"),
+      InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::slice(x, {0}, {1}), doctest::Contains("need one entry per axis of x (None, 5) (rank 2)"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::slice(x, {0, -1}, {1, 1}), doctest::Contains("axis 1: begin -1"), InvalidArgument);
+  auto y = g.placeholder(kFloat32, {3, 4}, "y");
+  auto z = g.placeholder(kFloat32, {3, 5}, "z");
+  CHECK(ops::concat({y, z}, 1).shape() == Shape{3, 9});
+  CHECK(ops::concat({x, z}, 0).shape() == Shape{-1, 5});
+  CHECK_THROWS_WITH_AS(ops::concat({y, z}, 0),
+                       doctest::Contains("Concat \"Concat_2\": input 1 has shape (3, 5), input 0 has (3, 4); they must "
+                                         "match except along axis 0"),
+                       InvalidArgument);
+  CHECK_THROWS_AS(ops::concat({y, z}, 2), InvalidArgument);
+  CHECK_THROWS_AS(ops::concat({y, g.placeholder(kFloat64, {3, 4}, "w")}, 1), InvalidArgument);
+  // The gradient slices dy at offsets it must know.
+  auto loss = ops::reduce_sum(ops::concat({x, z}, 0));
+  CHECK_THROWS_WITH_AS(graph::gradients({&loss, 1}, {&z, 1}),
+                       doctest::Contains("needs every input's size along axis 0, and input 0 is (None, 5)"),
+                       InvalidArgument);
 }

@@ -1,9 +1,11 @@
 // Math family: every op against a float64 reference, with a finite-difference gradient check.
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 
 #include "op_test_harness.h"
+#include "tandem/ops/detail/batch_matmul_args.h"
 
 using namespace tandem;
 using namespace tandem::testing;
@@ -91,6 +93,68 @@ RefTensor matmul_ref(const RefTensor& a, const RefTensor& b, bool ta, bool tb) {
       for (std::int64_t p = 0; p < k; ++p) s += (ta ? a.at({p, i}) : a.at({i, p})) * (tb ? b.at({j, p}) : b.at({p, j}));
       c.at({i, j}) = s;
     }
+  return c;
+}
+
+// Batched product with NumPy broadcasting of the leading axes; adj_x / adj_y transpose the last two.
+RefTensor batch_matmul_ref(const RefTensor& a, const RefTensor& b, bool adj_x, bool adj_y) {
+  const int ra = a.shape.rank(), rb = b.shape.rank();
+  const std::int64_t m = adj_x ? a.shape[ra - 1] : a.shape[ra - 2], k = adj_x ? a.shape[ra - 2] : a.shape[ra - 1];
+  const std::int64_t n = adj_y ? b.shape[rb - 2] : b.shape[rb - 1];
+  const int rank = std::max(ra, rb) - 2;
+  Shape out;
+  for (int d = 0; d < rank; ++d) {
+    const int da = d - (rank - (ra - 2)), db = d - (rank - (rb - 2));
+    out.push_back(std::max(da >= 0 ? a.shape[da] : 1, db >= 0 ? b.shape[db] : 1));
+  }
+  const std::int64_t batch = out.num_elements();
+  out.push_back(m);
+  out.push_back(n);
+  RefTensor c(out);
+  for (std::int64_t i = 0; i < batch; ++i) {
+    // The matrix index of a and b for output matrix i: each batch axis of size 1 stays at 0.
+    std::int64_t rest = i, ia = 0, ib = 0, sa = 1, sb = 1;
+    for (int d = rank - 1; d >= 0; --d) {
+      const std::int64_t idx = rest % out[d];
+      rest /= out[d];
+      const int da = d - (rank - (ra - 2)), db = d - (rank - (rb - 2));
+      if (da >= 0) {
+        ia += (a.shape[da] == 1 ? 0 : idx) * sa;
+        sa *= a.shape[da];
+      }
+      if (db >= 0) {
+        ib += (b.shape[db] == 1 ? 0 : idx) * sb;
+        sb *= b.shape[db];
+      }
+    }
+    const std::int64_t a_rows = a.shape[ra - 2], a_cols = a.shape[ra - 1], b_cols = b.shape[rb - 1];
+    for (std::int64_t r = 0; r < m; ++r)
+      for (std::int64_t col = 0; col < n; ++col) {
+        double sum = 0;
+        for (std::int64_t p = 0; p < k; ++p) {
+          const double av = adj_x ? a[ia * a_rows * a_cols + p * a_cols + r] : a[ia * a_rows * a_cols + r * a_cols + p];
+          const double bv = adj_y ? b[ib * b.shape[rb - 2] * b_cols + col * b_cols + p]
+                                  : b[ib * b.shape[rb - 2] * b_cols + p * b_cols + col];
+          sum += av * bv;
+        }
+        c[(i * m + r) * n + col] = sum;
+      }
+  }
+  return c;
+}
+
+OpCase batch_matmul_case(const Shape& a, const Shape& b, bool adj_x, bool adj_y) {
+  OpCase c;
+  c.name = fmt::format("BatchMatMul {} @ {} adj_x={} adj_y={}", a, b, adj_x, adj_y);
+  c.inputs = {InputSpec::floats(a), InputSpec::floats(b)};
+  c.build = [adj_x, adj_y](const std::vector<Output>& in) {
+    return std::vector<Output>{ops::batch_matmul(in[0], in[1], {.adj_x = adj_x, .adj_y = adj_y})};
+  };
+  c.reference = [adj_x, adj_y](const std::vector<RefTensor>& in) {
+    return std::vector<RefTensor>{batch_matmul_ref(in[0], in[1], adj_x, adj_y)};
+  };
+  c.f32_tolerance = 1e-4;
+  c.max_checked_elements = 24;
   return c;
 }
 
@@ -247,6 +311,121 @@ TEST_CASE("MatMul at an MLP shape takes the threaded GEMM path and matches the r
   c.f32_tolerance = 1e-4;
   c.max_checked_elements = 8;
   run_op_case(c);
+}
+
+TEST_CASE("BatchMatMul with every adjoint combination") {
+  for (bool ax : {false, true}) {
+    for (bool ay : {false, true}) {
+      const Shape a = ax ? Shape{3, 4, 5} : Shape{3, 5, 4};
+      const Shape b = ay ? Shape{3, 2, 4} : Shape{3, 4, 2};
+      run_op_case(batch_matmul_case(a, b, ax, ay));
+    }
+  }
+}
+
+TEST_CASE("BatchMatMul broadcasts the batch axes, and sums a broadcast operand's gradient") {
+  run_op_case(batch_matmul_case({2, 1, 3, 4}, {5, 4, 6}, false, false));
+  run_op_case(batch_matmul_case({2, 1, 4, 3}, {5, 6, 4}, true, true));
+  run_op_case(batch_matmul_case({3, 4}, {2, 4, 5}, false, false));        // a shared by every product
+  run_op_case(batch_matmul_case({2, 3, 4}, {1, 4, 5}, false, false));     // b's batch axis of 1
+  run_op_case(batch_matmul_case({2, 3, 4}, {4, 5}, false, false));        // b shared: one folded product
+  run_op_case(batch_matmul_case({2, 2, 3, 4}, {5, 4}, false, true));      // folded, b adjoint
+  run_op_case(batch_matmul_case({2, 4, 3}, {4, 5}, true, false));         // a adjoint: not folded
+  run_op_case(batch_matmul_case({2, 3, 4}, {2, 1, 4, 5}, false, false));  // b's extra leading axis
+}
+
+TEST_CASE("BatchMatMul at attention shapes splits the batch over the threads and matches the reference") {
+  // 16 products of 32x16x32: enough work for the threaded path of a 2-thread device.
+  run_op_case(batch_matmul_case({4, 4, 32, 16}, {4, 4, 32, 16}, false, true));
+  run_op_case(batch_matmul_case({4, 4, 32, 32}, {4, 4, 32, 16}, false, false));
+  // 3 products on 2 threads: each product split over the threads instead.
+  run_op_case(batch_matmul_case({3, 64, 40}, {3, 40, 48}, false, false));
+}
+
+TEST_CASE("BatchMatMul of matrices equals MatMul bit for bit") {
+  auto g = std::make_shared<Graph>();
+  auto a = g->placeholder(kFloat32, {37, 19}, "a");
+  auto b = g->placeholder(kFloat32, {23, 19}, "b");
+  auto batched = ops::batch_matmul(a, b, {.adj_y = true});
+  auto plain = ops::matmul(a, b, {.transpose_b = true});
+  auto c = g->placeholder(kFloat32, {19, 37}, "c");
+  auto batched_t = ops::batch_matmul(c, b, {.adj_x = true, .adj_y = true});
+  auto plain_t = ops::matmul(c, b, {.transpose_a = true, .transpose_b = true});
+  CHECK(batched.shape() == Shape{37, 23});
+  std::vector<float> va(37 * 19), vb(23 * 19);
+  for (std::size_t i = 0; i < va.size(); ++i) va[i] = std::sin(static_cast<float>(i));
+  for (std::size_t i = 0; i < vb.size(); ++i) vb[i] = std::cos(static_cast<float>(i));
+  graph::Executor ex(g, devices::default_cpu_device());
+  auto out = ex.run({{a, Tensor::from_vector<float>(va, {37, 19})},
+                     {b, Tensor::from_vector<float>(vb, {23, 19})},
+                     {c, Tensor::from_vector<float>(va, {19, 37})}},
+                    {batched, plain, batched_t, plain_t});
+  CHECK(out[0].to_vector<float>() == out[1].to_vector<float>());
+  CHECK(out[2].to_vector<float>() == out[3].to_vector<float>());
+}
+
+TEST_CASE("BatchMatMul with an unknown batch dimension resolves when run") {
+  auto g = std::make_shared<Graph>();
+  auto a = g->placeholder(kFloat32, {-1, 3, 4}, "a");
+  auto b = g->placeholder(kFloat32, {4, 2}, "b");
+  auto c = ops::batch_matmul(a, b);
+  CHECK(c.shape() == Shape{-1, 3, 2});
+  auto loss = ops::reduce_sum(c);
+  auto grads = graph::gradients({&loss, 1}, std::vector<Output>{a, b});
+  graph::Executor ex(g, devices::default_cpu_device());
+  auto out = ex.run({{a, Tensor::from_vector(std::vector<float>(60, 1.0f), {5, 3, 4})},
+                     {b, Tensor::from_vector(std::vector<float>(8, 1.0f), {4, 2})}},
+                    {c, grads[0], grads[1]});
+  CHECK(out[0].shape() == Shape{5, 3, 2});
+  CHECK(out[0].to_vector<float>() == std::vector<float>(30, 4.0f));
+  CHECK(out[1].to_vector<float>() == std::vector<float>(60, 2.0f));  // each a element meets 2 columns
+  CHECK(out[2].to_vector<float>() == std::vector<float>(8, 15.0f));  // 5 matrices x 3 rows
+}
+
+TEST_CASE("BatchMatMul walks a broadcast batch in strided runs, reading shared operands in place") {
+  const auto runs = [](const Shape& a, const Shape& b) {
+    const auto args = ops::detail::batch_matmul_args(a, b, false, false);
+    std::vector<std::array<std::int64_t, 6>> out;
+    ops::detail::for_each_strided_run(args, 0, args.batch, [&](auto c, auto count, auto ai, auto as, auto bi, auto bs) {
+      out.push_back({c, count, ai, as, bi, bs});
+    });
+    return out;
+  };
+  using Runs = std::vector<std::array<std::int64_t, 6>>;
+  // Output batch (2, 5): a steps along the first axis only, b along the second only.
+  CHECK(runs({2, 1, 3, 4}, {5, 4, 6}) == Runs{{0, 5, 0, 0, 0, 1}, {5, 5, 1, 0, 0, 1}});
+  // Equal batches merge into one run.
+  CHECK(runs({4, 3, 2, 2}, {4, 3, 2, 2}) == Runs{{0, 12, 0, 1, 0, 1}});
+  // a shared by every product.
+  CHECK(runs({3, 4}, {6, 4, 2}) == Runs{{0, 6, 0, 0, 0, 1}});
+  const auto folded = ops::detail::batch_matmul_args({2, 3, 4, 5}, {5, 7}, false, false);
+  CHECK(folded.fold_batch_into_m);
+  CHECK(folded.batch == 6);
+  CHECK_FALSE(ops::detail::batch_matmul_args({2, 3, 5, 4}, {5, 7}, true, false).fold_batch_into_m);
+  CHECK_FALSE(ops::detail::batch_matmul_args({2, 3, 4}, {2, 4, 7}, false, false).fold_batch_into_m);
+}
+
+TEST_CASE("BatchMatMul shape errors name the node and the shapes") {
+  ops::register_all();
+  Graph g;
+  auto a = g.placeholder(kFloat32, {-1, 3, 4}, "a");
+  auto b = g.placeholder(kFloat32, {2, 5, 6}, "b");
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(a, b),
+                       doctest::Contains("BatchMatMul \"BatchMatMul\": inner dimensions differ: a is (None, 3, 4), "
+                                         "b is (2, 5, 6) (4 vs 5)"),
+                       InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(a, b, {.adj_y = true}), doctest::Contains("b is (2, 5, 6) (adjoint) (4 vs 6)"),
+                       InvalidArgument);
+  auto c = g.placeholder(kFloat32, {3, 2, 4, 5}, "c");
+  auto d = g.placeholder(kFloat32, {2, 2, 4, 5}, "d");
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(c, d, {.adj_y = true}),
+                       doctest::Contains("batch dimensions of a (3, 2, 4, 5) and b (2, 2, 4, 5) do not broadcast "
+                                         "(batch axis 0: 3 vs 2)"),
+                       InvalidArgument);
+  auto v = g.placeholder(kFloat32, {4}, "v");
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(v, c), doctest::Contains("rank 2 or more"), InvalidArgument);
+  auto i = g.placeholder(kInt32, {2, 4, 4}, "i");
+  CHECK_THROWS_AS(ops::batch_matmul(i, i), InvalidArgument);
 }
 
 TEST_CASE("shape errors name the node and both shapes") {

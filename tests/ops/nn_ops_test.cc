@@ -1,13 +1,16 @@
 // The nn family: every op through the OpCase harness (float64 reference written as loops,
-// float32 forward, gradient check), plus shape errors, run-time errors and dropout's statistics.
+// float32 forward, gradient check), plus shape errors, run-time errors, dropout's statistics,
+// fully masked softmax rows and sums that do not depend on the thread count.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <string>
 
 #include "op_test_harness.h"
+#include "tandem/devices/detail/cpu_device.h"
 #include "tandem/graph/executor.h"
 #include "tandem/ops/ops.h"
 
@@ -34,29 +37,28 @@ double relu_ref(double z) { return std::max(z, 0.0); }
 double sigmoid_ref(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 double tanh_ref(double z) { return std::tanh(z); }
 double linear_ref(double z) { return z; }
+double gelu_ref(double z) { return 0.5 * z * (1.0 + std::erf(z / std::sqrt(2.0))); }
+double gelu_approximate_ref(double z) {
+  return 0.5 * z * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (z + 0.044715 * z * z * z)));
+}
 
 double (*activation_ref(Activation a))(double) {
   switch (a) {
     case Activation::kRelu: return relu_ref;
     case Activation::kSigmoid: return sigmoid_ref;
     case Activation::kTanh: return tanh_ref;
+    case Activation::kGelu: return gelu_ref;
+    case Activation::kGeluApproximate: return gelu_approximate_ref;
     case Activation::kLinear: break;
   }
   return linear_ref;
 }
 
-const char* activation_label(Activation a) {
-  switch (a) {
-    case Activation::kRelu: return "relu";
-    case Activation::kSigmoid: return "sigmoid";
-    case Activation::kTanh: return "tanh";
-    case Activation::kLinear: break;
-  }
-  return "linear";
-}
+std::string activation_label(Activation a) { return std::string(ops::activation_name(a)); }
 
-constexpr Activation kAllActivations[] = {Activation::kLinear, Activation::kRelu, Activation::kSigmoid,
-                                          Activation::kTanh};
+constexpr Activation kAllActivations[] = {Activation::kLinear, Activation::kRelu,
+                                          Activation::kSigmoid, Activation::kTanh,
+                                          Activation::kGelu,    Activation::kGeluApproximate};
 
 std::int64_t last_dim(const RefTensor& t) { return t.shape[t.shape.rank() - 1]; }
 
@@ -115,31 +117,38 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 // ---- Activations ----------------------------------------------------------------------------------
 
-TEST_CASE("Relu, Sigmoid and Tanh match the reference and differentiate through their output") {
-  for (const Activation a : {Activation::kRelu, Activation::kSigmoid, Activation::kTanh}) {
+// The standalone activation op of a (Gelu for both GELU forms).
+Output activation_op(Activation a, Output x) {
+  switch (a) {
+    case Activation::kRelu: return ops::relu(x);
+    case Activation::kSigmoid: return ops::sigmoid(x);
+    case Activation::kTanh: return ops::tanh(x);
+    case Activation::kGelu: return ops::gelu(x);
+    case Activation::kGeluApproximate: return ops::gelu(x, true);
+    case Activation::kLinear: break;
+  }
+  return x;
+}
+
+TEST_CASE("Relu, Sigmoid, Tanh and Gelu match the reference and differentiate") {
+  for (const Activation a : {Activation::kRelu, Activation::kSigmoid, Activation::kTanh, Activation::kGelu,
+                             Activation::kGeluApproximate}) {
     OpCase c;
-    c.name = std::string("activation ") + activation_label(a);
+    c.name = "activation " + activation_label(a);
     c.inputs = {InputSpec::floats({4, 7})};  // |x| >= 0.1: away from relu's kink
-    c.build = [a](const std::vector<Output>& in) -> std::vector<Output> {
-      switch (a) {
-        case Activation::kRelu: return {ops::relu(in[0])};
-        case Activation::kSigmoid: return {ops::sigmoid(in[0])};
-        default: return {ops::tanh(in[0])};
-      }
-    };
+    c.inputs[0].max_abs = 4.0;               // GELU's curve and both of its tails
+    c.build = [a](const std::vector<Output>& in) { return std::vector<Output>{activation_op(a, in[0])}; };
     c.reference = [a](const Refs& in) { return Refs{map_ref(in[0], activation_ref(a))}; };
     run_op_case(c);
   }
 }
 
-TEST_CASE("Sigmoid and Tanh saturate without NaN") {
-  for (const Activation a : {Activation::kSigmoid, Activation::kTanh}) {
+TEST_CASE("Sigmoid, Tanh and Gelu saturate without NaN") {
+  for (const Activation a : {Activation::kSigmoid, Activation::kTanh, Activation::kGelu, Activation::kGeluApproximate}) {
     OpCase c;
-    c.name = std::string("saturated ") + activation_label(a);
+    c.name = "saturated " + activation_label(a);
     c.inputs = {values({6}, {-800.0, -60.0, -20.0, 20.0, 60.0, 800.0})};
-    c.build = [a](const std::vector<Output>& in) {
-      return std::vector<Output>{a == Activation::kSigmoid ? ops::sigmoid(in[0]) : ops::tanh(in[0])};
-    };
+    c.build = [a](const std::vector<Output>& in) { return std::vector<Output>{activation_op(a, in[0])}; };
     c.reference = [a](const Refs& in) { return Refs{map_ref(in[0], activation_ref(a))}; };
     c.check_gradient = false;
     run_op_case(c);
@@ -523,6 +532,229 @@ TEST_CASE("FusedBatchNorm in training and inference mode") {
   }
 }
 
+// ---- Layer normalisation ------------------------------------------------------------------------------
+
+namespace {
+
+// y of LayerNorm over the last axis, the textbook way; gamma and beta may be absent (nullptr).
+RefTensor layer_norm_ref(const RefTensor& x, const RefTensor* gamma, const RefTensor* beta, double epsilon) {
+  const std::int64_t cols = last_dim(x);
+  RefTensor y(x.shape);
+  for (std::int64_t r = 0; r * cols < x.size(); ++r) {
+    double mean = 0.0, variance = 0.0;
+    for (std::int64_t c = 0; c < cols; ++c) mean += x[r * cols + c] / static_cast<double>(cols);
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const double d = x[r * cols + c] - mean;
+      variance += d * d / static_cast<double>(cols);
+    }
+    for (std::int64_t c = 0; c < cols; ++c) {
+      double v = (x[r * cols + c] - mean) / std::sqrt(variance + epsilon);
+      if (gamma != nullptr) v *= (*gamma)[c];
+      if (beta != nullptr) v += (*beta)[c];
+      y[r * cols + c] = v;
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("LayerNorm over the last axis, with and without gamma and beta") {
+  struct Variant {
+    Shape shape;
+    bool scale, center;
+  };
+  const Variant variants[] = {
+      {{4, 7}, true, true},     {{2, 3, 5}, true, true},   {{6, 5}, true, false},  {{6, 5}, false, true},
+      {{6, 5}, false, false},   {{1100, 70}, true, true},  // row partitions of dgamma, dbeta
+      {{96, 128}, true, true},  // the GPT's rows
+  };
+  for (const auto& v : variants) {
+    const double epsilon = 1e-3;
+    const std::int64_t channels = v.shape[v.shape.rank() - 1];
+    OpCase c;
+    c.name = fmt::format("layer_norm {} scale={} center={}", v.shape, v.scale, v.center);
+    // The data's mean is far from zero: the variance must not lose precision to cancellation.
+    c.inputs = {InputSpec::positive_floats(v.shape, 3.0, 5.0)};
+    if (v.scale) c.inputs.push_back(InputSpec::floats({channels}));
+    if (v.center) c.inputs.push_back(InputSpec::floats({channels}));
+    c.build = [v, epsilon](const std::vector<Output>& in) {
+      const Output gamma = v.scale ? in[1] : Output{};
+      const Output beta = v.center ? in[v.scale ? 2 : 1] : Output{};
+      return std::vector<Output>{ops::layer_norm(in[0], gamma, beta, {.epsilon = epsilon})};
+    };
+    c.reference = [v, epsilon](const Refs& in) {
+      const RefTensor* gamma = v.scale ? &in[1] : nullptr;
+      const RefTensor* beta = v.center ? &in[v.scale ? 2 : 1] : nullptr;
+      return Refs{layer_norm_ref(in[0], gamma, beta, epsilon)};
+    };
+    c.gradient_tolerance = 1e-5;
+    c.max_checked_elements = 24;
+    run_op_case(c);
+  }
+}
+
+TEST_CASE("LayerNorm's dgamma and dbeta are bitwise the same on 1 and 3 threads") {
+  devices::detail::CpuDevice one(0, 1), three(0, 3);
+  auto g = std::make_shared<Graph>();
+  const Shape shape{1100, 70};
+  const Output x = g->placeholder(DType::kF32, shape, "x");
+  const Output gamma = g->placeholder(DType::kF32, {70}, "gamma");
+  const Output beta = g->placeholder(DType::kF32, {70}, "beta");
+  const Output y = ops::layer_norm(x, gamma, beta);
+  const Output loss = ops::reduce_sum(ops::mul(y, y));
+  const auto grads = graph::gradients({&loss, 1}, std::vector<Output>{x, gamma, beta});
+  const std::vector<Feed> feeds{
+      {x, Tensor::from_vector<float>(
+              [&] {
+                std::vector<float> v;
+                for (const double d : uniform_values(shape.num_elements(), -3.0, 3.0, 5)) v.push_back(static_cast<float>(d));
+                return v;
+              }(),
+              shape)},
+      {gamma, Tensor::filled<float>(Shape{70}, 1.5f)},
+      {beta, Tensor::filled<float>(Shape{70}, 0.25f)}};
+  Executor on_one(g, one), on_three(g, three);
+  const auto a = on_one.run(feeds, grads);
+  const auto b = on_three.run(feeds, grads);
+  for (std::size_t i = 0; i < grads.size(); ++i) CHECK(a[i].to_vector<float>() == b[i].to_vector<float>());
+}
+
+// ---- Masked softmax -----------------------------------------------------------------------------------
+
+namespace {
+
+// softmax(scale * x) over the entries of each row where the mask (broadcast to x, right-aligned;
+// absent when null) is non-zero and, when causal, key j <= query i; zeros elsewhere and in rows
+// with nothing to attend.
+RefTensor masked_softmax_ref(const RefTensor& x, const RefTensor* mask, double scale, bool causal) {
+  const int rank = x.shape.rank();
+  const std::int64_t cols = x.shape[rank - 1];
+  RefTensor y(x.shape);
+  std::vector<std::int64_t> index(static_cast<std::size_t>(rank));
+  const auto allowed = [&](std::int64_t flat) {
+    std::int64_t rest = flat;
+    for (int d = rank - 1; d >= 0; --d) {
+      index[static_cast<std::size_t>(d)] = rest % x.shape[d];
+      rest /= x.shape[d];
+    }
+    if (causal && index[static_cast<std::size_t>(rank - 1)] > index[static_cast<std::size_t>(rank - 2)]) return false;
+    if (mask == nullptr) return true;
+    std::int64_t offset = 0;
+    const int mr = mask->shape.rank();
+    for (int d = 0; d < mr; ++d) {
+      const std::int64_t md = mask->shape[d];
+      offset = offset * md + (md == 1 ? 0 : index[static_cast<std::size_t>(d + rank - mr)]);
+    }
+    return (*mask)[offset] != 0.0;
+  };
+  for (std::int64_t r = 0; r * cols < x.size(); ++r) {
+    double max = -INFINITY;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (allowed(r * cols + c)) max = std::max(max, scale * x[r * cols + c]);
+    }
+    if (max == -INFINITY) continue;  // nothing to attend: zeros
+    double sum = 0.0;
+    for (std::int64_t c = 0; c < cols; ++c) {
+      if (allowed(r * cols + c)) sum += std::exp(scale * x[r * cols + c] - max);
+    }
+    for (std::int64_t c = 0; c < cols; ++c) {
+      y[r * cols + c] = allowed(r * cols + c) ? std::exp(scale * x[r * cols + c] - max) / sum : 0.0;
+    }
+  }
+  return y;
+}
+
+InputSpec mask_values(const Shape& shape, std::vector<double> v, DType dtype) {
+  return InputSpec{.shape = shape,
+                   .kind = InputSpec::Kind::kValues,
+                   .differentiable = false,
+                   .index_dtype = dtype,
+                   .integral = true,
+                   .values = std::move(v)};
+}
+
+// A 0/1 mask with about one entry in three masked, and every row of `empty_rows` masked entirely.
+std::vector<double> random_mask(const Shape& shape, std::uint64_t seed, std::vector<std::int64_t> empty_rows = {}) {
+  const auto u = uniform_values(shape.num_elements(), 0.0, 1.0, seed);
+  std::vector<double> m(u.size());
+  for (std::size_t i = 0; i < u.size(); ++i) m[i] = u[i] < 0.35 ? 0.0 : 1.0;
+  const std::int64_t cols = shape[shape.rank() - 1];
+  for (const std::int64_t r : empty_rows) std::fill_n(m.begin() + r * cols, cols, 0.0);
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("MaskedSoftmax: scale, causal, broadcast masks of every integer type, fully masked rows") {
+  struct Variant {
+    std::string name;
+    Shape x;
+    std::optional<Shape> mask;
+    DType mask_dtype;
+    double scale;
+    bool causal;
+    std::vector<std::int64_t> empty_mask_rows;
+  };
+  const double attention_scale = 1.0 / std::sqrt(32.0);
+  const Variant variants[] = {
+      {"plain", {2, 3, 5}, std::nullopt, DType::kI32, 0.7, false, {}},
+      {"causal square", {2, 2, 4, 4}, std::nullopt, DType::kI32, attention_scale, true, {}},
+      {"causal T < S", {2, 3, 5}, std::nullopt, DType::kI32, 1.0, true, {}},
+      {"causal T > S", {5, 3}, std::nullopt, DType::kI32, 1.0, true, {}},
+      {"Keras mask [B, 1, T, S]", {2, 3, 4, 5}, Shape{2, 1, 4, 5}, DType::kI32, attention_scale, false, {1, 6}},
+      {"mask and causal", {2, 3, 4, 4}, Shape{2, 1, 4, 4}, DType::kI64, 0.5, true, {2}},
+      {"key padding mask uint8", {3, 4, 6}, Shape{6}, DType::kU8, 1.0, false, {}},
+      {"full mask, causal, negative scale", {2, 4, 4}, Shape{2, 4, 4}, DType::kU8, -0.8, true, {0, 5}},
+      {"GPT rows", {1, 2, 128, 128}, std::nullopt, DType::kI32, attention_scale, true, {}},
+  };
+  for (const auto& v : variants) {
+    OpCase c;
+    c.name = fmt::format("masked_softmax {} x {}", v.name, v.x);
+    c.inputs = {InputSpec::floats(v.x)};
+    c.inputs[0].max_abs = 3.0;
+    if (v.mask) c.inputs.push_back(mask_values(*v.mask, random_mask(*v.mask, 17, v.empty_mask_rows), v.mask_dtype));
+    const ops::MaskedSoftmaxOptions options{.scale = v.scale, .causal = v.causal};
+    const bool has_mask = v.mask.has_value();
+    c.build = [options, has_mask](const std::vector<Output>& in) {
+      return std::vector<Output>{ops::masked_softmax(in[0], has_mask ? in[1] : Output{}, options)};
+    };
+    c.reference = [options, has_mask](const Refs& in) {
+      return Refs{masked_softmax_ref(in[0], has_mask ? &in[1] : nullptr, options.scale, options.causal)};
+    };
+    c.max_checked_elements = 32;
+    run_op_case(c);
+  }
+}
+
+TEST_CASE("MaskedSoftmax: a fully masked row gives zeros and a zero, finite gradient") {
+  for (const bool causal : {false, true}) {
+    auto g = std::make_shared<Graph>();
+    const Output x = g->placeholder(DType::kF32, {2, 3, 3}, "x");
+    const Output mask = g->placeholder(DType::kI32, {2, 1, 3}, "mask");
+    const Output y = ops::masked_softmax(x, mask, {.scale = 0.5, .causal = causal});
+    const Output weights = g->constant(Tensor::filled<float>(Shape{2, 3, 3}, 0.75f), "w");
+    const Output loss = ops::reduce_sum(ops::mul(y, ops::add(y, weights)));
+    const auto dx = graph::gradients({&loss, 1}, std::vector<Output>{x});
+    Executor ex(g, devices::default_cpu_device());
+    // Batch 0 attends to key 2 only (under causal, rows 0 and 1 then have nothing); batch 1 to none.
+    std::vector<float> xv(18);
+    for (std::size_t i = 0; i < xv.size(); ++i) xv[i] = static_cast<float>(i % 5) * 40.0f - 80.0f;
+    const auto out = ex.run({{x, Tensor::from_vector<float>(xv, {2, 3, 3})},
+                             {mask, Tensor::from_vector<std::int32_t>({0, 0, 7, 0, 0, 0}, {2, 1, 3})}},
+                            {y, dx[0]});
+    const auto yv = out[0].to_vector<float>();
+    const auto dxv = out[1].to_vector<float>();
+    for (std::size_t i = 0; i < yv.size(); ++i) {
+      CHECK(std::isfinite(dxv[i]));
+      const std::size_t row = i / 3, col = i % 3;
+      const bool attends = row < 3 && col == 2 && (!causal || row == 2);
+      CHECK(yv[i] == (attends ? 1.0f : 0.0f));
+      if (!attends) CHECK(dxv[i] == 0.0f);
+    }
+  }
+}
+
 // ---- Errors and unknown dimensions --------------------------------------------------------------------
 
 TEST_CASE("shape errors name the node and both shapes") {
@@ -585,6 +817,36 @@ TEST_CASE("shape errors name the node and both shapes") {
   CHECK_THROWS_AS(ops::fused_batch_norm(images, c4, c4, c4, c4, {.epsilon = 0.0}), InvalidArgument);
 
   CHECK_THROWS_AS(ops::softmax(g.placeholder(DType::kF32, {}, "scalar")), InvalidArgument);
+
+  msg = invalid_argument_message([&] { ops::layer_norm(x, g.placeholder(DType::kF32, {64}, "gamma"), Output{}); });
+  CHECK(contains(msg, "LayerNorm \"LayerNorm"));
+  CHECK(contains(msg, "gamma"));
+  CHECK(contains(msg, "(64,)"));
+  CHECK(contains(msg, "(None, 128)"));
+  CHECK_THROWS_AS(ops::layer_norm(x, Output{}, Output{}, {.epsilon = 0.0}), InvalidArgument);
+
+  const Output scores = g.placeholder(DType::kF32, {-1, 4, 16, 16}, "scores");
+  msg = invalid_argument_message(
+      [&] { ops::masked_softmax(scores, g.placeholder(DType::kI32, {-1, 1, 16, 8}, "mask"), {}); });
+  CHECK(contains(msg, "MaskedSoftmax \"MaskedSoftmax"));
+  CHECK(contains(msg, "(None, 1, 16, 8)"));
+  CHECK(contains(msg, "(None, 4, 16, 16)"));
+  msg = invalid_argument_message(
+      [&] { ops::masked_softmax(scores, g.placeholder(DType::kF32, {16, 16}, "float_mask"), {}); });
+  CHECK(contains(msg, "int32, int64 or uint8"));
+  msg = invalid_argument_message(
+      [&] { ops::masked_softmax(g.placeholder(DType::kF32, {16}, "vector"), Output{}, {.causal = true}); });
+  CHECK(contains(msg, "(16,)"));
+  CHECK(contains(msg, "rank 2"));
+
+  // GELU is never fused into a convolution: its gradient needs the pre-activation.
+  const Output f = g.placeholder(DType::kF32, {3, 3, 4, 5}, "filter");
+  const Output fb = g.placeholder(DType::kF32, {5}, "fb");
+  CHECK(ops::fused_conv2d(images, f, fb, Activation::kGelu).shape() == Shape{-1, 6, 6, 5});
+  graph::Attrs conv_attrs;
+  conv_attrs.set("strides", std::vector<std::int64_t>{1, 1}).set("padding", "VALID").set("activation", "gelu");
+  msg = invalid_argument_message([&] { g.add_node("FusedConv2D", {images, f, fb}, conv_attrs); });
+  CHECK(contains(msg, "gelu"));
 }
 
 TEST_CASE("wrong dtypes are rejected") {
@@ -604,9 +866,12 @@ TEST_CASE("parse_activation lists the known names") {
   CHECK(ops::parse_activation("linear") == Activation::kLinear);
   CHECK(ops::parse_activation("sigmoid") == Activation::kSigmoid);
   CHECK(ops::parse_activation("tanh") == Activation::kTanh);
-  const std::string msg = invalid_argument_message([] { ops::parse_activation("gelu"); });
-  CHECK(contains(msg, "gelu"));
-  CHECK(contains(msg, "linear, relu, sigmoid, tanh"));
+  CHECK(ops::parse_activation("gelu") == Activation::kGelu);
+  CHECK(ops::parse_activation("gelu_approximate") == Activation::kGeluApproximate);
+  for (const Activation a : kAllActivations) CHECK(ops::parse_activation(ops::activation_name(a)) == a);
+  const std::string msg = invalid_argument_message([] { ops::parse_activation("swiglu"); });
+  CHECK(contains(msg, "swiglu"));
+  CHECK(contains(msg, "linear, relu, sigmoid, tanh, gelu, gelu_approximate"));
   // A graph built by op name with a bad activation fails when the node is added.
   ops::register_all();
   Graph g;
@@ -653,6 +918,10 @@ TEST_CASE("unknown batch dimensions at construction, concrete at run time") {
   CHECK(bn.batch_mean.shape() == Shape{6});
   CHECK(ops::bias_add(g->placeholder(DType::kF32, {-1, -1}, "any"), bias).shape() == Shape{-1, 3});
   CHECK(ops::softmax(x).shape() == Shape{-1, 6});
+  const Output normalised = ops::layer_norm(x, g->placeholder(DType::kF32, {6}, "gamma"), Output{});
+  CHECK(normalised.shape() == Shape{-1, 6});
+  CHECK(ops::masked_softmax(g->placeholder(DType::kF32, {-1, 2, -1, 4}, "s"), Output{}, {.causal = true}).shape() ==
+        Shape{-1, 2, -1, 4});
 
   Executor ex(g, devices::default_cpu_device());
   for (const std::int64_t batch : {1, 5}) {
