@@ -307,9 +307,26 @@ class TransformerBlock final : public keras::LayerImpl {
   keras::Dense up_, down_;
 };
 
+// Learned position embeddings added to [B, T, C]: a custom layer with a weight of its own.
+class PositionEmbedding final : public keras::LayerImpl {
+ public:
+  PositionEmbedding() : LayerImpl("PositionEmbedding", "") {}
+  void build(const std::vector<TensorSpec>& inputs) override {
+    const Shape& in = inputs[0].shape;
+    positions_ = add_weight({.name = "embeddings", .shape = {in[1], in[2]}, .initializer = "uniform"});
+  }
+  std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
+    return {inputs[0] + ctx.read(positions_)};
+  }
+
+ private:
+  keras::VariablePtr positions_;
+};
+
 keras::Model gpt_like(std::int64_t vocab, std::int64_t length, std::int64_t width) {
   auto tokens = keras::Input({length}, DType::kI32, "tokens");
   auto h = keras::Embedding(vocab, width)(tokens);
+  h = keras::Layer(std::make_shared<PositionEmbedding>())(h);
   h = keras::Layer(std::make_shared<TransformerBlock>(width, 2))(h);
   auto logits = keras::Dense(vocab)(keras::LayerNormalization()(h));
   return keras::Model(tokens, logits);
@@ -815,8 +832,8 @@ TEST_CASE("a functional GPT-like model with the custom block fits int32 tokens [
   constexpr std::int64_t kVocab = 6, kLength = 8;
   auto [x, y] = previous_token_task(512, kLength, kVocab, 12);
   auto model = gpt_like(kVocab, kLength, 16);
-  // Embedding (1) + block (16) + LayerNormalization (2) + Dense (2).
-  CHECK(model.weights().size() == 21);
+  // Embedding (1) + positions (1) + block (16) + LayerNormalization (2) + Dense (2).
+  CHECK(model.weights().size() == 22);
   model.compile(keras::Adam{.learning_rate = 0.01}, keras::SparseCategoricalCrossentropy{.from_logits = true},
                 {"accuracy"});
   const auto history = model.fit(x, y, {.batch_size = 32, .epochs = 6, .verbose = 0});
