@@ -53,37 +53,32 @@ Initializer::Initializer(std::string_view name) : name_(name) {
                  "unknown initializer \"{}\"; known: {}", name, kKnown);
 }
 
-Initializer Initializer::constant(double value) {
+Initializer Initializer::constant(double value) { return with_parameters("constant", value, 0.0); }
+
+Initializer Initializer::with_parameters(std::string_view name, double a, double b) {
   Initializer init("zeros");
-  init.name_ = "constant";
-  init.a_ = value;
+  init.name_ = name;
+  init.a_ = a;
+  init.b_ = b;
   return init;
 }
 
 Initializer Initializer::random_uniform(double minval, double maxval) {
   TANDEM_REQUIRE(minval < maxval, InvalidArgument, "initializer random_uniform: minval {} must be below maxval {}",
                  minval, maxval);
-  Initializer init("zeros");
-  init.name_ = "random_uniform";
-  init.a_ = minval;
-  init.b_ = maxval;
-  return init;
+  return with_parameters("random_uniform", minval, maxval);
 }
 
 Initializer Initializer::random_normal(double mean, double stddev) {
   TANDEM_REQUIRE(stddev > 0, InvalidArgument, "initializer random_normal: stddev is {}; expected a positive number",
                  stddev);
-  Initializer init("zeros");
-  init.name_ = "random_normal";
-  init.a_ = mean;
-  init.b_ = stddev;
-  return init;
+  return with_parameters("random_normal", mean, stddev);
 }
 
 Initializer Initializer::truncated_normal(double mean, double stddev) {
-  Initializer init = random_normal(mean, stddev);
-  init.name_ = "truncated_normal";
-  return init;
+  TANDEM_REQUIRE(stddev > 0, InvalidArgument, "initializer truncated_normal: stddev is {}; expected a positive number",
+                 stddev);
+  return with_parameters("truncated_normal", mean, stddev);
 }
 
 Tensor Initializer::operator()(const Shape& shape, DType dtype, std::uint64_t seed) const {

@@ -36,6 +36,8 @@ class Initializer {
   const std::string& name() const { return name_; }
 
  private:
+  static Initializer with_parameters(std::string_view name, double a, double b);
+
   std::string name_;
   // constant: a = the value; random_uniform: [a, b); random_normal, truncated_normal: mean a, stddev b.
   double a_ = 0.0, b_ = 0.0;

@@ -8,6 +8,12 @@
 namespace tandem::keras {
 namespace {
 
+void require_positive_epsilon(double epsilon, const std::string& label) {
+  TANDEM_REQUIRE(epsilon > 0.0, InvalidArgument,
+                 "{}: epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)", label,
+                 epsilon);
+}
+
 class DropoutImpl final : public LayerImpl {
  public:
   DropoutImpl(double rate, DropoutOptions options)
@@ -36,9 +42,7 @@ class BatchNormalizationImpl final : public LayerImpl {
  public:
   explicit BatchNormalizationImpl(BatchNormalizationOptions options)
       : LayerImpl("BatchNormalization", options.name), options_(std::move(options)) {
-    TANDEM_REQUIRE(options_.epsilon > 0.0, InvalidArgument,
-                   "{}: epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)",
-                   label(), options_.epsilon);
+    require_positive_epsilon(options_.epsilon, label());
   }
 
   void build(const std::vector<TensorSpec>& inputs) override {
@@ -105,9 +109,7 @@ class LayerNormalizationImpl final : public LayerImpl {
  public:
   explicit LayerNormalizationImpl(LayerNormalizationOptions options)
       : LayerImpl("LayerNormalization", options.name), options_(std::move(options)) {
-    TANDEM_REQUIRE(options_.epsilon > 0.0, InvalidArgument,
-                   "{}: epsilon is {}; expected a positive number (it keeps 1/sqrt(variance + epsilon) finite)",
-                   label(), options_.epsilon);
+    require_positive_epsilon(options_.epsilon, label());
     TANDEM_REQUIRE(!options_.axis.axes.empty(), InvalidArgument, "{}: axis is empty; expected -1 or a list of axes",
                    label());
   }

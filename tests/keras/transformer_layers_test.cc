@@ -21,6 +21,7 @@
 
 #include "common/error_message.h"
 #include "common/temp_dir.h"
+#include "layer_checks.h"
 #include "ops/op_test_harness.h"
 #include "tandem/base/random.h"
 #include "tandem/data/dataset.h"
@@ -36,12 +37,15 @@ using graph::Tensor;
 using graph::TensorSpec;
 using keras::CallContext;
 using keras::mixed_precision::PolicyScope;
+using tandem::testing::check_close;
 using tandem::testing::RefTensor;
 using tandem::testing::to_ref;
 
 namespace {
 
 constexpr std::int64_t kNone = Shape::kUnknown;
+// Outputs of the float64 layers against the float64 references.
+constexpr double kTolerance = 1e-6;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -94,16 +98,6 @@ Tensor random_ids(const Shape& shape, std::int64_t limit, std::mt19937_64& rng) 
 // Every weight of the layer set to random values (biases too, so that they matter).
 void randomize_weights(const keras::Layer& layer, std::mt19937_64& rng, double scale = 0.5) {
   for (const auto& w : layer->weights()) w->assign(random_doubles(w->shape(), rng, -scale, scale));
-}
-
-void check_close(const RefTensor& got, const RefTensor& want, double tolerance = 1e-6) {
-  REQUIRE_MESSAGE(got.shape == want.shape, "shape ", got.shape.to_string(), " vs reference ", want.shape.to_string());
-  int failures = 0;
-  for (std::int64_t i = 0; i < got.size(); ++i) {
-    const bool ok = std::isfinite(got[i]) && std::abs(got[i] - want[i]) <= tolerance * (1.0 + std::abs(want[i]));
-    if (!ok && failures++ < 5) CHECK_MESSAGE(ok, "element ", i, ": got ", got[i], ", reference ", want[i]);
-  }
-  CHECK_MESSAGE(failures == 0, failures, " element(s) outside tolerance ", tolerance);
 }
 
 // d(loss)/d(each float input) and d(loss)/d(each trainable weight of `layer`), loss =
@@ -510,7 +504,7 @@ TEST_CASE("LayerNormalization: gamma and beta, output against the reference, gra
             {{DType::kF64, x.shape()}});
   randomize_weights(norm, rng);
   const auto gamma = to_ref(w[0]->value(0)).values, beta = to_ref(w[1]->value(0)).values;
-  check_close(to_ref(h.run({x})[0]), ref_layer_norm(to_ref(x), 6, gamma, beta, 1e-3));
+  check_close(to_ref(h.run({x})[0]), ref_layer_norm(to_ref(x), 6, gamma, beta, 1e-3), kTolerance);
   check_gradients(h, norm, {x}, rng);
 }
 
@@ -526,14 +520,14 @@ TEST_CASE("LayerNormalization over several trailing axes, and without center and
   CHECK(w[0]->shape() == Shape{3, 4});  // Keras: the normalised dimensions
   randomize_weights(norm, rng);
   const auto gamma = to_ref(w[0]->value(0)).values, beta = to_ref(w[1]->value(0)).values;
-  check_close(to_ref(h.run({x})[0]), ref_layer_norm(to_ref(x), 12, gamma, beta, 1e-5));
+  check_close(to_ref(h.run({x})[0]), ref_layer_norm(to_ref(x), 12, gamma, beta, 1e-5), kTolerance);
   check_gradients(h, norm, {x}, rng);
 
   keras::LayerNormalization plain({.center = false, .scale = false});
   Harness hp([&](CallContext& ctx, const std::vector<Output>& in) { return plain(ctx, in); },
              {{DType::kF64, x.shape()}});
   CHECK(plain->weights().empty());
-  check_close(to_ref(hp.run({x})[0]), ref_layer_norm(to_ref(x), 4, {}, {}, 1e-3));
+  check_close(to_ref(hp.run({x})[0]), ref_layer_norm(to_ref(x), 4, {}, {}, 1e-3), kTolerance);
   check_gradients(hp, plain, {x}, rng);
 }
 
@@ -628,8 +622,8 @@ TEST_CASE("MultiHeadAttention with a causal mask equals the float64 reference; n
   const auto got = h.run({x});
   const RefTensor xr = to_ref(x);
   const auto want = ref_attention(xr, xr, xr, weights_of(mha), true, nullptr, true);
-  check_close(to_ref(got[0]), want.output);
-  check_close(to_ref(got[1]), want.scores);
+  check_close(to_ref(got[0]), want.output, kTolerance);
+  check_close(to_ref(got[1]), want.scores, kTolerance);
   check_gradients(h, mha, {x}, rng);
 }
 
@@ -663,9 +657,9 @@ TEST_CASE("MultiHeadAttention: attention_mask with fully masked rows, combined w
       randomize_weights(mha, rng);
       const auto got = h.run({q, v, k, mask_t});
       const auto want = ref_attention(to_ref(q), to_ref(v), to_ref(k), weights_of(mha), use_bias, &mask_ref, causal);
-      check_close(to_ref(got[0]), want.output);
+      check_close(to_ref(got[0]), want.output, kTolerance);
       const RefTensor scores = to_ref(got[1]);
-      check_close(scores, want.scores);
+      check_close(scores, want.scores, kTolerance);
       // A fully masked query row: zero probabilities, the output bias alone.
       for (std::int64_t s = 0; s < S; ++s) CHECK(scores.at({0, 1, 1, s}) == 0.0);
       check_gradients(h, mha, {q, v, k, mask_t}, rng);
@@ -718,7 +712,7 @@ TEST_CASE("MultiHeadAttention dropout: on the probabilities in training only; th
   CHECK(t[1].to_vector<double>() == i[1].to_vector<double>());
   CHECK(t[0].to_vector<double>() != i[0].to_vector<double>());
   const RefTensor xr = to_ref(x);
-  check_close(to_ref(i[0]), ref_attention(xr, xr, xr, weights_of(mha), true, nullptr, false).output);
+  check_close(to_ref(i[0]), ref_attention(xr, xr, xr, weights_of(mha), true, nullptr, false).output, kTolerance);
 }
 
 TEST_CASE("MultiHeadAttention: bad arguments and shapes are errors naming the layer") {
