@@ -9,33 +9,26 @@
 
 #include <cstdint>
 
+#include "tandem/ops/cuda/element_math.h"  // BroadcastArgs: plain C++, host and device
 #include "tandem/ops/detail/host_device.h"
 
 namespace tandem::ops::detail {
 
 struct MaskedSoftmaxRows {
-  static constexpr int kMaxRank = 8;
   std::int64_t rows = 0;     // x's elements / S
   std::int64_t cols = 0;     // S, keys
   std::int64_t queries = 1;  // T (1 for a vector x)
   bool causal = false;       // key j attended only when j <= query i
   bool has_mask = false;
-  // The mask's element strides along x's leading axes (all but the last; 0 where it broadcasts),
-  // and along the last axis (0 or 1).
-  int lead_rank = 0;
-  std::int64_t lead_dims[kMaxRank] = {};
-  std::int64_t lead_strides[kMaxRank] = {};
+  // x's leading axes (all but the last) walked as rows, with the mask's element strides in
+  // strides[0] (0 where it broadcasts); the mask's stride along the last axis (0 or 1).
+  cuda::BroadcastArgs lead;
   std::int64_t col_stride = 0;
 };
 
 // Where row `row`'s mask starts (in mask elements).
 TANDEM_HOST_DEVICE inline std::int64_t mask_row_offset(const MaskedSoftmaxRows& a, std::int64_t row) {
-  std::int64_t rest = row, offset = 0;
-  for (int d = a.lead_rank - 1; d >= 0; --d) {
-    offset += (rest % a.lead_dims[d]) * a.lead_strides[d];
-    rest /= a.lead_dims[d];
-  }
-  return offset;
+  return cuda::broadcast_offset(a.lead, row, 0);
 }
 
 // The keys [0, n) a row may attend to before the mask: all of them, or, when causal, those up to
@@ -57,7 +50,8 @@ inline MaskedSoftmaxRows masked_softmax_rows(const std::int64_t* x_dims, int x_r
   a.queries = x_rank >= 2 && x_dims[x_rank - 2] > 0 ? x_dims[x_rank - 2] : 1;
   a.causal = causal;
   a.has_mask = has_mask;
-  a.lead_rank = x_rank > 0 ? x_rank - 1 : 0;
+  a.lead.rank = x_rank > 0 ? x_rank - 1 : 0;
+  a.lead.elements = a.rows;
   std::int64_t stride = 1;
   for (int d = x_rank - 1; d >= 0; --d) {
     const int dm = d - (x_rank - mask_rank);
@@ -67,8 +61,8 @@ inline MaskedSoftmaxRows masked_softmax_rows(const std::int64_t* x_dims, int x_r
     if (d == x_rank - 1) {
       a.col_stride = s;
     } else {
-      a.lead_dims[d] = x_dims[d];
-      a.lead_strides[d] = s;
+      a.lead.dims[d] = x_dims[d];
+      a.lead.strides[0][d] = s;
     }
   }
   return a;
