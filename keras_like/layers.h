@@ -15,7 +15,6 @@
 // it is built. Nothing here blocks.
 #pragma once
 
-#include <any>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -168,8 +167,8 @@ struct MultiHeadAttentionOptions {
   std::optional<std::uint64_t> seed;  // dropout's; default: drawn from the global seed
   std::string name;
 };
-// Keras 3's MultiHeadAttention call arguments besides query, value and key. Tensor is KerasTensor
-// for the functional API and Output inside another layer's call().
+// Keras 3's MultiHeadAttention call arguments besides query, value and key. TensorType is
+// KerasTensor for the functional API and Output inside another layer's call().
 template <class TensorType>
 struct AttentionCallOptions {
   // [B, T, S] (or [T, S], shared by the batch): non-zero where query position t may attend to key
@@ -190,7 +189,7 @@ struct AttentionCallOptions {
 // none to attend to gets zeros (no NaN). The sequence lengths T and S must be known.
 //
 //   auto y = mha({x, x}, {.use_causal_mask = true});         // self-attention, causal
-//   auto y = mha({q, v, k}, {.attention_mask = mask});       // mask: an Input of shape {T, S}
+//   auto y = mha({q, v, k}, {.attention_mask = mask});       // mask = keras::Input({T, S}, kInt32)
 //   auto outs = mha({q, v}, {.return_attention_scores = true});   // outs[0], outs[1]
 class MultiHeadAttention : public Layer {
  public:
