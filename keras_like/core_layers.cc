@@ -1,11 +1,11 @@
-// Core layers: Dense, Flatten, Reshape, Activation, Add.
+// Core layers: Dense, Embedding, Flatten, Reshape, Activation, Add.
 #include "tandem/keras_like/layers.h"
 #include "tandem/ops/ops.h"
 
 namespace tandem::keras {
 namespace {
 
-constexpr std::string_view kKnownActivations = "linear, relu, sigmoid, tanh, gelu, gelu_approximate, softmax";
+constexpr std::string_view kKnownActivations = "linear, relu, sigmoid, tanh, softmax, gelu, gelu_approximate";
 
 std::int64_t product_of_non_batch(const Shape& shape) {
   std::int64_t n = 1;
@@ -69,6 +69,39 @@ class DenseImpl final : public LayerImpl {
   std::int64_t units_;
   DenseOptions options_;
   VariablePtr kernel_, bias_;
+};
+
+class EmbeddingImpl final : public LayerImpl {
+ public:
+  EmbeddingImpl(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options)
+      : LayerImpl("Embedding", options.name), input_dim_(input_dim), output_dim_(output_dim),
+        initializer_(std::move(options.embeddings_initializer)) {
+    TANDEM_REQUIRE(input_dim > 0 && output_dim > 0, InvalidArgument,
+                   "{}: input_dim ({}) and output_dim ({}) must be positive", label(), input_dim, output_dim);
+  }
+
+  // Keras 3: the table is read as it is (float32 under a mixed policy) and the rows looked up are
+  // cast to the compute dtype, so the table's gradient is a float32 scatter-add.
+  bool autocast() const override { return false; }
+
+  void build(const std::vector<TensorSpec>& /*inputs*/) override {
+    embeddings_ = add_weight({.name = "embeddings", .shape = {input_dim_, output_dim_}, .initializer = initializer_});
+  }
+
+  std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
+    Output ids = inputs[0];
+    TANDEM_REQUIRE(ids.shape().rank() >= 1, InvalidArgument, "{}: ids have shape {}; expected (batch, ...)", label(),
+                   ids.shape());
+    if (ids.dtype() != DType::kI32 && ids.dtype() != DType::kI64) ids = ops::cast(ids, DType::kI32);
+    Output rows = ops::gather(ctx.read(embeddings_), ids);
+    if (graph::is_floating(rows.dtype()) && rows.dtype() != compute_dtype()) rows = ops::cast(rows, compute_dtype());
+    return {rows};
+  }
+
+ private:
+  std::int64_t input_dim_, output_dim_;
+  Initializer initializer_;
+  VariablePtr embeddings_;
 };
 
 class FlattenImpl final : public LayerImpl {
@@ -150,17 +183,26 @@ class AddImpl final : public LayerImpl {
 }  // namespace
 
 Output apply_activation(std::string_view activation, Output x, std::string_view layer_label) {
-  const bool known = activation.empty() || activation == "linear" || activation == "relu" || activation == "sigmoid" ||
-                     activation == "tanh" || activation == "gelu" || activation == "gelu_approximate" ||
-                     activation == "softmax";
-  TANDEM_REQUIRE(known, InvalidArgument, "{}: unknown activation \"{}\"; known: {}", layer_label, activation,
-                 kKnownActivations);
-  if (!x.defined() || activation.empty() || activation == "linear") return x;
-  if (activation == "relu") return ops::relu(x);
-  if (activation == "sigmoid") return ops::sigmoid(x);
-  if (activation == "tanh") return ops::tanh(x);
-  if (activation == "gelu") return ops::gelu(x);
-  if (activation == "gelu_approximate") return ops::gelu(x, true);
+  const auto element_wise = fusable_activation(activation);
+  TANDEM_REQUIRE(element_wise || activation == "softmax", InvalidArgument, "{}: unknown activation \"{}\"; known: {}",
+                 layer_label, activation, kKnownActivations);
+  if (!x.defined()) return x;
+  if (element_wise) {
+    switch (*element_wise) {
+      case ops::Activation::kLinear:
+        return x;
+      case ops::Activation::kRelu:
+        return ops::relu(x);
+      case ops::Activation::kSigmoid:
+        return ops::sigmoid(x);
+      case ops::Activation::kTanh:
+        return ops::tanh(x);
+      case ops::Activation::kGelu:
+        return ops::gelu(x, /*approximate=*/false);
+      case ops::Activation::kGeluApproximate:
+        return ops::gelu(x, /*approximate=*/true);
+    }
+  }
   // Softmax of 16-bit logits in float32, and a float32 result (Keras's advice for the output
   // layer of a mixed-precision model, done for the user).
   if (graph::is_low_precision(x.dtype())) x = ops::cast(x, DType::kF32);
@@ -184,6 +226,8 @@ Dense::Dense(std::int64_t units, const char* activation, DenseOptions options)
         options.activation = activation;
         return std::move(options);
       }()) {}
+Embedding::Embedding(std::int64_t input_dim, std::int64_t output_dim, EmbeddingOptions options)
+    : Layer(std::make_shared<EmbeddingImpl>(input_dim, output_dim, std::move(options))) {}
 Flatten::Flatten(std::string name) : Layer(std::make_shared<FlattenImpl>(std::move(name))) {}
 Reshape::Reshape(const Shape& target_shape, std::string name)
     : Layer(std::make_shared<ReshapeImpl>(target_shape, std::move(name))) {}

@@ -41,13 +41,41 @@ Output targets_like_predictions(Output y_true, Output y_pred) {
   return y;
 }
 
+Shape class_ids_shape(const Shape& y_pred) {
+  Shape ids;
+  for (int i = 0; i + 1 < y_pred.rank(); ++i) ids.push_back(y_pred[i]);
+  return ids;
+}
+
+bool are_class_ids(const Shape& y_true, const Shape& y_pred) {
+  const Shape ids = class_ids_shape(y_pred);
+  if (y_true.rank() == 0 || ids.rank() == 0) return false;
+  Shape t = y_true;
+  if (t.rank() == ids.rank() + 1 && (t.dim(-1) == 1 || t.dim(-1) == Shape::kUnknown)) {
+    Shape trimmed;
+    for (int i = 0; i + 1 < t.rank(); ++i) trimmed.push_back(t[i]);
+    t = trimmed;
+  }
+  // The batch dimension is the data's business; the others must match.
+  return t.rank() == ids.rank() && t.with_dim(0, Shape::kUnknown).compatible_with(ids.with_dim(0, Shape::kUnknown));
+}
+
+std::string class_ids_shapes(const Shape& y_pred) {
+  if (y_pred.rank() < 2) return fmt::format("none (predictions {} have no classes axis)", y_pred);
+  Shape ids = class_ids_shape(y_pred).with_dim(0, Shape::kUnknown);
+  const std::string without = ids.to_string();
+  ids.push_back(1);
+  return fmt::format("{} or {}", without, ids);
+}
+
 Output class_ids(Output y_true, Output y_pred, std::string_view what) {
   Output labels = y_true;
   const Shape& t = labels.shape();
-  TANDEM_REQUIRE(t.rank() == 1 || (t.rank() == 2 && t[1] == 1), InvalidArgument,
-                 "{}: class ids must have shape (batch,) or (batch, 1); got {} for predictions {}", what, t,
-                 y_pred.shape());
-  if (t.rank() == 2) labels = ops::reshape(labels, {-1});
+  const Shape ids = class_ids_shape(y_pred.shape());
+  TANDEM_REQUIRE(are_class_ids(t, y_pred.shape()), InvalidArgument,
+                 "{}: class ids must have shape {}; got {} for predictions {}", what, class_ids_shapes(y_pred.shape()),
+                 t, y_pred.shape());
+  if (t.rank() > ids.rank()) labels = ops::reshape(labels, ids.with_dim(0, Shape::kUnknown));
   if (labels.dtype() != DType::kI64 && labels.dtype() != DType::kI32) labels = ops::cast(labels, DType::kI64);
   return labels;
 }

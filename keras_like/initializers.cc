@@ -11,7 +11,7 @@ namespace {
 
 constexpr std::string_view kKnown =
     "glorot_uniform, glorot_normal, he_normal, he_uniform, lecun_normal, lecun_uniform, zeros, ones, random_normal, "
-    "random_uniform";
+    "normal, random_uniform, uniform, truncated_normal";
 // Keras's truncated normal keeps draws within two standard deviations; dividing the target
 // stddev by this constant (the stddev of a unit normal truncated at +-2) gives the variance the
 // variance-scaling initializers ask for.
@@ -34,18 +34,51 @@ Fans fans(const Shape& shape) {
 }  // namespace
 
 Initializer::Initializer(std::string_view name) : name_(name) {
+  // Keras's aliases, and the defaults of the parameterised ones.
+  if (name == "uniform" || name == "random_uniform") {
+    *this = random_uniform();
+    return;
+  }
+  if (name == "normal" || name == "random_normal") {
+    *this = random_normal();
+    return;
+  }
+  if (name == "truncated_normal") {
+    *this = truncated_normal();
+    return;
+  }
   static const std::vector<std::string_view> known = {"glorot_uniform", "glorot_normal", "he_normal", "he_uniform",
-                                                      "lecun_normal",   "lecun_uniform", "zeros",     "ones",
-                                                      "random_normal",  "random_uniform"};
+                                                      "lecun_normal",   "lecun_uniform", "zeros",     "ones"};
   TANDEM_REQUIRE(std::find(known.begin(), known.end(), name) != known.end(), InvalidArgument,
                  "unknown initializer \"{}\"; known: {}", name, kKnown);
 }
 
-Initializer Initializer::constant(double value) {
+Initializer Initializer::constant(double value) { return with_parameters("constant", value, 0.0); }
+
+Initializer Initializer::with_parameters(std::string_view name, double a, double b) {
   Initializer init("zeros");
-  init.name_ = "constant";
-  init.value_ = value;
+  init.name_ = name;
+  init.a_ = a;
+  init.b_ = b;
   return init;
+}
+
+Initializer Initializer::random_uniform(double minval, double maxval) {
+  TANDEM_REQUIRE(minval < maxval, InvalidArgument, "initializer random_uniform: minval {} must be below maxval {}",
+                 minval, maxval);
+  return with_parameters("random_uniform", minval, maxval);
+}
+
+Initializer Initializer::random_normal(double mean, double stddev) {
+  TANDEM_REQUIRE(stddev > 0, InvalidArgument, "initializer random_normal: stddev is {}; expected a positive number",
+                 stddev);
+  return with_parameters("random_normal", mean, stddev);
+}
+
+Initializer Initializer::truncated_normal(double mean, double stddev) {
+  TANDEM_REQUIRE(stddev > 0, InvalidArgument, "initializer truncated_normal: stddev is {}; expected a positive number",
+                 stddev);
+  return with_parameters("truncated_normal", mean, stddev);
 }
 
 Tensor Initializer::operator()(const Shape& shape, DType dtype, std::uint64_t seed) const {
@@ -55,25 +88,26 @@ Tensor Initializer::operator()(const Shape& shape, DType dtype, std::uint64_t se
   std::vector<double> values(n, 0.0);
   std::mt19937_64 rng(seed);
   const Fans f = fans(shape);
-  const auto uniform = [&](double limit) {
-    std::uniform_real_distribution<double> dist(-limit, limit);
+  const auto uniform_between = [&](double lo, double hi) {
+    std::uniform_real_distribution<double> dist(lo, hi);
     for (auto& v : values) v = dist(rng);
   };
-  const auto truncated_normal = [&](double stddev) {
+  const auto uniform = [&](double limit) { uniform_between(-limit, limit); };
+  const auto truncated_normal = [&](double stddev, double mean = 0.0) {
     std::normal_distribution<double> dist(0.0, 1.0);
     for (auto& v : values) {
       double z = 0;
       do {
         z = dist(rng);
       } while (std::abs(z) > 2.0);
-      v = z * stddev;
+      v = mean + z * stddev;
     }
   };
   if (name_ == "zeros") {
   } else if (name_ == "ones") {
     std::fill(values.begin(), values.end(), 1.0);
   } else if (name_ == "constant") {
-    std::fill(values.begin(), values.end(), value_);
+    std::fill(values.begin(), values.end(), a_);
   } else if (name_ == "glorot_uniform") {
     uniform(std::sqrt(6.0 / (f.in + f.out)));
   } else if (name_ == "glorot_normal") {
@@ -87,10 +121,12 @@ Tensor Initializer::operator()(const Shape& shape, DType dtype, std::uint64_t se
   } else if (name_ == "lecun_uniform") {
     uniform(std::sqrt(3.0 / f.in));
   } else if (name_ == "random_normal") {
-    std::normal_distribution<double> dist(0.0, 0.05);  // Keras's RandomNormal defaults
+    std::normal_distribution<double> dist(a_, b_);
     for (auto& v : values) v = dist(rng);
+  } else if (name_ == "truncated_normal") {
+    truncated_normal(b_, a_);
   } else if (name_ == "random_uniform") {
-    uniform(0.05);
+    uniform_between(a_, b_);
   }
   Tensor out;
   graph::dispatch<graph::NumericTypes>(dtype, fmt::format("initializer {}", name_), [&]<class T>() {

@@ -60,6 +60,8 @@ KerasTensor Input(const Shape& shape, DType dtype, std::string name) {
   return KerasTensor(std::move(node), 0);
 }
 
+const std::any CallContext::kNoArguments;
+
 Output CallContext::read(const VariablePtr& variable) {
   const Output node = read_variable(variable);
   if (!autocast_dtype_ || !graph::is_floating(node.dtype()) || node.dtype() == *autocast_dtype_) return node;
@@ -99,56 +101,101 @@ void LayerImpl::build(const std::vector<TensorSpec>& /*inputs*/) {}
 
 std::string LayerImpl::label() const { return fmt::format("{} \"{}\"", class_name_, name_); }
 
+std::vector<VariablePtr> LayerImpl::weights() const {
+  std::vector<VariablePtr> out = weights_;
+  for (const auto& layer : tracked_) {
+    for (auto& w : layer->weights()) out.push_back(std::move(w));
+  }
+  return out;
+}
+
 std::vector<VariablePtr> LayerImpl::trainable_weights() const {
   std::vector<VariablePtr> out;
   if (!trainable_) return out;
   for (const auto& w : weights_) {
     if (w->trainable()) out.push_back(w);
   }
+  for (const auto& layer : tracked_) {
+    for (auto& w : layer->trainable_weights()) out.push_back(std::move(w));
+  }
   return out;
 }
 
 std::vector<VariablePtr> LayerImpl::non_trainable_weights() const {
+  if (!trainable_) return weights();
   std::vector<VariablePtr> out;
   for (const auto& w : weights_) {
-    if (!trainable_ || !w->trainable()) out.push_back(w);
+    if (!w->trainable()) out.push_back(w);
+  }
+  for (const auto& layer : tracked_) {
+    for (auto& w : layer->non_trainable_weights()) out.push_back(std::move(w));
   }
   return out;
 }
 
 std::int64_t LayerImpl::count_params() const {
   std::int64_t n = 0;
-  for (const auto& w : weights_) n += w->shape().num_elements();
+  for (const auto& w : weights()) n += w->shape().num_elements();
   return n;
+}
+
+void LayerImpl::track(const Layer& layer) {
+  TANDEM_REQUIRE(layer.defined() && layer.ptr().get() != this, InvalidArgument,
+                 "{}: track() needs another layer; got {}", label(), layer.defined() ? "itself" : "an empty handle");
+  for (const auto& t : tracked_) {
+    TANDEM_REQUIRE(t != layer.ptr(), InvalidArgument, "{}: {} is tracked already", label(), layer->label());
+  }
+  TANDEM_REQUIRE(!layer->built(), InvalidArgument,
+                 "{}: {} is built already; track the layers it holds before building them (in its constructor)",
+                 label(), layer->label());
+  tracked_.push_back(layer.ptr());
+  layer->set_path_prefix(path_prefix_ + name_ + "/");
+}
+
+void LayerImpl::set_path_prefix(const std::string& prefix) {
+  path_prefix_ = prefix;
+  for (const auto& t : tracked_) t->set_path_prefix(path_prefix_ + name_ + "/");
 }
 
 VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
   TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument,
                  "{}: weight \"{}\" has shape {}; it must be fully defined", label(), options.name, options.shape);
   strategy::VariableOptions variable;
-  variable.name = fmt::format("{}/{}", name_, options.name);
-  variable.initial_value = options.initializer(options.shape, options.dtype, next_seed());
+  variable.name = fmt::format("{}{}/{}", path_prefix_, name_, options.name);
+  variable.initial_value =
+      options.initializer(options.shape, options.dtype.value_or(dtype_policy_.variable_dtype()), next_seed());
   variable.trainable = options.trainable;
   auto created = strategy::get_strategy().create_variable(std::move(variable));
   weights_.push_back(created);
   return created;
 }
 
-std::vector<Output> LayerImpl::call_with_policy(CallContext& ctx, std::vector<Output> inputs) {
-  if (!autocast()) return call(ctx, inputs);
+std::vector<Output> LayerImpl::call_with_policy(CallContext& ctx, std::vector<Output> inputs,
+                                                const std::any& arguments) {
+  // The context is shared by every layer of the graph: what this call sets, it restores (a
+  // custom layer's call() calls the layers it holds through here too).
+  struct Restore {
+    CallContext& ctx;
+    std::optional<DType> autocast = ctx.autocast_dtype();
+    const std::any* arguments = &ctx.arguments();
+    ~Restore() {
+      ctx.set_autocast_dtype(autocast);
+      ctx.set_arguments(arguments);
+    }
+  } restore{ctx};
+  ctx.set_arguments(&arguments);
+  if (!autocast()) {
+    // A layer that handles its dtypes itself reads its variables as they are.
+    ctx.set_autocast_dtype(std::nullopt);
+    return call(ctx, inputs);
+  }
   const DType compute = dtype_policy_.compute_dtype();
   for (auto& in : inputs) {
     const bool cast = graph::is_floating(in.dtype()) && in.dtype() != compute &&
                       (dtype_policy_.is_mixed() || graph::is_low_precision(in.dtype()));
     if (cast) in = ops::cast(in, compute);
   }
-  if (!dtype_policy_.is_mixed()) return call(ctx, inputs);
-  struct Restore {
-    CallContext& ctx;
-    std::optional<DType> previous;
-    ~Restore() { ctx.set_autocast_dtype(previous); }
-  } restore{ctx, ctx.autocast_dtype()};
-  ctx.set_autocast_dtype(compute);
+  ctx.set_autocast_dtype(dtype_policy_.is_mixed() ? std::optional<DType>(compute) : std::nullopt);
   return call(ctx, inputs);
 }
 
@@ -164,7 +211,7 @@ void LayerImpl::ensure_built(const std::vector<TensorSpec>& inputs) {
   built_ = true;
 }
 
-std::vector<KerasTensor> LayerImpl::call_symbolic(const std::vector<KerasTensor>& inputs) {
+std::vector<KerasTensor> LayerImpl::call_symbolic(const std::vector<KerasTensor>& inputs, std::any arguments) {
   std::vector<TensorSpec> specs;
   for (const auto& in : inputs) {
     TANDEM_REQUIRE(in.defined(), InvalidArgument, "{}: called on an undefined KerasTensor", label());
@@ -178,10 +225,11 @@ std::vector<KerasTensor> LayerImpl::call_symbolic(const std::vector<KerasTensor>
   CallContext context(scratch, /*training=*/false, variables);
   std::vector<Output> placeholders;
   for (const auto& spec : specs) placeholders.push_back(scratch.placeholder(spec.dtype, spec.shape, "input"));
-  const auto outputs = call_with_policy(context, placeholders);
+  const auto outputs = call_with_policy(context, placeholders, arguments);
   auto node = std::make_shared<detail::LayerNode>();
   node->layer = shared_from_this();
   node->inputs = inputs;
+  node->arguments = std::move(arguments);
   for (const auto& o : outputs) node->outputs.push_back(o.spec());
   std::vector<KerasTensor> result;
   for (int i = 0; i < static_cast<int>(outputs.size()); ++i) result.emplace_back(node, i);
@@ -202,6 +250,27 @@ KerasTensor Layer::operator()(const KerasTensor& input) const {
 
 LayerOutputs Layer::operator()(const std::vector<KerasTensor>& inputs) const {
   return LayerOutputs(impl().call_symbolic(inputs));
+}
+
+std::vector<Output> Layer::operator()(CallContext& ctx, const std::vector<Output>& inputs,
+                                     const std::any& arguments) const {
+  LayerImpl& layer = impl();
+  std::vector<TensorSpec> specs;
+  for (const auto& in : inputs) {
+    TANDEM_REQUIRE(in.defined(), InvalidArgument, "{} \"{}\": called on an undefined graph output",
+                   layer.class_name(), layer.name());
+    specs.push_back(TensorSpec{in.dtype(), in.shape().rank() > 0 ? in.shape().with_dim(0, Shape::kUnknown) : in.shape()});
+  }
+  layer.ensure_built(specs);
+  auto scope = ctx.graph().name_scope(layer.name());
+  return layer.call_with_policy(ctx, inputs, arguments);
+}
+
+Output Layer::operator()(CallContext& ctx, Output input) const {
+  auto outputs = (*this)(ctx, std::vector<Output>{input});
+  TANDEM_REQUIRE(outputs.size() == 1, InvalidArgument, "{} \"{}\" returns {} outputs; call it with a vector",
+                 impl().class_name(), impl().name(), outputs.size());
+  return outputs.front();
 }
 
 LayerOutputs::operator KerasTensor() const {

@@ -11,9 +11,26 @@
 //
 // When the model trains, each layer's call() adds its ops to the replica graph, reading its
 // weights through the CallContext. A custom layer derives from LayerImpl, creates weights in
-// build() with add_weight(), and overrides call().
+// build() with add_weight(), and overrides call(); it may hold other layers (track() them in its
+// constructor, call them inside its call() with Layer::operator()(CallContext&, ...)), whose
+// weights then count among its own:
+//
+//   class Block : public keras::LayerImpl {
+//    public:
+//     Block() : LayerImpl("Block", "") { track(norm_); track(dense_); }
+//     std::vector<Output> call(keras::CallContext& ctx, const std::vector<Output>& in) override {
+//       return {in[0] + dense_(ctx, norm_(ctx, in[0]))};
+//     }
+//    private:
+//     keras::LayerNormalization norm_;
+//     keras::Dense dense_{64, "gelu"};
+//   };
+//   auto y = keras::Layer(std::make_shared<Block>())(x);
+//
+// Nothing here blocks; errors are InvalidArgument naming the layer.
 #pragma once
 
+#include <any>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -34,6 +51,7 @@ using graph::TensorSpec;
 using strategy::Variable;
 using VariablePtr = std::shared_ptr<Variable>;
 
+class Layer;
 class LayerImpl;
 
 namespace detail {
@@ -92,13 +110,21 @@ class CallContext {
   // (BatchNormalization's moving statistics). Only collected in the training pass.
   void add_update(const VariablePtr& variable, Output new_value);
   const std::vector<std::pair<VariablePtr, Output>>& updates() const { return updates_; }
+  // The arguments of the layer call being made besides its input tensors (Keras's keyword call
+  // arguments, e.g. MultiHeadAttention's use_causal_mask), as the layer's own call operator
+  // recorded them; empty when it took none. Set by LayerImpl::call_with_policy for the call.
+  const std::any& arguments() const { return *arguments_; }
+  void set_arguments(const std::any* arguments) { arguments_ = arguments; }
 
  private:
+  static const std::any kNoArguments;
+
   Graph& graph_;
   bool training_;
   VariableNodes& variables_;
   std::vector<std::pair<VariablePtr, Output>> updates_;
   std::optional<DType> autocast_dtype_;
+  const std::any* arguments_ = &kNoArguments;
 };
 
 struct WeightOptions {
@@ -106,7 +132,8 @@ struct WeightOptions {
   Shape shape;
   Initializer initializer = "glorot_uniform";
   bool trainable = true;
-  DType dtype = DType::kF32;
+  // Default: the layer's variable dtype (float32, or float64 under a "float64" policy).
+  std::optional<DType> dtype;
 };
 
 class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
@@ -135,24 +162,30 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // first call, under the strategy scope active then.
   virtual void build(const std::vector<TensorSpec>& inputs);
   // Adds the layer's computation on `inputs` to ctx.graph() and returns its outputs. Throws
-  // InvalidArgument naming the layer for inputs it cannot take.
+  // InvalidArgument naming the layer for inputs it cannot take. Arguments other than tensors
+  // arrive in ctx.arguments().
   virtual std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) = 0;
   // call() under the layer's dtype policy, which is how models call layers: Keras's autocast. A
   // mixed-policy layer computes in its compute dtype (floating inputs cast down, variables read
-  // through casts); a layer computing in float32 or wider casts 16-bit inputs up.
-  std::vector<Output> call_with_policy(CallContext& ctx, std::vector<Output> inputs);
+  // through casts); a layer computing in float32 or wider casts 16-bit inputs up. `arguments`
+  // are what call() finds in ctx.arguments() (the call's recorded ones when a model replays it).
+  std::vector<Output> call_with_policy(CallContext& ctx, std::vector<Output> inputs,
+                                       const std::any& arguments = {});
   // How many inputs a call takes: [min_inputs(), max_inputs()] (max -1: any number).
   virtual int min_inputs() const { return 1; }
   virtual int max_inputs() const { return 1; }
 
-  // Weights, in creation order. trainable_weights() is empty for a frozen layer.
-  const std::vector<VariablePtr>& weights() const { return weights_; }
+  // Weights: the layer's own in creation order, then those of the layers it tracks, in tracking
+  // order. trainable_weights() is empty for a frozen layer (and its tracked layers then count as
+  // frozen too).
+  std::vector<VariablePtr> weights() const;
   std::vector<VariablePtr> trainable_weights() const;
   std::vector<VariablePtr> non_trainable_weights() const;
   std::int64_t count_params() const;
 
-  // The functional API: builds on first use, infers the output specs, records the call.
-  std::vector<KerasTensor> call_symbolic(const std::vector<KerasTensor>& inputs);
+  // The functional API: builds on first use, infers the output specs, records the call with its
+  // arguments (given to call() in ctx.arguments() every time the model runs it).
+  std::vector<KerasTensor> call_symbolic(const std::vector<KerasTensor>& inputs, std::any arguments = {});
   // Builds (once) for these input specs; checks the input count. Later calls with other specs
   // are checked by call() (Dense "dense": input has 28 features, kernel expects 784).
   void ensure_built(const std::vector<TensorSpec>& inputs);
@@ -161,6 +194,12 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // Creates a weight through the current strategy (get_strategy()), initialised with a seed
   // drawn from the global seed.
   VariablePtr add_weight(const WeightOptions& options);
+  // Makes `layer` part of this one, as Keras tracks the layers a custom layer holds: its weights
+  // count among this layer's (a model lists them, saves them, trains them), after this layer's
+  // own, and are named under this layer's name as Keras 3 names them ("block/dense/kernel"). Call
+  // it in the constructor, before the held layer is built, once per held layer; a tracked layer
+  // belongs to this layer only (calling it from the model too would list its weights twice).
+  void track(const Layer& layer);
   // "Dense \"dense_1\"": how errors name the layer.
   std::string label() const;
 
@@ -171,6 +210,10 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   bool trainable_ = true;
   mixed_precision::Policy dtype_policy_ = mixed_precision::global_policy();
   std::vector<VariablePtr> weights_;
+  std::vector<std::shared_ptr<LayerImpl>> tracked_;
+  std::string path_prefix_;  // "block/" for a layer that "block" tracks: its weights' names start so
+
+  void set_path_prefix(const std::string& prefix);
 };
 
 // What a layer call on several inputs returns: its outputs, and (for a layer with one output)
@@ -192,6 +235,13 @@ class Layer {
 
   KerasTensor operator()(const KerasTensor& input) const;
   LayerOutputs operator()(const std::vector<KerasTensor>& inputs) const;
+  // Calls the layer inside another layer's call() (a custom layer holding it): builds it on
+  // first use for these inputs' specs (under the strategy scope active then), names its ops
+  // under its name, and returns its outputs. `arguments`: see CallContext::arguments().
+  std::vector<Output> operator()(CallContext& ctx, const std::vector<Output>& inputs,
+                                 const std::any& arguments = {}) const;
+  // The same for a layer with one input and one output.
+  Output operator()(CallContext& ctx, Output input) const;
 
   bool defined() const { return impl_ != nullptr; }
   LayerImpl& impl() const;
@@ -220,6 +270,7 @@ struct LayerNode {
   std::vector<KerasTensor> inputs;
   std::vector<TensorSpec> outputs;
   std::string input_name;  // for model inputs
+  std::any arguments;      // the call's non-tensor arguments (CallContext::arguments())
 };
 }  // namespace detail
 

@@ -11,10 +11,6 @@ constexpr std::string_view kKnownLosses =
     "mse, mean_squared_error, mae, mean_absolute_error, sparse_categorical_crossentropy, categorical_crossentropy, "
     "binary_crossentropy";
 
-bool are_class_ids(const Shape& y_true) {
-  return y_true.rank() == 1 || (y_true.rank() == 2 && (y_true[1] == 1 || y_true[1] == Shape::kUnknown));
-}
-
 }  // namespace
 
 LossRef::LossRef(std::string_view name) {
@@ -60,11 +56,21 @@ Output per_example_loss(const LossSpec& loss, Output y_true, Output y_pred) {
           return mean_over_non_batch_axes(ops::abs(y_pred - targets_like_predictions(y_true, y_pred)));
         } else if constexpr (std::is_same_v<L, SparseCategoricalCrossentropy>) {
           const Output labels = detail::class_ids(y_true, y_pred, "sparse_categorical_crossentropy");
-          if (l.from_logits) return ops::sparse_softmax_cross_entropy_with_logits(y_pred, labels);
+          // Predictions [batch, ..., classes] (a sequence model's [B, T, V]): one loss per
+          // position, and per example their mean (Keras averages over every position of the
+          // batch: the same when every example has as many).
+          if (l.from_logits && y_pred.shape().rank() == 2)
+            return ops::sparse_softmax_cross_entropy_with_logits(y_pred, labels);
+          if (l.from_logits) {
+            const std::int64_t classes = y_pred.shape().dim(-1);
+            const Output per_position = ops::sparse_softmax_cross_entropy_with_logits(ops::reshape(y_pred, {-1, classes}),
+                                                                                      ops::reshape(labels, {-1}));
+            return mean_over_non_batch_axes(ops::reshape(per_position, labels.shape()));
+          }
           // Probabilities: renormalise and clip like Keras, then -log p[label].
           const Output p = clip_probabilities(y_pred / ops::reduce_sum(y_pred, {.axes = {-1}, .keep_dims = true}));
           const Output one_hot = ops::cast(ops::one_hot(labels, y_pred.shape().dim(-1)), y_pred.dtype());
-          return -ops::reduce_sum(one_hot * ops::log(p), {.axes = {-1}});
+          return mean_over_non_batch_axes(-ops::reduce_sum(one_hot * ops::log(p), {.axes = {-1}}));
         } else if constexpr (std::is_same_v<L, CategoricalCrossentropy>) {
           Output labels = targets_like_predictions(y_true, y_pred);
           if (l.label_smoothing > 0) {
@@ -100,8 +106,8 @@ Output per_example_loss(const LossSpec& loss, Output y_true, Output y_pred) {
 std::optional<std::string> target_shape_requirement(const LossSpec& loss, const Shape& y_true, const Shape& y_pred) {
   if (std::holds_alternative<CustomLoss>(loss)) return std::nullopt;
   if (std::holds_alternative<SparseCategoricalCrossentropy>(loss)) {
-    if (are_class_ids(y_true)) return std::nullopt;
-    return fmt::format("class ids of shape (None,) or (None, 1) for the output's shape {}{}", y_pred,
+    if (detail::are_class_ids(y_true, y_pred)) return std::nullopt;
+    return fmt::format("class ids of shape {} for the output's shape {}{}", detail::class_ids_shapes(y_pred), y_pred,
                        y_true.compatible_with(y_pred) ? " (one-hot targets go with categorical_crossentropy)" : "");
   }
   if (detail::adapted_target_shape(y_true, y_pred).compatible_with(y_pred)) return std::nullopt;

@@ -15,7 +15,8 @@ Output sum_f32(Output per_example) { return ops::reduce_sum(ops::cast(per_exampl
 
 Output sparse_categorical_accuracy(Output y_true, Output y_pred) {
   const Output labels = ops::cast(detail::class_ids(y_true, y_pred, "sparse_categorical_accuracy"), DType::kI64);
-  return sum_f32(ops::equal(ops::argmax(y_pred, -1), labels));
+  // Per example, the fraction of its positions right (one position for [batch, classes]).
+  return sum_f32(detail::mean_over_non_batch_axes(ops::cast(ops::equal(ops::argmax(y_pred, -1), labels), DType::kF32)));
 }
 
 Output categorical_accuracy(Output y_true, Output y_pred) {

@@ -49,7 +49,7 @@ std::vector<Output> forward(ModelState& model, CallContext& ctx, const std::vect
     std::vector<Output> ins;
     for (const auto& in : node->inputs) ins.push_back(values.at(in.node().get())[static_cast<std::size_t>(in.index())]);
     auto scope = ctx.graph().name_scope(node->layer->name());
-    auto outs = node->layer->call_with_policy(ctx, ins);
+    auto outs = node->layer->call_with_policy(ctx, ins, node->arguments);
     TANDEM_ASSERT(outs.size() == node->outputs.size(), "{} returned {} outputs, {} when built", node->layer->name(),
                   outs.size(), node->outputs.size());
     values[node.get()] = std::move(outs);

@@ -1,6 +1,7 @@
 // tandem/keras_like/detail/graph_util.h — graph helpers shared by losses and metrics.
 #pragma once
 
+#include <string>
 #include <string_view>
 
 #include "tandem/graph/graph.h"
@@ -22,7 +23,14 @@ Output targets_like_predictions(Output y_true, Output y_pred);
 // The shape targets_like_predictions gives targets of shape `y_true`: a [batch] target against a
 // [batch, 1] prediction gains the last axis; any other stays as it is.
 Shape adapted_target_shape(const Shape& y_true, const Shape& y_pred);
-// Class ids for sparse losses and metrics: [batch] or [batch, 1] of any dtype -> int64 [batch].
+// The shapes of class ids that suit predictions [batch, ..., classes] (Keras's sparse losses and
+// metrics): the predictions' shape without the classes, or that with a last dimension of 1.
+Shape class_ids_shape(const Shape& y_pred);
+bool are_class_ids(const Shape& y_true, const Shape& y_pred);
+// Those shapes in words, for errors: "(None,) or (None, 1)".
+std::string class_ids_shapes(const Shape& y_pred);
+// Class ids for sparse losses and metrics, of any dtype, as int32 or int64 of
+// class_ids_shape(y_pred) ([batch] against [batch, classes]; [batch, T] against [batch, T, V]).
 Output class_ids(Output y_true, Output y_pred, std::string_view what);
 
 }  // namespace tandem::keras::detail

@@ -22,6 +22,7 @@
 #include <random>
 #include <string>
 
+#include "layer_checks.h"
 #include "ops/op_test_harness.h"
 #include "tandem/base/random.h"
 #include "tandem/graph/autodiff.h"
@@ -36,6 +37,7 @@ using graph::Tensor;
 using graph::TensorSpec;
 using keras::CallContext;
 using ops::Padding;
+using tandem::testing::check_close;
 using tandem::testing::RefTensor;
 using tandem::testing::to_ref;
 
@@ -128,17 +130,6 @@ struct LayerGraph {
     return executor->run(f, fetches, graph::RunOptions{.random_step = 3});
   }
 };
-
-// Forward output against a reference: |got - want| <= tol * (1 + |want|).
-void check_close(const RefTensor& got, const RefTensor& want, double tolerance = 2e-5) {
-  REQUIRE_MESSAGE(got.shape == want.shape, "shape ", got.shape.to_string(), " vs reference ", want.shape.to_string());
-  int failures = 0;
-  for (std::int64_t i = 0; i < got.size(); ++i) {
-    const bool ok = std::abs(got[i] - want[i]) <= tolerance * (1.0 + std::abs(want[i]));
-    if (!ok && failures++ < 5) CHECK_MESSAGE(ok, "element ", i, ": got ", got[i], ", reference ", want[i]);
-  }
-  CHECK_MESSAGE(failures == 0, failures, " element(s) outside tolerance ", tolerance);
-}
 
 struct GradientCheck {
   double step = 1e-2;
