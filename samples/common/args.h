@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,7 +26,8 @@
 namespace samples {
 
 struct Args {
-  int epochs;
+  int epochs;  // unused (and no --epochs flag) when has_epochs is false: char_gpt counts --steps
+  bool has_epochs = true;
   std::int64_t batch;
   std::uint64_t seed = 0;
   int verbose = 1;
@@ -41,14 +43,18 @@ struct Args {
   std::optional<int> exit_code;
 };
 
-// Parses the common flags; defaults are the sample's own. --help prints the flags on stdout; a bad
-// flag or value prints what is wrong on stderr; both set exit_code.
-inline Args parse_args(int argc, char** argv, Args defaults, const char* description) {
+// Parses the common flags; defaults are the sample's own. add_options adds a sample's own flags
+// (char_gpt's model size, --steps, --generate) to the same command line. --help prints the flags
+// on stdout; a bad flag or value prints what is wrong on stderr; both set exit_code.
+inline Args parse_args(int argc, char** argv, Args defaults, const char* description,
+                       const std::function<void(CLI::App&)>& add_options = {}) {
   Args a = defaults;
   CLI::App app(description);
-  app.add_option("--epochs", a.epochs, "passes over the training data")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 1000000));
+  if (a.has_epochs) {
+    app.add_option("--epochs", a.epochs, "passes over the training data")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 1000000));
+  }
   app.add_option("--batch", a.batch, "global batch size (split among the replicas)")
       ->capture_default_str()
       ->check(CLI::Range(std::int64_t{1}, std::int64_t{1} << 30));
@@ -96,6 +102,7 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
       ->check(CLI::PositiveNumber);
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
+  if (add_options) add_options(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
