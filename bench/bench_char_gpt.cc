@@ -3,7 +3,7 @@
 // tokens/s and the validation loss (nats/char) every --eval-every steps, for each.
 //
 //   build/bench/bench_char_gpt [--steps 2000] [--eval-every 250] [--repeat 1] [--python PY]
-//       [--no-compile] [--no-peer] [--strategy one|mirrored] [-- extra char_gpt flags]
+//       [--no-compile] [--no-peer] [--strategy mirrored|one] [-- extra char_gpt flags]
 //
 // Both programs train the same model on the same data split with the same initialisers,
 // optimizer and schedule (the peer's header states them; char_gpt matches it), time the training
@@ -42,7 +42,7 @@ struct Options {
   bool peer = true;
   bool compile = true;
   std::string python;
-  std::string strategy = "one";
+  std::string strategy = "mirrored";  // char_gpt's default: one replica per core
   std::vector<std::string> extra;  // passed to char_gpt after its own flags
 };
 

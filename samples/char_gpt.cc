@@ -75,7 +75,7 @@ class PositionEmbeddingImpl final : public keras::LayerImpl {
   explicit PositionEmbeddingImpl(std::int64_t sequence_length)
       : LayerImpl("PositionEmbedding", ""), sequence_length_(sequence_length) {}
 
-  void build(const std::vector<TensorSpec>& inputs) override {
+  void build(const std::vector<graph::TensorSpec>& inputs) override {
     const Shape& x = inputs[0].shape;
     TANDEM_REQUIRE(x.rank() == 3 && x[1] == sequence_length_ && x[2] != Shape::kUnknown, InvalidArgument,
                    "{}: input has shape {}; expected (batch, {}, features)", label(), x, sequence_length_);
@@ -303,7 +303,7 @@ double peak_rss_mb() {
 int main(int argc, char** argv) try {
   GptOptions o;
   const auto args = samples::parse_args(
-      argc, argv, {.epochs = 0, .has_epochs = false, .batch = 32, .strategy = "one"},
+      argc, argv, {.epochs = 0, .has_epochs = false, .batch = 32},
       "char_gpt: a character-level GPT on the Jargon File, beside bench/peers/torch_char_gpt.py",
       [&o](CLI::App& app) {
         app.add_option("--data", o.data, "text file, plain or gzip")->capture_default_str();
@@ -350,14 +350,16 @@ int main(int argc, char** argv) try {
                  o.heads);
   set_global_seed(args.seed);
 
+  // The strategy first: it sets up the devices, which the first tensor would otherwise fix.
+  auto strategy = samples::make_strategy(args);
+  const bool log = strategy->should_log();
+
   // The data: the characters of the text, the first 90% to train on, the last 10% to validate.
   const std::string text = data::read_text_file(o.data);
   const data::Vocabulary vocab = o.load.empty() ? data::Vocabulary::from_text(text)
                                                 : data::Vocabulary::load(o.load + ".vocab.json");
   const auto [train, validation] = data::split_tokens(vocab.encode(text), 0.9);
 
-  auto strategy = samples::make_strategy(args);
-  const bool log = strategy->should_log();
   keras::Model model;
   {
     auto scope = strategy->scope();
