@@ -7,9 +7,12 @@
 //
 // Both programs train the same model on the same data split with the same initialisers,
 // optimizer and schedule (the peer's header states them; char_gpt matches it), time the training
-// steps only (after 10 warm-up steps) and report peak resident memory. --repeat R interleaves R
-// runs of each and reports median tokens/s (the machines we measure on drift by tens of percent
-// over minutes); the loss curves come from the first round (tandem's are the same every run).
+// steps only (after 10 warm-up steps) and report peak resident memory. Both validate on the same
+// windows: the peer's 20 batches drawn with its fixed seed (torch.randint under manual_seed(1234)),
+// which this program asks the peer's Python for and hands to char_gpt as --eval-starts.
+// --repeat R interleaves R runs of each and reports median tokens/s (the machines we measure on
+// drift by tens of percent over minutes); the loss curves come from the first round (tandem's are
+// the same every run).
 // The machine's ceiling, measured in the same run: sgemm through tandem's gemm() on every thread.
 #include <unistd.h>
 
@@ -43,7 +46,7 @@ struct Options {
   bool compile = true;
   std::string python;
   std::string strategy = "mirrored";  // char_gpt's default: one replica per core
-  std::vector<std::string> extra;  // passed to char_gpt after its own flags
+  std::vector<std::string> extra;     // passed to char_gpt after its own flags
 };
 
 // What one run printed: "step S train_loss L val_loss V tokens/s T" lines (both programs print
@@ -120,6 +123,26 @@ double flops_per_step(double vocab) {
   return 6 * matrix_params * tokens + attention;
 }
 
+// Writes the start offsets of the peer's validation windows (its evaluate(): 20 batches of 32 from
+// torch.randint under manual_seed(1234), over the last 10% of the text) to `path`, one batch per
+// line, using the peer's own Python and PyTorch so that the numbers are the ones it draws.
+bool write_peer_eval_starts(const std::string& python, const std::string& path) {
+  const std::string script = fmt::format(
+      "import gzip, torch\n"
+      "raw = gzip.open('{0}', 'rb').read()\n"
+      "n = len(raw.decode('utf-8', errors='replace'))\n"
+      "val = n - int(0.9 * n)\n"
+      "g = torch.Generator().manual_seed(1234)\n"
+      "with open('{1}', 'w') as f:\n"
+      "    for _ in range(20):\n"
+      "        f.write(' '.join(str(i) for i in torch.randint(val - 128 - 1, (32,), generator=g).tolist()) + '\\n')\n",
+      "/usr/share/doc/jargon-text/jargon.txt.gz", path);
+  FILE* pipe = popen((python + " - 2>&1").c_str(), "w");
+  if (pipe == nullptr) return false;
+  std::fputs(script.c_str(), pipe);
+  return pclose(pipe) == 0;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -155,9 +178,16 @@ int main(int argc, char** argv) try {
 
   std::string extra;
   for (const auto& e : o.extra) extra += " " + e;
-  const std::string tandem_cmd =
-      fmt::format("{} --steps {} --eval-every {} --strategy {} --verbose 0{} 2>&1", TANDEM_CHAR_GPT_PATH, o.steps,
-                  o.eval_every, o.strategy, extra);
+  char starts_path[] = "/tmp/bench_char_gpt_starts.XXXXXX";
+  const int fd = mkstemp(starts_path);
+  if (fd >= 0) close(fd);
+  if (o.peer && fd >= 0 && write_peer_eval_starts(o.python, starts_path)) {
+    extra += fmt::format(" --eval-starts {}", starts_path);
+  } else if (o.peer) {
+    std::fprintf(stderr, "could not draw the peer's validation windows; char_gpt validates on its own\n");
+  }
+  const std::string tandem_cmd = fmt::format("{} --steps {} --eval-every {} --strategy {} --verbose 0{} 2>&1",
+                                             TANDEM_CHAR_GPT_PATH, o.steps, o.eval_every, o.strategy, extra);
   const std::string peer_cmd = fmt::format("{} {}/torch_char_gpt.py --steps {} --eval-every {} --threads {}", o.python,
                                            TANDEM_BENCH_PEER_DIR, o.steps, o.eval_every, threads);
   struct Column {
@@ -174,7 +204,7 @@ int main(int argc, char** argv) try {
     }
   }
 
-  fmt::print("\nvalidation loss, nats/char (first round)\n{:>6}", "step");
+  fmt::print("\nvalidation loss, nats/char, on the peer's 20 validation batches (first round)\n{:>6}", "step");
   for (const auto& c : columns) fmt::print(" {:>22}", c.name);
   fmt::print("\n");
   for (int step = o.eval_every; step <= o.steps + o.eval_every - 1; step += o.eval_every) {
@@ -212,8 +242,10 @@ int main(int argc, char** argv) try {
     fmt::print("{:<22} {:>10.0f} {:>9.1f} {:>8.2f}x {:>10.0f} {:>12.0f}\n", c.name, t, t / (32.0 * 128) * flops / 1e9,
                ours / t, median(wall), median(rss));
   }
-  fmt::print("(GFLOP/s counts {:.2f} GFLOP per step of 4096 tokens; \"vs tandem\" is tandem's tokens/s over the row's)\n",
-             flops / 1e9);
+  fmt::print(
+      "(GFLOP/s counts {:.2f} GFLOP per step of 4096 tokens; \"vs tandem\" is tandem's tokens/s over the row's)\n",
+      flops / 1e9);
+  if (fd >= 0) unlink(starts_path);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_char_gpt: %s\n", e.what());

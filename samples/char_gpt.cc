@@ -51,7 +51,8 @@ struct GptOptions {
   int steps = 2000;
   int eval_every = 250;
   int eval_batches = 20;
-  int skip = 10;  // warm-up steps left out of tokens/s (as the peer)
+  std::string eval_starts;  // a file of validation window starts (bench_char_gpt: the peer's)
+  int skip = 10;            // warm-up steps left out of tokens/s (as the peer)
   bool tie_embeddings = false;
   std::string save, load, loss_log;
   int generate = 0;
@@ -103,15 +104,14 @@ class TransformerBlockImpl final : public keras::LayerImpl {
   TransformerBlockImpl(std::int64_t width, int heads, double dropout)
       : LayerImpl("TransformerBlock", ""),
         ln1_(keras::LayerNormalization()),
-        attention_(heads, width / heads,
-                   {.dropout = dropout,
-                    .kernel_initializer = projection_initializer(width)}),
+        attention_(heads, width / heads, {.dropout = dropout, .kernel_initializer = projection_initializer(width)}),
         ln2_(keras::LayerNormalization()),
         fc_(4 * width, "gelu"),
         proj_(width),
         drop1_(dropout),
         drop2_(dropout) {
-    for (const keras::Layer& l : std::initializer_list<keras::Layer>{ln1_, attention_, ln2_, fc_, proj_, drop1_, drop2_}) {
+    for (const keras::Layer& l :
+         std::initializer_list<keras::Layer>{ln1_, attention_, ln2_, fc_, proj_, drop1_, drop2_}) {
       track(l);
     }
   }
@@ -248,13 +248,35 @@ class Progress final : public keras::Callback {
   std::optional<Clock::time_point> mark_;
 };
 
-// --eval-batches batches of windows spread evenly over the validation text (the peer draws 20
-// random batches with a fixed seed; even spacing covers the split the same way every run).
+// The validation windows: --eval-batches batches spread evenly over the validation text, or the
+// windows starting at the offsets listed in --eval-starts (bench_char_gpt passes the 20 random
+// batches the peer draws with its fixed seed, so that both curves are measured on the same text).
 data::Dataset validation_batches(const Tensor& validation, const GptOptions& o, std::int64_t batch) {
-  const std::int64_t windows = static_cast<std::int64_t>(o.eval_batches) * batch;
   const std::int64_t span = validation.shape()[0] - o.context - 1;
-  const std::int64_t stride = std::max<std::int64_t>(1, span / windows);
-  return data::text_windows(validation, {.length = o.context, .stride = stride}).take(windows).batch(batch);
+  if (o.eval_starts.empty()) {
+    const std::int64_t windows = static_cast<std::int64_t>(o.eval_batches) * batch;
+    const std::int64_t stride = std::max<std::int64_t>(1, span / windows);
+    return data::text_windows(validation, {.length = o.context, .stride = stride}).take(windows).batch(batch);
+  }
+  std::ifstream in(o.eval_starts);
+  TANDEM_REQUIRE(in.good(), NotFound, "--eval-starts \"{}\" cannot be read", o.eval_starts);
+  std::vector<std::int32_t> x, y;
+  const std::int32_t* tokens = validation.data<std::int32_t>();
+  std::int64_t count = 0;
+  for (long long start = 0; in >> start; ++count) {
+    TANDEM_REQUIRE(start >= 0 && start <= span, InvalidArgument,
+                   "--eval-starts \"{}\": start {} (entry {}) is outside [0, {}], the windows of {} characters that "
+                   "fit the validation text",
+                   o.eval_starts, start, count, span, o.context);
+    x.insert(x.end(), tokens + start, tokens + start + o.context);
+    y.insert(y.end(), tokens + start + 1, tokens + start + o.context + 1);
+  }
+  TANDEM_REQUIRE(in.eof() && count > 0, InvalidArgument,
+                 "--eval-starts \"{}\": expected whitespace-separated window starts (integers); entry {} is not one",
+                 o.eval_starts, count);
+  return data::Dataset::from_tensor_slices({Tensor::from_vector<std::int32_t>(x, {count, o.context}),
+                                            Tensor::from_vector<std::int32_t>(y, {count, o.context})})
+      .batch(batch);
 }
 
 // Samples n characters after the prompt: each from the last position's logits over a window of
@@ -304,8 +326,7 @@ int main(int argc, char** argv) try {
   GptOptions o;
   const auto args = samples::parse_args(
       argc, argv, {.epochs = 0, .has_epochs = false, .batch = 32},
-      "char_gpt: a character-level GPT on the Jargon File, beside bench/peers/torch_char_gpt.py",
-      [&o](CLI::App& app) {
+      "char_gpt: a character-level GPT on the Jargon File, beside bench/peers/torch_char_gpt.py", [&o](CLI::App& app) {
         app.add_option("--data", o.data, "text file, plain or gzip")->capture_default_str();
         app.add_option("--layers", o.layers, "transformer blocks")->capture_default_str()->check(CLI::Range(1, 64));
         app.add_option("--heads", o.heads, "attention heads")->capture_default_str()->check(CLI::Range(1, 64));
@@ -325,6 +346,10 @@ int main(int argc, char** argv) try {
         app.add_option("--eval-batches", o.eval_batches, "validation batches")
             ->capture_default_str()
             ->check(CLI::PositiveNumber);
+        app.add_option("--eval-starts", o.eval_starts,
+                       "validate on the windows starting at these offsets of the\nvalidation text (a file of integers) "
+                       "instead of --eval-batches\nevenly spaced batches")
+            ->type_name("FILE");
         app.add_flag("--tie-embeddings", o.tie_embeddings, "output projection = token embeddings transposed");
         app.add_option("--save", o.save, "write PREFIX.weights.safetensors and PREFIX.vocab.json")->type_name("PREFIX");
         app.add_option("--load", o.load, "start from PREFIX.weights.safetensors (and its vocabulary)")
@@ -356,8 +381,8 @@ int main(int argc, char** argv) try {
 
   // The data: the characters of the text, the first 90% to train on, the last 10% to validate.
   const std::string text = data::read_text_file(o.data);
-  const data::Vocabulary vocab = o.load.empty() ? data::Vocabulary::from_text(text)
-                                                : data::Vocabulary::load(o.load + ".vocab.json");
+  const data::Vocabulary vocab =
+      o.load.empty() ? data::Vocabulary::from_text(text) : data::Vocabulary::load(o.load + ".vocab.json");
   const auto [train, validation] = data::split_tokens(vocab.encode(text), 0.9);
 
   keras::Model model;
