@@ -181,13 +181,18 @@ keras::Model make_gpt(const GptOptions& o, std::int64_t vocab_size) {
 // AdamW with the peer's numbers: linear warmup from 0 to --lr over --warmup steps, then cosine
 // decay to 0.1 x --lr at --steps (Keras 3's CosineDecay with warmup_target); weight decay 0.1 on
 // kernels and embeddings, none on biases and LayerNormalization's gamma and beta.
+// The peer counts steps from 1 (its first step already takes lr / warmup); Keras's schedule reads
+// the optimizer's iterations, from 0. Starting the warmup one step in (at lr / warmup, reaching
+// lr one step earlier) gives every step the peer's rate, instead of a first step at rate 0 and
+// every later one a step behind.
 keras::AdamW make_optimizer(const GptOptions& o) {
-  const int decay_steps = std::max(1, o.steps - o.warmup);
-  return keras::AdamW{.learning_rate = keras::CosineDecay{.initial_learning_rate = 0.0,
-                                                          .decay_steps = decay_steps,
+  const int warmup = std::max(1, o.warmup);
+  const double first_rate = o.warmup > 0 ? o.lr / warmup : o.lr;
+  return keras::AdamW{.learning_rate = keras::CosineDecay{.initial_learning_rate = first_rate,
+                                                          .decay_steps = std::max(1, o.steps - warmup),
                                                           .alpha = 0.1,
                                                           .warmup_target = o.lr,
-                                                          .warmup_steps = o.warmup},
+                                                          .warmup_steps = warmup - 1},
                       .weight_decay = 0.1,
                       .beta_1 = 0.9,
                       .beta_2 = 0.99,

@@ -34,6 +34,12 @@ using collective::ReduceOp;
 
 class Strategy;
 
+// ZeRO's stages of sharded data parallelism (arXiv:1910.02054; DeepSpeed's zero_optimization.stage,
+// FSDP's sharding strategies): what the replicas in sync split among themselves (ShardSpec)
+// instead of each keeping a whole copy. k0: nothing (plain data parallelism); k1: optimizer
+// slots; k2: slots and gradients; k3: slots, gradients and parameters.
+enum class ZeroStage { k0 = 0, k1 = 1, k2 = 2, k3 = 3 };
+
 // How a strategy's replicas exchange gradients during fit (the DDP reducer's knobs).
 enum class FetchToDevice { kAuto, kNever, kAlways };
 inline constexpr int kDefaultDevicePrefetchBatches = 2;
@@ -65,6 +71,9 @@ struct DistributionOptions {
   // Batches staged ahead of the one being trained on (each holds a copy of the batch in pinned
   // host memory and on every replica device).
   int device_prefetch_batches = kDefaultDevicePrefetchBatches;
+  // Sharded data parallelism (ZeroStage): each replica keeps and updates 1/N of the state the
+  // stage names, reduce-scattering gradients and all-gathering the updated weights.
+  ZeroStage zero = ZeroStage::k0;
 };
 
 // What a function run by Strategy::run sees: which replica it is, and collective operations

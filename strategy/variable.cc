@@ -2,17 +2,34 @@
 
 #include "tandem/strategy/strategy.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace tandem::strategy {
 
-Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies)
+ShardSpec ShardSpec::even(const Shape& global_shape, int num_shards) {
+  TANDEM_ASSERT(num_shards >= 1, "{} shards", num_shards);
+  const std::int64_t n = global_shape.num_elements();
+  return {.num_shards = num_shards, .shard_elements = (n + num_shards - 1) / num_shards, .global_shape = global_shape};
+}
+
+std::int64_t ShardSpec::begin(int shard) const {
+  return std::min(global_shape.num_elements(), static_cast<std::int64_t>(shard) * shard_elements);
+}
+
+std::int64_t ShardSpec::end(int shard) const {
+  return std::min(global_shape.num_elements(), static_cast<std::int64_t>(shard + 1) * shard_elements);
+}
+
+Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies,
+                   std::optional<ShardSpec> sharding)
     : strategy_(&strategy),
       name_(std::move(options.name)),
       trainable_(options.trainable),
       synchronization_(options.synchronization),
       aggregation_(options.aggregation),
-      copies_(std::move(copies)) {
+      copies_(std::move(copies)),
+      sharding_(std::move(sharding)) {
   TANDEM_ASSERT(!copies_.empty(), "variable {} has no copies", name_);
 }
 

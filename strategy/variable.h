@@ -6,7 +6,9 @@
 // a model written once works under every strategy.
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,17 +25,41 @@ enum class VariableAggregation { kNone, kSum, kMean, kOnlyFirstReplica };
 // reading combines them with the aggregation).
 enum class VariableSynchronization { kAuto, kOnWrite, kOnRead };
 
+// How a sharded variable splits its value over the replicas in sync (ZeRO's partitioning, as a
+// strategy with DistributionOptions::zero makes optimizer slots, gradients and parameters): the
+// value flattened in row-major order and padded with zeros to num_shards x shard_elements
+// elements; shard s holds elements [s x shard_elements, (s + 1) x shard_elements). Shard s is
+// the replica with global index s (worker rank x local replicas + local replica); each replica's
+// copy of the variable is its shard, a 1-D tensor of shard_elements. Sizes that do not divide
+// are padded, never refused.
+struct ShardSpec {
+  int num_shards = 1;
+  std::int64_t shard_elements = 0;
+  Shape global_shape;  // the variable's shape as the model sees it
+
+  static ShardSpec even(const Shape& global_shape, int num_shards);
+  // The elements of the flattened value that shard s holds, padding excluded: [begin, end).
+  std::int64_t begin(int shard) const;
+  std::int64_t end(int shard) const;
+};
+
 struct VariableOptions {
   std::string name;
   Tensor initial_value;  // host or device tensor: the variable's dtype, shape and first value
   bool trainable = true;
   VariableSynchronization synchronization = VariableSynchronization::kAuto;
   VariableAggregation aggregation = VariableAggregation::kNone;
+  // Split across the replicas in sync (ShardSpec) instead of copied whole to each. Strategies
+  // that do not shard ignore it.
+  bool sharded = false;
 };
 
 class Variable {
  public:
-  Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies);
+  // sharding: set when each copy is one shard of the value (ShardSpec), unset when each copy is
+  // the whole value.
+  Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies,
+           std::optional<ShardSpec> sharding = std::nullopt);
   virtual ~Variable() = default;
   Variable(const Variable&) = delete;
   Variable& operator=(const Variable&) = delete;
@@ -44,6 +70,10 @@ class Variable {
   bool trainable() const { return trainable_; }
   VariableSynchronization synchronization() const { return synchronization_; }
   VariableAggregation aggregation() const { return aggregation_; }
+  // Unset for a variable whose every copy is the whole value; else how the copies split it.
+  const std::optional<ShardSpec>& sharding() const { return sharding_; }
+  // The value's shape as the model sees it: shape() unless sharded (each copy is then a 1-D shard).
+  const Shape& global_shape() const { return sharding_ ? sharding_->global_shape : shape(); }
   // The strategy whose scope created it.
   Strategy& strategy() const { return *strategy_; }
 
@@ -78,6 +108,7 @@ class Variable {
   VariableSynchronization synchronization_;
   VariableAggregation aggregation_;
   std::vector<Tensor> copies_;
+  std::optional<ShardSpec> sharding_;
 };
 
 // A variable kept equal on every replica: each replica applies the same update to its copy
