@@ -4,6 +4,7 @@
 //   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
 //   build/bench/bench_fit --strategy mirrored [--replicas 2] [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --strategy multiworker [--models mlp,wide] [--repeat R]
+//   build/bench/bench_fit --strategy mirrored --zero 0,1,2 [--replicas 2] [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --device gpu [--models mlp,wide,cnn] [--data DIR] [--gpu-peer-command CMD] [--no-peer]
 //
 // --device gpu trains on GPU:0 (OneDeviceStrategy) in float32 and under mixed_bfloat16, beside
@@ -23,6 +24,12 @@
 // much of the all-reduce the overlap hides. Each run reports (Model::training_times) how long
 // replica 0 waited for the gradient all-reduce after its backward pass: all of the all-reduce
 // without overlap, the unhidden rest with it; hidden = 1 - wait with overlap / wait without.
+//
+// --strategy mirrored --zero 0,1,2 trains the same MirroredStrategy at each ZeRO stage listed
+// (DistributionOptions::zero) and prints, per stage, samples/s and its ratio to stage 0
+// (unsharded data parallelism), the bytes per replica device of weights, gradients and optimizer
+// slots (what the stage shards), and the device's peak allocator bytes; beside it the DDP peer with
+// PyTorch's ZeroRedundancyOptimizer (its ZeRO stage 1), run with --python.
 //
 // The machines we measure on are shared VMs whose speed drifts by tens of percent over minutes;
 // --repeat R interleaves R runs of tandem and of each peer variant and reports the medians.
@@ -45,6 +52,8 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "machine_info.h"
@@ -71,6 +80,8 @@ struct Options {
   int replicas = 2;              // logical CPU devices under --strategy mirrored
   std::string worker_model;      // set in the worker processes of --strategy multiworker
   bool worker_ring = false;      // those workers use Gloo (RING) instead of the default (shared memory here)
+  std::vector<int> zero;         // ZeRO stages to compare under --strategy mirrored
+  std::string python = "/root/peers-venv/bin/python";  // the ZeRO table's peer (torch 2.15)
   std::string device = "cpu";    // or "gpu"
   std::string data_dir = data::kDebianFashionMnistDir;
   // How to start the GPU peer (a command prefix: gpu_check.sh adds the environment PyTorch needs).
@@ -100,6 +111,11 @@ void add_options(CLI::App& app, Options& o) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_flag("--peer,!--no-peer", o.peer, "run the PyTorch peer beside tandem (--no-peer: tandem only)");
+  app.add_option("--zero", o.zero,
+                 "under --strategy mirrored: ZeRO stages to compare (e.g. 0,1,2), in a table of their own")
+      ->delimiter(',')
+      ->check(CLI::Range(0, 3));
+  app.add_option("--python", o.python, "the ZeRO peer's Python (with torch)")->capture_default_str();
   app.add_option("--device", o.device, "cpu, or gpu (GPU:0, float32 and mixed_bfloat16, beside PyTorch eager)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "gpu"}));
@@ -130,8 +146,10 @@ struct Result {
 };
 
 // One training run; under `strategy` (its scope) when given, else the default strategy.
+// `trained`: where to leave the model after the run (its weights and slots), when given.
 Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, int epochs,
-                  Strategy* strategy = nullptr, const char* policy = "float32", bool cuda_graphs = true) {
+                  Strategy* strategy = nullptr, const char* policy = "float32", bool cuda_graphs = true,
+                  keras::Model* trained = nullptr) {
   set_global_seed(0);
   keras::mixed_precision::PolicyScope policy_scope(policy);
   const auto make = [&] {
@@ -154,6 +172,7 @@ Result run_tandem(const std::string& kind, const data::ImageClassificationData& 
   const auto times = model.training_times();
   const double samples = static_cast<double>(epochs) * static_cast<double>(60000 / kBatch * kBatch);
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
+  if (trained != nullptr) *trained = model;
   return {samples / seconds, test.at("accuracy"), times};
 }
 
@@ -240,6 +259,7 @@ std::optional<Result> median(std::vector<Result> runs) {
 }  // namespace
 
 int run_mirrored(const Options& o);
+int run_zero(const Options& o);
 int run_multiworker(const Options& o);
 int run_multiworker_worker(const Options& o);
 int run_gpu(const Options& o);
@@ -253,6 +273,7 @@ int main(int argc, char** argv) try {
   if ((o.strategy == "mirrored" || o.strategy == "multiworker") && app.count("--models") == 0)
     o.models = {"mlp", "wide"};
   if (!o.worker_model.empty()) return run_multiworker_worker(o);
+  if (o.strategy == "mirrored" && !o.zero.empty()) return run_zero(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.strategy == "multiworker") return run_multiworker(o);
   if (o.device == "gpu") return run_gpu(o);
@@ -418,6 +439,74 @@ int run_mirrored(const Options& o) {
       "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
       "here). ratio = tandem /s over the peer's.\n",
       core.c_str());
+  return 0;
+}
+
+// Bytes that replica `r` holds of the model's weights and of its optimizer's slots (sharded ones
+// count their shard).
+std::pair<std::int64_t, std::int64_t> state_bytes(const keras::Model& model, int r) {
+  std::int64_t weights = 0, slots = 0;
+  for (const auto& w : model.weights()) weights += static_cast<std::int64_t>(w->value(r).nbytes());
+  for (const auto& [name, slot] : model.optimizer().slots()) slots += static_cast<std::int64_t>(slot->value(r).nbytes());
+  return {weights, slots};
+}
+
+int run_zero(const Options& o) {
+  devices::set_logical_device_configuration({.num_cpu_devices = o.replicas, .intra_op_threads_per_device = 1});
+  std::printf(
+      "bench_fit --strategy mirrored --zero: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop "
+      "only, median of %d run(s)\n",
+      static_cast<long long>(kBatch), o.epochs, o.repeat);
+  std::printf("CPU:           %s; tandem: MirroredStrategy over %d logical CPU devices of 1 thread\n",
+              bench::cpu_model().c_str(), o.replicas);
+  std::printf("peer:          %s\n\n",
+              o.peer ? "torch_ddp2.sh --zero 1 (DDP + ZeroRedundancyOptimizer(Adam), Gloo, 2 processes x 1 thread)"
+                     : "(skipped)");
+  const auto data = data::fashion_mnist();
+  std::printf("%-5s %5s | %10s %7s %7s | %10s %10s %10s | %10s %7s %7s\n", "model", "zero", "tandem /s", "acc",
+              "vs k0", "weights", "slots", "peak", "ZeRO-1 /s", "acc", "ratio");
+  std::printf("%s\n", std::string(108, '-').c_str());
+  const auto mib = [](std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
+  for (const auto& kind : o.models) {
+    std::optional<double> stage0;
+    std::vector<Result> peer_runs;
+    for (int r = 0; r < o.repeat && o.peer; ++r) {
+      if (auto p = run_peer_command(fmt::format("PYTHON={} bash {}/torch_ddp2.sh {} 29512 --zero 1 2>&1", o.python,
+                                                TANDEM_BENCH_PEER_DIR, kind))) {
+        peer_runs.push_back(*p);
+      }
+    }
+    const std::optional<Result> peer = median(peer_runs);
+    for (const int stage : o.zero) {
+      MirroredStrategy strategy(
+          strategy::MirroredOptions{.distribution = {.zero = static_cast<strategy::ZeroStage>(stage)}});
+      std::vector<Result> runs;
+      std::int64_t weights = 0, slots = 0, peak = 0;
+      for (int r = 0; r < o.repeat; ++r) {
+        auto& device = *strategy.replica_devices().back();
+        device.allocator().reset_peak_bytes_in_use();
+        keras::Model model;
+        runs.push_back(run_tandem(kind, data, o.epochs, &strategy, "float32", true, &model));
+        peak = device.allocator().stats().peak_bytes_in_use;
+        std::tie(weights, slots) = state_bytes(model, static_cast<int>(strategy.replica_devices().size()) - 1);
+      }
+      const Result ours = *median(runs);
+      if (!stage0) stage0 = ours.samples_per_s;
+      const std::string peer_cell =
+          peer && stage == 1 ? fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", peer->samples_per_s, peer->test_accuracy,
+                                           ours.samples_per_s / peer->samples_per_s)
+                             : fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
+      std::printf("%-5s %5d | %10.0f %7.4f %6.2fx | %7.2f MiB %6.2f MiB %6.2f MiB | %s\n", kind.c_str(), stage,
+                  ours.samples_per_s, ours.test_accuracy, ours.samples_per_s / *stage0, mib(weights), mib(slots),
+                  mib(peak), peer_cell.c_str());
+      std::fflush(stdout);
+    }
+  }
+  std::printf(
+      "\nvs k0 = samples/s over the first stage listed (0: unsharded data parallelism). weights, slots = bytes\n"
+      "the last replica's device holds of the model's weights and of Adam's slots (a sharded slot counts its\n"
+      "shard); peak = that device's peak allocator bytes during the run (activations and gradients included).\n"
+      "ZeRO-1 = the PyTorch peer at its ZeRO stage 1, beside tandem's stage 1; ratio = tandem /s over it.\n");
   return 0;
 }
 

@@ -40,6 +40,14 @@ void* CpuAllocator::allocate(std::size_t bytes, std::size_t alignment) {
   // aligned_alloc wants a size that is a multiple of the alignment; zero-byte tensors still get
   // a distinct, valid pointer.
   const std::size_t rounded = bytes == 0 ? alignment : (bytes + alignment - 1) / alignment * alignment;
+  // The check and the count are not one atomic step: threads allocating at once may pass the
+  // limit together by up to their requests. The limit models a device's size, not a hard quota.
+  if (memory_limit_bytes_ > 0 && stats().bytes_in_use + static_cast<std::int64_t>(bytes) > memory_limit_bytes_) {
+    throw ResourceExhausted(fmt::format(
+        "{}: allocating {} bytes would pass the device's memory limit of {} bytes ({} bytes in use; "
+        "LogicalDeviceConfiguration.memory_limit_bytes)",
+        device_name_, bytes, memory_limit_bytes_, stats().bytes_in_use));
+  }
   void* pointer = std::aligned_alloc(alignment, rounded);
   if (pointer == nullptr) {
     const auto in_use = stats().bytes_in_use;

@@ -48,15 +48,17 @@ class Allocator {
   std::atomic<std::int64_t> num_allocations_{0};
 };
 
-// Host memory from aligned_alloc.
+// Host memory from aligned_alloc, up to memory_limit_bytes in use at once (0: no limit).
 class CpuAllocator final : public Allocator {
  public:
-  explicit CpuAllocator(std::string device_name) : device_name_(std::move(device_name)) {}
+  explicit CpuAllocator(std::string device_name, std::int64_t memory_limit_bytes = 0)
+      : device_name_(std::move(device_name)), memory_limit_bytes_(memory_limit_bytes) {}
   void* allocate(std::size_t bytes, std::size_t alignment = kDefaultAlignmentBytes) override;
   void deallocate(void* pointer, std::size_t bytes) noexcept override;
 
  private:
   std::string device_name_;
+  std::int64_t memory_limit_bytes_;
 };
 
 }  // namespace tandem::devices

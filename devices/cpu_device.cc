@@ -13,8 +13,8 @@ DeviceName cpu_name(int index) {
 }
 }  // namespace
 
-CpuDevice::CpuDevice(int index, int intra_op_threads)
-    : Device(cpu_name(index)), allocator_(cpu_name(index).short_form()), pool_(intra_op_threads) {}
+CpuDevice::CpuDevice(int index, int intra_op_threads, std::int64_t memory_limit_bytes)
+    : Device(cpu_name(index)), allocator_(cpu_name(index).short_form(), memory_limit_bytes), pool_(intra_op_threads) {}
 
 void CpuDevice::copy_from_host(void* device_dst, const void* host_src, std::size_t bytes) {
   if (bytes != 0) std::memcpy(device_dst, host_src, bytes);

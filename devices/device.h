@@ -176,6 +176,11 @@ class Device {
 struct LogicalDeviceConfiguration {
   int num_cpu_devices = 1;
   int intra_op_threads_per_device = 0;  // 0: the usable cores divided among the CPU devices
+  // The most bytes each CPU device may hold at once (TF's LogicalDeviceConfiguration.memory_limit,
+  // in bytes here): an allocation past it throws ResourceExhausted naming the device, the request
+  // and the limit. 0: no limit. It lets one machine stand for devices of a given memory size (a
+  // model that fits sharded across replicas but not replicated on each).
+  std::int64_t memory_limit_bytes = 0;
 };
 
 // Fixes the CPU device layout. Throws FailedPrecondition once devices have been created

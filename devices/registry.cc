@@ -43,6 +43,9 @@ void validate(const LogicalDeviceConfiguration& config) {
   TANDEM_REQUIRE(config.num_cpu_devices >= 1 && config.num_cpu_devices <= kMaxCpuDevices, InvalidArgument,
                  "LogicalDeviceConfiguration.num_cpu_devices is {}; expected 1 to {}", config.num_cpu_devices,
                  kMaxCpuDevices);
+  TANDEM_REQUIRE(config.memory_limit_bytes >= 0, InvalidArgument,
+                 "LogicalDeviceConfiguration.memory_limit_bytes is {}; expected 0 (no limit) or more",
+                 config.memory_limit_bytes);
   TANDEM_REQUIRE(config.intra_op_threads_per_device >= 0, InvalidArgument,
                  "LogicalDeviceConfiguration.intra_op_threads_per_device is {}; expected 0 (auto) or more",
                  config.intra_op_threads_per_device);
@@ -69,7 +72,7 @@ void create_devices(Registry& r) {
   const int threads = config.intra_op_threads_per_device > 0 ? config.intra_op_threads_per_device
                                                              : std::max(1, usable_cpu_cores() / config.num_cpu_devices);
   for (int i = 0; i < config.num_cpu_devices; ++i) {
-    r.cpus.push_back(std::make_unique<detail::CpuDevice>(i, threads));
+    r.cpus.push_back(std::make_unique<detail::CpuDevice>(i, threads, config.memory_limit_bytes));
   }
   const auto& discovery = discovered(r);
   for (int i = 0; i < discovery.count; ++i) r.gpus.push_back(detail::make_cuda_device(i));

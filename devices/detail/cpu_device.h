@@ -16,7 +16,8 @@ class InlineStream final : public Stream {
 
 class CpuDevice final : public Device {
  public:
-  CpuDevice(int index, int intra_op_threads);
+  // memory_limit_bytes: LogicalDeviceConfiguration::memory_limit_bytes (0: none).
+  CpuDevice(int index, int intra_op_threads, std::int64_t memory_limit_bytes = 0);
 
   Allocator& allocator() override { return allocator_; }
   Stream& compute_stream() override { return stream_; }

@@ -78,6 +78,28 @@ TEST_CASE("an impossible allocation is ResourceExhausted naming the device") {
                        doctest::Contains("CPU:0: out of host memory"), ResourceExhausted);
 }
 
+TEST_CASE("a CPU allocator with a memory limit refuses what would pass it, naming device and limit") {
+  devices::CpuAllocator allocator("CPU:7", 1000);
+  void* a = allocator.allocate(600);
+  try {
+    (void)allocator.allocate(600);
+    FAIL("expected ResourceExhausted");
+  } catch (const ResourceExhausted& e) {
+    const std::string message = e.what();
+    CHECK(message.find("CPU:7") != std::string::npos);
+    CHECK(message.find("600 bytes") != std::string::npos);
+    CHECK(message.find("limit of 1000 bytes") != std::string::npos);
+  }
+  CHECK(allocator.stats().bytes_in_use == 600);  // the refused request took nothing
+  void* b = allocator.allocate(400);             // exactly at the limit is allowed
+  allocator.deallocate(a, 600);
+  allocator.deallocate(b, 400);
+  void* c = allocator.allocate(1000);
+  allocator.deallocate(c, 1000);
+  devices::LogicalDeviceConfiguration negative{.memory_limit_bytes = -1};
+  CHECK_THROWS_AS(devices::set_logical_device_configuration(negative), InvalidArgument);
+}
+
 TEST_CASE("CPU devices: one inline stream, events already reached, pinned staging and async copies done at once") {
   auto& cpu = devices::default_cpu_device();
   CHECK(&cpu.communication_stream() == &cpu.compute_stream());
