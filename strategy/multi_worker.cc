@@ -459,6 +459,14 @@ MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::colle
   return {.data = communicator(0).sequence_number(), .control = impl_->control->sequence_number()};
 }
 
+collective::CommunicationStats MultiWorkerMirroredStrategy::cross_worker_stats() {
+  if (impl_->control == nullptr) return {};
+  auto& data = communicator(0);
+  collective::CommunicationStats stats = impl_->local_replicas > 1 ? collective::cross_worker_stats(data) : data.stats();
+  stats += impl_->control->stats();
+  return stats;
+}
+
 void MultiWorkerMirroredStrategy::broadcast_from_chief(std::span<Tensor> host_values) {
   if (impl_->control == nullptr) return;
   for (auto& value : host_values) impl_->control->broadcast(value, 0, impl_->call_options());

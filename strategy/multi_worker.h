@@ -139,6 +139,9 @@ class MultiWorkerMirroredStrategy final : public Strategy {
     std::uint64_t control = 0;
   };
   CollectiveCounts collective_counts();
+  // The bytes and calls of those two communicators added up (the gradient communicator's own
+  // when this worker has one replica, the cross-worker level's under a hierarchical group).
+  collective::CommunicationStats cross_worker_stats() override;
 
  protected:
   std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
