@@ -459,11 +459,16 @@ MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::colle
   return {.data = communicator(0).sequence_number(), .control = impl_->control->sequence_number()};
 }
 
-collective::CommunicationStats MultiWorkerMirroredStrategy::cross_worker_stats() {
+MultiWorkerMirroredStrategy::CrossWorkerStats MultiWorkerMirroredStrategy::cross_worker_stats_per_communicator() {
   if (impl_->control == nullptr) return {};
   auto& data = communicator(0);
-  collective::CommunicationStats stats = impl_->local_replicas > 1 ? collective::cross_worker_stats(data) : data.stats();
-  stats += impl_->control->stats();
+  return {.data = impl_->local_replicas > 1 ? collective::cross_worker_stats(data) : data.stats(),
+          .control = impl_->control->stats()};
+}
+
+collective::CommunicationStats MultiWorkerMirroredStrategy::cross_worker_stats() {
+  auto [stats, control] = cross_worker_stats_per_communicator();
+  stats += control;
   return stats;
 }
 
