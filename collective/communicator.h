@@ -66,9 +66,9 @@ struct OpStats {
 //
 // Bytes follow nccl-tests' bus-bandwidth convention: what this rank sends and receives under the
 // bandwidth-optimal ring algorithm in a group of N = size() ranks, whatever the backend really
-// moves (Gloo's reduce_scatter is an all-reduce, its rank-ordered all-reduce gathers at rank 0,
-// the in-process group copies through shared memory; TANDEM_CHECK_COLLECTIVES' descriptors and a
-// hierarchical group's inner levels are not counted here):
+// moves (Gloo's reduce_scatter is a whole all-reduce, the in-process group copies through shared
+// memory; TANDEM_CHECK_COLLECTIVES' descriptors and a hierarchical group's inner levels are not
+// counted here):
 //   all_reduce      2(N-1)/N x the buffer's bytes (all its tensors), sent and received alike;
 //   reduce_scatter  (N-1)/N x the input's bytes, sent and received;
 //   all_gather      (N-1)/N x the output's bytes, sent and received;
