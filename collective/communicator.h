@@ -62,7 +62,8 @@ struct OpStats {
 
 // What one communicator (or a sum of several: operator+=) has done since it was made or its
 // reset_stats(). Calls count the collectives that returned on this rank (a call that threw is not
-// counted; all_reduce_on_device counts when queued, as all_reduce).
+// counted; all_reduce_on_device counts when queued, as all_reduce: a CUDA graph that recorded it
+// replays it without calling it again, so replays are not counted).
 //
 // Bytes follow nccl-tests' bus-bandwidth convention: what this rank sends and receives under the
 // bandwidth-optimal ring algorithm in a group of N = size() ranks, whatever the backend really

@@ -94,6 +94,8 @@ struct TrainingStats {
   // N = num_replicas_in_sync), added up over the replicas, per op: the gradient buckets with the
   // step's log sums and layers' moving statistics in the last one, and anything else the group
   // did in the span. Nothing for one replica on one worker (no group to exchange through).
+  // GPU steps replayed as CUDA graphs (README, "CUDA graphs") queue their all-reduce once, when
+  // recorded, and count only then: compile with {.cuda_graphs = false} for every step's bytes.
   collective::CommunicationStats communication;
   // Multi-worker strategies: this worker's own traffic to the other workers
   // (Strategy::cross_worker_stats(), N = the number of workers). Nothing on one worker.
