@@ -91,9 +91,9 @@ struct TrainingStats {
   std::int64_t steps = 0;  // training steps in the span (training_times().steps)
   int replicas = 1;        // this worker's replicas, whose communicators `communication` adds up
   // Every collective of this worker's replicas on the strategy's group (Strategy::communicator(r),
-  // N = num_replicas_in_sync), added up over the replicas, per op: the gradient buckets with the
-  // step's log sums and layers' moving statistics in the last one, and anything else the group
-  // did in the span. Nothing for one replica on one worker (no group to exchange through).
+  // N = num_replicas_in_sync), added up over the replicas, per op: the gradient buckets, with the
+  // layers' moving statistics (and across workers the step's log sums) in the last one, and
+  // anything else the group did in the span. Nothing for one replica on one worker (no group to exchange through).
   // GPU steps replayed as CUDA graphs (README, "CUDA graphs") queue their all-reduce once, when
   // recorded, and count only then: compile with {.cuda_graphs = false} for every step's bytes.
   collective::CommunicationStats communication;
