@@ -21,11 +21,182 @@ std::string_view reduce_op_name(ReduceOp op) {
   return "?";
 }
 
-void Communicator::all_reduce_on_device(std::span<Tensor> /*tensors*/, ReduceOp /*op*/) {
+void Communicator::do_all_reduce_on_device(std::span<Tensor> /*tensors*/, ReduceOp /*op*/) {
   throw Unimplemented(
       fmt::format("{} communicator: all-reduces queued on a device stream need NCCL within one "
                   "process",
                   backend()));
+}
+
+// --- the collectives: the backend's, then counted ------------------------------------------------
+
+namespace {
+
+std::int64_t bytes_of(std::span<const Tensor> tensors) {
+  std::int64_t bytes = 0;
+  for (const Tensor& t : tensors) bytes += static_cast<std::int64_t>(t.nbytes());
+  return bytes;
+}
+
+std::int64_t bytes_of(const Tensor& tensor) { return static_cast<std::int64_t>(tensor.nbytes()); }
+
+}  // namespace
+
+void Communicator::all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) {
+  do_all_reduce(tensors, op, options);
+  const std::int64_t bytes = bytes_of(tensors);
+  count(kAllReduceOp, bytes, bytes);
+}
+
+void Communicator::all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op) {
+  do_all_reduce_on_device(tensors, op);
+  const std::int64_t bytes = bytes_of(tensors);
+  count(kAllReduceOp, bytes, bytes);
+}
+
+void Communicator::broadcast(Tensor& tensor, int root, const CallOptions& options) {
+  do_broadcast(tensor, root, options);
+  const bool is_root = root == rank();
+  count(kBroadcastOp, is_root ? bytes_of(tensor) : 0, is_root ? 0 : bytes_of(tensor));
+}
+
+void Communicator::all_gather(const Tensor& input, Tensor& output, const CallOptions& options) {
+  do_all_gather(input, output, options);
+  count(kAllGatherOp, bytes_of(output), bytes_of(output));
+}
+
+void Communicator::reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) {
+  do_reduce_scatter(input, output, op, options);
+  count(kReduceScatterOp, bytes_of(input), bytes_of(input));
+}
+
+void Communicator::barrier(const CallOptions& options) {
+  do_barrier(options);
+  count(kBarrierOp, 0, 0);
+}
+
+// --- stats -----------------------------------------------------------------------------------------
+
+void Communicator::count(Op op, std::int64_t sent_buffer_bytes, std::int64_t received_buffer_bytes) {
+  Counter& c = counters_[op];
+  // Only this rank's thread writes (one call at a time): relaxed adds; readers see each counter
+  // exact.
+  c.calls.fetch_add(1, std::memory_order_relaxed);
+  c.sent_buffer_bytes.fetch_add(sent_buffer_bytes, std::memory_order_relaxed);
+  c.received_buffer_bytes.fetch_add(received_buffer_bytes, std::memory_order_relaxed);
+}
+
+namespace {
+
+// floor(buffer_bytes x numerator / n), exactly and without overflowing the product.
+std::int64_t scaled(std::int64_t buffer_bytes, std::int64_t numerator, std::int64_t n) {
+  return buffer_bytes / n * numerator + buffer_bytes % n * numerator / n;
+}
+
+}  // namespace
+
+OpStats Communicator::read(Op op) const {
+  const Counter& c = counters_[op];
+  const std::int64_t n = size();
+  // The ring's bytes per rank, as a fraction numerator / n of the buffer (CommunicationStats).
+  std::int64_t numerator = 0;
+  if (n > 1) {
+    switch (op) {
+      case kAllReduceOp: numerator = 2 * (n - 1); break;
+      case kReduceScatterOp:
+      case kAllGatherOp: numerator = n - 1; break;
+      case kBroadcastOp: numerator = n; break;
+      case kBarrierOp:
+      case kNumOps: break;
+    }
+  }
+  return {.calls = c.calls.load(std::memory_order_relaxed),
+          .bytes_sent = scaled(c.sent_buffer_bytes.load(std::memory_order_relaxed), numerator, n),
+          .bytes_received = scaled(c.received_buffer_bytes.load(std::memory_order_relaxed), numerator, n)};
+}
+
+CommunicationStats Communicator::stats() const {
+  return {.all_reduce = read(kAllReduceOp),
+          .reduce_scatter = read(kReduceScatterOp),
+          .all_gather = read(kAllGatherOp),
+          .broadcast = read(kBroadcastOp),
+          .barrier = read(kBarrierOp)};
+}
+
+void Communicator::reset_stats() {
+  for (Counter& c : counters_) {
+    c.calls.store(0, std::memory_order_relaxed);
+    c.sent_buffer_bytes.store(0, std::memory_order_relaxed);
+    c.received_buffer_bytes.store(0, std::memory_order_relaxed);
+  }
+}
+
+OpStats& OpStats::operator+=(const OpStats& other) {
+  calls += other.calls;
+  bytes_sent += other.bytes_sent;
+  bytes_received += other.bytes_received;
+  return *this;
+}
+
+OpStats& OpStats::operator-=(const OpStats& other) {
+  calls -= other.calls;
+  bytes_sent -= other.bytes_sent;
+  bytes_received -= other.bytes_received;
+  return *this;
+}
+
+namespace {
+
+// Every op of a CommunicationStats with its name, in the struct's order.
+template <class Stats, class Fn>
+void for_each_op(Stats& stats, Fn&& fn) {
+  fn("all_reduce", stats.all_reduce);
+  fn("reduce_scatter", stats.reduce_scatter);
+  fn("all_gather", stats.all_gather);
+  fn("broadcast", stats.broadcast);
+  fn("barrier", stats.barrier);
+}
+
+}  // namespace
+
+OpStats CommunicationStats::total() const {
+  OpStats sum;
+  for_each_op(*this, [&](std::string_view, const OpStats& op) { sum += op; });
+  return sum;
+}
+
+namespace {
+
+// fn(a's op, b's op) for every op.
+template <class Fn>
+void zip_ops(CommunicationStats& a, const CommunicationStats& b, Fn&& fn) {
+  fn(a.all_reduce, b.all_reduce);
+  fn(a.reduce_scatter, b.reduce_scatter);
+  fn(a.all_gather, b.all_gather);
+  fn(a.broadcast, b.broadcast);
+  fn(a.barrier, b.barrier);
+}
+
+}  // namespace
+
+CommunicationStats& CommunicationStats::operator+=(const CommunicationStats& other) {
+  zip_ops(*this, other, [](OpStats& mine, const OpStats& theirs) { mine += theirs; });
+  return *this;
+}
+
+CommunicationStats& CommunicationStats::operator-=(const CommunicationStats& other) {
+  zip_ops(*this, other, [](OpStats& mine, const OpStats& theirs) { mine -= theirs; });
+  return *this;
+}
+
+std::string CommunicationStats::to_string() const {
+  std::string out;
+  for_each_op(*this, [&](std::string_view name, const OpStats& op) {
+    if (op.calls == 0) return;
+    if (!out.empty()) out += '\n';
+    out += fmt::format("{}: {} calls, {} B sent, {} B received", name, op.calls, op.bytes_sent, op.bytes_received);
+  });
+  return out.empty() ? std::string("no collectives") : out;
 }
 
 namespace detail {

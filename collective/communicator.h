@@ -15,8 +15,14 @@
 // one machine), gloo.h (processes over TCP), nccl.h (GPUs, in one process or across processes)
 // and hierarchical.h (local replicas, then across workers). tests/collective/contract/ checks
 // every one of them against this contract.
+//
+// Every communicator counts its calls and bytes (stats(), CommunicationStats below) in one place:
+// the public collectives are non-virtual, count and forward to the backend's protected do_*
+// functions, so a backend cannot count twice or forget to.
 #pragma once
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -43,6 +49,56 @@ struct CallOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;
 };
 
+// Calls of one kind of collective on one rank, and the bytes this rank sent and received in them.
+struct OpStats {
+  std::int64_t calls = 0;
+  std::int64_t bytes_sent = 0;
+  std::int64_t bytes_received = 0;
+
+  OpStats& operator+=(const OpStats& other);
+  OpStats& operator-=(const OpStats& other);
+  friend bool operator==(const OpStats&, const OpStats&) = default;
+};
+
+// What one communicator (or a sum of several: operator+=) has done since it was made or its
+// reset_stats(). Calls count the collectives that returned on this rank (a call that threw is not
+// counted; all_reduce_on_device counts when queued, as all_reduce: a CUDA graph that recorded it
+// replays it without calling it again, so replays are not counted).
+//
+// Bytes follow nccl-tests' bus-bandwidth convention: what this rank sends and receives under the
+// bandwidth-optimal ring algorithm in a group of N = size() ranks, whatever the backend really
+// moves (Gloo's reduce_scatter is a whole all-reduce, the in-process group copies through shared
+// memory; TANDEM_CHECK_COLLECTIVES' descriptors and a hierarchical group's inner levels are not
+// counted here):
+//   all_reduce      2(N-1)/N x the buffer's bytes (all its tensors), sent and received alike;
+//   reduce_scatter  (N-1)/N x the input's bytes, sent and received;
+//   all_gather      (N-1)/N x the output's bytes, sent and received;
+//   broadcast       the buffer's bytes: sent by the root, received by every other rank;
+//   barrier         no bytes;
+//   N = 1           no bytes, for every op.
+// Rounding: each op keeps the exact sum of its buffers' bytes and applies the factor once, when
+// read, rounding down; so k calls of B bytes report floor(k x B x factor), the formula for k x B
+// bytes exactly (with a byte size that is a multiple of N, as float32 buffers are for N = 2 or 4,
+// nothing is rounded).
+// A hierarchical group (hierarchical.h) counts its collectives at its own level, N = every
+// replica of every worker; its local and cross-worker communicators count theirs separately
+// (cross_worker_stats() there reads the latter), so a sum over the group never counts a byte twice.
+struct CommunicationStats {
+  OpStats all_reduce;  // all_reduce_on_device included
+  OpStats reduce_scatter;
+  OpStats all_gather;
+  OpStats broadcast;
+  OpStats barrier;
+
+  // Every op's calls and bytes added up.
+  OpStats total() const;
+  CommunicationStats& operator+=(const CommunicationStats& other);
+  CommunicationStats& operator-=(const CommunicationStats& other);
+  friend bool operator==(const CommunicationStats&, const CommunicationStats&) = default;
+  // One line per op that was called: "all_reduce: 12 calls, 4800 B sent, 4800 B received".
+  std::string to_string() const;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -57,7 +113,7 @@ class Communicator {
   // Combines the tensors of all ranks element-wise, in place: afterwards every rank holds the
   // result. The span is one logical buffer (the tensors concatenated, all of one dtype): a
   // gradient bucket is reduced in one collective without being copied into a flat buffer.
-  virtual void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options = {}) = 0;
+  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options = {});
   void all_reduce(Tensor& tensor, ReduceOp op, const CallOptions& options = {}) {
     all_reduce(std::span<Tensor>(&tensor, 1), op, options);
   }
@@ -69,22 +125,54 @@ class Communicator {
   // calls in the same order. Backends that cannot (all but NCCL within one process) throw
   // Unimplemented; enqueues_on_device() tells beforehand.
   virtual bool enqueues_on_device() const { return false; }
-  virtual void all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op);
+  void all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op);
 
   // Copies root's tensor into every other rank's tensor (same dtype and element count).
-  virtual void broadcast(Tensor& tensor, int root, const CallOptions& options = {}) = 0;
+  void broadcast(Tensor& tensor, int root, const CallOptions& options = {});
   // Every rank's input concatenated along dimension 0, in rank order, into output
   // (output's first dimension = size() x input's).
-  virtual void all_gather(const Tensor& input, Tensor& output, const CallOptions& options = {}) = 0;
+  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options = {});
   // The reduction of every rank's input, split along dimension 0 into size() equal parts: rank r
   // receives part r in output.
-  virtual void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options = {}) = 0;
+  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options = {});
   // Returns once every rank has called barrier.
-  virtual void barrier(const CallOptions& options = {}) = 0;
+  void barrier(const CallOptions& options = {});
 
   // Fails the group: every rank's pending and later calls throw Unavailable(reason). Any rank (or
   // any thread of its owner) may call it; it does not block.
   virtual void abort(const std::string& reason) = 0;
+
+  // This rank's calls and bytes per op since it was made or reset (CommunicationStats above).
+  // Any thread may read them while the rank's thread calls collectives: every counter is exact,
+  // but a read during a call may see that call's count without its bytes (or the reverse).
+  CommunicationStats stats() const;
+  // Zeroes the counters; meant for moments when this rank has no call in flight.
+  void reset_stats();
+
+ protected:
+  // The backends' collectives, called by the public ones above with their arguments as given
+  // (argument checks are the backends'); they do not count (the public functions do).
+  virtual void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) = 0;
+  // Default: Unimplemented (see enqueues_on_device).
+  virtual void do_all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op);
+  virtual void do_broadcast(Tensor& tensor, int root, const CallOptions& options) = 0;
+  virtual void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) = 0;
+  virtual void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) = 0;
+  virtual void do_barrier(const CallOptions& options) = 0;
+
+ private:
+  // The counters of one op: its calls, and the bytes its calls' buffers held that count towards
+  // what was sent and received, before the op's factor (CommunicationStats) is applied.
+  struct Counter {
+    std::atomic<std::int64_t> calls{0};
+    std::atomic<std::int64_t> sent_buffer_bytes{0};
+    std::atomic<std::int64_t> received_buffer_bytes{0};
+  };
+  enum Op : std::size_t { kAllReduceOp, kReduceScatterOp, kAllGatherOp, kBroadcastOp, kBarrierOp, kNumOps };
+  void count(Op op, std::int64_t sent_buffer_bytes, std::int64_t received_buffer_bytes);
+  OpStats read(Op op) const;
+
+  std::array<Counter, kNumOps> counters_;
 };
 
 }  // namespace tandem::collective

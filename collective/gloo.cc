@@ -404,7 +404,8 @@ class GlooCommunicator final : public Communicator {
   std::uint64_t sequence_number() const override { return seq_.load(std::memory_order_relaxed); }
   std::string_view backend() const override { return "gloo"; }
 
-  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kAllReduce, options);
     call.reduce = op;
     call.dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
@@ -453,7 +454,7 @@ class GlooCommunicator final : public Communicator {
     }
   }
 
-  void broadcast(Tensor& tensor, int root, const CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const CallOptions& options) override {
     Call call = begin(OpKind::kBroadcast, options);
     call.root = root;
     call.dtype = tensor.dtype();
@@ -475,7 +476,7 @@ class GlooCommunicator final : public Communicator {
     run(call, [&] { gloo::broadcast(o); });
   }
 
-  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     Call call = begin(OpKind::kAllGather, options);
     call.dtype = input.dtype();
     std::string problem = detail::in_out_problem(input, output, kBackendName);
@@ -502,7 +503,7 @@ class GlooCommunicator final : public Communicator {
     run(call, [&] { gloo::allgather(o); });
   }
 
-  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
+  void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kReduceScatter, options);
     call.reduce = op;
     call.dtype = input.dtype();
@@ -527,7 +528,7 @@ class GlooCommunicator final : public Communicator {
     std::memcpy(output.raw_data(), part, part_bytes);
   }
 
-  void barrier(const CallOptions& options) override {
+  void do_barrier(const CallOptions& options) override {
     Call call = begin(OpKind::kBarrier, options);
     if (config_.check) check_consistency(call, 0, 0);
     if (config_.size == 1) return;
@@ -539,6 +540,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+ public:
   void abort(const std::string& reason) override {
     {
       std::lock_guard lock(mutex_);

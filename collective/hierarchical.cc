@@ -61,7 +61,8 @@ class HierarchicalCommunicator final : public Communicator {
   std::uint64_t sequence_number() const override { return seq_.load(std::memory_order_relaxed); }
   std::string_view backend() const override { return "hierarchical"; }
 
-  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     // Sums travel up; the mean is taken once, of the global sum.
     const ReduceOp partial = op == ReduceOp::kMean ? ReduceOp::kSum : op;
@@ -75,7 +76,7 @@ class HierarchicalCommunicator final : public Communicator {
     for (Tensor& t : tensors) local_step([&](Communicator& c) { c.broadcast(t, 0, options); });
   }
 
-  void broadcast(Tensor& tensor, int root, const CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     TANDEM_REQUIRE(root >= 0 && root < size(), InvalidArgument,
                    "hierarchical broadcast #{} on rank {}: root {} is not a rank of this group of {}",
@@ -92,7 +93,7 @@ class HierarchicalCommunicator final : public Communicator {
     }
   }
 
-  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     if (auto problem = detail::check_all_gather_shapes(input.shape(), output.shape(), size())) {
       throw InvalidArgument(
@@ -106,7 +107,7 @@ class HierarchicalCommunicator final : public Communicator {
     local_step([&](Communicator& c) { c.broadcast(output, 0, options); });
   }
 
-  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
+  void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     if (auto problem = detail::check_reduce_scatter_shapes(input.shape(), output.shape(), size())) {
       throw InvalidArgument(
@@ -131,17 +132,20 @@ class HierarchicalCommunicator final : public Communicator {
     }
   }
 
-  void barrier(const CallOptions& options) override {
+  void do_barrier(const CallOptions& options) override {
     seq_.fetch_add(1, std::memory_order_relaxed);
     local_step([&](Communicator& c) { c.barrier(options); });
     cross_step([&](Communicator& c) { c.barrier(options); });
     local_step([&](Communicator& c) { c.barrier(options); });
   }
 
+ public:
   void abort(const std::string& reason) override {
     local().abort(reason);
     levels_->cross->abort(reason);
   }
+
+  CommunicationStats cross_worker_stats() const { return levels_->cross->stats(); }
 
  private:
   Communicator& local() { return *levels_->local[static_cast<std::size_t>(replica_)]; }
@@ -179,6 +183,14 @@ class HierarchicalCommunicator final : public Communicator {
 };
 
 }  // namespace
+
+CommunicationStats cross_worker_stats(const Communicator& member) {
+  const auto* hierarchical = dynamic_cast<const HierarchicalCommunicator*>(&member);
+  TANDEM_REQUIRE(hierarchical != nullptr, InvalidArgument,
+                 "cross_worker_stats: rank {}'s communicator is {}, not a hierarchical group's", member.rank(),
+                 member.backend());
+  return hierarchical->cross_worker_stats();
+}
 
 std::vector<std::unique_ptr<Communicator>> make_hierarchical_group(std::vector<std::unique_ptr<Communicator>> local,
                                                                    std::unique_ptr<Communicator> cross_worker) {

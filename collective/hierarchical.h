@@ -31,4 +31,12 @@ namespace tandem::collective {
 std::vector<std::unique_ptr<Communicator>> make_hierarchical_group(std::vector<std::unique_ptr<Communicator>> local,
                                                                    std::unique_ptr<Communicator> cross_worker);
 
+// The stats of the cross-worker communicator under `member` (one of make_hierarchical_group's
+// communicators; the same for every replica of a worker): what this worker itself sent to and
+// received from the other workers, counted with N = the number of workers. The member's own
+// stats() count its collectives at the group's level (N = every replica); the local level is
+// counted by the local communicators alone, and nothing adds the levels together.
+// Any thread may call it. InvalidArgument when `member` is not a hierarchical group's.
+CommunicationStats cross_worker_stats(const Communicator& member);
+
 }  // namespace tandem::collective

@@ -293,7 +293,8 @@ class InProcessCommunicator final : public Communicator {
   std::uint64_t sequence_number() const override { return seq_.load(std::memory_order_relaxed); }
   std::string_view backend() const override { return "in-process"; }
 
-  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kAllReduce, options);
     Slot& slot = *call.slot;
     slot.reduce = op;
@@ -326,7 +327,7 @@ class InProcessCommunicator final : public Communicator {
     });
   }
 
-  void broadcast(Tensor& tensor, int root, const CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const CallOptions& options) override {
     Call call = begin(OpKind::kBroadcast, options);
     Slot& slot = *call.slot;
     slot.root = root;
@@ -353,7 +354,7 @@ class InProcessCommunicator final : public Communicator {
     });
   }
 
-  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     Call call = begin(OpKind::kAllGather, options);
     Slot& slot = *call.slot;
     slot.dtype = input.dtype();
@@ -379,7 +380,7 @@ class InProcessCommunicator final : public Communicator {
     });
   }
 
-  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
+  void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kReduceScatter, options);
     Slot& slot = *call.slot;
     slot.reduce = op;
@@ -410,11 +411,12 @@ class InProcessCommunicator final : public Communicator {
     });
   }
 
-  void barrier(const CallOptions& options) override {
+  void do_barrier(const CallOptions& options) override {
     Call call = begin(OpKind::kBarrier, options);
     enter(call);
   }
 
+ public:
   void abort(const std::string& reason) override { group_->abort(reason); }
 
  private:

@@ -534,17 +534,18 @@ class NcclCommunicator final : public Communicator {
   std::uint64_t sequence_number() const override { return seq_.load(std::memory_order_relaxed); }
   std::string_view backend() const override { return "nccl"; }
 
-  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
+  // Within one process only: a group across processes runs non-blocking communicators, whose
+  // calls may return before NCCL has accepted them (ncclInProgress), which a recording cannot hold.
+  bool enqueues_on_device() const override { return !group_->across_processes(); }
+
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     const Call call = begin(OpKind::kAllReduce, options);
     check_all_reduce_arguments(call, tensors);
     run(call, [&] { enqueue_all_reduce(tensors, op); });
   }
 
-  // Within one process only: a group across processes runs non-blocking communicators, whose
-  // calls may return before NCCL has accepted them (ncclInProgress), which a recording cannot hold.
-  bool enqueues_on_device() const override { return !group_->across_processes(); }
-
-  void all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op) override {
+  void do_all_reduce_on_device(std::span<Tensor> tensors, ReduceOp op) override {
     TANDEM_REQUIRE(enqueues_on_device(), Unimplemented,
                    "nccl on {}: all-reduces queued on the device need a group within one process", where_);
     const Call call = begin(OpKind::kAllReduce, {});
@@ -559,7 +560,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void broadcast(Tensor& tensor, int root, const CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const CallOptions& options) override {
     const Call call = begin(OpKind::kBroadcast, options);
     check_arguments(call, [&] {
       check_on_device(call, tensor, "the tensor");
@@ -574,7 +575,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     const Call call = begin(OpKind::kAllGather, options);
     check_arguments(call, [&] {
       check_on_device(call, input, "the input");
@@ -591,7 +592,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
+  void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     const Call call = begin(OpKind::kReduceScatter, options);
     check_arguments(call, [&] {
       check_on_device(call, input, "the input");
@@ -609,7 +610,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   // An all-reduce of one int32 on the device: NCCL has no barrier of its own.
-  void barrier(const CallOptions& options) override {
+  void do_barrier(const CallOptions& options) override {
     const Call call = begin(OpKind::kBarrier, options);
     run(call, [&] {
       TANDEM_NCCL_CHECK(nccl().ncclAllReduce(barrier_word_, barrier_word_, 1, ncclInt32, ncclSum, comm_, stream_),
@@ -617,6 +618,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+ public:
   // Marks the group failed; every rank's waiting call sees it at its next poll, aborts its own
   // communicator and throws (a communicator is not thread-safe, so only its rank aborts it).
   void abort(const std::string& reason) override { group_->fail(NcclGroup::FailureKind::kAbort, 0, "", reason); }

@@ -447,7 +447,8 @@ class SharedMemoryCommunicator final : public Communicator {
   std::uint64_t sequence_number() const override { return seq_.load(std::memory_order_relaxed); }
   std::string_view backend() const override { return "shared-memory"; }
 
-  void all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kAllReduce, options);
     call.reduce = op;
     call.has_reduce = true;
@@ -496,7 +497,7 @@ class SharedMemoryCommunicator final : public Communicator {
     }
   }
 
-  void broadcast(Tensor& tensor, int root, const CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const CallOptions& options) override {
     Call call = begin(OpKind::kBroadcast, options);
     call.root = root;
     call.dtype = tensor.dtype();
@@ -527,7 +528,7 @@ class SharedMemoryCommunicator final : public Communicator {
     }
   }
 
-  void all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) override {
     Call call = begin(OpKind::kAllGather, options);
     call.dtype = input.dtype();
     std::string problem = detail::in_out_problem(input, output, kBackendName);
@@ -560,7 +561,7 @@ class SharedMemoryCommunicator final : public Communicator {
     }
   }
 
-  void reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
+  void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) override {
     Call call = begin(OpKind::kReduceScatter, options);
     call.reduce = op;
     call.has_reduce = true;
@@ -613,13 +614,14 @@ class SharedMemoryCommunicator final : public Communicator {
     }
   }
 
-  void barrier(const CallOptions& options) override {
+  void do_barrier(const CallOptions& options) override {
     Call call = begin(OpKind::kBarrier, options);
     if (config_.size == 1) return;
     publish(call, "");
     enter(call);
   }
 
+ public:
   void abort(const std::string& reason) override { set_failure(FailureKind::kAborted, "", 0, reason); }
 
  private:

@@ -116,10 +116,27 @@ void ensure_built(ModelState& s, const std::vector<graph::TensorSpec>& spec) {
   TANDEM_REQUIRE(!s.outputs.empty(), FailedPrecondition, "model \"{}\" has no layers", s.name);
 }
 
+// The strategy's group as training_stats() adds it up: none for one replica on one worker (it
+// exchanges nothing, and asking for its communicator would make one).
+std::vector<const collective::Communicator*> replica_group(strategy::Strategy& strategy) {
+  std::vector<const collective::Communicator*> group;
+  const int replicas = static_cast<int>(strategy.replica_devices().size());
+  if (replicas == 1 && strategy.num_workers() == 1) return group;
+  for (int r = 0; r < replicas; ++r) group.push_back(&strategy.communicator(r));
+  return group;
+}
+
+ModelState::StatsBaseline stats_now(strategy::Strategy& strategy) {
+  ModelState::StatsBaseline now{.group = replica_group(strategy), .cross_worker = strategy.cross_worker_stats()};
+  for (const auto* c : now.group) now.communication += c->stats();
+  return now;
+}
+
 detail::Trainer& trainer_for(ModelState& s, const std::vector<graph::TensorSpec>& spec, bool with_targets) {
   ensure_built(s, spec);
   if (s.trainer == nullptr || !s.trainer->accepts(spec, with_targets)) {
     s.trainer = std::make_unique<detail::Trainer>(s, spec, with_targets);
+    s.stats_baseline = stats_now(*s.strategy);
   }
   return *s.trainer;
 }
@@ -602,6 +619,34 @@ TrainingTimes Model::training_times() const {
   const auto& s = checked(state_);
   return s.trainer != nullptr ? s.trainer->times() : TrainingTimes{};
 }
+
+TrainingStats Model::training_stats() const {
+  const auto& s = checked(state_);
+  if (s.trainer == nullptr) return {};
+  ModelState::StatsBaseline now = stats_now(*s.strategy);
+  // A group rebuilt after a failed run counts from zero, from after the baseline was taken:
+  // nothing to subtract then (the control communicator's earlier calls stay in cross_worker).
+  if (now.group == s.stats_baseline.group) {
+    now.communication -= s.stats_baseline.communication;
+    now.cross_worker -= s.stats_baseline.cross_worker;
+  }
+  return {.steps = s.trainer->times().steps,
+          .replicas = static_cast<int>(s.strategy->replica_devices().size()),
+          .communication = now.communication,
+          .cross_worker = now.cross_worker};
+}
+
+namespace {
+double per_step(std::int64_t value, std::int64_t steps) {
+  return steps > 0 ? static_cast<double>(value) / static_cast<double>(steps) : 0.0;
+}
+}  // namespace
+
+double TrainingStats::bytes_sent_per_step() const { return per_step(communication.total().bytes_sent, steps); }
+double TrainingStats::bytes_received_per_step() const {
+  return per_step(communication.total().bytes_received, steps);
+}
+double TrainingStats::bytes_sent_per_replica_step() const { return bytes_sent_per_step() / replicas; }
 
 std::string Model::summary_string(int line_length) const {
   const auto& s = checked(state_);

@@ -84,6 +84,30 @@ struct TrainingTimes {
   double apply_seconds = 0;        // optimizer and layer updates after the reduction
 };
 
+// What the training steps communicated over the same span as TrainingTimes (since the model's
+// trainer was made; zeros before the first fit). Bytes follow collective/communicator.h's
+// convention (CommunicationStats: what each rank sends and receives under the ring algorithm).
+struct TrainingStats {
+  std::int64_t steps = 0;  // training steps in the span (training_times().steps)
+  int replicas = 1;        // this worker's replicas, whose communicators `communication` adds up
+  // Every collective of this worker's replicas on the strategy's group (Strategy::communicator(r),
+  // N = num_replicas_in_sync), added up over the replicas, per op: the gradient buckets, with the
+  // layers' moving statistics (and across workers the step's log sums) in the last one, and
+  // anything else the group did in the span. Nothing for one replica on one worker (no group to exchange through).
+  // GPU steps replayed as CUDA graphs (README, "CUDA graphs") queue their all-reduce once, when
+  // recorded, and count only then: compile with {.cuda_graphs = false} for every step's bytes.
+  collective::CommunicationStats communication;
+  // Multi-worker strategies: this worker's own traffic to the other workers
+  // (Strategy::cross_worker_stats(), N = the number of workers). Nothing on one worker.
+  collective::CommunicationStats cross_worker;
+
+  // Averages per training step (0 before the first step): the bytes every replica of this
+  // worker sent (received) together in `communication`, and what one replica sent.
+  double bytes_sent_per_step() const;
+  double bytes_received_per_step() const;
+  double bytes_sent_per_replica_step() const;
+};
+
 struct PredictOptions {
   std::int64_t batch_size = 32;  // predict(x) only
   int verbose = 0;
@@ -140,6 +164,8 @@ class Model {
   std::vector<Tensor> predict_outputs(const data::Dataset& data, const PredictOptions& options = {});
   // Time per phase of the training steps so far (zeros before the first fit).
   TrainingTimes training_times() const;
+  // Calls and bytes of the collectives over the same span (TrainingStats).
+  TrainingStats training_stats() const;
 
   // Keras's table: Layer (type), Output Shape, Param #; then total, trainable and
   // non-trainable parameter counts.

@@ -55,7 +55,8 @@ class ReduceToOneCommunicator final : public collective::Communicator {
   std::uint64_t sequence_number() const override { return inner_->sequence_number(); }
   std::string_view backend() const override { return "reduction-to-one-device"; }
 
-  void all_reduce(std::span<Tensor> tensors, collective::ReduceOp op, const collective::CallOptions& options) override {
+ protected:
+  void do_all_reduce(std::span<Tensor> tensors, collective::ReduceOp op, const collective::CallOptions& options) override {
     shared_->published[static_cast<std::size_t>(rank())] = tensors;
     inner_->barrier(options);  // every rank has published (or the group failed: that throws)
     std::exception_ptr error;
@@ -70,17 +71,18 @@ class ReduceToOneCommunicator final : public collective::Communicator {
     inner_->barrier(options);  // nobody returns while rank 0 still reads or writes its tensors
     if (error) std::rethrow_exception(error);
   }
-  void broadcast(Tensor& tensor, int root, const collective::CallOptions& options) override {
+  void do_broadcast(Tensor& tensor, int root, const collective::CallOptions& options) override {
     inner_->broadcast(tensor, root, options);
   }
-  void all_gather(const Tensor& input, Tensor& output, const collective::CallOptions& options) override {
+  void do_all_gather(const Tensor& input, Tensor& output, const collective::CallOptions& options) override {
     inner_->all_gather(input, output, options);
   }
-  void reduce_scatter(const Tensor& input, Tensor& output, collective::ReduceOp op,
+  void do_reduce_scatter(const Tensor& input, Tensor& output, collective::ReduceOp op,
                       const collective::CallOptions& options) override {
     inner_->reduce_scatter(input, output, op, options);
   }
-  void barrier(const collective::CallOptions& options) override { inner_->barrier(options); }
+  void do_barrier(const collective::CallOptions& options) override { inner_->barrier(options); }
+ public:
   void abort(const std::string& reason) override { inner_->abort(reason); }
 
  private:

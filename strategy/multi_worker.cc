@@ -459,6 +459,19 @@ MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::colle
   return {.data = communicator(0).sequence_number(), .control = impl_->control->sequence_number()};
 }
 
+MultiWorkerMirroredStrategy::CrossWorkerStats MultiWorkerMirroredStrategy::cross_worker_stats_per_communicator() {
+  if (impl_->control == nullptr) return {};
+  auto& data = communicator(0);
+  return {.data = impl_->local_replicas > 1 ? collective::cross_worker_stats(data) : data.stats(),
+          .control = impl_->control->stats()};
+}
+
+collective::CommunicationStats MultiWorkerMirroredStrategy::cross_worker_stats() {
+  auto [stats, control] = cross_worker_stats_per_communicator();
+  stats += control;
+  return stats;
+}
+
 void MultiWorkerMirroredStrategy::broadcast_from_chief(std::span<Tensor> host_values) {
   if (impl_->control == nullptr) return;
   for (auto& value : host_values) impl_->control->broadcast(value, 0, impl_->call_options());

@@ -139,6 +139,16 @@ class MultiWorkerMirroredStrategy final : public Strategy {
     std::uint64_t control = 0;
   };
   CollectiveCounts collective_counts();
+  // The same two communicators' calls and bytes (collective/communicator.h's CommunicationStats,
+  // N = the number of workers): `data` is the gradient communicator's own when this worker has
+  // one replica, the cross-worker level's under a hierarchical group. Zeros on one worker.
+  struct CrossWorkerStats {
+    collective::CommunicationStats data;
+    collective::CommunicationStats control;
+  };
+  CrossWorkerStats cross_worker_stats_per_communicator();
+  // data + control.
+  collective::CommunicationStats cross_worker_stats() override;
 
  protected:
   std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,

@@ -155,6 +155,10 @@ class Strategy {
   // collectives much later). Same rules as sum_across_workers; a no-op on one worker.
   virtual void check_workers_agree(std::string_view /*what*/,
                                    const std::vector<std::pair<std::string, std::string>>& /*facts*/) {}
+  // What this worker's communicators to the other workers have done (collective/communicator.h's
+  // CommunicationStats, N = the number of workers): MultiWorkerMirroredStrategy's gradient and
+  // control communicators added up. Nothing on one worker. Any thread may call it.
+  virtual collective::CommunicationStats cross_worker_stats() { return {}; }
 
   // Values the workers sum across workers before the step after this one (the FILE and OFF
   // policies' agreement on the next batch: its rows, whether every worker has one), which a

@@ -52,6 +52,12 @@ struct ModelState {
   };
   std::optional<ResumePoint> resume;
   std::unique_ptr<Trainer> trainer;
+  // Model::training_stats() counts from this: the communicators' stats when the trainer was made.
+  struct StatsBaseline {
+    std::vector<const collective::Communicator*> group;  // the strategy's group then
+    collective::CommunicationStats communication, cross_worker;
+  };
+  StatsBaseline stats_baseline;
 
   ModelState();
   ~ModelState();

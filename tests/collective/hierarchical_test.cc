@@ -94,3 +94,39 @@ TEST_CASE("hierarchical group: its levels are checked") {
                        "make_hierarchical_group: local communicator 0 has rank 1 of 2; local[i] must be rank i of 2",
                        InvalidArgument);
 }
+
+TEST_CASE("hierarchical group: its stats count the group's level, cross_worker_stats the worker's own traffic") {
+  std::vector<std::exception_ptr> errors;
+  std::vector<Group> workers = make_workers({2, 2}, errors);
+  require_no_errors(errors);
+  // What the group's making did across workers (it all-gathers the replica counts) is the cross
+  // level's: read it before, compare the difference.
+  std::vector<CommunicationStats> before;
+  for (auto& g : workers) before.push_back(cross_worker_stats(*g[0]));
+  Group all;
+  for (auto& g : workers) {
+    for (auto& c : g) all.push_back(std::move(c));
+  }
+  constexpr std::int64_t kBytes = 4 * 1000;  // float32 x 1000
+  require_no_errors(on_ranks(all, [&](Communicator& c) {
+    Tensor t = Tensor::zeros({1000}, kFloat32);
+    c.all_reduce(t, ReduceOp::kSum);
+  }));
+  for (auto& c : all) {
+    // N = 4 replicas: 2 x 3 / 4 of the buffer.
+    CHECK(c->stats().all_reduce == OpStats{.calls = 1, .bytes_sent = kBytes * 6 / 4, .bytes_received = kBytes * 6 / 4});
+    CHECK(c->stats().total().calls == 1);
+  }
+  for (int w = 0; w < 2; ++w) {
+    // Replica 0 of each worker all-reduced once across N = 2 workers: 2 x 1 / 2 of the buffer.
+    // Every replica of the worker reads the same cross-worker communicator.
+    CommunicationStats cross = cross_worker_stats(*all[static_cast<std::size_t>(2 * w + 1)]);
+    cross -= before[static_cast<std::size_t>(w)];
+    CHECK(cross.all_reduce == OpStats{.calls = 1, .bytes_sent = kBytes, .bytes_received = kBytes});
+    CHECK(cross.total().calls == 1);
+  }
+  auto plain = make_in_process_group(1);
+  CHECK_THROWS_WITH_AS(cross_worker_stats(*plain[0]),
+                       "cross_worker_stats: rank 0's communicator is in-process, not a hierarchical group's",
+                       InvalidArgument);
+}

@@ -255,24 +255,31 @@ void run_mirrored(const std::string& dir, int replicas, std::vector<std::string>
   REQUIRE(code == 0);
 }
 
-// One line per step (or epoch) of the trainer's counts: "iterations batch data control".
+// One line per step (or epoch) of the trainer's counts: "iterations batch data control
+// data_bytes control_bytes".
 struct CollectiveStep {
   long iterations = 0, batch = 0;
-  std::uint64_t data = 0, control = 0;  // issued during the step (since the line before)
+  std::uint64_t data = 0, control = 0;          // issued during the step (since the line before)
+  std::int64_t data_bytes = 0, control_bytes = 0;  // sent during the step, by the ring formula
 };
+
 std::vector<CollectiveStep> collectives_per_step(const std::string& path) {
   std::ifstream in(path);
   std::vector<CollectiveStep> steps;
   std::uint64_t data = 0, control = 0;
+  std::int64_t data_bytes = 0, control_bytes = 0;
   long iterations = 0, batch = 0;
   std::uint64_t d = 0, c = 0;
-  const bool header = static_cast<bool>(in >> iterations >> batch >> data >> control);
+  std::int64_t db = 0, cb = 0;
+  const bool header = static_cast<bool>(in >> iterations >> batch >> data >> control >> data_bytes >> control_bytes);
   REQUIRE(header);  // the line before fit: variable agreement only
   CHECK(data == 0);
-  while (in >> iterations >> batch >> d >> c) {
-    steps.push_back({iterations, batch, d - data, c - control});
+  while (in >> iterations >> batch >> d >> c >> db >> cb) {
+    steps.push_back({iterations, batch, d - data, c - control, db - data_bytes, cb - control_bytes});
     data = d;
     control = c;
+    data_bytes = db;
+    control_bytes = cb;
   }
   return steps;
 }
@@ -360,6 +367,15 @@ TEST_CASE("a training step issues one collective: the logs, moving statistics an
     const bool files = name.find("FILE") != std::string::npos;
     for (int r = 0; r < 2; ++r) {
       const auto per_step = collectives_per_step(fmt::format("{}/collectives-{}.txt", dir.path().string(), r));
+      // The bytes a step sends across the workers, by the ring formula with N = 2 workers (2(N-1)/N
+      // = 1 x the buffer): every gradient, the moving statistics (BatchNormalization) and the
+      // logs' sums: float32 (loss, accuracy, examples) for each of the 2 replicas in sync. A
+      // micro-step sends the moving statistics alone (its logs go on the control communicator).
+      // FILE sharding's rider values are not counted here.
+      std::int64_t trainable = 0, non_trainable = 0;
+      std::ifstream(fmt::format("{}/weight-bytes-{}.txt", dir.path().string(), r)) >> trainable >> non_trainable;
+      REQUIRE(trainable > 0);
+      const std::int64_t log_sums = 4 * 3 * 2;
       REQUIRE(per_step.size() == steps);                   // 3 epochs
       for (std::size_t k = 1; k < per_step.size(); ++k) {  // the first step also agrees on the optimizer's slots
         const auto& step = per_step[k];
@@ -369,6 +385,8 @@ TEST_CASE("a training step issues one collective: the logs, moving statistics an
         if (step.batch == 0) control += (validation ? 2 : 0) + (files ? 1 : 0);  // the epoch before, this one's start
         CHECK(step.data == 1u);
         CHECK(step.control == control);
+        if (!files) CHECK(step.data_bytes == (micro_step ? non_trainable : trainable + non_trainable + log_sums));
+        if (control == 0) CHECK(step.control_bytes == 0);
       }
     }
   }

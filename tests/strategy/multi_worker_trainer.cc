@@ -2,7 +2,9 @@
 // fixed synthetic data under the strategy it is told, and writes what the tests compare: the
 // loss after every step (losses-<rank>.txt), every epoch's logs (epochs-<rank>.txt), the final weights
 // (weights-<rank>.safetensors) and, under multiworker, the collectives issued on each cross-worker communicator so far,
-// once before fit and after every step (collectives-<rank>.txt: "iterations batch data control").
+// once before fit and after every step, with the bytes this worker sent on each (collectives-<rank>.txt: "iterations
+// batch data control data_bytes control_bytes"), and the bytes of the model's trainable and non-trainable weights
+// (weight-bytes-<rank>.txt: "trainable non_trainable").
 //
 //   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K | --stop-at-step K] [--victim R]
@@ -183,11 +185,21 @@ int run(const Args& a) {
   const auto count_collectives = [&](long iterations, long batch) {
     if (multi_worker == nullptr) return;
     const auto counts = multi_worker->collective_counts();
-    collectives << fmt::format("{} {} {} {}\n", iterations, batch, counts.data, counts.control) << std::flush;
+    const auto stats = multi_worker->cross_worker_stats_per_communicator();
+    collectives << fmt::format("{} {} {} {} {} {}\n", iterations, batch, counts.data, counts.control,
+                               stats.data.total().bytes_sent, stats.control.total().bytes_sent)
+                << std::flush;
   };
   if (multi_worker != nullptr) {
     collectives.open(fmt::format("{}/collectives-{}.txt", a.out, rank));
     count_collectives(-1, -1);
+    const auto bytes = [](const std::vector<keras::VariablePtr>& variables) {
+      std::int64_t sum = 0;
+      for (const auto& v : variables) sum += static_cast<std::int64_t>(v->shape().num_elements()) * 4;  // float32
+      return sum;
+    };
+    std::ofstream(fmt::format("{}/weight-bytes-{}.txt", a.out, rank))
+        << bytes(model.trainable_weights()) << " " << bytes(model.non_trainable_weights()) << "\n";
   }
   long step = 0;
   // The victim's fault, announced first so that a test can time what the others report from it.

@@ -1,0 +1,113 @@
+// Model::training_stats(): the collectives of fit's steps as the strategy's communicators count
+// them, against the ring formula (collective/communicator.h): under MirroredStrategy on N logical
+// CPU devices (CTest sets TANDEM_NUM_CPU_DEVICES=4), every replica all-reduces each step its
+// gradients, with the layers' moving statistics riding in the last bucket: 2(N-1)/N x those
+// bytes sent and received per replica. (The step's log sums ride too only with several workers;
+// in one process they are added on the host.)
+#include <doctest/doctest.h>
+
+#include <random>
+
+#include "tandem/keras_like/keras.h"
+
+using namespace tandem;
+using namespace tandem::keras;
+
+namespace {
+
+Tensor random_tensor(std::int64_t rows, std::int64_t cols, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(static_cast<std::size_t>(rows * cols));
+  for (auto& v : values) v = normal(rng);
+  return Tensor::from_vector(values, {rows, cols});
+}
+
+std::int64_t bytes_of(const std::vector<VariablePtr>& variables) {
+  std::int64_t bytes = 0;
+  for (const auto& v : variables) bytes += v->shape().num_elements() * static_cast<std::int64_t>(dtype_size(v->dtype()));
+  return bytes;
+}
+
+std::vector<std::string> cpu_devices(int n) {
+  std::vector<std::string> names;
+  for (int i = 0; i < n; ++i) names.push_back("CPU:" + std::to_string(i));
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("training_stats: each step all-reduces 2(N-1)/N x the gradient and moving-statistic bytes per replica") {
+  REQUIRE(devices::list_logical_devices(devices::DeviceType::kCPU).size() >= 4);
+  constexpr std::int64_t kRows = 80;
+  constexpr std::int64_t kBatch = 16;
+  constexpr std::int64_t kSteps = kRows / kBatch;
+  const Tensor x = random_tensor(kRows, 6, 1);
+  const Tensor y = random_tensor(kRows, 3, 2);
+  for (const int n : {2, 4}) {
+    for (const bool batch_norm : {false, true}) {
+      CAPTURE(n);
+      CAPTURE(batch_norm);
+      MirroredStrategy strategy(cpu_devices(n));
+      Model model;
+      {
+        auto scope = strategy.scope();
+        std::vector<SequentialItem> layers = {Input({6}), Dense(8, "relu")};
+        if (batch_norm) layers.emplace_back(BatchNormalization());
+        layers.emplace_back(Dense(3));
+        model = Sequential(std::move(layers));
+        model.compile("sgd", "mse");
+      }
+      CHECK(model.training_stats().communication == collective::CommunicationStats{});
+      model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
+
+      // What one replica's step reduces: every trainable weight's gradient, plus (BatchNormalization)
+      // the moving mean and variance, the model's only non-trainable weights, riding along.
+      const std::int64_t gradients = bytes_of(model.trainable_weights());
+      const std::int64_t riders = bytes_of(model.non_trainable_weights());
+      CHECK(riders == (batch_norm ? 2 * 8 * 4 : 0));
+      const std::int64_t per_replica_step = 2 * (n - 1) * (gradients + riders) / n;
+
+      const auto check_steps = [&](std::int64_t steps) {
+        const TrainingStats stats = model.training_stats();
+        CHECK(stats.steps == steps);
+        CHECK(stats.replicas == n);
+        const auto& all_reduce = stats.communication.all_reduce;
+        CHECK(all_reduce.bytes_sent == steps * n * per_replica_step);
+        CHECK(all_reduce.bytes_received == steps * n * per_replica_step);
+        // One all-reduce per bucket per replica per step; nothing but all-reduces.
+        CHECK(all_reduce.calls > 0);
+        CHECK(all_reduce.calls % (steps * n) == 0);
+        CHECK(stats.communication.total() == all_reduce);
+        CHECK(stats.cross_worker == collective::CommunicationStats{});
+        CHECK(stats.bytes_sent_per_replica_step() == static_cast<double>(per_replica_step));
+        CHECK(stats.bytes_sent_per_step() == static_cast<double>(n * per_replica_step));
+        CHECK(stats.bytes_received_per_step() == static_cast<double>(n * per_replica_step));
+      };
+      check_steps(kSteps);
+      // A second fit on the same data keeps the trainer: the counts go on from there.
+      model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
+      check_steps(2 * kSteps);
+      // Evaluation in one process adds the replicas' sums on the host: nothing more is counted.
+      model.evaluate(x, y, {.batch_size = kBatch, .verbose = 0});
+      check_steps(2 * kSteps);
+    }
+  }
+}
+
+TEST_CASE("training_stats: one replica exchanges nothing, and nothing is counted before the first fit") {
+  OneDeviceStrategy strategy("CPU:0");
+  Model model;
+  {
+    auto scope = strategy.scope();
+    model = Sequential({Input({6}), Dense(3)});
+    model.compile("sgd", "mse");
+  }
+  CHECK(model.training_stats().steps == 0);
+  CHECK(model.training_stats().bytes_sent_per_step() == 0.0);
+  model.fit(random_tensor(32, 6, 3), random_tensor(32, 3, 4), {.batch_size = 8, .epochs = 1, .verbose = 0});
+  const TrainingStats stats = model.training_stats();
+  CHECK(stats.steps == 4);
+  CHECK(stats.communication == collective::CommunicationStats{});
+  CHECK(stats.bytes_sent_per_step() == 0.0);
+}
