@@ -34,11 +34,13 @@ struct SafetensorsContent {
   std::map<std::string, std::string> metadata;
 };
 
-// Writes `tensors` (any device; copied to the host) with `metadata` plus the checksum.
-// Throws InvalidArgument for duplicate names or unsupported dtypes, Unavailable when the file
-// cannot be written (naming the path and the system's reason).
-void write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// Writes `tensors` (any device; copied to the host) with `metadata` plus the checksum, and
+// returns the byte offset of the data section: the tensors' bytes lie back to back from there,
+// in the order given (what a sharded checkpoint's index records). Throws InvalidArgument for
+// duplicate names or unsupported dtypes, Unavailable when the file cannot be written (naming the
+// path and the system's reason).
+std::uint64_t write_safetensors(const std::string& path, const NamedTensors& tensors,
+                                const std::map<std::string, std::string>& metadata = {});
 // NotFound for a missing file; DataLoss for a corrupt or truncated one.
 SafetensorsContent read_safetensors(const std::string& path);
 
