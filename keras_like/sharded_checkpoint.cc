@@ -175,7 +175,11 @@ CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& 
   for (std::size_t w = 0; w < records.size(); ++w) {
     const auto& r = records[w];
     for (std::size_t at = 0; at < r.size();) {
-      auto& tensor = index.tensors.at(static_cast<std::size_t>(r[at]));
+      TANDEM_REQUIRE(r[at] < static_cast<double>(index.tensors.size()), InvalidArgument,
+                     "save checkpoint: worker {} saved more tensors than the chief ({}); every worker must save the "
+                     "same contents",
+                     w, index.tensors.size());
+      auto& tensor = index.tensors[static_cast<std::size_t>(r[at])];
       CheckpointChunk chunk{.file = index.files[w],
                             .key = "",
                             .begin = static_cast<std::int64_t>(r[at + 1]),
@@ -291,8 +295,18 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
   const fs::path temp = parent / fmt::format(".{}.tmp-{:012x}", name, nonce[0].data<std::int64_t>()[0]);
 
   const auto what = fmt::format("save checkpoint \"{}\"", target.string());
+  // A failed save leaves no hidden directory behind (every worker is done with it by then).
+  const auto agree_or_clean_up = [&](const std::function<void()>& body) {
+    try {
+      detail::agree_on_outcome(strategy, what, body);
+    } catch (...) {
+      std::error_code ec;
+      if (chief) fs::remove_all(temp, ec);
+      throw;
+    }
+  };
   std::vector<double> record;
-  detail::agree_on_outcome(strategy, what, [&] {
+  agree_or_clean_up([&] {
     if (chief) remove_stale_saves(parent, name);
     std::error_code ec;
     fs::create_directories(temp, ec);
@@ -301,7 +315,7 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
                                contents);
   });
   const auto records = gather_records(strategy, record);
-  detail::agree_on_outcome(strategy, what, [&] {
+  agree_or_clean_up([&] {
     if (!chief) return;
     const std::string text = checkpoint_index_json(build_index(strategy, contents, records));
     tandem::detail::AtomicFile index((temp / kCheckpointIndexName).string());
