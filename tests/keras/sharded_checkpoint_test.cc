@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -514,4 +515,53 @@ TEST_CASE("sharded checkpoint: a save killed at any point leaves the previous ch
     CHECK((first == 1.0f || first == 2.0f));
     CHECK(reader.read("big2").to_vector<float>().back() == first);
   }
+}
+
+TEST_CASE("sharded checkpoint: the index parser reads the seed index and names what is wrong in the others") {
+  const std::string corpus = TANDEM_INDEX_CORPUS;
+  const auto parse = [&](const std::string& name) {
+    return keras::parse_checkpoint_index(testing::read_file_bytes(corpus + "/" + name), name);
+  };
+  const auto index = parse("valid.json");
+  CHECK(index.num_shards == 4);
+  CHECK(index.num_workers == 2);
+  CHECK(index.tensors.size() == 4);
+  CHECK(index.find("dense/kernel")->chunks.size() == 3);
+  CHECK(index.find("dense/bias")->dtype == DType::kF64);
+  CHECK(index.find("empty")->chunks.empty());
+  CHECK(keras::parse_checkpoint_index(keras::checkpoint_index_json(index), "again").tensors.size() == 4);
+  const auto refused = [&](const std::string& name) {
+    CAPTURE(name);
+    const auto message = testing::error_message<DataLoss>([&] { parse(name); });
+    CHECK(message.find(name) != std::string::npos);
+    return message;
+  };
+  CHECK(refused("missing_chunk.json").find("\"dense/kernel\": elements [3, 6) are in no chunk") != std::string::npos);
+  CHECK(refused("overlap.json").find("overlap") != std::string::npos);
+  CHECK(refused("nd_block.json").find("no \"range\"") != std::string::npos);
+  CHECK(refused("version2.json").find("version 2") != std::string::npos);
+  CHECK(refused("traversal.json").find("not a plain file name") != std::string::npos);
+  CHECK(refused("huge_shape.json").find("too large") != std::string::npos);
+  CHECK(refused("offset_overflow.json").find("byte offset") != std::string::npos);
+  CHECK(refused("crc_count.json").find("one per 1-byte block") != std::string::npos);
+  CHECK(refused("deep.json").find("nested deeper") != std::string::npos);
+  CHECK(refused("not_object.json").find("not a JSON object") != std::string::npos);
+}
+
+TEST_CASE("sharded checkpoint: tandem-consolidate DIR OUT") {
+  TempDir tmp;
+  const std::string dir = tmp.file("ckpt");
+  MirroredStrategy four(cpu_devices(0, 4));
+  keras::save_checkpoint_directory(four, dir, contents_on(four));
+  const std::string out = tmp.file("whole.safetensors");
+  CHECK(std::system(fmt::format("{} {} {} > {}", TANDEM_CONSOLIDATE, dir, out, tmp.file("log")).c_str()) == 0);
+  CHECK(testing::read_file_bytes(tmp.file("log")).find("4 tensors") != std::string::npos);
+  const auto whole = keras::read_safetensors(out);
+  CHECK(bitwise_equal(whole.tensors.front().second.to_vector<float>(), kValueA));
+  // A damaged checkpoint: exit status 1 and the message naming the file.
+  fs::remove(dir + "/rank-00000-of-00001.safetensors");
+  const int status = std::system(fmt::format("{} {} {} 2> {}", TANDEM_CONSOLIDATE, dir, out, tmp.file("err")).c_str());
+  CHECK(WEXITSTATUS(status) == 1);
+  CHECK(testing::read_file_bytes(tmp.file("err")).find("rank-00000-of-00001.safetensors") != std::string::npos);
+  CHECK(WEXITSTATUS(std::system(fmt::format("{} 2>/dev/null", TANDEM_CONSOLIDATE).c_str())) == 2);  // usage
 }
