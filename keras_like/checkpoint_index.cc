@@ -146,9 +146,8 @@ CheckpointTensorInfo parse_tensor(const std::string& name, const Json& value,
   if (const auto it = value.find("layout"); it != value.end()) {
     const std::string& kind = string_value(member(*it, "kind", problems, "a layout"), problems, "layout kind");
     if (kind == "flat") {
-      tensor.num_shards =
-          static_cast<int>(unsigned_number(member(*it, "num_shards", problems, "a flat layout"), kMaxCount, problems,
-                                           "a layout's num_shards"));
+      tensor.num_shards = static_cast<int>(unsigned_number(member(*it, "num_shards", problems, "a flat layout"),
+                                                           kMaxCount, problems, "a layout's num_shards"));
       if (tensor.num_shards == 0) bad("a flat layout of 0 shards");
     } else if (kind != "replicated") {
       bad(fmt::format("unknown layout kind {}", quote_value(kind)));
@@ -198,18 +197,17 @@ CheckpointIndex parse_checkpoint_index(std::string_view text, const std::string&
                               kCheckpointIndexVersion));
   }
   CheckpointIndex index;
-  index.num_shards =
-      static_cast<int>(unsigned_number(member(root, "num_shards", problems, "the index"), kMaxCount, problems,
-                                       "num_shards"));
-  index.num_workers =
-      static_cast<int>(unsigned_number(member(root, "num_workers", problems, "the index"), kMaxCount, problems,
-                                       "num_workers"));
+  index.num_shards = static_cast<int>(
+      unsigned_number(member(root, "num_shards", problems, "the index"), kMaxCount, problems, "num_shards"));
+  index.num_workers = static_cast<int>(
+      unsigned_number(member(root, "num_workers", problems, "the index"), kMaxCount, problems, "num_workers"));
   if (index.num_shards == 0 || index.num_workers == 0) problems.fail("num_shards and num_workers must be at least 1");
   const Json& checksum = member(root, "checksum", problems, "the index");
   if (!checksum.is_object()) problems.fail(fmt::format("checksum is {}, not an object", show(checksum)));
   const std::string& algorithm =
       string_value(member(checksum, "algorithm", problems, "checksum"), problems, "checksum algorithm");
-  if (algorithm != "crc32") problems.fail(fmt::format("checksum algorithm {}; expected \"crc32\"", quote_value(algorithm)));
+  if (algorithm != "crc32")
+    problems.fail(fmt::format("checksum algorithm {}; expected \"crc32\"", quote_value(algorithm)));
   index.checksum_block_bytes =
       unsigned_number(member(checksum, "block_bytes", problems, "checksum"), kMaxInt64, problems, "block_bytes");
   if (index.checksum_block_bytes == 0) problems.fail("block_bytes is 0");

@@ -126,9 +126,9 @@ void swap_into_place(const fs::path& temp, const fs::path& target) {
 // One chunk a worker wrote, as the workers tell the chief (numbers exact in a double below 2^53):
 // tensor index, begin, end, byte offset, checksum count, checksums.
 void append_record(std::vector<double>& record, std::size_t tensor, const CheckpointChunk& chunk) {
-  record.insert(record.end(), {static_cast<double>(tensor), static_cast<double>(chunk.begin),
-                               static_cast<double>(chunk.end), static_cast<double>(chunk.byte_offset),
-                               static_cast<double>(chunk.crc32.size())});
+  record.insert(record.end(),
+                {static_cast<double>(tensor), static_cast<double>(chunk.begin), static_cast<double>(chunk.end),
+                 static_cast<double>(chunk.byte_offset), static_cast<double>(chunk.crc32.size())});
   for (const auto crc : chunk.crc32) record.push_back(crc);
 }
 
@@ -143,7 +143,8 @@ std::vector<std::vector<double>> gather_records(Strategy& strategy, const std::v
   std::vector<std::size_t> starts{0};
   for (const double n : lengths) starts.push_back(starts.back() + static_cast<std::size_t>(n));
   std::vector<double> all(starts.back(), 0.0);
-  std::copy(mine.begin(), mine.end(), all.begin() + static_cast<std::ptrdiff_t>(starts[static_cast<std::size_t>(rank)]));
+  std::copy(mine.begin(), mine.end(),
+            all.begin() + static_cast<std::ptrdiff_t>(starts[static_cast<std::size_t>(rank)]));
   strategy.sum_across_workers(all);
   std::vector<std::vector<double>> out;
   for (int w = 0; w < workers; ++w) {
@@ -170,7 +171,8 @@ CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& 
                              .chunks = {}});
   }
   for (const auto& [name, value] : contents.values) {
-    index.tensors.push_back({.name = name, .dtype = value.dtype(), .shape = value.shape(), .num_shards = 0, .chunks = {}});
+    index.tensors.push_back(
+        {.name = name, .dtype = value.dtype(), .shape = value.shape(), .num_shards = 0, .chunks = {}});
   }
   for (std::size_t w = 0; w < records.size(); ++w) {
     const auto& r = records[w];
@@ -239,8 +241,7 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
           value.to(devices::default_cpu_device()).reshape({value.shape().num_elements()}));
     }
   }
-  const std::uint64_t data_start =
-      write_safetensors(file.string(), tensors, {{"format", "tandem.checkpoint_shard"}});
+  const std::uint64_t data_start = write_safetensors(file.string(), tensors, {{"format", "tandem.checkpoint_shard"}});
   std::vector<double> record;
   std::uint64_t offset = data_start;
   for (std::size_t k = 0; k < pending.size(); ++k) {
@@ -311,8 +312,8 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
     std::error_code ec;
     fs::create_directories(temp, ec);
     TANDEM_REQUIRE(!ec, Unavailable, "cannot create \"{}\": {}", temp.string(), ec.message());
-    record = write_worker_file(strategy, temp / rank_file_name(strategy.worker_rank(), strategy.num_workers()),
-                               contents);
+    record =
+        write_worker_file(strategy, temp / rank_file_name(strategy.worker_rank(), strategy.num_workers()), contents);
   });
   const auto records = gather_records(strategy, record);
   agree_or_clean_up([&] {
@@ -344,8 +345,8 @@ struct CheckpointReader::Source {
       try {
         slot = std::make_unique<detail::ReadFile>(file_path);
       } catch (const NotFound&) {
-        throw DataLoss(fmt::format("checkpoint \"{}\": tensor \"{}\": its chunk file \"{}\" is missing", path, tensor,
-                                   file_path));
+        throw DataLoss(
+            fmt::format("checkpoint \"{}\": tensor \"{}\": its chunk file \"{}\" is missing", path, tensor, file_path));
       }
     }
     if (slot->size() < chunk.byte_offset + chunk.byte_length) {
@@ -415,14 +416,15 @@ CheckpointReader::CheckpointReader(const std::string& path) : source_(std::make_
         s.path, kCheckpointIndexName));
   }
   if (file->size() > kMaxIndexBytes) {
-    throw DataLoss(fmt::format("checkpoint index \"{}\" holds {} bytes, over the limit of {}", index_path,
-                               file->size(), kMaxIndexBytes));
+    throw DataLoss(fmt::format("checkpoint index \"{}\" holds {} bytes, over the limit of {}", index_path, file->size(),
+                               kMaxIndexBytes));
   }
   std::string text(static_cast<std::size_t>(file->size()), '\0');
   file->read(text.data(), text.size(), 0);
   s.index = parse_checkpoint_index(text, index_path);
   s.metadata = s.index.metadata;
-  for (const auto& t : s.index.tensors) s.specs.emplace_back(t.name, graph::TensorSpec{.dtype = t.dtype, .shape = t.shape});
+  for (const auto& t : s.index.tensors)
+    s.specs.emplace_back(t.name, graph::TensorSpec{.dtype = t.dtype, .shape = t.shape});
 }
 
 CheckpointReader::~CheckpointReader() = default;
@@ -461,10 +463,9 @@ Tensor CheckpointReader::read_range(const std::string& name, std::int64_t begin,
 }
 
 Tensor CheckpointReader::read(const std::string& name) const {
-  const auto spec = std::find_if(source_->specs.begin(), source_->specs.end(),
-                                 [&](const auto& e) { return e.first == name; });
-  TANDEM_REQUIRE(spec != source_->specs.end(), NotFound, "checkpoint \"{}\" has no tensor \"{}\"", source_->path,
-                 name);
+  const auto spec =
+      std::find_if(source_->specs.begin(), source_->specs.end(), [&](const auto& e) { return e.first == name; });
+  TANDEM_REQUIRE(spec != source_->specs.end(), NotFound, "checkpoint \"{}\" has no tensor \"{}\"", source_->path, name);
   return read_range(name, 0, spec->second.shape.num_elements()).reshape(spec->second.shape);
 }
 

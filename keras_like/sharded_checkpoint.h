@@ -87,8 +87,8 @@ struct CheckpointChunk {
 struct CheckpointTensorInfo {
   std::string name;
   DType dtype = DType::kF32;
-  Shape shape;         // the whole value's
-  int num_shards = 0;  // 0: written whole (replicated); N: as N flat shards (ShardSpec::even)
+  Shape shape;                          // the whole value's
+  int num_shards = 0;                   // 0: written whole (replicated); N: as N flat shards (ShardSpec::even)
   std::vector<CheckpointChunk> chunks;  // sorted by begin, tiling [0, elements) exactly
 };
 

@@ -46,8 +46,10 @@ void check_invariants(const CheckpointIndex& index) {
     std::int64_t covered = 0;
     for (const auto& c : t.chunks) {
       TANDEM_FUZZ_CHECK(c.begin == covered && c.end > c.begin);
-      TANDEM_FUZZ_CHECK(c.byte_length == static_cast<std::uint64_t>(c.end - c.begin) * tandem::graph::dtype_size(t.dtype));
-      TANDEM_FUZZ_CHECK(c.crc32.size() == (c.byte_length + index.checksum_block_bytes - 1) / index.checksum_block_bytes);
+      TANDEM_FUZZ_CHECK(c.byte_length ==
+                        static_cast<std::uint64_t>(c.end - c.begin) * tandem::graph::dtype_size(t.dtype));
+      TANDEM_FUZZ_CHECK(c.crc32.size() ==
+                        (c.byte_length + index.checksum_block_bytes - 1) / index.checksum_block_bytes);
       TANDEM_FUZZ_CHECK(c.file.find('/') == std::string::npos && c.file != ".." && !c.file.empty());
       covered = c.end;
     }

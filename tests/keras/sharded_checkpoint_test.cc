@@ -25,6 +25,7 @@
 
 #include "common/error_message.h"
 #include "common/temp_dir.h"
+#include "keras/sharded_checkpoint_values.h"
 #include "tandem/keras_like/keras.h"
 #include "tandem/keras_like/sharded_checkpoint.h"
 
@@ -34,6 +35,14 @@ using strategy::ShardSpec;
 using strategy::Strategy;
 using strategy::Variable;
 using VariablePtr = std::shared_ptr<Variable>;
+using testing::contents_on;
+using testing::kA;
+using testing::kB;
+using testing::kValueA;
+using testing::kValueB;
+using testing::kValueC;
+using testing::replicated_variable;
+using testing::sharded_variable;
 
 namespace {
 
@@ -90,9 +99,7 @@ class FakeWorker final : public Strategy {
       : Strategy(fmt::format("FakeWorker#{}", rank), devices_for(rank, local_devices)), job_(job), rank_(rank) {}
   int num_workers() const override { return job_.workers(); }
   int worker_rank() const override { return rank_; }
-  int num_replicas_in_sync() const override {
-    return job_.workers() * static_cast<int>(replica_devices().size());
-  }
+  int num_replicas_in_sync() const override { return job_.workers() * static_cast<int>(replica_devices().size()); }
   bool should_checkpoint() const override { return rank_ == 0; }
   void sum_across_workers(std::span<double> values) override { job_.sum(rank_, values); }
   void broadcast_from_chief(std::span<Tensor> values) override { job_.broadcast(rank_, values); }
@@ -126,35 +133,6 @@ void on_every_worker(int workers, const std::function<void(int)>& fn) {
   }
 }
 
-// A distinct value per element, so that a misplaced element shows.
-std::vector<float> pattern(std::int64_t n, float base) {
-  std::vector<float> out;
-  for (std::int64_t i = 0; i < n; ++i) out.push_back(base + 0.001f * static_cast<float>(i) + 1.0f / (3.0f + i));
-  return out;
-}
-
-// A variable of `strategy` sharded over its replicas in sync (ShardSpec::even), holding `value`;
-// replica r of worker w holds shard w x local + r.
-VariablePtr sharded_variable(Strategy& strategy, const std::string& name, const Shape& shape,
-                             const std::vector<float>& value) {
-  const auto spec = ShardSpec::even(shape, strategy.num_replicas_in_sync());
-  std::vector<Tensor> copies;
-  const int local = static_cast<int>(strategy.replica_devices().size());
-  for (int r = 0; r < local; ++r) {
-    const int s = strategy.worker_rank() * local + r;
-    std::vector<float> shard(static_cast<std::size_t>(spec.shard_elements), 0.0f);
-    for (std::int64_t i = spec.begin(s); i < spec.end(s); ++i)
-      shard[static_cast<std::size_t>(i - spec.begin(s))] = value[static_cast<std::size_t>(i)];
-    copies.push_back(Tensor::from_vector<float>(shard, {spec.shard_elements}, *strategy.replica_devices()[r]));
-  }
-  return std::make_shared<strategy::MirroredVariable>(strategy, strategy::VariableOptions{.name = name}, copies, spec);
-}
-
-VariablePtr replicated_variable(Strategy& strategy, const std::string& name, const Tensor& value) {
-  auto scope = strategy.scope();
-  return strategy.create_variable({.name = name, .initial_value = value});
-}
-
 // The elements this worker's copies of a sharded variable hold, at their global positions (the
 // rest untouched), and the padding of each copy.
 void collect(const Variable& v, std::vector<float>& global, std::vector<float>& padding) {
@@ -182,22 +160,6 @@ std::vector<std::string> entries(const std::string& dir) {
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
-// The test's tensors: two sharded (35 elements over 4 shards: 9, 9, 9, 8; 3 over 4: the last
-// shard padding only), one replicated, and a step counter.
-const Shape kA{5, 7};
-const Shape kB{3};
-const std::vector<float> kValueA = pattern(35, 1.0f);
-const std::vector<float> kValueB = pattern(3, -2.0f);
-const std::vector<float> kValueC = {0.5f, -0.25f, 3.0f, 7.5f};
-
-keras::CheckpointContents contents_on(Strategy& strategy) {
-  return {.variables = {{"a", sharded_variable(strategy, "a", kA, kValueA)},
-                        {"b", sharded_variable(strategy, "b", kB, kValueB)},
-                        {"c", replicated_variable(strategy, "c", Tensor::from_vector<float>(kValueC, {2, 2}))}},
-          .values = {{"step", Tensor::scalar<std::int64_t>(20)}},
-          .metadata = {{"format", "tandem.checkpoint"}, {"epoch", "3"}}};
 }
 
 // Loads the checkpoint into fresh sharded targets on `strategy` and checks what this worker holds.
@@ -258,8 +220,7 @@ TEST_CASE("sharded checkpoint: saved on 4 shards, loads on 1, 2 and 3 shards and
   MirroredStrategy four(cpu_devices(0, 4));
   keras::save_checkpoint_directory(four, dir, contents_on(four));
 
-  CHECK(entries(dir) ==
-        std::vector<std::string>{"index.json", "rank-00000-of-00001.safetensors"});
+  CHECK(entries(dir) == std::vector<std::string>{"index.json", "rank-00000-of-00001.safetensors"});
   CHECK(tmp.entries() == std::vector<std::string>{"ckpt"});  // no hidden directory left
   const keras::CheckpointReader reader(dir);
   CHECK(reader.is_directory());
@@ -296,8 +257,8 @@ TEST_CASE("sharded checkpoint: two workers write one file each; loads under 2 wo
       keras::save_checkpoint_directory(strategy, dir, contents_on(strategy));
     });
   }
-  CHECK(entries(dir) == std::vector<std::string>{"index.json", "rank-00000-of-00002.safetensors",
-                                                                      "rank-00001-of-00002.safetensors"});
+  CHECK(entries(dir) ==
+        std::vector<std::string>{"index.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"});
   // Worker 1 holds shards 2 and 3 of "a" and nothing replicated.
   const auto rank1 = keras::read_safetensors(dir + "/rank-00001-of-00002.safetensors");
   std::vector<std::string> names;
@@ -325,8 +286,9 @@ TEST_CASE("sharded checkpoint: two workers write one file each; loads under 2 wo
   CHECK(bitwise_equal(by_name.at("c").to_vector<float>(), kValueC));
   CHECK(by_name.at("step").item<std::int64_t>() == 20);
   CHECK(whole.metadata.at("epoch") == "3");
-  CHECK(testing::error_message([&] { keras::consolidate(out, tmp.file("again.safetensors")); })
-            .find("not a checkpoint directory") != std::string::npos);
+  CHECK(testing::error_message([&] {
+          keras::consolidate(out, tmp.file("again.safetensors"));
+        }).find("not a checkpoint directory") != std::string::npos);
 }
 
 TEST_CASE("sharded checkpoint: a worker that fails makes the save fail on every worker and leaves the old one") {
@@ -355,7 +317,8 @@ TEST_CASE("sharded checkpoint: a worker that fails makes the save fail on every 
   CHECK(keras::CheckpointReader(dir).read("step").item<std::int64_t>() == 1);
 }
 
-TEST_CASE("sharded checkpoint: save_weights and training checkpoints to a directory path, loaded on other replica counts") {
+TEST_CASE(
+    "sharded checkpoint: save_weights and training checkpoints to a directory path, loaded on other replica counts") {
   TempDir tmp;
   const auto [x, y] = std::pair{
       Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3}),
@@ -401,8 +364,8 @@ TEST_CASE("sharded checkpoint: save_weights and training checkpoints to a direct
 
   // BackupAndRestore resumes from a backup directory under its file's name.
   const std::string backup_dir = tmp.file("backup");
-  auto backup_callback = std::make_shared<keras::BackupAndRestore>(
-      backup_dir, keras::BackupAndRestoreOptions{.delete_checkpoint = false});
+  auto backup_callback =
+      std::make_shared<keras::BackupAndRestore>(backup_dir, keras::BackupAndRestoreOptions{.delete_checkpoint = false});
   auto& backup = *backup_callback;
   fs::create_directories(backup_dir);
   keras::save_training_checkpoint(model, backup.latest_path() + "/", {.epoch = 2, .step = 0});
@@ -413,7 +376,8 @@ TEST_CASE("sharded checkpoint: save_weights and training checkpoints to a direct
   CHECK(weight_values(resumed) == weight_values(model));  // epochs 1 and 2 were done: nothing to train
 }
 
-TEST_CASE("sharded checkpoint: corrupt, truncated, missing chunks and a missing index are refused, the model unchanged") {
+TEST_CASE(
+    "sharded checkpoint: corrupt, truncated, missing chunks and a missing index are refused, the model unchanged") {
   TempDir tmp;
   auto model = small_model("bad_");
   model.build({3});
@@ -482,15 +446,17 @@ TEST_CASE("sharded checkpoint: a save killed at any point leaves the previous ch
   const std::string dir = tmp.file("ckpt");
   MirroredStrategy one(cpu_devices(0, 1));
   const auto value = [](float base) { return Tensor::filled<float>({4 << 20}, base); };
-  keras::save_checkpoint_directory(one, dir, {.variables = {}, .values = {{"big", value(1.0f)}, {"big2", value(1.0f)}}});
+  keras::save_checkpoint_directory(one, dir,
+                                   {.variables = {}, .values = {{"big", value(1.0f)}, {"big2", value(1.0f)}}});
   // A save stopped before its rename (its hidden directory complete but for the index) is never
   // picked up.
   const fs::path partial = tmp.path() / ".ckpt.tmp-000000000001";
   fs::create_directories(partial);
   fs::copy_file(dir + "/rank-00000-of-00001.safetensors", partial / "rank-00000-of-00001.safetensors");
   CHECK(keras::CheckpointReader(dir).read("big").to_vector<float>().front() == 1.0f);
-  CHECK(testing::error_message<DataLoss>([&] { keras::CheckpointReader reader(partial.string()); })
-            .find("never finished") != std::string::npos);
+  CHECK(testing::error_message<DataLoss>([&] {
+          keras::CheckpointReader reader(partial.string());
+        }).find("never finished") != std::string::npos);
 
   // A real save killed at several points: each time the name holds the old or the new checkpoint,
   // whole.
@@ -564,4 +530,44 @@ TEST_CASE("sharded checkpoint: tandem-consolidate DIR OUT") {
   CHECK(WEXITSTATUS(status) == 1);
   CHECK(testing::read_file_bytes(tmp.file("err")).find("rank-00000-of-00001.safetensors") != std::string::npos);
   CHECK(WEXITSTATUS(std::system(fmt::format("{} 2>/dev/null", TANDEM_CONSOLIDATE).c_str())) == 2);  // usage
+}
+
+TEST_CASE("sharded checkpoint: two worker processes save together and load a checkpoint of 4 shards") {
+  TempDir tmp;
+  const std::string saved = tmp.file("saved");
+  const auto launch = [&](const std::string& args, const std::string& log) {
+    return std::system(
+        fmt::format("TANDEM_RENDEZVOUS_TIMEOUT=60 {} --nproc_per_node 2 --master_port 0 -- {} {} > {} 2>&1", TANDEM_RUN,
+                    TANDEM_SHARDED_WORKER, args, tmp.file(log))
+            .c_str());
+  };
+  const int saved_status = launch(fmt::format("--mode save --dir {}", saved), "save.log");
+  INFO(testing::read_file_bytes(tmp.file("save.log")));
+  REQUIRE(saved_status == 0);
+  CHECK(entries(saved) ==
+        std::vector<std::string>{"index.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"});
+  for (const int m : {1, 3}) {
+    CAPTURE(m);
+    MirroredStrategy strategy(cpu_devices(0, m));
+    check_loads_on(strategy, saved);
+  }
+
+  const std::string four = tmp.file("four");
+  MirroredStrategy strategy(cpu_devices(0, 4));
+  keras::save_checkpoint_directory(strategy, four, contents_on(strategy));
+  const int loaded_status = launch(fmt::format("--mode load --dir {} --out {}", four, tmp.path().string()), "load.log");
+  INFO(testing::read_file_bytes(tmp.file("load.log")));
+  REQUIRE(loaded_status == 0);
+  for (int w = 0; w < 2; ++w) {
+    CAPTURE(w);
+    const auto result = keras::read_safetensors(tmp.file(fmt::format("worker-{}.safetensors", w)));
+    const auto a = result.tensors.at(0).second.to_vector<float>();  // shard w of 2: 18 elements
+    const auto b = result.tensors.at(1).second.to_vector<float>();  // 2 elements, the second padding
+    const std::vector<float> expected_a(kValueA.begin() + 18 * w, kValueA.begin() + std::min(35, 18 * (w + 1)));
+    CHECK(bitwise_equal(std::vector<float>(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(expected_a.size())),
+                        expected_a));
+    CHECK(b[0] == kValueB[static_cast<std::size_t>(2 * w)]);
+    CHECK(b[1] == (w == 0 ? kValueB[1] : 0.0f));
+    CHECK(bitwise_equal(result.tensors.at(2).second.to_vector<float>(), kValueC));
+  }
 }
