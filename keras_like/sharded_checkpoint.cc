@@ -101,6 +101,20 @@ void remove_stale_saves(const fs::path& parent, const std::string& name) {
   }
 }
 
+// A save replaces a checkpoint of the same name (a directory with an index, or a file: an older
+// single-file checkpoint) or an empty folder, never a folder of other things the path happens to
+// name: those would be deleted with the old checkpoint.
+void check_replaceable(const fs::path& target) {
+  std::error_code ec;
+  if (!fs::is_directory(target, ec) || fs::exists(target / kCheckpointIndexName, ec) || fs::is_empty(target, ec)) {
+    return;
+  }
+  throw AlreadyExists(fmt::format(
+      "cannot save a checkpoint as \"{}\": it is a folder that holds other things than a checkpoint (no {}); "
+      "name a new or empty folder, or a checkpoint to replace",
+      target.string(), kCheckpointIndexName));
+}
+
 // Puts the complete directory `temp` in place of `target`: an exchange of the two names when the
 // file system supports it (the old checkpoint stays whole under the name until the new one is),
 // else two renames; then the old one goes.
@@ -308,7 +322,10 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
   };
   std::vector<double> record;
   agree_or_clean_up([&] {
-    if (chief) remove_stale_saves(parent, name);
+    if (chief) {
+      check_replaceable(target);
+      remove_stale_saves(parent, name);
+    }
     std::error_code ec;
     fs::create_directories(temp, ec);
     TANDEM_REQUIRE(!ec, Unavailable, "cannot create \"{}\": {}", temp.string(), ec.message());

@@ -241,6 +241,18 @@ TEST_CASE("sharded checkpoint: saved on 4 shards, loads on 1, 2 and 3 shards and
     MirroredStrategy strategy(cpu_devices(0, m));
     check_loads_on(strategy, dir);
   }
+  // A folder of other things is never replaced (it would be deleted); a checkpoint or an empty
+  // folder is.
+  const std::string other = tmp.file("other");
+  fs::create_directories(other);
+  std::ofstream(other + "/notes.txt") << "mine";
+  CHECK(testing::error_message<AlreadyExists>([&] { keras::save_checkpoint_directory(four, other, contents_on(four)); })
+            .find("other things than a checkpoint") != std::string::npos);
+  CHECK(entries(other) == std::vector<std::string>{"notes.txt"});
+  CHECK(tmp.entries() == std::vector<std::string>{"ckpt", "other"});
+  fs::create_directories(tmp.file("empty"));
+  keras::save_checkpoint_directory(four, tmp.file("empty"), contents_on(four));
+  keras::save_checkpoint_directory(four, dir, contents_on(four));
   // A trailing slash names the same directory.
   CHECK(keras::CheckpointReader(dir + "/").read("c").to_vector<float>() == kValueC);
 }
