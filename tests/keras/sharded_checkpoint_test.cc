@@ -246,8 +246,9 @@ TEST_CASE("sharded checkpoint: saved on 4 shards, loads on 1, 2 and 3 shards and
   const std::string other = tmp.file("other");
   fs::create_directories(other);
   std::ofstream(other + "/notes.txt") << "mine";
-  CHECK(testing::error_message<AlreadyExists>([&] { keras::save_checkpoint_directory(four, other, contents_on(four)); })
-            .find("other things than a checkpoint") != std::string::npos);
+  CHECK(testing::error_message<AlreadyExists>([&] {
+          keras::save_checkpoint_directory(four, other, contents_on(four));
+        }).find("other things than a checkpoint") != std::string::npos);
   CHECK(entries(other) == std::vector<std::string>{"notes.txt"});
   CHECK(tmp.entries() == std::vector<std::string>{"ckpt", "other"});
   fs::create_directories(tmp.file("empty"));
@@ -582,4 +583,24 @@ TEST_CASE("sharded checkpoint: two worker processes save together and load a che
     CHECK(b[1] == (w == 0 ? kValueB[1] : 0.0f));
     CHECK(bitwise_equal(result.tensors.at(2).second.to_vector<float>(), kValueC));
   }
+}
+
+TEST_CASE("sharded checkpoint: a reader reads only the checksum blocks that hold what it asks for") {
+  TempDir tmp;
+  const std::string dir = tmp.file("ckpt");
+  MirroredStrategy one(cpu_devices(0, 1));
+  constexpr std::int64_t kElements = std::int64_t{1} << 20;  // 4 MiB: four checksum blocks
+  keras::save_checkpoint_directory(one, dir,
+                                   {.variables = {}, .values = {{"big", Tensor::filled<float>({kElements}, 1.5f)}}});
+  const auto index = keras::parse_checkpoint_index(testing::read_file_bytes(dir + "/index.json"), "index.json");
+  const auto& chunk = index.find("big")->chunks.at(0);
+  REQUIRE(chunk.crc32.size() == 4);
+  // Corrupt the last block: what lies in the first three still loads, and the last is refused.
+  flip_byte(dir + "/rank-00000-of-00001.safetensors", chunk.byte_offset + chunk.byte_length - 1);
+  const keras::CheckpointReader reader(dir);
+  CHECK(reader.read_range("big", 0, 3 * kElements / 4).to_vector<float>().back() == 1.5f);
+  CHECK(testing::error_message<DataLoss>([&] {
+          reader.read_range("big", kElements - 10, kElements);
+        }).find("checksum mismatch") != std::string::npos);
+  CHECK_THROWS_AS(reader.read("big"), DataLoss);
 }
