@@ -604,3 +604,66 @@ TEST_CASE("sharded checkpoint: a reader reads only the checksum blocks that hold
         }).find("checksum mismatch") != std::string::npos);
   CHECK_THROWS_AS(reader.read("big"), DataLoss);
 }
+
+// A model trained under ZeRO (DistributionOptions::zero): its optimizer slots are sharded once the
+// strategy shards them, and its checkpoints are then directories. Without a sharding strategy the
+// same calls write files; either way the state must resume alike on other replica counts.
+TEST_CASE("sharded checkpoint: a training checkpoint and a backup under ZeRO stage 2 on 4 replicas resume on 3 and 1") {
+  TempDir tmp;
+  const auto [x, y] = std::pair{
+      Tensor::from_vector<float>({0.1f, 0.2f, 0.3f, -0.5f, 0.4f, 0.9f, 1.0f, -1.0f, 0.0f, 0.3f, 0.3f, 0.3f}, {4, 3}),
+      Tensor::from_vector<float>({1, 0, 0, 1, 1, 1, 0, 0}, {4, 2})};
+  const auto compiled = [](Strategy& strategy) {
+    keras::Model model;
+    auto scope = strategy.scope();
+    model = small_model("zero_");
+    model.compile(keras::Adam{.learning_rate = 0.01}, "mse");
+    return model;
+  };
+  const auto zero = [](int devices, strategy::ZeroStage stage) {
+    return strategy::MirroredOptions{.devices = cpu_devices(0, devices), .distribution = {.zero = stage}};
+  };
+  MirroredStrategy four(zero(4, strategy::ZeroStage::k2));
+  auto model = compiled(four);
+  const std::string backup_dir = tmp.file("backup");
+  auto backup =
+      std::make_shared<keras::BackupAndRestore>(backup_dir, keras::BackupAndRestoreOptions{.delete_checkpoint = false});
+  model.fit(x, y, {.batch_size = 4, .epochs = 2, .verbose = 0, .callbacks = {backup}, .shuffle = false});
+  const bool sharded = model.optimizer().slots().front().second->sharding().has_value();
+  const std::string path = tmp.file("ckpt.safetensors");
+  keras::save_training_checkpoint(model, path, {.epoch = 2});
+  CHECK(fs::is_directory(path) == sharded);
+  CHECK(fs::is_directory(backup->latest_path()) == sharded);
+  if (sharded) {
+    const auto index = keras::parse_checkpoint_index(testing::read_file_bytes(path + "/index.json"), "index.json");
+    CHECK(index.num_shards == 4);
+    CHECK(index.find("optimizer/zero_hidden/kernel/m")->num_shards == 4);
+    CHECK(index.find("zero_hidden/kernel")->num_shards == 0);  // stage 2: weights replicated
+  }
+  std::vector<std::vector<float>> slots;
+  for (const auto& [name, slot] : model.optimizer().slots()) slots.push_back(slot->read_value().to_vector<float>());
+
+  for (const auto& [devices, stage] : {std::pair{3, strategy::ZeroStage::k1}, std::pair{1, strategy::ZeroStage::k0}}) {
+    CAPTURE(devices);
+    MirroredStrategy strategy(zero(devices, stage));
+    for (const auto& source : {path, backup->latest_path()}) {
+      CAPTURE(source);
+      auto resumed = compiled(strategy);
+      CHECK(keras::load_training_checkpoint(resumed, source).epoch == 2);
+      CHECK(weight_values(resumed) == weight_values(model));
+      CHECK(resumed.optimizer().iterations() == model.optimizer().iterations());
+      REQUIRE(resumed.optimizer().slots().size() == slots.size());
+      for (std::size_t s = 0; s < slots.size(); ++s) {
+        CHECK(bitwise_equal(resumed.optimizer().slots()[s].second->read_value().to_vector<float>(), slots[s]));
+      }
+    }
+  }
+  // The consolidated checkpoint is one ordinary file with every slot whole.
+  if (sharded) {
+    keras::consolidate(path, tmp.file("whole.safetensors"));
+    MirroredStrategy one(zero(1, strategy::ZeroStage::k0));
+    auto whole = compiled(one);
+    keras::load_training_checkpoint(whole, tmp.file("whole.safetensors"));
+    CHECK(bitwise_equal(whole.optimizer().slots().front().second->read_value().to_vector<float>(), slots.front()));
+  }
+}
