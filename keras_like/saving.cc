@@ -249,11 +249,12 @@ void assign_all(const Assignments& assignments) {
   for (const auto& [variable, values] : assignments) assign_checkpoint_value(*variable, values);
 }
 
-// Runs a load's reading: a checkpoint directory's with every worker agreeing on the outcome (each
-// reads its own shards, so one may fail where the others succeed), a file's as it is.
+// Runs a load's reading: with every worker agreeing on the outcome when each reads its own part
+// (a checkpoint directory, or any checkpoint into sharded state), so that one cannot fail where
+// the others go on; else (one file into replicated state) as it is.
 void run_load(const Model& model, const std::string& path, bool every_worker_calls, std::string_view what,
               const std::function<void()>& body) {
-  if (every_worker_calls && is_checkpoint_directory(path)) {
+  if (every_worker_calls && (is_checkpoint_directory(path) || detail::shards_state(model))) {
     detail::agree_on_outcome(model.distribute_strategy(), what, body);
   } else {
     body();

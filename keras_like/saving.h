@@ -51,8 +51,9 @@ SafetensorsContent read_safetensors(const std::string& path);
 // directories too); the directory takes the path's name as given, so "run/model.weights.safetensors"
 // becomes a directory for a sharded model. Writing a directory is collective: every worker calls
 // (ModelCheckpoint and BackupAndRestore then do). Every loader takes a file or a directory
-// whatever the model (a directory written on N replicas loads on M, or into an unsharded model),
-// and a directory is loaded by every worker together, each reading its own shards.
+// whatever the model (a directory written on N replicas loads on M, or into an unsharded model).
+// A directory, or any checkpoint into a model with sharded state, is loaded by every worker
+// together (collective), each reading its own shards: it fails on every worker or on none.
 //
 // The model's weights under their variable names ("dense/kernel"): what Model::save_weights and
 // Model::load_weights call. Loading matches the file's tensors by name, or, when the names differ
