@@ -336,6 +336,13 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
   agree_or_clean_up([&] {
     if (!chief) return;
     const std::string text = checkpoint_index_json(build_index(strategy, contents, records));
+    // What a reader will check, checked before the checkpoint exists: workers whose shards do not
+    // tile a tensor (different contents or shard specs) fail the save, not a later load.
+    try {
+      parse_checkpoint_index(text, (target / kCheckpointIndexName).string());
+    } catch (const DataLoss& e) {
+      throw InvalidArgument(fmt::format("the workers' chunks do not make a checkpoint: {}", e.what()));
+    }
     tandem::detail::AtomicFile index((temp / kCheckpointIndexName).string());
     index.write(text.data(), text.size());
     index.commit();  // syncs the file and the directory: every worker's file synced before it
