@@ -16,6 +16,7 @@
 
 #include "tandem/base/errors.h"
 #include "tandem/base/log.h"
+#include "tandem/keras_like/detail/checkpoints.h"
 #include "tandem/keras_like/detail/model_state.h"
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/saving.h"
@@ -321,8 +322,9 @@ void ModelCheckpoint::save(int epoch, const Logs& logs) {
   } else if (options_.verbose > 0 && chief) {
     std::cout << fmt::format("\nEpoch {}: saving model to {}\n", epoch + 1, path) << std::flush;
   }
-  // Only the chief writes; the others keep the same best value so they agree on what it saved.
-  if (!chief) return;
+  // Only the chief writes a file; the others keep the same best value so they agree on what it
+  // saved. A checkpoint directory (a sharded model) is written by every worker together.
+  if (!chief && !detail::writes_directory(model(), path, !options_.save_weights_only)) return;
 
   const auto dir = std::filesystem::path(path).parent_path();
   if (!dir.empty()) {
@@ -523,13 +525,31 @@ void BackupAndRestore::on_train_begin(Logs& /*logs*/) {
   auto& strategy = m.distribute_strategy();
   batches_ = 0;
   restored_from_.clear();
+  if (strategy.num_workers() > 1 && detail::shards_state(m)) {
+    // Sharded state cannot go through the chief: every worker reads its own shards of the backup
+    // directory (on a file system they all see), agreeing on the outcome of each attempt.
+    for (const auto& path : {latest_path(), previous_path()}) {
+      if (!std::filesystem::exists(path)) continue;
+      try {
+        const TrainingState state = detail::load_training_checkpoint(m, path, /*every_worker_calls=*/true);
+        m.state()->resume = detail::ModelState::ResumePoint{.epoch = state.epoch, .step = state.step};
+        batches_ = m.optimizer().iterations();
+        restored_from_ = path;
+        return;
+      } catch (const DataLoss& e) {
+        logging::warn("BackupAndRestore: ignoring the backup \"{}\": {}", path, e.what());
+      }
+    }
+    return;
+  }
   // [found, epochs done, step, iterations] decided by the chief, then told to everyone.
   std::vector<Tensor> header{Tensor::zeros({4}, DType::kI64)};
   if (is_chief()) {
     for (const auto& path : {latest_path(), previous_path()}) {
       if (!std::filesystem::exists(path)) continue;
       try {
-        const TrainingState state = load_training_checkpoint(m, path);  // checks everything first
+        // Checks everything first; a backup directory is read by the chief alone and broadcast.
+        const TrainingState state = detail::load_training_checkpoint(m, path, /*every_worker_calls=*/false);
         auto* h = header[0].data<std::int64_t>();
         h[0] = 1;
         h[1] = state.epoch;
@@ -579,17 +599,28 @@ void BackupAndRestore::on_epoch_end(int epoch, Logs& /*logs*/) { backup(epoch + 
 void BackupAndRestore::on_train_end(Logs& /*logs*/) {
   if (!options_.delete_checkpoint || !is_chief()) return;
   std::error_code ignored;
-  std::filesystem::remove(latest_path(), ignored);
-  std::filesystem::remove(previous_path(), ignored);
+  std::filesystem::remove_all(latest_path(), ignored);  // a file, or a checkpoint directory
+  std::filesystem::remove_all(previous_path(), ignored);
 }
 
 void BackupAndRestore::backup(int epochs_done, std::int64_t step) {
-  if (!is_chief()) return;
+  // A file is the chief's to write; a checkpoint directory (sharded state) every worker's.
+  const bool every_worker = detail::writes_directory(model(), latest_path(), /*with_optimizer=*/true);
+  if (!is_chief()) {
+    if (every_worker) save_training_checkpoint(model(), latest_path(), {.epoch = epochs_done, .step = step});
+    return;
+  }
   std::error_code error;
   std::filesystem::create_directories(backup_dir_, error);
   TANDEM_REQUIRE(!error, Unavailable, "BackupAndRestore: cannot create \"{}\": {}", backup_dir_, error.message());
   // The newest backup becomes the previous one (a rename: atomic), then the new one is written
-  // (atomically too). A crash at any point leaves at least one complete backup.
+  // (atomically too). A crash at any point leaves at least one complete backup. A directory is not
+  // renamed over another: the previous one goes first (the newest is still whole meanwhile).
+  if (std::filesystem::is_directory(previous_path())) {
+    std::filesystem::remove_all(previous_path(), error);
+    TANDEM_REQUIRE(!error, Unavailable, "BackupAndRestore: cannot remove \"{}\": {}", previous_path(),
+                   error.message());
+  }
   if (std::filesystem::exists(latest_path())) {
     std::filesystem::rename(latest_path(), previous_path(), error);
     TANDEM_REQUIRE(!error, Unavailable, "BackupAndRestore: cannot rename \"{}\": {}", latest_path(), error.message());

@@ -147,7 +147,9 @@ struct ModelCheckpointOptions {
   std::int64_t save_freq = 0;     // 0: every epoch; N: every N training batches
 };
 // Saves the weights after every epoch (or the best ones). The path may hold Keras-style fields:
-// "ckpt/epoch{epoch:02d}-{val_loss:.2f}.weights.safetensors". Only the chief writes.
+// "ckpt/epoch{epoch:02d}-{val_loss:.2f}.weights.safetensors". Only the chief writes, except a
+// checkpoint directory (a sharded model, or a path ending in '/': saving.h), which every worker
+// writes together.
 class ModelCheckpoint : public Callback {
  public:
   explicit ModelCheckpoint(std::string filepath, ModelCheckpointOptions options = {});
@@ -234,7 +236,10 @@ struct BackupAndRestoreOptions {
 // atomically with a checksum: a backup that is truncated or corrupt is reported and the previous
 // one is used. Under MultiWorkerMirroredStrategy only the chief writes and reads backups; on
 // restore it broadcasts the state to the other workers, so they need no shared file system.
-// Every worker must pass the callback (restoring is a collective).
+// Every worker must pass the callback (restoring is a collective). A model whose state is sharded
+// (ZeRO) backs up into checkpoint directories of the same names (sharded_checkpoint.h), which
+// every worker writes together and, under several workers, reads its own shards of: those need a
+// file system every worker sees, and load on any number of replicas or workers.
 class BackupAndRestore : public Callback {
  public:
   explicit BackupAndRestore(std::string backup_dir, BackupAndRestoreOptions options = {});

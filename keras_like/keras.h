@@ -15,5 +15,6 @@
 #include "tandem/keras_like/optimizers.h"
 #include "tandem/keras_like/saving.h"
 #include "tandem/keras_like/schedules.h"
+#include "tandem/keras_like/sharded_checkpoint.h"
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"

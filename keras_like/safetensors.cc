@@ -33,6 +33,7 @@
 #include "tandem/base/detail/json.h"
 #include "tandem/base/detail/text.h"
 #include "tandem/base/errors.h"
+#include "tandem/keras_like/detail/safetensors_io.h"
 #include "tandem/keras_like/saving.h"
 
 namespace tandem::keras {
@@ -43,6 +44,10 @@ static_assert(std::endian::native == std::endian::little,
 
 using Json = nlohmann::ordered_json;  // keeps the header in file order
 using tandem::detail::quote_value;
+using detail::crc32_update;
+using detail::parse_safetensors_dtype;
+using detail::ReadFile;
+using detail::safetensors_dtype;
 
 // A header's value in a message: short, whatever the file holds.
 std::string show(const Json& value) { return tandem::detail::json_for_message(value); }
@@ -53,87 +58,7 @@ constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
 
 std::string system_reason(int error) { return std::system_category().message(error); }
 
-std::optional<std::string_view> safetensors_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "F32";
-    case DType::kF64: return "F64";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
-    case DType::kU8: return "U8";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-  }
-  return std::nullopt;
-}
-
-std::optional<DType> parse_safetensors_dtype(std::string_view name) {
-  if (name == "F32") return DType::kF32;
-  if (name == "F64") return DType::kF64;
-  if (name == "I32") return DType::kI32;
-  if (name == "I64") return DType::kI64;
-  if (name == "U8") return DType::kU8;
-  if (name == "BOOL") return DType::kU8;  // numpy/torch booleans: one byte each, as tandem stores them
-  if (name == "F16") return DType::kF16;
-  if (name == "BF16") return DType::kBF16;
-  return std::nullopt;
-}
-
-std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) {
-  return static_cast<std::uint32_t>(::crc32_z(crc, static_cast<const Bytef*>(data), bytes));
-}
-
 std::string checksum_string(std::uint32_t crc) { return fmt::format("crc32:{:08x}", crc); }
-
-class ReadFile {
- public:
-  explicit ReadFile(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) {
-      const int error = errno;
-      if (error == ENOENT) throw NotFound(fmt::format("no file \"{}\"", path));
-      throw Unavailable(fmt::format("cannot read \"{}\": {}", path, system_reason(error)));
-    }
-    // The destructor does not run when the constructor throws: close here.
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-      const int error = errno;
-      ::close(fd_);
-      throw Unavailable(fmt::format("cannot read \"{}\": {}", path, system_reason(error)));
-    }
-    if (!S_ISREG(st.st_mode)) {
-      ::close(fd_);
-      throw InvalidArgument(fmt::format("\"{}\" is not a regular file", path));
-    }
-    size_ = static_cast<std::uint64_t>(st.st_size);
-  }
-  ~ReadFile() { ::close(fd_); }
-  ReadFile(const ReadFile&) = delete;
-  ReadFile& operator=(const ReadFile&) = delete;
-
-  std::uint64_t size() const { return size_; }
-  // Reads exactly `bytes` at `offset`; the file shrinking under us is a truncation.
-  void read(void* dst, std::size_t bytes, std::uint64_t offset) const {
-    auto* p = static_cast<char*>(dst);
-    while (bytes > 0) {
-      const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        throw Unavailable(fmt::format("cannot read \"{}\": {}", path_, system_reason(errno)));
-      }
-      if (n == 0)
-        throw DataLoss(
-            fmt::format("\"{}\": the file ends at byte {}, in the middle of its data (truncated)", path_, offset));
-      p += n;
-      bytes -= static_cast<std::size_t>(n);
-      offset += static_cast<std::uint64_t>(n);
-    }
-  }
-
- private:
-  std::string path_;
-  int fd_ = -1;
-  std::uint64_t size_ = 0;
-};
 
 // One tensor as the header describes it.
 struct Entry {
@@ -213,8 +138,86 @@ Entry parse_entry(const std::string& path, const std::string& name, const Json& 
 
 }  // namespace
 
-void write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+// ----- detail/safetensors_io.h -----
+
+namespace detail {
+
+ReadFile::ReadFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) {
+    const int error = errno;
+    if (error == ENOENT) throw NotFound(fmt::format("no file \"{}\"", path));
+    throw Unavailable(fmt::format("cannot read \"{}\": {}", path, system_reason(error)));
+  }
+  // The destructor does not run when the constructor throws: close here.
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    throw Unavailable(fmt::format("cannot read \"{}\": {}", path, system_reason(error)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    throw InvalidArgument(fmt::format("\"{}\" is not a regular file", path));
+  }
+  size_ = static_cast<std::uint64_t>(st.st_size);
+}
+
+ReadFile::~ReadFile() { ::close(fd_); }
+
+// The file shrinking under us is a truncation.
+void ReadFile::read(void* dst, std::size_t bytes, std::uint64_t offset) const {
+  auto* p = static_cast<char*>(dst);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd_, p, bytes, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw Unavailable(fmt::format("cannot read \"{}\": {}", path_, system_reason(errno)));
+    }
+    if (n == 0)
+      throw DataLoss(
+          fmt::format("\"{}\": the file ends at byte {}, in the middle of its data (truncated)", path_, offset));
+    p += n;
+    bytes -= static_cast<std::size_t>(n);
+    offset += static_cast<std::uint64_t>(n);
+  }
+}
+
+std::optional<std::string_view> safetensors_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "F32";
+    case DType::kF64: return "F64";
+    case DType::kI32: return "I32";
+    case DType::kI64: return "I64";
+    case DType::kU8: return "U8";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+  }
+  return std::nullopt;
+}
+
+std::optional<DType> parse_safetensors_dtype(std::string_view name) {
+  if (name == "F32") return DType::kF32;
+  if (name == "F64") return DType::kF64;
+  if (name == "I32") return DType::kI32;
+  if (name == "I64") return DType::kI64;
+  if (name == "U8") return DType::kU8;
+  if (name == "BOOL") return DType::kU8;  // numpy/torch booleans: one byte each, as tandem stores them
+  if (name == "F16") return DType::kF16;
+  if (name == "BF16") return DType::kBF16;
+  return std::nullopt;
+}
+
+std::uint32_t crc32_initial() { return static_cast<std::uint32_t>(::crc32_z(0, nullptr, 0)); }
+
+std::uint32_t crc32_update(std::uint32_t crc, const void* data, std::size_t bytes) {
+  return static_cast<std::uint32_t>(::crc32_z(crc, static_cast<const Bytef*>(data), bytes));
+}
+
+}  // namespace detail
+
+std::uint64_t write_safetensors(const std::string& path, const NamedTensors& tensors,
+                                const std::map<std::string, std::string>& metadata) {
   // Everything is checked before the temporary file exists, so a bad call never touches disk.
   std::set<std::string_view> names;
   std::vector<Tensor> host;
@@ -234,7 +237,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
   }
 
   // The checksum goes in the header, so it is computed before anything is written.
-  std::uint32_t crc = ::crc32_z(0, nullptr, 0);
+  std::uint32_t crc = detail::crc32_initial();
   for (const auto& t : host) crc = crc32_update(crc, t.raw_data(), t.nbytes());
 
   Json header = Json::object();
@@ -272,6 +275,7 @@ void write_safetensors(const std::string& path, const NamedTensors& tensors,
   file.write(text.data(), text.size());
   for (const auto& t : host) file.write(t.raw_data(), t.nbytes());
   file.commit();
+  return length.size() + text.size();
 }
 
 SafetensorsContent read_safetensors(const std::string& path) {
@@ -350,7 +354,7 @@ SafetensorsContent read_safetensors(const std::string& path) {
 
   // Read in offset order, which is the order of the bytes on disk, hashing as we go.
   std::vector<Tensor> tensors(entries.size());
-  std::uint32_t crc = ::crc32_z(0, nullptr, 0);
+  std::uint32_t crc = detail::crc32_initial();
   for (const auto i : order) {
     const Entry& e = entries[i];
     Tensor t = Tensor::empty(e.shape, e.dtype);

@@ -3,6 +3,7 @@
 #include "tandem/keras_like/saving.h"
 
 #include <algorithm>
+#include <functional>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -16,10 +17,15 @@
 #include "tandem/base/detail/json.h"
 #include "tandem/base/errors.h"
 #include "tandem/base/log.h"
+#include "tandem/keras_like/detail/checkpoints.h"
 #include "tandem/keras_like/model.h"
+#include "tandem/keras_like/sharded_checkpoint.h"
 
 namespace tandem::keras {
 namespace {
+
+// A stored tensor's name, dtype and whole shape (what matching needs; the bytes are read later).
+using StoredSpecs = std::vector<std::pair<std::string, graph::TensorSpec>>;
 
 constexpr std::string_view kFormatKey = "format";
 constexpr std::string_view kWeightsFormat = "tandem.weights";
@@ -66,7 +72,7 @@ class FileNames {
  public:
   // weights: the model's unique weights in order; file: the file's weights (no optimizer state), in
   // file order (the order save_weights writes).
-  FileNames(const std::vector<VariablePtr>& weights, const NamedTensors& file) {
+  FileNames(const std::vector<VariablePtr>& weights, const StoredSpecs& file) {
     std::set<std::string> in_file;
     for (const auto& [name, tensor] : file) in_file.insert(name);
     const bool by_name =
@@ -87,14 +93,15 @@ class FileNames {
     }
     // Neither: say where the two part, for the error the missing names will raise.
     i = 0;
-    while (i < n && same_name(i) && weights[i]->dtype() == file[i].second.dtype() &&
-           weights[i]->shape() == file[i].second.shape()) {
+    while (i < n && same_name(i) && weights[i]->dtype() == file[i].second.dtype &&
+           weights[i]->global_shape() == file[i].second.shape) {
       ++i;
     }
     if (i < n) {
       first_difference_ = fmt::format("in order, weight {} of the model is \"{}\" ({}) where the file has \"{}\" ({})",
-                                      i + 1, weights[i]->name(), describe(weights[i]->dtype(), weights[i]->shape()),
-                                      file[i].first, describe(file[i].second.dtype(), file[i].second.shape()));
+                                      i + 1, weights[i]->name(),
+                                      describe(weights[i]->dtype(), weights[i]->global_shape()), file[i].first,
+                                      describe(file[i].second.dtype, file[i].second.shape));
     } else {
       first_difference_ = fmt::format(
           "in order, the model has {} weights and the file {}; the first without a partner is "
@@ -126,22 +133,23 @@ class FileNames {
 };
 
 // The file's weights in file order: every tensor but a training checkpoint's optimizer state.
-NamedTensors weights_in_file(const SafetensorsContent& content, bool checkpoint) {
-  NamedTensors out;
-  for (const auto& [name, tensor] : content.tensors) {
-    if (!checkpoint || !std::string_view(name).starts_with(kOptimizerPrefix)) out.emplace_back(name, tensor);
+StoredSpecs weights_in_file(const CheckpointReader& reader, bool checkpoint) {
+  StoredSpecs out;
+  for (const auto& [name, spec] : reader.tensors()) {
+    if (!checkpoint || !std::string_view(name).starts_with(kOptimizerPrefix)) out.emplace_back(name, spec);
   }
   return out;
 }
 
-// Pairs every variable with the file's tensor of its name (in_file's), checking dtype and shape,
-// and marks the names used. Every problem is collected so one error lists them all.
-std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<VariablePtr>& variables,
-                                                            const std::map<std::string, Tensor>& file,
-                                                            const FileNames& in_file, std::set<std::string>& used,
-                                                            std::string_view prefix, std::vector<std::string>& missing,
-                                                            std::vector<std::string>& mismatched) {
-  std::vector<std::pair<VariablePtr, Tensor>> plan;
+// Pairs every variable with the file's tensor of its name (in_file's), checking dtype and (whole)
+// shape, and marks the names used. Every problem is collected so one error lists them all.
+std::vector<std::pair<VariablePtr, std::string>> match_variables(const std::vector<VariablePtr>& variables,
+                                                                 const std::map<std::string, graph::TensorSpec>& file,
+                                                                 const FileNames& in_file, std::set<std::string>& used,
+                                                                 std::string_view prefix,
+                                                                 std::vector<std::string>& missing,
+                                                                 std::vector<std::string>& mismatched) {
+  std::vector<std::pair<VariablePtr, std::string>> plan;
   for (const auto& v : variables) {
     const std::string name = fmt::format("{}{}", prefix, in_file(v->name()));
     if (!used.insert(name).second) continue;  // the same variable listed twice: assign once
@@ -150,15 +158,15 @@ std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<Va
       missing.push_back(name);
       continue;
     }
-    const Tensor& t = it->second;
-    if (t.dtype() != v->dtype() || t.shape() != v->shape()) {
+    const graph::TensorSpec& t = it->second;
+    if (t.dtype != v->dtype() || t.shape != v->global_shape()) {
       const std::string model_name = fmt::format("{}{}", prefix, v->name());
       mismatched.push_back(fmt::format("\"{}\"{} is {} in the file but {} in the model", model_name,
                                        model_name == name ? "" : fmt::format(" (the file's \"{}\")", name),
-                                       describe(t.dtype(), t.shape()), describe(v->dtype(), v->shape())));
+                                       describe(t.dtype, t.shape), describe(v->dtype(), v->global_shape())));
       continue;
     }
-    plan.emplace_back(v, t);
+    plan.emplace_back(v, name);
   }
   return plan;
 }
@@ -183,9 +191,10 @@ std::vector<VariablePtr> unique_variables(const std::vector<VariablePtr>& variab
   return out;
 }
 
-std::int64_t parse_metadata_int(const SafetensorsContent& content, const std::string& path, const std::string& key) {
-  const auto it = content.metadata.find(key);
-  if (it == content.metadata.end()) {
+std::int64_t parse_metadata_int(const std::map<std::string, std::string>& metadata, const std::string& path,
+                                const std::string& key) {
+  const auto it = metadata.find(key);
+  if (it == metadata.end()) {
     throw DataLoss(fmt::format("\"{}\": the training checkpoint has no \"{}\" in its metadata", path, key));
   }
   std::int64_t value = 0;
@@ -204,11 +213,11 @@ std::int64_t parse_metadata_int(const SafetensorsContent& content, const std::st
 // rate at the same step. When the checkpoint's rate was another schedule, or a constant where the
 // optimizer now has a schedule (or the reverse), the compiled one is kept and a warning says so:
 // changing the schedule between runs (a longer decay to train on) is a choice, not corruption.
-void restore_learning_rate(Optimizer& optimizer, const SafetensorsContent& content, std::optional<double> constant,
-                           const std::string& path, const std::string& model_name) {
+void restore_learning_rate(Optimizer& optimizer, const std::map<std::string, std::string>& metadata,
+                           std::optional<double> constant, const std::string& path, const std::string& model_name) {
   const LearningRate& compiled = optimizer.learning_rate_config();
   std::optional<std::string> saved;
-  if (const auto it = content.metadata.find(std::string(kScheduleKey)); it != content.metadata.end()) {
+  if (const auto it = metadata.find(std::string(kScheduleKey)); it != metadata.end()) {
     saved = it->second;
   } else if (constant) {
     if (!compiled.is_schedule()) {
@@ -228,168 +237,228 @@ void restore_learning_rate(Optimizer& optimizer, const SafetensorsContent& conte
       path, shown, model_name, compiled.to_json());
 }
 
-}  // namespace
+// What each planned variable holds here, read (and checked) before anything is assigned.
+using Assignments = std::vector<std::pair<VariablePtr, std::vector<Tensor>>>;
 
-void save_model_weights(const Model& model, const std::string& path) {
-  TANDEM_REQUIRE(model.built(), FailedPrecondition,
-                 "save_weights \"{}\": model \"{}\" is not built yet (build it, or call it on data, first)", path,
-                 model.name());
-  NamedTensors tensors;
+void read_planned(const CheckpointReader& reader, const std::vector<std::pair<VariablePtr, std::string>>& plan,
+                  Assignments& out) {
+  for (const auto& [variable, name] : plan) out.emplace_back(variable, reader.read_for(name, *variable));
+}
+
+void assign_all(const Assignments& assignments) {
+  for (const auto& [variable, values] : assignments) assign_checkpoint_value(*variable, values);
+}
+
+// Runs a load's reading: with every worker agreeing on the outcome when each reads its own part
+// (a checkpoint directory, or any checkpoint into sharded state), so that one cannot fail where
+// the others go on; else (one file into replicated state) as it is.
+void run_load(const Model& model, const std::string& path, bool every_worker_calls, std::string_view what,
+              const std::function<void()>& body) {
+  if (every_worker_calls && (is_checkpoint_directory(path) || detail::shards_state(model))) {
+    detail::agree_on_outcome(model.distribute_strategy(), what, body);
+  } else {
+    body();
+  }
+}
+
+std::map<std::string, graph::TensorSpec> by_name(const StoredSpecs& specs) {
+  return {specs.begin(), specs.end()};
+}
+
+// The model's unique weights under their names; two weights of one name are refused.
+std::vector<std::pair<std::string, VariablePtr>> named_weights(const Model& model, const std::string& path) {
+  std::vector<std::pair<std::string, VariablePtr>> out;
   std::set<std::string> seen;
   for (const auto& w : unique_variables(model.weights())) {
     TANDEM_REQUIRE(seen.insert(w->name()).second, InvalidArgument,
                    "save_weights \"{}\": model \"{}\" has two weights named \"{}\"; a weights file needs unique names "
                    "(give the layers distinct names)",
                    path, model.name(), w->name());
-    tensors.emplace_back(w->name(), w->read_value());
+    out.emplace_back(w->name(), w);
   }
-  write_safetensors(path, tensors, {{std::string(kFormatKey), std::string(kWeightsFormat)}});
+  return out;
+}
+
+// Writes a checkpoint's contents: as a directory (every worker together) or as one file.
+void write_checkpoint(const Model& model, const std::string& path, bool directory, const CheckpointContents& contents) {
+  if (directory) {
+    save_checkpoint_directory(model.distribute_strategy(), path, contents);
+    return;
+  }
+  NamedTensors tensors;
+  for (const auto& [name, variable] : contents.variables) tensors.emplace_back(name, variable->read_value());
+  for (const auto& named : contents.values) tensors.push_back(named);
+  write_safetensors(path, tensors, contents.metadata);
+}
+
+}  // namespace
+
+void save_model_weights(const Model& model, const std::string& path) {
+  TANDEM_REQUIRE(model.built(), FailedPrecondition,
+                 "save_weights \"{}\": model \"{}\" is not built yet (build it, or call it on data, first)", path,
+                 model.name());
+  write_checkpoint(model, path, detail::writes_directory(model, path, /*with_optimizer=*/false),
+                   {.variables = named_weights(model, path),
+                    .values = {},
+                    .metadata = {{std::string(kFormatKey), std::string(kWeightsFormat)}}});
 }
 
 void load_model_weights(Model& model, const std::string& path) {
   TANDEM_REQUIRE(model.built(), FailedPrecondition,
                  "load_weights \"{}\": model \"{}\" is not built yet (build it, or call it on data, first)", path,
                  model.name());
-  auto content = read_safetensors(path);
-  // A training checkpoint holds the weights too; its optimizer state is not the model's.
-  const auto format = content.metadata.find(std::string(kFormatKey));
-  const bool checkpoint = format != content.metadata.end() && format->second == kCheckpointFormat;
-  const NamedTensors weights = weights_in_file(content, checkpoint);
-  const std::map<std::string, Tensor> file(weights.begin(), weights.end());
-  const FileNames in_file(unique_variables(model.weights()), weights);
-  std::set<std::string> used;
-  std::vector<std::string> missing, mismatched, extra;
-  const auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
-  for (const auto& [name, tensor] : file) {
-    if (!used.contains(name)) extra.push_back(name);
-  }
-  if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
-    throw InvalidArgument(
-        fmt::format("load_weights \"{}\" into model \"{}\": the file does not match the model ({}); "
-                    "nothing was loaded",
-                    path, model.name(), mismatch_report(missing, extra, mismatched, in_file)));
-  }
-  for (const auto& [variable, value] : plan) variable->assign(value);
+  Assignments assignments;
+  run_load(model, path, /*every_worker_calls=*/true, fmt::format("load_weights \"{}\"", path), [&] {
+    const CheckpointReader reader(path);
+    // A training checkpoint holds the weights too; its optimizer state is not the model's.
+    const auto format = reader.metadata().find(std::string(kFormatKey));
+    const bool checkpoint = format != reader.metadata().end() && format->second == kCheckpointFormat;
+    const StoredSpecs weights = weights_in_file(reader, checkpoint);
+    const auto file = by_name(weights);
+    const FileNames in_file(unique_variables(model.weights()), weights);
+    std::set<std::string> used;
+    std::vector<std::string> missing, mismatched, extra;
+    const auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
+    for (const auto& [name, spec] : file) {
+      if (!used.contains(name)) extra.push_back(name);
+    }
+    if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
+      throw InvalidArgument(
+          fmt::format("load_weights \"{}\" into model \"{}\": the file does not match the model ({}); "
+                      "nothing was loaded",
+                      path, model.name(), mismatch_report(missing, extra, mismatched, in_file)));
+    }
+    read_planned(reader, plan, assignments);
+  });
+  assign_all(assignments);
 }
 
 void save_training_checkpoint(const Model& model, const std::string& path, const TrainingState& state) {
   TANDEM_REQUIRE(model.built(), FailedPrecondition, "save_training_checkpoint \"{}\": model \"{}\" is not built yet",
                  path, model.name());
   const Optimizer& optimizer = model.optimizer();  // FailedPrecondition before compile()
-  NamedTensors tensors;
-  for (const auto& w : unique_variables(model.weights())) tensors.emplace_back(w->name(), w->read_value());
+  CheckpointContents contents;
+  for (const auto& w : unique_variables(model.weights())) contents.variables.emplace_back(w->name(), w);
   for (const auto& [name, slot] : optimizer.slots()) {
-    tensors.emplace_back(fmt::format("{}{}", kOptimizerPrefix, name), slot->read_value());
+    contents.variables.emplace_back(fmt::format("{}{}", kOptimizerPrefix, name), slot);
   }
-  tensors.emplace_back(std::string(kIterationsName), Tensor::scalar<std::int64_t>(optimizer.iterations()));
-  std::map<std::string, std::string> metadata{{std::string(kFormatKey), std::string(kCheckpointFormat)},
-                                              {"optimizer", optimizer.name()},
-                                              {"epoch", std::to_string(state.epoch)},
-                                              {"step", std::to_string(state.step)}};
+  contents.values.emplace_back(std::string(kIterationsName), Tensor::scalar<std::int64_t>(optimizer.iterations()));
+  contents.metadata = {{std::string(kFormatKey), std::string(kCheckpointFormat)},
+                       {"optimizer", optimizer.name()},
+                       {"epoch", std::to_string(state.epoch)},
+                       {"step", std::to_string(state.step)}};
   const LearningRate& rate = optimizer.learning_rate_config();
   if (rate.is_schedule()) {
     // Its rate follows from iterations; the config says which schedule it was.
-    metadata.emplace(std::string(kScheduleKey), rate.to_json());
+    contents.metadata.emplace(std::string(kScheduleKey), rate.to_json());
   } else {
     // Kept so a learning rate changed during training (ReduceLROnPlateau) resumes as it was.
-    tensors.emplace_back(std::string(kLearningRateName), Tensor::scalar<double>(optimizer.learning_rate()));
+    contents.values.emplace_back(std::string(kLearningRateName), Tensor::scalar<double>(optimizer.learning_rate()));
   }
-  write_safetensors(path, tensors, metadata);
+  write_checkpoint(model, path, detail::writes_directory(model, path, /*with_optimizer=*/true), contents);
 }
 
 TrainingState load_training_checkpoint(Model& model, const std::string& path) {
+  return detail::load_training_checkpoint(model, path, /*every_worker_calls=*/true);
+}
+
+TrainingState detail::load_training_checkpoint(Model& model, const std::string& path, bool every_worker_calls) {
   TANDEM_REQUIRE(model.built(), FailedPrecondition, "load_training_checkpoint \"{}\": model \"{}\" is not built yet",
                  path, model.name());
   Optimizer& optimizer = model.optimizer();
-  auto content = read_safetensors(path);
-  const auto format = content.metadata.find(std::string(kFormatKey));
-  TANDEM_REQUIRE(format != content.metadata.end() && format->second == kCheckpointFormat, InvalidArgument,
-                 "\"{}\" is not a training checkpoint (its format is \"{}\"; expected \"{}\"); load weights with "
-                 "load_weights()",
-                 path, format == content.metadata.end() ? "unknown" : format->second, kCheckpointFormat);
   TrainingState state;
-  const auto epoch = parse_metadata_int(content, path, "epoch");
-  TANDEM_REQUIRE(epoch <= std::numeric_limits<int>::max(), DataLoss, "\"{}\": metadata epoch {} is out of range", path,
-                 epoch);
-  state.epoch = static_cast<int>(epoch);
-  state.step = parse_metadata_int(content, path, "step");
-  // Loss scaling is a wrapper: a mixed_float16 run's checkpoint (loss_scale_optimizer(adam)) loads
-  // into a float32 model compiled with adam, and the other way round. Only the scale state is
-  // left out (dropped, or started at the initial scale).
-  const auto without_loss_scaling = [](std::string_view name) {
-    constexpr std::string_view kWrapper = "loss_scale_optimizer(";
-    if (name.starts_with(kWrapper) && name.ends_with(")"))
-      name = name.substr(kWrapper.size(), name.size() - kWrapper.size() - 1);
-    return std::string(name);
-  };
-  if (const auto it = content.metadata.find("optimizer"); it != content.metadata.end()) {
-    TANDEM_REQUIRE(without_loss_scaling(it->second) == without_loss_scaling(optimizer.name()), InvalidArgument,
-                   "load_training_checkpoint \"{}\": the checkpoint holds the state of optimizer \"{}\"; model \"{}\" "
-                   "was compiled with \"{}\"",
-                   path, it->second, model.name(), optimizer.name());
-  }
-
-  const FileNames in_file(unique_variables(model.weights()), weights_in_file(content, /*checkpoint=*/true));
-  std::map<std::string, Tensor> file;
-  for (auto& [name, tensor] : content.tensors) file.emplace(name, std::move(tensor));
-  const auto take_scalar = [&](std::string_view name, DType dtype, bool required) -> std::optional<Tensor> {
-    const auto it = file.find(std::string(name));
-    if (it == file.end()) {
-      TANDEM_REQUIRE(!required, DataLoss, "\"{}\": the training checkpoint has no \"{}\"", path, name);
-      return std::nullopt;
-    }
-    TANDEM_REQUIRE(it->second.dtype() == dtype && it->second.shape() == Shape{}, DataLoss,
-                   "\"{}\": \"{}\" is {}; expected a {} scalar", path, name,
-                   describe(it->second.dtype(), it->second.shape()), dtype);
-    Tensor t = it->second;
-    file.erase(it);
-    return t;
-  };
-  const auto iterations = take_scalar(kIterationsName, DType::kI64, true)->item<std::int64_t>();
-  TANDEM_REQUIRE(iterations >= 0, DataLoss, "\"{}\": \"{}\" is {}; expected a count", path, kIterationsName,
-                 iterations);
-  const auto learning_rate_tensor = take_scalar(kLearningRateName, DType::kF64, false);
+  std::map<std::string, std::string> metadata;
+  std::int64_t iterations = 0;
   std::optional<double> learning_rate;
-  if (learning_rate_tensor) {
-    learning_rate = learning_rate_tensor->item<double>();
-    TANDEM_REQUIRE(std::isfinite(*learning_rate) && *learning_rate >= 0, DataLoss,
-                   "\"{}\": \"{}\" is {}; expected a finite, non-negative rate", path, kLearningRateName,
-                   *learning_rate);
-  }
+  Assignments assignments;
+  run_load(model, path, every_worker_calls, fmt::format("load_training_checkpoint \"{}\"", path), [&] {
+    const CheckpointReader reader(path);
+    metadata = reader.metadata();
+    const auto format = metadata.find(std::string(kFormatKey));
+    TANDEM_REQUIRE(format != metadata.end() && format->second == kCheckpointFormat, InvalidArgument,
+                   "\"{}\" is not a training checkpoint (its format is \"{}\"; expected \"{}\"); load weights with "
+                   "load_weights()",
+                   path, format == metadata.end() ? "unknown" : format->second, kCheckpointFormat);
+    const auto epoch = parse_metadata_int(metadata, path, "epoch");
+    TANDEM_REQUIRE(epoch <= std::numeric_limits<int>::max(), DataLoss, "\"{}\": metadata epoch {} is out of range",
+                   path, epoch);
+    state.epoch = static_cast<int>(epoch);
+    state.step = parse_metadata_int(metadata, path, "step");
+    // Loss scaling is a wrapper: a mixed_float16 run's checkpoint (loss_scale_optimizer(adam)) loads
+    // into a float32 model compiled with adam, and the other way round. Only the scale state is
+    // left out (dropped, or started at the initial scale).
+    const auto without_loss_scaling = [](std::string_view name) {
+      constexpr std::string_view kWrapper = "loss_scale_optimizer(";
+      if (name.starts_with(kWrapper) && name.ends_with(")"))
+        name = name.substr(kWrapper.size(), name.size() - kWrapper.size() - 1);
+      return std::string(name);
+    };
+    if (const auto it = metadata.find("optimizer"); it != metadata.end()) {
+      TANDEM_REQUIRE(without_loss_scaling(it->second) == without_loss_scaling(optimizer.name()), InvalidArgument,
+                     "load_training_checkpoint \"{}\": the checkpoint holds the state of optimizer \"{}\"; model "
+                     "\"{}\" was compiled with \"{}\"",
+                     path, it->second, model.name(), optimizer.name());
+    }
 
-  std::set<std::string> used;
-  std::vector<std::string> missing, mismatched, extra;
-  auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
-  bool has_slots_in_file = false;
-  for (const auto& [name, tensor] : file) {
-    if (std::string_view(name).starts_with(kOptimizerPrefix)) has_slots_in_file = true;
-  }
-  if (missing.empty() && mismatched.empty() && has_slots_in_file && optimizer.slots().empty()) {
-    // A freshly compiled model has no slots until its first step; create them now (zeros, for
-    // the same variables fit() would use) so they can take the checkpoint's values.
-    optimizer.build(unique_variables(model.trainable_weights()));
-  }
-  std::vector<VariablePtr> slots;
-  for (const auto& [name, slot] : optimizer.slots()) slots.push_back(slot);
-  auto slot_plan = match_variables(slots, file, in_file, used, kOptimizerPrefix, missing, mismatched);
-  for (const auto& [name, tensor] : file) {
-    if (!used.contains(name)) extra.push_back(name);
-  }
-  const auto is_loss_scale_state = [](const std::string& name) {
-    return std::string_view(name).starts_with(fmt::format("{}loss_scale_optimizer/", kOptimizerPrefix));
-  };
-  std::erase_if(extra, is_loss_scale_state);
-  std::erase_if(missing, is_loss_scale_state);
-  if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
-    throw InvalidArgument(
-        fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
-                    "the model and its {} optimizer ({}); nothing was loaded",
-                    path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched, in_file)));
-  }
-  for (const auto& [variable, value] : plan) variable->assign(value);
-  for (const auto& [variable, value] : slot_plan) variable->assign(value);
+    const FileNames in_file(unique_variables(model.weights()), weights_in_file(reader, /*checkpoint=*/true));
+    auto file = by_name(reader.tensors());
+    const auto take_scalar = [&](std::string_view name, DType dtype, bool required) -> std::optional<Tensor> {
+      const auto it = file.find(std::string(name));
+      if (it == file.end()) {
+        TANDEM_REQUIRE(!required, DataLoss, "\"{}\": the training checkpoint has no \"{}\"", path, name);
+        return std::nullopt;
+      }
+      TANDEM_REQUIRE(it->second.dtype == dtype && it->second.shape == Shape{}, DataLoss,
+                     "\"{}\": \"{}\" is {}; expected a {} scalar", path, name,
+                     describe(it->second.dtype, it->second.shape), dtype);
+      file.erase(it);
+      return reader.read(std::string(name));
+    };
+    iterations = take_scalar(kIterationsName, DType::kI64, true)->item<std::int64_t>();
+    TANDEM_REQUIRE(iterations >= 0, DataLoss, "\"{}\": \"{}\" is {}; expected a count", path, kIterationsName,
+                   iterations);
+    if (const auto tensor = take_scalar(kLearningRateName, DType::kF64, false)) {
+      learning_rate = tensor->item<double>();
+      TANDEM_REQUIRE(std::isfinite(*learning_rate) && *learning_rate >= 0, DataLoss,
+                     "\"{}\": \"{}\" is {}; expected a finite, non-negative rate", path, kLearningRateName,
+                     *learning_rate);
+    }
+
+    std::set<std::string> used;
+    std::vector<std::string> missing, mismatched, extra;
+    const auto plan = match_variables(model.weights(), file, in_file, used, "", missing, mismatched);
+    bool has_slots_in_file = false;
+    for (const auto& [name, spec] : file) {
+      if (std::string_view(name).starts_with(kOptimizerPrefix)) has_slots_in_file = true;
+    }
+    if (missing.empty() && mismatched.empty() && has_slots_in_file && optimizer.slots().empty()) {
+      // A freshly compiled model has no slots until its first step; create them now (zeros, for
+      // the same variables fit() would use) so they can take the checkpoint's values.
+      optimizer.build(unique_variables(model.trainable_weights()));
+    }
+    std::vector<VariablePtr> slots;
+    for (const auto& [name, slot] : optimizer.slots()) slots.push_back(slot);
+    const auto slot_plan = match_variables(slots, file, in_file, used, kOptimizerPrefix, missing, mismatched);
+    for (const auto& [name, spec] : file) {
+      if (!used.contains(name)) extra.push_back(name);
+    }
+    const auto is_loss_scale_state = [](const std::string& name) {
+      return std::string_view(name).starts_with(fmt::format("{}loss_scale_optimizer/", kOptimizerPrefix));
+    };
+    std::erase_if(extra, is_loss_scale_state);
+    std::erase_if(missing, is_loss_scale_state);
+    if (!missing.empty() || !extra.empty() || !mismatched.empty()) {
+      throw InvalidArgument(
+          fmt::format("load_training_checkpoint \"{}\" into model \"{}\": the checkpoint does not match "
+                      "the model and its {} optimizer ({}); nothing was loaded",
+                      path, model.name(), optimizer.name(), mismatch_report(missing, extra, mismatched, in_file)));
+    }
+    read_planned(reader, plan, assignments);
+    read_planned(reader, slot_plan, assignments);
+  });
+  assign_all(assignments);
   optimizer.set_iterations(iterations);
-  restore_learning_rate(optimizer, content, learning_rate, path, model.name());
+  restore_learning_rate(optimizer, metadata, learning_rate, path, model.name());
   return state;
 }
 

@@ -34,14 +34,27 @@ struct SafetensorsContent {
   std::map<std::string, std::string> metadata;
 };
 
-// Writes `tensors` (any device; copied to the host) with `metadata` plus the checksum.
-// Throws InvalidArgument for duplicate names or unsupported dtypes, Unavailable when the file
-// cannot be written (naming the path and the system's reason).
-void write_safetensors(const std::string& path, const NamedTensors& tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// Writes `tensors` (any device; copied to the host) with `metadata` plus the checksum, and
+// returns the byte offset of the data section: the tensors' bytes lie back to back from there,
+// in the order given (what a sharded checkpoint's index records). Throws InvalidArgument for
+// duplicate names or unsupported dtypes, Unavailable when the file cannot be written (naming the
+// path and the system's reason).
+std::uint64_t write_safetensors(const std::string& path, const NamedTensors& tensors,
+                                const std::map<std::string, std::string>& metadata = {});
 // NotFound for a missing file; DataLoss for a corrupt or truncated one.
 SafetensorsContent read_safetensors(const std::string& path);
 
+// Checkpoint directories (sharded_checkpoint.h): save_model_weights and save_training_checkpoint
+// write one instead of a file when the model holds a sharded variable (ZeRO: Variable::sharding(),
+// so that no worker needs the whole value and each writes what it holds), or when the path ends
+// with '/' or names an existing directory (DeepSpeed's and PyTorch DCP's checkpoints are
+// directories too); the directory takes the path's name as given, so "run/model.weights.safetensors"
+// becomes a directory for a sharded model. Writing a directory is collective: every worker calls
+// (ModelCheckpoint and BackupAndRestore then do). Every loader takes a file or a directory
+// whatever the model (a directory written on N replicas loads on M, or into an unsharded model).
+// A directory, or any checkpoint into a model with sharded state, is loaded by every worker
+// together (collective), each reading its own shards: it fails on every worker or on none.
+//
 // The model's weights under their variable names ("dense/kernel"): what Model::save_weights and
 // Model::load_weights call. Loading matches the file's tensors by name, or, when the names differ
 // only by the numbers of auto-generated layer names (a second model built by the same code in the
