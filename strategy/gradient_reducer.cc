@@ -174,6 +174,7 @@ struct GradientReducer::Plan {
   // ZeRO: per bucket, whether it is reduce-scattered, and the elements of one shard of it (its
   // gradients' shards side by side); per gradient, its ShardSpec and its offset in the shard.
   std::vector<bool> scatter;
+  bool any_scatter = false;
   std::vector<std::int64_t> segment;
   std::vector<ShardSpec> spec;
   std::vector<std::int64_t> offset;
@@ -299,6 +300,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     plan.bucket_of[k] = static_cast<std::ptrdiff_t>(plan.buckets.size() - 1);
     bytes += size;
     if (scatter) {
+      plan.any_scatter = true;
       plan.spec[k] = ShardSpec::even(variable->shape(), strategy_.num_replicas_in_sync());
       plan.offset[k] = plan.segment.back();
       plan.segment.back() += plan.spec[k].shard_elements;
@@ -366,6 +368,7 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
     s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
   s.next_bucket = 0;
   s.extras.clear();
+  s.out.clear();  // views of the last run's arena: held, they would move it
 }
 
 void GradientReducer::set_zero_gradients(int replica) {
@@ -417,6 +420,7 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   // The buckets handed over during backward first; then the rest, in the same order.
   if (s.comm) s.comm->drain();
   while (s.next_bucket < plan_->order.size()) reduce_bucket(replica, plan_->order[s.next_bucket++]);
+  if (!plan_->any_scatter) return s.grads;
   s.out.assign(s.grads.begin(), s.grads.end());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
@@ -475,8 +479,11 @@ void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std
   const Tensor& first = s.grads[ids.front()];
   Tensor recv = Tensor::empty({segment}, first.dtype(), first.device());
   {
-    Tensor send = Tensor::empty({n * segment}, first.dtype(), first.device());
-    for (int q = 0; q < n; ++q) {
+    // A bucket of one gradient that splits evenly is already laid out as the collective wants it.
+    const bool direct = ids.size() == 1 && extras.empty() && segment * n == first.num_elements();
+    Tensor send = direct ? flat_view(first, 0, first.num_elements())
+                         : Tensor::empty({n * segment}, first.dtype(), first.device());
+    for (int q = 0; q < n && !direct; ++q) {
       const std::int64_t base = static_cast<std::int64_t>(q) * segment;
       for (const auto k : ids) {
         const ShardSpec& spec = plan_->spec[k];
@@ -526,10 +533,13 @@ void GradientReducer::gather_updated(int replica) {
       pack_shard(send, plan_->offset[k], sources_[k].variable->value(replica), spec.begin(me), spec.end(me),
                  spec.shard_elements);
     }
-    Tensor gathered = Tensor::empty({n * segment}, first.dtype(), first.device());
+    // A variable alone in its bucket that splits evenly receives the gather itself.
+    const bool direct = ids.size() == 1 && segment * n == first.num_elements();
+    Tensor gathered = direct ? flat_view(first, 0, first.num_elements())
+                             : Tensor::empty({n * segment}, first.dtype(), first.device());
     strategy_.communicator(replica).all_gather(send, gathered,
                                                {.timeout = strategy_.distribution_options().collective_timeout});
-    for (int q = 0; q < n; ++q) {
+    for (int q = 0; q < n && !direct; ++q) {
       if (q == me) continue;  // updated in place by the optimizer
       for (const auto k : ids) {
         const ShardSpec& spec = plan_->spec[k];
@@ -584,7 +594,7 @@ void GradientReducer::reduce_compressed(int replica, std::size_t bucket, std::sp
 
 bool GradientReducer::reduces_on_device(int replica) {
   if (strategy_.num_workers() > 1 || strategy_.distribution_options().gradient_all_reduce_dtype) return false;
-  if (std::find(plan_->scatter.begin(), plan_->scatter.end(), true) != plan_->scatter.end()) return false;
+  if (plan_->any_scatter) return false;
   if (!options_.accumulators.empty()) return false;
   if (strategy_.replica_devices().size() == 1) return true;
   return strategy_.communicator(replica).enqueues_on_device();
