@@ -223,10 +223,10 @@ TEST_CASE("BatchNormalization's moving statistics ride with a reduce-scattered l
 TEST_CASE("empty shards (a last batch smaller than the replica count) and skipped loss-scaled steps: bitwise") {
   // Batches of 64, 64 and 2: replicas 2 and 3 get nothing in the last one.
   const Data small = make_data(130);
-  // A scale of 2^100 overflows the first steps' gradients in some shards only: every replica must
-  // skip those steps together.
+  // A scale of 2^127 overflows the first steps' gradients (in some shards, not necessarily all):
+  // every replica must skip those steps together.
   const keras::OptimizerRef optimizer = keras::LossScaleOptimizer{
-      .inner_optimizer = keras::Adam{.learning_rate = 0.01}, .initial_scale = std::ldexp(1.0, 100), .dynamic_growth_steps = 3};
+      .inner_optimizer = keras::Adam{.learning_rate = 0.01}, .initial_scale = std::ldexp(1.0, 127), .dynamic_growth_steps = 3};
   MirroredStrategy unsharded(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k0)});
   const Run plain = train(unsharded, optimizer, 20, small);
   CHECK(plain.iterations < static_cast<std::int64_t>(plain.losses.size()));  // some steps were skipped
