@@ -151,11 +151,11 @@ std::vector<std::pair<VariablePtr, Tensor>> match_variables(const std::vector<Va
       continue;
     }
     const Tensor& t = it->second;
-    if (t.dtype() != v->dtype() || t.shape() != v->shape()) {
+    if (t.dtype() != v->dtype() || t.shape() != v->global_shape()) {
       const std::string model_name = fmt::format("{}{}", prefix, v->name());
       mismatched.push_back(fmt::format("\"{}\"{} is {} in the file but {} in the model", model_name,
                                        model_name == name ? "" : fmt::format(" (the file's \"{}\")", name),
-                                       describe(t.dtype(), t.shape()), describe(v->dtype(), v->shape())));
+                                       describe(t.dtype(), t.shape()), describe(v->dtype(), v->global_shape())));
       continue;
     }
     plan.emplace_back(v, t);
