@@ -100,7 +100,8 @@ using OptimizerSpec = std::variant<SGD, Adam, AdamW, RMSprop>;
 //     halves and the count restarts. As in Keras 3 there is no floor.
 // The scale and the count are optimizer state (Keras's dynamic_scale and step_counter): training
 // checkpoints and BackupAndRestore keep them. Every replica sees the same all-reduced gradients,
-// so all replicas take the same decision without another exchange. The inner optimizer may not
+// so all replicas take the same decision without another exchange (under ZeRO each sees its shard
+// only, and one small all-reduce of the verdict makes them agree). The inner optimizer may not
 // use gradient_accumulation_steps (Unimplemented).
 struct LossScaleOptimizer {
   OptimizerSpec inner_optimizer = Adam{};
@@ -176,7 +177,8 @@ class Optimizer {
   // naming both. Idempotent for the same variables.
   void build(const std::vector<VariablePtr>& variables);
   // Applies one gradient per built variable (same order; each on the replica's device, same
-  // shape) to replica `replica`'s copies. Does not advance iterations. With gradient
+  // shape, or for a variable the strategy reduce-scatters (ZeRO) the 1-D shard [shard_elements]
+  // of replica's range) to replica `replica`'s copies. Does not advance iterations. With gradient
   // accumulation, call it on update steps only, with the gradients summed over the accumulated
   // steps (accumulators()); it divides by the step count and clears this replica's accumulators.
   // Under loss scaling the gradients are those of the scaled loss: a finite step applies them

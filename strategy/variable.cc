@@ -128,6 +128,10 @@ void Variable::assign(const Tensor& value) {
 }
 
 void Variable::assign_per_replica(const std::vector<Tensor>& per_replica) {
+  TANDEM_REQUIRE(!sharding_, FailedPrecondition,
+                 "variable \"{}\" is sharded (each replica holds another part of it); set it with assign(), not "
+                 "from per-replica values",
+                 name_);
   TANDEM_REQUIRE(per_replica.size() == copies_.size(), InvalidArgument,
                  "variable \"{}\" has {} copies; got {} per-replica values", name_, copies_.size(), per_replica.size());
   for (std::size_t r = 0; r < per_replica.size(); ++r) {

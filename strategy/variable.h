@@ -103,7 +103,7 @@ class Variable {
   // combined as TF combines replica-context updates: on-write variables take the SUM or MEAN of
   // the values, or replica 0's for ONLY_FIRST_REPLICA, on every copy; NONE with several replicas
   // is FailedPrecondition (TF: "you must specify an aggregation method"). On-read variables keep
-  // each replica's own value.
+  // each replica's own value. A sharded variable is FailedPrecondition (use assign).
   void assign_per_replica(const std::vector<Tensor>& per_replica);
   // For on-write (mirrored) variables: throws FailedPrecondition naming the variable, the
   // replicas and the first element where the copies differ. Copies must stay bit-identical: every

@@ -134,6 +134,7 @@ TEST_CASE("a sharded variable: one padded shard per replica, read back whole, as
   CHECK(v->read_value().shape() == Shape{7});
   CHECK_THROWS_AS(v->assign(Tensor::zeros({2}, kFloat32)), InvalidArgument);
   v->check_copies_equal();  // shards differ by design: not compared
+  CHECK_THROWS_AS(v->assign_per_replica({value, value, value, value}), FailedPrecondition);
 
   // Fewer elements than replicas: the last shards are all padding.
   auto tiny = four.create_variable(
