@@ -81,12 +81,13 @@ bool all_finite(const std::vector<Tensor>& gradients) {
   return true;
 }
 
-// A gradient must match its variable's copy in shape, dtype and device.
+// A gradient must match its variable's copy in shape (or, for a variable updated by shard, the
+// shard's: `expected`), dtype and device.
 void require_matching_gradient(const std::string& optimizer, const strategy::Variable& variable, const Tensor& w,
-                               const Tensor& grad) {
-  TANDEM_REQUIRE(grad.shape() == w.shape() && grad.dtype() == w.dtype() && &grad.device() == &w.device(),
-                 InvalidArgument, "{}: gradient of \"{}\" is {} {} on {}; the variable is {} {} on {}", optimizer,
-                 variable.name(), grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), w.shape(),
+                               const Tensor& grad, const Shape& expected) {
+  TANDEM_REQUIRE(grad.shape() == expected && grad.dtype() == w.dtype() && &grad.device() == &w.device(),
+                 InvalidArgument, "{}: gradient of \"{}\" is {} {} on {}; expected {} {} on {}", optimizer,
+                 variable.name(), grad.dtype(), grad.shape(), grad.device().short_name(), w.dtype(), expected,
                  w.device().short_name());
 }
 
@@ -184,6 +185,16 @@ double squared_norm(devices::Device& device, const T* g, std::int64_t n) {
   });
   double total = 0;
   for (double s : partial) total += s;
+  return total;
+}
+
+// The squared L2 norm of a gradient (or a view of one), in float64, on its device.
+double squared_norm_of(const Tensor& g) {
+  if (!g.device().host_accessible()) return ops::detail::squared_norm_on_device(g);
+  double total = 0;
+  graph::dispatch<graph::FloatTypes>(g.dtype(), "optimizer", [&]<class T>() {
+    total = squared_norm(g.device(), static_cast<const T*>(g.raw_data()), g.num_elements());
+  });
   return total;
 }
 
@@ -350,12 +361,20 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
       accumulators_.push_back(owner.create_variable(std::move(options)));
       slot_list_.emplace_back(accumulators_.back()->name(), accumulators_.back());
     }
+    // ZeRO: this replica updates its shard of a reduce-scattered variable, so its slots keep that
+    // shard only (the accumulators above stay whole: micro-steps add whole gradients into them).
+    const bool sharded =
+        owner.variable_plan(*variable).reduction == strategy::VariablePlan::Reduction::kReduceScatter;
+    shards_.push_back(sharded ? std::optional(strategy::ShardSpec::even(variable->shape(), owner.num_replicas_in_sync()))
+                              : std::nullopt);
+    sharded_ = sharded_ || sharded;
     std::vector<VariablePtr> slots;
     for (const auto& slot : names) {
       strategy::VariableOptions options;
       options.name = fmt::format("{}/{}", variable->name(), slot);
       options.initial_value = Tensor::zeros(variable->shape(), variable->dtype());
       options.trainable = false;
+      options.sharded = sharded;
       auto created = owner.create_variable(std::move(options));
       slot_list_.emplace_back(created->name(), created);
       slots.push_back(std::move(created));
@@ -377,6 +396,58 @@ std::int64_t Optimizer::loss_scale_step_counter(int replica) const {
   return read_scalar<std::int64_t>(step_counter_->value(replica));
 }
 
+std::pair<std::int64_t, std::int64_t> Optimizer::update_range(std::size_t variable, int replica) const {
+  const auto& sharding = shards_[variable];
+  if (!sharding) return {0, variables_[variable]->value(replica).num_elements()};
+  const int s = shard_of(replica);
+  return {sharding->begin(s), sharding->end(s) - sharding->begin(s)};
+}
+
+int Optimizer::shard_of(int replica) const {
+  return variables_.front()->strategy().global_replica_index(replica);
+}
+
+void Optimizer::sum_over_replicas(int replica, std::vector<double>& values) const {
+  strategy::Strategy& owner = variables_.front()->strategy();
+  if (owner.num_replicas_in_sync() == 1 || values.empty()) return;
+  auto& device = variables_.front()->value(replica).device();
+  Tensor buffer = Tensor::from_vector(values, {static_cast<std::int64_t>(values.size())}).to(device);
+  owner.communicator(replica).all_reduce(buffer, collective::ReduceOp::kSum,
+                                         {.timeout = owner.distribution_options().collective_timeout});
+  values = buffer.to(devices::default_cpu_device()).to_vector<double>();
+}
+
+// Per variable, its gradient's squared norm, summed in one order however the state is sharded:
+// over the shards of ShardSpec::even across the replicas in sync (each in its own chunked
+// pass), then the shards in order. Under ZeRO each replica has its own shard's sums only; the
+// table [shard][variable] is then completed by one small all-reduce, exact since every entry is
+// non-zero on one replica only. Unsharded, each replica fills every row itself: the same numbers,
+// so clipping is bitwise the same with and without ZeRO on the same replica count (and, on one
+// replica, one pass per gradient as before).
+std::vector<double> Optimizer::squared_norms(int replica, const std::vector<Tensor>& gradients) const {
+  const int n = variables_.front()->strategy().num_replicas_in_sync();
+  const std::size_t count = variables_.size();
+  const int me = shard_of(replica);
+  std::vector<double> table(static_cast<std::size_t>(n) * count, 0.0);
+  for (std::size_t vi = 0; vi < count; ++vi) {
+    const auto& sharding = shards_[vi];
+    const strategy::ShardSpec spec = sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->shape(), n);
+    for (int q = 0; q < n; ++q) {
+      if (sharded_ && q != me) continue;  // another replica's row
+      const std::int64_t b = spec.begin(q), e = spec.end(q);
+      const Tensor part = sharding ? strategy::flat_view(gradients[vi], 0, e - b)
+                                   : strategy::flat_view(gradients[vi], b, e - b);
+      table[static_cast<std::size_t>(q) * count + vi] = squared_norm_of(part);
+    }
+  }
+  if (sharded_) sum_over_replicas(replica, table);
+  std::vector<double> norms(count, 0.0);
+  for (std::size_t vi = 0; vi < count; ++vi) {
+    for (int q = 0; q < n; ++q) norms[vi] += table[static_cast<std::size_t>(q) * count + vi];
+  }
+  return norms;
+}
+
 bool Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
   if (!loss_scale_ || !dynamic_scale_) {
     update(replica, gradients, 1.0);
@@ -387,7 +458,10 @@ bool Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
   Tensor& scale_copy = dynamic_scale_->value(replica);
   Tensor& counter_copy = step_counter_->value(replica);
   const float scale = read_scalar<float>(scale_copy);
-  if (!all_finite(gradients)) {
+  // Under ZeRO each replica holds other shards: every replica must take the same decision.
+  std::vector<double> non_finite{all_finite(gradients) ? 0.0 : 1.0};
+  if (sharded_) sum_over_replicas(replica, non_finite);
+  if (non_finite.front() != 0.0) {
     write_scalar(scale_copy, scale * 0.5f);
     write_scalar(counter_copy, std::int64_t{0});
     return false;
@@ -414,42 +488,37 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   const double lr = learning_rate();
   const auto t = static_cast<double>(iterations_ + 1);
 
-  // Clipping by the global norm needs every gradient's norm first.
+  if (variables_.empty()) return;
+  // Clipping by norm needs the gradients' norms first (across shards under ZeRO).
+  std::vector<double> norms;
+  if (clip.clipnorm || clip.global_clipnorm) norms = squared_norms(replica, gradients);
   double global_scale = 1.0;
   if (clip.global_clipnorm && !clip.clipnorm) {
     double total = 0;
-    for (std::size_t i = 0; i < gradients.size(); ++i) {
-      if (!gradients[i].device().host_accessible()) {
-        total += ops::detail::squared_norm_on_device(gradients[i]);
-        continue;
-      }
-      graph::dispatch<graph::FloatTypes>(gradients[i].dtype(), "optimizer", [&]<class T>() {
-        total += squared_norm(gradients[i].device(), static_cast<const T*>(gradients[i].raw_data()),
-                              gradients[i].num_elements());
-      });
-    }
+    for (const double squared : norms) total += squared;
     const double norm = std::sqrt(total) * mean_scale;
     if (norm > *clip.global_clipnorm) global_scale = *clip.global_clipnorm / norm;
   }
   global_scale *= mean_scale;
 
-  if (!variables_.empty() && !variables_.front()->value(replica).device().host_accessible()) {
-    update_on_device(replica, gradients, global_scale, mean_scale);
+  if (!variables_.front()->value(replica).device().host_accessible()) {
+    update_on_device(replica, gradients, global_scale, mean_scale, norms);
     return;
   }
 
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     Tensor& w = variables_[vi]->value(replica);
     const Tensor& grad = gradients[vi];
-    require_matching_gradient(name(), *variables_[vi], w, grad);
+    const auto [first, n] = update_range(vi, replica);
+    require_matching_gradient(name(), *variables_[vi], w, grad,
+                              shards_[vi] ? Shape{shards_[vi]->shard_elements} : w.shape());
     auto& device = w.device();
     graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
-      const std::int64_t n = w.num_elements();
-      T* var = static_cast<T*>(w.raw_data());
+      T* var = static_cast<T*>(w.raw_data()) + first;
       const T* g = static_cast<const T*>(grad.raw_data());
       double scale = global_scale;
       if (clip.clipnorm) {
-        const double norm = std::sqrt(squared_norm(device, g, n)) * mean_scale;
+        const double norm = std::sqrt(norms[vi]) * mean_scale;
         if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
       }
       GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
@@ -543,11 +612,13 @@ std::vector<ops::detail::UpdateTensor> Optimizer::device_update_tensors(int repl
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
     const Tensor& w = variables_[vi]->value(replica);
     const Tensor& grad = gradients[vi];
-    require_matching_gradient(name(), *variables_[vi], w, grad);
+    const auto [first, n] = update_range(vi, replica);
+    require_matching_gradient(name(), *variables_[vi], w, grad,
+                              shards_[vi] ? Shape{shards_[vi]->shard_elements} : w.shape());
     ops::detail::UpdateTensor u;
-    u.var = w.raw_data();
+    u.var = static_cast<std::byte*>(w.raw_data()) + static_cast<std::size_t>(first) * graph::dtype_size(w.dtype());
     u.grad = grad.raw_data();
-    u.elements = w.num_elements();
+    u.elements = n;
     u.weight_decay = decays_[vi];  // params.decay applies to this tensor (not excluded)
     // Slot order per rule (slot_names): SGD {momentum}; RMSprop {velocity, [momentum], [average]};
     // Adam {m, v, [v_hat]}. The kernel's RMSprop wants {velocity, momentum, average} by position.
@@ -573,7 +644,7 @@ std::vector<ops::detail::UpdateTensor> Optimizer::device_update_tensors(int repl
 // The same step for variables in GPU memory: one fused kernel launch for all variables (per
 // variable under clipnorm, whose factor differs).
 void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale,
-                                 double mean_scale) {
+                                 double mean_scale, const std::vector<double>& norms) {
   const Clip clip = clip_of(spec_);
   ops::detail::UpdateParams params = device_update_params(global_scale);
   const auto tensors = device_update_tensors(replica, gradients);
@@ -587,7 +658,7 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
     for (std::size_t vi = 0; vi < tensors.size(); ++vi) {
       double scale = global_scale;
       if (clip.clipnorm) {
-        const double norm = std::sqrt(ops::detail::squared_norm_on_device(gradients[vi])) * mean_scale;
+        const double norm = std::sqrt(norms[vi]) * mean_scale;
         if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
       }
       params.gradient_scale = scale;
@@ -603,7 +674,7 @@ void Optimizer::update_on_device(int replica, const std::vector<Tensor>& gradien
 // --- Updates recorded in CUDA graphs ---------------------------------------------------------------
 
 bool Optimizer::can_update_from_device_memory(int replica) const {
-  if (variables_.empty() || loss_scale_ || accumulation_steps_ != 1) return false;
+  if (variables_.empty() || loss_scale_ || accumulation_steps_ != 1 || sharded_) return false;
   const Clip clip = clip_of(spec_);
   if (clip.clipnorm || clip.global_clipnorm) return false;
   const Tensor& first = variables_.front()->value(replica);

@@ -12,7 +12,13 @@
 //
 // The update of each variable runs as one fused pass over its elements on the replica's device
 // (clip, decay, moments and the step together). Every replica applies the same (all-reduced)
-// gradients to its own copy, so copies stay equal without another exchange.
+// gradients to its own copy, so copies stay equal without another exchange. Under ZeRO
+// (DistributionOptions::zero k1, k2) the strategy reduce-scatters the gradients instead: each
+// replica gets its shard of each gradient, keeps its shard of each slot, and updates its range
+// of each variable; the gradient reducer's gather_updated then makes the copies whole. Norms for
+// clipping and the loss scale's finiteness check are agreed across the shards (one small
+// all-reduce each), so results are bitwise those without ZeRO on the same replica count.
+// Gradient accumulators stay whole under stages 1 and 2.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -93,7 +100,8 @@ using OptimizerSpec = std::variant<SGD, Adam, AdamW, RMSprop>;
 //     halves and the count restarts. As in Keras 3 there is no floor.
 // The scale and the count are optimizer state (Keras's dynamic_scale and step_counter): training
 // checkpoints and BackupAndRestore keep them. Every replica sees the same all-reduced gradients,
-// so all replicas take the same decision without another exchange. The inner optimizer may not
+// so all replicas take the same decision without another exchange (under ZeRO each sees its shard
+// only, and one small all-reduce of the verdict makes them agree). The inner optimizer may not
 // use gradient_accumulation_steps (Unimplemented).
 struct LossScaleOptimizer {
   OptimizerSpec inner_optimizer = Adam{};
@@ -169,7 +177,8 @@ class Optimizer {
   // naming both. Idempotent for the same variables.
   void build(const std::vector<VariablePtr>& variables);
   // Applies one gradient per built variable (same order; each on the replica's device, same
-  // shape) to replica `replica`'s copies. Does not advance iterations. With gradient
+  // shape, or for a variable the strategy reduce-scatters (ZeRO) the 1-D shard [shard_elements]
+  // of replica's range) to replica `replica`'s copies. Does not advance iterations. With gradient
   // accumulation, call it on update steps only, with the gradients summed over the accumulated
   // steps (accumulators()); it divides by the step count and clears this replica's accumulators.
   // Under loss scaling the gradients are those of the scaled loss: a finite step applies them
@@ -241,10 +250,27 @@ class Optimizer {
   struct StagedParams;                        // per replica: stage_update_params's pinned and device copies
   std::vector<std::unique_ptr<StagedParams>> staged_params_;
 
+  // ZeRO (DistributionOptions::zero >= k1): per variable, how it is sharded when the strategy
+  // reduce-scatters its gradient (its gradient is then this replica's shard, its slots are
+  // sharded, and the update covers this replica's range only); unset for whole variables.
+  std::vector<std::optional<strategy::ShardSpec>> shards_;
+  bool sharded_ = false;  // any variable is
+
   // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).
   void update(int replica, const std::vector<Tensor>& gradients, double unscale);
-  // update() for variables in GPU memory: one fused kernel for all of them.
-  void update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale, double mean_scale);
+  // update() for variables in GPU memory: one fused kernel for all of them (per variable under
+  // clipnorm, with `norms` from squared_norms).
+  void update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale, double mean_scale,
+                        const std::vector<double>& norms);
+  // The elements of variable `variable` replica updates: (first, count); all of them unless sharded.
+  std::pair<std::int64_t, std::int64_t> update_range(std::size_t variable, int replica) const;
+  // Replica's shard index (its global index among the replicas in sync).
+  int shard_of(int replica) const;
+  // Sums `values` over the replicas in sync, in place (one small all-reduce; replica's thread,
+  // every replica alike).
+  void sum_over_replicas(int replica, std::vector<double>& values) const;
+  // Per variable, the squared norm of its whole gradient, in an order independent of sharding.
+  std::vector<double> squared_norms(int replica, const std::vector<Tensor>& gradients) const;
   // The fused kernel's numbers for the coming step (gradient_scale = global_scale).
   ops::detail::UpdateParams device_update_params(double global_scale) const;
   // The fused kernel's tensors: replica's variables and slots with these gradients.

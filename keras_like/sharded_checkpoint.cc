@@ -69,10 +69,7 @@ std::vector<std::uint32_t> block_checksums(const unsigned char* data, std::uint6
 
 // The first `elements` of a tensor, on the host (a shard without its padding).
 Tensor host_prefix(const Tensor& tensor, std::int64_t elements) {
-  const Tensor host = tensor.to(devices::default_cpu_device());
-  Tensor out = Tensor::empty({elements}, host.dtype());
-  std::memcpy(out.raw_data(), host.raw_data(), static_cast<std::size_t>(elements) * graph::dtype_size(host.dtype()));
-  return out;
+  return strategy::flat_view(tensor, 0, elements).to(devices::default_cpu_device()).clone();
 }
 
 void sync_directory(const fs::path& dir) {
@@ -241,10 +238,9 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
       if (chief) add(i, name, 0, variable->read_value().reshape({variable->shape().num_elements()}));
       continue;
     }
-    // Shard s is the replica with global index s: worker rank x local replicas + local replica.
-    const int local = variable->num_replicas();
-    for (int r = 0; r < local; ++r) {
-      const int s = strategy.worker_rank() * local + r;
+    // Shard s is the replica with global index s (ShardSpec).
+    for (int r = 0; r < variable->num_replicas(); ++r) {
+      const int s = strategy.global_replica_index(r);
       add(i, name, spec->begin(s), host_prefix(variable->value(r), spec->end(s) - spec->begin(s)));
     }
   }
@@ -497,9 +493,8 @@ std::vector<Tensor> CheckpointReader::read_for(const std::string& name, const Va
   const auto& spec = variable.sharding();
   if (!spec) return {read(name)};
   std::vector<Tensor> out;
-  const int local = variable.num_replicas();
-  for (int r = 0; r < local; ++r) {
-    const int s = variable.strategy().worker_rank() * local + r;
+  for (int r = 0; r < variable.num_replicas(); ++r) {
+    const int s = variable.strategy().global_replica_index(r);
     Tensor shard = Tensor::zeros({spec->shard_elements}, variable.dtype());
     const Tensor part = read_range(name, spec->begin(s), spec->end(s));
     if (part.nbytes() > 0) std::memcpy(shard.raw_data(), part.raw_data(), part.nbytes());

@@ -550,6 +550,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // They are views of the executor's arena: kept past the step, they would make the next run
     // move to a fresh arena (an allocation and its page faults every step).
     replica.grads.clear();
+    // ZeRO: each replica updated its range of each variable; the all-gather makes them whole (a
+    // no-op without reduce-scattered variables; after a skipped step it gathers what is there).
+    reducer.gather_updated(r);
   }
   if (!replica.updates_reduced) reducer.weighted_sum_across_replicas(r, updates, weight);
   for (std::size_t u = 0; u < g.updates.size(); ++u) g.updates[u].first->value(r).copy_from(updates[u]);

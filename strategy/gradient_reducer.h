@@ -21,10 +21,27 @@
 // one of its own. Every replica reduces the buckets in one order: by the graph node that completes
 // each, so that the collectives match on every rank.
 //
-// What each variable's gradient needs comes from the strategy (Strategy::variable_plan): today an
-// all-reduce (data parallelism) or nothing (a variable each replica keeps to itself). This is the
+// What each variable's gradient needs comes from the strategy (Strategy::variable_plan): an
+// all-reduce (data parallelism), a reduce-scatter (ZeRO stages 1 and 2, below) or nothing (a
+// variable each replica keeps to itself). This is the
 // extension point of the strategies that split variables: a strategy answers per variable, and
 // the trainer, which only drives this class, does not change.
+//
+// ZeRO (DistributionOptions::zero k1, k2): a bucket of reduce-scattered gradients is packed into
+// one buffer laid out [shard 0 of each gradient of the bucket][shard 1 of each] ... (ShardSpec,
+// zero padding) and reduce-scattered in one call, so that each replica receives the sums of its
+// shards only; finish_step returns, for those variables, 1-D gradient shards [shard_elements]
+// (the replica's shard of each sum), which the optimizer applies to the replica's range of the
+// variable. The replicas' updated ranges are then exchanged by gather_updated, one all_gather per
+// bucket, so that every copy is whole again. The sums are formed in the same order as the
+// all-reduce of the same communicator (the in-process group adds ranks in rank order for both),
+// so results are bitwise those of unsharded data parallelism. Memory: the packed send buffer and
+// the received shards live only during their bucket's collective (one bucket's worth at a time);
+// the received shards are copied back into the first elements of each gradient's own buffer (the
+// executor's arena, which holds backward's full gradients during the run in any case), and the
+// gradient shards returned point there. Stages 1 and 2 therefore run the same code: with the
+// gradients in the executor's arena, "dropping the full gradient" (stage 2) would need an
+// executor that frees a gradient's buffer as soon as it is reduce-scattered.
 //
 // Throws: from the step calls, what the collectives throw (DeadlineExceeded naming the operation
 // and the missing ranks; Unavailable once Strategy::run has aborted a failed step's collectives);
@@ -57,6 +74,9 @@ struct VariablePlan {
   enum class Reduction {
     kAllReduce,  // summed over every replica in sync, in buckets (data parallelism)
     kNone,       // not communicated: the replica's own gradient (a variable only it holds)
+    // Reduce-scattered (ZeRO): each replica gets the sum of its shard (ShardSpec::even over the
+    // replicas in sync), updates that range of its copy, and gather_updated makes copies whole.
+    kReduceScatter,
   };
   Reduction reduction = Reduction::kAllReduce;
 };
@@ -116,13 +136,21 @@ class GradientReducer {
   // included); on a micro-step its own, after adding them to the accumulators. The tensors are
   // the run's outputs, reduced in place: valid until replica's next begin_step. Keep no copy of
   // them past the step: while a view of its arena is held, the executor's next run moves to a
-  // fresh arena (an allocation and its page faults every step).
+  // fresh arena (an allocation and its page faults every step). A reduce-scattered variable's
+  // gradient is its 1-D shard [shard_elements] of the sum (a view of the same arena), on reduce
+  // steps only.
   virtual std::span<const Tensor> finish_step(int replica);
+  // After the optimizer has updated replica's range of each reduce-scattered variable (a reduce
+  // step): all-gathers those ranges so that replica's copies are whole and equal to every other
+  // replica's, one all_gather per bucket. Every replica calls it, after finish_step; a no-op when
+  // no variable is reduce-scattered.
+  virtual void gather_updated(int replica);
 
   // --- device-side steps (a GPU replica's whole step recorded as one CUDA graph) --------------
   // Whether replica's reduction can be queued on its device with no host decision: one worker,
-  // no compression, no accumulation, and a communicator that queues on the device (or no other
-  // replica to reduce with).
+  // no compression, no accumulation, no reduce-scattered variable (ZeRO's packing, shard update
+  // and all-gather run on the host path), and a communicator that queues on the device (or no
+  // other replica to reduce with).
   virtual bool reduces_on_device(int replica);
   // Queues the all-reduce of `gradients` (the run's gradient values, as finish_step would return
   // them) after the work on replica's compute stream, and returns without waiting. Every replica
@@ -151,6 +179,7 @@ class GradientReducer {
   struct Plan;
   class Observer;
   void reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
+  void reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras);
 
   Strategy& strategy_;
   std::vector<GradientSource> sources_;

@@ -136,16 +136,31 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
   TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
                  "{}: device_prefetch_batches must be at least 1; got {}", name_,
                  distribution_.device_prefetch_batches);
+  // Stage 3 (parameters sharded and gathered per layer) is not built: refused here, before any
+  // variable exists, rather than silently trained unsharded.
+  TANDEM_REQUIRE(distribution_.zero != ZeroStage::k3, Unimplemented,
+                 "{}: ZeRO stage 3 (sharded parameters) is not implemented; use DistributionOptions::zero = k1 or k2",
+                 name_);
+  TANDEM_REQUIRE(distribution_.zero == ZeroStage::k0 || !distribution_.gradient_all_reduce_dtype, InvalidArgument,
+                 "{}: gradient_all_reduce_dtype (compressed all-reduce) cannot be combined with ZeRO stage {}: the "
+                 "sharded optimizer's results would no longer equal unsharded training",
+                 name_, static_cast<int>(distribution_.zero));
   if (cross_device_ops_ == nullptr) cross_device_ops_ = choose_cross_device_ops(devices_);
 }
 
 Strategy::~Strategy() = default;
 
-VariablePlan Strategy::variable_plan(const Variable& /*variable*/) const { return {}; }
+VariablePlan Strategy::variable_plan(const Variable& variable) const {
+  if (distribution_.zero >= ZeroStage::k1 && variable.trainable() && !variable.sharding()) {
+    return {.reduction = VariablePlan::Reduction::kReduceScatter};
+  }
+  return {};
+}
 
 void Strategy::check_replicas_agree(std::span<const std::shared_ptr<Variable>> variables) const {
   for (const auto& v : variables) {
-    if (variable_plan(*v).reduction == VariablePlan::Reduction::kAllReduce) v->check_copies_equal();
+    // Reduce-scattered variables are whole again on every replica after the all-gather.
+    if (variable_plan(*v).reduction != VariablePlan::Reduction::kNone) v->check_copies_equal();
   }
 }
 
@@ -171,6 +186,7 @@ Strategy::Scope Strategy::scope() { return Scope(*this); }
 std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
   TANDEM_REQUIRE(options.initial_value.defined(), InvalidArgument, "variable \"{}\": no initial value", options.name);
   agree_on_variable(options);
+  if (options.sharded && distribution_.zero >= ZeroStage::k1) return create_sharded_variable(std::move(options));
   std::vector<Tensor> copies;
   copies.reserve(devices_.size());
   for (auto* device : devices_) {
@@ -182,6 +198,25 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
     return std::make_shared<SyncOnReadVariable>(*this, std::move(options), std::move(copies));
   }
   return std::make_shared<MirroredVariable>(*this, std::move(options), std::move(copies));
+}
+
+// Each local replica's copy is its shard of the value flattened, zero-padded (ShardSpec).
+std::shared_ptr<Variable> Strategy::create_sharded_variable(VariableOptions options) {
+  TANDEM_REQUIRE(options.synchronization != VariableSynchronization::kOnRead, InvalidArgument,
+                 "{}: variable \"{}\" is sharded and synchronised on read; only on-write variables shard", name_,
+                 options.name);
+  const Tensor& initial = options.initial_value;
+  const ShardSpec spec = ShardSpec::even(initial.shape(), num_replicas_in_sync());
+  std::vector<Tensor> copies;
+  copies.reserve(devices_.size());
+  for (std::size_t r = 0; r < devices_.size(); ++r) {
+    const int s = global_replica_index(static_cast<int>(r));
+    Tensor copy = Tensor::zeros({spec.shard_elements}, initial.dtype(), *devices_[r]);
+    const std::int64_t b = spec.begin(s), e = spec.end(s);
+    if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(initial, b, e - b));
+    copies.push_back(std::move(copy));
+  }
+  return std::make_shared<MirroredVariable>(*this, std::move(options), std::move(copies), spec);
 }
 
 collective::Communicator& Strategy::communicator(int replica) {

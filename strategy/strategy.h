@@ -124,8 +124,13 @@ class Strategy {
   const std::vector<devices::Device*>& replica_devices() const { return devices_; }
 
   // A variable with one copy per replica device, each initialised to options.initial_value: a
-  // MirroredVariable, or a SyncOnReadVariable when options.synchronization is kOnRead.
+  // MirroredVariable, or a SyncOnReadVariable when options.synchronization is kOnRead. With
+  // options.sharded under DistributionOptions::zero >= k1, a sharded MirroredVariable instead:
+  // each copy is its replica's shard of the value (ShardSpec::even over num_replicas_in_sync()).
   std::shared_ptr<Variable> create_variable(VariableOptions options);
+  // The index among all replicas in sync (across workers) of local replica `replica`: the shard
+  // it holds of a sharded variable, and its rank in the replicas' communicator.
+  int global_replica_index(int replica) const { return worker_rank() * static_cast<int>(devices_.size()) + replica; }
 
   // Calls fn once per local replica with its ReplicaContext: replica 0 on the calling thread, the
   // others on the strategy's replica threads, in parallel. Blocks until all have returned. When a
@@ -207,11 +212,15 @@ class Strategy {
 
   // --- how training communicates (the strategy's part of a step; see gradient_reducer.h) -------
   // How `variable`'s gradient is communicated during training. Data-parallel strategies (these)
-  // all-reduce every gradient; a strategy that splits variables answers per variable.
+  // all-reduce every gradient; under DistributionOptions::zero >= k1 they reduce-scatter the
+  // gradients of trainable (unsharded) variables, each replica updating its shard and the
+  // reducer all-gathering the results (GradientReducer::gather_updated); a strategy that splits
+  // variables answers per variable.
   virtual VariablePlan variable_plan(const Variable& variable) const;
   // Checks that the copies of every variable this strategy replicates are still bit-identical
   // (every replica applied the same updates); FailedPrecondition naming the first that differs.
-  // Variables whose gradients are not reduced (variable_plan) keep per-replica values: skipped.
+  // Variables whose gradients are not reduced (variable_plan) keep per-replica values, and
+  // sharded variables hold different shards: skipped.
   virtual void check_replicas_agree(std::span<const std::shared_ptr<Variable>> variables) const;
   // The gradient reducer for one training graph (fit() makes one per model graph; a custom loop
   // makes its own). A strategy with another way of communicating returns a subclass.
@@ -254,6 +263,7 @@ class Strategy {
  private:
   struct ReplicaThreads;
   void abort_collectives(const std::string& reason);
+  std::shared_ptr<Variable> create_sharded_variable(VariableOptions options);
 
   std::string name_;
   std::vector<devices::Device*> devices_;

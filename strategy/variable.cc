@@ -21,6 +21,13 @@ std::int64_t ShardSpec::end(int shard) const {
   return std::min(global_shape.num_elements(), static_cast<std::int64_t>(shard + 1) * shard_elements);
 }
 
+Tensor flat_view(const Tensor& tensor, std::int64_t offset, std::int64_t count) {
+  TANDEM_ASSERT(offset >= 0 && count >= 0 && offset + count <= tensor.num_elements(),
+                "flat_view [{}, {}) of a tensor of {} elements", offset, offset + count, tensor.num_elements());
+  return Tensor({count}, tensor.dtype(), tensor.buffer(),
+                tensor.byte_offset() + static_cast<std::size_t>(offset) * graph::dtype_size(tensor.dtype()));
+}
+
 Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies,
                    std::optional<ShardSpec> sharding)
     : strategy_(&strategy),
@@ -43,7 +50,26 @@ Tensor& Variable::value(int replica) {
 
 const Tensor& Variable::value(int replica) const { return const_cast<Variable*>(this)->value(replica); }
 
+int Variable::first_local_shard(std::string_view what) const {
+  TANDEM_REQUIRE(strategy_->num_workers() == 1, FailedPrecondition,
+                 "{} sharded variable \"{}\": its shards are spread over {} workers of {}; read and write it through "
+                 "a sharded checkpoint",
+                 what, name_, strategy_->num_workers(), strategy_->name());
+  return strategy_->global_replica_index(0);
+}
+
 Tensor Variable::read_value() const {
+  if (sharding_) {
+    // Each local shard's elements, padding dropped, at their place in the flattened value.
+    const int first = first_local_shard("read_value of");
+    Tensor out = Tensor::empty(sharding_->global_shape, dtype());
+    for (std::size_t r = 0; r < copies_.size(); ++r) {
+      const int s = first + static_cast<int>(r);
+      const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
+      if (e > b) flat_view(out, b, e - b).copy_from(flat_view(copies_[r], 0, e - b));
+    }
+    return out;
+  }
   if (synchronization_ == VariableSynchronization::kOnRead && copies_.size() > 1 &&
       (aggregation_ == VariableAggregation::kSum || aggregation_ == VariableAggregation::kMean)) {
     return strategy_->reduce(aggregation_ == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean, copies_);
@@ -52,7 +78,7 @@ Tensor Variable::read_value() const {
 }
 
 void Variable::check_copies_equal() const {
-  if (copies_.size() < 2 || synchronization_ == VariableSynchronization::kOnRead) return;
+  if (copies_.size() < 2 || synchronization_ == VariableSynchronization::kOnRead || sharding_) return;
   const Tensor first = copies_.front().to(devices::default_cpu_device());
   for (std::size_t r = 1; r < copies_.size(); ++r) {
     const Tensor other = copies_[r].to(devices::default_cpu_device());
@@ -71,10 +97,22 @@ void Variable::check_copies_equal() const {
 }
 
 void Variable::assign(const Tensor& value) {
-  TANDEM_REQUIRE(value.defined() && value.dtype() == dtype() && value.shape() == shape(), InvalidArgument,
+  TANDEM_REQUIRE(value.defined() && value.dtype() == dtype() && value.shape() == global_shape(), InvalidArgument,
                  "assign to variable \"{}\": got {} {}; expected {} {}", name_,
                  value.defined() ? graph::dtype_name(value.dtype()) : "undefined",
-                 value.defined() ? value.shape() : Shape{}, dtype(), shape());
+                 value.defined() ? value.shape() : Shape{}, dtype(), global_shape());
+  if (sharding_) {
+    // Each local copy takes its shard's elements; the padding after them stays zero.
+    const int first = first_local_shard("assign to");
+    for (std::size_t r = 0; r < copies_.size(); ++r) {
+      const int s = first + static_cast<int>(r);
+      const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
+      Tensor& copy = copies_[r];
+      copy.device().fill_zero(copy.raw_data(), copy.nbytes());
+      if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(value, b, e - b));
+    }
+    return;
+  }
   if (synchronization_ == VariableSynchronization::kOnRead && aggregation_ == VariableAggregation::kSum &&
       copies_.size() > 1) {
     Tensor divided = value.to(devices::default_cpu_device()).clone();
@@ -90,6 +128,10 @@ void Variable::assign(const Tensor& value) {
 }
 
 void Variable::assign_per_replica(const std::vector<Tensor>& per_replica) {
+  TANDEM_REQUIRE(!sharding_, FailedPrecondition,
+                 "variable \"{}\" is sharded (each replica holds another part of it); set it with assign(), not "
+                 "from per-replica values",
+                 name_);
   TANDEM_REQUIRE(per_replica.size() == copies_.size(), InvalidArgument,
                  "variable \"{}\" has {} copies; got {} per-replica values", name_, copies_.size(), per_replica.size());
   for (std::size_t r = 0; r < per_replica.size(); ++r) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tandem/graph/tensor.h"
@@ -42,6 +43,10 @@ struct ShardSpec {
   std::int64_t begin(int shard) const;
   std::int64_t end(int shard) const;
 };
+
+// Elements [offset, offset + count) of `tensor` flattened: a 1-D view of its buffer, no copy
+// (how shards are cut out of whole values and packed into collective buffers).
+Tensor flat_view(const Tensor& tensor, std::int64_t offset, std::int64_t count);
 
 struct VariableOptions {
   std::string name;
@@ -83,22 +88,26 @@ class Variable {
   const Tensor& value(int replica = 0) const;
 
   // A host copy of the value: replica 0's copy for on-write variables; for on-read variables,
-  // the copies combined with the aggregation (SUM adds, MEAN averages, otherwise replica 0).
+  // the copies combined with the aggregation (SUM adds, MEAN averages, otherwise replica 0); for
+  // a sharded variable, the local shards gathered into global_shape(), padding dropped (one
+  // process only: across workers FailedPrecondition naming the variable).
   Tensor read_value() const;
   // Sets the variable to `value` from outside the replicas (TF's cross-replica assign): every copy
   // becomes `value`, except for an on-read SUM variable, whose copies become value / replicas so
   // that reading it gives `value` back. Any device; same dtype and shape, else InvalidArgument
-  // naming the variable. Callers: one thread at a time, not during a step.
+  // naming the variable. A sharded variable takes a value of global_shape() and keeps its shards
+  // of it (padding zero); one process only, like read_value. Callers: one thread at a time, not
+  // during a step.
   void assign(const Tensor& value);
   // Sets the variable from one value per replica (what each replica computed in Strategy::run),
   // combined as TF combines replica-context updates: on-write variables take the SUM or MEAN of
   // the values, or replica 0's for ONLY_FIRST_REPLICA, on every copy; NONE with several replicas
   // is FailedPrecondition (TF: "you must specify an aggregation method"). On-read variables keep
-  // each replica's own value.
+  // each replica's own value. A sharded variable is FailedPrecondition (use assign).
   void assign_per_replica(const std::vector<Tensor>& per_replica);
   // For on-write (mirrored) variables: throws FailedPrecondition naming the variable, the
   // replicas and the first element where the copies differ. Copies must stay bit-identical: every
-  // replica applies the same update.
+  // replica applies the same update. Sharded variables (each copy another shard) are skipped.
   void check_copies_equal() const;
 
  private:
@@ -109,6 +118,9 @@ class Variable {
   VariableAggregation aggregation_;
   std::vector<Tensor> copies_;
   std::optional<ShardSpec> sharding_;
+
+  // The global index of local replica 0's shard; FailedPrecondition (naming `what`) across workers.
+  int first_local_shard(std::string_view what) const;
 };
 
 // A variable kept equal on every replica: each replica applies the same update to its copy

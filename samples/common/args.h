@@ -1,7 +1,7 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
-// --checkpoint PATH --collective-timeout S (and --help), parsed with CLI11; the strategy they
-// choose and the callbacks they ask for.
+// --checkpoint PATH --collective-timeout S --zero 0|1|2|3 (and --help), parsed with CLI11; the
+// strategy they choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -38,6 +38,7 @@ struct Args {
   std::string backup_dir;                // keras::BackupAndRestore's folder; "": none
   std::string checkpoint_path;           // keras::ModelCheckpoint's path; "": none
   double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
+  int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
@@ -100,6 +101,12 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
                  "DistributionOptions::collective_timeout; unused by one")
       ->type_name("SECONDS")
       ->check(CLI::PositiveNumber);
+  app.add_option("--zero", a.zero,
+                 "ZeRO stage of sharded data parallelism (DeepSpeed's zero_optimization.stage):\n0 none, 1 optimizer "
+                 "slots, 2 slots and gradients (3 is not built\nyet: refused); for mirrored and multiworker, a no-op "
+                 "with one")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 3));
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
   if (add_options) add_options(app);
@@ -134,6 +141,7 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
     // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.
     tandem::strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.collective_timeout;
+    options.distribution.zero = static_cast<tandem::strategy::ZeroStage>(a.zero);
     for (int d = 0; d < a.cpu_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
     auto multi = std::make_unique<tandem::MultiWorkerMirroredStrategy>(options);
     if (multi->should_log()) {
@@ -143,14 +151,20 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
     return multi;
   }
   if (a.cpu_devices > 0) tandem::devices::set_logical_device_configuration({.num_cpu_devices = a.cpu_devices});
-  if (a.strategy == "one") return std::make_unique<tandem::OneDeviceStrategy>("CPU:0");
+  if (a.strategy == "one") {
+    // As DeepSpeed on one GPU: a ZeRO stage over one replica shards nothing, so it is accepted.
+    if (a.zero > 0) std::printf("--zero %d with --strategy one: one replica, nothing to shard\n", a.zero);
+    return std::make_unique<tandem::OneDeviceStrategy>("CPU:0");
+  }
   tandem::strategy::MirroredOptions options;
+  options.distribution.zero = static_cast<tandem::strategy::ZeroStage>(a.zero);
   if (a.collective_timeout > 0) {
     options.distribution.collective_timeout =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::duration<double>(a.collective_timeout));
   }
   auto mirrored = std::make_unique<tandem::MirroredStrategy>(options);
-  std::printf("MirroredStrategy on %d devices\n", mirrored->num_replicas_in_sync());
+  std::printf("MirroredStrategy on %d devices%s\n", mirrored->num_replicas_in_sync(),
+              a.zero > 0 ? fmt::format(", ZeRO stage {}", a.zero).c_str() : "");
   return mirrored;
 }
 

@@ -14,32 +14,15 @@
 #include "tandem/base/log.h"
 #include "tandem/base/random.h"
 #include "tandem/keras_like/keras.h"
+#include "common/three_class_data.h"
 
 using namespace tandem;
 
 namespace {
 
-struct Data {
-  Tensor x, y;
-};
+using Data = testing::ThreeClassData;
 
-// 1000 examples of a 3-class problem in 8 features.
-Data make_data(std::int64_t n = 1000) {
-  std::mt19937_64 rng(11);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> xs(static_cast<std::size_t>(n * 8));
-  std::vector<std::int64_t> ys(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) {
-    float s = 0;
-    for (int f = 0; f < 8; ++f) {
-      const float v = normal(rng);
-      xs[static_cast<std::size_t>(i * 8 + f)] = v;
-      s += (f % 3 == 0 ? 1.0f : -0.5f) * v;
-    }
-    ys[static_cast<std::size_t>(i)] = s > 0.5f ? 2 : s > -0.5f ? 1 : 0;
-  }
-  return {Tensor::from_vector(xs, {n, 8}), Tensor::from_vector(ys, {n})};
-}
+Data make_data(std::int64_t n = 1000) { return testing::three_class_data(n); }
 
 struct Run {
   std::vector<double> losses;  // the running loss after every batch

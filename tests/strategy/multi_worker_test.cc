@@ -326,6 +326,30 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("ZeRO stages 1 and 2 across 2 workers of 2 replicas each: bitwise the unsharded run") {
+  const auto run = [](const std::string& zero) {
+    testing::TempDir dir;
+    const auto codes = run_workers(dir.path().string(), 2,
+                                   {"--local-devices", "2", "--batchnorm", "1", "--accumulate", "2", "--zero", zero});
+    INFO(describe_logs(dir.path().string(), 2));
+    REQUIRE(codes == std::vector<int>{0, 0});
+    return std::pair{read_file(dir.path().string() + "/losses-0.txt"),
+                     keras::read_safetensors(dir.path().string() + "/weights-0.safetensors").tensors};
+  };
+  const auto plain = run("0");
+  for (const std::string zero : {"1", "2"}) {
+    INFO("--zero " << zero);
+    const auto sharded = run(zero);
+    CHECK(sharded.first == plain.first);
+    REQUIRE(sharded.second.size() == plain.second.size());
+    for (std::size_t i = 0; i < plain.second.size(); ++i) {
+      CAPTURE(plain.second[i].first);
+      CHECK(std::memcmp(sharded.second[i].second.raw_data(), plain.second[i].second.raw_data(),
+                        plain.second[i].second.nbytes()) == 0);
+    }
+  }
+}
+
 TEST_CASE("deterministic = false (Gloo's ring) from 3 workers on sums in another order than MirroredStrategy") {
   testing::TempDir ref, dir;
   run_mirrored(ref.path().string(), 3, {"--epochs", "2"});

@@ -11,12 +11,14 @@
 //                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
 //                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
 //                        [--batch 64] [--deterministic 0] [--batchnorm 1] [--accumulate N] [--validation 1]
+//                        [--zero 0|1|2]
 //
 // --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
 // the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many).
 // --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
 // every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
-// on two global batches of the training data after every epoch. Losses are printed with 17 digits: bitwise.
+// on two global batches of the training data after every epoch. --zero N: DistributionOptions::zero
+// of mirrored and multiworker (ZeRO's sharded optimizer state and gradients). Losses are printed with 17 digits: bitwise.
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1). --stop-at-step K
 // freezes it (SIGSTOP) instead. Either first writes one line on stderr saying so, which the
@@ -63,6 +65,7 @@ struct Args {
   bool batchnorm = false;
   int accumulate = 0;  // Adam's gradient_accumulation_steps (0: none)
   bool validation = false;
+  int zero = 0;  // DistributionOptions::zero
 };
 
 // Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
@@ -91,6 +94,7 @@ Args parse(int argc, char** argv) {
   app.add_option("--batchnorm", a.batchnorm, "1: a BatchNormalization layer after the hidden one");
   app.add_option("--accumulate", a.accumulate, "Adam's gradient_accumulation_steps");
   app.add_option("--validation", a.validation, "1: validation data (two global batches)");
+  app.add_option("--zero", a.zero, "ZeRO stage (DistributionOptions::zero) of mirrored and multiworker");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -148,11 +152,13 @@ int run(const Args& a) {
   } else if (a.strategy == "mirrored") {
     std::vector<std::string> devices;
     for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
-    strategy = std::make_unique<MirroredStrategy>(devices);
+    strategy = std::make_unique<MirroredStrategy>(strategy::MirroredOptions{
+        .devices = devices, .distribution = {.zero = static_cast<strategy::ZeroStage>(a.zero)}});
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
     options.communication_options.deterministic = a.deterministic;
+    options.distribution.zero = static_cast<strategy::ZeroStage>(a.zero);
     using Impl = strategy::CommunicationImplementation;
     options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
                                                    : a.implementation == "shm"  ? Impl::kSharedMemory
