@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "common/error_message.h"
 #include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/keras.h"
 
@@ -17,20 +18,6 @@ namespace kd = tandem::keras::distribution;
 namespace {
 
 const std::vector<std::string> kTwoCpus{"CPU:0", "CPU:1"};
-
-// The message of the error `fn` throws, which must be of type E.
-template <class E, class F>
-std::string message_of(F&& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("unexpected error: ", e.what());
-  }
-  FAIL("nothing thrown");
-  return {};
-}
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -89,23 +76,23 @@ Trained train(Strategy& strategy) {
 }  // namespace
 
 TEST_CASE("DeviceMesh refuses empty, mismatched, repeated and miscounted meshes, naming what is wrong") {
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({}, {}, kTwoCpus); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({}, {}, kTwoCpus); }),
                  "shape and axis_names cannot be empty"));
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({2}, {"batch", "model"}, kTwoCpus); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({2}, {"batch", "model"}, kTwoCpus); }),
                  "shape [2] has 1 axes but axis_names [batch, model] has 2 names"));
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({1, 2}, {"batch", "batch"}, kTwoCpus); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({1, 2}, {"batch", "batch"}, kTwoCpus); }),
                  "axis name 'batch' appears twice in [batch, batch]"));
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({4}, {"batch"}, kTwoCpus); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({4}, {"batch"}, kTwoCpus); }),
                  "shape [4] holds 4 devices but 2 were given (CPU:0, CPU:1)"));
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({0, 2}, {"batch", "model"}, kTwoCpus); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({0, 2}, {"batch", "model"}, kTwoCpus); }),
                  "axis 'batch' has size 0"));
-  CHECK(contains(message_of<InvalidArgument>([] { kd::DeviceMesh({2}, {"batch"}, {"CPU:0", "CPU:0"}); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::DeviceMesh({2}, {"batch"}, {"CPU:0", "CPU:0"}); }),
                  "device \"CPU:0\" appears twice"));
 
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
   CHECK(mesh.axis_size("model") == 2);
   CHECK(mesh.to_string() == "DeviceMesh(shape=[1, 2], axis_names=[batch, model])");
-  CHECK(contains(message_of<InvalidArgument>([&] { mesh.axis_size("data"); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { mesh.axis_size("data"); }),
                  "'data' is not an axis of DeviceMesh(shape=[1, 2], axis_names=[batch, model]); its axes are 'batch', "
                  "'model'"));
   // The default devices are MirroredStrategy's: the 2 logical CPU devices here.
@@ -114,10 +101,10 @@ TEST_CASE("DeviceMesh refuses empty, mismatched, repeated and miscounted meshes,
 }
 
 TEST_CASE("TensorLayout: an axis used twice, or unknown to the mesh it is bound to, is an error naming it") {
-  CHECK(contains(message_of<InvalidArgument>([] { kd::TensorLayout({"model", "model"}); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([] { kd::TensorLayout({"model", "model"}); }),
                  "TensorLayout ['model', 'model']: mesh axis 'model' splits dimensions 0 and 1"));
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
-  CHECK(contains(message_of<InvalidArgument>([&] { kd::TensorLayout({std::nullopt, "tensor"}, mesh); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::TensorLayout({std::nullopt, "tensor"}, mesh); }),
                  "TensorLayout [None, 'tensor']: 'tensor' is not an axis of DeviceMesh(shape=[1, 2], "
                  "axis_names=[batch, model]); its axes are 'batch', 'model'"));
   const kd::TensorLayout layout({std::nullopt, "model"}, mesh);
@@ -145,14 +132,14 @@ TEST_CASE("LayoutMap: exact key first, then keys as regular expressions matched 
 
   // A path two expressions match is an error naming both keys and the path.
   map["d2/.*"] = {std::nullopt, std::nullopt};
-  CHECK(message_of<InvalidArgument>([&] { map.get("d2/kernel"); }) ==
+  CHECK(testing::error_message<InvalidArgument>([&] { map.get("d2/kernel"); }) ==
         "LayoutMap: path 'd2/kernel' matches the keys '.*kernel' and 'd2/.*'; make each variable path match one key at "
         "most");
-  CHECK(contains(message_of<InvalidArgument>([&] { map["d1/kernel"] = {std::nullopt, std::nullopt}; }),
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { map["d1/kernel"] = {std::nullopt, std::nullopt}; }),
                  "LayoutMap: key 'd1/kernel' is already there (layout ['model', None])"));
-  CHECK(contains(message_of<InvalidArgument>([&] { map["dense(/kernel"] = {std::nullopt}; }),
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { map["dense(/kernel"] = {std::nullopt}; }),
                  "LayoutMap: key 'dense(/kernel' is not a regular expression"));
-  CHECK(contains(message_of<InvalidArgument>([&] { map["x"] = {"data"}; }), "'data' is not an axis of"));
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { map["x"] = {"data"}; }), "'data' is not an axis of"));
 }
 
 TEST_CASE("DataParallel trains bitwise as MirroredStrategy on the same 2 devices, and is the global distribution") {
@@ -173,12 +160,12 @@ TEST_CASE("DataParallel trains bitwise as MirroredStrategy on the same 2 devices
   kd::DataParallel listed(kTwoCpus, {.zero = kd::ZeroStage::k1});
   CHECK(listed.device_mesh().axis_names() == std::vector<std::string>{"batch"});
   CHECK(listed.distribution_options().zero == kd::ZeroStage::k1);
-  CHECK(contains(message_of<InvalidArgument>([] {
+  CHECK(contains(testing::error_message<InvalidArgument>([] {
                    kd::DataParallel(kTwoCpus, {.zero = kd::ZeroStage::k1,
                                                .distribution = {.zero = kd::ZeroStage::k2}});
                  }),
                  "DataParallelOptions::zero is stage 1 but its distribution.zero is stage 2"));
-  CHECK(contains(message_of<InvalidArgument>(
+  CHECK(contains(testing::error_message<InvalidArgument>(
                      [] { kd::DataParallel(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus)); }),
                  "has 2 devices along axis 'model'; DataParallel splits the batch over the first axis ('batch')"));
 
@@ -206,28 +193,18 @@ TEST_CASE("a mesh across workers names each device with its worker's rank, worke
   const auto resolver = std::make_shared<strategy::TFConfigClusterResolver>(strategy::TFConfigClusterResolver::from_json(
       R"({"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}})"));
   const kd::WorkerOptions workers{.cluster_resolver = resolver};
-  CHECK(contains(message_of<InvalidArgument>([&] { kd::DataParallel(kTwoCpus, {.workers = workers}); }),
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::DataParallel(kTwoCpus, {.workers = workers}); }),
                  "mesh device \"CPU:0\" names no task, but this job has 2 workers: name each device with its worker's "
                  "rank, as \"/job:worker/replica:0/task:1/device:CPU:0\""));
-  CHECK(contains(message_of<InvalidArgument>([&] {
-                   kd::DataParallel({"/job:worker/replica:0/task:1/device:CPU:0",
-                                     "/job:worker/replica:0/task:0/device:CPU:0"},
-                                    {.workers = workers});
-                 }),
+  // The error of a DataParallel on these devices, as rank 1 of the 2 workers.
+  const auto error = [&](std::vector<std::string> devices) {
+    return testing::error_message<InvalidArgument>([&] { kd::DataParallel(devices, {.workers = workers}); });
+  };
+  const auto global = [](int task, int cpu) { return fmt::format("/job:worker/replica:0/task:{}/device:CPU:{}", task, cpu); };
+  CHECK(contains(error({global(1, 0), global(0, 0)}),
                  "comes after a device of task 1: list the devices worker by worker (worker-major)"));
-  CHECK(contains(message_of<InvalidArgument>([&] {
-                   kd::DataParallel({"/job:worker/replica:0/task:0/device:CPU:0",
-                                     "/job:worker/replica:0/task:0/device:CPU:1",
-                                     "/job:worker/replica:0/task:1/device:CPU:0"},
-                                    {.workers = workers});
-                 }),
-                 "the mesh holds 2 devices of task 0 but 1 of task 1"));
-  CHECK(contains(message_of<InvalidArgument>([&] {
-                   kd::DataParallel({"/job:worker/replica:0/task:0/device:CPU:0",
-                                     "/job:worker/replica:0/task:2/device:CPU:0"},
-                                    {.workers = workers});
-                 }),
-                 "is on task 2, but this job has 2 workers (tasks 0 to 1)"));
+  CHECK(contains(error({global(0, 0), global(0, 1), global(1, 0)}), "the mesh holds 2 devices of task 0 but 1 of task 1"));
+  CHECK(contains(error({global(0, 0), global(2, 0)}), "is on task 2, but this job has 2 workers (tasks 0 to 1)"));
 }
 
 TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refuses to split variables") {
@@ -245,34 +222,40 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
     CHECK(p.unmatched_layout_keys == std::vector<std::string>{"d9/.*"});
     CHECK(p.variables[0].layout_key == "d1/kernel");
     CHECK(contains(p.to_string(), "LayoutMap keys that match no variable of the model: 'd9/.*'"));
+    // Data parallelism over 'batch': MirroredStrategy's training on the same devices.
+    MirroredStrategy mirrored(kTwoCpus);
+    const Trained want = train(mirrored);
+    const Trained got = train(mp);
+    CHECK(got.losses == want.losses);
+    CHECK(got.weights == want.weights);
   }
   {
     kd::LayoutMap map(mesh);
     map["d1/kernel"] = {std::nullopt};  // rank 1 for a rank-2 kernel
     kd::ModelParallel mp(map);
-    CHECK(contains(message_of<InvalidArgument>([&] { make_model(&mp); }),
+    CHECK(contains(testing::error_message<InvalidArgument>([&] { make_model(&mp); }),
                    "variable 'd1/kernel' of shape (4, 3) has rank 2 but layout_map['d1/kernel'] = [None] has 1 axes"));
   }
   {
     kd::LayoutMap map(mesh);
     map[".*kernel"] = {"batch", std::nullopt};
-    CHECK(message_of<Unimplemented>([&] { kd::ModelParallel mp(map); }) ==
+    CHECK(testing::error_message<Unimplemented>([&] { kd::ModelParallel mp(map); }) ==
           "ModelParallel: layout_map['.*kernel'] = ['batch', None] splits variables over the batch axis 'batch' (2 "
           "devices): that is ZeRO stage 3; use DataParallel(mesh, {.zero = ZeroStage::k3})");
   }
   {
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));
     map[".*kernel"] = {std::nullopt, "model"};
-    CHECK(contains(message_of<Unimplemented>([&] { kd::ModelParallel mp(map); }),
+    CHECK(contains(testing::error_message<Unimplemented>([&] { kd::ModelParallel mp(map); }),
                    "layout_map['.*kernel'] = [None, 'model'] splits variables over mesh axis 'model' (2 devices): "
                    "tensor parallelism is not implemented yet"));
   }
   {
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));
-    CHECK(contains(message_of<Unimplemented>([&] { kd::ModelParallel mp(map); }),
+    CHECK(contains(testing::error_message<Unimplemented>([&] { kd::ModelParallel mp(map); }),
                    "has 2 devices along axis 'model', which is not the batch axis 'batch': tensor parallelism is not "
                    "implemented yet"));
-    CHECK(contains(message_of<InvalidArgument>([&] { kd::ModelParallel mp(map, {.batch_dim_name = "data"}); }),
+    CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::ModelParallel mp(map, {.batch_dim_name = "data"}); }),
                    "'data' is not an axis of"));
   }
 }
@@ -345,5 +328,5 @@ TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 re
 
   // A Sequential without an Input has no variables to plan yet.
   const Model deferred = Sequential({Dense(2)});
-  CHECK(contains(message_of<FailedPrecondition>([&] { kd::plan(deferred); }), "is not built"));
+  CHECK(contains(testing::error_message<FailedPrecondition>([&] { kd::plan(deferred); }), "is not built"));
 }
