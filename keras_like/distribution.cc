@@ -259,26 +259,32 @@ std::string bytes_text(double bytes) {
 
 // --- devices and mesh -------------------------------------------------------------------------------
 
-std::vector<std::string> list_devices(std::string_view type) {
+namespace {
+
+// list_devices for the job `resolver` describes.
+std::vector<std::string> job_devices(const strategy::ClusterResolver& resolver, std::string_view type) {
   std::string kind(type);
   std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char c) { return std::tolower(c); });
   TANDEM_REQUIRE(kind.empty() || kind == "cpu" || kind == "gpu", InvalidArgument,
                  "list_devices: device type \"{}\"; expected \"cpu\", \"gpu\" or \"\" (the default devices)", type);
-  const auto resolver = strategy::resolve_cluster();
   std::vector<std::string> local;
   if (kind.empty()) {
-    local = resolver->num_workers() > 1 ? strategy::default_worker_devices(*resolver)
-                                        : short_names(strategy::mirrored_devices({}));
+    local = resolver.num_workers() > 1 ? strategy::default_worker_devices(resolver)
+                                       : short_names(strategy::mirrored_devices({}));
   } else {
     local = short_names(devices::list_logical_devices(kind == "cpu" ? devices::DeviceType::kCPU : devices::DeviceType::kGPU));
   }
-  if (resolver->num_workers() <= 1) return local;
+  if (resolver.num_workers() <= 1) return local;
   std::vector<std::string> global;
-  for (int task = 0; task < resolver->num_workers(); ++task) {
+  for (int task = 0; task < resolver.num_workers(); ++task) {
     for (const auto& d : local) global.push_back(global_device_name(task, d));
   }
   return global;
 }
+
+}  // namespace
+
+std::vector<std::string> list_devices(std::string_view type) { return job_devices(*strategy::resolve_cluster(), type); }
 
 DeviceMesh::DeviceMesh(std::vector<std::int64_t> shape, std::vector<std::string> axis_names,
                        std::vector<std::string> devices)
@@ -573,7 +579,9 @@ Plan Distribution::plan(const Model& model) const {
                                     .layout_map = mp ? &mp->layout_map() : nullptr});
 }
 
-DataParallel::DataParallel(DataParallelOptions options) : DataParallel(one_axis_mesh(list_devices()), std::move(options)) {}
+// The default mesh of the job the options name (their cluster resolver, else the environment's).
+DataParallel::DataParallel(DataParallelOptions options)
+    : DataParallel(one_axis_mesh(job_devices(*resolver_of(options.workers), "")), std::move(options)) {}
 
 DataParallel::DataParallel(DeviceMesh mesh, DataParallelOptions options)
     : Distribution("DataParallel", mesh, mesh.axis_names()[0], data_parallel_options(mesh, std::move(options))) {}

@@ -156,6 +156,11 @@ TEST_CASE("DataParallel trains bitwise as MirroredStrategy on the same 2 devices
   CHECK(got.losses == want.losses);
   CHECK(got.weights == want.weights);
 
+  // No mesh: a 1-D mesh of list_devices() named "batch", as Keras makes it.
+  kd::DataParallel all;
+  CHECK(all.device_mesh().devices() == kTwoCpus);
+  CHECK(all.device_mesh().axis_names() == std::vector<std::string>{"batch"});
+
   // From a device list, with the stage passed into DistributionOptions.
   kd::DataParallel listed(kTwoCpus, {.zero = kd::ZeroStage::k1});
   CHECK(listed.device_mesh().axis_names() == std::vector<std::string>{"batch"});
