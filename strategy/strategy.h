@@ -8,7 +8,8 @@
 //   { auto scope = strategy.scope(); model = keras::Sequential({...}); model.compile(...); }
 //   model.fit(dataset, {.epochs = 10});
 //
-// With no scope active, get_strategy() is the default strategy: one replica on the default device.
+// With no scope active, get_strategy() is the global strategy (set_global_strategy, Keras's
+// set_distribution) when one is set, else the default strategy: one replica on the default device.
 #pragma once
 
 #include <chrono>
