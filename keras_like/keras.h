@@ -5,6 +5,7 @@
 #include "tandem/data/dataset.h"
 #include "tandem/data/datasets.h"
 #include "tandem/keras_like/callbacks.h"
+#include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/initializers.h"
 #include "tandem/keras_like/layer.h"
 #include "tandem/keras_like/layers.h"

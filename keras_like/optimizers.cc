@@ -149,7 +149,8 @@ std::vector<std::regex> compile_patterns(const std::string& optimizer, const std
   return out;
 }
 
-// Slot names per rule, in the order apply() uses them.
+}  // namespace
+
 std::vector<std::string> slot_names(const OptimizerSpec& spec) {
   return std::visit(
       [](const auto& o) -> std::vector<std::string> {
@@ -169,6 +170,8 @@ std::vector<std::string> slot_names(const OptimizerSpec& spec) {
       },
       spec);
 }
+
+namespace {
 
 template <class T>
 double squared_norm(devices::Device& device, const T* g, std::int64_t n) {

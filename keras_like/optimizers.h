@@ -90,6 +90,11 @@ struct RMSprop {
 
 using OptimizerSpec = std::variant<SGD, Adam, AdamW, RMSprop>;
 
+// The slots a rule keeps per variable, in the order its update uses them: SGD {momentum} (none
+// without momentum); RMSprop {velocity, [momentum], [average_gradient]}; Adam and AdamW {m, v,
+// [v_hat]}. What Optimizer::build creates, and what keras::distribution::plan counts.
+std::vector<std::string> slot_names(const OptimizerSpec& spec);
+
 // Keras 3's LossScaleOptimizer: dynamic loss scaling around another optimizer, so that small
 // float16 gradients do not underflow. Every training step, fit() multiplies the loss by the
 // current scale and, after the gradient all-reduce, checks the gradients:

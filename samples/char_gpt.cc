@@ -404,6 +404,7 @@ int main(int argc, char** argv) try {
                 strategy->num_replicas_in_sync(), args.dtype_policy.c_str());
     if (args.verbose > 0) model.summary();
   }
+  samples::print_plan_if_asked(args, model);  // --print-plan
 
   const auto val_data = validation_batches(validation, o, args.batch);
   auto progress = std::make_shared<Progress>(o, args.batch * o.context, log);

@@ -30,6 +30,7 @@ int main(int argc, char** argv) try {
     model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
   }
   model.summary();
+  samples::print_plan_if_asked(args, model);  // --print-plan
 
   auto data = data::fashion_mnist();
   model.fit(data.train.shuffle(60000).batch(args.batch),

@@ -46,6 +46,7 @@ int main(int argc, char** argv) try {
     model = keras::Sequential({keras::Input({kFeatures}), keras::Dense(1)});
     model.compile("adam", "mse");
   }
+  samples::print_plan_if_asked(args, model);  // --print-plan
   auto dataset = data::Dataset::from_tensor_slices({x, y}).shuffle(kExamples).batch(args.batch);
   const auto history = model.fit(
       dataset, {.epochs = args.epochs, .verbose = args.verbose, .callbacks = samples::fit_callbacks(args, *strategy)});

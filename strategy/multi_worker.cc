@@ -54,22 +54,6 @@ collective::GlooOptions gloo_options(collective::GlooOptions options, const Comm
   return options;
 }
 
-// TF's default: every GPU of the worker. Several workers on one machine (tandem-run
-// --nproc_per_node, torchrun) take one GPU each, by local rank. Without GPUs (or GPU kernels):
-// CPU:0. A CUDA build has GPU kernels (ops/cuda/).
-std::vector<std::string> default_worker_devices(const ClusterResolver& resolver) {
-  const auto gpus =
-      TANDEM_HAVE_CUDA ? devices::list_logical_devices(devices::DeviceType::kGPU) : std::vector<devices::Device*>{};
-  if (gpus.empty()) return {"CPU:0"};
-  if (resolver.local_world_size() > 1) {
-    const auto index = static_cast<std::size_t>(resolver.local_rank()) % gpus.size();
-    return {gpus[index]->short_name()};
-  }
-  std::vector<std::string> names;
-  for (const auto* g : gpus) names.push_back(g->short_name());
-  return names;
-}
-
 // The options of one worker's communicator to the others (GlooOptions, SharedMemoryOptions,
 // NcclProcessOptions): the five fields every cross-process backend takes, set in one place.
 template <class Options>
@@ -148,6 +132,22 @@ class GroupStore final : public collective::Store {
 };
 
 }  // namespace
+
+// TF's default: every GPU of the worker. Several workers on one machine (tandem-run
+// --nproc_per_node, torchrun) take one GPU each, by local rank. Without GPUs (or GPU kernels):
+// CPU:0. A CUDA build has GPU kernels (ops/cuda/).
+std::vector<std::string> default_worker_devices(const ClusterResolver& resolver) {
+  const auto gpus =
+      TANDEM_HAVE_CUDA ? devices::list_logical_devices(devices::DeviceType::kGPU) : std::vector<devices::Device*>{};
+  if (gpus.empty()) return {"CPU:0"};
+  if (resolver.local_world_size() > 1) {
+    const auto index = static_cast<std::size_t>(resolver.local_rank()) % gpus.size();
+    return {gpus[index]->short_name()};
+  }
+  std::vector<std::string> names;
+  for (const auto* g : gpus) names.push_back(g->short_name());
+  return names;
+}
 
 // The gradient group: local replicas in process, then across workers through Gloo.
 class CollectiveAllReduce final : public CrossDeviceOps {
@@ -355,7 +355,8 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
         std::make_shared<CollectiveAllReduce>(impl->rendezvous.store, impl->rank, impl->workers, impl->labels,
                                               options.communication_options, shared_memory, impl->connect_deadline);
   } else {
-    impl->cross_device_ops = std::make_shared<InProcessAllReduce>();
+    // One worker is MirroredStrategy over its devices: NCCL for GPUs, else the in-process sum.
+    impl->cross_device_ops = choose_cross_device_ops(impl->devices);
   }
   impl->policy = options.auto_shard_policy;
   impl->options = std::move(options);
@@ -363,15 +364,19 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
 }
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options)
-    : MultiWorkerMirroredStrategy(options, Impl::connect(options)) {}
+    : MultiWorkerMirroredStrategy("MultiWorkerMirroredStrategy", std::move(options)) {}
+
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(std::string kind, MultiWorkerOptions options)
+    : MultiWorkerMirroredStrategy(std::move(kind), options, Impl::connect(options)) {}
 
 MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(std::shared_ptr<ClusterResolver> cluster_resolver,
                                                          CommunicationOptions communication_options)
     : MultiWorkerMirroredStrategy(MultiWorkerOptions{.cluster_resolver = std::move(cluster_resolver),
                                                      .communication_options = communication_options}) {}
 
-MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(MultiWorkerOptions options, std::unique_ptr<Impl> impl)
-    : Strategy("MultiWorkerMirroredStrategy", impl->devices, impl->cross_device_ops, options.distribution),
+MultiWorkerMirroredStrategy::MultiWorkerMirroredStrategy(std::string kind, MultiWorkerOptions options,
+                                                         std::unique_ptr<Impl> impl)
+    : Strategy(std::move(kind), impl->devices, impl->cross_device_ops, options.distribution),
       impl_(std::move(impl)) {
   // The gradient group connects now, on every worker together, so that a problem shows up here
   // rather than in the middle of the first step.

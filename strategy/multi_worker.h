@@ -107,7 +107,12 @@ struct MultiWorkerOptions {
   bool log_on_all_workers = false;
 };
 
-class MultiWorkerMirroredStrategy final : public Strategy {
+// This worker's default replica devices (MultiWorkerOptions::local_devices left empty).
+std::vector<std::string> default_worker_devices(const ClusterResolver& resolver);
+
+// Not final: keras::distribution's DataParallel and ModelParallel are this strategy under another
+// name (one worker: every local device, as MirroredStrategy; several: across workers).
+class MultiWorkerMirroredStrategy : public Strategy {
  public:
   // Blocks until every worker has constructed its strategy (see the top of this file).
   explicit MultiWorkerMirroredStrategy(MultiWorkerOptions options = {});
@@ -151,13 +156,15 @@ class MultiWorkerMirroredStrategy final : public Strategy {
   collective::CommunicationStats cross_worker_stats() override;
 
  protected:
+  // For subclasses: `kind` names the strategy in messages ("DataParallel#1 (CPU:0, CPU:1)").
+  MultiWorkerMirroredStrategy(std::string kind, MultiWorkerOptions options);
   std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
                                                  const data::IterateOptions& options) const override;
   void agree_on_variable(VariableOptions& options) override;
 
  private:
   struct Impl;
-  MultiWorkerMirroredStrategy(MultiWorkerOptions options, std::unique_ptr<Impl> impl);
+  MultiWorkerMirroredStrategy(std::string kind, MultiWorkerOptions options, std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -15,6 +15,8 @@ namespace {
 
 thread_local std::vector<Strategy*> tls_scope_stack;
 std::atomic<int> g_strategy_count{0};
+// The strategy code with no scope gets instead of the default one (set_global_strategy).
+std::atomic<Strategy*> g_global_strategy{nullptr};
 
 // Whether ops/ has CUDA kernels: CUDA builds register them (ops/cuda/).
 constexpr bool kGpuKernelsBuilt = TANDEM_HAVE_CUDA != 0;
@@ -33,6 +35,8 @@ class DefaultStrategy final : public Strategy {
   DefaultStrategy()
       : Strategy("DefaultStrategy", {&devices::default_cpu_device()}, std::make_shared<InProcessAllReduce>(), {}) {}
 };
+
+}  // namespace
 
 std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& names) {
   std::vector<devices::Device*> out;
@@ -56,8 +60,6 @@ std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& n
   }
   return out;
 }
-
-}  // namespace
 
 // One thread per replica after the first (which runs on the caller). Replica r always runs on
 // the same thread: replicas wait for each other inside collectives, so they must run at once.
@@ -395,7 +397,15 @@ Strategy& default_strategy() {
   return *strategy;
 }
 
-Strategy& get_strategy() { return tls_scope_stack.empty() ? default_strategy() : *tls_scope_stack.back(); }
+Strategy& get_strategy() {
+  if (!tls_scope_stack.empty()) return *tls_scope_stack.back();
+  Strategy* global = g_global_strategy.load();
+  return global != nullptr ? *global : default_strategy();
+}
+
+void set_global_strategy(Strategy* strategy) { g_global_strategy.store(strategy); }
+
+Strategy* global_strategy() { return g_global_strategy.load(); }
 
 bool has_strategy() { return !tls_scope_stack.empty(); }
 

@@ -8,7 +8,8 @@
 //   { auto scope = strategy.scope(); model = keras::Sequential({...}); model.compile(...); }
 //   model.fit(dataset, {.epochs = 10});
 //
-// With no scope active, get_strategy() is the default strategy: one replica on the default device.
+// With no scope active, get_strategy() is the global strategy (set_global_strategy, Keras's
+// set_distribution) when one is set, else the default strategy: one replica on the default device.
 #pragma once
 
 #include <chrono>
@@ -278,12 +279,22 @@ class Strategy {
   std::unique_ptr<ReplicaThreads> threads_;
 };
 
-// The strategy of the innermost active scope on this thread, else the default strategy.
+// The strategy of the innermost active scope on this thread, else the global strategy when one is
+// set, else the default strategy.
 Strategy& get_strategy();
+// Makes `strategy` what get_strategy() returns on every thread where no scope is active (Keras's
+// keras.distribution.set_distribution); nullptr restores the default strategy. The caller keeps
+// it alive while it is set. has_strategy() still answers for scopes only.
+void set_global_strategy(Strategy* strategy);
+Strategy* global_strategy();  // null when none is set
 // True when a strategy scope is active on this thread.
 bool has_strategy();
 // One replica on the default device (CPU:0), used when no scope is active.
 Strategy& default_strategy();
+
+// MirroredStrategy's devices (MirroredOptions::devices): these names, or its default when empty.
+// Throws as devices::get_device does, InvalidArgument for a device listed twice.
+std::vector<devices::Device*> mirrored_devices(const std::vector<std::string>& names);
 
 // One replica on one device.
 class OneDeviceStrategy final : public Strategy {

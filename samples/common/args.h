@@ -1,7 +1,7 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
-// --checkpoint PATH --collective-timeout S --zero 0|1|2|3 (and --help), parsed with CLI11; the
-// strategy they choose and the callbacks they ask for.
+// --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan (and --help), parsed with
+// CLI11; the strategy they choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -19,6 +20,7 @@
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
 #include "tandem/keras_like/callbacks.h"
+#include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/mixed_precision.h"
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/strategy.h"
@@ -39,6 +41,7 @@ struct Args {
   std::string checkpoint_path;           // keras::ModelCheckpoint's path; "": none
   double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
   int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
+  bool print_plan = false;               // print keras::distribution::plan before training
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
@@ -107,6 +110,9 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
                  "with one")
       ->capture_default_str()
       ->check(CLI::Range(0, 3));
+  app.add_flag("--print-plan", a.print_plan,
+               "print the model's plan (keras::distribution::plan: bytes per device,\ncollectives per step) "
+               "before training, then train");
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
   if (add_options) add_options(app);
@@ -166,6 +172,15 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
   std::printf("MirroredStrategy on %d devices%s\n", mirrored->num_replicas_in_sync(),
               a.zero > 0 ? fmt::format(", ZeRO stage {}", a.zero).c_str() : "");
   return mirrored;
+}
+
+// --print-plan: the plan of the built model under its strategy, printed by the worker that logs.
+// Training follows: the plan is computed from the model alone and costs nothing, so asking for it
+// must not change the run (--epochs 0 / --steps 0 for the plan alone).
+inline void print_plan_if_asked(const Args& a, const tandem::keras::Model& model) {
+  if (a.print_plan && model.distribute_strategy().should_log()) {
+    tandem::keras::distribution::print_plan(model, std::cout);
+  }
 }
 
 // The callbacks --backup and --checkpoint ask for, for fit's list: Keras's BackupAndRestore (with

@@ -350,6 +350,22 @@ TEST_CASE("ZeRO stages 1 and 2 across 2 workers of 2 replicas each: bitwise the 
   }
 }
 
+TEST_CASE("keras::distribution::DataParallel across 2 workers trains bitwise as MirroredStrategy with 2 replicas") {
+  // The same strategy under Keras's name: a global mesh of both workers' CPU:0 (list_devices()).
+  testing::TempDir ref, dir;
+  run_mirrored(ref.path().string(), 2, {"--epochs", "2"});
+  const auto codes = run_workers(dir.path().string(), 2, {"--epochs", "2", "--strategy", "dataparallel"});
+  INFO(describe_logs(dir.path().string(), 2));
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    REQUIRE(codes[static_cast<std::size_t>(r)] == 0);
+    check_weights_equal(fmt::format("{}/weights-{}.safetensors", dir.path().string(), r),
+                        ref.path().string() + "/weights-0.safetensors", Match::kBitwise);
+    CHECK(read_file(fmt::format("{}/losses-{}.txt", dir.path().string(), r)) ==
+          read_file(ref.path().string() + "/losses-0.txt"));
+  }
+}
+
 TEST_CASE("deterministic = false (Gloo's ring) from 3 workers on sums in another order than MirroredStrategy") {
   testing::TempDir ref, dir;
   run_mirrored(ref.path().string(), 3, {"--epochs", "2"});

@@ -6,7 +6,7 @@
 // batch data control data_bytes control_bytes"), and the bytes of the model's trainable and non-trainable weights
 // (weight-bytes-<rank>.txt: "trainable non_trainable").
 //
-//   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker] [--epochs 3] [--hidden 16]
+//   multi_worker_trainer --out DIR [--strategy one|mirrored|multiworker|dataparallel] [--epochs 3] [--hidden 16]
 //                        [--local-devices N] [--kill-at-step K | --stop-at-step K] [--victim R]
 //                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
 //                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
@@ -14,7 +14,8 @@
 //                        [--zero 0|1|2]
 //
 // --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
-// the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many).
+// the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many). --strategy
+// dataparallel: keras::distribution::DataParallel over every worker's CPU:0 (one local device).
 // --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
 // every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
 // on two global batches of the training data after every epoch. --zero N: DistributionOptions::zero
@@ -73,7 +74,7 @@ Args parse(int argc, char** argv) {
   Args a;
   CLI::App app("multi_worker_trainer: the worker program of the multi-worker tests");
   app.add_option("--out", a.out, "folder for losses-<rank>.txt and weights-<rank>.safetensors");
-  app.add_option("--strategy", a.strategy, "one, mirrored or multiworker");
+  app.add_option("--strategy", a.strategy, "one, mirrored, multiworker or dataparallel");
   app.add_option("--epochs", a.epochs);
   app.add_option("--hidden", a.hidden, "units of the hidden layer");
   app.add_option("--batch", a.batch, "the global batch size (default 64)");
@@ -165,7 +166,18 @@ int run(const Args& a) {
                                                    : a.implementation == "nccl" ? Impl::kNccl
                                                                                 : Impl::kAuto;
     for (int d = 0; d < a.local_devices; ++d) options.local_devices.push_back(fmt::format("CPU:{}", d));
-    auto mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
+    std::unique_ptr<MultiWorkerMirroredStrategy> mw;
+    if (a.strategy == "dataparallel") {
+      // keras::distribution's DataParallel over the default global mesh (list_devices(): every
+      // worker's CPU:0, named by rank), with the same communication options.
+      namespace kd = keras::distribution;
+      const auto devices = kd::list_devices();
+      mw = std::make_unique<kd::DataParallel>(
+          kd::DeviceMesh({static_cast<std::int64_t>(devices.size())}, {"batch"}, devices),
+          kd::DataParallelOptions{.workers = {.communication_options = options.communication_options}});
+    } else {
+      mw = std::make_unique<MultiWorkerMirroredStrategy>(options);
+    }
     rank = mw->worker_rank();
     multi_worker = mw.get();
     strategy = std::move(mw);

@@ -1,0 +1,304 @@
+// tandem/keras_like/distribution.h — Keras 3's keras.distribution in C++: DeviceMesh, TensorLayout,
+// LayoutMap, DataParallel, ModelParallel, set_distribution / distribution(), and plan(): what a
+// distribution will put on each device and send each step, computed before anything is allocated.
+//
+// Who calls it: user code in place of a strategy. Each distribution IS a Strategy (a
+// MultiWorkerMirroredStrategy under another name), so compile, fit, callbacks and tandem-run work
+// unchanged, in one process or many:
+//
+//   namespace kd = tandem::keras::distribution;
+//   kd::DataParallel dp(kd::DeviceMesh({2}, {"batch"}, {"CPU:0", "CPU:1"}), {.zero = kd::ZeroStage::k1});
+//   kd::set_distribution(dp);            // or: auto scope = dp.scope();
+//   auto model = keras::Sequential({...});
+//   model.compile("adam", ...);
+//   kd::print_plan(model, std::cout);    // before the first step
+//   model.fit(data.batch(64));
+//
+// Devices: in one process a mesh names local devices ("CPU:0", "GPU:1"); list_devices() gives
+// MirroredStrategy's default (every GPU, else every logical CPU device). In a job of several
+// workers (resolve_cluster() finds num_workers > 1) a mesh holds every worker's devices, worker-major,
+// each named with the worker's rank as its task: "/job:worker/replica:0/task:1/device:CPU:0" (rank
+// 1's CPU:0, whatever the cluster spec calls the task); every worker lists the same mesh and trains
+// on its own task's devices, and every worker must hold as many.
+//
+// What throws: InvalidArgument for a malformed mesh, layout or layout map (the message names the
+// key, axis, variable or device), for a path that matches two LayoutMap keys; Unimplemented for
+// what ModelParallel cannot do yet (sharding a variable); FailedPrecondition for plan() of a model
+// that is not built. Construction of a distribution blocks like MultiWorkerMirroredStrategy's.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <iosfwd>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tandem/keras_like/model.h"
+#include "tandem/keras_like/optimizers.h"
+#include "tandem/strategy/multi_worker.h"
+#include "tandem/strategy/strategy.h"
+
+namespace tandem::keras::distribution {
+
+using strategy::DistributionOptions;
+using strategy::ZeroStage;
+
+// Keras's DEFAULT_BATCH_DIM_NAME: the axis DataParallel makes from a device list.
+inline constexpr const char* kDefaultBatchDimName = "batch";
+
+// The devices a distribution may use (Keras's list_devices): one process, MirroredStrategy's
+// default devices ("GPU:0", ... else "CPU:0", ...); several workers, every worker's default
+// devices by their global names (see the top of this file). type "cpu" or "gpu" picks a kind of
+// local device; "" the default. May create the local devices (as MirroredStrategy does).
+std::vector<std::string> list_devices(std::string_view type = "");
+
+// Keras's DeviceMesh: devices arranged in a grid whose axes have names.
+class DeviceMesh {
+ public:
+  // devices empty: list_devices(). InvalidArgument when shape or axis_names is empty, their
+  // lengths differ, a dimension is below 1, a name repeats, a device repeats, or the shape's
+  // product differs from the number of devices.
+  DeviceMesh(std::vector<std::int64_t> shape, std::vector<std::string> axis_names,
+             std::vector<std::string> devices = {});
+
+  const std::vector<std::int64_t>& shape() const { return shape_; }
+  const std::vector<std::string>& axis_names() const { return axis_names_; }
+  // Row-major: the last axis varies fastest.
+  const std::vector<std::string>& devices() const { return devices_; }
+  // The devices along `axis`; InvalidArgument naming the axis and the mesh's axes when unknown.
+  std::int64_t axis_size(std::string_view axis) const;
+  bool has_axis(std::string_view axis) const;
+  std::string to_string() const;  // "DeviceMesh(shape=[2], axis_names=[batch])"
+
+ private:
+  std::vector<std::int64_t> shape_;
+  std::vector<std::string> axis_names_;
+  std::vector<std::string> devices_;
+};
+
+// Keras's TensorLayout: per dimension of a tensor, the mesh axis it is split over, or nullopt
+// (replicated along that dimension). InvalidArgument when an axis appears twice, and when bound
+// to a mesh (LayoutMap) that lacks one of its axes.
+class TensorLayout {
+ public:
+  TensorLayout(std::vector<std::optional<std::string>> axes);  // NOLINT: layout_map[k] = {std::nullopt, "model"}
+  TensorLayout(std::initializer_list<std::optional<std::string>> axes)  // NOLINT
+      : TensorLayout(std::vector<std::optional<std::string>>(axes)) {}
+  TensorLayout(std::vector<std::optional<std::string>> axes, const DeviceMesh& mesh);
+
+  const std::vector<std::optional<std::string>>& axes() const { return axes_; }
+  const std::optional<DeviceMesh>& device_mesh() const { return mesh_; }
+  // Binds the layout to `mesh`, checking its axes (above).
+  void bind(const DeviceMesh& mesh);
+  // The number of pieces the tensor is split into (the product of the named axes' sizes); 1 when
+  // every dimension is replicated or no mesh is bound.
+  std::int64_t num_shards() const;
+  std::string to_string() const;  // "[None, 'model']"
+
+ private:
+  std::vector<std::optional<std::string>> axes_;
+  std::optional<DeviceMesh> mesh_;
+};
+
+// Keras's LayoutMap: variable paths ("dense/kernel") to layouts. A key is an exact path, or a
+// regular expression (std::regex, ECMAScript) matched against the whole path (".*dense.*kernel").
+// Lookup: the exact key first; else every key as a regular expression matched in full; two
+// matching keys is InvalidArgument naming both and the path. (Keras 3 searches with re.search;
+// here a key must match the whole path, so "kernel" does not match "dense/kernel".)
+class LayoutMap {
+ public:
+  explicit LayoutMap(DeviceMesh mesh) : mesh_(std::move(mesh)) {}
+
+  // layout_map["dense/kernel"] = TensorLayout({std::nullopt, "model"});
+  class Entry {
+   public:
+    // Inserts the layout bound to the map's mesh. InvalidArgument when the key is already there
+    // (as Keras) or is not a regular expression, and as TensorLayout::bind.
+    Entry& operator=(TensorLayout layout);
+
+   private:
+    friend class LayoutMap;
+    Entry(LayoutMap& map, std::string key) : map_(map), key_(std::move(key)) {}
+    LayoutMap& map_;
+    std::string key_;
+  };
+  Entry operator[](std::string key) { return Entry(*this, std::move(key)); }
+  void insert(std::string key, TensorLayout layout);
+
+  // The layout for `path`, or nullopt when no key matches.
+  std::optional<TensorLayout> get(std::string_view path) const;
+  // The key get() would use for `path`, or nullopt.
+  std::optional<std::string> matching_key(std::string_view path) const;
+  std::vector<std::string> keys() const;  // in insertion order
+  std::size_t size() const { return entries_.size(); }
+  const DeviceMesh& device_mesh() const { return mesh_; }
+
+ private:
+  struct Item {
+    std::string key;
+    std::regex pattern;
+    TensorLayout layout;
+  };
+  const Item* find(std::string_view path) const;
+  DeviceMesh mesh_;
+  std::vector<Item> entries_;
+};
+
+// --- plan(): memory and communication per device, from the formulas ---------------------------
+
+// One variable as the plan places it. Bytes are per device.
+struct PlannedVariable {
+  std::string path;
+  Shape shape;
+  graph::DType dtype = graph::DType::kF32;
+  bool trainable = true;
+  std::string layout;  // "replicated", "sharded 1/4: 25 elements, 3 padding", a LayoutMap layout
+  std::string layout_key;  // the LayoutMap key that matched; empty when none
+  int shards = 1;
+  std::int64_t shard_elements = 0;  // elements per device (the whole tensor when replicated)
+  std::int64_t padding = 0;         // zeros added so that every shard is as long
+  std::int64_t weight_bytes = 0, gradient_bytes = 0, slot_bytes = 0;
+};
+
+// Bytes per device, from the ZeRO paper's accounting (arXiv:1910.02054) as tandem builds it:
+// weights, gradients and optimizer slots; `gathered` is stage 3's working set: the largest
+// layer's weights, gathered whole for its forward and backward. Two departures from the paper,
+// what the allocator measures: stage 2's gradients count whole (backward's gradients live in the
+// executor's arena until the step ends; the shard is the first 1/N of each buffer), and the
+// gradient accumulator stays whole at stages 1 and 2. Stage 3 (not built yet) is the paper's.
+struct PlannedMemory {
+  std::int64_t weights = 0, gradients = 0, slots = 0, gathered = 0;
+  std::int64_t total() const { return weights + gradients + slots + gathered; }
+};
+
+// One kind of collective a training step issues (on update steps, under gradient accumulation),
+// with the bytes each device sends under the bandwidth-optimal ring algorithm (nccl-tests' bus
+// bandwidth convention, what the communicators count): all_reduce 2(N-1)/N of the buffer,
+// reduce_scatter (N-1)/N of its input, all_gather (N-1)/N of its output.
+struct PlannedCollective {
+  std::string op;    // "all_reduce", "reduce_scatter", "all_gather"
+  std::string what;  // "gradients", "updated weights", "weights before forward", ...
+  double bytes_per_device = 0;
+};
+
+struct Plan {
+  std::string model;
+  std::string strategy;  // the strategy's name
+  int replicas = 1;      // N: the data-parallel replicas in sync
+  ZeroStage zero = ZeroStage::k0;
+  std::string optimizer;  // "adam"; "none (not compiled)" when there is none
+  int slots_per_variable = 0;  // slot_names(); + 1 under gradient accumulation (the accumulator)
+  std::vector<PlannedVariable> variables;
+  PlannedMemory memory;                      // at this stage
+  std::array<PlannedMemory, 4> memory_by_stage;  // k0..k3 at the same N, for comparison
+  std::vector<PlannedCollective> collectives;
+  double communication_bytes_per_device = 0;  // the sum over `collectives`
+  std::vector<std::string> unmatched_layout_keys;  // LayoutMap keys that matched no variable
+  std::string to_string() const;
+};
+
+struct PlanOptions {
+  // Default: the model's strategy's num_replicas_in_sync() and distribution_options().zero.
+  std::optional<int> replicas;
+  std::optional<ZeroStage> zero;
+  // Default: the compiled model's optimizer; none (no slots) before compile.
+  std::optional<OptimizerRef> optimizer;
+  // Default: the model's strategy's, when it is a ModelParallel.
+  const LayoutMap* layout_map = nullptr;
+};
+
+// The plan of a built model (its variables exist; a Sequential without an Input needs build()
+// first: FailedPrecondition). Allocates nothing: slots are counted from the optimizer's type.
+Plan plan(const Model& model, const PlanOptions& options = {});
+void print_plan(const Model& model, std::ostream& out, const PlanOptions& options = {});
+
+// --- distributions ------------------------------------------------------------------------------
+
+// Keras's Distribution: a Strategy over a mesh. Destroying the global distribution unsets it.
+class Distribution : public strategy::MultiWorkerMirroredStrategy {
+ public:
+  ~Distribution() override;
+  const DeviceMesh& device_mesh() const { return mesh_; }
+  // The mesh axis the batch (and the replicas) run along.
+  const std::string& batch_dim_name() const { return batch_dim_name_; }
+  // Keras's get_variable_layout: the layout a variable of this path and rank gets.
+  virtual TensorLayout get_variable_layout(std::string_view path, int rank) const;
+  // plan(model) under this distribution's replicas, stage and layout map.
+  Plan plan(const Model& model) const;
+
+ protected:
+  Distribution(std::string kind, DeviceMesh mesh, std::string batch_dim_name, strategy::MultiWorkerOptions options);
+
+ private:
+  DeviceMesh mesh_;
+  std::string batch_dim_name_;
+};
+
+// The multi-worker side of a distribution (blank fields: MultiWorkerMirroredStrategy's defaults).
+struct WorkerOptions {
+  strategy::CommunicationOptions communication_options;
+  std::shared_ptr<strategy::ClusterResolver> cluster_resolver;  // default: resolve_cluster()
+  std::optional<std::chrono::milliseconds> rendezvous_timeout;
+  bool log_on_all_workers = false;
+};
+
+struct DataParallelOptions {
+  // ZeRO's stage (DistributionOptions::zero; leave that one at k0, or equal).
+  ZeroStage zero = ZeroStage::k0;
+  DistributionOptions distribution;
+  // Keras's auto_shard_dataset: each worker trains on its rows of every global batch (false:
+  // every worker on its own pipeline's batches, AutoShardPolicy::kOff).
+  bool auto_shard_dataset = true;
+  WorkerOptions workers;
+};
+
+// Keras's DataParallel: the batch split over the mesh's first axis, every variable replicated
+// (or sharded among the replicas under ZeRO stages 1-3). One process: MirroredStrategy over the
+// mesh's devices (bitwise the same training); several: MultiWorkerMirroredStrategy over each
+// worker's devices of the mesh. A mesh whose other axes hold more than one device is
+// InvalidArgument (the same shard would be computed on each).
+class DataParallel final : public Distribution {
+ public:
+  explicit DataParallel(DataParallelOptions options = {});  // a 1-D mesh of list_devices()
+  explicit DataParallel(DeviceMesh mesh, DataParallelOptions options = {});
+  explicit DataParallel(std::vector<std::string> devices, DataParallelOptions options = {});
+};
+
+struct ModelParallelOptions {
+  std::string batch_dim_name;  // default: the mesh's first axis
+  DistributionOptions distribution;
+  WorkerOptions workers;
+};
+
+// Keras's ModelParallel, for the layouts that need no tensor parallelism: every axis but the
+// batch axis must hold one device, and layouts may name those axes (replicated); training is then
+// DataParallel over the batch axis. Unimplemented, at construction, for a mesh axis of several
+// devices other than the batch axis (tensor parallelism is not implemented yet) and for a layout
+// that splits variables over the batch axis (that is ZeRO stage 3: DataParallel with .zero = k3).
+// A variable whose layout has another rank than its shape is InvalidArgument at its creation.
+class ModelParallel final : public Distribution {
+ public:
+  explicit ModelParallel(LayoutMap layout_map, ModelParallelOptions options = {});
+  const LayoutMap& layout_map() const { return layout_map_; }
+  TensorLayout get_variable_layout(std::string_view path, int rank) const override;
+
+ protected:
+  void agree_on_variable(strategy::VariableOptions& options) override;
+
+ private:
+  LayoutMap layout_map_;
+};
+
+// Keras's set_distribution / distribution(): the distribution code with no strategy scope uses
+// (models and optimizers made then are made under it). The caller keeps it alive; destroying it
+// unsets it. set_distribution(nullptr) unsets.
+void set_distribution(Distribution& distribution);
+void set_distribution(std::nullptr_t);
+Distribution* distribution();  // null when none is set
+
+}  // namespace tandem::keras::distribution
