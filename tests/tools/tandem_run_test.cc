@@ -463,6 +463,89 @@ TEST_CASE("two nodes started with different --nnodes both fail at once, naming b
   CHECK(r0.err.find("arrived with world_size 3 (--nnodes 3") != std::string::npos);
 }
 
+TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1; a returning node waits") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node", "1",    "--nnodes",       "1:2", "--node_rank",
+                                      "0",                "--master_port", port,    "--max_restarts", "1",
+                                      "--join_timeout",   "5",    "--",            kProbe, "--print-env",
+                                      "--ready",          "--sleep",       "3"};
+  std::vector<std::string> node_1 = args;
+  node_1[5] = "1";
+  Launch first(args);
+  {
+    Launch second(node_1);
+    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
+    second.send(SIGKILL);  // its worker dies with it (PR_SET_PDEATHSIG)
+    CHECK(second.finish().exit_code == 137);
+  }
+  const Result r0 = first.finish(40s);
+  INFO("node 0 stderr: ", r0.err, "\nnode 0 stdout: ", r0.out);
+  CHECK(r0.exit_code == 0);
+  CHECK(r0.err.find("round 0 runs on 2 of 2 nodes (0, 1), this one as node rank 0; world size 2") != std::string::npos);
+  CHECK(r0.err.find("the launcher of node 1 exited without a word") != std::string::npos);
+  CHECK(r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
+        std::string::npos);
+  CHECK(count(r0.out, "[rank 0] WORLD_SIZE=2\n") == 1);
+  CHECK(count(r0.out, "[rank 0] WORLD_SIZE=1\n") == 1);
+  CHECK(count(r0.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);
+}
+
+TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round, as node rank 1") {
+  const std::string port = std::to_string(free_port());
+  // Node 0 starts alone (--join_timeout 0); its worker fails on round 0 after 4 s (--kill-self): by
+  // then node 1 waits for round 1.
+  const std::vector<std::string> args{"--nproc_per_node", "1",          "--nnodes",      "1:2", "--node_rank",
+                                      "0",                "--master_port", port,          "--max_restarts", "1",
+                                      "--join_timeout",   "0",          "--",            kProbe, "--print-env",
+                                      "--exit-delay",     "4000",       "--kill-self",   "0"};
+  Launch first(args);
+  REQUIRE(first.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
+  std::vector<std::string> node_1 = args;
+  node_1[5] = "1";
+  const Result r1 = run_launcher(node_1);
+  const Result r0 = first.finish(40s);
+  INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
+  CHECK(r1.exit_code == 0);
+  CHECK(r0.exit_code == 0);
+  CHECK(r1.err.find("node 1 waits to join the job at its next restart round (1)") != std::string::npos);
+  CHECK(r0.err.find("world size changed 1 -> 2") != std::string::npos);
+  CHECK(count(r1.out, "[rank 1] WORLD_SIZE=2\n") == 1);
+  CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
+}
+
+TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next round, naming it, within the timeout") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "2",     "--node_rank", "0",
+                                      "--master_port",    port,        "--max_restarts", "1", "--",          kProbe,
+                                      "--ready",          "--sleep",   "20"};
+  std::vector<std::string> node_1 = args;
+  node_1[5] = "1";
+  Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=3"});
+  {
+    Launch second(node_1, {"TANDEM_RENDEZVOUS_TIMEOUT=3"});
+    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
+    second.send(SIGKILL);
+    second.finish();
+  }
+  const Result r0 = first.finish(30s);
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 1);
+  CHECK(r0.err.find("round 1: ") != std::string::npos);
+  CHECK(r0.err.find("node 1") != std::string::npos);
+  CHECK(r0.err.find("did not arrive within 3 s") != std::string::npos);
+}
+
+TEST_CASE("--nnodes 2:3 with one node: every launcher fails after the timeout, naming the missing nodes") {
+  const std::string port = std::to_string(free_port());
+  const Result r0 = run_launcher({"--nproc_per_node", "1", "--nnodes", "2:3", "--node_rank", "0", "--master_port", port,
+                                  "--", kProbe},
+                                 {"TANDEM_RENDEZVOUS_TIMEOUT=2"});
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 1);
+  CHECK(r0.err.find("round 0: 1 node(s) arrived within 2 s, fewer than the 2 that --nnodes 2:3 needs; missing: node 1, "
+                    "node 2") != std::string::npos);
+}
+
 TEST_CASE("--max_restarts 1: a failure on every attempt ends after two attempts with its exit code") {
   const Result r = run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--max_restarts", "1", "--", kProbe,
                                  "--print-env", "--exit", "1:5"});
@@ -537,6 +620,12 @@ TEST_CASE("command-line mistakes: exit 2 and one line naming the option") {
       {{"--nproc_per_node", "2x", "--", p}, "--nproc_per_node: expects an integer"},
       {{"--master_port", "0", "--", p}, "--nproc_per_node is required"},
       {{"--nproc_per_node", "2", "--nnodes=2", "--node_rank", "2", "--", p}, "--node_rank 2 is out of range"},
+      {{"--nproc_per_node", "2", "--nnodes=1:2", "--node_rank", "2", "--", p}, "--node_rank 2 is out of range"},
+      {{"--nproc_per_node", "2", "--nnodes", "3:2", "--", p}, "--nnodes: expects N or MIN:MAX with 1 <= MIN <= MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "0:2", "--", p}, "--nnodes: expects N or MIN:MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "1:", "--", p}, "--nnodes: expects N or MIN:MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "1-2", "--", p}, "got '1-2'"},
+      {{"--nproc_per_node", "2", "--join_timeout", "x", "--", p}, "--join_timeout: expects seconds"},
       {{"--nproc_per_node", "2", "--master_port", "70000", "--", p}, "--master_port: expects an integer"},
       {{"--nproc_per_node", "2", "--master_port", "65535", "--", p}, "--master_port 65535 is too high"},
       {{"--nproc_per_node", "2", "--nnodes", "2", "--master_port", "0", "--", p}, "--master_port 0"},
