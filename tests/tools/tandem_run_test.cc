@@ -513,6 +513,27 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
   CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
 }
 
+TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1, saying so") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "1:2",   "--node_rank", "0",
+                                      "--master_port",    port,        "--max_restarts", "1", "--",          kProbe,
+                                      "--ready",          "--sleep",   "20"};
+  std::vector<std::string> node_1 = args;
+  node_1[5] = "1";
+  Launch second(node_1, {"TANDEM_RENDEZVOUS_TIMEOUT=5"});
+  {
+    Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=5"});
+    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
+    first.send(SIGKILL);
+    first.finish();
+  }
+  const Result r1 = second.finish(30s);
+  INFO("node 1 stderr: ", r1.err);
+  CHECK(r1.exit_code == 1);
+  CHECK(r1.seconds < 25);
+  CHECK(r1.err.find("an elastic job ends when node 0 is lost") != std::string::npos);
+}
+
 TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next round, naming it, within the timeout") {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "2",     "--node_rank", "0",
