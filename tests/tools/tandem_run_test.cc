@@ -513,6 +513,28 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
   CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
 }
 
+TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 0 and 1, TF_CONFIG lists their hosts") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node", "1", "--nnodes", "1:3", "--node_rank", "0",
+                                      "--master_port", port, "--hosts", "127.0.0.1,127.0.0.2,127.0.0.3",
+                                      "--join_timeout", "3", "--", kProbe, "--print-env"};
+  std::vector<std::string> node_2 = args;
+  node_2[5] = "2";
+  Launch first(args);
+  const Result r2 = run_launcher(node_2);
+  const Result r0 = first.finish(30s);
+  INFO("node 0 stderr: ", r0.err, "\nnode 2 stderr: ", r2.err);
+  REQUIRE(r0.exit_code == 0);
+  REQUIRE(r2.exit_code == 0);
+  CHECK(r2.err.find("round 0 runs on 2 of 3 nodes (0, 2), this one as node rank 1; missing: 1; world size changed 3 -> 2") !=
+        std::string::npos);
+  const int p = std::stoi(port);
+  const nlohmann::json tf = nlohmann::json::parse(env_of(by_rank(r2.out), 1, "TF_CONFIG"));
+  CHECK(tf.at("task").at("index") == 1);
+  CHECK(tf.at("cluster").at("worker") ==
+        nlohmann::json::array({fmt::format("127.0.0.1:{}", p), fmt::format("127.0.0.3:{}", p)}));
+}
+
 TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1, saying so") {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "1:2",   "--node_rank", "0",
