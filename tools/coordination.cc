@@ -86,7 +86,8 @@ Coordinator::Membership Coordinator::meet(int round) {
   if (round_.store != nullptr) {
     for (int n = 0; n < static_cast<int>(membership_.nodes.size()); ++n) {
       try {
-        if (!round_.store->check(collective::lost_rank_key(n))) expected_.push_back(membership_.nodes[static_cast<std::size_t>(n)]);
+        if (!round_.store->check(collective::lost_rank_key(n)))
+          expected_.push_back(membership_.nodes[static_cast<std::size_t>(n)]);
       } catch (const std::exception&) {
         break;  // the store is gone: the meeting below says so
       }
@@ -167,8 +168,9 @@ Coordinator::Membership Coordinator::join(int round) {
           value = elastic_->get(nodes_key(round), options_.timeout);
         } catch (const DeadlineExceeded&) {
           throw CoordinationError(fmt::format(
-              "round {}: node 0's launcher did not choose the round's nodes within {} s (is node 0 up?)", round,
-              std::chrono::duration<double>(options_.timeout).count()));
+              "round {}: node 0's launcher did not choose the round's nodes within {} s (is it up, and started "
+              "with the same --nnodes?)",
+              round, std::chrono::duration<double>(options_.timeout).count()));
         }
       }
       const std::string record(value.begin(), value.end());
@@ -212,10 +214,10 @@ Coordinator::Membership Coordinator::choose_nodes(collective::Store& elastic, in
     if (arrived == options_.max_nodes || (last_call && now >= *last_call && expected_arrived)) break;
     if (now >= deadline && arrived >= options_.min_nodes) break;
     if (now >= deadline) {
-      const std::string why =
-          fmt::format("round {}: {} node(s) arrived within {} s, fewer than the {} that --nnodes {}:{} needs; missing: {}",
-                      round, arrived, std::chrono::duration<double>(options_.timeout).count(), options_.min_nodes,
-                      options_.min_nodes, options_.max_nodes, list_nodes(missing));
+      const std::string why = fmt::format(
+          "round {}: {} node(s) arrived within {} s, fewer than the {} that --nnodes {}:{} needs; missing: {}", round,
+          arrived, std::chrono::duration<double>(options_.timeout).count(), options_.min_nodes, options_.min_nodes,
+          options_.max_nodes, list_nodes(missing));
       elastic.set(nodes_key(round), bytes_of(std::string(kFailedNodes) + why));
       throw CoordinationError(why);
     }

@@ -24,13 +24,12 @@
 // rendezvous does: every launcher announces itself for the round under "elastic/<r>/joined/<n>";
 // node 0's launcher waits until all MAX nodes are there, or, once MIN are, for at most
 // join_timeout more (and for every node of the last round whose launcher did not die, up to the
-// rendezvous timeout: it may still be stopping its workers), and writes the round's nodes ("elastic/<r>/nodes", ascending) and the round
-// ("elastic/current"). The nodes of a round get dense ranks 0..k-1 in their original order (node 0
-// is always rank 0: it serves the store, so a job that loses it ends) and meet as in step 1 with
-// world size k. Fewer than MIN by the rendezvous timeout: every launcher fails naming the missing
-// nodes. A launcher that arrives after the round's nodes were chosen (started again after its node
-// was lost) waits, without a deadline but not past the job's end, for the next round, which the
-// next failure starts.
+// rendezvous timeout: it may still be stopping its workers), and writes the round's nodes
+// ("elastic/<r>/nodes", ascending) and the round ("elastic/current"). The nodes of a round get dense ranks 0..k-1 in
+// their original order (node 0 is always rank 0: it serves the store, so a job that loses it ends) and meet as in step
+// 1 with world size k. Fewer than MIN by the rendezvous timeout: every launcher fails naming the missing nodes. A
+// launcher that arrives after the round's nodes were chosen (started again after its node was lost) waits, without a
+// deadline but not past the job's end, for the next round, which the next failure starts.
 //
 // Who calls: the launcher's thread; the watcher runs on a thread of its own and writes
 // kWakeByte into the launcher's self-pipe. Errors: CoordinationError (the launcher exits 1).

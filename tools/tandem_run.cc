@@ -699,9 +699,9 @@ class Launcher {
         missing.push_back(node);
       }
     }
-    std::string text = fmt::format("round {} runs on {} of {} nodes ({}), this one as node rank {}", membership_.round,
-                                   membership_.nodes.size(), options_.nnodes, fmt::join(membership_.nodes, ", "),
-                                   node_rank());
+    std::string text =
+        fmt::format("round {} runs on {} of {} nodes ({}), this one as node rank {}", membership_.round,
+                    membership_.nodes.size(), options_.nnodes, fmt::join(membership_.nodes, ", "), node_rank());
     if (!missing.empty()) text += fmt::format("; missing: {}", fmt::join(missing, ", "));
     if (world_before != world_size()) {
       text += fmt::format("; world size changed {} -> {}", world_before, world_size());

@@ -488,12 +488,26 @@ TEST_CASE(
   std::filesystem::create_directories(out);
   std::filesystem::create_directories(ref);
   // Backups every 4 steps; node 1's worker freezes after step 14, so the last backup is step 12's.
-  const std::vector<std::string> trainer{"--out", out, "--backup", out + "/backup", "--save-freq", "4", "--timeout", "60"};
+  const std::vector<std::string> trainer{"--out",       out, "--backup",  out + "/backup",
+                                         "--save-freq", "4", "--timeout", "60"};
   const std::string port = std::to_string(free_port());
   const auto node = [&](int rank, const std::vector<std::string>& extra) {
-    std::vector<std::string> args{"--nproc_per_node", "1", "--nnodes", "1:2", "--node_rank", std::to_string(rank),
-                                  "--master_port", port, "--max_restarts", "1", "--join_timeout", "10",
-                                  "--stop_timeout", "10", "--", TANDEM_MW_TRAINER};
+    std::vector<std::string> args{"--nproc_per_node",
+                                  "1",
+                                  "--nnodes",
+                                  "1:2",
+                                  "--node_rank",
+                                  std::to_string(rank),
+                                  "--master_port",
+                                  port,
+                                  "--max_restarts",
+                                  "1",
+                                  "--join_timeout",
+                                  "10",
+                                  "--stop_timeout",
+                                  "10",
+                                  "--",
+                                  TANDEM_MW_TRAINER};
     args.insert(args.end(), trainer.begin(), trainer.end());
     args.insert(args.end(), extra.begin(), extra.end());
     return spawn(TANDEM_RUN, args, {}, fmt::format("{}/node-{}.txt", out, rank));
@@ -518,8 +532,8 @@ TEST_CASE(
 
   // The reference: 2 workers until one is killed after step 14 (the last backup is step 12's), then
   // 1 worker resuming from that backup.
-  const auto codes = run_workers(ref, 2, {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14",
-                                          "--timeout", "20"});
+  const auto codes =
+      run_workers(ref, 2, {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14", "--timeout", "20"});
   INFO(describe_logs(ref, 2));
   REQUIRE(codes[1] == 128 + SIGKILL);
   REQUIRE(std::filesystem::exists(ref + "/backup/backup.safetensors"));

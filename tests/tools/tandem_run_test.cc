@@ -463,12 +463,12 @@ TEST_CASE("two nodes started with different --nnodes both fail at once, naming b
   CHECK(r0.err.find("arrived with world_size 3 (--nnodes 3") != std::string::npos);
 }
 
-TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1; a returning node waits") {
+TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1") {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node", "1",    "--nnodes",       "1:2", "--node_rank",
-                                      "0",                "--master_port", port,    "--max_restarts", "1",
-                                      "--join_timeout",   "5",    "--",            kProbe, "--print-env",
-                                      "--ready",          "--sleep",       "3"};
+  const std::vector<std::string> args{
+      "--nproc_per_node", "1", "--nnodes",       "1:2", "--node_rank", "0",    "--master_port", port,
+      "--max_restarts",   "1", "--join_timeout", "5",   "--",          kProbe, "--print-env",   "--ready",
+      "--sleep",          "3"};
   std::vector<std::string> node_1 = args;
   node_1[5] = "1";
   Launch first(args);
@@ -483,8 +483,9 @@ TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world si
   CHECK(r0.exit_code == 0);
   CHECK(r0.err.find("round 0 runs on 2 of 2 nodes (0, 1), this one as node rank 0; world size 2") != std::string::npos);
   CHECK(r0.err.find("the launcher of node 1 exited without a word") != std::string::npos);
-  CHECK(r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
-        std::string::npos);
+  CHECK(
+      r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
+      std::string::npos);
   CHECK(count(r0.out, "[rank 0] WORLD_SIZE=2\n") == 1);
   CHECK(count(r0.out, "[rank 0] WORLD_SIZE=1\n") == 1);
   CHECK(count(r0.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);
@@ -494,10 +495,25 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
   const std::string port = std::to_string(free_port());
   // Node 0 starts alone (--join_timeout 0); its worker fails on round 0 after 4 s (--kill-self): by
   // then node 1 waits for round 1.
-  const std::vector<std::string> args{"--nproc_per_node", "1",          "--nnodes",      "1:2", "--node_rank",
-                                      "0",                "--master_port", port,          "--max_restarts", "1",
-                                      "--join_timeout",   "0",          "--",            kProbe, "--print-env",
-                                      "--exit-delay",     "4000",       "--kill-self",   "0"};
+  const std::vector<std::string> args{"--nproc_per_node",
+                                      "1",
+                                      "--nnodes",
+                                      "1:2",
+                                      "--node_rank",
+                                      "0",
+                                      "--master_port",
+                                      port,
+                                      "--max_restarts",
+                                      "1",
+                                      "--join_timeout",
+                                      "0",
+                                      "--",
+                                      kProbe,
+                                      "--print-env",
+                                      "--exit-delay",
+                                      "4000",
+                                      "--kill-self",
+                                      "0"};
   Launch first(args);
   REQUIRE(first.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
   std::vector<std::string> node_1 = args;
@@ -515,9 +531,21 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
 
 TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 0 and 1, TF_CONFIG lists their hosts") {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node", "1", "--nnodes", "1:3", "--node_rank", "0",
-                                      "--master_port", port, "--hosts", "127.0.0.1,127.0.0.2,127.0.0.3",
-                                      "--join_timeout", "3", "--", kProbe, "--print-env"};
+  const std::vector<std::string> args{"--nproc_per_node",
+                                      "1",
+                                      "--nnodes",
+                                      "1:3",
+                                      "--node_rank",
+                                      "0",
+                                      "--master_port",
+                                      port,
+                                      "--hosts",
+                                      "127.0.0.1,127.0.0.2,127.0.0.3",
+                                      "--join_timeout",
+                                      "3",
+                                      "--",
+                                      kProbe,
+                                      "--print-env"};
   std::vector<std::string> node_2 = args;
   node_2[5] = "2";
   Launch first(args);
@@ -526,7 +554,8 @@ TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 
   INFO("node 0 stderr: ", r0.err, "\nnode 2 stderr: ", r2.err);
   REQUIRE(r0.exit_code == 0);
   REQUIRE(r2.exit_code == 0);
-  CHECK(r2.err.find("round 0 runs on 2 of 3 nodes (0, 2), this one as node rank 1; missing: 1; world size changed 3 -> 2") !=
+  CHECK(r2.err.find(
+            "round 0 runs on 2 of 3 nodes (0, 2), this one as node rank 1; missing: 1; world size changed 3 -> 2") !=
         std::string::npos);
   const int p = std::stoi(port);
   const nlohmann::json tf = nlohmann::json::parse(env_of(by_rank(r2.out), 1, "TF_CONFIG"));
@@ -537,9 +566,21 @@ TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 
 
 TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1, saying so") {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "1:2",   "--node_rank", "0",
-                                      "--master_port",    port,        "--max_restarts", "1", "--",          kProbe,
-                                      "--ready",          "--sleep",   "20"};
+  const std::vector<std::string> args{"--nproc_per_node",
+                                      "1",
+                                      "--nnodes",
+                                      "1:2",
+                                      "--node_rank",
+                                      "0",
+                                      "--master_port",
+                                      port,
+                                      "--max_restarts",
+                                      "1",
+                                      "--",
+                                      kProbe,
+                                      "--ready",
+                                      "--sleep",
+                                      "20"};
   std::vector<std::string> node_1 = args;
   node_1[5] = "1";
   Launch second(node_1, {"TANDEM_RENDEZVOUS_TIMEOUT=5"});
@@ -558,9 +599,21 @@ TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1
 
 TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next round, naming it, within the timeout") {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node", "1",         "--nnodes", "2",     "--node_rank", "0",
-                                      "--master_port",    port,        "--max_restarts", "1", "--",          kProbe,
-                                      "--ready",          "--sleep",   "20"};
+  const std::vector<std::string> args{"--nproc_per_node",
+                                      "1",
+                                      "--nnodes",
+                                      "2",
+                                      "--node_rank",
+                                      "0",
+                                      "--master_port",
+                                      port,
+                                      "--max_restarts",
+                                      "1",
+                                      "--",
+                                      kProbe,
+                                      "--ready",
+                                      "--sleep",
+                                      "20"};
   std::vector<std::string> node_1 = args;
   node_1[5] = "1";
   Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=3"});
@@ -580,9 +633,9 @@ TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next r
 
 TEST_CASE("--nnodes 2:3 with one node: every launcher fails after the timeout, naming the missing nodes") {
   const std::string port = std::to_string(free_port());
-  const Result r0 = run_launcher({"--nproc_per_node", "1", "--nnodes", "2:3", "--node_rank", "0", "--master_port", port,
-                                  "--", kProbe},
-                                 {"TANDEM_RENDEZVOUS_TIMEOUT=2"});
+  const Result r0 = run_launcher(
+      {"--nproc_per_node", "1", "--nnodes", "2:3", "--node_rank", "0", "--master_port", port, "--", kProbe},
+      {"TANDEM_RENDEZVOUS_TIMEOUT=2"});
   INFO("node 0 stderr: ", r0.err);
   CHECK(r0.exit_code == 1);
   CHECK(r0.err.find("round 0: 1 node(s) arrived within 2 s, fewer than the 2 that --nnodes 2:3 needs; missing: node 1, "
