@@ -463,22 +463,35 @@ TEST_CASE("two nodes started with different --nnodes both fail at once, naming b
   CHECK(r0.err.find("arrived with world_size 3 (--nnodes 3") != std::string::npos);
 }
 
-TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1") {
+namespace {
+
+// Two launchers of a job (--nnodes `nnodes` --max_restarts 1 plus `options`) running the probe with
+// `probe` arguments (which must include --ready); once node 1's worker runs, node `lost`'s launcher
+// is SIGKILLed (its worker dies with it). Returns the other node's result.
+Result lose_node(const std::string& nnodes, int lost, const std::vector<std::string>& env,
+                 const std::vector<std::string>& options, const std::vector<std::string>& probe) {
   const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{
-      "--nproc_per_node", "1", "--nnodes",       "1:2", "--node_rank", "0",    "--master_port", port,
-      "--max_restarts",   "1", "--join_timeout", "5",   "--",          kProbe, "--print-env",   "--ready",
-      "--sleep",          "3"};
-  std::vector<std::string> node_1 = args;
-  node_1[5] = "1";
-  Launch first(args);
-  {
-    Launch second(node_1);
-    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
-    second.send(SIGKILL);  // its worker dies with it (PR_SET_PDEATHSIG)
-    CHECK(second.finish().exit_code == 137);
-  }
-  const Result r0 = first.finish(40s);
+  const auto args = [&](int node) {
+    std::vector<std::string> a{"--nproc_per_node", "1",  "--nnodes",       nnodes, "--node_rank", std::to_string(node),
+                               "--master_port",    port, "--max_restarts", "1"};
+    a.insert(a.end(), options.begin(), options.end());
+    a.insert(a.end(), {"--", kProbe});
+    a.insert(a.end(), probe.begin(), probe.end());
+    return a;
+  };
+  Launch node_0(args(0), env);
+  Launch node_1(args(1), env);
+  REQUIRE(node_1.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
+  Launch& victim = lost == 0 ? node_0 : node_1;
+  victim.send(SIGKILL);
+  CHECK(victim.finish().exit_code == 137);
+  return (lost == 0 ? node_1 : node_0).finish(40s);
+}
+
+}  // namespace
+
+TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1") {
+  const Result r0 = lose_node("1:2", 1, {}, {"--join_timeout", "5"}, {"--print-env", "--ready", "--sleep", "3"});
   INFO("node 0 stderr: ", r0.err, "\nnode 0 stdout: ", r0.out);
   CHECK(r0.exit_code == 0);
   CHECK(r0.err.find("round 0 runs on 2 of 2 nodes (0, 1), this one as node rank 0; world size 2") != std::string::npos);
@@ -565,32 +578,7 @@ TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 
 }
 
 TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1, saying so") {
-  const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node",
-                                      "1",
-                                      "--nnodes",
-                                      "1:2",
-                                      "--node_rank",
-                                      "0",
-                                      "--master_port",
-                                      port,
-                                      "--max_restarts",
-                                      "1",
-                                      "--",
-                                      kProbe,
-                                      "--ready",
-                                      "--sleep",
-                                      "20"};
-  std::vector<std::string> node_1 = args;
-  node_1[5] = "1";
-  Launch second(node_1, {"TANDEM_RENDEZVOUS_TIMEOUT=5"});
-  {
-    Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=5"});
-    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
-    first.send(SIGKILL);
-    first.finish();
-  }
-  const Result r1 = second.finish(30s);
+  const Result r1 = lose_node("1:2", 0, {"TANDEM_RENDEZVOUS_TIMEOUT=5"}, {}, {"--ready", "--sleep", "20"});
   INFO("node 1 stderr: ", r1.err);
   CHECK(r1.exit_code == 1);
   CHECK(r1.seconds < 25);
@@ -598,32 +586,7 @@ TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1
 }
 
 TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next round, naming it, within the timeout") {
-  const std::string port = std::to_string(free_port());
-  const std::vector<std::string> args{"--nproc_per_node",
-                                      "1",
-                                      "--nnodes",
-                                      "2",
-                                      "--node_rank",
-                                      "0",
-                                      "--master_port",
-                                      port,
-                                      "--max_restarts",
-                                      "1",
-                                      "--",
-                                      kProbe,
-                                      "--ready",
-                                      "--sleep",
-                                      "20"};
-  std::vector<std::string> node_1 = args;
-  node_1[5] = "1";
-  Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=3"});
-  {
-    Launch second(node_1, {"TANDEM_RENDEZVOUS_TIMEOUT=3"});
-    REQUIRE(second.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
-    second.send(SIGKILL);
-    second.finish();
-  }
-  const Result r0 = first.finish(30s);
+  const Result r0 = lose_node("2", 1, {"TANDEM_RENDEZVOUS_TIMEOUT=3"}, {}, {"--ready", "--sleep", "20"});
   INFO("node 0 stderr: ", r0.err);
   CHECK(r0.exit_code == 1);
   CHECK(r0.err.find("round 1: ") != std::string::npos);
