@@ -5,7 +5,9 @@
 //   launcher/done/<n>   node n's workers all exited 0
 //   launcher/ack/<n>    node n saw every node done (node 0 may then stop serving the store)
 // (n: the node's rank in the round). Elastic jobs choose each round's nodes first, under "elastic/":
-//   <r>/joined/<n>      node n (as started) is waiting for round r
+//   <r>/joined/<n>      node n (as started) is waiting for round r: its launcher's token
+//   conn/<token>/tandem/lost/<n>  that launcher died (set by the store: see tcp_store.h's liveness),
+//                       so node 0 does not count a node that joined and died again
 //   <r>/nodes           the round's nodes ("0 2 3"), or "failed <why>", written by node 0
 //   current             the last round whose nodes were chosen: where a late launcher starts
 #include "coordination.h"
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <charconv>
 #include <future>
+#include <random>
 #include <optional>
 #include <vector>
 
@@ -141,6 +144,11 @@ Coordinator::Membership Coordinator::join(int round) {
       collective::TcpStoreOptions store_options;
       store_options.connect_timeout = options_.timeout;
       store_options.label_of_server = "node 0's launcher";
+      // A token of this launcher's own: its lost key does not outlive it into a later launcher of
+      // the same node.
+      token_ = fmt::format("{:x}{:x}", std::random_device{}(), std::random_device{}());
+      store_options.rank = options_.node_rank;
+      store_options.lost_key_prefix = fmt::format("elastic/conn/{}/", token_);
       elastic_ = collective::make_prefix_store(collective::connect_tcp_store(store_address, store_options), "elastic/");
       if (options_.node_rank != 0 && elastic_->check(kCurrentRoundKey)) {
         const std::vector<char> current = elastic_->get(kCurrentRoundKey, kWatchSlice);
@@ -151,7 +159,7 @@ Coordinator::Membership Coordinator::join(int round) {
     }
     if (options_.node_rank == 0) return choose_nodes(*elastic_, round);
     for (;; ++round, late = true) {
-      elastic_->set(joined_key(round, options_.node_rank), bytes_of(options_.setup));
+      elastic_->set(joined_key(round, options_.node_rank), bytes_of(token_));
       std::vector<char> value;
       if (late) {
         fmt::print(stderr, "tandem-run: node {} waits to join the job at its next restart round ({})\n",
@@ -195,7 +203,14 @@ Coordinator::Membership Coordinator::join(int round) {
 }
 
 Coordinator::Membership Coordinator::choose_nodes(collective::Store& elastic, int round) {
-  elastic.set(joined_key(round, 0), bytes_of(options_.setup));
+  elastic.set(joined_key(round, 0), bytes_of(token_));
+  // Whether node n's launcher is waiting for the round (it joined, and has not died since).
+  const auto waiting = [&](int n) {
+    if (!elastic.check(joined_key(round, n))) return false;
+    const std::vector<char> token = elastic.get(joined_key(round, n), kWatchSlice);
+    return !elastic.check(
+        fmt::format("conn/{}/{}", std::string(token.begin(), token.end()), collective::lost_rank_key(n)));
+  };
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   std::optional<std::chrono::steady_clock::time_point> last_call;
   Membership membership{.round = round, .nodes = {}, .rank = 0};
@@ -203,7 +218,7 @@ Coordinator::Membership Coordinator::choose_nodes(collective::Store& elastic, in
     membership.nodes.clear();
     std::vector<int> missing;
     for (int n = 0; n < options_.max_nodes; ++n) {
-      (elastic.check(joined_key(round, n)) ? membership.nodes : missing).push_back(n);
+      (waiting(n) ? membership.nodes : missing).push_back(n);
     }
     const auto now = std::chrono::steady_clock::now();
     const int arrived = static_cast<int>(membership.nodes.size());

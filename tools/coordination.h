@@ -122,6 +122,7 @@ class Coordinator {
   std::shared_ptr<collective::Store> elastic_;          // elastic: the "elastic/" keys, for the job
   Membership membership_;                               // the current round's nodes
   std::vector<int> expected_;                           // node 0: the last round's nodes still alive
+  std::string token_;                                   // elastic: this launcher's, in its "joined" keys
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> done_reported_{false};

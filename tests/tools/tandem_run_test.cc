@@ -542,6 +542,44 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
   CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
 }
 
+TEST_CASE("--nnodes 1:2: a node that comes back and dies again before the next round is not waited for") {
+  const std::string port = std::to_string(free_port());
+  std::vector<std::string> args{"--nproc_per_node",
+                                "1",
+                                "--nnodes",
+                                "1:2",
+                                "--node_rank",
+                                "0",
+                                "--master_port",
+                                port,
+                                "--max_restarts",
+                                "1",
+                                "--join_timeout",
+                                "0",
+                                "--",
+                                kProbe,
+                                "--print-env",
+                                "--exit-delay",
+                                "4000",
+                                "--kill-self",
+                                "0"};
+  Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  REQUIRE(first.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
+  args[5] = "1";
+  {
+    Launch second(args, {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+    std::this_thread::sleep_for(1s);  // it waits for round 1
+    second.send(SIGKILL);
+    second.finish();
+  }
+  const Result r0 = first.finish(40s);
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 0);
+  CHECK(r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size 1") !=
+        std::string::npos);
+  CHECK(r0.seconds < 30);  // not the 60 s rendezvous timeout
+}
+
 TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 0 and 1, TF_CONFIG lists their hosts") {
   const std::string port = std::to_string(free_port());
   const std::vector<std::string> args{"--nproc_per_node",
