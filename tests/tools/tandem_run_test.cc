@@ -504,34 +504,44 @@ TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world si
   CHECK(count(r0.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);
 }
 
+namespace {
+
+// The options of node `node` of a job whose node 0 starts alone (--nnodes 1:2 --join_timeout 0) and
+// whose worker fails on round 0 after 4 s (--kill-self): a node 1 started meanwhile waits for round 1.
+std::vector<std::string> comeback_job(const std::string& port, int node) {
+  return {"--nproc_per_node",
+          "1",
+          "--nnodes",
+          "1:2",
+          "--node_rank",
+          std::to_string(node),
+          "--master_port",
+          port,
+          "--max_restarts",
+          "1",
+          "--join_timeout",
+          "0",
+          "--",
+          kProbe,
+          "--print-env",
+          "--exit-delay",
+          "4000",
+          "--kill-self",
+          "0"};
+}
+
+// Waits until node 0 of comeback_job runs its round 0 (alone).
+void start_alone(Launch& node_0) {
+  REQUIRE(node_0.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
+}
+
+}  // namespace
+
 TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round, as node rank 1") {
   const std::string port = std::to_string(free_port());
-  // Node 0 starts alone (--join_timeout 0); its worker fails on round 0 after 4 s (--kill-self): by
-  // then node 1 waits for round 1.
-  const std::vector<std::string> args{"--nproc_per_node",
-                                      "1",
-                                      "--nnodes",
-                                      "1:2",
-                                      "--node_rank",
-                                      "0",
-                                      "--master_port",
-                                      port,
-                                      "--max_restarts",
-                                      "1",
-                                      "--join_timeout",
-                                      "0",
-                                      "--",
-                                      kProbe,
-                                      "--print-env",
-                                      "--exit-delay",
-                                      "4000",
-                                      "--kill-self",
-                                      "0"};
-  Launch first(args);
-  REQUIRE(first.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
-  std::vector<std::string> node_1 = args;
-  node_1[5] = "1";
-  const Result r1 = run_launcher(node_1);
+  Launch first(comeback_job(port, 0));
+  start_alone(first);
+  const Result r1 = run_launcher(comeback_job(port, 1));
   const Result r0 = first.finish(40s);
   INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
   CHECK(r1.exit_code == 0);
@@ -544,30 +554,10 @@ TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round,
 
 TEST_CASE("--nnodes 1:2: a node that comes back and dies again before the next round is not waited for") {
   const std::string port = std::to_string(free_port());
-  std::vector<std::string> args{"--nproc_per_node",
-                                "1",
-                                "--nnodes",
-                                "1:2",
-                                "--node_rank",
-                                "0",
-                                "--master_port",
-                                port,
-                                "--max_restarts",
-                                "1",
-                                "--join_timeout",
-                                "0",
-                                "--",
-                                kProbe,
-                                "--print-env",
-                                "--exit-delay",
-                                "4000",
-                                "--kill-self",
-                                "0"};
-  Launch first(args, {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
-  REQUIRE(first.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
-  args[5] = "1";
+  Launch first(comeback_job(port, 0), {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  start_alone(first);
   {
-    Launch second(args, {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+    Launch second(comeback_job(port, 1), {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
     std::this_thread::sleep_for(1s);  // it waits for round 1
     second.send(SIGKILL);
     second.finish();
