@@ -4,13 +4,22 @@
 //   launcher/failed     "<exit code> <reason>" of the first failure any node saw in the round
 //   launcher/done/<n>   node n's workers all exited 0
 //   launcher/ack/<n>    node n saw every node done (node 0 may then stop serving the store)
+// (n: the node's rank in the round). Elastic jobs choose each round's nodes first, under "elastic/":
+//   <r>/joined/<n>      node n (as started) is waiting for round r: its launcher's token
+//   conn/<token>/tandem/lost/<n>  that launcher died (set by the store: see tcp_store.h's liveness),
+//                       so node 0 does not count a node that joined and died again
+//   <r>/nodes           the round's nodes ("0 2 3"), or "failed <why>", written by node 0
+//   current             the last round whose nodes were chosen: where a late launcher starts
 #include "coordination.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <future>
+#include <random>
+#include <optional>
 #include <vector>
 
 #include "tandem/base/errors.h"
@@ -32,6 +41,21 @@ constexpr auto kWatchSlice = 500ms;
 constexpr auto kReportTimeout = 5s;
 // How long node 0 keeps serving after every node is done, for the others to see it.
 constexpr auto kAckTimeout = 10s;
+// How often node 0 looks at the launchers that joined the round it is choosing nodes for.
+constexpr auto kJoinScanInterval = 100ms;
+// A launcher that joins a running job waits for its next round in waits this long (there is no
+// deadline: the next round comes with the next failure; the job's end closes the store).
+constexpr auto kLateJoinSlice = 1h;
+constexpr const char* kCurrentRoundKey = "current";
+std::string joined_key(int round, int node) { return fmt::format("{}/joined/{}", round, node); }
+std::string nodes_key(int round) { return fmt::format("{}/nodes", round); }
+constexpr std::string_view kFailedNodes = "failed ";
+
+std::string list_nodes(const std::vector<int>& nodes) {
+  std::string list;
+  for (const int n : nodes) list += fmt::format("{}node {}", list.empty() ? "" : ", ", n);
+  return list;
+}
 
 std::string address_of(const std::string& host, int port) {
   return host.find(':') != std::string::npos ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
@@ -44,9 +68,11 @@ std::vector<char> bytes_of(std::string_view s) { return {s.begin(), s.end()}; }
 Coordinator::Coordinator(CoordinationOptions options) : options_(std::move(options)) {
   if (options_.node_rank != 0) return;
   try {
-    server_ =
-        collective::TcpStoreServer::start(options_.master_addr, options_.master_port,
-                                          {.max_connections = collective::store_connections_for(options_.processes)});
+    // Elastic launchers hold two connections (the round's and the elastic keys'), and a late one
+    // may connect while its predecessor's is not yet known to be closed.
+    const int processes = options_.min_nodes == options_.max_nodes ? options_.processes : 2 * options_.processes;
+    server_ = collective::TcpStoreServer::start(options_.master_addr, options_.master_port,
+                                                {.max_connections = collective::store_connections_for(processes)});
   } catch (const Error& e) {
     throw CoordinationError(fmt::format("cannot serve the job's store on {}: {}",
                                         address_of(options_.master_addr, options_.master_port), e.what()));
@@ -55,23 +81,43 @@ Coordinator::Coordinator(CoordinationOptions options) : options_(std::move(optio
 
 Coordinator::~Coordinator() { stop_watching(); }
 
-void Coordinator::meet(int round) {
+Coordinator::Membership Coordinator::meet(int round) {
   stop_watching();
+  // Node 0 waits for the previous round's nodes whose launchers did not die (they are stopping
+  // their workers, which may take up to --stop_timeout), and gives only newcomers the last call.
+  expected_.clear();
+  if (round_.store != nullptr) {
+    for (int n = 0; n < static_cast<int>(membership_.nodes.size()); ++n) {
+      try {
+        if (!round_.store->check(collective::lost_rank_key(n)))
+          expected_.push_back(membership_.nodes[static_cast<std::size_t>(n)]);
+      } catch (const std::exception&) {
+        break;  // the store is gone: the meeting below says so
+      }
+    }
+  }
   round_ = {};  // the previous round's connection says goodbye
+  Membership membership{.round = round, .nodes = {}, .rank = options_.node_rank};
+  if (options_.min_nodes == options_.max_nodes) {
+    for (int n = 0; n < options_.max_nodes; ++n) membership.nodes.push_back(n);
+  } else {
+    membership = join(round);
+  }
   collective::RendezvousOptions rv;
   rv.address = address_of(options_.master_addr, options_.master_port);
-  rv.rank = options_.node_rank;
-  rv.world_size = options_.nnodes;
-  for (int n = 0; n < options_.nnodes; ++n) rv.task_labels.push_back(fmt::format("node {}", n));
+  rv.rank = membership.rank;
+  rv.world_size = static_cast<int>(membership.nodes.size());
+  for (const int n : membership.nodes) rv.task_labels.push_back(fmt::format("node {}", n));
   rv.timeout = options_.timeout;
-  rv.run_id = fmt::format("launcher-{}", round);
+  rv.run_id = fmt::format("launcher-{}", membership.round);
   rv.store_served_by_launcher = true;  // node 0 serves it above, for every round
   rv.setup = options_.setup;
   try {
     round_ = collective::rendezvous(rv);
   } catch (const Error& e) {
-    throw CoordinationError(fmt::format("round {}: {}", round, e.what()));
+    throw CoordinationError(fmt::format("round {}: {}", membership.round, e.what()));
   }
+  membership_ = membership;
   {
     std::lock_guard lock(mutex_);
     failure_.clear();
@@ -81,6 +127,122 @@ void Coordinator::meet(int round) {
   done_reported_ = false;
   stop_ = false;
   watcher_ = std::thread([this, store = round_.store] { watch(store); });
+  return membership;
+}
+
+Coordinator::Membership Coordinator::join(int round) {
+  const std::string store_address = address_of(options_.master_addr, options_.master_port);
+  const auto store_lost = [&](const std::exception& e) {
+    return CoordinationError(fmt::format(
+        "round {}: lost the job's store at {}: {}; node 0's launcher serves it, so an elastic job ends when node 0 "
+        "is lost (or the job has finished)",
+        round, store_address, e.what()));
+  };
+  bool late = false;  // joining a job that runs already: wait for its next round, however long
+  try {
+    if (elastic_ == nullptr) {
+      collective::TcpStoreOptions store_options;
+      store_options.connect_timeout = options_.timeout;
+      store_options.label_of_server = "node 0's launcher";
+      // A token of this launcher's own: its lost key does not outlive it into a later launcher of
+      // the same node.
+      token_ = fmt::format("{:x}{:x}", std::random_device{}(), std::random_device{}());
+      store_options.rank = options_.node_rank;
+      store_options.lost_key_prefix = fmt::format("elastic/conn/{}/", token_);
+      elastic_ = collective::make_prefix_store(collective::connect_tcp_store(store_address, store_options), "elastic/");
+      if (options_.node_rank != 0 && elastic_->check(kCurrentRoundKey)) {
+        const std::vector<char> current = elastic_->get(kCurrentRoundKey, kWatchSlice);
+        std::from_chars(current.data(), current.data() + current.size(), round);
+        ++round;
+        late = true;
+      }
+    }
+    if (options_.node_rank == 0) return choose_nodes(*elastic_, round);
+    for (;; ++round, late = true) {
+      elastic_->set(joined_key(round, options_.node_rank), bytes_of(token_));
+      std::vector<char> value;
+      if (late) {
+        fmt::print(stderr, "tandem-run: node {} waits to join the job at its next restart round ({})\n",
+                   options_.node_rank, round);
+        for (;;) {
+          try {
+            value = elastic_->get(nodes_key(round), kLateJoinSlice);
+            break;
+          } catch (const DeadlineExceeded&) {
+          }
+        }
+      } else {
+        try {
+          value = elastic_->get(nodes_key(round), options_.timeout);
+        } catch (const DeadlineExceeded&) {
+          throw CoordinationError(fmt::format(
+              "round {}: node 0's launcher did not choose the round's nodes within {} s (is it up, and started "
+              "with the same --nnodes?)",
+              round, std::chrono::duration<double>(options_.timeout).count()));
+        }
+      }
+      const std::string record(value.begin(), value.end());
+      if (record.starts_with(kFailedNodes)) throw CoordinationError(record.substr(kFailedNodes.size()));
+      Membership membership{.round = round, .nodes = {}, .rank = -1};
+      for (std::size_t at = 0; at < record.size();) {
+        int node = 0;
+        const auto [end, ec] = std::from_chars(record.data() + at, record.data() + record.size(), node);
+        if (ec != std::errc()) break;
+        if (node == options_.node_rank) membership.rank = static_cast<int>(membership.nodes.size());
+        membership.nodes.push_back(node);
+        at = static_cast<std::size_t>(end - record.data()) + 1;
+      }
+      if (membership.rank >= 0) return membership;
+      // Arrived after node 0 chose this round's nodes: the next round, then.
+    }
+  } catch (const CoordinationError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw store_lost(e);
+  }
+}
+
+Coordinator::Membership Coordinator::choose_nodes(collective::Store& elastic, int round) {
+  elastic.set(joined_key(round, 0), bytes_of(token_));
+  // Whether node n's launcher is waiting for the round (it joined, and has not died since).
+  const auto waiting = [&](int n) {
+    if (!elastic.check(joined_key(round, n))) return false;
+    const std::vector<char> token = elastic.get(joined_key(round, n), kWatchSlice);
+    return !elastic.check(
+        fmt::format("conn/{}/{}", std::string(token.begin(), token.end()), collective::lost_rank_key(n)));
+  };
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  std::optional<std::chrono::steady_clock::time_point> last_call;
+  Membership membership{.round = round, .nodes = {}, .rank = 0};
+  for (;;) {
+    membership.nodes.clear();
+    std::vector<int> missing;
+    for (int n = 0; n < options_.max_nodes; ++n) {
+      (waiting(n) ? membership.nodes : missing).push_back(n);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    const int arrived = static_cast<int>(membership.nodes.size());
+    const bool expected_arrived = std::all_of(expected_.begin(), expected_.end(), [&](int n) {
+      return std::find(membership.nodes.begin(), membership.nodes.end(), n) != membership.nodes.end();
+    });
+    if (arrived >= options_.min_nodes && !last_call) last_call = now + options_.join_timeout;
+    if (arrived == options_.max_nodes || (last_call && now >= *last_call && expected_arrived)) break;
+    if (now >= deadline && arrived >= options_.min_nodes) break;
+    if (now >= deadline) {
+      const std::string why = fmt::format(
+          "round {}: {} node(s) arrived within {} s, fewer than the {} that --nnodes {}:{} needs; missing: {}", round,
+          arrived, std::chrono::duration<double>(options_.timeout).count(), options_.min_nodes, options_.min_nodes,
+          options_.max_nodes, list_nodes(missing));
+      elastic.set(nodes_key(round), bytes_of(std::string(kFailedNodes) + why));
+      throw CoordinationError(why);
+    }
+    std::this_thread::sleep_for(kJoinScanInterval);
+  }
+  std::string record;
+  for (const int n : membership.nodes) record += fmt::format("{}{}", record.empty() ? "" : " ", n);
+  elastic.set(nodes_key(round), bytes_of(record));
+  elastic.set(kCurrentRoundKey, bytes_of(std::to_string(round)));
+  return membership;
 }
 
 void Coordinator::stop_watching() {
@@ -105,14 +267,16 @@ void Coordinator::watch(std::shared_ptr<collective::Store> store) {
     } catch (const DeadlineExceeded&) {
       if (const int gone = lost_node(*store); gone >= 0) {
         std::lock_guard lock(mutex_);
-        failure_ = fmt::format("the launcher of node {} exited without a word (killed?)", gone);
+        failure_ = fmt::format("the launcher of node {} exited without a word (killed?)",
+                               membership_.nodes[static_cast<std::size_t>(gone)]);
         event_ = Event::kFailed;
         break;
       }
       if (!done_reported_) continue;
       bool all_done = true;
       try {
-        for (int n = 0; n < options_.nnodes && all_done; ++n) all_done = store->check(done_key(n));
+        const int nodes = static_cast<int>(membership_.nodes.size());
+        for (int n = 0; n < nodes && all_done; ++n) all_done = store->check(done_key(n));
       } catch (const std::exception&) {
         all_done = false;
       }
@@ -133,8 +297,8 @@ void Coordinator::watch(std::shared_ptr<collective::Store> store) {
 
 int Coordinator::lost_node(collective::Store& store) const {
   try {
-    for (int n = 0; n < options_.nnodes; ++n) {
-      if (n != options_.node_rank && store.check(collective::lost_rank_key(n))) return n;
+    for (int n = 0; n < static_cast<int>(membership_.nodes.size()); ++n) {
+      if (n != membership_.rank && store.check(collective::lost_rank_key(n))) return n;
     }
   } catch (const std::exception&) {
     // The next wait reports a store that is gone.
@@ -176,7 +340,7 @@ void Coordinator::report_failure(const std::string& reason, int exit_code) noexc
 
 void Coordinator::report_done() noexcept {
   try {
-    round_.store->set(done_key(options_.node_rank), bytes_of("done"));
+    round_.store->set(done_key(membership_.rank), bytes_of("done"));
   } catch (const std::exception&) {
     // The watcher reports the lost store.
   }
@@ -186,12 +350,12 @@ void Coordinator::report_done() noexcept {
 void Coordinator::finish() noexcept {
   stop_watching();
   try {
-    if (options_.node_rank != 0) {
-      round_.store->set(ack_key(options_.node_rank), bytes_of("ack"));
+    if (membership_.rank != 0) {
+      round_.store->set(ack_key(membership_.rank), bytes_of("ack"));
       return;
     }
     std::vector<std::string> acks;
-    for (int n = 1; n < options_.nnodes; ++n) acks.push_back(ack_key(n));
+    for (int n = 1; n < static_cast<int>(membership_.nodes.size()); ++n) acks.push_back(ack_key(n));
     round_.store->wait(acks, kAckTimeout);
   } catch (const std::exception&) {
     // A node that does not acknowledge has finished anyway (it reported done).

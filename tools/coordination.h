@@ -20,6 +20,17 @@
 //   5. a launcher that dies (its connection to the store closes without goodbye) fails the round
 //      for the others, and one stopped by a signal records the failure before it exits.
 //
+// Elastic jobs (--nnodes MIN:MAX, MIN < MAX) choose each round's nodes before step 1, as torchrun's
+// rendezvous does: every launcher announces itself for the round under "elastic/<r>/joined/<n>";
+// node 0's launcher waits until all MAX nodes are there, or, once MIN are, for at most
+// join_timeout more (and for every node of the last round whose launcher did not die, up to the
+// rendezvous timeout: it may still be stopping its workers), and writes the round's nodes
+// ("elastic/<r>/nodes", ascending) and the round ("elastic/current"). The nodes of a round get dense ranks 0..k-1 in
+// their original order (node 0 is always rank 0: it serves the store, so a job that loses it ends) and meet as in step
+// 1 with world size k. Fewer than MIN by the rendezvous timeout: every launcher fails naming the missing nodes. A
+// launcher that arrives after the round's nodes were chosen (started again after its node was lost) waits, without a
+// deadline but not past the job's end, for the next round, which the next failure starts.
+//
 // Who calls: the launcher's thread; the watcher runs on a thread of its own and writes
 // kWakeByte into the launcher's self-pipe. Errors: CoordinationError (the launcher exits 1).
 #pragma once
@@ -31,6 +42,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tandem/collective/rendezvous.h"
 #include "tandem/collective/tcp_store.h"
@@ -48,8 +60,10 @@ class CoordinationError : public std::runtime_error {
 struct CoordinationOptions {
   std::string master_addr;
   int master_port = 0;
-  int node_rank = 0;
-  int nnodes = 1;
+  int node_rank = 0;  // as started: how messages name the node, whatever its rank in a round
+  int min_nodes = 1;  // --nnodes MIN:MAX (MIN = MAX: every node in every round)
+  int max_nodes = 1;
+  std::chrono::milliseconds join_timeout{};  // elastic: the last call once MIN nodes have arrived
   int processes = 1;                  // every node's launcher and workers: the store's connections
   std::string setup;                  // compared across nodes, quoted in errors
   std::chrono::milliseconds timeout;  // each round's meeting (TANDEM_RENDEZVOUS_TIMEOUT)
@@ -64,9 +78,18 @@ class Coordinator {
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
 
-  // Blocks until every node's launcher has arrived for `round` (CoordinationError naming the
-  // missing nodes at the timeout, or both setups of a mismatch), then watches the round.
-  void meet(int round);
+  // The nodes of one round: `nodes` holds their node ranks as started, ascending; this node's
+  // rank in the round is `rank` (its index there).
+  struct Membership {
+    int round = 0;
+    std::vector<int> nodes;
+    int rank = 0;
+  };
+
+  // Blocks until every node's launcher has arrived for `round` (elastic: until the round's nodes
+  // are chosen; a launcher that joins a running job gets a later round), then watches the round.
+  // CoordinationError naming the missing nodes at the timeout, or both setups of a mismatch.
+  Membership meet(int round);
 
   // What the watcher saw in the current round.
   enum class Event { kNone, kFailed, kAllDone, kStoreLost };
@@ -84,6 +107,9 @@ class Coordinator {
   void finish() noexcept;
 
  private:
+  // Elastic: the round's nodes, chosen by node 0 (above).
+  Membership join(int round);
+  Membership choose_nodes(collective::Store& elastic, int round);
   void watch(std::shared_ptr<collective::Store> store);
   // A node whose launcher's connection closed without goodbye (the store's lost key), or -1.
   int lost_node(collective::Store& store) const;
@@ -93,6 +119,10 @@ class Coordinator {
   CoordinationOptions options_;
   std::unique_ptr<collective::TcpStoreServer> server_;  // node 0
   collective::Rendezvous round_;                        // the current round's store
+  std::shared_ptr<collective::Store> elastic_;          // elastic: the "elastic/" keys, for the job
+  Membership membership_;                               // the current round's nodes
+  std::vector<int> expected_;                           // node 0: the last round's nodes still alive
+  std::string token_;                                   // elastic: this launcher's, in its "joined" keys
   std::thread watcher_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> done_reported_{false};

@@ -35,10 +35,13 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "coordination.h"
@@ -59,6 +62,10 @@ constexpr int kMaxProcsPerNode = 256;
 constexpr double kMaxStopTimeoutSeconds = 86400;
 constexpr int kDefaultMasterPort = 29500;  // torchrun's default
 constexpr auto kDefaultStopTimeout = 30s;
+// --nnodes MIN:MAX: how long a round waits for more nodes once MIN have arrived. Short, since a
+// node that is gone for good costs every restart this long (torchrun's last_call_timeout).
+constexpr auto kDefaultJoinTimeout = 5s;
+constexpr int kMaxNodes = 65536;
 // A worker that writes a very long line without a newline is relayed in pieces of this size, so
 // the launcher's memory stays bounded.
 constexpr std::size_t kMaxLineBytes = 64 * 1024;
@@ -102,6 +109,11 @@ too. With --hosts every worker's address is known and TF_CONFIG is set on every 
 it, several nodes get torchrun's variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) instead of TF_CONFIG.
 
+--nnodes MIN:MAX (elastic): each restart round runs on the nodes whose launchers arrive, at
+least MIN and always node 0, renumbered 0..k-1, with the world size they make; a round waits
+--join_timeout seconds for more once MIN are there. A node started again joins at the next
+restart.
+
 Every worker also gets TANDEM_LOCAL_RANK, TANDEM_LOCAL_WORLD_SIZE, TANDEM_RESTART_COUNT
 (0, then 1, 2, ... after restarts) and TANDEM_LAUNCHER=tandem-run; stdin is /dev/null.
 
@@ -127,12 +139,14 @@ class LaunchError : public std::runtime_error {
 
 struct Options {
   int nproc_per_node = 0;
-  int nnodes = 1;
+  int min_nodes = 1;  // --nnodes MIN:MAX; plain --nnodes N is N:N
+  int nnodes = 1;     // MAX: the nodes the job is started with, and --node_rank's range
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = kDefaultMasterPort;
   int max_restarts = 0;
   std::chrono::milliseconds stop_timeout = kDefaultStopTimeout;
+  std::chrono::milliseconds join_timeout = kDefaultJoinTimeout;
   std::vector<std::string> hosts;    // empty: not given
   std::vector<std::string> program;  // PROGRAM and its arguments
   std::optional<std::string> help;   // set by --help: the text to print, and nothing else to do
@@ -170,6 +184,21 @@ CLI::Validator seconds_up_to(double max) {
         return {};
       },
       "");
+}
+
+// "N" or "MIN:MAX" (torchrun's elastic range), 1 <= MIN <= MAX <= kMaxNodes: {MIN, MAX}, or none.
+std::optional<std::pair<int, int>> parse_node_range(std::string_view text) {
+  const auto number = [](std::string_view part) -> std::optional<int> {
+    int value = 0;
+    const auto [ptr, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (part.empty() || ec != std::errc() || ptr != part.data() + part.size()) return std::nullopt;
+    return value;
+  };
+  const std::size_t colon = text.find(':');
+  const auto min = number(text.substr(0, colon));
+  const auto max = colon == std::string_view::npos ? min : number(text.substr(colon + 1));
+  if (!min || !max || *min < 1 || *min > *max || *max > kMaxNodes) return std::nullopt;
+  return std::pair{*min, *max};
 }
 
 std::vector<std::string> split_hosts(std::string_view text) {
@@ -212,14 +241,21 @@ Options parse_command_line(std::span<char* const> args) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   int nproc_per_node = 0;
   double stop_timeout_seconds = 0;
+  double join_timeout_seconds = 0;
   std::string hosts;
+  std::string nnodes;
   app.add_option("--nproc_per_node", nproc_per_node, "workers on this node (1 to 256)")
       ->type_name("N")
       ->required()
       ->check(integer_from(1, kMaxProcsPerNode));
-  app.add_option("--nnodes", options.nnodes, "nodes in the job (default 1)")
-      ->type_name("M")
-      ->check(integer_from(1, 65536));
+  app.add_option("--nnodes", nnodes, "nodes in the job (default 1); MIN:MAX: elastic, see below")
+      ->type_name("M|MIN:MAX")
+      ->check(CLI::Validator(
+          [](const std::string& text) -> std::string {
+            if (parse_node_range(text)) return {};
+            return fmt::format("expects N or MIN:MAX with 1 <= MIN <= MAX <= {}, got '{}'", kMaxNodes, text);
+          },
+          ""));
   app.add_option("--node_rank", options.node_rank, "this node's index, 0 to M-1 (default 0)")
       ->type_name("R")
       ->check(integer_from(0, 65535));
@@ -241,6 +277,11 @@ Options parse_command_line(std::span<char* const> args) {
       app.add_option("--stop_timeout", stop_timeout_seconds, "seconds stopping workers get before SIGKILL (default 30)")
           ->type_name("S")
           ->check(seconds_up_to(kMaxStopTimeoutSeconds));
+  auto* join_timeout = app.add_option("--join_timeout", join_timeout_seconds,
+                                      "--nnodes MIN:MAX: seconds a round waits for more nodes\nonce MIN are there "
+                                      "(default 5)")
+                           ->type_name("S")
+                           ->check(seconds_up_to(kMaxStopTimeoutSeconds));
   // CLI11 takes the arguments last first. torchrun's dashed names (--nproc-per-node) become ours.
   std::vector<std::string> reversed(std::make_reverse_iterator(separator), std::make_reverse_iterator(args.begin()));
   for (std::string& arg : reversed) {
@@ -266,6 +307,11 @@ Options parse_command_line(std::span<char* const> args) {
     options.stop_timeout =
         std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(stop_timeout_seconds * 1000)));
   }
+  if (join_timeout->count() > 0) {
+    options.join_timeout =
+        std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(join_timeout_seconds * 1000)));
+  }
+  if (const auto range = parse_node_range(nnodes)) std::tie(options.min_nodes, options.nnodes) = *range;
   if (hosts_option->count() > 0) options.hosts = split_hosts(hosts);
 
   if (options.node_rank >= options.nnodes) {
@@ -566,6 +612,8 @@ struct AttemptOutcome {
 class Launcher {
  public:
   Launcher(Options options, int signal_pipe, int wake_fd) : options_(std::move(options)), signal_pipe_(signal_pipe) {
+    for (int node = 0; node < options_.nnodes; ++node) membership_.nodes.push_back(node);
+    membership_.rank = options_.node_rank;
     program_path_ = resolve_program(options_.program[0]);
     if (options_.master_port == 0) options_.master_port = pick_free_ports(options_.nproc_per_node);
     devnull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -575,9 +623,11 @@ class Launcher {
           .master_addr = options_.master_addr,
           .master_port = options_.master_port,
           .node_rank = options_.node_rank,
-          .nnodes = options_.nnodes,
+          .min_nodes = options_.min_nodes,
+          .max_nodes = options_.nnodes,
+          .join_timeout = options_.join_timeout,
           .processes = options_.nnodes * (options_.nproc_per_node + 1),
-          .setup = fmt::format("--nnodes {} --nproc_per_node {} --max_restarts {}", options_.nnodes,
+          .setup = fmt::format("--nnodes {} --nproc_per_node {} --max_restarts {}", nnodes_text(options_),
                                options_.nproc_per_node, options_.max_restarts),
           .timeout = tandem::env::get_seconds(tandem::env::kRendezvousTimeout),
           .wake_fd = wake_fd});
@@ -596,8 +646,12 @@ class Launcher {
     for (int restart = 0;; ++restart) {
       try {
         g_exit_on_signal = 1;
-        coordinator_->meet(restart);
+        const int world_before = world_size();
+        membership_ = coordinator_->meet(restart);
+        // A node that joins a running job starts at the job's next round.
+        restart = membership_.round;
         g_exit_on_signal = 0;
+        if (options_.min_nodes < options_.nnodes) say_membership(world_before);
       } catch (const std::exception& e) {
         g_exit_on_signal = 0;
         throw LaunchError(1, e.what());
@@ -628,7 +682,34 @@ class Launcher {
   }
 
  private:
-  int world_size() const { return options_.nnodes * options_.nproc_per_node; }
+  static std::string nnodes_text(const Options& o) {
+    return o.min_nodes == o.nnodes ? std::to_string(o.nnodes) : fmt::format("{}:{}", o.min_nodes, o.nnodes);
+  }
+
+  // The current round's world: its nodes' workers.
+  int world_size() const { return static_cast<int>(membership_.nodes.size()) * options_.nproc_per_node; }
+  // This node's rank in the current round (its node rank as started, unless the job is elastic).
+  int node_rank() const { return membership_.rank; }
+
+  // Elastic: which nodes the round runs on, and the world size when it changed.
+  void say_membership(int world_before) const {
+    std::vector<int> missing;
+    for (int node = 0; node < options_.nnodes; ++node) {
+      if (std::find(membership_.nodes.begin(), membership_.nodes.end(), node) == membership_.nodes.end()) {
+        missing.push_back(node);
+      }
+    }
+    std::string text =
+        fmt::format("round {} runs on {} of {} nodes ({}), this one as node rank {}", membership_.round,
+                    membership_.nodes.size(), options_.nnodes, fmt::join(membership_.nodes, ", "), node_rank());
+    if (!missing.empty()) text += fmt::format("; missing: {}", fmt::join(missing, ", "));
+    if (world_before != world_size()) {
+      text += fmt::format("; world size changed {} -> {}", world_before, world_size());
+    } else {
+      text += fmt::format("; world size {}", world_size());
+    }
+    say(text);
+  }
 
   // The environment of local worker `local_rank`, on attempt `restart`.
   std::vector<std::string> make_environment(int local_rank, int restart) const {
@@ -637,11 +718,11 @@ class Launcher {
       if (!is_managed(*e)) env.emplace_back(*e);
     }
     const int n = options_.nproc_per_node;
-    const int rank = options_.node_rank * n + local_rank;
+    const int rank = node_rank() * n + local_rank;
     const bool addresses_known = options_.nnodes == 1 || !options_.hosts.empty();
     if (addresses_known) {
       nlohmann::json workers = nlohmann::json::array();
-      for (int node = 0; node < options_.nnodes; ++node) {
+      for (const int node : membership_.nodes) {  // this round's nodes: an elastic job's survivors
         const std::string& host =
             options_.hosts.empty() ? options_.master_addr : options_.hosts[static_cast<std::size_t>(node)];
         for (int k = 0; k < n; ++k) workers.push_back(host_port(host, options_.master_port + k));
@@ -656,7 +737,7 @@ class Launcher {
       env.push_back(fmt::format("WORLD_SIZE={}", world_size()));
       env.push_back(fmt::format("LOCAL_RANK={}", local_rank));
       env.push_back(fmt::format("LOCAL_WORLD_SIZE={}", n));
-      env.push_back(fmt::format("GROUP_RANK={}", options_.node_rank));
+      env.push_back(fmt::format("GROUP_RANK={}", node_rank()));
     }
     env.push_back(fmt::format("TANDEM_LOCAL_RANK={}", local_rank));
     env.push_back(fmt::format("TANDEM_LOCAL_WORLD_SIZE={}", n));
@@ -795,7 +876,7 @@ class Launcher {
     for (int i = 0; i < n; ++i) {
       Worker& w = workers[static_cast<std::size_t>(i)];
       w.local_rank = i;
-      w.rank = options_.node_rank * n + i;
+      w.rank = node_rank() * n + i;
       w.prefix = fmt::format("[rank {}] ", w.rank);
       w.environment = make_environment(i, restart);
     }
@@ -984,6 +1065,7 @@ class Launcher {
   std::string program_path_;
   int devnull_ = -1;
   std::unique_ptr<Coordinator> coordinator_;
+  Coordinator::Membership membership_;  // the current round's nodes
 };
 
 }  // namespace

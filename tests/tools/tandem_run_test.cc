@@ -463,6 +463,176 @@ TEST_CASE("two nodes started with different --nnodes both fail at once, naming b
   CHECK(r0.err.find("arrived with world_size 3 (--nnodes 3") != std::string::npos);
 }
 
+namespace {
+
+// Two launchers of a job (--nnodes `nnodes` --max_restarts 1 plus `options`) running the probe with
+// `probe` arguments (which must include --ready); once node 1's worker runs, node `lost`'s launcher
+// is SIGKILLed (its worker dies with it). Returns the other node's result.
+Result lose_node(const std::string& nnodes, int lost, const std::vector<std::string>& env,
+                 const std::vector<std::string>& options, const std::vector<std::string>& probe) {
+  const std::string port = std::to_string(free_port());
+  const auto args = [&](int node) {
+    std::vector<std::string> a{"--nproc_per_node", "1",  "--nnodes",       nnodes, "--node_rank", std::to_string(node),
+                               "--master_port",    port, "--max_restarts", "1"};
+    a.insert(a.end(), options.begin(), options.end());
+    a.insert(a.end(), {"--", kProbe});
+    a.insert(a.end(), probe.begin(), probe.end());
+    return a;
+  };
+  Launch node_0(args(0), env);
+  Launch node_1(args(1), env);
+  REQUIRE(node_1.wait_for([](const std::string& out) { return out.find("] ready pid ") != std::string::npos; }, 20s));
+  Launch& victim = lost == 0 ? node_0 : node_1;
+  victim.send(SIGKILL);
+  CHECK(victim.finish().exit_code == 137);
+  return (lost == 0 ? node_1 : node_0).finish(40s);
+}
+
+}  // namespace
+
+TEST_CASE("--nnodes 1:2: node 1 lost for good, node 0 restarts alone at world size 1") {
+  const Result r0 = lose_node("1:2", 1, {}, {"--join_timeout", "5"}, {"--print-env", "--ready", "--sleep", "3"});
+  INFO("node 0 stderr: ", r0.err, "\nnode 0 stdout: ", r0.out);
+  CHECK(r0.exit_code == 0);
+  CHECK(r0.err.find("round 0 runs on 2 of 2 nodes (0, 1), this one as node rank 0; world size 2") != std::string::npos);
+  CHECK(r0.err.find("the launcher of node 1 exited without a word") != std::string::npos);
+  CHECK(
+      r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
+      std::string::npos);
+  CHECK(count(r0.out, "[rank 0] WORLD_SIZE=2\n") == 1);
+  CHECK(count(r0.out, "[rank 0] WORLD_SIZE=1\n") == 1);
+  CHECK(count(r0.out, "[rank 0] TANDEM_RESTART_COUNT=1\n") == 1);
+}
+
+namespace {
+
+// The options of node `node` of a job whose node 0 starts alone (--nnodes 1:2 --join_timeout 0) and
+// whose worker fails on round 0 after 4 s (--kill-self): a node 1 started meanwhile waits for round 1.
+std::vector<std::string> comeback_job(const std::string& port, int node) {
+  return {"--nproc_per_node",
+          "1",
+          "--nnodes",
+          "1:2",
+          "--node_rank",
+          std::to_string(node),
+          "--master_port",
+          port,
+          "--max_restarts",
+          "1",
+          "--join_timeout",
+          "0",
+          "--",
+          kProbe,
+          "--print-env",
+          "--exit-delay",
+          "4000",
+          "--kill-self",
+          "0"};
+}
+
+// Waits until node 0 of comeback_job runs its round 0 (alone).
+void start_alone(Launch& node_0) {
+  REQUIRE(node_0.wait_for([](const std::string& out) { return out.find("WORLD_SIZE=1") != std::string::npos; }, 20s));
+}
+
+}  // namespace
+
+TEST_CASE("--nnodes 1:2: a node that comes back joins at the next restart round, as node rank 1") {
+  const std::string port = std::to_string(free_port());
+  Launch first(comeback_job(port, 0));
+  start_alone(first);
+  const Result r1 = run_launcher(comeback_job(port, 1));
+  const Result r0 = first.finish(40s);
+  INFO("node 0 stderr: ", r0.err, "\nnode 1 stderr: ", r1.err);
+  CHECK(r1.exit_code == 0);
+  CHECK(r0.exit_code == 0);
+  CHECK(r1.err.find("node 1 waits to join the job at its next restart round (1)") != std::string::npos);
+  CHECK(r0.err.find("world size changed 1 -> 2") != std::string::npos);
+  CHECK(count(r1.out, "[rank 1] WORLD_SIZE=2\n") == 1);
+  CHECK(count(r1.out, "[rank 1] TANDEM_RESTART_COUNT=1\n") == 1);
+}
+
+TEST_CASE("--nnodes 1:2: a node that comes back and dies again before the next round is not waited for") {
+  const std::string port = std::to_string(free_port());
+  Launch first(comeback_job(port, 0), {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+  start_alone(first);
+  {
+    Launch second(comeback_job(port, 1), {"TANDEM_RENDEZVOUS_TIMEOUT=60"});
+    std::this_thread::sleep_for(1s);  // it waits for round 1
+    second.send(SIGKILL);
+    second.finish();
+  }
+  const Result r0 = first.finish(40s);
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 0);
+  CHECK(r0.err.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size 1") !=
+        std::string::npos);
+  CHECK(r0.seconds < 30);  // not the 60 s rendezvous timeout
+}
+
+TEST_CASE("--nnodes 1:3 --hosts without node 1: nodes 0 and 2 run as node ranks 0 and 1, TF_CONFIG lists their hosts") {
+  const std::string port = std::to_string(free_port());
+  const std::vector<std::string> args{"--nproc_per_node",
+                                      "1",
+                                      "--nnodes",
+                                      "1:3",
+                                      "--node_rank",
+                                      "0",
+                                      "--master_port",
+                                      port,
+                                      "--hosts",
+                                      "127.0.0.1,127.0.0.2,127.0.0.3",
+                                      "--join_timeout",
+                                      "3",
+                                      "--",
+                                      kProbe,
+                                      "--print-env"};
+  std::vector<std::string> node_2 = args;
+  node_2[5] = "2";
+  Launch first(args);
+  const Result r2 = run_launcher(node_2);
+  const Result r0 = first.finish(30s);
+  INFO("node 0 stderr: ", r0.err, "\nnode 2 stderr: ", r2.err);
+  REQUIRE(r0.exit_code == 0);
+  REQUIRE(r2.exit_code == 0);
+  CHECK(r2.err.find(
+            "round 0 runs on 2 of 3 nodes (0, 2), this one as node rank 1; missing: 1; world size changed 3 -> 2") !=
+        std::string::npos);
+  const int p = std::stoi(port);
+  const nlohmann::json tf = nlohmann::json::parse(env_of(by_rank(r2.out), 1, "TF_CONFIG"));
+  CHECK(tf.at("task").at("index") == 1);
+  CHECK(tf.at("cluster").at("worker") ==
+        nlohmann::json::array({fmt::format("127.0.0.1:{}", p), fmt::format("127.0.0.3:{}", p)}));
+}
+
+TEST_CASE("--nnodes 1:2: losing node 0 (the store's host) ends the job on node 1, saying so") {
+  const Result r1 = lose_node("1:2", 0, {"TANDEM_RENDEZVOUS_TIMEOUT=5"}, {}, {"--ready", "--sleep", "20"});
+  INFO("node 1 stderr: ", r1.err);
+  CHECK(r1.exit_code == 1);
+  CHECK(r1.seconds < 25);
+  CHECK(r1.err.find("an elastic job ends when node 0 is lost") != std::string::npos);
+}
+
+TEST_CASE("--nnodes 2:2: a node lost for good fails every survivor at the next round, naming it, within the timeout") {
+  const Result r0 = lose_node("2", 1, {"TANDEM_RENDEZVOUS_TIMEOUT=3"}, {}, {"--ready", "--sleep", "20"});
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 1);
+  CHECK(r0.err.find("round 1: ") != std::string::npos);
+  CHECK(r0.err.find("node 1") != std::string::npos);
+  CHECK(r0.err.find("did not arrive within 3 s") != std::string::npos);
+}
+
+TEST_CASE("--nnodes 2:3 with one node: every launcher fails after the timeout, naming the missing nodes") {
+  const std::string port = std::to_string(free_port());
+  const Result r0 = run_launcher(
+      {"--nproc_per_node", "1", "--nnodes", "2:3", "--node_rank", "0", "--master_port", port, "--", kProbe},
+      {"TANDEM_RENDEZVOUS_TIMEOUT=2"});
+  INFO("node 0 stderr: ", r0.err);
+  CHECK(r0.exit_code == 1);
+  CHECK(r0.err.find("round 0: 1 node(s) arrived within 2 s, fewer than the 2 that --nnodes 2:3 needs; missing: node 1, "
+                    "node 2") != std::string::npos);
+}
+
 TEST_CASE("--max_restarts 1: a failure on every attempt ends after two attempts with its exit code") {
   const Result r = run_launcher({"--nproc_per_node", "2", "--master_port", "0", "--max_restarts", "1", "--", kProbe,
                                  "--print-env", "--exit", "1:5"});
@@ -537,6 +707,12 @@ TEST_CASE("command-line mistakes: exit 2 and one line naming the option") {
       {{"--nproc_per_node", "2x", "--", p}, "--nproc_per_node: expects an integer"},
       {{"--master_port", "0", "--", p}, "--nproc_per_node is required"},
       {{"--nproc_per_node", "2", "--nnodes=2", "--node_rank", "2", "--", p}, "--node_rank 2 is out of range"},
+      {{"--nproc_per_node", "2", "--nnodes=1:2", "--node_rank", "2", "--", p}, "--node_rank 2 is out of range"},
+      {{"--nproc_per_node", "2", "--nnodes", "3:2", "--", p}, "--nnodes: expects N or MIN:MAX with 1 <= MIN <= MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "0:2", "--", p}, "--nnodes: expects N or MIN:MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "1:", "--", p}, "--nnodes: expects N or MIN:MAX"},
+      {{"--nproc_per_node", "2", "--nnodes", "1-2", "--", p}, "got '1-2'"},
+      {{"--nproc_per_node", "2", "--join_timeout", "x", "--", p}, "--join_timeout: expects seconds"},
       {{"--nproc_per_node", "2", "--master_port", "70000", "--", p}, "--master_port: expects an integer"},
       {{"--nproc_per_node", "2", "--master_port", "65535", "--", p}, "--master_port 65535 is too high"},
       {{"--nproc_per_node", "2", "--nnodes", "2", "--master_port", "0", "--", p}, "--master_port 0"},
