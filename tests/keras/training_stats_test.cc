@@ -111,3 +111,51 @@ TEST_CASE("training_stats: one replica exchanges nothing, and nothing is counted
   CHECK(stats.communication == collective::CommunicationStats{});
   CHECK(stats.bytes_sent_per_step() == 0.0);
 }
+
+TEST_CASE("training_stats under ZeRO stages 1 and 2: reduce-scatter and all-gather, 2(N-1)/N x the padded gradient bytes") {
+  // Each replica reduce-scatters its gradients packed as N shards (each variable padded to N x
+  // ceil(n / N) elements), with the moving statistics appended to every shard's segment, and
+  // all-gathers the updated shards: (N-1)/N x N (S + R) + (N-1)/N x N S bytes per replica and step,
+  // S = the padded shard bytes of every trainable variable, R = the riders' bytes.
+  constexpr std::int64_t kRows = 80;
+  constexpr std::int64_t kBatch = 16;
+  constexpr std::int64_t kSteps = kRows / kBatch;
+  const Tensor x = random_tensor(kRows, 6, 5);
+  const Tensor y = random_tensor(kRows, 3, 6);
+  for (const int n : {2, 4}) {
+    for (const auto stage : {strategy::ZeroStage::k1, strategy::ZeroStage::k2}) {
+      for (const bool batch_norm : {false, true}) {
+        CAPTURE(n);
+        CAPTURE(static_cast<int>(stage));
+        CAPTURE(batch_norm);
+        MirroredStrategy strategy(strategy::MirroredOptions{.devices = cpu_devices(n), .distribution = {.zero = stage}});
+        Model model;
+        {
+          auto scope = strategy.scope();
+          std::vector<SequentialItem> layers = {Input({6}), Dense(8, "relu")};
+          if (batch_norm) layers.emplace_back(BatchNormalization());
+          layers.emplace_back(Dense(3));
+          model = Sequential(std::move(layers));
+          model.compile("sgd", "mse");
+        }
+        model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
+        std::int64_t shard_bytes = 0;
+        for (const auto& v : model.trainable_weights()) {
+          shard_bytes += strategy::ShardSpec::even(v->global_shape(), n).shard_elements *
+                         static_cast<std::int64_t>(dtype_size(v->dtype()));
+        }
+        const std::int64_t riders = bytes_of(model.non_trainable_weights());
+        const TrainingStats stats = model.training_stats();
+        CHECK(stats.steps == kSteps);
+        const auto& c = stats.communication;
+        CHECK(c.reduce_scatter.bytes_sent == kSteps * n * (n - 1) * (shard_bytes + riders));
+        CHECK(c.all_gather.bytes_sent == kSteps * n * (n - 1) * shard_bytes);
+        CHECK(c.all_reduce.calls == 0);  // no clipping, no loss scaling: nothing else communicates
+        CHECK(c.reduce_scatter.calls == c.all_gather.calls);
+        // Without padding or riders this is the all-reduce's 2(N-1)/N x gradient bytes.
+        CHECK(stats.bytes_sent_per_replica_step() ==
+              static_cast<double>((n - 1) * (2 * shard_bytes + riders)));
+      }
+    }
+  }
+}

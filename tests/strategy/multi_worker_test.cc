@@ -522,14 +522,17 @@ TEST_CASE(
 
 TEST_CASE(
     "tandem-run --nnodes 1:2: node 1 lost for good mid-epoch, node 0 resumes alone from the backup at world size 1 and "
-    "ends as a run that switched from 2 workers to 1 at the backup's step") {
+    "ends as a run that switched from 2 workers to 1 at the backup's step (unsharded, and under ZeRO stage 1 with the "
+    "backup's 2 shards loaded as 1)") {
+  for (const std::string zero : {"0", "1"}) {
+  CAPTURE(zero);
   testing::TempDir dir;
   const std::string out = dir.path().string() + "/elastic", ref = dir.path().string() + "/reference";
   std::filesystem::create_directories(out);
   std::filesystem::create_directories(ref);
   // Backups every 4 steps; node 1's worker freezes after step 14, so the last backup is step 12's.
-  const std::vector<std::string> trainer{"--out",       out, "--backup",  out + "/backup",
-                                         "--save-freq", "4", "--timeout", "60"};
+  const std::vector<std::string> trainer{"--out",     out,  "--backup", out + "/backup", "--save-freq",
+                                         "4",         "--timeout", "60", "--zero",   zero};
   const std::string port = std::to_string(free_port());
   const auto node = [&](int rank, const std::vector<std::string>& extra) {
     std::vector<std::string> args{"--nproc_per_node",
@@ -573,16 +576,19 @@ TEST_CASE(
   // The reference: 2 workers until one is killed after step 14 (the last backup is step 12's), then
   // 1 worker resuming from that backup.
   const auto codes =
-      run_workers(ref, 2, {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14", "--timeout", "20"});
+      run_workers(ref, 2, {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14", "--timeout", "20",
+                           "--zero", zero});
   INFO(describe_logs(ref, 2));
   REQUIRE(codes[1] == 128 + SIGKILL);
   REQUIRE(std::filesystem::exists(ref + "/backup/backup.safetensors"));
-  REQUIRE(run_workers(ref, 1, {"--backup", ref + "/backup", "--save-freq", "4"}) == std::vector<int>{0});
+  REQUIRE(run_workers(ref, 1, {"--backup", ref + "/backup", "--save-freq", "4", "--zero", zero}) ==
+          std::vector<int>{0});
   // Same backup, same world size from step 12 on, same global batches: bitwise equal.
   check_weights_equal(out + "/weights-0.safetensors", ref + "/weights-0.safetensors", Match::kBitwise);
   CHECK(read_file(out + "/losses-0.txt") == read_file(ref + "/losses-0.txt"));
   // From step 13 on: epoch 1's third batch (epochs have 10 batches), after the backup's 12 steps.
   CHECK(read_file(out + "/losses-0.txt").starts_with("13 2 "));
+  }
 }
 
 TEST_CASE("without restarts, the surviving worker fails within the timeout naming the lost rank") {
