@@ -305,13 +305,8 @@ class InProcessCommunicator final : public Communicator {
     slot.reduce = op;
     slot.dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
     for (std::size_t i = 0; i < tensors.size() && slot.error.empty(); ++i) {
-      const Tensor& t = tensors[i];
-      slot.error = detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
-      if (slot.error.empty() && t.dtype() != slot.dtype) {
-        slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
-                                 tensors.size(), t.dtype(), slot.dtype);
-      }
-      if (slot.error.empty()) add_segment(slot, t);
+      slot.error = tensor_problem(tensors, i, slot.dtype);
+      if (slot.error.empty()) add_segment(slot, tensors[i]);
     }
     if (slot.error.empty() && !reducible(slot.dtype)) slot.error = not_reducible(slot.dtype);
     enter(call);
@@ -611,17 +606,25 @@ class InProcessCommunicator final : public Communicator {
     }
   }
 
+  // What is wrong with tensor i of a call's span (host memory, the span's one dtype), or "".
+  static std::string tensor_problem(std::span<const Tensor> tensors, std::size_t i, DType dtype) {
+    const Tensor& t = tensors[i];
+    std::string problem =
+        detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
+    if (problem.empty() && t.dtype() != dtype) {
+      problem = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one call takes one dtype", i,
+                            tensors.size(), t.dtype(), dtype);
+    }
+    return problem;
+  }
+
   // The range collectives' entry: every tensor's buffer and range size, one dtype.
   static void publish_ranges(Slot& slot, std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements) {
     slot.dtype = tensors.front().dtype();
     slot.shards.assign(shard_elements.begin(), shard_elements.end());
     for (std::size_t i = 0; i < tensors.size() && slot.error.empty(); ++i) {
       const Tensor& t = tensors[i];
-      slot.error = detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
-      if (slot.error.empty() && t.dtype() != slot.dtype) {
-        slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one call takes one dtype", i,
-                                 tensors.size(), t.dtype(), slot.dtype);
-      }
+      slot.error = tensor_problem(tensors, i, slot.dtype);
       slot.segments.push_back({static_cast<std::byte*>(t.raw_data()), t.num_elements()});
       slot.elements += t.num_elements();
     }
