@@ -27,9 +27,10 @@
 //
 // --strategy mirrored --zero 0,1,2 trains the same MirroredStrategy at each ZeRO stage listed
 // (DistributionOptions::zero) and prints, per stage, samples/s and its ratio to stage 0
-// (unsharded data parallelism), the bytes per replica device of weights, gradients and optimizer
-// slots (what the stage shards), and the device's peak allocator bytes; beside it the DDP peer with
-// PyTorch's ZeroRedundancyOptimizer (its ZeRO stage 1), run with --python.
+// (unsharded data parallelism), the CPU time per step and replica 0's time after its backward,
+// the bytes per replica device of weights, gradients and optimizer slots (what the stage
+// shards), and the device's peak allocator bytes; beside it the DDP peer with PyTorch's
+// ZeroRedundancyOptimizer (its ZeRO stage 1), run with --python.
 //
 // The machines we measure on are shared VMs whose speed drifts by tens of percent over minutes;
 // --repeat R interleaves R runs of tandem and of each peer variant and reports the medians.
@@ -49,6 +50,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -143,7 +145,15 @@ struct Result {
   double samples_per_s = 0;
   double test_accuracy = 0;
   keras::TrainingTimes times;  // tandem only
+  double cpu_seconds = 0;      // tandem only: the process's CPU time during fit (every thread)
 };
+
+// The process's CPU time so far: on a shared machine it drifts less than wall time.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 // One training run; under `strategy` (its scope) when given, else the default strategy.
 // `trained`: where to leave the model after the run (its weights and slots), when given.
@@ -167,13 +177,15 @@ Result run_tandem(const std::string& kind, const data::ImageClassificationData& 
   }
   auto train = data.train.shuffle(60000).batch(kBatch, /*drop_remainder=*/true);
   const auto start = Clock::now();
+  const double cpu_start = process_cpu_seconds();
   model.fit(train, {.epochs = epochs, .verbose = 0});
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double cpu_seconds = process_cpu_seconds() - cpu_start;
   const auto times = model.training_times();
   const double samples = static_cast<double>(epochs) * static_cast<double>(60000 / kBatch * kBatch);
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
   if (trained != nullptr) *trained = model;
-  return {samples / seconds, test.at("accuracy"), times};
+  return {samples / seconds, test.at("accuracy"), times, cpu_seconds};
 }
 
 // Runs a peer's command line and reads its "samples_per_s=" and "test_acc=" fields.
@@ -463,9 +475,9 @@ int run_zero(const Options& o) {
               o.peer ? "torch_ddp2.sh --zero 1 (DDP + ZeroRedundancyOptimizer(Adam), Gloo, 2 processes x 1 thread)"
                      : "(skipped)");
   const auto data = data::fashion_mnist();
-  std::printf("%-5s %5s | %10s %7s %7s | %10s %10s %10s | %10s %7s %7s\n", "model", "zero", "tandem /s", "acc",
-              "vs k0", "weights", "slots", "peak", "ZeRO-1 /s", "acc", "ratio");
-  std::printf("%s\n", std::string(108, '-').c_str());
+  std::printf("%-5s %5s | %10s %7s %7s | %7s %7s | %10s %10s %10s | %10s %7s %7s\n", "model", "zero", "tandem /s",
+              "acc", "vs k0", "cpu ms", "post ms", "weights", "slots", "peak", "ZeRO-1 /s", "acc", "ratio");
+  std::printf("%s\n", std::string(126, '-').c_str());
   const auto mib = [](std::int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
   for (const auto& kind : o.models) {
     std::optional<double> stage0;
@@ -492,20 +504,34 @@ int run_zero(const Options& o) {
       }
       const Result ours = *median(runs);
       if (!stage0) stage0 = ours.samples_per_s;
+      // Per step, medians over the runs: the process's CPU time, and replica 0's time after its
+      // backward (the gradient collectives it waited for, the optimizer, the ZeRO all-gather).
+      std::vector<double> cpu, post;
+      for (const Result& run : runs) {
+        const auto steps = static_cast<double>(std::max<std::int64_t>(1, run.times.steps));
+        cpu.push_back(1e3 * run.cpu_seconds / steps);
+        post.push_back(1e3 * (run.times.reduce_wait_seconds + run.times.apply_seconds) / steps);
+      }
+      const auto middle = [](std::vector<double>& v) {
+        std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
+        return v[v.size() / 2];
+      };
       const std::string peer_cell =
           peer && stage == 1 ? fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", peer->samples_per_s, peer->test_accuracy,
                                            ours.samples_per_s / peer->samples_per_s)
                              : fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
-      std::printf("%-5s %5d | %10.0f %7.4f %6.2fx | %7.2f MiB %6.2f MiB %6.2f MiB | %s\n", kind.c_str(), stage,
-                  ours.samples_per_s, ours.test_accuracy, ours.samples_per_s / *stage0, mib(weights), mib(slots),
-                  mib(peak), peer_cell.c_str());
+      std::printf("%-5s %5d | %10.0f %7.4f %6.2fx | %7.3f %7.3f | %7.2f MiB %6.2f MiB %6.2f MiB | %s\n", kind.c_str(),
+                  stage, ours.samples_per_s, ours.test_accuracy, ours.samples_per_s / *stage0, middle(cpu),
+                  middle(post), mib(weights), mib(slots), mib(peak), peer_cell.c_str());
       std::fflush(stdout);
     }
   }
   std::printf(
-      "\nvs k0 = samples/s over the first stage listed (0: unsharded data parallelism). weights, slots = bytes\n"
-      "the last replica's device holds of the model's weights and of Adam's slots (a sharded slot counts its\n"
-      "shard); peak = that device's peak allocator bytes during the run (activations and gradients included).\n"
+      "\nvs k0 = samples/s over the first stage listed (0: unsharded data parallelism). cpu ms = the process's\n"
+      "CPU time per step (all threads; steadier than samples/s on a shared machine); post ms = replica 0's\n"
+      "wall time per step after its backward: gradient collectives not hidden, optimizer, ZeRO's all-gather.\n"
+      "weights, slots = bytes the last replica's device holds of the model's weights and of Adam's slots (a\n"
+      "sharded slot counts its shard); peak = that device's peak allocator bytes during the run (activations and gradients included).\n"
       "ZeRO-1 = the PyTorch peer at its ZeRO stage 1, beside tandem's stage 1; ratio = tandem /s over it.\n");
   return 0;
 }

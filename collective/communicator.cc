@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <utility>
 
+#include "tandem/base/errors.h"
 #include "tandem/collective/detail/common.h"
 
 #include <fmt/ranges.h>
@@ -68,6 +70,140 @@ void Communicator::all_gather(const Tensor& input, Tensor& output, const CallOpt
 void Communicator::reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) {
   do_reduce_scatter(input, output, op, options);
   count(kReduceScatterOp, bytes_of(input), bytes_of(input));
+}
+
+namespace {
+
+// Elements [offset, offset + count) of `tensor` flattened: a 1-D view of its buffer.
+Tensor flat(const Tensor& tensor, std::int64_t offset, std::int64_t count) {
+  return Tensor(Shape{count}, tensor.dtype(), tensor.buffer(),
+                tensor.byte_offset() + static_cast<std::size_t>(offset) * graph::dtype_size(tensor.dtype()));
+}
+
+// Rank r's range of a tensor split into ranges of `shard` elements (reduce_scatter_ranges).
+std::pair<std::int64_t, std::int64_t> range_of(const Tensor& tensor, std::int64_t shard, int rank) {
+  const std::int64_t n = tensor.num_elements();
+  return {std::min(n, rank * shard), std::min(n, (rank + 1) * shard)};
+}
+
+// Copies rank's range of src into dst at `at`, zero-padded to `shard` elements.
+void pack_range(Tensor& dst, std::int64_t at, const Tensor& src, std::int64_t shard, int rank) {
+  const auto [begin, end] = range_of(src, shard, rank);
+  if (end > begin) flat(dst, at, end - begin).copy_from(flat(src, begin, end - begin));
+  if (end - begin < shard) {
+    Tensor pad = flat(dst, at + (end - begin), shard - (end - begin));
+    pad.device().fill_zero(pad.raw_data(), pad.nbytes());
+  }
+}
+
+// The inverse: the first elements of src at `at` into rank's range of dst.
+void unpack_range(Tensor& dst, const Tensor& src, std::int64_t at, std::int64_t shard, int rank) {
+  const auto [begin, end] = range_of(dst, shard, rank);
+  if (end > begin) flat(dst, begin, end - begin).copy_from(flat(src, at, end - begin));
+}
+
+// One part of the packed buffer the range collectives stand for, in bytes.
+std::int64_t part_bytes(std::span<const Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                        std::span<const Tensor> riders) {
+  std::int64_t bytes = bytes_of(riders);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    bytes += shard_elements[i] * static_cast<std::int64_t>(graph::dtype_size(tensors[i].dtype()));
+  }
+  return bytes;
+}
+
+void check_ranges(std::string_view op, std::span<const Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                  int size) {
+  TANDEM_REQUIRE(!tensors.empty() && shard_elements.size() == tensors.size(), InvalidArgument,
+                 "{}: {} shard sizes for {} tensors; expected one per tensor, and at least one tensor", op,
+                 shard_elements.size(), tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    TANDEM_REQUIRE(shard_elements[i] >= 0 && shard_elements[i] * size >= tensors[i].num_elements(), InvalidArgument,
+                   "{}: tensor {} of {} has {} elements; {} ranges of {} elements do not cover it", op, i,
+                   tensors.size(), tensors[i].num_elements(), size, shard_elements[i]);
+  }
+}
+
+}  // namespace
+
+void Communicator::reduce_scatter_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                         std::span<Tensor> riders, ReduceOp op, const CallOptions& options) {
+  check_ranges("reduce_scatter_ranges", tensors, shard_elements, size());
+  do_reduce_scatter_ranges(tensors, shard_elements, riders, op, options);
+  const std::int64_t bytes = part_bytes(tensors, shard_elements, riders) * size();
+  count(kReduceScatterOp, bytes, bytes);
+}
+
+void Communicator::all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                     const CallOptions& options) {
+  check_ranges("all_gather_ranges", tensors, shard_elements, size());
+  do_all_gather_ranges(tensors, shard_elements, options);
+  const std::int64_t bytes = part_bytes(tensors, shard_elements, {}) * size();
+  count(kAllGatherOp, bytes, bytes);
+}
+
+// Part q of the packed buffer: rank q's range of each tensor, then the riders. One tensor that
+// splits evenly, with no riders, is that buffer already.
+void Communicator::do_reduce_scatter_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                            std::span<Tensor> riders, ReduceOp op, const CallOptions& options) {
+  const int n = size();
+  const Tensor& first = tensors.front();
+  std::int64_t part = 0;
+  for (const std::int64_t shard : shard_elements) part += shard;
+  for (const Tensor& rider : riders) part += rider.num_elements();
+  const bool direct = tensors.size() == 1 && riders.empty() && part * n == first.num_elements();
+  Tensor recv = Tensor::empty({part}, first.dtype(), first.device());
+  {
+    Tensor send = direct ? flat(first, 0, first.num_elements()) : Tensor::empty({n * part}, first.dtype(), first.device());
+    for (int q = 0; q < n && !direct; ++q) {
+      std::int64_t at = q * part;
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        pack_range(send, at, tensors[i], shard_elements[i], q);
+        at += shard_elements[i];
+      }
+      for (const Tensor& rider : riders) {
+        flat(send, at, rider.num_elements()).copy_from(flat(rider, 0, rider.num_elements()));
+        at += rider.num_elements();
+      }
+    }
+    do_reduce_scatter(send, recv, op, options);
+  }
+  std::int64_t at = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    unpack_range(tensors[i], recv, at, shard_elements[i], rank());
+    at += shard_elements[i];
+  }
+  for (Tensor& rider : riders) {
+    flat(rider, 0, rider.num_elements()).copy_from(flat(recv, at, rider.num_elements()));
+    at += rider.num_elements();
+  }
+}
+
+// This rank's ranges packed, all-gathered, and the other ranks' ranges copied out. One tensor
+// that splits evenly receives the gather itself.
+void Communicator::do_all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                        const CallOptions& options) {
+  const int n = size();
+  const Tensor& first = tensors.front();
+  std::int64_t part = 0;
+  for (const std::int64_t shard : shard_elements) part += shard;
+  Tensor send = Tensor::empty({part}, first.dtype(), first.device());
+  std::int64_t at = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    pack_range(send, at, tensors[i], shard_elements[i], rank());
+    at += shard_elements[i];
+  }
+  const bool direct = tensors.size() == 1 && part * n == first.num_elements();
+  Tensor gathered = direct ? flat(first, 0, first.num_elements()) : Tensor::empty({n * part}, first.dtype(), first.device());
+  do_all_gather(send, gathered, options);
+  for (int q = 0; q < n && !direct; ++q) {
+    if (q == rank()) continue;  // this rank's own ranges are in place
+    at = q * part;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      unpack_range(tensors[i], gathered, at, shard_elements[i], q);
+      at += shard_elements[i];
+    }
+  }
 }
 
 void Communicator::barrier(const CallOptions& options) {

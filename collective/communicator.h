@@ -138,6 +138,22 @@ class Communicator {
   // Returns once every rank has called barrier.
   void barrier(const CallOptions& options = {});
 
+  // ZeRO's collectives on values split into ranges, in their own buffers (no packed copy). Tensor
+  // i of every rank (same dtype, element counts and shard_elements[i] on every rank), flattened,
+  // is split into size() ranges of shard_elements[i] elements, the last ones cut short or empty
+  // where the tensor ends: rank r's range is [r x s, min((r + 1) x s, elements)).
+  // reduce_scatter_ranges: afterwards rank r's range of each of its tensors holds the reduction
+  // over every rank of that range, reduced in rank order as all_reduce and reduce_scatter reduce;
+  // the rest of its tensors is unspecified. `riders` (whole tensors, the same dtype) are reduced
+  // in the same call, whole on every rank. all_gather_ranges: afterwards every rank's tensors
+  // hold each rank's range as that rank had it. Both count as the reduce_scatter / all_gather of
+  // the packed buffer they stand for: size() parts, part r = rank r's ranges, each padded to
+  // shard_elements, followed (reduce_scatter_ranges) by the riders.
+  void reduce_scatter_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                             std::span<Tensor> riders, ReduceOp op, const CallOptions& options = {});
+  void all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                         const CallOptions& options = {});
+
   // Fails the group: every rank's pending and later calls throw Unavailable(reason). Any rank (or
   // any thread of its owner) may call it; it does not block.
   virtual void abort(const std::string& reason) = 0;
@@ -159,6 +175,13 @@ class Communicator {
   virtual void do_all_gather(const Tensor& input, Tensor& output, const CallOptions& options) = 0;
   virtual void do_reduce_scatter(const Tensor& input, Tensor& output, ReduceOp op, const CallOptions& options) = 0;
   virtual void do_barrier(const CallOptions& options) = 0;
+  // Default: the ranges packed into one buffer, do_reduce_scatter / do_all_gather, and the
+  // results copied back (on any device). The in-process group reads and writes the ranges where
+  // they are.
+  virtual void do_reduce_scatter_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                        std::span<Tensor> riders, ReduceOp op, const CallOptions& options);
+  virtual void do_all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                    const CallOptions& options);
 
  private:
   // The counters of one op: its calls, and the bytes its calls' buffers held that count towards

@@ -34,6 +34,8 @@
 #include <thread>
 #include <type_traits>
 
+#include <fmt/ranges.h>
+
 #include "tandem/base/spin.h"
 #include "tandem/collective/in_process.h"
 #include "tandem/collective/detail/common.h"
@@ -96,6 +98,9 @@ struct alignas(64) Slot {
   std::string error;              // this rank's own arguments are wrong: every rank throws it
   std::vector<Segment> segments;  // the buffer's memory, zero-element tensors left out
   std::byte* output = nullptr;    // all_gather, reduce_scatter
+  // The range collectives: one segment per tensor (empty ones included), split into ranges of
+  // shards[i] elements.
+  std::vector<std::int64_t> shards;
 };
 
 // Why the group cannot be used any more.
@@ -300,13 +305,8 @@ class InProcessCommunicator final : public Communicator {
     slot.reduce = op;
     slot.dtype = tensors.empty() ? kFloat32 : tensors[0].dtype();
     for (std::size_t i = 0; i < tensors.size() && slot.error.empty(); ++i) {
-      const Tensor& t = tensors[i];
-      slot.error = detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
-      if (slot.error.empty() && t.dtype() != slot.dtype) {
-        slot.error = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one all_reduce reduces one dtype", i,
-                                 tensors.size(), t.dtype(), slot.dtype);
-      }
-      if (slot.error.empty()) add_segment(slot, t);
+      slot.error = tensor_problem(tensors, i, slot.dtype);
+      if (slot.error.empty()) add_segment(slot, tensors[i]);
     }
     if (slot.error.empty() && !reducible(slot.dtype)) slot.error = not_reducible(slot.dtype);
     enter(call);
@@ -411,6 +411,57 @@ class InProcessCommunicator final : public Communicator {
     });
   }
 
+  // Rank r reduces its range of each tensor from every rank's buffer into its own buffer, where
+  // the range is: no rank writes what another reads (each writes only its own range of its own
+  // buffers, which the others do not read), and nothing is packed or copied back. Riders need
+  // the sum on every rank: they go the packed way.
+  void do_reduce_scatter_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                                std::span<Tensor> riders, ReduceOp op, const CallOptions& options) override {
+    if (!riders.empty()) {
+      Communicator::do_reduce_scatter_ranges(tensors, shard_elements, riders, op, options);
+      return;
+    }
+    Call call = begin(OpKind::kReduceScatter, options);
+    Slot& slot = *call.slot;
+    slot.reduce = op;
+    publish_ranges(slot, tensors, shard_elements);
+    if (slot.error.empty() && !reducible(slot.dtype)) slot.error = not_reducible(slot.dtype);
+    enter(call);
+    run_then_exit(call, [&] {
+      const int n = size();
+      if (n == 1) return;
+      dispatch_reduction(slot.dtype, op, "in-process collective", [&]<class T, class Op, bool kMean>() {
+        for_each_range(slot, rank_, [&](std::size_t i, std::size_t offset, std::int64_t count) {
+          for (int q = 0; q < n; ++q) {
+            inputs_[static_cast<std::size_t>(q)] = group_->slot(call.phase, q).segments[i].data + offset;
+          }
+          outputs_[0] = slot.segments[i].data + offset;
+          reduce_blocks<T, Op, kMean>(inputs_.data(), n, outputs_.data(), 1, count);
+        });
+      });
+    });
+  }
+
+  // Rank r copies every other rank's range of each tensor from that rank's buffer into its own.
+  void do_all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
+                            const CallOptions& options) override {
+    Call call = begin(OpKind::kAllGather, options);
+    Slot& slot = *call.slot;
+    publish_ranges(slot, tensors, shard_elements);
+    enter(call);
+    run_then_exit(call, [&] {
+      const std::size_t esize = dtype_size(slot.dtype);
+      for (int q = 0; q < size(); ++q) {
+        if (q == rank_) continue;
+        const Slot& source = group_->slot(call.phase, q);
+        for_each_range(slot, q, [&](std::size_t i, std::size_t offset, std::int64_t count) {
+          std::memcpy(slot.segments[i].data + offset, source.segments[i].data + offset,
+                      static_cast<std::size_t>(count) * esize);
+        });
+      }
+    });
+  }
+
   void do_barrier(const CallOptions& options) override {
     Call call = begin(OpKind::kBarrier, options);
     enter(call);
@@ -449,6 +500,7 @@ class InProcessCommunicator final : public Communicator {
     slot.error.clear();
     slot.segments.clear();
     slot.output = nullptr;
+    slot.shards.clear();
     call.slot = &slot;
     return call;
   }
@@ -487,6 +539,17 @@ class InProcessCommunicator final : public Communicator {
       if ((a.kind == OpKind::kAllReduce || a.kind == OpKind::kReduceScatter) && a.reduce != b.reduce) {
         return fmt::format("rank 0 reduces with {}, rank {} with {}", reduce_op_name(a.reduce), q,
                            reduce_op_name(b.reduce));
+      }
+      const bool ranges = !a.shards.empty() || !b.shards.empty();  // a range collective
+      if (ranges && (a.shards != b.shards || a.segments.size() != b.segments.size())) {
+        return fmt::format("rank 0 splits {} tensors into ranges of {} elements, rank {} splits {} into ranges of {}",
+                           a.segments.size(), a.shards, q, b.segments.size(), b.shards);
+      }
+      for (std::size_t i = 0; ranges && i < a.shards.size(); ++i) {
+        if (a.segments[i].elements != b.segments[i].elements) {
+          return fmt::format("tensor {} has {} elements on rank 0, {} on rank {}", i, a.segments[i].elements,
+                             b.segments[i].elements, q);
+        }
       }
       if (a.kind == OpKind::kBroadcast && a.root != b.root) {
         return fmt::format("rank 0 broadcasts from root {}, rank {} from root {}", a.root, q, b.root);
@@ -540,6 +603,41 @@ class InProcessCommunicator final : public Communicator {
         }
       }
       remaining -= run;
+    }
+  }
+
+  // What is wrong with tensor i of a call's span (host memory, the span's one dtype), or "".
+  static std::string tensor_problem(std::span<const Tensor> tensors, std::size_t i, DType dtype) {
+    const Tensor& t = tensors[i];
+    std::string problem =
+        detail::host_tensor_problem(t, fmt::format("tensor {} of {}", i, tensors.size()), kBackendName);
+    if (problem.empty() && t.dtype() != dtype) {
+      problem = fmt::format("tensor {} of {} has dtype {}, tensor 0 has {}; one call takes one dtype", i,
+                            tensors.size(), t.dtype(), dtype);
+    }
+    return problem;
+  }
+
+  // The range collectives' entry: every tensor's buffer and range size, one dtype.
+  static void publish_ranges(Slot& slot, std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements) {
+    slot.dtype = tensors.front().dtype();
+    slot.shards.assign(shard_elements.begin(), shard_elements.end());
+    for (std::size_t i = 0; i < tensors.size() && slot.error.empty(); ++i) {
+      const Tensor& t = tensors[i];
+      slot.error = tensor_problem(tensors, i, slot.dtype);
+      slot.segments.push_back({static_cast<std::byte*>(t.raw_data()), t.num_elements()});
+      slot.elements += t.num_elements();
+    }
+  }
+
+  // Calls fn(tensor index, byte offset, element count) for rank's non-empty range of each tensor.
+  template <class Fn>
+  static void for_each_range(const Slot& slot, int rank, Fn&& fn) {
+    const std::size_t esize = dtype_size(slot.dtype);
+    for (std::size_t i = 0; i < slot.segments.size(); ++i) {
+      const std::int64_t elements = slot.segments[i].elements, shard = slot.shards[i];
+      const std::int64_t begin = std::min(elements, rank * shard), end = std::min(elements, (rank + 1) * shard);
+      if (end > begin) fn(i, static_cast<std::size_t>(begin) * esize, end - begin);
     }
   }
 

@@ -109,18 +109,6 @@ void add_into(Tensor& dst, const Tensor& src) {
   });
 }
 
-// Packs src's elements [begin, end) into dst at `offset`, followed by zeros up to `width`
-// elements (a shard of a ZeRO bucket: ShardSpec's padding is zero).
-void pack_shard(Tensor& dst, std::int64_t offset, const Tensor& src, std::int64_t begin, std::int64_t end,
-                std::int64_t width) {
-  const std::int64_t n = end - begin;
-  if (n > 0) flat_view(dst, offset, n).copy_from(flat_view(src, begin, n));
-  if (n < width) {
-    Tensor pad = flat_view(dst, offset + n, width - n);
-    pad.device().fill_zero(pad.raw_data(), pad.nbytes());
-  }
-}
-
 // value *= factor, on the host (a few per-channel statistics: no kernel needed).
 void scale_in_place(Tensor& value, double factor) {
   Tensor host = value.to(devices::default_cpu_device());
@@ -171,13 +159,12 @@ struct GradientReducer::Plan {
   std::vector<std::ptrdiff_t> bucket_of;               // per gradient; -1 when it is not communicated
   std::vector<std::size_t> order;                      // bucket ids, in the order backward completes them
   std::vector<std::vector<std::size_t>> dtype_groups;  // the communicated gradients, one group per dtype
-  // ZeRO: per bucket, whether it is reduce-scattered, and the elements of one shard of it (its
-  // gradients' shards side by side); per gradient, its ShardSpec and its offset in the shard.
+  // ZeRO: per bucket, whether it is reduce-scattered, and its gradients' shard sizes (in the
+  // bucket's order, as Communicator::reduce_scatter_ranges takes them); per gradient, its ShardSpec.
   std::vector<bool> scatter;
   bool any_scatter = false;
-  std::vector<std::int64_t> segment;
+  std::vector<std::vector<std::int64_t>> shard_elements;
   std::vector<ShardSpec> spec;
-  std::vector<std::int64_t> offset;
   std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
 };
 
@@ -211,6 +198,10 @@ struct GradientReducer::ReplicaState {
   std::vector<Tensor> compressed;
   std::vector<Tensor> device_group;  // queue_reduction_on_device's tensors of one call (reused)
   std::vector<Tensor> out;           // finish_step's gradients: grads, shards for reduce-scattered ones
+  std::vector<Tensor> bucket;        // the tensors of one range collective (reused)
+  // Per gradient, a zero-padded copy of the replica's shard when its range is cut short by the
+  // variable's end (made at the first step that needs it; the padding stays zero).
+  std::vector<Tensor> padded;
 };
 
 void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> outputs) {
@@ -277,7 +268,6 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   auto& plan = *plan_;
   plan.bucket_of.assign(sources_.size(), -1);
   plan.spec.resize(sources_.size());
-  plan.offset.assign(sources_.size(), 0);
   std::int64_t bytes = 0;
   for (std::size_t k = sources_.size(); k-- > 0;) {
     const auto& [variable, gradient] = sources_[k];
@@ -293,7 +283,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     if (starts_new) {
       plan.buckets.emplace_back();
       plan.scatter.push_back(scatter);
-      plan.segment.push_back(0);
+      plan.shard_elements.emplace_back();
       bytes = 0;
     }
     plan.buckets.back().push_back(k);
@@ -302,8 +292,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     if (scatter) {
       plan.any_scatter = true;
       plan.spec[k] = ShardSpec::even(variable->shape(), strategy_.num_replicas_in_sync());
-      plan.offset[k] = plan.segment.back();
-      plan.segment.back() += plan.spec[k].shard_elements;
+      plan.shard_elements.back().push_back(plan.spec[k].shard_elements);
     }
   }
   // Backward completes a bucket with its last-computed gradient: the order is by that node.
@@ -422,11 +411,22 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   while (s.next_bucket < plan_->order.size()) reduce_bucket(replica, plan_->order[s.next_bucket++]);
   if (!plan_->any_scatter) return s.grads;
   s.out.assign(s.grads.begin(), s.grads.end());
+  const int me = strategy_.global_replica_index(replica);
+  if (s.padded.empty()) s.padded.resize(sources_.size());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
-    if (b >= 0 && plan_->scatter[static_cast<std::size_t>(b)]) {
-      s.out[k] = flat_view(s.grads[k], 0, plan_->spec[k].shard_elements);  // reduce_scatter_bucket put it there
+    if (b < 0 || !plan_->scatter[static_cast<std::size_t>(b)]) continue;
+    // The reduce-scatter left the replica's shard of the sum in its range of the gradient.
+    const ShardSpec& spec = plan_->spec[k];
+    const std::int64_t begin = spec.begin(me), end = spec.end(me);
+    if (end - begin == spec.shard_elements) {
+      s.out[k] = flat_view(s.grads[k], begin, spec.shard_elements);
+      continue;
     }
+    Tensor& padded = s.padded[k];
+    if (!padded.defined()) padded = Tensor::zeros({spec.shard_elements}, s.grads[k].dtype(), s.grads[k].device());
+    if (end > begin) flat_view(padded, 0, end - begin).copy_from(flat_view(s.grads[k], begin, end - begin));
+    s.out[k] = padded;
   }
   return s.out;
 }
@@ -458,59 +458,25 @@ void GradientReducer::reduce_bucket(int replica, std::size_t bucket) {
   if (comm.size() > 1) comm.all_reduce(tensors, collective::ReduceOp::kSum, call);
 }
 
-// A ZeRO bucket: its gradients packed shard by shard (ShardSpec's layout, each shard followed by
-// the extras riding with the last bucket, so that every replica receives their sums with its
-// shard), reduce-scattered, and each received gradient shard copied into the first elements of
-// its gradient's own buffer, where finish_step's view finds it. The packed buffers live only
-// during the call: one bucket's worth of memory at a time.
+// A ZeRO bucket: its gradients reduce-scattered by ranges (Communicator::reduce_scatter_ranges),
+// each replica's shard of each sum left in the replica's range of the gradient's own buffer,
+// where finish_step's view finds it; the extras riding with the last bucket are summed whole on
+// every replica in the same call. The in-process group reads and writes the ranges in place;
+// other backends pack them into one buffer for the call (one bucket's worth at a time).
 void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras) {
   ReplicaState& s = state(replica);
-  const auto& ids = plan_->buckets[bucket];
   auto& comm = strategy_.communicator(replica);
   const int n = strategy_.num_replicas_in_sync();
   TANDEM_REQUIRE(comm.size() == n && comm.rank() == strategy_.global_replica_index(replica), FailedPrecondition,
                  "gradient reducer of {}: replica {} is rank {} of {} in its communicator; a reduce-scatter over the "
                  "replicas in sync needs rank {} of {}",
                  strategy_.name(), replica, comm.rank(), comm.size(), strategy_.global_replica_index(replica), n);
-  std::int64_t extra_elements = 0;
-  for (const Tensor& extra : extras) extra_elements += extra.num_elements();
-  const std::int64_t grads = plan_->segment[bucket];
-  const std::int64_t segment = grads + extra_elements;
-  const Tensor& first = s.grads[ids.front()];
-  Tensor recv = Tensor::empty({segment}, first.dtype(), first.device());
-  {
-    // A bucket of one gradient that splits evenly is already laid out as the collective wants it.
-    const bool direct = ids.size() == 1 && extras.empty() && segment * n == first.num_elements();
-    Tensor send = direct ? flat_view(first, 0, first.num_elements())
-                         : Tensor::empty({n * segment}, first.dtype(), first.device());
-    for (int q = 0; q < n && !direct; ++q) {
-      const std::int64_t base = static_cast<std::int64_t>(q) * segment;
-      for (const auto k : ids) {
-        const ShardSpec& spec = plan_->spec[k];
-        pack_shard(send, base + plan_->offset[k], s.grads[k], spec.begin(q), spec.end(q), spec.shard_elements);
-      }
-      std::int64_t at = base + grads;
-      for (const Tensor& extra : extras) {
-        flat_view(send, at, extra.num_elements()).copy_from(extra);
-        at += extra.num_elements();
-      }
-    }
-    if (n > 1) {
-      comm.reduce_scatter(send, recv, collective::ReduceOp::kSum,
-                          {.timeout = strategy_.distribution_options().collective_timeout});
-    } else {
-      recv.copy_from(send);
-    }
-  }
-  for (const auto k : ids) {
-    const std::int64_t width = plan_->spec[k].shard_elements;
-    flat_view(s.grads[k], 0, width).copy_from(flat_view(recv, plan_->offset[k], width));
-  }
-  std::int64_t at = grads;
-  for (Tensor& extra : extras) {
-    extra.copy_from(flat_view(recv, at, extra.num_elements()));
-    at += extra.num_elements();
-  }
+  if (n == 1) return;  // the replica's range is the whole gradient, and the extras are their own sums
+  s.bucket.clear();
+  for (const auto k : plan_->buckets[bucket]) s.bucket.push_back(s.grads[k]);
+  comm.reduce_scatter_ranges(s.bucket, plan_->shard_elements[bucket], extras, collective::ReduceOp::kSum,
+                             {.timeout = strategy_.distribution_options().collective_timeout});
+  s.bucket.clear();  // views of the run's arena: held, they would move it next run
 }
 
 void GradientReducer::gather_updated(int replica) {
@@ -521,36 +487,15 @@ void GradientReducer::gather_updated(int replica) {
                  strategy_.name(), replica);
   const int n = strategy_.num_replicas_in_sync();
   if (n == 1) return;  // the replica's range is the whole variable
-  const int me = strategy_.global_replica_index(replica);
+  // Each bucket's variables gathered where they are: no packed copy in the in-process group.
   for (const std::size_t bucket : plan_->order) {
     if (!plan_->scatter[bucket]) continue;
-    const auto& ids = plan_->buckets[bucket];
-    const std::int64_t segment = plan_->segment[bucket];
-    const Tensor& first = sources_[ids.front()].variable->value(replica);
-    Tensor send = Tensor::empty({segment}, first.dtype(), first.device());
-    for (const auto k : ids) {
-      const ShardSpec& spec = plan_->spec[k];
-      pack_shard(send, plan_->offset[k], sources_[k].variable->value(replica), spec.begin(me), spec.end(me),
-                 spec.shard_elements);
-    }
-    // A variable alone in its bucket that splits evenly receives the gather itself.
-    const bool direct = ids.size() == 1 && segment * n == first.num_elements();
-    Tensor gathered = direct ? flat_view(first, 0, first.num_elements())
-                             : Tensor::empty({n * segment}, first.dtype(), first.device());
-    strategy_.communicator(replica).all_gather(send, gathered,
-                                               {.timeout = strategy_.distribution_options().collective_timeout});
-    for (int q = 0; q < n && !direct; ++q) {
-      if (q == me) continue;  // updated in place by the optimizer
-      for (const auto k : ids) {
-        const ShardSpec& spec = plan_->spec[k];
-        const std::int64_t b = spec.begin(q), e = spec.end(q);
-        if (e > b) {
-          flat_view(sources_[k].variable->value(replica), b, e - b)
-              .copy_from(flat_view(gathered, static_cast<std::int64_t>(q) * segment + plan_->offset[k], e - b));
-        }
-      }
-    }
+    s.bucket.clear();
+    for (const auto k : plan_->buckets[bucket]) s.bucket.push_back(sources_[k].variable->value(replica));
+    strategy_.communicator(replica).all_gather_ranges(s.bucket, plan_->shard_elements[bucket],
+                                                      {.timeout = strategy_.distribution_options().collective_timeout});
   }
+  s.bucket.clear();
 }
 
 // The bucket's float32 gradients, all-reduced as 16-bit values (PyTorch DDP's compression hooks):

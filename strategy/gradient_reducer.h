@@ -27,21 +27,22 @@
 // extension point of the strategies that split variables: a strategy answers per variable, and
 // the trainer, which only drives this class, does not change.
 //
-// ZeRO (DistributionOptions::zero k1, k2): a bucket of reduce-scattered gradients is packed into
-// one buffer laid out [shard 0 of each gradient of the bucket][shard 1 of each] ... (ShardSpec,
-// zero padding) and reduce-scattered in one call, so that each replica receives the sums of its
-// shards only; finish_step returns, for those variables, 1-D gradient shards [shard_elements]
-// (the replica's shard of each sum), which the optimizer applies to the replica's range of the
-// variable. The replicas' updated ranges are then exchanged by gather_updated, one all_gather per
-// bucket, so that every copy is whole again. The sums are formed in the same order as the
-// all-reduce of the same communicator (the in-process group adds ranks in rank order for both),
-// so results are bitwise those of unsharded data parallelism. Memory: the packed send buffer and
-// the received shards live only during their bucket's collective (one bucket's worth at a time);
-// the received shards are copied back into the first elements of each gradient's own buffer (the
-// executor's arena, which holds backward's full gradients during the run in any case), and the
-// gradient shards returned point there. Stages 1 and 2 therefore run the same code: with the
-// gradients in the executor's arena, "dropping the full gradient" (stage 2) would need an
-// executor that frees a gradient's buffer as soon as it is reduce-scattered.
+// ZeRO (DistributionOptions::zero k1, k2): a bucket of reduce-scattered gradients is
+// reduce-scattered in one call by ranges (Communicator::reduce_scatter_ranges: each gradient,
+// flattened, split into ShardSpec's shards), so that each replica receives the sums of its shards
+// only, in its range of each gradient's own buffer (the executor's arena, which holds backward's
+// full gradients during the run in any case); finish_step returns, for those variables, 1-D
+// gradient shards [shard_elements] (views of those ranges; a zero-padded copy for a shard cut
+// short by the variable's end), which the optimizer applies to the replica's range of the
+// variable. The replicas' updated ranges are then exchanged by gather_updated, one
+// all_gather_ranges per bucket on the variables' own buffers, so that every copy is whole again.
+// The in-process group reads and writes the ranges where they are: no packed buffer, no copy
+// back, no allocation in the steady state; other backends pack one bucket's worth for the call.
+// The sums are formed in the same order as the all-reduce of the same communicator (the
+// in-process group adds ranks in rank order for both), so results are bitwise those of unsharded
+// data parallelism. Stages 1 and 2 therefore run the same code: with the gradients in the
+// executor's arena, "dropping the full gradient" (stage 2) would need an executor that frees a
+// gradient's buffer as soon as it is reduce-scattered.
 //
 // Throws: from the step calls, what the collectives throw (DeadlineExceeded naming the operation
 // and the missing ranks; Unavailable once Strategy::run has aborted a failed step's collectives);
