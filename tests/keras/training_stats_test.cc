@@ -35,6 +35,18 @@ std::vector<std::string> cpu_devices(int n) {
   return names;
 }
 
+// Dense(8, relu) [-> BatchNormalization] -> Dense(3) on 6 features, compiled with SGD and MSE
+// under `strategy`.
+Model small_model(Strategy& strategy, bool batch_norm) {
+  auto scope = strategy.scope();
+  std::vector<SequentialItem> layers = {Input({6}), Dense(8, "relu")};
+  if (batch_norm) layers.emplace_back(BatchNormalization());
+  layers.emplace_back(Dense(3));
+  Model model = Sequential(std::move(layers));
+  model.compile("sgd", "mse");
+  return model;
+}
+
 }  // namespace
 
 TEST_CASE("training_stats: each step all-reduces 2(N-1)/N x the gradient and moving-statistic bytes per replica") {
@@ -49,15 +61,7 @@ TEST_CASE("training_stats: each step all-reduces 2(N-1)/N x the gradient and mov
       CAPTURE(n);
       CAPTURE(batch_norm);
       MirroredStrategy strategy(cpu_devices(n));
-      Model model;
-      {
-        auto scope = strategy.scope();
-        std::vector<SequentialItem> layers = {Input({6}), Dense(8, "relu")};
-        if (batch_norm) layers.emplace_back(BatchNormalization());
-        layers.emplace_back(Dense(3));
-        model = Sequential(std::move(layers));
-        model.compile("sgd", "mse");
-      }
+      Model model = small_model(strategy, batch_norm);
       CHECK(model.training_stats().communication == collective::CommunicationStats{});
       model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
 
@@ -129,15 +133,7 @@ TEST_CASE("training_stats under ZeRO stages 1 and 2: reduce-scatter and all-gath
         CAPTURE(static_cast<int>(stage));
         CAPTURE(batch_norm);
         MirroredStrategy strategy(strategy::MirroredOptions{.devices = cpu_devices(n), .distribution = {.zero = stage}});
-        Model model;
-        {
-          auto scope = strategy.scope();
-          std::vector<SequentialItem> layers = {Input({6}), Dense(8, "relu")};
-          if (batch_norm) layers.emplace_back(BatchNormalization());
-          layers.emplace_back(Dense(3));
-          model = Sequential(std::move(layers));
-          model.compile("sgd", "mse");
-        }
+        Model model = small_model(strategy, batch_norm);
         model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
         std::int64_t shard_bytes = 0;
         for (const auto& v : model.trainable_weights()) {
