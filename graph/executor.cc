@@ -19,7 +19,7 @@ namespace {
 // Values that are placed in the arena are aligned for the widest vector load.
 constexpr std::int64_t kArenaAlignmentBytes = static_cast<std::int64_t>(devices::kDefaultAlignmentBytes);
 
-enum class SlotKind : std::uint8_t { kArena, kFeed, kVariable, kConstant, kForward };
+enum class SlotKind : std::uint8_t { kArena, kFeed, kVariable, kConstant, kForward, kGathered };
 
 std::uint64_t mix64(std::uint64_t x) {  // splitmix64's finaliser
   x += 0x9e3779b97f4a7c15ULL;
@@ -76,6 +76,23 @@ struct Executor::Plan {
   std::vector<int> fetch_slots;
   std::vector<int> forward_slots;
   std::vector<Step> steps;
+  // Gathered variables (bind_gathered_variable): one window per span of steps that reads one
+  // whole value, which lives in the arena from the window's start to its last reader.
+  struct Window {
+    int slot = -1;            // the variable's slot
+    int node = -1;            // its node id
+    int start = 0;            // the step before which the gather starts: the previous window's first
+    int first = 0;            // the first step reading it: the gather is finished before it runs
+    int last = 0;             // the last step reading it or a view of it
+    std::int64_t offset = 0;  // in the arena
+    Tensor whole;             // the arena's bytes for it (made with the arena)
+  };
+  std::vector<Window> windows;                         // in the order they open
+  std::vector<std::vector<int>> starts_at, needed_at;  // per step: windows to start / to finish before it
+  std::vector<std::pair<int, int>> gathered_slots;     // (slot, node id)
+  // RunOptions::hand_offs: per step (and one past the last), the tags to release before it.
+  std::vector<std::vector<int>> releases_at;
+  std::vector<char> handed_off;  // per fetch
   std::shared_ptr<Buffer> arena;
   int arena_slot_count = 0;
   PlanStats stats;
@@ -192,7 +209,19 @@ void Executor::bind_variable(Output variable, Tensor value) {
   TANDEM_REQUIRE(&value.device() == &device_, InvalidArgument,
                  "bind_variable {}: the tensor is on {} but this executor runs on {}", node.label(),
                  value.device().short_name(), device_.short_name());
+  gathered_.erase(node.id);
   variables_[node.id] = std::move(value);
+}
+
+void Executor::bind_gathered_variable(Output variable, VariableGatherer* gatherer) {
+  TANDEM_REQUIRE(variable.graph == graph_.get(), InvalidArgument,
+                 "bind_gathered_variable: {} belongs to another graph", variable.name());
+  const Node& node = variable.producer();
+  TANDEM_REQUIRE(node.op->kind == OpKind::kVariable, InvalidArgument, "bind_gathered_variable: {} is not a Variable",
+                 node.label());
+  TANDEM_REQUIRE(gatherer != nullptr, InvalidArgument, "bind_gathered_variable {}: no gatherer", node.label());
+  variables_.erase(node.id);
+  gathered_[node.id] = gatherer;
 }
 
 const Tensor& Executor::variable(Output variable) const {
@@ -224,7 +253,8 @@ PlanStats Executor::last_plan_stats() const {
   return stats;
 }
 
-Executor::Plan& Executor::plan_for(std::span<const Feed> feeds, std::span<const Output> fetches) {
+Executor::Plan& Executor::plan_for(std::span<const Feed> feeds, std::span<const Output> fetches,
+                                   std::span<const HandOff> hand_offs) {
   // The key: fetches, then feeds sorted by node with dtype and concrete dims. Reusing one scratch
   // vector keeps the lookup free of allocations once it has grown.
   auto& key = key_scratch_;
@@ -245,14 +275,21 @@ Executor::Plan& Executor::plan_for(std::span<const Feed> feeds, std::span<const 
     key.push_back(-2);
   }
   (void)feeds_begin;
+  key.push_back(-3);
+  for (const auto& h : hand_offs) {
+    key.push_back(h.fetch);
+    key.push_back(h.until_node);
+    key.push_back(h.tag);
+  }
   const auto it = plans_.find(key);
   if (it != plans_.end()) return *it->second;
-  auto plan = build_plan(feeds, fetches);
+  auto plan = build_plan(feeds, fetches, hand_offs);
   auto& stored = *plans_.emplace(key, std::move(plan)).first->second;
   return stored;
 }
 
-std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds, std::span<const Output> fetches) {
+std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds, std::span<const Output> fetches,
+                                                     std::span<const HandOff> hand_offs) {
   const Graph& g = *graph_;
   auto plan = std::make_unique<Plan>();
   const int num_nodes = g.num_nodes();
@@ -317,6 +354,12 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
         throw InvalidArgument(fmt::format("{} must be fed: the fetches depend on it (for example {})", node.label(),
                                           fetches.empty() ? std::string("-") : fetches.front().name()));
       case OpKind::kVariable:
+        if (gathered_.contains(id)) {
+          spec0 = node.outputs[0];
+          plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kGathered;
+          plan->gathered_slots.emplace_back(first, id);
+          continue;
+        }
         TANDEM_REQUIRE(variables_.contains(id), FailedPrecondition,
                        "{} is not bound on the executor for {}; call bind_variable() before running", node.label(),
                        device_.short_name());
@@ -412,10 +455,37 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     }
     for (const auto& in : step.node->inputs) use(slot(in), p);
   }
-  for (const auto& f : fetches) {
-    plan->fetch_slots.push_back(slot(f));
-    use(slot(f), num_steps);
+  // A handed-off fetch lives until its until_node's step; the observer releases it before the next.
+  std::vector<int> step_of_node(static_cast<std::size_t>(num_nodes), -1);
+  for (int p = 0; p < num_steps; ++p) step_of_node[static_cast<std::size_t>(plan->steps[static_cast<std::size_t>(p)].node->id)] = p;
+  std::vector<int> fetch_until(fetches.size(), num_steps);
+  plan->handed_off.assign(fetches.size(), 0);
+  plan->releases_at.assign(static_cast<std::size_t>(num_steps) + 1, {});
+  for (const auto& h : hand_offs) {
+    TANDEM_REQUIRE(h.fetch >= 0 && static_cast<std::size_t>(h.fetch) < fetches.size(), InvalidArgument,
+                   "hand-off of fetch {}: the run has {} fetches", h.fetch, fetches.size());
+    TANDEM_REQUIRE(h.until_node >= 0 && h.until_node < num_nodes, InvalidArgument,
+                   "hand-off of fetch {}: node {} is not in the graph", h.fetch, h.until_node);
+    const int until = step_of_node[static_cast<std::size_t>(h.until_node)];
+    const auto& f = fetches[static_cast<std::size_t>(h.fetch)];
+    const int produced = step_of_node[static_cast<std::size_t>(f.node)];
+    TANDEM_REQUIRE(until >= 0 && until >= produced, InvalidArgument,
+                   "hand-off of fetch {} ({}): node {} does not run after it in this plan", h.fetch, f.name(),
+                   graph_->node(h.until_node).label());
+    plan->handed_off[static_cast<std::size_t>(h.fetch)] = 1;
+    fetch_until[static_cast<std::size_t>(h.fetch)] = until;
+    plan->releases_at[static_cast<std::size_t>(until) + 1].push_back(h.tag);
   }
+  for (std::size_t i = 0; i < fetches.size(); ++i) {
+    const auto& f = fetches[i];
+    TANDEM_REQUIRE(plan->kinds[static_cast<std::size_t>(root_of(slot(f)))] != SlotKind::kGathered, InvalidArgument,
+                   "fetch {}: it is (a view of) a gathered variable, whose whole value exists during the run only; "
+                   "fetch a copy of it",
+                   f.name());
+    plan->fetch_slots.push_back(slot(f));
+    use(slot(f), fetch_until[i]);
+  }
+  plan_gather_windows(*plan);
 
   std::vector<BufferRequest> requests;
   std::vector<int> request_slots;
@@ -426,12 +496,22 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
     requests.push_back({bytes, first_step[static_cast<std::size_t>(s)], last_step[static_cast<std::size_t>(s)]});
     request_slots.push_back(s);
   }
+  const std::size_t slot_requests = requests.size();
+  for (const auto& w : plan->windows) {
+    const auto& spec = plan->specs[static_cast<std::size_t>(w.slot)];
+    const auto bytes = spec.shape.num_elements() * static_cast<std::int64_t>(dtype_size(spec.dtype));
+    requests.push_back({bytes, w.start, w.last});
+    plan->stats.gathered_bytes += bytes;
+  }
+  plan->stats.gathers = static_cast<int>(plan->windows.size());
   const MemoryPlan memory = plan_memory(requests, kArenaAlignmentBytes);
-  for (std::size_t r = 0; r < requests.size(); ++r) {
+  for (std::size_t r = 0; r < slot_requests; ++r) {
     plan->arena_offsets[static_cast<std::size_t>(request_slots[r])] = memory.offsets[r];
   }
-  plan->arena_slot_count = static_cast<int>(requests.size());
-  plan->graph_eligible = options_.cuda_graphs && device_.type() == devices::DeviceType::kGPU &&
+  for (std::size_t w = 0; w < plan->windows.size(); ++w) plan->windows[w].offset = memory.offsets[slot_requests + w];
+  plan->arena_slot_count = static_cast<int>(slot_requests);
+  // A gather or a release is host work between kernels (a collective): such plans are not recorded.
+  plan->graph_eligible = plan->windows.empty() && hand_offs.empty() && options_.cuda_graphs && device_.type() == devices::DeviceType::kGPU &&
                          std::all_of(plan->steps.begin(), plan->steps.end(),
                                      [](const Plan::Step& st) { return st.kernel == nullptr || st.capturable; });
   for (const auto& st : plan->steps) {
@@ -455,7 +535,7 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
 
 void Executor::ensure_arena(Plan& plan) {
   // Held by the plan and by each arena slot; any other holder is a caller keeping a fetched view.
-  const long internal_holders = 1 + plan.arena_slot_count;
+  const long internal_holders = 1 + plan.arena_slot_count + static_cast<long>(plan.windows.size());
   if (plan.arena != nullptr && plan.arena.use_count() <= internal_holders) return;
   plan.arena = std::make_shared<Buffer>(device_, static_cast<std::size_t>(plan.stats.arena_bytes));
   for (std::size_t s = 0; s < plan.slots.size(); ++s) {
@@ -463,11 +543,92 @@ void Executor::ensure_arena(Plan& plan) {
     plan.slots[s] =
         Tensor(plan.specs[s].shape, plan.specs[s].dtype, plan.arena, static_cast<std::size_t>(plan.arena_offsets[s]));
   }
+  for (auto& w : plan.windows) {
+    const auto& spec = plan.specs[static_cast<std::size_t>(w.slot)];
+    w.whole = Tensor(spec.shape, spec.dtype, plan.arena, static_cast<std::size_t>(w.offset));
+  }
+}
+
+// Windows of the gathered variables, in step order. A step reading a gathered variable continues
+// the variable's open window when no other window has opened since the window's last reader (a
+// layer's kernel read by forward's MatMul, then by nothing until backward: the layers in between
+// open windows of their own, so backward gathers it again), and opens a new one otherwise;
+// steps reading a view of it extend the window the view was made in. Each window's gather
+// starts before the previous window's first reader: one window of prefetch.
+void Executor::plan_gather_windows(Plan& plan) const {
+  if (plan.gathered_slots.empty()) return;
+  const auto num_slots = plan.slots.size();
+  const auto num_steps = plan.steps.size();
+  std::vector<int> node_of(num_slots, -1), open(num_slots, -1), view_window(num_slots, -1);
+  for (const auto& [s, id] : plan.gathered_slots) node_of[static_cast<std::size_t>(s)] = id;
+  std::vector<std::int64_t> opened_at_last_read(num_slots, -1);
+  std::int64_t opened = 0;
+  std::vector<int> read;
+  for (std::size_t p = 0; p < num_steps; ++p) {
+    const auto& step = plan.steps[p];
+    const int position = static_cast<int>(p);
+    const std::int64_t opened_before = opened;
+    read.clear();
+    for (const auto& in : step.node->inputs) {
+      const auto s = static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(in.node)] + in.index);
+      if (plan.kinds[s] == SlotKind::kGathered) {
+        int& w = open[s];
+        if (w >= 0 && (plan.windows[static_cast<std::size_t>(w)].last == position ||
+                       opened_at_last_read[s] == opened_before)) {
+          plan.windows[static_cast<std::size_t>(w)].last = position;
+        } else {
+          plan.windows.push_back({.slot = static_cast<int>(s), .node = node_of[s], .first = position, .last = position});
+          w = static_cast<int>(plan.windows.size()) - 1;
+          ++opened;
+        }
+        read.push_back(static_cast<int>(s));
+      } else if (plan.kinds[s] == SlotKind::kForward && view_window[s] >= 0) {
+        auto& w = plan.windows[static_cast<std::size_t>(view_window[s])];
+        w.last = std::max(w.last, position);
+      }
+    }
+    if (step.forward_from >= 0) {
+      const auto source = static_cast<std::size_t>(step.forward_from);
+      const auto out = static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(step.node->id)]);
+      if (plan.kinds[source] == SlotKind::kGathered) view_window[out] = open[source];
+      if (plan.kinds[source] == SlotKind::kForward) view_window[out] = view_window[source];
+    }
+    for (const int s : read) opened_at_last_read[static_cast<std::size_t>(s)] = opened;
+  }
+  plan.starts_at.assign(num_steps, {});
+  plan.needed_at.assign(num_steps, {});
+  for (std::size_t w = 0; w < plan.windows.size(); ++w) {
+    auto& window = plan.windows[w];
+    window.start = w == 0 ? 0 : std::min(plan.windows[w - 1].first, window.first);
+    plan.starts_at[static_cast<std::size_t>(window.start)].push_back(static_cast<int>(w));
+    plan.needed_at[static_cast<std::size_t>(window.first)].push_back(static_cast<int>(w));
+  }
+}
+
+// Before step `index`: starts the gathers that prefetch from here (the next window's, queued
+// behind the one this step needs, so that it runs while this step computes), then finishes the
+// gathers this step's readers need and binds each whole value to its variable's slot.
+void Executor::gather_before(Plan& plan, std::size_t index) {
+  for (const int w : plan.starts_at[index]) {
+    auto& window = plan.windows[static_cast<std::size_t>(w)];
+    gathered_.at(window.node)->start_gather(window.node, window.whole);
+  }
+  for (const int w : plan.needed_at[index]) {
+    auto& window = plan.windows[static_cast<std::size_t>(w)];
+    gathered_.at(window.node)->finish_gather(window.node);
+    plan.slots[static_cast<std::size_t>(window.slot)] = window.whole;
+  }
+}
+
+void Executor::release_before(Plan& plan, std::size_t index, NodeObserver* observer) {
+  for (const int tag : plan.releases_at[index]) observer->release(tag);
 }
 
 std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const Output> fetches,
                                   const RunOptions& options) {
-  Plan& plan = plan_for(feeds, fetches);
+  TANDEM_REQUIRE(options.hand_offs.empty() || options.observer != nullptr, InvalidArgument,
+                 "Executor::run: hand-offs need an observer to take them");
+  Plan& plan = plan_for(feeds, fetches, options.hand_offs);
   last_plan_ = &plan;
   ensure_arena(plan);
 
@@ -493,6 +654,10 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     const auto it = variables_.find(node_id);
     TANDEM_REQUIRE(it != variables_.end(), FailedPrecondition, "{} is no longer bound", graph_->node(node_id).label());
     plan.slots[static_cast<std::size_t>(s)] = it->second;
+  }
+  for (const auto& [s, node_id] : plan.gathered_slots) {
+    TANDEM_REQUIRE(gathered_.contains(node_id), FailedPrecondition, "{} is no longer bound to a gatherer",
+                   graph_->node(node_id).label());
   }
 
   const std::uint64_t step = options.random_step.value_or(step_);
@@ -578,6 +743,9 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
   clear_fault_word();
   for (std::size_t index = 0; index < plan.steps.size(); ++index) {
     auto& st = plan.steps[index];
+    // Released first: a gather started here may write where a handed-off value was.
+    if (!options.hand_offs.empty()) release_before(plan, index, options.observer);
+    if (!plan.windows.empty()) gather_before(plan, index);
     if (st.kernel == nullptr) {
       forward(st);
       if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
@@ -596,6 +764,7 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
     entry.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (options.observer != nullptr) options.observer->node_done(st.node->id, st.outputs);
   }
+  if (!options.hand_offs.empty()) release_before(plan, plan.steps.size(), options.observer);
   queue_tail();
   ++plan.runs;
   std::vector<std::function<void()>> checks;
@@ -610,10 +779,14 @@ std::vector<Tensor> Executor::run(std::span<const Feed> feeds, std::span<const O
 std::vector<Tensor> Executor::collect_results(Plan& plan) {
   std::vector<Tensor> results;
   results.reserve(plan.fetch_slots.size());
-  for (const int s : plan.fetch_slots) results.push_back(plan.slots[static_cast<std::size_t>(s)]);
+  for (std::size_t i = 0; i < plan.fetch_slots.size(); ++i) {
+    // A handed-off value's bytes may hold something else by now: returned undefined.
+    results.push_back(plan.handed_off[i] ? Tensor() : plan.slots[static_cast<std::size_t>(plan.fetch_slots[i])]);
+  }
   // Let go of the caller's feeds and of views that might pin them, until the next run.
   for (const int s : plan.feed_slots) plan.slots[static_cast<std::size_t>(s)] = Tensor();
   for (const int s : plan.forward_slots) plan.slots[static_cast<std::size_t>(s)] = Tensor();
+  for (const auto& [s, node_id] : plan.gathered_slots) plan.slots[static_cast<std::size_t>(s)] = Tensor();
   return results;
 }
 

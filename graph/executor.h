@@ -57,6 +57,39 @@ class NodeObserver {
  public:
   virtual ~NodeObserver() = default;
   virtual void node_done(int node_id, std::span<Tensor* const> outputs) = 0;
+  // A handed-off fetch's memory is about to be reused (RunOptions::hand_offs): returns once the
+  // observer no longer reads the value it was given in node_done.
+  virtual void release(int /*tag*/) {}
+};
+
+// A fetch the observer takes over as it is computed (RunOptions::hand_offs): the run returns it
+// undefined, and its arena bytes are reused once node `until_node` has run and the observer's
+// release(tag) has returned. ZeRO's gradients: reduce-scattered while backward goes on, their
+// shards copied out, the whole gradient's memory then reused by the rest of backward.
+struct HandOff {
+  int fetch = 0;       // index into the run's fetches
+  int until_node = 0;  // a node of the plan that runs at or after the fetch's
+  int tag = 0;         // passed to NodeObserver::release
+};
+
+// The source of a variable whose whole value an executor does not keep between runs (ZeRO stage
+// 3: each replica stores one shard of each parameter; strategy/gradient_reducer.h). The executor
+// asks for the whole value, into memory of its arena, just before the steps that read it, and
+// reuses that memory for other values after them: a plan reads each such variable in windows
+// (a window ends where another gathered variable's window opens before this one's next reader,
+// so that a layer's weights are gathered once for its forward and once again for its backward),
+// and each window's gather is started one window ahead (prefetch), while the steps before it run.
+// Who calls: the executor, on its own thread, in the plan's order, the same on every run of a
+// plan. What blocks: finish_gather, until the value is whole. Throws: what the gather throws
+// (a collective's DeadlineExceeded or Unavailable), out of Executor::run.
+class VariableGatherer {
+ public:
+  virtual ~VariableGatherer() = default;
+  // Starts writing variable node `node_id`'s whole value into `whole` (its dtype and shape); may
+  // return before it is written (a communication thread).
+  virtual void start_gather(int node_id, const Tensor& whole) = 0;
+  // Returns once the gather started last for `node_id` has written its value.
+  virtual void finish_gather(int node_id) = 0;
 };
 
 // What RunOptions::tail is given.
@@ -81,6 +114,9 @@ struct RunOptions {
   // graph is recorded again when any of it moves. Give the same list, in the same order, on
   // every run with a tail.
   std::vector<const void*> tail_addresses;
+  // Fetches handed to `observer` instead of returned (HandOff); part of the plan's key. Needs an
+  // observer. Plans with hand-offs are not recorded as CUDA graphs.
+  std::span<const HandOff> hand_offs;
 };
 
 struct PlanStats {
@@ -89,6 +125,10 @@ struct PlanStats {
   std::int64_t arena_bytes = 0;     // peak bytes of intermediates, with reuse
   std::int64_t unshared_bytes = 0;  // what one buffer per intermediate would need
   int plans_cached = 0;
+  // Gathered variables (bind_gathered_variable): windows per run, and their bytes (each window
+  // holds its variable's whole value in the arena, counted in arena_bytes too).
+  int gathers = 0;
+  std::int64_t gathered_bytes = 0;
   // Ops without a kernel for the executor's device (GPU) that run on host copies, by op name.
   std::vector<std::string> ops_on_host;
   // Whether the plan's kernels may be recorded as a CUDA graph (ExecutorOptions::cuda_graphs).
@@ -114,6 +154,10 @@ class Executor {
   // updates made to it between runs are seen by the next run.
   void bind_variable(Output variable, Tensor value);
   const Tensor& variable(Output variable) const;
+  // Binds a Variable node whose whole value `gatherer` provides at each run (VariableGatherer)
+  // instead of storage the executor reads in place. The gatherer must outlive the executor's
+  // runs. Fetching such a variable (or a view of it) is InvalidArgument: its value is transient.
+  void bind_gathered_variable(Output variable, VariableGatherer* gatherer);
 
   // Runs the graph. Every placeholder the fetches depend on must be fed (InvalidArgument
   // otherwise); feeds on another device are copied to this one. Blocks until the results are
@@ -132,9 +176,13 @@ class Executor {
 
  private:
   struct Plan;
-  Plan& plan_for(std::span<const Feed> feeds, std::span<const Output> fetches);
-  std::unique_ptr<Plan> build_plan(std::span<const Feed> feeds, std::span<const Output> fetches);
+  Plan& plan_for(std::span<const Feed> feeds, std::span<const Output> fetches, std::span<const HandOff> hand_offs);
+  std::unique_ptr<Plan> build_plan(std::span<const Feed> feeds, std::span<const Output> fetches,
+                                   std::span<const HandOff> hand_offs);
   void ensure_arena(Plan& plan);
+  void plan_gather_windows(Plan& plan) const;
+  void gather_before(Plan& plan, std::size_t index);
+  static void release_before(Plan& plan, std::size_t index, NodeObserver* observer);
   // Runs one step's kernel, widening 16-bit tensors to float32 where the kernel asks for it.
   void run_kernel(Plan& plan, std::size_t step, KernelContext& context);
   // The run's fetched values; lets go of feeds and views until the next run.
@@ -145,6 +193,7 @@ class Executor {
   devices::Device& device_;
   ExecutorOptions options_;
   std::unordered_map<int, Tensor> variables_;  // node id -> bound storage
+  std::unordered_map<int, VariableGatherer*> gathered_;  // node id -> its gatherer
   std::unordered_map<int, Tensor> constants_;  // node id -> copy on this device
   std::map<std::vector<std::int64_t>, std::unique_ptr<Plan>> plans_;
   std::vector<std::int64_t> key_scratch_;

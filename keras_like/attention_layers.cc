@@ -144,7 +144,7 @@ class MultiHeadAttentionImpl final : public LayerImpl {
   // [B, L, C] -> [B, heads, L, dim].
   Output project(CallContext& ctx, Output x, const Projection& p, std::int64_t dim, std::string_view what) const {
     const Shape& in = x.shape();
-    const std::int64_t features = p.kernel->shape()[0];
+    const std::int64_t features = p.kernel->global_shape()[0];
     TANDEM_REQUIRE(in[2] == features, InvalidArgument, "{}: {} has {} features, its kernel expects {} (shape {})",
                    label(), what, in[2], features, in);
     Output y = dense(ctx, ops::reshape(x, {-1, features}), p, features, heads_ * dim);

@@ -53,7 +53,7 @@ class Conv2DImpl final : public LayerImpl {
     const Output x = inputs[0];
     const Shape& in = x.shape();
     require_image(in, label());
-    const std::int64_t channels = kernel_->shape()[2];
+    const std::int64_t channels = kernel_->global_shape()[2];
     TANDEM_REQUIRE(in[3] == channels, InvalidArgument, "{}: input has {} channels, kernel expects {} (input shape {})",
                    label(), in[3], channels, in);
     const ops::Conv2DOptions conv{.strides = options_.strides, .padding = padding_};

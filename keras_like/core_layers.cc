@@ -37,7 +37,7 @@ class DenseImpl final : public LayerImpl {
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
     Output x = inputs[0];
     const Shape& in = x.shape();
-    const std::int64_t features = kernel_->shape()[0];
+    const std::int64_t features = kernel_->global_shape()[0];
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == features, InvalidArgument,
                    "{}: input has {} features, kernel expects {} (input shape {})", label(),
                    in.rank() >= 1 ? in[in.rank() - 1] : 0, features, in);

@@ -195,12 +195,13 @@ PlannedVariable place(const VariableFacts& v, int replicas, ZeroStage stage, int
   const auto spec = strategy::ShardSpec::even(v.shape, replicas);
   const std::int64_t shard = spec.shard_elements;
   const int k = static_cast<int>(stage);
-  // Stage 2 as built: backward writes whole gradients into the executor's arena, which holds them
-  // until the step ends; the reduce-scatter leaves this replica's shard in the first 1/N of each
-  // buffer. So its gradients cost what stage 1's do (the ZeRO paper's 2/N needs the arena to free
-  // each bucket once reduced). Stage 3 is given as the paper gives it: it is not built yet.
-  p.gradient_bytes = (k >= 3 ? shard : n) * b;
-  p.slot_bytes = slots * (k >= 1 ? shard : n) * b + (accumulator ? (k >= 3 ? shard : n) * b : 0);
+  // Stages 2 and 3 as built: the executor hands each reduce-scattered bucket's whole gradients to
+  // the reducer, which copies this replica's shard out, and reuses their memory once the next
+  // bucket is complete (GradientReducer::hand_offs): a shard per variable, plus whole gradients in
+  // flight (the last bucket's, and one or two being reduced) that live in the arena with the
+  // activations and are not counted here. The gradient accumulator stays whole at every stage.
+  p.gradient_bytes = (k >= 2 ? shard : n) * b;
+  p.slot_bytes = slots * (k >= 1 ? shard : n) * b + (accumulator ? n * b : 0);
   if (k >= 3) p.weight_bytes = shard * b;
   if (k >= 1 && replicas > 1) {
     static constexpr const char* kWhat[] = {"", "slots", "gradients, slots", "weights, gradients, slots"};

@@ -578,7 +578,7 @@ std::vector<VariablePtr> Model::weights() const {
 
 std::int64_t Model::count_params() const {
   std::int64_t n = 0;
-  for (const auto& w : weights()) n += w->shape().num_elements();
+  for (const auto& w : weights()) n += w->global_shape().num_elements();
   return n;
 }
 
@@ -593,10 +593,10 @@ void Model::set_weights(const std::vector<Tensor>& values) {
   TANDEM_REQUIRE(values.size() == ws.size(), InvalidArgument, "model \"{}\" has {} weights; set_weights got {}", name(),
                  ws.size(), values.size());
   for (std::size_t i = 0; i < ws.size(); ++i) {
-    TANDEM_REQUIRE(values[i].defined() && values[i].dtype() == ws[i]->dtype() && values[i].shape() == ws[i]->shape(),
+    TANDEM_REQUIRE(values[i].defined() && values[i].dtype() == ws[i]->dtype() && values[i].shape() == ws[i]->global_shape(),
                    InvalidArgument, "model \"{}\": set_weights value {} for \"{}\" is {} {}; expected {} {}", name(), i,
                    ws[i]->name(), values[i].defined() ? graph::dtype_name(values[i].dtype()) : "undefined",
-                   values[i].defined() ? values[i].shape() : Shape{}, ws[i]->dtype(), ws[i]->shape());
+                   values[i].defined() ? values[i].shape() : Shape{}, ws[i]->dtype(), ws[i]->global_shape());
   }
   for (std::size_t i = 0; i < ws.size(); ++i) ws[i]->assign(values[i]);
 }
@@ -689,8 +689,8 @@ std::string Model::summary_string(int line_length) const {
     out += std::string(width, ' ') + "\n";
   }
   std::int64_t trainable = 0, non_trainable = 0;
-  for (const auto& w : trainable_weights()) trainable += w->shape().num_elements();
-  for (const auto& w : non_trainable_weights()) non_trainable += w->shape().num_elements();
+  for (const auto& w : trainable_weights()) trainable += w->global_shape().num_elements();
+  for (const auto& w : non_trainable_weights()) non_trainable += w->global_shape().num_elements();
   const auto bytes = [](std::int64_t params) { return readable_bytes(static_cast<double>(params) * 4.0); };
   out += std::string(width, '=') + "\n";
   out += fmt::format("Total params: {} ({})\n", trainable + non_trainable, bytes(trainable + non_trainable));

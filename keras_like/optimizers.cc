@@ -359,7 +359,7 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     if (accumulation_steps_ > 1) {
       strategy::VariableOptions options;
       options.name = fmt::format("{}/gradient_accumulator", variable->name());
-      options.initial_value = Tensor::zeros(variable->shape(), variable->dtype());
+      options.initial_value = Tensor::zeros(variable->global_shape(), variable->dtype());
       options.trainable = false;
       accumulators_.push_back(owner.create_variable(std::move(options)));
       slot_list_.emplace_back(accumulators_.back()->name(), accumulators_.back());
@@ -368,14 +368,14 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     // shard only (the accumulators above stay whole: micro-steps add whole gradients into them).
     const bool sharded =
         owner.variable_plan(*variable).reduction == strategy::VariablePlan::Reduction::kReduceScatter;
-    shards_.push_back(sharded ? std::optional(strategy::ShardSpec::even(variable->shape(), owner.num_replicas_in_sync()))
+    shards_.push_back(sharded ? std::optional(strategy::ShardSpec::even(variable->global_shape(), owner.num_replicas_in_sync()))
                               : std::nullopt);
     sharded_ = sharded_ || sharded;
     std::vector<VariablePtr> slots;
     for (const auto& slot : names) {
       strategy::VariableOptions options;
       options.name = fmt::format("{}/{}", variable->name(), slot);
-      options.initial_value = Tensor::zeros(variable->shape(), variable->dtype());
+      options.initial_value = Tensor::zeros(variable->global_shape(), variable->dtype());
       options.trainable = false;
       options.sharded = sharded;
       auto created = owner.create_variable(std::move(options));
@@ -403,7 +403,9 @@ std::pair<std::int64_t, std::int64_t> Optimizer::update_range(std::size_t variab
   const auto& sharding = shards_[variable];
   if (!sharding) return {0, variables_[variable]->value(replica).num_elements()};
   const int s = shard_of(replica);
-  return {sharding->begin(s), sharding->end(s) - sharding->begin(s)};
+  // Stage 3: the replica's copy of the variable is its shard itself, from its first element.
+  const std::int64_t first = variables_[variable]->sharding() ? 0 : sharding->begin(s);
+  return {first, sharding->end(s) - sharding->begin(s)};
 }
 
 int Optimizer::shard_of(int replica) const {
@@ -434,7 +436,7 @@ std::vector<double> Optimizer::squared_norms(int replica, const std::vector<Tens
   std::vector<double> table(static_cast<std::size_t>(n) * count, 0.0);
   for (std::size_t vi = 0; vi < count; ++vi) {
     const auto& sharding = shards_[vi];
-    const strategy::ShardSpec spec = sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->shape(), n);
+    const strategy::ShardSpec spec = sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->global_shape(), n);
     for (int q = 0; q < n; ++q) {
       if (sharded_ && q != me) continue;  // another replica's row
       const std::int64_t b = spec.begin(q), e = spec.end(q);

@@ -168,8 +168,14 @@ struct Trainer::Graphs {
   std::size_t num_sums = 0;  // fetched scalars before the gradients
   // The strategy's part of every training step: the gradients' communication.
   std::unique_ptr<strategy::GradientReducer> reducer;
+  // ZeRO stages 2 and 3: the gradients the executors hand to the reducer during backward instead
+  // of keeping them whole to the end of the run (GradientReducer::hand_offs).
+  std::vector<graph::HandOff> hand_offs;
   // TANDEM_PROFILE=1: kernel times per op (replica 0's executor), printed with `times`.
   bool profile = false;
+  // ZeRO stage 3: the model's parameters are sharded and gathered by the executors (the reducer's
+  // bind_gathered_variable); every replica then runs every step (lend_rows).
+  bool gathers = false;
   TrainingTimes times;  // always kept (three clock reads a step): Model::training_times()
 };
 
@@ -340,6 +346,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     for (std::size_t k = 0; k < grads.size(); ++k) sources.push_back({g.trainable[k], grads[k]});
     g.reducer =
         model.strategy->make_gradient_reducer(std::move(sources), {.accumulators = model.optimizer->accumulators()});
+    g.hand_offs = g.reducer->hand_offs(static_cast<int>(g.num_sums));
   }
 
   // One replica per device of the strategy, with an executor bound to that replica's copies.
@@ -359,7 +366,15 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
                      "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "
                      "every variable inside the strategy's scope",
                      model.name, variable->name(), variable->strategy().name(), model.strategy->name());
-      replica->executor->bind_variable(g.variables.nodes.at(variable.get()), variable->value(static_cast<int>(r)));
+      const Output node = g.variables.nodes.at(variable.get());
+      if (variable->sharding()) {
+        // Stage 3: a reducer gathers it, also where there is nothing to train (predict).
+        if (!g.reducer) g.reducer = model.strategy->make_gradient_reducer({});
+        g.reducer->bind_gathered_variable(static_cast<int>(r), *replica->executor, node, variable);
+        g.gathers = true;
+        continue;
+      }
+      replica->executor->bind_variable(node, variable->value(static_cast<int>(r)));
     }
     replica->loss_scale_value = Tensor::zeros({}, DType::kF32, *devices[r]);
     replicas_.push_back(std::move(replica));
@@ -464,23 +479,48 @@ std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const
   return values;
 }
 
+std::vector<bool> Trainer::lend_rows(std::vector<data::Element>& shards) const {
+  std::vector<bool> lent(shards.size(), false);
+  if (!graphs_->gathers) return lent;
+  const auto rows = [](const data::Element& e) { return e.empty() ? 0 : e[0].shape()[0]; };
+  const auto donor = std::find_if(shards.begin(), shards.end(), [&](const data::Element& e) { return rows(e) > 0; });
+  for (std::size_t r = 0; r < shards.size(); ++r) {
+    if (rows(shards[r]) > 0) continue;
+    TANDEM_REQUIRE(donor != shards.end(), FailedPrecondition,
+                   "model \"{}\": ZeRO stage 3 needs at least one example on each worker for every batch (each "
+                   "replica takes part in the parameter gathers); this worker's share of a batch is empty",
+                   model_.name);
+    data::Element row;
+    for (const Tensor& component : *donor) {
+      Shape shape = component.shape();
+      shape[0] = 1;
+      row.push_back(Tensor(shape, component.dtype(), component.buffer(), component.byte_offset()));
+    }
+    shards[r] = std::move(row);
+    lent[r] = true;
+  }
+  return lent;
+}
+
 void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t global_examples, bool update,
-                               bool whole_step, std::span<const double> rider) {
+                               bool whole_step, std::span<const double> rider, bool borrowed) {
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
-  const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
+  const std::int64_t run_rows = shard.empty() ? 0 : shard[0].shape()[0];
+  const std::int64_t rows = borrowed ? 0 : run_rows;
   auto& reducer = *g.reducer;
   // A micro-step of gradient accumulation does not communicate (DDP's no_sync).
   reducer.begin_step(r, update ? strategy::StepKind::kReduce : strategy::StepKind::kAccumulate);
   replica.sums = StepSums{};
   std::vector<Tensor> fetched;
-  if (rows > 0) {
+  if (run_rows > 0) {
     auto& feeds = replica.feeds;
     feeds.clear();
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
     // Scaled by the global batch: the sum over every replica's examples becomes a mean.
-    float loss_scale = 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
+    // A borrowed row's loss is scaled by 0: its gradients are zeros, as for a replica without examples.
+    float loss_scale = borrowed ? 0.0f : 1.0f / static_cast<float>(std::max<std::int64_t>(1, global_examples));
     if (model_.optimizer->loss_scale_optimizer()) loss_scale *= static_cast<float>(model_.optimizer->loss_scale(r));
     if (loss_scale != replica.loss_scale_fed) {
       replica.loss_scale_value.copy_from(Tensor::scalar<float>(loss_scale));
@@ -490,7 +530,8 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     // Dropout's masks follow the optimizer's step count, not the executor's run count, so that a
     // run resumed from a backup draws what the interrupted run would have drawn.
     graph::RunOptions run_options{.random_step = static_cast<std::uint64_t>(model_.optimizer->iterations()),
-                                  .observer = reducer.observer(r)};
+                                  .observer = reducer.observer(r),
+                                  .hand_offs = g.hand_offs};
     if (whole_step) whole_step_work(replica, run_options);
     fetched = replica.executor->run(feeds, g.train_fetches, run_options);
     replica.tail_grads.clear();  // views of the arena (see replica.grads below)
@@ -502,6 +543,11 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     }
     for (; k < g.num_sums; ++k) replica.sums.metrics.push_back(scalars[k]);
     replica.sums.examples = rows;
+    if (borrowed) {  // it had no examples: its sums are zeros
+      replica.sums.loss = 0;
+      std::fill(replica.sums.output_loss.begin(), replica.sums.output_loss.end(), 0.0);
+      std::fill(replica.sums.metrics.begin(), replica.sums.metrics.end(), 0.0);
+    }
     if (whole_step) {  // the gradients were reduced and applied inside the run
       replica.applied = true;
       replica.sums_reduced = false;
@@ -599,7 +645,7 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   const std::int64_t examples = batch.global_examples;
   const bool update = model_.optimizer->is_update_step();
   auto& strategy = *model_.strategy;
-  const auto shards = shards_of(batch);
+  auto shards = shards_of(batch);
   // Every replica or none: their collectives must match. An empty shard (a last batch smaller
   // than the replica count) runs the step in parts.
   bool whole_step = update;
@@ -608,12 +654,14 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   }
   std::span<const double> rider;
   if (batch.rider != nullptr) rider = batch.rider->values;
+  const std::vector<bool> lent = lend_rows(shards);
   if (replicas_.size() == 1) {
-    run_replica_step(0, shards.front(), examples, update, whole_step, rider);
+    run_replica_step(0, shards.front(), examples, update, whole_step, rider, lent.front());
   } else {
     strategy.run([&](strategy::ReplicaContext& ctx) {
       const int r = ctx.replica_id_in_sync_group();
-      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step, rider);
+      run_replica_step(r, shards[static_cast<std::size_t>(r)], examples, update, whole_step, rider,
+                       lent[static_cast<std::size_t>(r)]);
     });
   }
   if (const Replica& first = *replicas_.front(); first.sums_reduced) {
@@ -647,6 +695,8 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
     sums.output_loss.assign(model_.outputs.size() > 1 ? model_.outputs.size() : 0, 0.0);
     sums.metrics.assign(g.num_sums - 1 - sums.output_loss.size(), 0.0);
   }
+  auto shards = shards_of(batch);
+  const std::vector<bool> lent = lend_rows(shards);
   const auto body = [&](int r, const data::Element& shard) {
     Replica& replica = *replicas_[static_cast<std::size_t>(r)];
     const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
@@ -656,6 +706,7 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
     const auto fetched = replica.executor->run(feeds, g.test_fetches);
+    if (lent[static_cast<std::size_t>(r)]) return;  // ran for the parameter gathers only
     const auto scalars = read_step_scalars(replica, fetched);
     StepSums sums;
     sums.loss = scalars[0];
@@ -667,7 +718,6 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
     sums.examples = rows;
     step_sums[static_cast<std::size_t>(r)] = std::move(sums);
   };
-  const auto shards = shards_of(batch);
   if (replicas_.size() == 1) {
     body(0, shards.front());
   } else {
@@ -691,11 +741,14 @@ std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
     return out;
   };
   if (replicas_.size() == 1) return body(0, batch);
-  const auto shards = model_.strategy->split_batch(batch);
+  auto shards = model_.strategy->split_batch(batch);
+  const std::vector<bool> lent = lend_rows(shards);
   std::vector<std::vector<Tensor>> parts(replicas_.size());
   model_.strategy->run([&](strategy::ReplicaContext& ctx) {
     const auto r = static_cast<std::size_t>(ctx.replica_id_in_sync_group());
-    if (!shards[r].empty() && shards[r][0].shape()[0] > 0) parts[r] = body(static_cast<int>(r), shards[r]);
+    if (shards[r].empty() || shards[r][0].shape()[0] == 0) return;
+    auto out = body(static_cast<int>(r), shards[r]);
+    if (!lent[r]) parts[r] = std::move(out);  // a lent row ran for the parameter gathers only
   });
   // The replicas' outputs, concatenated in replica order.
   std::vector<Tensor> result;

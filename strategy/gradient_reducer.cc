@@ -41,13 +41,23 @@ class CommThread {
   CommThread(const CommThread&) = delete;
   CommThread& operator=(const CommThread&) = delete;
 
-  // Queues work for this step; called by the replica's thread.
-  void submit(std::function<void()> work) {
+  // Queues work for this step; called by the replica's thread. Returns the work's ticket, for wait.
+  std::uint64_t submit(std::function<void()> work) {
+    std::uint64_t ticket = 0;
     {
       std::lock_guard lock(mutex_);
       queue_.push_back(std::move(work));
+      ticket = ++submitted_;
     }
     wake_.notify_all();
+    return ticket;
+  }
+  // Blocks until the work of `ticket` (and all work before it) has run; rethrows the step's first
+  // error, which stays for drain and reset to see.
+  void wait(std::uint64_t ticket) {
+    std::unique_lock lock(mutex_);
+    idle_.wait(lock, [&] { return completed_ >= ticket; });
+    if (error_) std::rethrow_exception(error_);
   }
   // Blocks until everything submitted has run; rethrows the first error.
   void drain() {
@@ -80,9 +90,13 @@ class CommThread {
         std::lock_guard error_lock(mutex_);
         if (!error_) error_ = std::current_exception();
       }
+      // Before the work counts as done: what it captured (views of an executor's arena) must be
+      // let go of by then, or the executor's next run would see the arena held and move it.
+      work = nullptr;
       lock.lock();
       busy_ = false;
-      if (queue_.empty()) idle_.notify_all();
+      ++completed_;
+      idle_.notify_all();
     }
   }
 
@@ -91,6 +105,7 @@ class CommThread {
   std::vector<std::function<void()>> queue_;
   bool busy_ = false;
   bool stopping_ = false;
+  std::uint64_t submitted_ = 0, completed_ = 0;
   std::exception_ptr error_;
   std::thread thread_;
 };
@@ -166,6 +181,11 @@ struct GradientReducer::Plan {
   std::vector<std::vector<std::int64_t>> shard_elements;
   std::vector<ShardSpec> spec;
   std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
+  // ZeRO stage 2 and 3 with a communication thread: per gradient, whether the executor hands it
+  // over (graph::HandOff) and the node after which its memory may be reused: the node that
+  // completes the next bucket in order (every reduce-scattered bucket but the last).
+  std::vector<char> handed_off;
+  std::vector<int> release_after;
 };
 
 // Files a replica's gradients as backward computes them, and hands every bucket that is complete
@@ -175,19 +195,51 @@ class GradientReducer::Observer final : public graph::NodeObserver {
  public:
   Observer(GradientReducer& reducer, int replica) : reducer_(reducer), replica_(replica) {}
   void node_done(int node_id, std::span<Tensor* const> outputs) override;
+  void release(int gradient) override { reducer_.release_gradient(replica_, static_cast<std::size_t>(gradient)); }
 
  private:
   GradientReducer& reducer_;
   int replica_;
 };
 
+// ZeRO stage 3: gathers a replica's sharded parameters for its executor (graph::VariableGatherer).
+// Each gather is one all_gather_ranges of the whole value's buffer, the replica's own shard copied
+// into its range first; with a communication thread it is queued there, behind the gradient
+// buckets handed over before it, so that every replica's collectives keep one order (the
+// executor and the observer both submit from the replica's thread, in the plan's order).
+class GradientReducer::Gatherer final : public graph::VariableGatherer {
+ public:
+  Gatherer(GradientReducer& reducer, int replica) : reducer_(reducer), replica_(replica) {}
+  void add(int node_id, std::shared_ptr<Variable> variable) { entries_[node_id].variable = std::move(variable); }
+  void start_gather(int node_id, const Tensor& whole) override;
+  void finish_gather(int node_id) override;
+
+ private:
+  struct Entry {
+    std::shared_ptr<Variable> variable;
+    std::uint64_t ticket = 0;  // of the gather queued last; 0: none queued
+  };
+  Entry& entry(int node_id);
+  GradientReducer& reducer_;
+  int replica_;
+  std::unordered_map<int, Entry> entries_;
+};
+
 struct GradientReducer::ReplicaState {
   std::unique_ptr<Observer> observer;
+  std::unique_ptr<Gatherer> gatherer;  // made by the first bind_gathered_variable
   StepKind kind = StepKind::kReduce;
   // This step's gradients: views of the run's outputs, or zeros for an empty shard.
   std::vector<Tensor> grads;
   std::vector<Tensor> zero_grads;
   std::vector<int> bucket_pending;  // gradients each bucket still waits for
+  std::vector<std::uint64_t> bucket_ticket;  // per bucket, its work on `comm` this step (0: none)
+  // Per gradient, this step: whether the executor took its memory back (a handed-off gradient:
+  // accumulated at once on a micro-step, its shard copied out on a reduce step).
+  std::vector<char> released;
+  // Per handed-off gradient, the replica's shard of the sum [shard_elements], copied out of the
+  // gradient's buffer after its bucket's reduce-scatter (stage 2's 1/N of the gradients).
+  std::vector<Tensor> shard_out;
   std::size_t next_bucket = 0;      // position in Plan::order of the next bucket to reduce
   std::int64_t overlapped = 0;      // buckets handed to `comm` during backward, all steps
   bool overlap = false;
@@ -217,8 +269,54 @@ void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> 
   while (s.next_bucket + 1 < plan.order.size() && s.bucket_pending[plan.order[s.next_bucket]] == 0) {
     const std::size_t bucket = plan.order[s.next_bucket++];
     ++s.overlapped;
-    s.comm->submit([this, bucket] { reducer_.reduce_bucket(replica_, bucket); });
+    s.bucket_ticket[bucket] = s.comm->submit([this, bucket] { reducer_.reduce_bucket(replica_, bucket); });
   }
+}
+
+GradientReducer::Gatherer::Entry& GradientReducer::Gatherer::entry(int node_id) {
+  const auto it = entries_.find(node_id);
+  TANDEM_REQUIRE(it != entries_.end(), FailedPrecondition,
+                 "gradient reducer: replica {} was asked to gather graph node {}, which no variable was bound to",
+                 replica_, node_id);
+  return it->second;
+}
+
+void GradientReducer::Gatherer::start_gather(int node_id, const Tensor& whole) {
+  Entry& e = entry(node_id);
+  const Variable& variable = *e.variable;
+  const ShardSpec& spec = *variable.sharding();
+  Strategy& strategy = reducer_.strategy_;
+  const int me = strategy.global_replica_index(replica_);
+  const std::int64_t begin = spec.begin(me), end = spec.end(me);
+  if (end > begin) flat_view(whole, begin, end - begin).copy_from(flat_view(variable.value(replica_), 0, end - begin));
+  if (spec.num_shards == 1) return;
+  auto gather = [&strategy, replica = replica_, target = Tensor(whole), shard = spec.shard_elements]() mutable {
+    strategy.communicator(replica).all_gather_ranges({&target, 1}, {&shard, 1},
+                                                     {.timeout = strategy.distribution_options().collective_timeout});
+  };
+  ReplicaState& s = reducer_.state(replica_);
+  if (s.comm) {
+    e.ticket = s.comm->submit(std::move(gather));
+  } else {
+    gather();
+  }
+}
+
+void GradientReducer::Gatherer::finish_gather(int node_id) {
+  Entry& e = entry(node_id);
+  if (e.ticket == 0) return;
+  reducer_.state(replica_).comm->wait(std::exchange(e.ticket, 0));
+}
+
+void GradientReducer::bind_gathered_variable(int replica, graph::Executor& executor, graph::Output node,
+                                             std::shared_ptr<Variable> variable) {
+  TANDEM_REQUIRE(variable != nullptr && variable->sharding().has_value(), InvalidArgument,
+                 "gradient reducer of {}: bind_gathered_variable needs a sharded variable; \"{}\" is whole",
+                 strategy_.name(), variable == nullptr ? std::string("(null)") : variable->name());
+  ReplicaState& s = state(replica);
+  if (!s.gatherer) s.gatherer = std::make_unique<Gatherer>(*this, replica);
+  s.gatherer->add(node.node, std::move(variable));
+  executor.bind_gathered_variable(node, s.gatherer.get());
 }
 
 GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource> gradients,
@@ -237,9 +335,9 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     TANDEM_REQUIRE(&variable->strategy() == &strategy_, FailedPrecondition,
                    "gradient reducer of {}: variable \"{}\" was created under {}", strategy_.name(), variable->name(),
                    variable->strategy().name());
-    TANDEM_REQUIRE(gradient.dtype() == variable->dtype() && gradient.shape().compatible_with(variable->shape()),
+    TANDEM_REQUIRE(gradient.dtype() == variable->dtype() && gradient.shape().compatible_with(variable->global_shape()),
                    InvalidArgument, "gradient reducer: the gradient of variable \"{}\" ({} {}) is {} {} ({})",
-                   variable->name(), variable->dtype(), variable->shape(), gradient.dtype(), gradient.shape(),
+                   variable->name(), variable->dtype(), variable->global_shape(), gradient.dtype(), gradient.shape(),
                    gradient.name());
     if (!readers) readers = std::make_unique<FirstReaders>(*gradient.graph);
     TANDEM_REQUIRE(gradient.graph == sources_.front().gradient.graph, InvalidArgument,
@@ -255,9 +353,9 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
                                 : fmt::format("read by {}", gradient.graph->node(reader).label()));
     if (!options_.accumulators.empty()) {
       const auto& acc = *options_.accumulators[k];
-      TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->shape(), InvalidArgument,
+      TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->global_shape(), InvalidArgument,
                      "gradient reducer: accumulator \"{}\" is {} {}, its variable \"{}\" {} {}", acc.name(),
-                     acc.dtype(), acc.shape(), variable->name(), variable->dtype(), variable->shape());
+                     acc.dtype(), acc.shape(), variable->name(), variable->dtype(), variable->global_shape());
     }
   }
 
@@ -276,7 +374,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     if (reduction == VariablePlan::Reduction::kNone) continue;
     const bool scatter = reduction == VariablePlan::Reduction::kReduceScatter;
     const std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
-    const auto size = static_cast<std::int64_t>(variable->value(0).nbytes());
+    const auto size = variable->global_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
     const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
                             sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype() ||
                             plan.scatter.back() != scatter;
@@ -291,7 +389,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     bytes += size;
     if (scatter) {
       plan.any_scatter = true;
-      plan.spec[k] = ShardSpec::even(variable->shape(), strategy_.num_replicas_in_sync());
+      plan.spec[k] = ShardSpec::even(variable->global_shape(), strategy_.num_replicas_in_sync());
       plan.shard_elements.back().push_back(plan.spec[k].shard_elements);
     }
   }
@@ -304,6 +402,19 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   }
   std::sort(completion.begin(), completion.end());
   for (const auto& [node, b] : completion) plan.order.push_back(b);
+  plan.handed_off.assign(sources_.size(), 0);
+  plan.release_after.assign(sources_.size(), -1);
+  if (distribution.zero >= ZeroStage::k2 && distribution.overlap_communication &&
+      strategy_.num_replicas_in_sync() > 1) {
+    for (std::size_t i = 0; i + 1 < completion.size(); ++i) {
+      const std::size_t b = completion[i].second;
+      if (!plan.scatter[b]) continue;
+      for (const auto k : plan.buckets[b]) {
+        plan.handed_off[k] = 1;
+        plan.release_after[k] = completion[i + 1].first;
+      }
+    }
+  }
   // The device-side reduction: one call per dtype (a bucket has one dtype).
   std::map<DType, std::size_t> group_of;
   for (const auto& bucket : plan.buckets) {
@@ -356,6 +467,8 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
   for (std::size_t b = 0; b < plan_->buckets.size(); ++b)
     s.bucket_pending[b] = static_cast<int>(plan_->buckets[b].size());
   s.next_bucket = 0;
+  s.bucket_ticket.assign(plan_->buckets.size(), 0);
+  s.released.assign(sources_.size(), 0);
   s.extras.clear();
   s.out.clear();  // views of the last run's arena: held, they would move it
 }
@@ -364,7 +477,8 @@ void GradientReducer::set_zero_gradients(int replica) {
   ReplicaState& s = state(replica);
   if (s.zero_grads.empty()) {
     for (const auto& [variable, gradient] : sources_) {
-      s.zero_grads.push_back(Tensor::zeros(variable->shape(), variable->dtype(), variable->value(replica).device()));
+      s.zero_grads.push_back(
+          Tensor::zeros(variable->global_shape(), variable->dtype(), variable->value(replica).device()));
     }
   }
   for (std::size_t k = 0; k < sources_.size(); ++k) {
@@ -403,7 +517,9 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
                    replica, sources_[k].variable->name(), sources_[k].gradient.name(), replica);
   }
   if (s.kind == StepKind::kAccumulate) {
-    for (std::size_t k = 0; k < sources_.size(); ++k) add_into(options_.accumulators[k]->value(replica), s.grads[k]);
+    for (std::size_t k = 0; k < sources_.size(); ++k) {
+      if (!s.released[k]) add_into(options_.accumulators[k]->value(replica), s.grads[k]);
+    }
     return s.grads;
   }
   // The buckets handed over during backward first; then the rest, in the same order.
@@ -416,6 +532,10 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
     if (b < 0 || !plan_->scatter[static_cast<std::size_t>(b)]) continue;
+    if (plan_->handed_off[k]) {  // copied out after its bucket's reduce-scatter
+      s.out[k] = s.shard_out[k];
+      continue;
+    }
     // The reduce-scatter left the replica's shard of the sum in its range of the gradient.
     const ShardSpec& spec = plan_->spec[k];
     const std::int64_t begin = spec.begin(me), end = spec.end(me);
@@ -477,6 +597,44 @@ void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std
   comm.reduce_scatter_ranges(s.bucket, plan_->shard_elements[bucket], extras, collective::ReduceOp::kSum,
                              {.timeout = strategy_.distribution_options().collective_timeout});
   s.bucket.clear();  // views of the run's arena: held, they would move it next run
+  // Handed-off gradients: the shard copied out, so that the executor can reuse the whole buffer.
+  const int me = strategy_.global_replica_index(replica);
+  if (s.shard_out.empty()) s.shard_out.resize(sources_.size());
+  for (const auto k : plan_->buckets[bucket]) {
+    if (!plan_->handed_off[k]) continue;
+    const ShardSpec& spec = plan_->spec[k];
+    Tensor& out = s.shard_out[k];
+    if (!out.defined()) out = Tensor::zeros({spec.shard_elements}, s.grads[k].dtype(), s.grads[k].device());
+    const std::int64_t begin = spec.begin(me), end = spec.end(me);
+    if (end > begin) flat_view(out, 0, end - begin).copy_from(flat_view(s.grads[k], begin, end - begin));
+  }
+}
+
+std::vector<graph::HandOff> GradientReducer::hand_offs(int first_fetch) const {
+  std::vector<graph::HandOff> out;
+  for (std::size_t k = 0; k < sources_.size(); ++k) {
+    if (!plan_->handed_off[k]) continue;
+    out.push_back({.fetch = first_fetch + static_cast<int>(k), .until_node = plan_->release_after[k],
+                   .tag = static_cast<int>(k)});
+  }
+  return out;
+}
+
+// The executor is about to reuse gradient k's memory: on a micro-step it is added to its
+// accumulator now; on a reduce step its bucket's work (the reduce-scatter, the shard copied out)
+// must be done, which the communication thread's ticket tells.
+void GradientReducer::release_gradient(int replica, std::size_t k) {
+  ReplicaState& s = state(replica);
+  if (s.released[k] || !s.grads[k].defined()) return;
+  s.released[k] = 1;
+  if (s.kind == StepKind::kAccumulate) {
+    add_into(options_.accumulators[k]->value(replica), s.grads[k]);
+    return;
+  }
+  const auto b = static_cast<std::size_t>(plan_->bucket_of[k]);
+  TANDEM_ASSERT(s.comm && s.bucket_ticket[b] != 0, "gradient reducer of {}: gradient {} released before its bucket was "
+                "handed to the communication thread", strategy_.name(), k);
+  s.comm->wait(s.bucket_ticket[b]);
 }
 
 void GradientReducer::gather_updated(int replica) {
@@ -488,11 +646,21 @@ void GradientReducer::gather_updated(int replica) {
   const int n = strategy_.num_replicas_in_sync();
   if (n == 1) return;  // the replica's range is the whole variable
   // Each bucket's variables gathered where they are: no packed copy in the in-process group.
+  // Sharded parameters (stage 3) stay sharded: the executor gathers them when it needs them.
+  std::vector<std::int64_t> shard_elements;
   for (const std::size_t bucket : plan_->order) {
     if (!plan_->scatter[bucket]) continue;
     s.bucket.clear();
-    for (const auto k : plan_->buckets[bucket]) s.bucket.push_back(sources_[k].variable->value(replica));
-    strategy_.communicator(replica).all_gather_ranges(s.bucket, plan_->shard_elements[bucket],
+    shard_elements.clear();
+    const auto& members = plan_->buckets[bucket];
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      const Variable& variable = *sources_[members[i]].variable;
+      if (variable.sharding()) continue;
+      s.bucket.push_back(sources_[members[i]].variable->value(replica));
+      shard_elements.push_back(plan_->shard_elements[bucket][i]);
+    }
+    if (s.bucket.empty()) continue;
+    strategy_.communicator(replica).all_gather_ranges(s.bucket, shard_elements,
                                                       {.timeout = strategy_.distribution_options().collective_timeout});
   }
   s.bucket.clear();

@@ -27,7 +27,7 @@
 // extension point of the strategies that split variables: a strategy answers per variable, and
 // the trainer, which only drives this class, does not change.
 //
-// ZeRO (DistributionOptions::zero k1, k2): a bucket of reduce-scattered gradients is
+// ZeRO (DistributionOptions::zero k1, k2, k3): a bucket of reduce-scattered gradients is
 // reduce-scattered in one call by ranges (Communicator::reduce_scatter_ranges: each gradient,
 // flattened, split into ShardSpec's shards), so that each replica receives the sums of its shards
 // only, in its range of each gradient's own buffer (the executor's arena, which holds backward's
@@ -40,9 +40,14 @@
 // back, no allocation in the steady state; other backends pack one bucket's worth for the call.
 // The sums are formed in the same order as the all-reduce of the same communicator (the
 // in-process group adds ranks in rank order for both), so results are bitwise those of unsharded
-// data parallelism. Stages 1 and 2 therefore run the same code: with the gradients in the
-// executor's arena, "dropping the full gradient" (stage 2) would need an executor that frees a
-// gradient's buffer as soon as it is reduce-scattered.
+// data parallelism. Stage 2 differs in memory only: with a communication thread, the executor
+// hands over the gradients of every reduce-scattered bucket but the last (hand_offs); after a
+// bucket's reduce-scatter the replica's shard is copied into a buffer of the reducer's own, and
+// the executor reuses the whole gradients' memory once the next bucket is complete.
+//
+// ZeRO stage 3 (k3): the weights themselves are sharded variables; the executor gathers each into
+// its arena before the steps that read it (bind_gathered_variable, graph::VariableGatherer),
+// through this reducer, on the replica's communication thread in order with the buckets.
 //
 // Throws: from the step calls, what the collectives throw (DeadlineExceeded naming the operation
 // and the missing ranks; Unavailable once Strategy::run has aborted a failed step's collectives);
@@ -146,6 +151,21 @@ class GradientReducer {
   // replica's, one all_gather per bucket. Every replica calls it, after finish_step; a no-op when
   // no variable is reduce-scattered.
   virtual void gather_updated(int replica);
+  // ZeRO stage 3: binds the sharded parameter `variable` to its graph node `node` on replica's
+  // executor as a gathered variable (graph::VariableGatherer): the executor asks for its whole
+  // value before the steps that read it, and this reducer all-gathers it from the replicas'
+  // shards, on replica's communication thread (in order with the gradient buckets, and ahead of
+  // need: the executor prefetches one window) or, without one, at once. Call once per variable
+  // and replica, before the executor's first run. InvalidArgument for a variable that is whole.
+  void bind_gathered_variable(int replica, graph::Executor& executor, graph::Output node,
+                              std::shared_ptr<Variable> variable);
+  // ZeRO stages 2 and 3 (with a communication thread): the gradients the executor may hand over
+  // instead of keeping them whole to the end of the run (graph::HandOff, RunOptions::hand_offs),
+  // when the run fetches gradient k as fetch first_fetch + k: every gradient of a
+  // reduce-scattered bucket but the last, released once the next bucket is complete. finish_step
+  // then returns their shards from buffers of the reducer's own ([shard_elements] each: 1/N of
+  // the gradients), and the whole gradients' memory serves the rest of backward. Empty otherwise.
+  std::vector<graph::HandOff> hand_offs(int first_fetch) const;
 
   // --- device-side steps (a GPU replica's whole step recorded as one CUDA graph) --------------
   // Whether replica's reduction can be queued on its device with no host decision: one worker,
@@ -179,8 +199,10 @@ class GradientReducer {
  private:
   struct Plan;
   class Observer;
+  class Gatherer;
   void reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
   void reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras);
+  void release_gradient(int replica, std::size_t gradient);
 
   Strategy& strategy_;
   std::vector<GradientSource> sources_;

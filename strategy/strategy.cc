@@ -138,11 +138,14 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
   TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
                  "{}: device_prefetch_batches must be at least 1; got {}", name_,
                  distribution_.device_prefetch_batches);
-  // Stage 3 (parameters sharded and gathered per layer) is not built: refused here, before any
-  // variable exists, rather than silently trained unsharded.
-  TANDEM_REQUIRE(distribution_.zero != ZeroStage::k3, Unimplemented,
-                 "{}: ZeRO stage 3 (sharded parameters) is not implemented; use DistributionOptions::zero = k1 or k2",
-                 name_);
+  // Stage 3's gathers run between an executor's kernels on the host path; a GPU replica records
+  // its steps as CUDA graphs and has no such path yet: refused before any variable exists.
+  for (const auto* device : devices_) {
+    TANDEM_REQUIRE(distribution_.zero != ZeroStage::k3 || device->host_accessible(), Unimplemented,
+                   "{}: ZeRO stage 3 (sharded parameters) runs on CPU devices only so far; {} is not one. Use "
+                   "DistributionOptions::zero = k1 or k2 there",
+                   name_, device->short_name());
+  }
   TANDEM_REQUIRE(distribution_.zero == ZeroStage::k0 || !distribution_.gradient_all_reduce_dtype, InvalidArgument,
                  "{}: gradient_all_reduce_dtype (compressed all-reduce) cannot be combined with ZeRO stage {}: the "
                  "sharded optimizer's results would no longer equal unsharded training",
@@ -153,7 +156,7 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
 Strategy::~Strategy() = default;
 
 VariablePlan Strategy::variable_plan(const Variable& variable) const {
-  if (distribution_.zero >= ZeroStage::k1 && variable.trainable() && !variable.sharding()) {
+  if (distribution_.zero >= ZeroStage::k1 && variable.trainable()) {
     return {.reduction = VariablePlan::Reduction::kReduceScatter};
   }
   return {};
@@ -189,6 +192,11 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
   TANDEM_REQUIRE(options.initial_value.defined(), InvalidArgument, "variable \"{}\": no initial value", options.name);
   agree_on_variable(options);
   if (options.sharded && distribution_.zero >= ZeroStage::k1) return create_sharded_variable(std::move(options));
+  // Stage 3 shards the parameters themselves: the trainable floating-point on-write variables.
+  if (distribution_.zero == ZeroStage::k3 && options.trainable &&
+      options.synchronization != VariableSynchronization::kOnRead && graph::is_floating(options.initial_value.dtype())) {
+    return create_sharded_variable(std::move(options));
+  }
   std::vector<Tensor> copies;
   copies.reserve(devices_.size());
   for (auto* device : devices_) {

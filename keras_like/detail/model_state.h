@@ -104,8 +104,14 @@ class Trainer {
   std::vector<data::Element> shards_of(const strategy::Strategy::WorkerBatch& batch) const;
   // whole_step: the step runs as one piece of device work (runs_whole_step; every replica alike).
   // rider: the batch's WorkerBatch::rider values, carried with the step's sums when they ride.
+  // borrowed: `shard` is one row lent by another replica to a replica without examples (ZeRO stage
+  // 3, lend_rows): it runs for the parameter gathers only and counts as no examples.
   void run_replica_step(int replica, const data::Element& shard, std::int64_t global_examples, bool update,
-                        bool whole_step, std::span<const double> rider);
+                        bool whole_step, std::span<const double> rider, bool borrowed = false);
+  // ZeRO stage 3: every replica must take part in every parameter gather, so a replica whose
+  // shard is empty (a last batch smaller than the replica count) gets one row of another
+  // replica's shard to run on. Returns, per replica, whether its shard was replaced so.
+  std::vector<bool> lend_rows(std::vector<data::Element>& shards) const;
   // Adds each replica's step sums to `metrics`: as they are on one worker; on several, gathered
   // from every worker first (each replica in sync keeps its own part).
   void add_step_sums(Metrics& metrics, std::vector<StepSums>& per_replica);

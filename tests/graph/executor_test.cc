@@ -4,6 +4,7 @@
 #include <cstring>
 #include <random>
 #include <thread>
+#include <unordered_map>
 
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/executor.h"
@@ -330,4 +331,113 @@ TEST_CASE("a run's tail is queued after the kernels with the fetches; GPU plans 
   };
   for (int run = 0; run < 3; ++run) fake.run(feeds, fetches, options);
   CHECK(calls == 3);
+}
+
+namespace {
+
+// A gatherer that copies each variable's value from a host store, counting the gathers and
+// checking that every gather is started before it is finished.
+class CopyingGatherer final : public graph::VariableGatherer {
+ public:
+  std::unordered_map<int, Tensor> store;
+  std::vector<int> started;  // node ids, in the order gathers started
+  int finished = 0;
+  void start_gather(int node_id, const Tensor& whole) override {
+    pending_.push_back(node_id);
+    started.push_back(node_id);
+    Tensor target = whole;
+    target.copy_from(store.at(node_id));
+  }
+  void finish_gather(int node_id) override {
+    const auto it = std::find(pending_.begin(), pending_.end(), node_id);
+    REQUIRE_MESSAGE(it != pending_.end(), "gather of node ", node_id, " finished before it was started");
+    pending_.erase(it);
+    ++finished;
+  }
+
+ private:
+  std::vector<int> pending_;
+};
+
+}  // namespace
+
+TEST_CASE("gathered variables: the same results, a window for forward and one for backward, memory in the arena") {
+  Mlp mlp;
+  auto& device = devices::default_cpu_device();
+  Executor plain(mlp.g, device), gathered(mlp.g, device);
+  mlp.bind(plain);
+  CopyingGatherer gatherer;
+  for (const auto& w : mlp.weights) {
+    gatherer.store[w.node] = plain.variable(w).clone();
+    gathered.bind_gathered_variable(w, &gatherer);
+  }
+  const auto feeds = mlp.feeds(32, 4);
+  const auto fetches = mlp.fetches();
+  for (int run = 0; run < 2; ++run) {
+    const auto expected = plain.run(feeds, fetches, {.random_step = 0});
+    const auto got = gathered.run(feeds, fetches, {.random_step = 0});
+    for (std::size_t i = 0; i < expected.size(); ++i) {
+      CHECK_MESSAGE(std::memcmp(expected[i].raw_data(), got[i].raw_data(), expected[i].nbytes()) == 0, "fetch ", i);
+    }
+  }
+  const auto stats = gathered.last_plan_stats();
+  // Six weights gathered for forward; backward reads the kernels of the second and third layers
+  // again (for their input gradients; each bias was gathered after its kernel's last forward
+  // reader, so each kernel's window had closed): 8. The first layer's kernel is not read back.
+  CHECK(stats.gathers == 8);
+  CHECK(gatherer.finished == 16);
+  const std::int64_t weights = 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10;
+  CHECK(stats.gathered_bytes == 4 * (weights + 256 * 128 + 128 * 10));
+  // The windows live in the arena and share its bytes with the other values by lifetime.
+  CHECK(stats.arena_bytes <= plain.last_plan_stats().arena_bytes + stats.gathered_bytes);
+  CHECK(stats.arena_bytes < stats.unshared_bytes);
+  // Fetching a gathered variable is refused: its whole value exists only during the run.
+  CHECK_THROWS_AS(gathered.run(feeds, {mlp.weights[0]}), InvalidArgument);
+}
+
+namespace {
+
+class ReleaseRecorder final : public graph::NodeObserver {
+ public:
+  std::vector<int> released;
+  std::vector<int> done;
+  void node_done(int node_id, std::span<Tensor* const>) override { done.push_back(node_id); }
+  void release(int tag) override { released.push_back(tag); }
+};
+
+}  // namespace
+
+TEST_CASE("hand-offs: handed fetches come back undefined, are released after their node, and free arena bytes") {
+  Mlp mlp;
+  auto& device = devices::default_cpu_device();
+  Executor keep(mlp.g, device), hand(mlp.g, device);
+  mlp.bind(keep);
+  for (const auto& w : mlp.weights) hand.bind_variable(w, keep.variable(w));
+  const auto feeds = mlp.feeds(64, 5);
+  const auto fetches = mlp.fetches();  // [loss, gradients...]
+  // Hand off every gradient but the last computed (the first layer's), each released as soon as
+  // the first layer's kernel gradient has been computed.
+  const int until = mlp.grads[0].node;
+  std::vector<graph::HandOff> hand_offs;
+  for (std::size_t k = 2; k < mlp.grads.size(); ++k) {
+    hand_offs.push_back({.fetch = static_cast<int>(k) + 1, .until_node = until, .tag = static_cast<int>(k)});
+  }
+  ReleaseRecorder observer;
+  const auto expected = keep.run(feeds, fetches, {.random_step = 0});
+  const auto got = hand.run(feeds, fetches, {.random_step = 0, .observer = &observer, .hand_offs = hand_offs});
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (i >= 3) {
+      CHECK_FALSE(got[i].defined());
+    } else {
+      CHECK(std::memcmp(expected[i].raw_data(), got[i].raw_data(), expected[i].nbytes()) == 0);
+    }
+  }
+  CHECK(observer.released == std::vector<int>{2, 3, 4, 5});
+  // Released after `until` ran, before the next node.
+  CHECK(std::find(observer.done.begin(), observer.done.end(), until) != observer.done.end());
+  CHECK(hand.last_plan_stats().arena_bytes <= keep.last_plan_stats().arena_bytes);
+  // A hand-off needs an observer, and a node that runs after the fetch.
+  CHECK_THROWS_AS(hand.run(feeds, fetches, {.hand_offs = hand_offs}), InvalidArgument);
+  const std::vector<graph::HandOff> early{{.fetch = 1, .until_node = mlp.x.node, .tag = 0}};
+  CHECK_THROWS_AS(hand.run(feeds, fetches, {.observer = &observer, .hand_offs = early}), InvalidArgument);
 }

@@ -155,3 +155,51 @@ TEST_CASE("training_stats under ZeRO stages 1 and 2: reduce-scatter and all-gath
     }
   }
 }
+
+TEST_CASE("training_stats under ZeRO stage 3: each parameter all-gathered before forward, and again for backward") {
+  // Stage 3 keeps each parameter as shards and gathers it whole into the executor just before the
+  // steps that read it: once for forward, and again for backward where backward reads it after
+  // other layers were gathered. ZeRO's 3(N-1)/N x parameter bytes per step (two gathers and the
+  // gradients' reduce-scatter) is the case where backward reads every parameter again. Here, in
+  // Dense(8) -> Dense(8) -> Dense(3), backward reads only the kernels of the second and third
+  // layers (for their input gradients; the first layer's input needs none, and biases are not
+  // read back), and the third layer's stays gathered from its forward to its backward, since no
+  // other layer is gathered in between: one gather again, of the second kernel. Each replica
+  // sends (N-1) x (S + S_k + S) bytes a step, S = the padded shard bytes of every parameter,
+  // S_k = those of that kernel.
+  constexpr std::int64_t kRows = 80;
+  constexpr std::int64_t kBatch = 16;
+  constexpr std::int64_t kSteps = kRows / kBatch;
+  const Tensor x = random_tensor(kRows, 6, 7);
+  const Tensor y = random_tensor(kRows, 3, 8);
+  for (const int n : {2, 4}) {
+    CAPTURE(n);
+    MirroredStrategy strategy(
+        strategy::MirroredOptions{.devices = cpu_devices(n), .distribution = {.zero = strategy::ZeroStage::k3}});
+    Model model;
+    {
+      auto scope = strategy.scope();
+      model = Sequential({Input({6}), Dense(8, "relu"), Dense(8, "relu"), Dense(3)});
+      model.compile("sgd", "mse");
+    }
+    model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .shuffle = false});
+    const auto shard_bytes = [&](const VariablePtr& v) {
+      return strategy::ShardSpec::even(v->global_shape(), n).shard_elements *
+             static_cast<std::int64_t>(dtype_size(v->dtype()));
+    };
+    const auto weights = model.trainable_weights();
+    REQUIRE(weights.size() == 6);  // kernel and bias of each Dense
+    std::int64_t all = 0;
+    for (const auto& v : weights) all += shard_bytes(v);
+    const std::int64_t again = shard_bytes(weights[2]);
+    const TrainingStats stats = model.training_stats();
+    CHECK(stats.steps == kSteps);
+    const auto& c = stats.communication;
+    CHECK(c.reduce_scatter.bytes_sent == kSteps * n * (n - 1) * all);
+    CHECK(c.all_gather.bytes_sent == kSteps * n * (n - 1) * (all + again));
+    CHECK(c.all_gather.calls == kSteps * n * 7);  // six forward gathers, one for backward
+    CHECK(c.all_reduce.calls == 0);
+    CHECK(stats.bytes_sent_per_replica_step() == static_cast<double>((n - 1) * (2 * all + again)));
+    CHECK(stats.bytes_sent_per_replica_step() <= static_cast<double>(3 * (n - 1) * all));
+  }
+}

@@ -1,10 +1,10 @@
-// ZeRO stages 1 and 2 (DistributionOptions::zero) under MirroredStrategy on 2 and 4 logical CPU
-// devices (CTest runs this suite with TANDEM_NUM_CPU_DEVICES=4): sharded variables padded and
+// ZeRO stages 1, 2 and 3 (DistributionOptions::zero) under MirroredStrategy on 2 and 4 logical
+// CPU devices (CTest runs this suite with TANDEM_NUM_CPU_DEVICES=4): sharded variables padded and
 // read back whole, training bitwise equal to unsharded data parallelism on the same replica count
 // (losses, weights, slots) and within 1e-5 of one device, reproducible run to run, with
-// accumulation, clipping, BatchNormalization and a partial last batch; the memory per device
-// against the replicated case; weights saved under ZeRO loading into an unsharded model; stage 3
-// refused.
+// accumulation, clipping, BatchNormalization and a partial last batch; under stage 3 the
+// parameters stored as shards and gathered by the executors; the memory per device against the
+// replicated case; weights saved under ZeRO loading into an unsharded model.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -150,14 +150,87 @@ TEST_CASE("a sharded variable: one padded shard per replica, read back whole, as
   CHECK(whole->shape() == Shape{7});
 }
 
-TEST_CASE("ZeRO stage 3 is refused when the strategy is made, naming it") {
-  try {
-    MirroredStrategy three(MirroredOptions{.devices = cpu_devices(2), .distribution = {.zero = ZeroStage::k3}});
-    FAIL("stage 3 was accepted");
-  } catch (const Unimplemented& e) {
-    CHECK(std::string(e.what()).find("MirroredStrategy") != std::string::npos);
-    CHECK(std::string(e.what()).find("stage 3") != std::string::npos);
+TEST_CASE("stage 3 stores the trainable weights as shards; moving statistics and predictions stay whole") {
+  const Data data = make_data(300);
+  MirroredStrategy four(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
+  keras::Model model;
+  {
+    auto scope = four.scope();
+    model = make_model(/*batch_norm=*/true);
+    model.compile(keras::Adam{}, keras::SparseCategoricalCrossentropy{.from_logits = true});
   }
+  CHECK(model.count_params() == 8 * 32 + 32 + 4 * 32 + 32 * 7 + 7 + 7 * 3 + 3);
+  model.fit(data::Dataset::from_tensor_slices({data.x, data.y}).batch(64), {.epochs = 1, .verbose = 0});
+  for (const auto& w : model.trainable_weights()) {
+    INFO(w->name());
+    REQUIRE(w->sharding());
+    CHECK(w->sharding()->num_shards == 4);
+    CHECK(w->shape() == Shape{w->sharding()->shard_elements});
+    CHECK(w->read_value().shape() == w->global_shape());
+  }
+  for (const auto& w : model.non_trainable_weights()) CHECK_FALSE(w->sharding());
+  // predict on 3 rows: the fourth replica lends a row to take part in the gathers.
+  const Tensor three_rows = Tensor(Shape{3, 8}, data.x.dtype(), data.x.buffer(), data.x.byte_offset());
+  const Tensor sharded = model.predict(three_rows, {.verbose = 0});
+  OneDeviceStrategy one("CPU:0");
+  keras::Model plain;
+  {
+    auto scope = one.scope();
+    plain = make_model(/*batch_norm=*/true);
+  }
+  plain.set_weights(model.get_weights());
+  const auto a = sharded.to_vector<float>(), b = plain.predict(three_rows, {.verbose = 0}).to_vector<float>();
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(1e-5));
+}
+
+TEST_CASE("stage 3 trains bitwise like unsharded data parallelism, and within 1e-5 of one device") {
+  const Data data = make_data();
+  struct Case {
+    std::string name;
+    keras::OptimizerRef optimizer;
+  };
+  const std::vector<Case> cases{
+      {"adamw, global_clipnorm", keras::AdamW{.learning_rate = 0.01, .global_clipnorm = 0.5}},
+      {"sgd momentum, clipnorm, accumulation 3",
+       keras::SGD{.learning_rate = 0.1, .momentum = 0.9, .clipnorm = 0.2, .gradient_accumulation_steps = 3}},
+  };
+  for (const auto& [name, optimizer] : cases) {
+    OneDeviceStrategy one("CPU:0");
+    const Run reference = train(one, optimizer, 3, data);
+    for (const int replicas : {2, 4}) {
+      const auto what = fmt::format("{}, {} replicas, stage 3", name, replicas);
+      MirroredStrategy unsharded(MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k0)});
+      const Run plain = train(unsharded, optimizer, 3, data);
+      MirroredStrategy sharded(MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k3)});
+      const Run run = train(sharded, optimizer, 3, data);
+      check_bitwise(plain, run, what);
+      check_close(reference, run, what);
+      MirroredStrategy again(MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k3)});
+      check_bitwise(run, train(again, optimizer, 3, data), what + ", run again");
+    }
+  }
+}
+
+TEST_CASE("stage 3 without a communication thread, with BatchNormalization, empty shards and skipped steps: bitwise") {
+  const Data data = make_data(300);
+  const keras::OptimizerRef adam = keras::Adam{.learning_rate = 0.01};
+  MirroredStrategy unsharded(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k0)});
+  const Run plain = train(unsharded, adam, 2, data, /*batch_norm=*/true);
+  MirroredStrategy sharded(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
+  check_bitwise(plain, train(sharded, adam, 2, data, /*batch_norm=*/true), "batch normalization, stage 3");
+  auto serial = options(ZeroStage::k3);
+  serial.overlap_communication = false;  // gathers on the replicas' own threads
+  MirroredStrategy no_thread(MirroredOptions{.devices = cpu_devices(4), .distribution = serial});
+  check_bitwise(plain, train(no_thread, adam, 2, data, /*batch_norm=*/true), "stage 3, no communication thread");
+
+  const Data small = make_data(130);  // batches of 64, 64 and 2: replicas 2 and 3 get nothing in the last
+  const keras::OptimizerRef scaled = keras::LossScaleOptimizer{
+      .inner_optimizer = keras::Adam{.learning_rate = 0.01}, .initial_scale = std::ldexp(1.0, 127), .dynamic_growth_steps = 3};
+  MirroredStrategy unsharded_small(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k0)});
+  const Run plain_small = train(unsharded_small, scaled, 20, small);
+  MirroredStrategy sharded_small(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
+  check_bitwise(plain_small, train(sharded_small, scaled, 20, small), "empty shards, loss scaling, stage 3");
 }
 
 TEST_CASE("stages 1 and 2 train bitwise like unsharded data parallelism, and within 1e-5 of one device") {
@@ -243,31 +316,45 @@ TEST_CASE("the slots are sharded, the weights whole and equal on every replica a
   }
 }
 
-TEST_CASE("weights saved under ZeRO load into an unsharded model unchanged") {
+TEST_CASE("weights saved under ZeRO stages 2 and 3 load into an unsharded model unchanged, and back") {
   const Data data = make_data(300);
-  MirroredStrategy four(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k2)});
-  set_global_seed(5);
-  keras::Model sharded;
-  {
-    auto scope = four.scope();
-    sharded = make_model();
-    sharded.compile(keras::Adam{}, keras::SparseCategoricalCrossentropy{.from_logits = true});
+  for (const auto stage : {ZeroStage::k2, ZeroStage::k3}) {
+    CAPTURE(static_cast<int>(stage));
+    MirroredStrategy four(MirroredOptions{.devices = cpu_devices(4), .distribution = options(stage)});
+    set_global_seed(5);
+    keras::Model sharded;
+    {
+      auto scope = four.scope();
+      sharded = make_model();
+      sharded.compile(keras::Adam{}, keras::SparseCategoricalCrossentropy{.from_logits = true});
+    }
+    sharded.fit(data::Dataset::from_tensor_slices({data.x, data.y}).batch(64), {.epochs = 1, .verbose = 0});
+    const auto path =
+        (std::filesystem::temp_directory_path() / fmt::format("zero_test_{}.safetensors", ::getpid())).string();
+    sharded.save_weights(path);
+    OneDeviceStrategy one("CPU:0");
+    set_global_seed(6);
+    keras::Model plain;
+    {
+      auto scope = one.scope();
+      plain = make_model();
+    }
+    plain.load_weights(path);
+    const auto expected = sharded.get_weights(), got = plain.get_weights();
+    REQUIRE(expected.size() == got.size());
+    for (std::size_t w = 0; w < expected.size(); ++w) CHECK_MESSAGE(bitwise_equal(expected[w], got[w]), "weight ", w);
+    // And back into sharded parameters on 3 replicas (other padding).
+    MirroredStrategy three(MirroredOptions{.devices = cpu_devices(3), .distribution = options(stage)});
+    keras::Model again;
+    {
+      auto scope = three.scope();
+      again = make_model();
+    }
+    again.load_weights(path);
+    std::filesystem::remove_all(path);
+    const auto back = again.get_weights();
+    for (std::size_t w = 0; w < expected.size(); ++w) CHECK_MESSAGE(bitwise_equal(expected[w], back[w]), "weight ", w);
   }
-  sharded.fit(data::Dataset::from_tensor_slices({data.x, data.y}).batch(64), {.epochs = 1, .verbose = 0});
-  const auto path = (std::filesystem::temp_directory_path() / fmt::format("zero_test_{}.safetensors", ::getpid())).string();
-  sharded.save_weights(path);
-  OneDeviceStrategy one("CPU:0");
-  set_global_seed(6);
-  keras::Model plain;
-  {
-    auto scope = one.scope();
-    plain = make_model();
-  }
-  plain.load_weights(path);
-  std::filesystem::remove_all(path);
-  const auto expected = sharded.get_weights(), got = plain.get_weights();
-  REQUIRE(expected.size() == got.size());
-  for (std::size_t w = 0; w < expected.size(); ++w) CHECK_MESSAGE(bitwise_equal(expected[w], got[w]), "weight ", w);
 }
 
 TEST_CASE("a training checkpoint saved under stage 2 on 4 replicas resumes on 2, sharded or not, alike") {
@@ -315,11 +402,13 @@ TEST_CASE("a training checkpoint saved under stage 2 on 4 replicas resumes on 2,
 }
 
 TEST_CASE("memory per device: weights + gradients + slots of a 4M-parameter model under Adam on 4 devices") {
+  // 16 layers of 512 x 512: under stage 3 the executor holds a layer's whole kernel (1 MiB, a
+  // quarter of a byte per parameter) only while it is gathered, one or two at a time.
   // Measured on CPU:1 (CPU:0 also holds the dataset): what the device's allocator has in use
   // after two steps, less what it had before the model, and the peak during them.
   std::mt19937_64 rng(3);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  constexpr std::int64_t kWidth = 1024, kRows = 16;
+  constexpr std::int64_t kWidth = 512, kRows = 16, kLayers = 16;
   std::vector<float> xs(static_cast<std::size_t>(kRows * kWidth));
   for (auto& v : xs) v = normal(rng);
   std::vector<std::int64_t> ys(static_cast<std::size_t>(kRows));
@@ -330,10 +419,11 @@ TEST_CASE("memory per device: weights + gradients + slots of a 4M-parameter mode
   };
   std::int64_t parameters = 0;
   const auto measure = [&](ZeroStage stage) {
-    // Buckets of 4 MiB: each 1024 x 1024 kernel is a bucket of its own, reduce-scattered from and
-    // gathered into its own buffer; the transient buffers are then a quarter of a kernel.
+    // Buckets of 1 MiB (a kernel each), reduce-scattered from and gathered into the variables' own
+    // buffers by the in-process group: no transient copies. Under stage 2 a bucket's whole
+    // gradients are reused by the executor once the next bucket is complete.
     MirroredStrategy four(MirroredOptions{.devices = cpu_devices(4),
-                                          .distribution = {.bucket_bytes = std::int64_t{4} << 20, .zero = stage}});
+                                          .distribution = {.bucket_bytes = std::int64_t{1} << 20, .zero = stage}});
     auto& allocator = devices::get_device("CPU:1").allocator();
     const std::int64_t before = allocator.stats().bytes_in_use;
     allocator.reset_peak_bytes_in_use();
@@ -342,8 +432,10 @@ TEST_CASE("memory per device: weights + gradients + slots of a 4M-parameter mode
       keras::Model model;
       {
         auto scope = four.scope();
-        model = keras::Sequential({keras::Input({kWidth}), keras::Dense(kWidth, "relu"), keras::Dense(kWidth, "relu"),
-                                   keras::Dense(kWidth, "relu"), keras::Dense(kWidth, "relu"), keras::Dense(4)});
+        std::vector<keras::SequentialItem> layers{keras::Input({kWidth})};
+        for (std::int64_t l = 0; l < kLayers; ++l) layers.emplace_back(keras::Dense(kWidth, "relu"));
+        layers.emplace_back(keras::Dense(4));
+        model = keras::Sequential(std::move(layers));
         model.compile(keras::Adam{}, keras::SparseCategoricalCrossentropy{.from_logits = true});
       }
       parameters = model.count_params();
@@ -356,6 +448,7 @@ TEST_CASE("memory per device: weights + gradients + slots of a 4M-parameter mode
   const Bytes replicated = measure(ZeroStage::k0);
   const Bytes stage1 = measure(ZeroStage::k1);
   const Bytes stage2 = measure(ZeroStage::k2);
+  const Bytes stage3 = measure(ZeroStage::k3);
   REQUIRE(parameters >= 4'000'000);
   const double psi = static_cast<double>(parameters);
   MESSAGE(fmt::format("{} parameters; bytes per parameter on CPU:1 after two steps (peak): replicated {:.2f} ({:.2f}), "
@@ -364,9 +457,73 @@ TEST_CASE("memory per device: weights + gradients + slots of a 4M-parameter mode
                       stage1.peak / psi, stage1.in_use / replicated.in_use, stage1.peak / replicated.peak,
                       stage2.in_use / psi, stage2.peak / psi, stage2.in_use / replicated.in_use,
                       stage2.peak / replicated.peak));
+  MESSAGE(fmt::format("stage 3 {:.2f} ({:.2f}) = {:.3f}x ({:.3f}x)", stage3.in_use / psi, stage3.peak / psi,
+                      stage3.in_use / replicated.in_use, stage3.peak / replicated.peak));
   // Weights 4, gradients 4 (backward's, in the executor's arena), Adam's slots 8 / 4 replicas.
   CHECK(replicated.in_use / psi >= 16.0);
   CHECK(stage1.in_use / replicated.in_use <= 0.63);
-  // Stage 2 keeps the same: the arena holds backward's whole gradients (see gradient_reducer.h).
-  CHECK(stage2.in_use / replicated.in_use <= 0.63);
+  // The paper's figures with float32 weights (4 + 4 + 8 bytes): stage 2 4 + 12/N = 7, stage 3
+  // 16/N = 4, plus what is in flight in the executor's arena: whole gradients of buckets not yet
+  // reduced, and at stage 3 the gathered layers (1 MiB each, 0.25 bytes per parameter).
+  CHECK(stage2.in_use / psi <= 7.5);
+  CHECK(stage2.peak / psi <= 7.5);
+  CHECK(stage3.in_use / psi <= 4.75);
+  CHECK(stage3.peak / psi <= 4.75);
+}
+
+TEST_CASE("stage 3 on 4 devices saved at step 20 resumes on 1, 2 and 3 devices to step 50 within 1e-5") {
+  // 300 examples in batches of 60: 5 steps an epoch, in the same order every epoch (no shuffle).
+  const Data data = make_data(300);
+  const auto dataset = data::Dataset::from_tensor_slices({data.x, data.y}).batch(60);
+  const keras::OptimizerRef optimizer = keras::Adam{.learning_rate = 0.01};
+  const auto compiled = [&](Strategy& strategy) {
+    set_global_seed(21);
+    keras::Model model;
+    auto scope = strategy.scope();
+    model = make_model();
+    model.compile(optimizer, keras::SparseCategoricalCrossentropy{.from_logits = true});
+    return model;
+  };
+  const auto fit = [&](keras::Model& model, int epochs, int initial_epoch) {
+    std::vector<double> losses;
+    auto recorder = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+        .on_train_batch_end = [&](std::int64_t, keras::Logs& logs) { losses.push_back(logs.at("loss")); }});
+    model.fit(dataset, {.epochs = epochs, .verbose = 0, .callbacks = {recorder}, .shuffle = false,
+                        .initial_epoch = initial_epoch});
+    return losses;
+  };
+  const auto path = (std::filesystem::temp_directory_path() / fmt::format("zero3_ckpt_{}", ::getpid())).string();
+  Run uninterrupted;
+  std::vector<Tensor> saved_slots;
+  {
+    MirroredStrategy four(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
+    auto model = compiled(four);
+    const auto first = fit(model, 4, 0);  // 20 steps
+    REQUIRE(first.size() == 20);
+    keras::save_training_checkpoint(model, path, {.epoch = 4});
+    REQUIRE(std::filesystem::is_directory(path));  // sharded: one file per rank and an index
+    for (const auto& [name, slot] : model.optimizer().slots()) saved_slots.push_back(slot->read_value());
+    uninterrupted.losses = fit(model, 10, 4);  // steps 21 to 50
+    uninterrupted.weights = model.get_weights();
+  }
+  REQUIRE(uninterrupted.losses.size() == 30);
+  for (const auto& [devices, stage] : {std::pair{1, ZeroStage::k0}, std::pair{2, ZeroStage::k3},
+                                       std::pair{3, ZeroStage::k3}, std::pair{3, ZeroStage::k1}}) {
+    const auto what = fmt::format("resumed on {} device(s), stage {}", devices, static_cast<int>(stage));
+    INFO(what);
+    MirroredStrategy strategy(MirroredOptions{.devices = cpu_devices(devices), .distribution = options(stage)});
+    auto model = compiled(strategy);
+    CHECK(keras::load_training_checkpoint(model, path).epoch == 4);
+    CHECK(model.optimizer().iterations() == 20);
+    const auto& slots = model.optimizer().slots();
+    REQUIRE(slots.size() == saved_slots.size());
+    for (std::size_t s = 0; s < slots.size(); ++s) {
+      CHECK_MESSAGE(bitwise_equal(slots[s].second->read_value(), saved_slots[s]), "slot ", slots[s].first);
+    }
+    Run resumed;
+    resumed.losses = fit(model, 10, 4);
+    resumed.weights = model.get_weights();
+    check_close(uninterrupted, resumed, what);
+  }
+  std::filesystem::remove_all(path);
 }
