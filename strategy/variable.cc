@@ -40,6 +40,23 @@ Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tens
   TANDEM_ASSERT(!copies_.empty(), "variable {} has no copies", name_);
 }
 
+// The other workers' shards of `out` are zeros here: the sum over the workers, in float64 (exact
+// for every floating type, one term non-zero), is the whole value (a zero's sign aside).
+Tensor Variable::sum_over_workers(const Tensor& out) const {
+  std::vector<double> values(static_cast<std::size_t>(out.num_elements()));
+  graph::dispatch<graph::FloatTypes>(dtype(), "read_value of a sharded variable", [&]<class T>() {
+    const T* p = out.data<T>();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<double>(p[i]);
+  });
+  strategy_->sum_across_workers(values);
+  Tensor whole = Tensor::empty(out.shape(), dtype());
+  graph::dispatch<graph::FloatTypes>(dtype(), "read_value of a sharded variable", [&]<class T>() {
+    T* p = whole.data<T>();
+    for (std::size_t i = 0; i < values.size(); ++i) p[i] = static_cast<T>(values[i]);
+  });
+  return whole;
+}
+
 Tensor& Variable::value(int replica) {
   TANDEM_REQUIRE(replica >= 0 && replica < num_replicas(), InvalidArgument,
                  "variable \"{}\" has {} copies (it was created under {}), but replica {} uses it; create it under the "
@@ -50,24 +67,17 @@ Tensor& Variable::value(int replica) {
 
 const Tensor& Variable::value(int replica) const { return const_cast<Variable*>(this)->value(replica); }
 
-int Variable::first_local_shard(std::string_view what) const {
-  TANDEM_REQUIRE(strategy_->num_workers() == 1, FailedPrecondition,
-                 "{} sharded variable \"{}\": its shards are spread over {} workers of {}; read and write it through "
-                 "a sharded checkpoint",
-                 what, name_, strategy_->num_workers(), strategy_->name());
-  return strategy_->global_replica_index(0);
-}
-
 Tensor Variable::read_value() const {
   if (sharding_) {
     // Each local shard's elements, padding dropped, at their place in the flattened value.
-    const int first = first_local_shard("read_value of");
-    Tensor out = Tensor::empty(sharding_->global_shape, dtype());
+    const int first = strategy_->global_replica_index(0);
+    Tensor out = Tensor::zeros(sharding_->global_shape, dtype());
     for (std::size_t r = 0; r < copies_.size(); ++r) {
       const int s = first + static_cast<int>(r);
       const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
       if (e > b) flat_view(out, b, e - b).copy_from(flat_view(copies_[r], 0, e - b));
     }
+    if (strategy_->num_workers() > 1) out = sum_over_workers(out);
     return out;
   }
   if (synchronization_ == VariableSynchronization::kOnRead && copies_.size() > 1 &&
@@ -102,8 +112,9 @@ void Variable::assign(const Tensor& value) {
                  value.defined() ? graph::dtype_name(value.dtype()) : "undefined",
                  value.defined() ? value.shape() : Shape{}, dtype(), global_shape());
   if (sharding_) {
-    // Each local copy takes its shard's elements; the padding after them stays zero.
-    const int first = first_local_shard("assign to");
+    // Each local copy takes its shard's elements; the padding after them stays zero. Every worker
+    // holds the whole value: no communication.
+    const int first = strategy_->global_replica_index(0);
     for (std::size_t r = 0; r < copies_.size(); ++r) {
       const int s = first + static_cast<int>(r);
       const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);

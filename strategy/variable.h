@@ -89,14 +89,15 @@ class Variable {
 
   // A host copy of the value: replica 0's copy for on-write variables; for on-read variables,
   // the copies combined with the aggregation (SUM adds, MEAN averages, otherwise replica 0); for
-  // a sharded variable, the local shards gathered into global_shape(), padding dropped (one
-  // process only: across workers FailedPrecondition naming the variable).
+  // a sharded variable, the shards gathered into global_shape(), padding dropped. Across workers
+  // that is a collective (Strategy::sum_across_workers): every worker reads the same sharded
+  // variables in the same order, as Keras's get_weights of a sharded model.
   Tensor read_value() const;
   // Sets the variable to `value` from outside the replicas (TF's cross-replica assign): every copy
   // becomes `value`, except for an on-read SUM variable, whose copies become value / replicas so
   // that reading it gives `value` back. Any device; same dtype and shape, else InvalidArgument
   // naming the variable. A sharded variable takes a value of global_shape() and keeps its shards
-  // of it (padding zero); one process only, like read_value. Callers: one thread at a time, not
+  // of it (padding zero); every worker takes the same value. Callers: one thread at a time, not
   // during a step.
   void assign(const Tensor& value);
   // Sets the variable from one value per replica (what each replica computed in Strategy::run),
@@ -119,8 +120,8 @@ class Variable {
   std::vector<Tensor> copies_;
   std::optional<ShardSpec> sharding_;
 
-  // The global index of local replica 0's shard; FailedPrecondition (naming `what`) across workers.
-  int first_local_shard(std::string_view what) const;
+  // read_value across workers: `out` holds this worker's shards, zeros elsewhere.
+  Tensor sum_over_workers(const Tensor& out) const;
 };
 
 // A variable kept equal on every replica: each replica applies the same update to its copy

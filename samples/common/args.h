@@ -106,8 +106,8 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
       ->check(CLI::PositiveNumber);
   app.add_option("--zero", a.zero,
                  "ZeRO stage of sharded data parallelism (DeepSpeed's zero_optimization.stage):\n0 none, 1 optimizer "
-                 "slots, 2 slots and gradients (3 is not built\nyet: refused); for mirrored and multiworker, a no-op "
-                 "with one")
+                 "slots, 2 slots and gradients, 3 also the weights\n(gathered layer by layer); for mirrored and "
+                 "multiworker, a no-op with one")
       ->capture_default_str()
       ->check(CLI::Range(0, 3));
   app.add_flag("--print-plan", a.print_plan,

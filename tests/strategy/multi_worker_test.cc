@@ -326,7 +326,7 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("ZeRO stages 1 and 2 across 2 workers of 2 replicas each: bitwise the unsharded run") {
+TEST_CASE("ZeRO stages 1, 2 and 3 across 2 workers of 2 replicas each: bitwise the unsharded run") {
   const auto run = [](const std::string& zero) {
     testing::TempDir dir;
     const auto codes = run_workers(dir.path().string(), 2,
@@ -337,7 +337,7 @@ TEST_CASE("ZeRO stages 1 and 2 across 2 workers of 2 replicas each: bitwise the 
                      keras::read_safetensors(dir.path().string() + "/weights-0.safetensors").tensors};
   };
   const auto plain = run("0");
-  for (const std::string zero : {"1", "2"}) {
+  for (const std::string zero : {"1", "2", "3"}) {
     INFO("--zero " << zero);
     const auto sharded = run(zero);
     CHECK(sharded.first == plain.first);

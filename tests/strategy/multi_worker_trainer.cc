@@ -11,7 +11,7 @@
 //                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
 //                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
 //                        [--batch 64] [--deterministic 0] [--batchnorm 1] [--accumulate N] [--validation 1]
-//                        [--zero 0|1|2]
+//                        [--zero 0|1|2|3]
 //
 // --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
 // the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many). --strategy
@@ -264,7 +264,18 @@ int run(const Args& a) {
   }
   if (a.validation) fit.validation_data = make_data(false, a.batch).take(2);
   model.fit(make_data(a.files, a.batch), fit);
-  model.save_weights(fmt::format("{}/weights-{}.safetensors", a.out, rank));
+  const auto weights_path = fmt::format("{}/weights-{}.safetensors", a.out, rank);
+  if (a.zero == 3) {
+    // Sharded weights: save_weights would write one sharded checkpoint together with the other
+    // workers. Each worker writes its own file of the whole values (get_weights gathers them).
+    keras::NamedTensors named;
+    const auto values = model.get_weights();
+    const auto weights = model.weights();
+    for (std::size_t i = 0; i < weights.size(); ++i) named.emplace_back(weights[i]->name(), values[i]);
+    keras::write_safetensors(weights_path, named);
+  } else {
+    model.save_weights(weights_path);
+  }
   std::cout << "worker " << rank << " done\n";
   return 0;
 }

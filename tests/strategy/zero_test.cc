@@ -527,3 +527,13 @@ TEST_CASE("stage 3 on 4 devices saved at step 20 resumes on 1, 2 and 3 devices t
   }
   std::filesystem::remove_all(path);
 }
+
+TEST_CASE("stage 3 under mixed_bfloat16: float32 master shards, bfloat16 compute, bitwise the unsharded run") {
+  const Data data = make_data(300);
+  const keras::OptimizerRef adam = keras::Adam{.learning_rate = 0.01};
+  keras::mixed_precision::PolicyScope policy("mixed_bfloat16");
+  MirroredStrategy unsharded(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k0)});
+  const Run plain = train(unsharded, adam, 2, data);
+  MirroredStrategy sharded(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
+  check_bitwise(plain, train(sharded, adam, 2, data), "mixed_bfloat16, stage 3");
+}
