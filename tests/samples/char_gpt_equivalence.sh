@@ -2,8 +2,11 @@
 # The GPT sample's distribution check: with dropout off, the first STEPS training steps under
 # MirroredStrategy on 2 logical CPU devices and under MultiWorkerMirroredStrategy with 2 workers
 # (tandem-run) give every step's loss within 1e-5 (relative) of OneDeviceStrategy's, and the same
-# validation loss after the last step. Also: the run's saved weights, loaded by a new process, give
-# the same validation loss, and the same run twice writes the same weights byte for byte.
+# validation loss after the last step; under ZeRO stage 3 (--zero 3: weights, gradients and Adam's
+# slots sharded, weights gathered layer by layer) the mirrored run's losses are bitwise the
+# unsharded run's, and the 2 workers' within 1e-5 of one device's. Also: the run's saved weights,
+# loaded by a new process, give the same validation loss, and the same run twice writes the same
+# weights byte for byte.
 #
 #   char_gpt_equivalence.sh TANDEM_RUN CHAR_GPT STEPS
 #
@@ -35,6 +38,13 @@ common="--steps $steps --eval-every $steps --eval-batches 4 --dropout 0 --verbos
 "$run" --nproc_per_node 2 --master_port 0 -- "$gpt" $common --strategy multiworker --collective-timeout 60 \
   --loss-log "$dir/multiworker.loss" >"$dir/multiworker.out" 2>&1 || fail "the 2-worker run failed"
 # shellcheck disable=SC2086
+"$gpt" $common --strategy mirrored --cpu-devices 2 --zero 3 --loss-log "$dir/zero3.loss" >"$dir/zero3.out" 2>&1 ||
+  fail "the MirroredStrategy run under ZeRO stage 3 failed"
+# shellcheck disable=SC2086
+"$run" --nproc_per_node 2 --master_port 0 -- "$gpt" $common --strategy multiworker --zero 3 --collective-timeout 60 \
+  --loss-log "$dir/multiworker_zero3.loss" >"$dir/multiworker_zero3.out" 2>&1 ||
+  fail "the 2-worker run under ZeRO stage 3 failed"
+# shellcheck disable=SC2086
 "$gpt" --steps 0 --eval-batches 4 --verbose 0 --strategy one --load "$dir/one" >"$dir/load.out" 2>&1 ||
   fail "loading the saved weights failed"
 
@@ -49,6 +59,8 @@ compare() {
 }
 compare "$dir/one.loss" "$dir/mirrored.loss" || fail "MirroredStrategy's losses differ from one device's"
 compare "$dir/one.loss" "$dir/multiworker.loss" || fail "the 2 workers' losses differ from one device's"
+compare "$dir/one.loss" "$dir/multiworker_zero3.loss" || fail "the 2 workers' losses under stage 3 differ from one device's"
+cmp -s "$dir/mirrored.loss" "$dir/zero3.loss" || fail "ZeRO stage 3's losses are not bitwise the unsharded run's"
 cmp -s "$dir/one.loss" "$dir/again.loss" || fail "two OneDeviceStrategy runs logged different losses"
 cmp -s "$dir/one.weights.safetensors" "$dir/again.weights.safetensors" ||
   fail "two OneDeviceStrategy runs saved different weights"
@@ -57,4 +69,5 @@ val() { sed -n 's/^final val_loss \([0-9.]*\).*/\1/p' "$1"; }
 [ -n "$(val "$dir/one.out")" ] || fail "no final validation loss printed"
 [ "$(val "$dir/one.out")" = "$(val "$dir/load.out")" ] ||
   fail "the loaded weights give val_loss $(val "$dir/load.out"), the trained model $(val "$dir/one.out")"
-echo "char_gpt_equivalence: $steps steps equal under mirrored (2 devices) and 2 workers; reload and rerun identical"
+echo "char_gpt_equivalence: $steps steps equal under mirrored (2 devices) and 2 workers, unsharded and under ZeRO" \
+  "stage 3; reload and rerun identical"
