@@ -373,7 +373,8 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     const auto reduction = strategy_.variable_plan(*variable).reduction;
     if (reduction == VariablePlan::Reduction::kNone) continue;
     const bool scatter = reduction == VariablePlan::Reduction::kReduceScatter;
-    const std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
+    std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
+    if (scatter && distribution.zero >= ZeroStage::k2) limit = std::min(limit, distribution.reduce_bucket_bytes);
     const auto size = variable->global_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
     const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
                             sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype() ||

@@ -132,9 +132,10 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
       cross_device_ops_(std::move(cross_device_ops)),
       distribution_(distribution) {
   TANDEM_REQUIRE(!devices_.empty(), InvalidArgument, "{} has no devices", kind);
-  TANDEM_REQUIRE(distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0, InvalidArgument,
-                 "{}: bucket sizes must be positive (got {} and {} bytes)", name_, distribution_.first_bucket_bytes,
-                 distribution_.bucket_bytes);
+  TANDEM_REQUIRE(distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0 &&
+                     distribution_.reduce_bucket_bytes > 0,
+                 InvalidArgument, "{}: bucket sizes must be positive (got {}, {} and {} bytes)", name_,
+                 distribution_.first_bucket_bytes, distribution_.bucket_bytes, distribution_.reduce_bucket_bytes);
   TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
                  "{}: device_prefetch_batches must be at least 1; got {}", name_,
                  distribution_.device_prefetch_batches);

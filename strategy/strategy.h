@@ -75,6 +75,11 @@ struct DistributionOptions {
   // Sharded data parallelism (ZeroStage): each replica keeps and updates 1/N of the state the
   // stage names, reduce-scattering gradients and all-gathering the updated weights.
   ZeroStage zero = ZeroStage::k0;
+  // Stages 2 and 3: reduce-scattered gradients are bucketed up to the smaller of this and
+  // bucket_bytes (DeepSpeed's reduce_bucket_size). A bucket's whole gradients stay in memory
+  // until it is reduced and the next one is complete, so smaller buckets hold less; a gradient
+  // larger than a bucket gets one of its own.
+  std::int64_t reduce_bucket_bytes = std::int64_t{4} << 20;
 };
 
 // What a function run by Strategy::run sees: which replica it is, and collective operations

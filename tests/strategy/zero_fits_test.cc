@@ -2,9 +2,9 @@
 // ::memory_limit_bytes, which makes the allocator refuse what a device of that size could not
 // hold) and a 4.2M-parameter model under Adam. Replicated it needs 16 bytes a parameter on every
 // device (67 MB); ZeRO stages 1 and 2 still hold the whole weights (10 and 7.2 bytes a parameter:
-// 42 and 30 MB); stage 3 holds about 4.5 (19 MB), and trains. Buckets of 1 MiB (each layer's
-// gradients), as DeepSpeed users size reduce_bucket_size: the whole gradients held at once are a
-// few buckets'. Its own process: the device layout is fixed before any device exists.
+// 42 and 30 MB); stage 3 holds about 4.5 (19 MB), and trains. Reduce-scatter buckets of 1 MiB
+// (reduce_bucket_bytes, DeepSpeed's reduce_bucket_size: each layer's gradients), so that the
+// whole gradients held at once are a layer's or two. Its own process: the device layout is fixed before any device exists.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -43,7 +43,7 @@ TEST_CASE("a model that does not fit replicated on 4 devices of 26 MiB trains un
   const std::vector<std::string> devices{"CPU:0", "CPU:1", "CPU:2", "CPU:3"};
   const auto attempt = [&](ZeroStage stage) {
     MirroredStrategy four(MirroredOptions{
-        .devices = devices, .distribution = {.bucket_bytes = std::int64_t{1} << 20, .zero = stage}});
+        .devices = devices, .distribution = {.zero = stage, .reduce_bucket_bytes = std::int64_t{1} << 20}});
     keras::Model model;
     {
       auto scope = four.scope();
