@@ -522,9 +522,9 @@ TEST_CASE(
 
 TEST_CASE(
     "tandem-run --nnodes 1:2: node 1 lost for good mid-epoch, node 0 resumes alone from the backup at world size 1 and "
-    "ends as a run that switched from 2 workers to 1 at the backup's step (unsharded, and under ZeRO stage 1 with the "
-    "backup's 2 shards loaded as 1)") {
-  for (const std::string zero : {"0", "1"}) {
+    "ends as a run that switched from 2 workers to 1 at the backup's step (unsharded, and under ZeRO stages 1 and 3 "
+    "with the backup's 2 shards loaded as 1)") {
+  for (const std::string zero : {"0", "1", "3"}) {
   CAPTURE(zero);
   testing::TempDir dir;
   const std::string out = dir.path().string() + "/elastic", ref = dir.path().string() + "/reference";
