@@ -214,8 +214,8 @@ void Executor::bind_variable(Output variable, Tensor value) {
 }
 
 void Executor::bind_gathered_variable(Output variable, VariableGatherer* gatherer) {
-  TANDEM_REQUIRE(variable.graph == graph_.get(), InvalidArgument,
-                 "bind_gathered_variable: {} belongs to another graph", variable.name());
+  TANDEM_REQUIRE(variable.graph == graph_.get(), InvalidArgument, "bind_gathered_variable: {} belongs to another graph",
+                 variable.name());
   const Node& node = variable.producer();
   TANDEM_REQUIRE(node.op->kind == OpKind::kVariable, InvalidArgument, "bind_gathered_variable: {} is not a Variable",
                  node.label());
@@ -457,7 +457,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
   }
   // A handed-off fetch lives until its until_node's step; the observer releases it before the next.
   std::vector<int> step_of_node(static_cast<std::size_t>(num_nodes), -1);
-  for (int p = 0; p < num_steps; ++p) step_of_node[static_cast<std::size_t>(plan->steps[static_cast<std::size_t>(p)].node->id)] = p;
+  for (int p = 0; p < num_steps; ++p)
+    step_of_node[static_cast<std::size_t>(plan->steps[static_cast<std::size_t>(p)].node->id)] = p;
   std::vector<int> fetch_until(fetches.size(), num_steps);
   plan->handed_off.assign(fetches.size(), 0);
   plan->releases_at.assign(static_cast<std::size_t>(num_steps) + 1, {});
@@ -511,7 +512,8 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
   for (std::size_t w = 0; w < plan->windows.size(); ++w) plan->windows[w].offset = memory.offsets[slot_requests + w];
   plan->arena_slot_count = static_cast<int>(slot_requests);
   // A gather or a release is host work between kernels (a collective): such plans are not recorded.
-  plan->graph_eligible = plan->windows.empty() && hand_offs.empty() && options_.cuda_graphs && device_.type() == devices::DeviceType::kGPU &&
+  plan->graph_eligible = plan->windows.empty() && hand_offs.empty() && options_.cuda_graphs &&
+                         device_.type() == devices::DeviceType::kGPU &&
                          std::all_of(plan->steps.begin(), plan->steps.end(),
                                      [](const Plan::Step& st) { return st.kernel == nullptr || st.capturable; });
   for (const auto& st : plan->steps) {
@@ -573,11 +575,12 @@ void Executor::plan_gather_windows(Plan& plan) const {
       const auto s = static_cast<std::size_t>(plan.slot_of_node[static_cast<std::size_t>(in.node)] + in.index);
       if (plan.kinds[s] == SlotKind::kGathered) {
         int& w = open[s];
-        if (w >= 0 && (plan.windows[static_cast<std::size_t>(w)].last == position ||
-                       opened_at_last_read[s] == opened_before)) {
+        if (w >= 0 &&
+            (plan.windows[static_cast<std::size_t>(w)].last == position || opened_at_last_read[s] == opened_before)) {
           plan.windows[static_cast<std::size_t>(w)].last = position;
         } else {
-          plan.windows.push_back({.slot = static_cast<int>(s), .node = node_of[s], .first = position, .last = position});
+          plan.windows.push_back(
+              {.slot = static_cast<int>(s), .node = node_of[s], .first = position, .last = position});
           w = static_cast<int>(plan.windows.size()) - 1;
           ++opened;
         }

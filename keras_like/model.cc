@@ -593,10 +593,11 @@ void Model::set_weights(const std::vector<Tensor>& values) {
   TANDEM_REQUIRE(values.size() == ws.size(), InvalidArgument, "model \"{}\" has {} weights; set_weights got {}", name(),
                  ws.size(), values.size());
   for (std::size_t i = 0; i < ws.size(); ++i) {
-    TANDEM_REQUIRE(values[i].defined() && values[i].dtype() == ws[i]->dtype() && values[i].shape() == ws[i]->global_shape(),
-                   InvalidArgument, "model \"{}\": set_weights value {} for \"{}\" is {} {}; expected {} {}", name(), i,
-                   ws[i]->name(), values[i].defined() ? graph::dtype_name(values[i].dtype()) : "undefined",
-                   values[i].defined() ? values[i].shape() : Shape{}, ws[i]->dtype(), ws[i]->global_shape());
+    TANDEM_REQUIRE(
+        values[i].defined() && values[i].dtype() == ws[i]->dtype() && values[i].shape() == ws[i]->global_shape(),
+        InvalidArgument, "model \"{}\": set_weights value {} for \"{}\" is {} {}; expected {} {}", name(), i,
+        ws[i]->name(), values[i].defined() ? graph::dtype_name(values[i].dtype()) : "undefined",
+        values[i].defined() ? values[i].shape() : Shape{}, ws[i]->dtype(), ws[i]->global_shape());
   }
   for (std::size_t i = 0; i < ws.size(); ++i) ws[i]->assign(values[i]);
 }

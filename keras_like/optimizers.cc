@@ -368,8 +368,9 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     // shard only (the accumulators above stay whole: micro-steps add whole gradients into them).
     const bool sharded =
         owner.variable_plan(*variable).reduction == strategy::VariablePlan::Reduction::kReduceScatter;
-    shards_.push_back(sharded ? std::optional(strategy::ShardSpec::even(variable->global_shape(), owner.num_replicas_in_sync()))
-                              : std::nullopt);
+    shards_.push_back(
+        sharded ? std::optional(strategy::ShardSpec::even(variable->global_shape(), owner.num_replicas_in_sync()))
+                : std::nullopt);
     sharded_ = sharded_ || sharded;
     std::vector<VariablePtr> slots;
     for (const auto& slot : names) {
@@ -436,7 +437,8 @@ std::vector<double> Optimizer::squared_norms(int replica, const std::vector<Tens
   std::vector<double> table(static_cast<std::size_t>(n) * count, 0.0);
   for (std::size_t vi = 0; vi < count; ++vi) {
     const auto& sharding = shards_[vi];
-    const strategy::ShardSpec spec = sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->global_shape(), n);
+    const strategy::ShardSpec spec =
+        sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->global_shape(), n);
     for (int q = 0; q < n; ++q) {
       if (sharded_ && q != me) continue;  // another replica's row
       const std::int64_t b = spec.begin(q), e = spec.end(q);

@@ -375,7 +375,8 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     const bool scatter = reduction == VariablePlan::Reduction::kReduceScatter;
     std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
     if (scatter && distribution.zero >= ZeroStage::k2) limit = std::min(limit, distribution.reduce_bucket_bytes);
-    const auto size = variable->global_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
+    const auto size =
+        variable->global_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
     const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
                             sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype() ||
                             plan.scatter.back() != scatter;
@@ -615,7 +616,8 @@ std::vector<graph::HandOff> GradientReducer::hand_offs(int first_fetch) const {
   std::vector<graph::HandOff> out;
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     if (!plan_->handed_off[k]) continue;
-    out.push_back({.fetch = first_fetch + static_cast<int>(k), .until_node = plan_->release_after[k],
+    out.push_back({.fetch = first_fetch + static_cast<int>(k),
+                   .until_node = plan_->release_after[k],
                    .tag = static_cast<int>(k)});
   }
   return out;
@@ -633,8 +635,10 @@ void GradientReducer::release_gradient(int replica, std::size_t k) {
     return;
   }
   const auto b = static_cast<std::size_t>(plan_->bucket_of[k]);
-  TANDEM_ASSERT(s.comm && s.bucket_ticket[b] != 0, "gradient reducer of {}: gradient {} released before its bucket was "
-                "handed to the communication thread", strategy_.name(), k);
+  TANDEM_ASSERT(s.comm && s.bucket_ticket[b] != 0,
+                "gradient reducer of {}: gradient {} released before its bucket was "
+                "handed to the communication thread",
+                strategy_.name(), k);
   s.comm->wait(s.bucket_ticket[b]);
 }
 

@@ -132,10 +132,10 @@ Strategy::Strategy(std::string kind, std::vector<devices::Device*> devices,
       cross_device_ops_(std::move(cross_device_ops)),
       distribution_(distribution) {
   TANDEM_REQUIRE(!devices_.empty(), InvalidArgument, "{} has no devices", kind);
-  TANDEM_REQUIRE(distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0 &&
-                     distribution_.reduce_bucket_bytes > 0,
-                 InvalidArgument, "{}: bucket sizes must be positive (got {}, {} and {} bytes)", name_,
-                 distribution_.first_bucket_bytes, distribution_.bucket_bytes, distribution_.reduce_bucket_bytes);
+  TANDEM_REQUIRE(
+      distribution_.first_bucket_bytes > 0 && distribution_.bucket_bytes > 0 && distribution_.reduce_bucket_bytes > 0,
+      InvalidArgument, "{}: bucket sizes must be positive (got {}, {} and {} bytes)", name_,
+      distribution_.first_bucket_bytes, distribution_.bucket_bytes, distribution_.reduce_bucket_bytes);
   TANDEM_REQUIRE(distribution_.device_prefetch_batches >= 1, InvalidArgument,
                  "{}: device_prefetch_batches must be at least 1; got {}", name_,
                  distribution_.device_prefetch_batches);
@@ -195,7 +195,8 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
   if (options.sharded && distribution_.zero >= ZeroStage::k1) return create_sharded_variable(std::move(options));
   // Stage 3 shards the parameters themselves: the trainable floating-point on-write variables.
   if (distribution_.zero == ZeroStage::k3 && options.trainable &&
-      options.synchronization != VariableSynchronization::kOnRead && graph::is_floating(options.initial_value.dtype())) {
+      options.synchronization != VariableSynchronization::kOnRead &&
+      graph::is_floating(options.initial_value.dtype())) {
     return create_sharded_variable(std::move(options));
   }
   std::vector<Tensor> copies;

@@ -277,14 +277,13 @@ TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 re
     std::vector<double> collective_bytes;
   };
   const std::vector<Case> cases{
-      {2, kd::ZeroStage::k0, 92, 92, 184, 0, {92}},             // all-reduce 2 (1/2) 92
-      {2, kd::ZeroStage::k1, 92, 92, 96, 0, {48, 48}},          // (1/2) 96 each way
-      {2, kd::ZeroStage::k2, 92, 48, 96, 0, {48, 48}},          // gradient shards (hand-offs)
-      {2, kd::ZeroStage::k3, 48, 48, 96, 60, {48, 48, 48}},     // 3 (N-1)/N of the parameters
-      {4, kd::ZeroStage::k0, 92, 92, 184, 0, {138}},            // 2 (3/4) 92
-      {4, kd::ZeroStage::k1, 92, 92, 56, 0, {84, 84}},          // (3/4) 112
-      {4, kd::ZeroStage::k2, 92, 28, 56, 0, {84, 84}},
-      {4, kd::ZeroStage::k3, 28, 28, 56, 60, {84, 84, 84}},
+      {2, kd::ZeroStage::k0, 92, 92, 184, 0, {92}},          // all-reduce 2 (1/2) 92
+      {2, kd::ZeroStage::k1, 92, 92, 96, 0, {48, 48}},       // (1/2) 96 each way
+      {2, kd::ZeroStage::k2, 92, 48, 96, 0, {48, 48}},       // gradient shards (hand-offs)
+      {2, kd::ZeroStage::k3, 48, 48, 96, 60, {48, 48, 48}},  // 3 (N-1)/N of the parameters
+      {4, kd::ZeroStage::k0, 92, 92, 184, 0, {138}},         // 2 (3/4) 92
+      {4, kd::ZeroStage::k1, 92, 92, 56, 0, {84, 84}},       // (3/4) 112
+      {4, kd::ZeroStage::k2, 92, 28, 56, 0, {84, 84}},      {4, kd::ZeroStage::k3, 28, 28, 56, 60, {84, 84, 84}},
   };
   for (const auto& c : cases) {
     CAPTURE(c.replicas);

@@ -525,69 +525,70 @@ TEST_CASE(
     "ends as a run that switched from 2 workers to 1 at the backup's step (unsharded, and under ZeRO stages 1 and 3 "
     "with the backup's 2 shards loaded as 1)") {
   for (const std::string zero : {"0", "1", "3"}) {
-  CAPTURE(zero);
-  testing::TempDir dir;
-  const std::string out = dir.path().string() + "/elastic", ref = dir.path().string() + "/reference";
-  std::filesystem::create_directories(out);
-  std::filesystem::create_directories(ref);
-  // Backups every 4 steps; node 1's worker freezes after step 14, so the last backup is step 12's.
-  const std::vector<std::string> trainer{"--out",     out,  "--backup", out + "/backup", "--save-freq",
-                                         "4",         "--timeout", "60", "--zero",   zero};
-  const std::string port = std::to_string(free_port());
-  const auto node = [&](int rank, const std::vector<std::string>& extra) {
-    std::vector<std::string> args{"--nproc_per_node",
-                                  "1",
-                                  "--nnodes",
-                                  "1:2",
-                                  "--node_rank",
-                                  std::to_string(rank),
-                                  "--master_port",
-                                  port,
-                                  "--max_restarts",
-                                  "1",
-                                  "--join_timeout",
-                                  "10",
-                                  "--stop_timeout",
-                                  "10",
-                                  "--",
-                                  TANDEM_MW_TRAINER};
-    args.insert(args.end(), trainer.begin(), trainer.end());
-    args.insert(args.end(), extra.begin(), extra.end());
-    return spawn(TANDEM_RUN, args, {}, fmt::format("{}/node-{}.txt", out, rank));
-  };
-  Process node0 = node(0, {});
-  Process node1 = node(1, {"--stop-at-step", "14"});
-  const auto deadline = Clock::now() + std::chrono::seconds(240);
-  while (read_file(node1.log).find("raises SIGSTOP after step 14") == std::string::npos) {
-    REQUIRE_MESSAGE(Clock::now() < deadline, read_file(node1.log));
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ::kill(node1.pid, SIGKILL);  // node 1's launcher, for good; its frozen worker dies with it
-  CHECK(wait_for(node1) == 128 + SIGKILL);
-  const int code = wait_for(node0);
-  const std::string log = read_file(node0.log);
-  INFO(log);
-  REQUIRE(code == 0);
-  // Node 0's worker or its launcher notices first, whichever wins the race.
-  CHECK(log.find("restarting all 1 workers (restart 1 of 1)") != std::string::npos);
-  CHECK(log.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
+    CAPTURE(zero);
+    testing::TempDir dir;
+    const std::string out = dir.path().string() + "/elastic", ref = dir.path().string() + "/reference";
+    std::filesystem::create_directories(out);
+    std::filesystem::create_directories(ref);
+    // Backups every 4 steps; node 1's worker freezes after step 14, so the last backup is step 12's.
+    const std::vector<std::string> trainer{"--out", out,         "--backup", out + "/backup", "--save-freq",
+                                           "4",     "--timeout", "60",       "--zero",        zero};
+    const std::string port = std::to_string(free_port());
+    const auto node = [&](int rank, const std::vector<std::string>& extra) {
+      std::vector<std::string> args{"--nproc_per_node",
+                                    "1",
+                                    "--nnodes",
+                                    "1:2",
+                                    "--node_rank",
+                                    std::to_string(rank),
+                                    "--master_port",
+                                    port,
+                                    "--max_restarts",
+                                    "1",
+                                    "--join_timeout",
+                                    "10",
+                                    "--stop_timeout",
+                                    "10",
+                                    "--",
+                                    TANDEM_MW_TRAINER};
+      args.insert(args.end(), trainer.begin(), trainer.end());
+      args.insert(args.end(), extra.begin(), extra.end());
+      return spawn(TANDEM_RUN, args, {}, fmt::format("{}/node-{}.txt", out, rank));
+    };
+    Process node0 = node(0, {});
+    Process node1 = node(1, {"--stop-at-step", "14"});
+    const auto deadline = Clock::now() + std::chrono::seconds(240);
+    while (read_file(node1.log).find("raises SIGSTOP after step 14") == std::string::npos) {
+      REQUIRE_MESSAGE(Clock::now() < deadline, read_file(node1.log));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ::kill(node1.pid, SIGKILL);  // node 1's launcher, for good; its frozen worker dies with it
+    CHECK(wait_for(node1) == 128 + SIGKILL);
+    const int code = wait_for(node0);
+    const std::string log = read_file(node0.log);
+    INFO(log);
+    REQUIRE(code == 0);
+    // Node 0's worker or its launcher notices first, whichever wins the race.
+    CHECK(log.find("restarting all 1 workers (restart 1 of 1)") != std::string::npos);
+    CHECK(
+        log.find("round 1 runs on 1 of 2 nodes (0), this one as node rank 0; missing: 1; world size changed 2 -> 1") !=
         std::string::npos);
 
-  // The reference: 2 workers until one is killed after step 14 (the last backup is step 12's), then
-  // 1 worker resuming from that backup.
-  const auto codes =
-      run_workers(ref, 2, {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14", "--timeout", "20",
-                           "--zero", zero});
-  INFO(describe_logs(ref, 2));
-  REQUIRE(codes[1] == 128 + SIGKILL);
-  REQUIRE(std::filesystem::exists(ref + "/backup/backup.safetensors"));
-  REQUIRE(run_workers(ref, 1, {"--backup", ref + "/backup", "--save-freq", "4", "--zero", zero}) ==
-          std::vector<int>{0});
-  // Same backup, same world size from step 12 on, same global batches: bitwise equal.
-  check_weights_equal(out + "/weights-0.safetensors", ref + "/weights-0.safetensors", Match::kBitwise);
-  CHECK(read_file(out + "/losses-0.txt") == read_file(ref + "/losses-0.txt"));
-  // From step 13 on: epoch 1's third batch (epochs have 10 batches), after the backup's 12 steps.
-  CHECK(read_file(out + "/losses-0.txt").starts_with("13 2 "));
+    // The reference: 2 workers until one is killed after step 14 (the last backup is step 12's), then
+    // 1 worker resuming from that backup.
+    const auto codes = run_workers(
+        ref, 2,
+        {"--backup", ref + "/backup", "--save-freq", "4", "--kill-at-step", "14", "--timeout", "20", "--zero", zero});
+    INFO(describe_logs(ref, 2));
+    REQUIRE(codes[1] == 128 + SIGKILL);
+    REQUIRE(std::filesystem::exists(ref + "/backup/backup.safetensors"));
+    REQUIRE(run_workers(ref, 1, {"--backup", ref + "/backup", "--save-freq", "4", "--zero", zero}) ==
+            std::vector<int>{0});
+    // Same backup, same world size from step 12 on, same global batches: bitwise equal.
+    check_weights_equal(out + "/weights-0.safetensors", ref + "/weights-0.safetensors", Match::kBitwise);
+    CHECK(read_file(out + "/losses-0.txt") == read_file(ref + "/losses-0.txt"));
+    // From step 13 on: epoch 1's third batch (epochs have 10 batches), after the backup's 12 steps.
+    CHECK(read_file(out + "/losses-0.txt").starts_with("13 2 "));
   }
 }
 

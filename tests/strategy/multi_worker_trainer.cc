@@ -19,7 +19,8 @@
 // --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
 // every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
 // on two global batches of the training data after every epoch. --zero N: DistributionOptions::zero
-// of mirrored and multiworker (ZeRO's sharded optimizer state and gradients). Losses are printed with 17 digits: bitwise.
+// of mirrored and multiworker (ZeRO's sharded optimizer state and gradients). Losses are printed with 17 digits:
+// bitwise.
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1). --stop-at-step K
 // freezes it (SIGSTOP) instead. Either first writes one line on stderr saying so, which the

@@ -4,7 +4,8 @@
 // device (67 MB); ZeRO stages 1 and 2 still hold the whole weights (10 and 7.2 bytes a parameter:
 // 42 and 30 MB); stage 3 holds about 4.5 (19 MB), and trains. Reduce-scatter buckets of 1 MiB
 // (reduce_bucket_bytes, DeepSpeed's reduce_bucket_size: each layer's gradients), so that the
-// whole gradients held at once are a layer's or two. Its own process: the device layout is fixed before any device exists.
+// whole gradients held at once are a layer's or two. Its own process: the device layout is fixed before any device
+// exists.
 #include <doctest/doctest.h>
 
 #include <cmath>

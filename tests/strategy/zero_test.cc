@@ -206,9 +206,11 @@ TEST_CASE("stage 3 trains bitwise like unsharded data parallelism, and within 1e
     REQUIRE(reference.losses.size() == 64);
     for (const int replicas : {2, 4}) {
       const auto what = fmt::format("{}, {} replicas, stage 3", name, replicas);
-      MirroredStrategy unsharded(MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k0)});
+      MirroredStrategy unsharded(
+          MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k0)});
       const Run plain = train(unsharded, optimizer, 4, data);
-      MirroredStrategy sharded(MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k3)});
+      MirroredStrategy sharded(
+          MirroredOptions{.devices = cpu_devices(replicas), .distribution = options(ZeroStage::k3)});
       const Run run = train(sharded, optimizer, 4, data);
       check_bitwise(plain, run, what);
       check_close(reference, run, what);
@@ -231,8 +233,9 @@ TEST_CASE("stage 3 without a communication thread, with BatchNormalization, empt
   check_bitwise(plain, train(no_thread, adam, 2, data, /*batch_norm=*/true), "stage 3, no communication thread");
 
   const Data small = make_data(130);  // batches of 64, 64 and 2: replicas 2 and 3 get nothing in the last
-  const keras::OptimizerRef scaled = keras::LossScaleOptimizer{
-      .inner_optimizer = keras::Adam{.learning_rate = 0.01}, .initial_scale = std::ldexp(1.0, 127), .dynamic_growth_steps = 3};
+  const keras::OptimizerRef scaled = keras::LossScaleOptimizer{.inner_optimizer = keras::Adam{.learning_rate = 0.01},
+                                                               .initial_scale = std::ldexp(1.0, 127),
+                                                               .dynamic_growth_steps = 3};
   MirroredStrategy unsharded_small(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k0)});
   const Run plain_small = train(unsharded_small, scaled, 20, small);
   MirroredStrategy sharded_small(MirroredOptions{.devices = cpu_devices(4), .distribution = options(ZeroStage::k3)});
@@ -494,8 +497,9 @@ TEST_CASE("stage 3 on 4 devices saved at step 20 resumes on 1, 2 and 3 devices t
     std::vector<double> losses;
     auto recorder = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
         .on_train_batch_end = [&](std::int64_t, keras::Logs& logs) { losses.push_back(logs.at("loss")); }});
-    model.fit(dataset, {.epochs = epochs, .verbose = 0, .callbacks = {recorder}, .shuffle = false,
-                        .initial_epoch = initial_epoch});
+    model.fit(
+        dataset,
+        {.epochs = epochs, .verbose = 0, .callbacks = {recorder}, .shuffle = false, .initial_epoch = initial_epoch});
     return losses;
   };
   const auto path = (std::filesystem::temp_directory_path() / fmt::format("zero3_ckpt_{}", ::getpid())).string();
