@@ -3,7 +3,7 @@
 // tokens/s and the validation loss (nats/char) every --eval-every steps, for each.
 //
 //   build/bench/bench_char_gpt [--steps 2000] [--eval-every 250] [--repeat 1] [--python PY]
-//       [--no-compile] [--no-peer] [--strategy mirrored|one] [-- extra char_gpt flags]
+//       [--no-compile] [--no-peer] [--strategy mirrored|one] [--same-init] [-- extra char_gpt flags]
 //
 // Both programs train the same model on the same data split with the same initialisers,
 // optimizer and schedule (the peer's header states them; char_gpt matches it), time the training
@@ -13,6 +13,10 @@
 // --repeat R interleaves R runs of each and reports median tokens/s (the machines we measure on
 // drift by tens of percent over minutes); the loss curves come from the first round (tandem's are
 // the same every run).
+// --same-init adds a second tandem run that starts from the peer's own initial weights (the peer's
+// --save-init, loaded by char_gpt's --init-from): the two programs then differ only in the batches
+// and dropout masks they draw, not in the initial draw, whose luck moves the final loss by
+// several hundredths.
 // The machine's ceiling, measured in the same run: sgemm through tandem's gemm() on every thread.
 #include <unistd.h>
 
@@ -44,6 +48,7 @@ struct Options {
   int repeat = 1;
   bool peer = true;
   bool compile = true;
+  bool same_init = false;  // also run char_gpt from the peer's initial weights
   std::string python;
   std::string strategy = "mirrored";  // char_gpt's default: one replica per core
   std::vector<std::string> extra;     // passed to char_gpt after its own flags
@@ -143,6 +148,13 @@ bool write_peer_eval_starts(const std::string& python, const std::string& path) 
   return pclose(pipe) == 0;
 }
 
+// Writes the peer's initial weights (its --save-init: char_gpt's names and layouts) to `path`.
+bool write_peer_init(const std::string& python, const std::string& path) {
+  const std::string cmd = fmt::format("{} {}/torch_char_gpt.py --steps 0 --save-init {} >/dev/null 2>&1", python,
+                                      TANDEM_BENCH_PEER_DIR, path);
+  return std::system(cmd.c_str()) == 0;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
@@ -167,6 +179,7 @@ int main(int argc, char** argv) try {
   app.add_option("--strategy", o.strategy, "char_gpt's --strategy")
       ->capture_default_str()
       ->check(CLI::IsMember({"one", "mirrored"}));
+  app.add_flag("--same-init", o.same_init, "also run char_gpt from the peer's initial weights");
   app.add_option("extra", o.extra, "more char_gpt flags (after --)");
   CLI11_PARSE(app, argc, argv);
 
@@ -195,6 +208,17 @@ int main(int argc, char** argv) try {
     std::vector<Run> runs;
   };
   std::vector<Column> columns{{"tandem (" + o.strategy + ")", tandem_cmd, {}}};
+  char init_path[] = "/tmp/bench_char_gpt_init.XXXXXX";
+  const int init_fd = o.same_init ? mkstemp(init_path) : -1;
+  if (init_fd >= 0) close(init_fd);
+  if (init_fd >= 0 && write_peer_init(o.python, init_path)) {
+    const std::string same =
+        fmt::format("{} --steps {} --eval-every {} --strategy {} --verbose 0{} --init-from {} 2>&1",
+                    TANDEM_CHAR_GPT_PATH, o.steps, o.eval_every, o.strategy, extra, init_path);
+    columns.push_back({"tandem, peer's init", same, {}});
+  } else if (o.same_init) {
+    std::fprintf(stderr, "could not write the peer's initial weights; no --same-init run\n");
+  }
   if (o.peer) columns.push_back({"torch eager", peer_cmd + " 2>&1", {}});
   if (o.peer && o.compile) columns.push_back({"torch.compile", peer_cmd + " --compile 2>&1", {}});
   for (const auto& c : columns) fmt::print("  {}: {}\n", c.name, c.command);
@@ -246,6 +270,7 @@ int main(int argc, char** argv) try {
       "(GFLOP/s counts {:.2f} GFLOP per step of 4096 tokens; \"vs tandem\" is tandem's tokens/s over the row's)\n",
       flops / 1e9);
   if (fd >= 0) unlink(starts_path);
+  if (init_fd >= 0) unlink(init_path);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_char_gpt: %s\n", e.what());
