@@ -327,25 +327,33 @@ TEST_CASE(
 }
 
 TEST_CASE("ZeRO stages 1, 2 and 3 across 2 workers of 2 replicas each: bitwise the unsharded run") {
-  const auto run = [](const std::string& zero) {
+  // Between the workers: shared memory (kAuto, every worker on this machine), and Gloo's ring
+  // (--implementation ring) for stage 3, each against the unsharded run over the same transport.
+  const auto run = [](const std::string& zero, const std::string& implementation) {
     testing::TempDir dir;
-    const auto codes = run_workers(dir.path().string(), 2,
-                                   {"--local-devices", "2", "--batchnorm", "1", "--accumulate", "2", "--zero", zero});
+    const auto codes =
+        run_workers(dir.path().string(), 2,
+                    {"--local-devices", "2", "--batchnorm", "1", "--accumulate", "2", "--zero", zero,
+                     "--implementation", implementation});
     INFO(describe_logs(dir.path().string(), 2));
     REQUIRE(codes == std::vector<int>{0, 0});
     return std::pair{read_file(dir.path().string() + "/losses-0.txt"),
                      keras::read_safetensors(dir.path().string() + "/weights-0.safetensors").tensors};
   };
-  const auto plain = run("0");
-  for (const std::string zero : {"1", "2", "3"}) {
-    INFO("--zero " << zero);
-    const auto sharded = run(zero);
-    CHECK(sharded.first == plain.first);
-    REQUIRE(sharded.second.size() == plain.second.size());
-    for (std::size_t i = 0; i < plain.second.size(); ++i) {
-      CAPTURE(plain.second[i].first);
-      CHECK(std::memcmp(sharded.second[i].second.raw_data(), plain.second[i].second.raw_data(),
-                        plain.second[i].second.nbytes()) == 0);
+  for (const auto& [implementation, stages] :
+       {std::pair<std::string, std::vector<std::string>>{"auto", {"1", "2", "3"}}, {"ring", {"3"}}}) {
+    CAPTURE(implementation);
+    const auto plain = run("0", implementation);
+    for (const std::string& zero : stages) {
+      INFO("--zero " << zero);
+      const auto sharded = run(zero, implementation);
+      CHECK(sharded.first == plain.first);
+      REQUIRE(sharded.second.size() == plain.second.size());
+      for (std::size_t i = 0; i < plain.second.size(); ++i) {
+        CAPTURE(plain.second[i].first);
+        CHECK(std::memcmp(sharded.second[i].second.raw_data(), plain.second[i].second.raw_data(),
+                          plain.second[i].second.nbytes()) == 0);
+      }
     }
   }
 }
