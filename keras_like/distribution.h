@@ -167,10 +167,10 @@ struct PlannedVariable {
 
 // Bytes per device, from the ZeRO paper's accounting (arXiv:1910.02054) as tandem builds it:
 // weights, gradients and optimizer slots; `gathered` is stage 3's working set: the largest
-// layer's weights, gathered whole for its forward and backward. Two departures from the paper,
-// what the allocator measures: stage 2's gradients count whole (backward's gradients live in the
-// executor's arena until the step ends; the shard is the first 1/N of each buffer), and the
-// gradient accumulator stays whole at stages 1 and 2. Stage 3 (not built yet) is the paper's.
+// layer's weights, gathered whole for its forward and backward. Gradients count as shards at
+// stages 2 and 3; the whole gradients in flight during backward (the buckets not yet reduced)
+// live in the executor's arena with the activations and are not counted. One departure from the
+// paper, what the allocator measures: the gradient accumulator stays whole at every stage.
 struct PlannedMemory {
   std::int64_t weights = 0, gradients = 0, slots = 0, gathered = 0;
   std::int64_t total() const { return weights + gradients + slots + gathered; }
