@@ -154,6 +154,9 @@ bool read_rider(const Tensor& sums, std::vector<double>& values) {
   return held;
 }
 
+// The examples in a replica's shard of a batch (0 for an empty shard).
+std::int64_t rows_of(const data::Element& shard) { return shard.empty() ? 0 : shard[0].shape()[0]; }
+
 }  // namespace
 
 struct Trainer::Graphs {
@@ -482,10 +485,9 @@ std::vector<double> Trainer::read_step_scalars(Replica& replica, std::span<const
 std::vector<bool> Trainer::lend_rows(std::vector<data::Element>& shards) const {
   std::vector<bool> lent(shards.size(), false);
   if (!graphs_->gathers) return lent;
-  const auto rows = [](const data::Element& e) { return e.empty() ? 0 : e[0].shape()[0]; };
-  const auto donor = std::find_if(shards.begin(), shards.end(), [&](const data::Element& e) { return rows(e) > 0; });
+  const auto donor = std::find_if(shards.begin(), shards.end(), [](const data::Element& e) { return rows_of(e) > 0; });
   for (std::size_t r = 0; r < shards.size(); ++r) {
-    if (rows(shards[r]) > 0) continue;
+    if (rows_of(shards[r]) > 0) continue;
     TANDEM_REQUIRE(donor != shards.end(), FailedPrecondition,
                    "model \"{}\": ZeRO stage 3 needs at least one example on each worker for every batch (each "
                    "replica takes part in the parameter gathers); this worker's share of a batch is empty",
@@ -506,7 +508,7 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
                                bool whole_step, std::span<const double> rider, bool borrowed) {
   auto& g = *graphs_;
   Replica& replica = *replicas_[static_cast<std::size_t>(r)];
-  const std::int64_t run_rows = shard.empty() ? 0 : shard[0].shape()[0];
+  const std::int64_t run_rows = rows_of(shard);
   const std::int64_t rows = borrowed ? 0 : run_rows;
   auto& reducer = *g.reducer;
   // A micro-step of gradient accumulation does not communicate (DDP's no_sync).
@@ -650,7 +652,7 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
   // than the replica count) runs the step in parts.
   bool whole_step = update;
   for (std::size_t r = 0; r < replicas_.size() && whole_step; ++r) {
-    whole_step = !shards[r].empty() && shards[r][0].shape()[0] > 0 && runs_whole_step(static_cast<int>(r));
+    whole_step = rows_of(shards[r]) > 0 && runs_whole_step(static_cast<int>(r));
   }
   std::span<const double> rider;
   if (batch.rider != nullptr) rider = batch.rider->values;
@@ -699,7 +701,7 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
   const std::vector<bool> lent = lend_rows(shards);
   const auto body = [&](int r, const data::Element& shard) {
     Replica& replica = *replicas_[static_cast<std::size_t>(r)];
-    const std::int64_t rows = shard.empty() ? 0 : shard[0].shape()[0];
+    const std::int64_t rows = rows_of(shard);
     if (rows == 0) return;  // step_sums[r] stays zero (with the right number of entries)
     auto& feeds = replica.feeds;
     feeds.clear();
@@ -746,7 +748,7 @@ std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
   std::vector<std::vector<Tensor>> parts(replicas_.size());
   model_.strategy->run([&](strategy::ReplicaContext& ctx) {
     const auto r = static_cast<std::size_t>(ctx.replica_id_in_sync_group());
-    if (shards[r].empty() || shards[r][0].shape()[0] == 0) return;
+    if (rows_of(shards[r]) == 0) return;
     auto out = body(static_cast<int>(r), shards[r]);
     if (!lent[r]) parts[r] = std::move(out);  // a lent row ran for the parameter gathers only
   });

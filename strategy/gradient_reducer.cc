@@ -135,6 +135,15 @@ void scale_in_place(Tensor& value, double factor) {
   if (host.raw_data() != value.raw_data()) value.copy_from(host);
 }
 
+// Shard `shard` of `gradient` (flattened) copied into `buffer`, a zero-padded [shard_elements]
+// tensor made on the gradient's device at the first call (its padding stays zero).
+const Tensor& copy_shard(Tensor& buffer, const Tensor& gradient, const ShardSpec& spec, int shard) {
+  if (!buffer.defined()) buffer = Tensor::zeros({spec.shard_elements}, gradient.dtype(), gradient.device());
+  const std::int64_t begin = spec.begin(shard), end = spec.end(shard);
+  if (end > begin) flat_view(buffer, 0, end - begin).copy_from(flat_view(gradient, begin, end - begin));
+  return buffer;
+}
+
 // Which node reads each value of a graph first: one pass over the graph, then a lookup per
 // gradient (a transformer's graph has thousands of nodes and hundreds of gradients).
 class FirstReaders {
@@ -181,11 +190,11 @@ struct GradientReducer::Plan {
   std::vector<std::vector<std::int64_t>> shard_elements;
   std::vector<ShardSpec> spec;
   std::unordered_map<int, std::vector<std::pair<std::size_t, int>>> grads_of_node;  // node -> (gradient, output)
-  // ZeRO stage 2 and 3 with a communication thread: per gradient, whether the executor hands it
-  // over (graph::HandOff) and the node after which its memory may be reused: the node that
-  // completes the next bucket in order (every reduce-scattered bucket but the last).
-  std::vector<char> handed_off;
+  // ZeRO stage 2 and 3 with a communication thread: per gradient the executor hands over
+  // (graph::HandOff), the node after which its memory may be reused: the node that completes the
+  // next bucket in order (every reduce-scattered bucket but the last); -1 for the others.
   std::vector<int> release_after;
+  bool handed_off(std::size_t gradient) const { return release_after[gradient] >= 0; }
 };
 
 // Files a replica's gradients as backward computes them, and hands every bucket that is complete
@@ -237,9 +246,6 @@ struct GradientReducer::ReplicaState {
   // Per gradient, this step: whether the executor took its memory back (a handed-off gradient:
   // accumulated at once on a micro-step, its shard copied out on a reduce step).
   std::vector<char> released;
-  // Per handed-off gradient, the replica's shard of the sum [shard_elements], copied out of the
-  // gradient's buffer after its bucket's reduce-scatter (stage 2's 1/N of the gradients).
-  std::vector<Tensor> shard_out;
   std::size_t next_bucket = 0;      // position in Plan::order of the next bucket to reduce
   std::int64_t overlapped = 0;      // buckets handed to `comm` during backward, all steps
   bool overlap = false;
@@ -251,9 +257,10 @@ struct GradientReducer::ReplicaState {
   std::vector<Tensor> device_group;  // queue_reduction_on_device's tensors of one call (reused)
   std::vector<Tensor> out;           // finish_step's gradients: grads, shards for reduce-scattered ones
   std::vector<Tensor> bucket;        // the tensors of one range collective (reused)
-  // Per gradient, a zero-padded copy of the replica's shard when its range is cut short by the
-  // variable's end (made at the first step that needs it; the padding stays zero).
-  std::vector<Tensor> padded;
+  // Per gradient, a copy of the replica's shard of the sum (copy_shard): for a handed-off
+  // gradient, made after its bucket's reduce-scatter (stage 2's 1/N of the gradients); for
+  // another, when its range is cut short by the variable's end (zero-padded).
+  std::vector<Tensor> shard_copy;
 };
 
 void GradientReducer::Observer::node_done(int node_id, std::span<Tensor* const> outputs) {
@@ -404,17 +411,13 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   }
   std::sort(completion.begin(), completion.end());
   for (const auto& [node, b] : completion) plan.order.push_back(b);
-  plan.handed_off.assign(sources_.size(), 0);
   plan.release_after.assign(sources_.size(), -1);
   if (distribution.zero >= ZeroStage::k2 && distribution.overlap_communication &&
       strategy_.num_replicas_in_sync() > 1) {
     for (std::size_t i = 0; i + 1 < completion.size(); ++i) {
       const std::size_t b = completion[i].second;
       if (!plan.scatter[b]) continue;
-      for (const auto k : plan.buckets[b]) {
-        plan.handed_off[k] = 1;
-        plan.release_after[k] = completion[i + 1].first;
-      }
+      for (const auto k : plan.buckets[b]) plan.release_after[k] = completion[i + 1].first;
     }
   }
   // The device-side reduction: one call per dtype (a bucket has one dtype).
@@ -530,25 +533,19 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   if (!plan_->any_scatter) return s.grads;
   s.out.assign(s.grads.begin(), s.grads.end());
   const int me = strategy_.global_replica_index(replica);
-  if (s.padded.empty()) s.padded.resize(sources_.size());
+  s.shard_copy.resize(sources_.size());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
     if (b < 0 || !plan_->scatter[static_cast<std::size_t>(b)]) continue;
-    if (plan_->handed_off[k]) {  // copied out after its bucket's reduce-scatter
-      s.out[k] = s.shard_out[k];
+    if (plan_->handed_off(k)) {  // copied out after its bucket's reduce-scatter
+      s.out[k] = s.shard_copy[k];
       continue;
     }
     // The reduce-scatter left the replica's shard of the sum in its range of the gradient.
     const ShardSpec& spec = plan_->spec[k];
     const std::int64_t begin = spec.begin(me), end = spec.end(me);
-    if (end - begin == spec.shard_elements) {
-      s.out[k] = flat_view(s.grads[k], begin, spec.shard_elements);
-      continue;
-    }
-    Tensor& padded = s.padded[k];
-    if (!padded.defined()) padded = Tensor::zeros({spec.shard_elements}, s.grads[k].dtype(), s.grads[k].device());
-    if (end > begin) flat_view(padded, 0, end - begin).copy_from(flat_view(s.grads[k], begin, end - begin));
-    s.out[k] = padded;
+    s.out[k] = end - begin == spec.shard_elements ? flat_view(s.grads[k], begin, spec.shard_elements)
+                                                  : copy_shard(s.shard_copy[k], s.grads[k], spec, me);
   }
   return s.out;
 }
@@ -600,22 +597,16 @@ void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std
                              {.timeout = strategy_.distribution_options().collective_timeout});
   s.bucket.clear();  // views of the run's arena: held, they would move it next run
   // Handed-off gradients: the shard copied out, so that the executor can reuse the whole buffer.
-  const int me = strategy_.global_replica_index(replica);
-  if (s.shard_out.empty()) s.shard_out.resize(sources_.size());
+  s.shard_copy.resize(sources_.size());
   for (const auto k : plan_->buckets[bucket]) {
-    if (!plan_->handed_off[k]) continue;
-    const ShardSpec& spec = plan_->spec[k];
-    Tensor& out = s.shard_out[k];
-    if (!out.defined()) out = Tensor::zeros({spec.shard_elements}, s.grads[k].dtype(), s.grads[k].device());
-    const std::int64_t begin = spec.begin(me), end = spec.end(me);
-    if (end > begin) flat_view(out, 0, end - begin).copy_from(flat_view(s.grads[k], begin, end - begin));
+    if (plan_->handed_off(k)) copy_shard(s.shard_copy[k], s.grads[k], plan_->spec[k], comm.rank());
   }
 }
 
 std::vector<graph::HandOff> GradientReducer::hand_offs(int first_fetch) const {
   std::vector<graph::HandOff> out;
   for (std::size_t k = 0; k < sources_.size(); ++k) {
-    if (!plan_->handed_off[k]) continue;
+    if (!plan_->handed_off(k)) continue;
     out.push_back({.fetch = first_fetch + static_cast<int>(k),
                    .until_node = plan_->release_after[k],
                    .tag = static_cast<int>(k)});
