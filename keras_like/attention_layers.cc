@@ -40,6 +40,22 @@ class MultiHeadAttentionImpl final : public LayerImpl {
     }
   }
 
+  // Megatron-LM's attention: each device holds some heads' query, key and value projections
+  // (column-parallel) and the matching rows of the output projection (row-parallel); the output
+  // is all-reduced in forward, the inputs' gradients in backward.
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override {
+    return {{.name = "heads",
+             .effect = "heads split; output all-reduced in forward, input gradients all-reduced in backward",
+             .weights = {{"query/kernel", 1},
+                         {"query/bias", 0},
+                         {"key/kernel", 1},
+                         {"key/bias", 0},
+                         {"value/kernel", 1},
+                         {"value/bias", 0},
+                         {"attention_output/kernel", 0},
+                         {"attention_output/bias", std::nullopt}}}};
+  }
+
   int min_inputs() const override { return 3; }
   int max_inputs() const override { return 4; }
 

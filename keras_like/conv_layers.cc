@@ -37,6 +37,14 @@ class Conv2DImpl final : public LayerImpl {
     apply_activation(options_.activation, Output{}, label());  // reject unknown names now
   }
 
+  // Output channels split over the devices (filters [kh, kw, in, out] by out, with the bias);
+  // the next layer sees the channels gathered.
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override {
+    return {{.name = "output_channels",
+             .effect = "output split by channels; all-gathered in forward, input gradient all-reduced in backward",
+             .weights = {{"kernel", 3}, {"bias", 0}}}};
+  }
+
   void build(const std::vector<TensorSpec>& inputs) override {
     const Shape& in = inputs[0].shape;
     require_image(in, label());

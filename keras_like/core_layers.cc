@@ -24,6 +24,18 @@ class DenseImpl final : public LayerImpl {
     apply_activation(options_.activation, Output{}, label());  // reject unknown names now
   }
 
+  // Megatron-LM's linear layers: column-parallel (each device computes some output features; the
+  // input's gradient is summed over the devices), row-parallel (each device takes some input
+  // features; the partial outputs are summed, then the whole bias added).
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override {
+    return {{.name = "column",
+             .effect = "output split by features; input gradient all-reduced in backward",
+             .weights = {{"kernel", 1}, {"bias", 0}}},
+            {.name = "row",
+             .effect = "input split by features; output all-reduced in forward",
+             .weights = {{"kernel", 0}, {"bias", std::nullopt}}}};
+  }
+
   void build(const std::vector<TensorSpec>& inputs) override {
     const Shape& in = inputs[0].shape;
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] != Shape::kUnknown, InvalidArgument,
@@ -78,6 +90,17 @@ class EmbeddingImpl final : public LayerImpl {
         initializer_(std::move(options.embeddings_initializer)) {
     TANDEM_REQUIRE(input_dim > 0 && output_dim > 0, InvalidArgument,
                    "{}: input_dim ({}) and output_dim ({}) must be positive", label(), input_dim, output_dim);
+  }
+
+  // Megatron-LM's vocabulary-parallel embedding (each device looks up the ids of its rows, zeros
+  // elsewhere, summed over the devices), or the table split by output features (gathered).
+  std::vector<TensorParallelSplit> tensor_parallel_splits() const override {
+    return {{.name = "vocabulary",
+             .effect = "masked lookup of each device's rows; output all-reduced in forward",
+             .weights = {{"embeddings", 0}}},
+            {.name = "output",
+             .effect = "output split by features; all-gathered in forward",
+             .weights = {{"embeddings", 1}}}};
   }
 
   // Keras 3: the table is read as it is (float32 under a mixed policy) and the rows looked up are

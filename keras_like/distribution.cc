@@ -10,6 +10,7 @@
 #include "tandem/base/errors.h"
 #include "tandem/devices/device.h"
 #include "tandem/devices/device_name.h"
+#include "tandem/keras_like/detail/layouts.h"
 
 namespace tandem::keras::distribution {
 namespace {
@@ -114,30 +115,23 @@ std::string model_parallel_batch_dim(const LayoutMap& layout_map, const ModelPar
   return batch;
 }
 
-// ModelParallel's checks (what it cannot do yet), and its options.
+// ModelParallel's check at construction (the rest waits for the model: check_model), and its
+// options.
 strategy::MultiWorkerOptions model_parallel_options(const LayoutMap& layout_map, const ModelParallelOptions& options) {
   const DeviceMesh& mesh = layout_map.device_mesh();
   const std::string batch = model_parallel_batch_dim(layout_map, options);
   for (const auto& key : layout_map.keys()) {
     const TensorLayout layout = *layout_map.get(key);
     for (const auto& axis : layout.axes()) {
-      if (!axis || mesh.axis_size(*axis) == 1) continue;
-      TANDEM_REQUIRE(*axis != batch, Unimplemented,
+      TANDEM_REQUIRE(!axis || *axis != batch || mesh.axis_size(*axis) == 1, Unimplemented,
                      "ModelParallel: layout_map['{}'] = {} splits variables over the batch axis '{}' ({} devices): "
                      "that is ZeRO stage 3; use DataParallel(mesh, {{.zero = ZeroStage::k3}})",
                      key, layout.to_string(), *axis, mesh.axis_size(*axis));
-      throw Unimplemented(fmt::format(
-          "ModelParallel: layout_map['{}'] = {} splits variables over mesh axis '{}' ({} devices): tensor "
-          "parallelism is not implemented yet; replicate them (std::nullopt) or use DataParallel",
-          key, layout.to_string(), *axis, mesh.axis_size(*axis)));
     }
   }
-  for (std::size_t a = 0; a < mesh.axis_names().size(); ++a) {
-    TANDEM_REQUIRE(mesh.axis_names()[a] == batch || mesh.shape()[a] == 1, Unimplemented,
-                   "ModelParallel: {} has {} devices along axis '{}', which is not the batch axis '{}': tensor "
-                   "parallelism is not implemented yet; give that axis one device",
-                   mesh.to_string(), mesh.shape()[a], mesh.axis_names()[a], batch);
-  }
+  TANDEM_REQUIRE(!layout_map.megatron_axis() || *layout_map.megatron_axis() != batch, InvalidArgument,
+                 "ModelParallel: LayoutMap::megatron splits over '{}', which is the batch axis; name the model axis",
+                 batch);
   return worker_options("ModelParallel", mesh, options.workers, options.distribution, strategy::AutoShardPolicy::kAuto);
 }
 
@@ -151,6 +145,7 @@ struct VariableFacts {
   bool trainable;
   std::optional<TensorLayout> layout;  // from the layout map
   std::string layout_key;
+  std::string split;  // the layer's tensor-parallel split ("column"); empty when whole
   std::int64_t elements() const { return shape.num_elements(); }
   std::int64_t element_bytes() const { return static_cast<std::int64_t>(graph::dtype_size(dtype)); }
 };
@@ -180,7 +175,8 @@ PlannedVariable place(const VariableFacts& v, int replicas, ZeroStage stage, int
     p.shards = static_cast<int>(v.layout->num_shards());
     p.shard_elements = layout_shard_elements(v);
     p.padding = p.shard_elements * p.shards - n;
-    p.layout = fmt::format("{} ({} of {} elements each)", v.layout->to_string(), p.shard_elements, n);
+    p.layout = fmt::format("{}{} ({} of {} elements each)", v.split.empty() ? "" : v.split + " ", v.layout->to_string(),
+                           p.shard_elements, n);
     p.weight_bytes = p.shard_elements * b;
     if (v.trainable) {
       p.gradient_bytes = p.weight_bytes;
@@ -232,11 +228,14 @@ std::vector<PlannedCollective> collectives_of(const std::vector<VariableFacts>& 
   if (replicas <= 1) return {};
   double gradients = 0, padded_gradients = 0, padded_weights = 0;
   for (const auto& v : variables) {
-    if (!v.trainable || (v.layout && v.layout->num_shards() > 1)) continue;
+    if (!v.trainable) continue;
     const bool compress = wire_dtype && v.dtype != graph::DType::kF64;
     const auto gb = static_cast<double>(compress ? graph::dtype_size(*wire_dtype) : graph::dtype_size(v.dtype));
-    const auto padded = static_cast<double>(strategy::ShardSpec::even(v.shape, replicas).shard_elements * replicas);
-    gradients += static_cast<double>(v.elements()) * gb;
+    // A tensor-split variable's replicas (along the batch axis) reduce the piece each holds.
+    const std::int64_t elements = v.layout && v.layout->num_shards() > 1 ? layout_shard_elements(v) : v.elements();
+    const auto padded =
+        static_cast<double>(strategy::ShardSpec::even(Shape{elements}, replicas).shard_elements * replicas);
+    gradients += static_cast<double>(elements) * gb;
     padded_gradients += padded * gb;
     padded_weights += padded * static_cast<double>(v.element_bytes());
   }
@@ -440,14 +439,24 @@ Plan plan(const Model& model, const PlanOptions& options) {
                  "call model.build(shape) first",
                  model.name());
   const strategy::Strategy& strategy = model.distribute_strategy();
-  const LayoutMap* layout_map = options.layout_map;
-  if (layout_map == nullptr) {
-    if (const auto* mp = dynamic_cast<const ModelParallel*>(&strategy)) layout_map = &mp->layout_map();
-  }
+  const auto* mp = dynamic_cast<const ModelParallel*>(&strategy);
+  const LayoutMap* given_map = options.layout_map != nullptr ? options.layout_map : mp ? &mp->layout_map() : nullptr;
   Plan p;
+  // The layouts as compile will check them (megatron()'s choices made for this model).
+  std::optional<LayoutMap> resolved;
+  std::vector<VariableLayout> layouts;
+  if (given_map != nullptr) {
+    resolved = given_map->resolve(model, &p.layout_notes);
+    const std::string batch = mp ? mp->batch_dim_name() : given_map->device_mesh().axis_names()[0];
+    layouts = check_layouts(model, *resolved, batch, /*strict=*/false);
+  }
+  const LayoutMap* layout_map = resolved ? &*resolved : nullptr;
   p.model = model.name();
   p.strategy = strategy.name();
-  p.replicas = options.replicas.value_or(strategy.num_replicas_in_sync());
+  // Under ModelParallel the replicas in sync are the devices along the batch axis.
+  const int default_replicas =
+      mp ? static_cast<int>(mp->device_mesh().axis_size(mp->batch_dim_name())) : strategy.num_replicas_in_sync();
+  p.replicas = options.replicas.value_or(default_replicas);
   TANDEM_REQUIRE(p.replicas >= 1, InvalidArgument, "plan: {} replicas; expected 1 or more", p.replicas);
   p.zero = options.zero.value_or(strategy.distribution_options().zero);
 
@@ -476,6 +485,9 @@ Plan plan(const Model& model, const PlanOptions& options) {
                        f.shape, f.shape.rank(), *key, f.layout->to_string(), f.layout->axes().size());
         f.layout_key = *key;
         used_keys.insert(*key);
+        for (const auto& l : layouts) {
+          if (l.path == f.path) f.split = l.split;
+        }
       }
     }
     facts.push_back(std::move(f));
@@ -507,6 +519,10 @@ Plan plan(const Model& model, const PlanOptions& options) {
   p.memory = p.memory_by_stage[static_cast<std::size_t>(p.zero)];
   p.collectives = collectives_of(facts, p.replicas, p.zero, strategy.distribution_options().gradient_all_reduce_dtype);
   for (const auto& c : p.collectives) p.communication_bytes_per_device += c.bytes_per_device;
+  for (auto& c : detail::tensor_parallel_collectives(model, layouts)) {
+    p.communication_bytes_per_row += c.bytes_per_device;
+    p.collectives.push_back(std::move(c));
+  }
   return p;
 }
 
@@ -546,15 +562,24 @@ std::string Plan::to_string() const {
     out += fmt::format(" k{} {} ({:.2f}x){}", s, memory_by_stage[s].total(), replicated > 0 ? total / replicated : 1.0,
                        s + 1 < memory_by_stage.size() ? "," : "\n");
   }
-  if (collectives.empty()) {
+  const auto per_step = std::count_if(collectives.begin(), collectives.end(), [](const auto& c) { return !c.per_row; });
+  if (per_step == 0) {
     out += "Collectives per step: none (one replica)\n";
   } else {
     out += "Collectives per update step (bytes each device sends):\n";
     for (const auto& c : collectives) {
-      out += fmt::format("  {:<15} {:<24} {}\n", c.op, c.what, bytes_text(c.bytes_per_device));
+      if (!c.per_row) out += fmt::format("  {:<15} {:<24} {}\n", c.op, c.what, bytes_text(c.bytes_per_device));
     }
     out += fmt::format("  {:<15} {:<24} {}\n", "total", "", bytes_text(communication_bytes_per_device));
   }
+  if (static_cast<std::size_t>(per_step) < collectives.size()) {
+    out += "Tensor-parallel collectives per row of the local batch (bytes each device sends; x rows per step):\n";
+    for (const auto& c : collectives) {
+      if (c.per_row) out += fmt::format("  {:<15} {:<40} {:.0f}\n", c.op, c.what, c.bytes_per_device);
+    }
+    out += fmt::format("  {:<15} {:<40} {:.0f}\n", "total", "", communication_bytes_per_row);
+  }
+  for (const auto& note : layout_notes) out += fmt::format("LayoutMap::megatron: {}\n", note);
   if (!unmatched_layout_keys.empty()) {
     out += fmt::format("LayoutMap keys that match no variable of the model: {}\n", quoted_keys(unmatched_layout_keys));
   }
@@ -583,7 +608,8 @@ TensorLayout Distribution::get_variable_layout(std::string_view /*path*/, int ra
 
 Plan Distribution::plan(const Model& model) const {
   const auto* mp = dynamic_cast<const ModelParallel*>(this);
-  return distribution::plan(model, {.replicas = num_replicas_in_sync(),
+  return distribution::plan(model, {.replicas = mp ? static_cast<int>(device_mesh().axis_size(batch_dim_name()))
+                                                   : num_replicas_in_sync(),
                                     .zero = distribution_options().zero,
                                     .layout_map = mp ? &mp->layout_map() : nullptr});
 }
@@ -601,7 +627,8 @@ DataParallel::DataParallel(std::vector<std::string> devices, DataParallelOptions
 ModelParallel::ModelParallel(LayoutMap layout_map, ModelParallelOptions options)
     : Distribution("ModelParallel", layout_map.device_mesh(), model_parallel_batch_dim(layout_map, options),
                    model_parallel_options(layout_map, options)),
-      layout_map_(std::move(layout_map)) {}
+      layout_map_(std::move(layout_map)),
+      strict_(options.strict) {}
 
 TensorLayout ModelParallel::get_variable_layout(std::string_view path, int rank) const {
   if (auto layout = layout_map_.get(path)) return *layout;

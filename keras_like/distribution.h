@@ -114,6 +114,21 @@ class LayoutMap {
  public:
   explicit LayoutMap(DeviceMesh mesh) : mesh_(std::move(mesh)) {}
 
+  // Megatron-LM's tensor-parallel layouts over `axis`, chosen per model when the model is known
+  // (resolve(), at compile and in plan()): each MultiHeadAttention split over heads; Dense layers
+  // paired, the first of a pair column-parallel and the next row-parallel when it follows with
+  // only Activation and Dropout layers between (an MLP's or a transformer block's feed-forward:
+  // one all-reduce forward, one backward); a Dense left without a partner, and every other layer,
+  // whole. Layers a custom layer tracks are visited in tracking order. Keys inserted into this map
+  // take precedence over the automatic choice. A layer whose dimension does not divide by the
+  // axis's size is kept whole (resolve() names it in its `notes`).
+  static LayoutMap megatron(DeviceMesh mesh, std::string axis = "model");
+  const std::optional<std::string>& megatron_axis() const { return megatron_axis_; }
+  // This map with the automatic choices made for `model` as exact-path keys (itself when it is
+  // not a megatron() map). `notes` (optional) receives one line per layer kept whole that could
+  // have been split.
+  LayoutMap resolve(const Model& model, std::vector<std::string>* notes = nullptr) const;
+
   // layout_map["dense/kernel"] = TensorLayout({std::nullopt, "model"});
   class Entry {
    public:
@@ -147,7 +162,33 @@ class LayoutMap {
   const Item* find(std::string_view path) const;
   DeviceMesh mesh_;
   std::vector<Item> entries_;
+  std::optional<std::string> megatron_axis_;
 };
+
+// --- layout checks --------------------------------------------------------------------------------
+
+// One variable's layout as check_layouts() accepted it.
+struct VariableLayout {
+  std::string path;    // "dense/kernel"
+  Shape shape;         // the whole variable's
+  std::string layer;   // "Dense \"dense\"" (how errors name it)
+  std::string key;     // the LayoutMap key that matched; empty when none
+  std::string split;   // the layer's TensorParallelSplit ("column"); empty when the variable is whole
+  int split_dim = -1;  // the dimension split; -1 when whole
+  std::string axis;    // the mesh axis it is split over; empty when whole
+  std::int64_t parts = 1;  // the devices along `axis`
+};
+
+// Checks a layout map against a built model, strictly, the way ModelParallel does at compile:
+// every split is over one mesh axis other than `batch_dim_name`, along a dimension that the axis's
+// size divides; a layer's layouts form exactly one of its TensorParallelSplits (a layer with none
+// keeps every weight whole); with `strict`, every key of the map matches a variable (otherwise an
+// unmatched key is logged as a warning). A layout whose rank differs from its variable's is
+// refused too. Returns every variable's accepted layout, in model.weights() order. Throws
+// InvalidArgument naming the variable, its shape, the key, the axis and its size, or the layer
+// and the splits it supports; FailedPrecondition when the model is not built.
+std::vector<VariableLayout> check_layouts(const Model& model, const LayoutMap& layout_map,
+                                          std::string_view batch_dim_name, bool strict = true);
 
 // --- plan(): memory and communication per device, from the formulas ---------------------------
 
@@ -180,10 +221,13 @@ struct PlannedMemory {
 // with the bytes each device sends under the bandwidth-optimal ring algorithm (nccl-tests' bus
 // bandwidth convention, what the communicators count): all_reduce 2(N-1)/N of the buffer,
 // reduce_scatter (N-1)/N of its input, all_gather (N-1)/N of its output.
+// Tensor parallelism's collectives (per_row) move activations, so their bytes are per row of the
+// local batch (an example; a position of a sequence), over the devices of the layer's axis.
 struct PlannedCollective {
   std::string op;    // "all_reduce", "reduce_scatter", "all_gather"
   std::string what;  // "gradients", "updated weights", "weights before forward", ...
   double bytes_per_device = 0;
+  bool per_row = false;
 };
 
 struct Plan {
@@ -197,8 +241,10 @@ struct Plan {
   PlannedMemory memory;                      // at this stage
   std::array<PlannedMemory, 4> memory_by_stage;  // k0..k3 at the same N, for comparison
   std::vector<PlannedCollective> collectives;
-  double communication_bytes_per_device = 0;  // the sum over `collectives`
+  double communication_bytes_per_device = 0;  // the sum over `collectives` per step
+  double communication_bytes_per_row = 0;     // the sum over the per-row ones (tensor parallelism)
   std::vector<std::string> unmatched_layout_keys;  // LayoutMap keys that matched no variable
+  std::vector<std::string> layout_notes;           // LayoutMap::megatron's layers kept whole
   std::string to_string() const;
 };
 
@@ -271,27 +317,39 @@ class DataParallel final : public Distribution {
 
 struct ModelParallelOptions {
   std::string batch_dim_name;  // default: the mesh's first axis
+  // A layout map key that matches no variable of the model is an error at compile (a typo in a
+  // regular expression would otherwise leave a layer whole until memory runs out); false: a
+  // warning.
+  bool strict = true;
   DistributionOptions distribution;
   WorkerOptions workers;
 };
 
-// Keras's ModelParallel, for the layouts that need no tensor parallelism: every axis but the
-// batch axis must hold one device, and layouts may name those axes (replicated); training is then
-// DataParallel over the batch axis. Unimplemented, at construction, for a mesh axis of several
-// devices other than the batch axis (tensor parallelism is not implemented yet) and for a layout
-// that splits variables over the batch axis (that is ZeRO stage 3: DataParallel with .zero = k3).
+// Keras's ModelParallel. At construction: Unimplemented for a layout that splits variables over
+// the batch axis (that is ZeRO stage 3: DataParallel with .zero = k3). At compile, and again
+// before the first step of fit, evaluate or predict when the model was built later
+// (check_model): the layouts are checked against the model (check_layouts, strict unless the
+// options say otherwise), and a mesh axis of several devices other than the batch axis must split
+// some variable (else InvalidArgument: each device along it would compute the same rows). Layouts
+// that pass and split a variable are then Unimplemented naming the variable, its split and axis:
+// tensor-parallel execution is not built yet, so plan() can show such a layout but nothing trains
+// under it. With every non-batch axis of one device, training is DataParallel over the batch axis.
 // A variable whose layout has another rank than its shape is InvalidArgument at its creation.
 class ModelParallel final : public Distribution {
  public:
   explicit ModelParallel(LayoutMap layout_map, ModelParallelOptions options = {});
   const LayoutMap& layout_map() const { return layout_map_; }
+  bool strict() const { return strict_; }
   TensorLayout get_variable_layout(std::string_view path, int rank) const override;
+  // The checks above, for a built model (Model::compile and the first step call it).
+  void check_model(const Model& model) const;
 
  protected:
   void agree_on_variable(strategy::VariableOptions& options) override;
 
  private:
   LayoutMap layout_map_;
+  bool strict_ = true;
 };
 
 // Keras's set_distribution / distribution(): the distribution code with no strategy scope uses

@@ -157,6 +157,19 @@ void LayerImpl::set_path_prefix(const std::string& prefix) {
   for (const auto& t : tracked_) t->set_path_prefix(path_prefix_ + name_ + "/");
 }
 
+std::optional<int> TensorParallelSplit::dim_of(std::string_view weight) const {
+  for (const auto& [weight_name, dim] : weights) {
+    if (weight_name == weight) return dim;
+  }
+  return std::nullopt;
+}
+
+std::string LayerImpl::weight_name(const Variable& weight) const {
+  const std::string prefix = path_prefix_ + name_ + "/";
+  const std::string& path = weight.name();
+  return path.starts_with(prefix) ? path.substr(prefix.size()) : path;
+}
+
 VariablePtr LayerImpl::add_weight(const WeightOptions& options) {
   TANDEM_REQUIRE(options.shape.is_fully_defined(), InvalidArgument,
                  "{}: weight \"{}\" has shape {}; it must be fully defined", label(), options.name, options.shape);

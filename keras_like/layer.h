@@ -37,6 +37,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "tandem/graph/graph.h"
@@ -136,6 +137,21 @@ struct WeightOptions {
   std::optional<DType> dtype;
 };
 
+// One way tensor parallelism may split a layer's weights over one mesh axis (Megatron-LM's
+// column- and row-parallel linear layers, vocabulary-parallel embeddings, attention split over
+// heads). `weights` gives, per weight of the layer (its name within the layer: "kernel",
+// "query/bias"), the dimension the axis splits, or nullopt for a weight every device holds whole;
+// a weight not listed is held whole. keras::distribution::ModelParallel accepts a layer's layouts
+// only when they are exactly one of its splits, all over one axis (check_layouts).
+struct TensorParallelSplit {
+  std::string name;    // "column", "row", "vocabulary", "output", "heads", "output_channels"
+  std::string effect;  // what it communicates: "output split by features; input gradient all-reduced"
+  std::vector<std::pair<std::string, std::optional<int>>> weights;
+
+  // The dimension `weight` is split along (nullopt: whole).
+  std::optional<int> dim_of(std::string_view weight) const;
+};
+
 class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
  public:
   // class_name: "Dense"; name: "" for a unique default from the class ("dense", "dense_1", ...).
@@ -174,6 +190,10 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // How many inputs a call takes: [min_inputs(), max_inputs()] (max -1: any number).
   virtual int min_inputs() const { return 1; }
   virtual int max_inputs() const { return 1; }
+  // The tensor-parallel splits this layer supports (above); none by default: a layer that does
+  // not declare a split keeps its weights whole on every device, and a layout that splits them is
+  // refused at compile.
+  virtual std::vector<TensorParallelSplit> tensor_parallel_splits() const { return {}; }
 
   // Weights: the layer's own in creation order, then those of the layers it tracks, in tracking
   // order. trainable_weights() is empty for a frozen layer (and its tracked layers then count as
@@ -182,6 +202,13 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   std::vector<VariablePtr> trainable_weights() const;
   std::vector<VariablePtr> non_trainable_weights() const;
   std::int64_t count_params() const;
+  // The layer's own weights (not those of the layers it tracks), in creation order, and the
+  // layers it tracks, in tracking order.
+  const std::vector<VariablePtr>& own_weights() const { return weights_; }
+  const std::vector<std::shared_ptr<LayerImpl>>& tracked_layers() const { return tracked_; }
+  // A weight's name within this layer: "kernel" for the variable "block/dense/kernel" of the
+  // Dense "dense" that "block" tracks.
+  std::string weight_name(const Variable& weight) const;
 
   // The functional API: builds on first use, infers the output specs, records the call with its
   // arguments (given to call() in ctx.arguments() every time the model runs it).

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "tandem/keras_like/detail/model_state.h"
+#include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/layers.h"
 #include "tandem/keras_like/saving.h"
 
@@ -132,9 +133,17 @@ ModelState::StatsBaseline stats_now(strategy::Strategy& strategy) {
   return now;
 }
 
-detail::Trainer& trainer_for(ModelState& s, const std::vector<graph::TensorSpec>& spec, bool with_targets) {
+// ModelParallel's checks of the layouts against the model (before the first step; compile makes
+// them too when the model is built by then).
+void check_distribution(const Model& model, const ModelState& s) {
+  if (const auto* mp = dynamic_cast<const distribution::ModelParallel*>(s.strategy)) mp->check_model(model);
+}
+
+detail::Trainer& trainer_for(const Model& model, ModelState& s, const std::vector<graph::TensorSpec>& spec,
+                             bool with_targets) {
   ensure_built(s, spec);
   if (s.trainer == nullptr || !s.trainer->accepts(spec, with_targets)) {
+    check_distribution(model, s);
     s.trainer = std::make_unique<detail::Trainer>(s, spec, with_targets);
     s.stats_baseline = stats_now(*s.strategy);
   }
@@ -195,9 +204,9 @@ Tensor concatenate_rows(const std::vector<Tensor>& parts) {
 
 // One pass of evaluation, reporting to `callbacks` through their on_test_* hooks. `what` names the
 // data in errors: "evaluate()", "fit()'s validation_data".
-Logs run_evaluation(ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps,
+Logs run_evaluation(const Model& model, ModelState& s, const data::Dataset& data, std::optional<std::int64_t> steps,
                     CallbackList& callbacks, std::string_view what) {
-  auto& trainer = trainer_for(s, data.element_spec(), true);
+  auto& trainer = trainer_for(model, s, data.element_spec(), true);
   const std::int64_t total = steps_of(data, steps);
   require_batches(s, total, what);
   Logs logs;
@@ -313,6 +322,7 @@ void Model::compile(OptimizerRef optimizer, LossList loss, std::vector<MetricRef
   TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == s.strategy, FailedPrecondition,
                  "model \"{}\" was created under {} but compile() was called in the scope of {}", s.name,
                  s.strategy->name(), strategy::get_strategy().name());
+  if (built()) check_distribution(*this, s);  // before anything changes: a refused compile leaves the model as it was
   const auto& losses = loss.losses();
   const std::size_t n_out = s.outputs.empty() ? 1 : s.outputs.size();  // a deferred Sequential has one output
   TANDEM_REQUIRE(losses.size() == 1 || losses.size() == n_out, InvalidArgument,
@@ -364,7 +374,7 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
   TANDEM_REQUIRE(options.validation_freq >= 1, InvalidArgument, "model \"{}\": validation_freq must be at least 1",
                  s.name);
   auto scope = enter_model_scope(s, "fit");
-  auto& trainer = trainer_for(s, data.element_spec(), true);
+  auto& trainer = trainer_for(*this, s, data.element_spec(), true);
   const std::int64_t steps = steps_of(data, options.steps_per_epoch);
   require_batches(s, steps, "fit()");
   // Workers that would train differently meet in different collectives much later: compare now.
@@ -452,7 +462,7 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
     if (options.validation_data && (epoch + 1) % options.validation_freq == 0) {
       // Validation reports to the same callbacks (on_test_*), as in Keras; the bar ignores it.
       const Logs val =
-          run_evaluation(s, *options.validation_data, options.validation_steps, callbacks, "fit()'s validation_data");
+          run_evaluation(*this, s, *options.validation_data, options.validation_steps, callbacks, "fit()'s validation_data");
       for (const auto& [key, value] : val) epoch_logs.set(fmt::format("val_{}", key), value);
     }
     callbacks.on_epoch_end(epoch, epoch_logs);
@@ -497,7 +507,7 @@ Logs Model::evaluate(const data::Dataset& data, const EvaluateOptions& options) 
   add_defaults(list, verbose, /*with_history=*/false);
   CallbackList callbacks(std::move(list), this,
                          {.epochs = 1, .steps = steps_of(data, options.steps), .verbose = verbose});
-  return run_evaluation(s, data, options.steps, callbacks, "evaluate()");
+  return run_evaluation(*this, s, data, options.steps, callbacks, "evaluate()");
 }
 
 Logs Model::evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& options) {
@@ -511,7 +521,7 @@ Logs Model::evaluate(const Tensor& x, const Tensor& y, const EvaluateOptions& op
 std::vector<Tensor> Model::predict_outputs(const data::Dataset& data, const PredictOptions& options) {
   auto& s = checked(state_);
   auto scope = enter_model_scope(s, "predict");
-  auto& trainer = trainer_for(s, data.element_spec(), false);
+  auto& trainer = trainer_for(*this, s, data.element_spec(), false);
   const std::int64_t total = steps_of(data, options.steps);
   require_batches(s, total, "predict()");
   std::vector<CallbackPtr> callbacks = options.callbacks;

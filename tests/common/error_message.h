@@ -19,7 +19,7 @@ std::string error_message(Fn&& fn) {
   } catch (const Error& e) {
     return e.what();
   } catch (const std::exception& e) {
-    FAIL_CHECK("threw something else: " << e.what());
+    FAIL_CHECK("threw something else: " << std::string(e.what()));
     return {};
   }
   FAIL_CHECK("threw nothing");

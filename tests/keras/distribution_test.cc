@@ -19,6 +19,8 @@ namespace {
 
 const std::vector<std::string> kTwoCpus{"CPU:0", "CPU:1"};
 
+Model make_mlp(bool with_norm);  // below
+
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // Input 4 -> Dense(3) "d1" -> Dense(2) "d2": 12 + 3 + 6 + 2 = 23 float32 parameters.
@@ -217,8 +219,8 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
   {
     kd::LayoutMap map(mesh);
     map["d1/kernel"] = {std::nullopt, "model"};  // 'model' has one device: replicated
-    map["d9/.*"] = {std::nullopt};               // matches nothing: the plan says so
-    kd::ModelParallel mp(map, {.batch_dim_name = "batch"});
+    map["d9/.*"] = {std::nullopt};               // matches nothing: the plan says so, compile warns
+    kd::ModelParallel mp(map, {.batch_dim_name = "batch", .strict = false});
     CHECK(mp.num_replicas_in_sync() == 2);
     CHECK(mp.get_variable_layout("d1/kernel", 2).to_string() == "[None, 'model']");
     CHECK(mp.get_variable_layout("d2/kernel", 2).to_string() == "[None, None]");
@@ -249,20 +251,199 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
           "devices): that is ZeRO stage 3; use DataParallel(mesh, {.zero = ZeroStage::k3})");
   }
   {
+    // Valid tensor-parallel layouts pass every check, then compile says what is not built.
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));
-    map[".*kernel"] = {std::nullopt, "model"};
-    CHECK(contains(testing::error_message<Unimplemented>([&] { kd::ModelParallel mp(map); }),
-                   "layout_map['.*kernel'] = [None, 'model'] splits variables over mesh axis 'model' (2 devices): "
-                   "tensor parallelism is not implemented yet"));
+    map["fc1/kernel"] = {std::nullopt, "model"};
+    map["fc1/bias"] = {"model"};
+    map["fc2/kernel"] = {"model", std::nullopt};
+    kd::ModelParallel mp(map);
+    auto scope = mp.scope();
+    Model model = make_mlp(false);
+    CHECK(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }) ==
+          "ModelParallel: the layouts of model \"mlp\" are valid (Dense \"fc1\" is column-split over mesh axis "
+          "'model' (2 devices): 'fc1/kernel' along dimension 1, ...), but tensor-parallel execution is not built yet: "
+          "plan() shows this layout; to train, give every mesh axis other than 'batch' one device");
+    CHECK(!model.compiled());
   }
   {
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));
-    CHECK(contains(testing::error_message<Unimplemented>([&] { kd::ModelParallel mp(map); }),
-                   "has 2 devices along axis 'model', which is not the batch axis 'batch': tensor parallelism is not "
-                   "implemented yet"));
-    CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::ModelParallel mp(map, {.batch_dim_name = "data"}); }),
+    kd::ModelParallel mp(map);
+    Model model = make_model(&mp);
+    auto scope = mp.scope();
+    CHECK(contains(testing::error_message<InvalidArgument>([&] { model.compile("sgd", "mse"); }),
+                   "has 2 devices along axis 'model', but no layout splits a variable of model \"tiny\" over it, so "
+                   "each of those devices would compute the same rows"));
+    CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::ModelParallel other(map, {.batch_dim_name = "data"}); }),
                    "'data' is not an axis of"));
   }
+}
+
+namespace {
+
+// Input 8 -> Dense(16, relu) "fc1" -> Dropout -> Dense(8) "fc2" [-> LayerNormalization "ln"] -> Dense(3) "out".
+Model make_mlp(bool with_norm = false) {
+  set_global_seed(5);
+  auto x = Input({8});
+  auto h = Dense(16, "relu", {.name = "fc1"})(x);
+  h = Dropout(0.1)(h);
+  h = Dense(8, {.name = "fc2"})(h);
+  if (with_norm) h = LayerNormalization({.name = "ln"})(h);
+  auto y = Dense(3, {.name = "out"})(h);
+  return Model(x, y, "mlp");
+}
+
+std::string layouts_text(const std::vector<kd::VariableLayout>& layouts) {
+  std::string out;
+  for (const auto& v : layouts) {
+    out += fmt::format("{}:{}:{}:{} ", v.path, v.split.empty() ? "whole" : v.split, v.split_dim, v.axis);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("LayoutMap::megatron pairs Dense layers column then row, splits attention by heads, and says what stays whole") {
+  const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
+  {
+    const Model model = make_mlp();
+    std::vector<std::string> notes;
+    const kd::LayoutMap resolved = kd::LayoutMap::megatron(mesh).resolve(model, &notes);
+    CHECK(resolved.get("fc1/kernel")->to_string() == "[None, 'model']");
+    CHECK(resolved.get("fc1/bias")->to_string() == "['model']");
+    CHECK(resolved.get("fc2/kernel")->to_string() == "['model', None]");
+    CHECK(resolved.get("fc2/bias")->to_string() == "[None]");
+    CHECK(!resolved.get("out/kernel"));
+    CHECK(notes == std::vector<std::string>{"Dense \"out\" kept whole: its 3 output features do not divide by 2 ('model')"});
+    CHECK(layouts_text(kd::check_layouts(model, resolved, "batch")) ==
+          "fc1/kernel:column:1:model fc1/bias:column:0:model fc2/kernel:row:0:model fc2/bias:whole:-1: "
+          "out/kernel:whole:-1: out/bias:whole:-1: ");
+    // A key the user gives wins over the automatic choice (and breaks the pair it was in).
+    kd::LayoutMap map = kd::LayoutMap::megatron(mesh);
+    map["fc1/kernel"] = {std::nullopt, std::nullopt};
+    const kd::LayoutMap mine = map.resolve(model);
+    CHECK(mine.get("fc1/kernel")->to_string() == "[None, None]");
+    CHECK(!mine.get("fc1/bias"));
+    CHECK(mine.get("fc2/kernel")->to_string() == "[None, 'model']");  // fc2 now pairs with out
+    CHECK(mine.get("out/kernel")->to_string() == "['model', None]");
+    CHECK(mine.get("out/bias")->to_string() == "[None]");
+  }
+  {
+    set_global_seed(5);
+    auto x = Input({4, 8});
+    auto a = MultiHeadAttention(2, 4, {.name = "mha"})({x, x});
+    auto h = Dense(16, "gelu", {.name = "up"})(a);
+    auto y = Dense(8, {.name = "down"})(h);
+    const Model model(x, y, "block");
+    const kd::LayoutMap resolved = kd::LayoutMap::megatron(mesh).resolve(model);
+    CHECK(resolved.get("mha/query/kernel")->to_string() == "[None, 'model', None]");
+    CHECK(resolved.get("mha/query/bias")->to_string() == "['model', None]");
+    CHECK(resolved.get("mha/attention_output/kernel")->to_string() == "['model', None, None]");
+    CHECK(resolved.get("mha/attention_output/bias")->to_string() == "[None]");
+    CHECK(resolved.get("up/kernel")->to_string() == "[None, 'model']");
+    CHECK(resolved.get("down/kernel")->to_string() == "['model', None]");
+    const auto layouts = kd::check_layouts(model, resolved, "batch");
+    CHECK(std::count_if(layouts.begin(), layouts.end(), [](const auto& v) { return v.split == "heads"; }) == 7);
+  }
+  CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::LayoutMap::megatron(mesh, "tensor"); }),
+                 "'tensor' is not an axis of"));
+}
+
+TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused naming the variable, shape, axis and size") {
+  const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
+  const Model model = make_mlp(/*with_norm=*/true);
+  const auto error = [&](const std::function<void(kd::LayoutMap&)>& fill, const kd::DeviceMesh& m, bool strict = true) {
+    kd::LayoutMap map(m);
+    fill(map);
+    return testing::error_message<InvalidArgument>([&] { kd::check_layouts(model, map, "batch", strict); });
+  };
+  // A key that matches no variable (a typo): strict refuses, naming the key and the variables.
+  const auto typo = [](kd::LayoutMap& map) { map[".*kernal"] = {std::nullopt, "model"}; };
+  CHECK(error(typo, mesh) ==
+        "ModelParallel: layout_map key '.*kernal' matches no variable of model \"mlp\" (a key is an exact path or a "
+        "regular expression matched against the whole path); its variables are fc1/kernel, fc1/bias, fc2/kernel, "
+        "fc2/bias, ln/gamma, ln/beta, out/kernel, out/bias (ModelParallelOptions::strict = false makes this a "
+        "warning)");
+  {
+    kd::LayoutMap map(mesh);
+    typo(map);
+    CHECK(kd::check_layouts(model, map, "batch", /*strict=*/false).size() == 8);
+  }
+  // Two keys that match one path.
+  CHECK(contains(error([](kd::LayoutMap& map) {
+                   map["fc1/.*"] = {std::nullopt, "model"};
+                   map[".*/kernel"] = {std::nullopt, "model"};
+                 }, mesh),
+                 "LayoutMap: path 'fc1/kernel' matches the keys 'fc1/.*' and '.*/kernel'"));
+  // A dimension the axis does not divide.
+  CHECK(error([](kd::LayoutMap& map) {
+          map["out/kernel"] = {std::nullopt, "model"};
+          map["out/bias"] = {"model"};
+        }, mesh) ==
+        "ModelParallel: variable 'out/kernel' of shape (8, 3) cannot be split over mesh axis 'model' (2 devices) along "
+        "dimension 1: 3 is not a multiple of 2 (layout_map['out/kernel'] = [None, 'model'])");
+  // Half a split (the bias of a column-parallel Dense left whole), and swapped axes (a row-split
+  // kernel with a column-split bias): neither is a split Dense supports.
+  const std::string dense_splits =
+      "which is none of the tensor-parallel splits Dense supports: column (kernel along dimension 1, bias along "
+      "dimension 0); row (kernel along dimension 0, bias whole)";
+  CHECK(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {std::nullopt, "model"}; }, mesh) ==
+        "ModelParallel: Dense \"fc1\" is laid out as kernel along dimension 1, bias whole over mesh axis 'model' (2 "
+        "devices), " + dense_splits);
+  CHECK(error([](kd::LayoutMap& map) {
+          map["fc1/kernel"] = {"model", std::nullopt};
+          map["fc1/bias"] = {"model"};
+        }, mesh) ==
+        "ModelParallel: Dense \"fc1\" is laid out as kernel along dimension 0, bias along dimension 0 over mesh axis "
+        "'model' (2 devices), " + dense_splits);
+  // A layer with no tensor-parallel split.
+  CHECK(error([](kd::LayoutMap& map) { map["ln/gamma"] = {"model"}; }, mesh) ==
+        "ModelParallel: LayerNormalization \"ln\" has no tensor-parallel split, but layout_map['ln/gamma'] splits its "
+        "variable 'ln/gamma' of shape (8,) over mesh axis 'model' (2 devices) along dimension 0: its weights must stay "
+        "whole (a layout of None, or no key)");
+  // A weight on the batch axis.
+  const kd::DeviceMesh batch_mesh({2, 1}, {"batch", "model"}, kTwoCpus);
+  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"batch", std::nullopt}; }, batch_mesh),
+                 "ModelParallel: variable 'fc1/kernel' of shape (8, 16) is split over the batch axis 'batch' (2 "
+                 "devices) by layout_map['fc1/kernel'] = ['batch', None]: the batch axis splits the data"));
+  // One variable split along two dimensions, and one layer over two axes.
+  const kd::DeviceMesh cube({1, 2, 2}, {"batch", "m1", "m2"}, {"CPU:0", "CPU:1", "CPU:2", "CPU:3"});
+  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"m1", "m2"}; }, cube),
+                 "variable 'fc1/kernel' of shape (8, 16) is split along dimensions 0 and 1 by layout_map['fc1/kernel'] "
+                 "= ['m1', 'm2']; tensor parallelism splits a variable along one dimension"));
+  CHECK(contains(error([](kd::LayoutMap& map) {
+                   map["fc1/kernel"] = {std::nullopt, "m1"};
+                   map["fc1/bias"] = {"m2"};
+                 }, cube),
+                 "Dense \"fc1\" splits 'fc1/kernel' over mesh axis 'm1' but 'fc1/bias' over 'm2'; a layer's weights "
+                 "are split over one axis"));
+  // A layout of the wrong rank.
+  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"model"}; }, mesh),
+                 "variable 'fc1/kernel' of shape (8, 16) has rank 2 but layout_map['fc1/kernel'] = ['model'] has 1 axes"));
+}
+
+TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per device, Megatron's two all-reduces per pair") {
+  const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
+  const Model model = make_mlp();
+  const kd::LayoutMap map = kd::LayoutMap::megatron(mesh);
+  const kd::Plan p = kd::plan(model, {.replicas = 1, .optimizer = OptimizerRef("sgd"), .layout_map = &map});
+  // fc1/kernel (8, 16): 64 of 128 elements per device; fc2/bias stays whole.
+  CHECK(p.variables[0].weight_bytes == 64 * 4);
+  CHECK(p.variables[0].layout == "column [None, 'model'] (64 of 128 elements each)");
+  CHECK(p.variables[1].weight_bytes == 8 * 4);
+  CHECK(p.variables[2].layout == "row ['model', None] (64 of 128 elements each)");
+  CHECK(p.variables[3].layout == "replicated");
+  // A column -> row pair over t = 2: an all-reduce of the 8-wide input's gradient (backward) and
+  // of the 8-wide output (forward), 2 (t - 1) / t x 8 x 4 bytes = 32 bytes per row each.
+  std::vector<std::string> per_row;
+  for (const auto& c : p.collectives) {
+    if (c.per_row) per_row.push_back(fmt::format("{} {} {}", c.op, c.what, c.bytes_per_device));
+  }
+  CHECK(per_row == std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32",
+                                            "all_reduce fc2 output (forward) 32"});
+  CHECK(p.communication_bytes_per_row == 64);
+  const std::string text = p.to_string();
+  CHECK(contains(text, "Tensor-parallel collectives per row of the local batch"));
+  CHECK(contains(text, "LayoutMap::megatron: Dense \"out\" kept whole: its 3 output features do not divide by 2"));
 }
 
 TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 replicas, as computed by hand") {
