@@ -261,11 +261,19 @@ std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
   std::map<std::string, const VariableLayout*> by_path;
   for (const auto& v : layouts) by_path[v.path] = &v;
   std::vector<PlannedCollective> out;
+  // Backward computes no input gradient for a layer that no trained layer precedes (what it
+  // reads is data), so Megatron's f operator has nothing to all-reduce there.
+  bool trained_before = false;
   for (const LayerImpl* layer : flat_layers(model.layers())) {
     const VariableLayout* split = nullptr;
     for (const auto& w : layer->own_weights()) {
       const auto it = by_path.find(w->name());
       if (it != by_path.end() && it->second->split_dim >= 0) split = it->second;
+    }
+    const bool input_gradient = trained_before;
+    const auto& own = layer->own_weights();
+    if (layer->trainable() && std::any_of(own.begin(), own.end(), [](const auto& w) { return w->trainable(); })) {
+      trained_before = true;
     }
     if (split == nullptr) continue;
     const auto t = static_cast<double>(split->parts);
@@ -284,7 +292,7 @@ std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
                      .per_row = true});
     };
     if (split->split == "column") {
-      add("all_reduce", "input gradient (backward)", static_cast<double>(first[0]), all_reduce);
+      if (input_gradient) add("all_reduce", "input gradient (backward)", static_cast<double>(first[0]), all_reduce);
     } else if (split->split == "row") {
       add("all_reduce", "output (forward)", static_cast<double>(first[1]), all_reduce);
     } else if (split->split == "vocabulary") {
@@ -297,10 +305,12 @@ std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
         return layer->weight_name(*v) == "attention_output/kernel";
       });
       add("all_reduce", "output (forward)", features((*output)->global_shape(), 2), all_reduce);
-      add("all_reduce", "query input gradient (backward)", static_cast<double>(first[0]), all_reduce);
+      if (input_gradient) add("all_reduce", "query input gradient (backward)", static_cast<double>(first[0]), all_reduce);
     } else if (split->split == "output_channels") {
       add("all_gather", "output channels (forward, per output position)", static_cast<double>(first[3]), all_gather);
-      add("all_reduce", "input gradient (backward, per input position)", static_cast<double>(first[2]), all_reduce);
+      if (input_gradient) {
+        add("all_reduce", "input gradient (backward, per input position)", static_cast<double>(first[2]), all_reduce);
+      }
     }
   }
   return out;

@@ -428,7 +428,9 @@ int main(int argc, char** argv) try {
   {
     auto scope = strategy->scope();
     model = make_gpt(o, vocab.size());
-    model.compile(make_optimizer(o), keras::SparseCategoricalCrossentropy{.from_logits = true});
+    samples::compile_model(args, model, [&] {  // --print-plan shows a --mesh layout compile refuses
+      model.compile(make_optimizer(o), keras::SparseCategoricalCrossentropy{.from_logits = true});
+    });
   }
   if (!o.load.empty()) model.load_weights(o.load + ".weights.safetensors");
   if (!o.init_from.empty()) model.load_weights(o.init_from);

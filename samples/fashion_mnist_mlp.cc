@@ -27,7 +27,9 @@ int main(int argc, char** argv) try {
   {
     auto scope = strategy->scope();
     model = keras::Sequential({keras::Input({28, 28}), keras::Flatten(), keras::Dense(128, "relu"), keras::Dense(10)});
-    model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+    samples::compile_model(args, model, [&] {  // --print-plan shows a --mesh layout compile refuses
+      model.compile("adam", keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+    });
   }
   model.summary();
   samples::print_plan_if_asked(args, model);  // --print-plan

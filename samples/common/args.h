@@ -1,7 +1,7 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
-// --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan (and --help), parsed with
-// CLI11; the strategy they choose and the callbacks they ask for.
+// --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan --mesh 2x2 --axes batch,model
+// (and --help), parsed with CLI11; the strategy they choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -42,6 +42,8 @@ struct Args {
   double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
   int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
   bool print_plan = false;               // print keras::distribution::plan before training
+  std::string mesh;                      // "2x2": a keras::distribution::ModelParallel on this mesh; "": none
+  std::string axes = "batch,model";      // the mesh's axis names; LayoutMap::megatron splits over "model"
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
@@ -113,6 +115,13 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
   app.add_flag("--print-plan", a.print_plan,
                "print the model's plan (keras::distribution::plan: bytes per device,\ncollectives per step) "
                "before training, then train");
+  app.add_option("--mesh", a.mesh,
+                 "train under keras::distribution::ModelParallel on a device mesh of this\nshape (\"1x2\", \"2x2\"; "
+                 "logical CPU devices unless --cpu-devices), its\nlayouts LayoutMap::megatron's over the axis "
+                 "\"model\"; overrides\n--strategy")
+      ->type_name("SHAPE");
+  app.add_option("--axes", a.axes, "the --mesh axes' names, comma-separated; the first is the batch axis")
+      ->capture_default_str();
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
   if (add_options) add_options(app);
@@ -137,11 +146,71 @@ inline int report_test(double loss, double accuracy, const Args& a) {
   return 0;
 }
 
+// "2x2" -> {2, 2}; "batch,model" -> {"batch", "model"}. InvalidArgument naming the flag.
+inline std::vector<std::string> split_list(const std::string& text, char separator) {
+  std::vector<std::string> out(1);
+  for (const char c : text) {
+    if (c == separator) {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+// --mesh and --axes: ModelParallel over the mesh, with Megatron's layouts over the axis "model"
+// when the mesh has one (a layout over a one-device axis splits nothing).
+inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
+  namespace kd = tandem::keras::distribution;
+  std::vector<std::int64_t> shape;
+  std::int64_t devices = 1;
+  for (const auto& part : split_list(a.mesh, 'x')) {
+    std::size_t used = 0;
+    long long n = 0;
+    try {
+      n = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TANDEM_REQUIRE(used == part.size() && !part.empty() && n >= 1, InvalidArgument,
+                   "--mesh {}: expected sizes joined by 'x', such as 2x2", a.mesh);
+    shape.push_back(n);
+    devices *= n;
+  }
+  const auto axes = split_list(a.axes, ',');
+  const int cpu_devices = a.cpu_devices > 0 ? a.cpu_devices : static_cast<int>(devices);
+  tandem::devices::set_logical_device_configuration({.num_cpu_devices = cpu_devices});
+  std::vector<std::string> names;
+  for (std::int64_t d = 0; d < devices; ++d) names.push_back(fmt::format("CPU:{}", d));
+  kd::DeviceMesh mesh(shape, axes, names);
+  kd::LayoutMap map = mesh.has_axis("model") ? kd::LayoutMap::megatron(mesh, "model") : kd::LayoutMap(mesh);
+  tandem::strategy::DistributionOptions options;
+  options.zero = static_cast<tandem::strategy::ZeroStage>(a.zero);
+  auto mp = std::make_unique<kd::ModelParallel>(std::move(map), kd::ModelParallelOptions{.distribution = options});
+  std::printf("ModelParallel on %s, %d replicas in sync along '%s'\n", mesh.to_string().c_str(),
+              static_cast<int>(mesh.axis_size(mp->batch_dim_name())), mp->batch_dim_name().c_str());
+  return mp;
+}
+
+// Compiles through `compile`. Under --print-plan, a compile that ModelParallel refuses because
+// tensor-parallel execution is not built prints the plan of the refused layout first, so that the
+// layout can still be looked at.
+inline void compile_model(const Args& a, const tandem::keras::Model& model, const std::function<void()>& compile) {
+  try {
+    compile();
+  } catch (const tandem::Unimplemented&) {
+    if (a.print_plan) tandem::keras::distribution::print_plan(model, std::cout);
+    throw;
+  }
+}
+
 // The strategy --strategy names, on --cpu-devices logical CPU devices when given. The samples'
 // code reads as if it had written one of these two lines itself:
 //   tandem::OneDeviceStrategy strategy("CPU:0");
 //   tandem::MirroredStrategy strategy;  // every GPU, else one logical CPU device per core
 inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
+  if (!a.mesh.empty()) return make_model_parallel(a);
   if (a.strategy == "multiworker") {
     // One replica per worker on CPU:0 (TF's choice), or --cpu-devices replicas per worker (the
     // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.

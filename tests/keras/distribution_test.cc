@@ -423,15 +423,22 @@ TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused 
 
 TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per device, Megatron's two all-reduces per pair") {
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
-  const Model model = make_mlp();
-  const kd::LayoutMap map = kd::LayoutMap::megatron(mesh);
+  set_global_seed(5);
+  auto x = Input({8});
+  auto h = Dense(8, "relu", {.name = "pre"})(x);
+  h = Dense(16, "relu", {.name = "fc1"})(h);
+  const Model model(x, Dense(8, {.name = "fc2"})(h), "pair");
+  kd::LayoutMap map(mesh);
+  map["fc1/kernel"] = {std::nullopt, "model"};
+  map["fc1/bias"] = {"model"};
+  map["fc2/kernel"] = {"model", std::nullopt};
   const kd::Plan p = kd::plan(model, {.replicas = 1, .optimizer = OptimizerRef("sgd"), .layout_map = &map});
   // fc1/kernel (8, 16): 64 of 128 elements per device; fc2/bias stays whole.
-  CHECK(p.variables[0].weight_bytes == 64 * 4);
-  CHECK(p.variables[0].layout == "column [None, 'model'] (64 of 128 elements each)");
-  CHECK(p.variables[1].weight_bytes == 8 * 4);
-  CHECK(p.variables[2].layout == "row ['model', None] (64 of 128 elements each)");
-  CHECK(p.variables[3].layout == "replicated");
+  CHECK(p.variables[2].weight_bytes == 64 * 4);
+  CHECK(p.variables[2].layout == "column [None, 'model'] (64 of 128 elements each)");
+  CHECK(p.variables[3].weight_bytes == 8 * 4);
+  CHECK(p.variables[4].layout == "row ['model', None] (64 of 128 elements each)");
+  CHECK(p.variables[5].layout == "replicated");
   // A column -> row pair over t = 2: an all-reduce of the 8-wide input's gradient (backward) and
   // of the 8-wide output (forward), 2 (t - 1) / t x 8 x 4 bytes = 32 bytes per row each.
   std::vector<std::string> per_row;
@@ -441,9 +448,13 @@ TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per de
   CHECK(per_row == std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32",
                                             "all_reduce fc2 output (forward) 32"});
   CHECK(p.communication_bytes_per_row == 64);
-  const std::string text = p.to_string();
-  CHECK(contains(text, "Tensor-parallel collectives per row of the local batch"));
-  CHECK(contains(text, "LayoutMap::megatron: Dense \"out\" kept whole: its 3 output features do not divide by 2"));
+  CHECK(contains(p.to_string(), "Tensor-parallel collectives per row of the local batch"));
+  // The first layer's input is data: backward computes no gradient for it, so nothing to reduce.
+  const Model mlp = make_mlp();
+  const kd::LayoutMap megatron = kd::LayoutMap::megatron(mesh);
+  const kd::Plan q = kd::plan(mlp, {.replicas = 1, .layout_map = &megatron});
+  CHECK(q.communication_bytes_per_row == 32);
+  CHECK(contains(q.to_string(), "LayoutMap::megatron: Dense \"out\" kept whole: its 3 output features do not divide by 2"));
 }
 
 TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 replicas, as computed by hand") {
