@@ -1,0 +1,143 @@
+// Megatron's f and g operators: the ops "TensorParallelCopy" (a view forward; its gradient is
+// "TensorParallelAllReduce") and "TensorParallelAllReduce" (its gradient is the identity), and
+// the registry through which their kernels find a device's communicator.
+#include "tandem/strategy/tensor_parallel.h"
+
+#include <atomic>
+#include <map>
+#include <mutex>
+
+#include "tandem/base/errors.h"
+#include "tandem/graph/op_registry.h"
+#include "tandem/ops/ops.h"
+
+namespace tandem::strategy::tensor_parallel {
+namespace {
+
+constexpr const char* kCopyOp = "TensorParallelCopy";
+constexpr const char* kAllReduceOp = "TensorParallelAllReduce";
+
+// The live groups by id: a kernel's attribute names its group by id (attributes hold values, not
+// pointers), and a destroyed group's id is refused rather than read after it is freed.
+struct Registry {
+  std::mutex mutex;
+  std::map<std::int64_t, const Group*> groups;
+  std::atomic<std::int64_t> next_id{1};
+};
+
+Registry& registry() {
+  static Registry* r = new Registry;  // never destroyed: groups may outlive static destruction order
+  return *r;
+}
+
+const Group& find_group(std::int64_t id, const std::string& label) {
+  std::lock_guard lock(registry().mutex);
+  const auto it = registry().groups.find(id);
+  TANDEM_REQUIRE(it != registry().groups.end(), FailedPrecondition,
+                 "{}: its tensor-parallel group {} no longer exists (keep the Group alive while executors run "
+                 "graphs that use it)",
+                 label, id);
+  return *it->second;
+}
+
+std::vector<graph::TensorSpec> same_as_input(graph::ShapeContext& ctx) {
+  ctx.require_float(0);
+  return {ctx.input(0)};
+}
+
+std::vector<graph::Output> all_reduce_of_grad(graph::GradContext& ctx);
+std::vector<graph::Output> identity_grad(graph::GradContext& ctx) { return {ctx.grad(0)}; }
+
+graph::Output add_op(graph::Output x, const char* op, std::int64_t group) {
+  TANDEM_REQUIRE(x.defined(), InvalidArgument, "{}: the input is undefined", op);
+  ops::register_all();
+  return x.graph->add(op, {x}, graph::Attrs{{"group", group}});
+}
+
+std::vector<graph::Output> all_reduce_of_grad(graph::GradContext& ctx) {
+  return {add_op(ctx.grad(0), kAllReduceOp, ctx.attrs().get_int("group"))};
+}
+
+// Sums the group's copies: output = input, then all-reduced in place.
+void all_reduce_kernel(graph::KernelContext& ctx) {
+  const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
+  Tensor& out = ctx.output(0);
+  ctx.device().copy_on_device(out.raw_data(), ctx.input(0).raw_data(), out.nbytes());
+  group.communicator(ctx.device()).all_reduce(out, collective::ReduceOp::kSum);
+}
+
+void register_ops() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto& r = graph::OpRegistry::global();
+    r.add({.name = kCopyOp,
+           .min_inputs = 1,
+           .max_inputs = 1,
+           .shape_fn = same_as_input,
+           .grad_fn = all_reduce_of_grad,
+           .forwards_input = 0});
+    // Host-synchronising (the collective waits for the other devices' threads): never captured.
+    // CPU only for now: a GPU executor runs it on host copies (its communicator's all_reduce
+    // takes host tensors there); an on-stream NCCL kernel is for when a GPU can test it.
+    const graph::KernelOptions options{.low_precision = graph::LowPrecision::kNative, .capturable = false};
+    r.add({.name = kAllReduceOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input, .grad_fn = identity_grad});
+    r.add_kernel(kAllReduceOp, devices::DeviceType::kCPU, all_reduce_kernel, options);
+  });
+}
+
+}  // namespace
+
+std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
+                                     std::vector<collective::Communicator*> communicators) {
+  TANDEM_REQUIRE(!devices.empty() && devices.size() == communicators.size(), InvalidArgument,
+                 "tensor_parallel::Group: {} devices but {} communicators; give one communicator per device",
+                 devices.size(), communicators.size());
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    TANDEM_REQUIRE(communicators[i] != nullptr && communicators[i]->rank() == static_cast<int>(i) &&
+                       communicators[i]->size() == static_cast<int>(devices.size()),
+                   InvalidArgument,
+                   "tensor_parallel::Group: the communicator of device {} (index {}) must be rank {} of a group of {}",
+                   devices[i]->short_name(), i, i, devices.size());
+  }
+  register_ops();
+  const std::int64_t id = registry().next_id++;
+  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
+  std::lock_guard lock(registry().mutex);
+  registry().groups[id] = group.get();
+  return group;
+}
+
+Group::Group(std::int64_t id, std::vector<devices::Device*> devices, std::vector<collective::Communicator*> communicators)
+    : id_(id), devices_(std::move(devices)), communicators_(std::move(communicators)) {}
+
+Group::~Group() {
+  std::lock_guard lock(registry().mutex);
+  registry().groups.erase(id_);
+}
+
+int Group::rank_of(const devices::Device& device) const {
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i] == &device) return static_cast<int>(i);
+  }
+  throw InvalidArgument(fmt::format("device {} is not in {}", device.short_name(), to_string()));
+}
+
+collective::Communicator& Group::communicator(const devices::Device& device) const {
+  return *communicators_[static_cast<std::size_t>(rank_of(device))];
+}
+
+std::string Group::to_string() const {
+  std::string names;
+  for (const auto* d : devices_) names += fmt::format("{}{}", names.empty() ? "" : ", ", d->short_name());
+  return fmt::format("tensor-parallel group {} ({})", id_, names);
+}
+
+graph::Output copy_to_group(graph::Output x, const Group& group) {
+  return add_op(std::move(x), kCopyOp, group.id());
+}
+
+graph::Output reduce_from_group(graph::Output x, const Group& group) {
+  return add_op(std::move(x), kAllReduceOp, group.id());
+}
+
+}  // namespace tandem::strategy::tensor_parallel

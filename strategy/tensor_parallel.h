@@ -1,0 +1,65 @@
+// tandem/strategy/tensor_parallel.h — Megatron-LM's tensor-parallel communication as graph ops.
+//
+// Tensor parallelism computes one layer on several devices, each holding a piece of its weights
+// (arXiv:1909.08053). Two operators carry all of its communication, and autodiff pairs them:
+//   copy_to_group(x)      Megatron's f: the identity forward; backward, the gradients every device
+//                         computed for x are summed (all-reduced) over the group. Placed before a
+//                         column-parallel layer (its weights split by output features), whose
+//                         devices each take the whole input.
+//   reduce_from_group(x)  Megatron's g: forward, the devices' partial results are summed
+//                         (all-reduced); backward, the identity. Placed after a row-parallel
+//                         layer (its weights split by input features).
+// A column-parallel Dense followed by a row-parallel one thus communicates once forward and once
+// backward, each an all-reduce of a (rows x features) activation.
+//
+// Who calls: code that builds a replica's graph (a layer's call, a hand-written graph), once per
+// graph; every device of the group runs its own executor of a graph with the same collectives in
+// the same order (Strategy::run's replica threads). A node's kernel finds its device's
+// communicator through the Group its attributes name; the Group must outlive the executors.
+// What blocks: the kernels, in the collective, until every device of the group reaches it (the
+// communicator's timeout and abort apply: DeadlineExceeded / Unavailable, as for any collective).
+// What throws: InvalidArgument when a Group is made of mismatched lists, and at run time when an
+// executor's device is not in the node's group (naming the device and the group's devices);
+// FailedPrecondition when the group was destroyed.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/collective/communicator.h"
+#include "tandem/devices/device.h"
+#include "tandem/graph/graph.h"
+
+namespace tandem::strategy::tensor_parallel {
+
+// The devices that compute the pieces of one layer together, each with its rank's communicator of
+// one group (communicators[i] is devices[i]'s, of rank i).
+class Group {
+ public:
+  static std::shared_ptr<Group> create(std::vector<devices::Device*> devices,
+                                       std::vector<collective::Communicator*> communicators);
+  ~Group();
+  Group(const Group&) = delete;
+  Group& operator=(const Group&) = delete;
+
+  std::int64_t id() const { return id_; }
+  int size() const { return static_cast<int>(devices_.size()); }
+  // The rank of `device` in the group; InvalidArgument naming it and the group's devices.
+  int rank_of(const devices::Device& device) const;
+  collective::Communicator& communicator(const devices::Device& device) const;
+  std::string to_string() const;  // "tensor-parallel group 3 (CPU:0, CPU:1)"
+
+ private:
+  Group(std::int64_t id, std::vector<devices::Device*> devices, std::vector<collective::Communicator*> communicators);
+  std::int64_t id_;
+  std::vector<devices::Device*> devices_;
+  std::vector<collective::Communicator*> communicators_;
+};
+
+// Megatron's f and g (above). x: a floating-point tensor of any shape.
+graph::Output copy_to_group(graph::Output x, const Group& group);
+graph::Output reduce_from_group(graph::Output x, const Group& group);
+
+}  // namespace tandem::strategy::tensor_parallel
