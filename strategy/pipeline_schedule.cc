@@ -298,8 +298,8 @@ class Simulator {
       if (!finished(d)) throw_deadlock();
     }
     for (const auto& [channel, queue] : channels_) {
-      TANDEM_REQUIRE(queue.empty(), InvalidArgument, "pipeline plan: stage {}'s {} was never received by stage {}",
-                     std::get<0>(channel), to_string(queue.front().send), std::get<1>(channel));
+      TANDEM_REQUIRE(queue.empty(), InvalidArgument, "pipeline plan: {} was never received by stage {}",
+                     where(queue.front().sender, queue.front().index), channel.second);
     }
     for (int d = 0; d < p_; ++d) result_.makespan = std::max(result_.makespan, stages_[d].clock);
     return std::move(result_);
@@ -311,9 +311,9 @@ class Simulator {
     double clock = 0;
     std::set<std::pair<int, int>> live;  // (micro-batch, chunk) forwarded, not yet backwarded
   };
-  struct InFlight {  // a buffered send
-    PipelineAction send;
-    int virtual_stage;
+  struct InFlight {  // a buffered send: plan_[sender][index], arriving at `arrival`
+    int sender;
+    size_t index;
     double arrival;
   };
 
@@ -377,59 +377,55 @@ class Simulator {
     return a.kind == Kind::kSendActivation || a.kind == Kind::kRecvActivation;
   }
 
-  // The sender's and receiver's ends of one transfer must carry one micro-batch between
-  // neighbouring virtual stages (downstream for activations, upstream for gradients).
-  void check_match(int sender, size_t send_k, int receiver, size_t recv_k, int sender_vs) const {
+  // A send pairs with the next recv from its stage on the peer (as a transport without tags pairs
+  // them): both must carry the same kind of tensor of one micro-batch between neighbouring virtual
+  // stages (downstream for activations, upstream for gradients).
+  void check_pair(int sender, size_t send_k, int receiver, size_t recv_k) const {
+    const PipelineAction& send = plan_[sender][send_k];
     const PipelineAction& recv = plan_[receiver][recv_k];
-    const int direction = carries_activation(recv) ? 1 : -1;
-    const int receiver_vs = virtual_stage(receiver, recv);
-    TANDEM_REQUIRE(plan_[sender][send_k].microbatch == recv.microbatch && receiver_vs == sender_vs + direction,
+    const bool activation = carries_activation(send);
+    const int from = virtual_stage(sender, send);
+    const int to = from + (activation ? 1 : -1);
+    TANDEM_REQUIRE(carries_activation(recv) == activation && recv.microbatch == send.microbatch &&
+                       virtual_stage(receiver, recv) == to,
                    InvalidArgument,
-                   "pipeline plan: {} meets {}: they must carry one micro-batch from virtual stage {} to {}",
-                   where(sender, send_k), where(receiver, recv_k), sender_vs, sender_vs + direction);
+                   "pipeline plan: {} meets {}: they must carry the {} of micro-batch {} from virtual stage {} to {}",
+                   where(sender, send_k), where(receiver, recv_k), activation ? "activation" : "gradient",
+                   send.microbatch, from, to);
   }
 
   bool rendezvous(int d, const PipelineAction& a) {
     const int q = a.peer;
     if (finished(q)) return false;
     const PipelineAction& b = plan_[q][stages_[q].next];
-    const bool counterpart =
-        !b.is_compute() && b.peer == d && a.is_send() != b.is_send() && carries_activation(a) == carries_activation(b);
-    if (!counterpart) return false;
+    // Both sending (or both receiving), or q busy with another stage: wait.
+    if (b.is_compute() || b.peer != d || a.is_send() == b.is_send()) return false;
     const int sender = a.is_send() ? d : q;
     const int receiver = a.is_send() ? q : d;
-    check_match(sender, stages_[sender].next, receiver, stages_[receiver].next,
-                virtual_stage(sender, plan_[sender][stages_[sender].next]));
+    check_pair(sender, stages_[sender].next, receiver, stages_[receiver].next);
     const double end = std::max(stages_[d].clock, stages_[q].clock) + times_.transfer;
     record(d, stages_[d].clock, end);
     record(q, stages_[q].clock, end);
     return true;
   }
 
-  using Channel = std::tuple<int, int, bool>;  // sender, receiver, activation
+  using Channel = std::pair<int, int>;  // sender, receiver
 
   bool buffered_send(int d, const PipelineAction& a) {
     const double now = stages_[d].clock;
-    channels_[Channel{d, a.peer, carries_activation(a)}].push_back({a, virtual_stage(d, a), now + times_.transfer});
+    channels_[Channel{d, a.peer}].push_back({d, stages_[d].next, now + times_.transfer});
     record(d, now, now);
     return true;
   }
 
   bool buffered_recv(int d, const PipelineAction& a) {
-    auto& queue = channels_[Channel{a.peer, d, carries_activation(a)}];
+    auto& queue = channels_[Channel{a.peer, d}];
     if (queue.empty()) return false;
-    const InFlight& message = queue.front();
-    const PipelineAction& recv = plan_[d][stages_[d].next];
-    const int direction = carries_activation(recv) ? 1 : -1;
-    TANDEM_REQUIRE(
-        message.send.microbatch == recv.microbatch && virtual_stage(d, recv) == message.virtual_stage + direction,
-        InvalidArgument,
-        "pipeline plan: stage {}'s {} meets {}: they must carry one micro-batch from virtual stage {} to {}", a.peer,
-        to_string(message.send), where(d, stages_[d].next), message.virtual_stage, message.virtual_stage + direction);
-    const double start = stages_[d].clock;
-    const double end = std::max(start, message.arrival);
+    const InFlight message = queue.front();
+    check_pair(message.sender, message.index, d, stages_[d].next);
     queue.pop_front();
-    record(d, start, end);
+    const double start = stages_[d].clock;
+    record(d, start, std::max(start, message.arrival));
     return true;
   }
 

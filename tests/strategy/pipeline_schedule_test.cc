@@ -76,10 +76,11 @@ void check_plan_properties(const PipelineConfig& c) {
     }
   }
 
-  // Every send has the matching recv on its peer, in the same order: per (sender, receiver, kind)
-  // the sequences of (micro-batch, virtual stage from, virtual stage to) agree.
-  using Key = std::tuple<int, int, bool>;
-  std::map<Key, std::vector<std::tuple<int, int, int>>> sent, received;
+  // Every send has the matching recv on its peer, in the same order: per (sender, receiver) the
+  // sequences of (kind, micro-batch, virtual stage from, virtual stage to) agree, so even a
+  // transport without tags pairs them right.
+  using Key = std::pair<int, int>;
+  std::map<Key, std::vector<std::tuple<bool, int, int, int>>> sent, received;
   for (int d = 0; d < p; ++d) {
     for (const PipelineAction& a : plan[d]) {
       if (a.is_compute()) {
@@ -92,8 +93,8 @@ void check_plan_properties(const PipelineConfig& c) {
       const bool activation = a.kind == Kind::kSendActivation || a.kind == Kind::kRecvActivation;
       const int vs = a.chunk * p + d;
       const int step = activation ? 1 : -1;
-      if (a.is_send()) sent[{d, a.peer, activation}].emplace_back(a.microbatch, vs, vs + step);
-      if (a.is_recv()) received[{a.peer, d, activation}].emplace_back(a.microbatch, vs - step, vs);
+      if (a.is_send()) sent[{d, a.peer}].emplace_back(activation, a.microbatch, vs, vs + step);
+      if (a.is_recv()) received[{a.peer, d}].emplace_back(activation, a.microbatch, vs - step, vs);
     }
   }
   CHECK(sent == received);
@@ -362,7 +363,12 @@ TEST_CASE("a malformed plan is named: mismatched transfer, backward first, bad p
                                    {{Kind::kRecvActivation, 1, 0, 0}, {Kind::kForward, 1, 0, -1}}};
   CHECK(testing::error_message([&] { (void)simulate_pipeline(mismatched); }) ==
         "pipeline plan: stage 0's action 1 (send-act 0 to 1) meets stage 1's action 0 (recv-act 1 from 0): they must "
-        "carry one micro-batch from virtual stage 0 to 1");
+        "carry the activation of micro-batch 0 from virtual stage 0 to 1");
+  const PipelinePlan other_kind = {{{Kind::kForward, 0, 0, -1}, {Kind::kSendActivation, 0, 0, 1}},
+                                   {{Kind::kRecvGradient, 0, 0, 0}, {Kind::kForward, 0, 0, -1}}};
+  CHECK(testing::error_message([&] { (void)simulate_pipeline(other_kind, {}, SendSemantics::kBuffered); }) ==
+        "pipeline plan: stage 0's action 1 (send-act 0 to 1) meets stage 1's action 0 (recv-grad 0 from 0): they "
+        "must carry the activation of micro-batch 0 from virtual stage 0 to 1");
   const PipelinePlan backward_first = {{{Kind::kBackward, 2, 0, -1}, {Kind::kForward, 2, 0, -1}}};
   CHECK(testing::error_message([&] { (void)simulate_pipeline(backward_first); }) ==
         "pipeline plan: stage 0's action 0 (B2): backward of micro-batch 2 on chunk 0 before its forward");
@@ -371,7 +377,7 @@ TEST_CASE("a malformed plan is named: mismatched transfer, backward first, bad p
         "pipeline plan: stage 0's action 0 (send-act 0 to 2): peer 2 is not another stage of this 2-stage pipeline");
   const PipelinePlan unreceived = {{{Kind::kForward, 0, 0, -1}, {Kind::kSendActivation, 0, 0, 1}}, {}};
   CHECK(testing::error_message([&] { (void)simulate_pipeline(unreceived, {}, SendSemantics::kBuffered); }) ==
-        "pipeline plan: stage 0's send-act 0 to 1 was never received by stage 1");
+        "pipeline plan: stage 0's action 1 (send-act 0 to 1) was never received by stage 1");
 }
 
 // ---------------------------------------------------------------------------------------------
