@@ -23,19 +23,22 @@
 // Send/recv semantics the action lists assume: BLOCKING RENDEZVOUS. A send and its matching recv
 // complete together; neither completes before the peer has posted the other. Each send is matched
 // by the next recv from the same stage on the peer, in list order, and the two agree on kind,
-// micro-batch and chunk, so a transport without tags pairs them right. The lists are deadlock-free under these
-// semantics by construction: every transfer has one place in a single global order (the time the consumer needs it in a
-// unit-time reference run of the schedule, then activations before gradients, then micro-batch, then virtual stage),
-// and every stage's list holds its transfers in that order, so the earliest unfinished transfer can always complete. A
-// recv sits right before the computation that needs it, a send after the one that produced it, both where the consumer
-// is about to run in the reference run; with equal forward and backward chunk times that is the ideal timing, so the
-// simulated bubble is exactly the formula. GPipe and 1F1B keep it when the backward time differs (the tests try ½, 2
-// and 3 times the forward): their stages meet when both are between computations. Interleaved 1F1B does not when the
-// times differ: its transfers have slack, and a rendezvous placed for equal times holds a sender that is ahead (e.g.
-// p=4, m=8, v=2, backward twice forward: 0.226 against 0.158). Pairing transfers into one simultaneous send_recv is not
-// needed for deadlock freedom and would not help there. An executor may instead run the lists with asynchronous sends
-// (isend) and blocking recvs (SendSemantics::kBuffered in the simulator): a list that is deadlock-free under rendezvous
-// stays so, and no action completes later.
+// micro-batch and chunk, so a transport without tags pairs them right. The lists are deadlock-free
+// under these semantics by construction: every transfer has one place in a single global order (the
+// time the consumer needs it in a unit-time reference run of the schedule, then activations before
+// gradients, then micro-batch, then virtual stage), and every stage's list holds its transfers in
+// that order, so the earliest unfinished transfer can always complete. A recv sits right before the
+// computation that needs it, a send after the one that produced it, both where the consumer is
+// about to run in the reference run; with equal forward and backward chunk times that is the ideal
+// timing, so the simulated bubble is exactly the formula. GPipe and 1F1B keep it when the backward
+// time differs (the tests try ½, 2 and 3 times the forward): their stages meet when both are
+// between computations. Interleaved 1F1B does not when the times differ: its transfers have slack,
+// and a rendezvous placed for equal times holds a sender that is ahead (e.g. p=4, m=8, v=2,
+// backward twice forward: 0.226 against 0.158). Pairing transfers into one simultaneous send_recv
+// is not needed for deadlock freedom and would not help there. An executor may instead run the
+// lists with asynchronous sends (isend) and blocking recvs (SendSemantics::kBuffered in the
+// simulator): a list that is deadlock-free under rendezvous stays so, and no action completes
+// later.
 //
 // Blocks: nothing. Throws: InvalidArgument naming the field and its value for a bad
 // PipelineConfig, the name list for an unknown schedule name, and the stage, position and action
