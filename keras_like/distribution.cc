@@ -135,6 +135,41 @@ strategy::MultiWorkerOptions model_parallel_options(const LayoutMap& layout_map,
   return worker_options("ModelParallel", mesh, options.workers, options.distribution, strategy::AutoShardPolicy::kAuto);
 }
 
+// The pipeline ModelParallel's options (or a "stage" axis of several devices) ask for, checked
+// against the mesh, its stage and micro-batch counts filled in.
+std::optional<PipelineOptions> model_parallel_pipeline(const LayoutMap& layout_map, const ModelParallelOptions& options) {
+  const DeviceMesh& mesh = layout_map.device_mesh();
+  const std::string batch = model_parallel_batch_dim(layout_map, options);
+  std::optional<PipelineOptions> p = options.pipeline;
+  if (!p && mesh.has_axis("stage") && mesh.axis_size("stage") > 1) p = PipelineOptions{};
+  if (!p) return p;
+  TANDEM_REQUIRE(mesh.has_axis(p->stage_axis), InvalidArgument,
+                 "ModelParallel: the pipeline's stage axis '{}' is not an axis of {}", p->stage_axis, mesh.to_string());
+  TANDEM_REQUIRE(p->stage_axis != batch, InvalidArgument,
+                 "ModelParallel: the pipeline's stage axis '{}' is the batch axis; give the stages an axis of their own",
+                 p->stage_axis);
+  const auto size = static_cast<int>(mesh.axis_size(p->stage_axis));
+  TANDEM_REQUIRE(p->stages == 0 || p->stages == size, InvalidArgument,
+                 "ModelParallel: PipelineOptions::stages is {} but the stage axis '{}' of {} has {} devices", p->stages,
+                 p->stage_axis, mesh.to_string(), size);
+  for (const auto& key : layout_map.keys()) {
+    const TensorLayout layout = *layout_map.get(key);
+    for (const auto& axis : layout.axes()) {
+      TANDEM_REQUIRE(!axis || *axis != p->stage_axis || size == 1, InvalidArgument,
+                     "ModelParallel: layout_map['{}'] = {} splits variables over '{}', the pipeline's stage axis: the "
+                     "stages split the layers, not their weights",
+                     key, layout.to_string(), *axis);
+    }
+  }
+  p->stages = size;
+  if (p->microbatches == 0) p->microbatches = size;
+  strategy::validate_pipeline_config({.stages = p->stages,
+                                      .microbatches = p->microbatches,
+                                      .virtual_stages = p->virtual_stages,
+                                      .schedule = p->schedule});
+  return p;
+}
+
 // --- plan -----------------------------------------------------------------------------------------
 
 // What the plan needs of one variable.
@@ -523,6 +558,45 @@ Plan plan(const Model& model, const PlanOptions& options) {
     p.communication_bytes_per_row += c.bytes_per_device;
     p.collectives.push_back(std::move(c));
   }
+  std::optional<PipelineOptions> pipe = options.pipeline;
+  if (!pipe && mp != nullptr) pipe = mp->pipeline();
+  if (pipe) {
+    if (pipe->stages == 0) {
+      TANDEM_REQUIRE(given_map != nullptr, InvalidArgument,
+                     "plan: PipelineOptions::stages is 0 (the stage axis's size) but there is no mesh to read it from; "
+                     "give the stage count");
+      pipe->stages = static_cast<int>(given_map->device_mesh().axis_size(pipe->stage_axis));
+    }
+    if (pipe->microbatches == 0) pipe->microbatches = pipe->stages;
+    Plan::Pipeline pp;
+    pp.config = {.stages = pipe->stages,
+                 .microbatches = pipe->microbatches,
+                 .virtual_stages = pipe->virtual_stages,
+                 .schedule = pipe->schedule};
+    pp.predicted_bubble = strategy::predicted_bubble(pp.config);
+    pp.stages = cut_into_stages(model, pipe->stages, pipe->cuts);
+    // Unit forward and backward times per model chunk: the schedule's shape, not a prediction of
+    // seconds.
+    const double chunk = 1.0 / pipe->virtual_stages;
+    pp.table = strategy::format_pipeline_table(
+        pp.config, strategy::simulate_pipeline(strategy::make_pipeline_schedule(pp.config), {.forward = chunk, .backward = chunk}));
+    for (std::size_t k = 0; k + 1 < pp.stages.size(); ++k) {
+      const auto& boundary = *pp.stages[k].boundary;
+      double elements = 1;
+      for (int d = 1; d < boundary.shape.rank(); ++d) elements *= static_cast<double>(boundary.shape[d]);
+      const double bytes = elements * static_cast<double>(graph::dtype_size(boundary.dtype));
+      p.collectives.push_back({.op = "send",
+                               .what = fmt::format("stage {} -> {}: {}'s output (forward)", k, k + 1, pp.stages[k].last_layer),
+                               .bytes_per_device = bytes,
+                               .per_row = true});
+      p.collectives.push_back({.op = "send",
+                               .what = fmt::format("stage {} -> {}: its gradient (backward)", k + 1, k),
+                               .bytes_per_device = bytes,
+                               .per_row = true});
+      p.communication_bytes_per_row += 2 * bytes;
+    }
+    p.pipeline = std::move(pp);
+  }
   return p;
 }
 
@@ -573,13 +647,31 @@ std::string Plan::to_string() const {
     out += fmt::format("  {:<15} {:<24} {}\n", "total", "", bytes_text(communication_bytes_per_device));
   }
   if (static_cast<std::size_t>(per_step) < collectives.size()) {
-    out += "Tensor-parallel collectives per row of the local batch (bytes each device sends; x rows per step):\n";
+    out += "Tensor-parallel collectives and pipeline transfers per row of the local batch (bytes each device sends; x "
+           "rows per step):\n";
     for (const auto& c : collectives) {
       if (c.per_row) out += fmt::format("  {:<15} {:<40} {:.0f}\n", c.op, c.what, c.bytes_per_device);
     }
     out += fmt::format("  {:<15} {:<40} {:.0f}\n", "total", "", communication_bytes_per_row);
   }
   for (const auto& note : layout_notes) out += fmt::format("LayoutMap::megatron: {}\n", note);
+  if (pipeline) {
+    out += fmt::format("Pipeline: {} stages, {} micro-batches, schedule {}{}; each device holds its stage's weights (and "
+                       "their gradients and slots):\n",
+                       pipeline->config.stages, pipeline->config.microbatches,
+                       strategy::pipeline_schedule_name(pipeline->config.schedule),
+                       pipeline->config.virtual_stages > 1 ? fmt::format(", {} chunks per stage", pipeline->config.virtual_stages)
+                                                            : std::string());
+    for (std::size_t k = 0; k < pipeline->stages.size(); ++k) {
+      const auto& st = pipeline->stages[k];
+      out += fmt::format("  stage {}: {} to {} ({} layer call{}), {} parameter bytes{}\n", k, st.first_layer, st.last_layer,
+                         st.layer_calls, st.layer_calls == 1 ? "" : "s", st.parameter_bytes,
+                         st.boundary ? fmt::format(", sends {} {}", graph::dtype_name(st.boundary->dtype), st.boundary->shape)
+                                     : std::string());
+    }
+    out += pipeline->table;
+    if (!out.empty() && out.back() != '\n') out += '\n';
+  }
   if (!unmatched_layout_keys.empty()) {
     out += fmt::format("LayoutMap keys that match no variable of the model: {}\n", quoted_keys(unmatched_layout_keys));
   }
@@ -628,7 +720,8 @@ ModelParallel::ModelParallel(LayoutMap layout_map, ModelParallelOptions options)
     : Distribution("ModelParallel", layout_map.device_mesh(), model_parallel_batch_dim(layout_map, options),
                    model_parallel_options(layout_map, options)),
       layout_map_(std::move(layout_map)),
-      strict_(options.strict) {}
+      strict_(options.strict),
+      pipeline_(model_parallel_pipeline(layout_map_, options)) {}
 
 TensorLayout ModelParallel::get_variable_layout(std::string_view path, int rank) const {
   if (auto layout = layout_map_.get(path)) return *layout;

@@ -41,6 +41,7 @@
 #include "tandem/keras_like/model.h"
 #include "tandem/keras_like/optimizers.h"
 #include "tandem/strategy/multi_worker.h"
+#include "tandem/strategy/pipeline_schedule.h"
 #include "tandem/strategy/strategy.h"
 
 namespace tandem::keras::distribution {
@@ -190,6 +191,37 @@ struct VariableLayout {
 std::vector<VariableLayout> check_layouts(const Model& model, const LayoutMap& layout_map,
                                           std::string_view batch_dim_name, bool strict = true);
 
+// --- pipelines ------------------------------------------------------------------------------------
+
+// A pipeline over a mesh axis: the model's layer calls cut into consecutive stages, one per device
+// along the axis, run over micro-batches in a schedule's order (strategy/pipeline_schedule.h).
+struct PipelineOptions {
+  std::string stage_axis = "stage";  // the mesh axis the stages run along
+  int stages = 0;                    // 0: the stage axis's size
+  int microbatches = 0;              // 0: as many as stages
+  strategy::PipelineSchedule schedule = strategy::PipelineSchedule::k1F1B;
+  int virtual_stages = 1;  // model chunks per stage (interleaved 1F1B)
+  // The names of the layers that start stages 1, 2, ... (stages - 1 of them, in model order);
+  // empty: stage k starts at the first boundary at or past k/stages of the parameter bytes.
+  std::vector<std::string> cuts;
+};
+
+// One stage as cut_into_stages() places it.
+struct PlannedStage {
+  std::string first_layer, last_layer;
+  int layer_calls = 0;
+  std::int64_t parameter_bytes = 0;
+  // The one tensor the stage sends on (its spec, batch unknown); unset on the last stage.
+  std::optional<graph::TensorSpec> boundary;
+};
+
+// The model's layer calls, in run order, cut into `stages` stages: at `cuts` or balanced by
+// parameter bytes (PipelineOptions::cuts). A boundary must be crossed by exactly one tensor (a
+// residual connection across it is refused). InvalidArgument naming the layer: a cut that is not
+// a layer of the model, cuts out of order or of the wrong count, a boundary that several tensors
+// cross, or more stages than layer calls.
+std::vector<PlannedStage> cut_into_stages(const Model& model, int stages, const std::vector<std::string>& cuts = {});
+
 // --- plan(): memory and communication per device, from the formulas ---------------------------
 
 // One variable as the plan places it. Bytes are per device.
@@ -245,6 +277,15 @@ struct Plan {
   double communication_bytes_per_row = 0;     // the sum over the per-row ones (tensor parallelism)
   std::vector<std::string> unmatched_layout_keys;  // LayoutMap keys that matched no variable
   std::vector<std::string> layout_notes;           // LayoutMap::megatron's layers kept whole
+  // Set for a pipeline: its schedule, stages, the simulated schedule table (unit forward and
+  // backward times) and predicted bubble; the transfers are in `collectives` (per_row).
+  struct Pipeline {
+    strategy::PipelineConfig config;
+    std::vector<PlannedStage> stages;
+    double predicted_bubble = 0;
+    std::string table;
+  };
+  std::optional<Pipeline> pipeline;
   std::string to_string() const;
 };
 
@@ -256,6 +297,8 @@ struct PlanOptions {
   std::optional<OptimizerRef> optimizer;
   // Default: the model's strategy's, when it is a ModelParallel.
   const LayoutMap* layout_map = nullptr;
+  // Default: the ModelParallel's (its stage axis's size as the stage count).
+  std::optional<PipelineOptions> pipeline;
 };
 
 // The plan of a built model (its variables exist; a Sequential without an Input needs build()
@@ -317,6 +360,9 @@ class DataParallel final : public Distribution {
 
 struct ModelParallelOptions {
   std::string batch_dim_name;  // default: the mesh's first axis
+  // Pipeline parallelism over a mesh axis. Default: none, unless the mesh has an axis named
+  // "stage" of several devices (then PipelineOptions' defaults).
+  std::optional<PipelineOptions> pipeline;
   // A layout map key that matches no variable of the model is an error at compile (a typo in a
   // regular expression would otherwise leave a layer whole until memory runs out); false: a
   // warning.
@@ -330,16 +376,21 @@ struct ModelParallelOptions {
 // before the first step of fit, evaluate or predict when the model was built later
 // (check_model): the layouts are checked against the model (check_layouts, strict unless the
 // options say otherwise), and a mesh axis of several devices other than the batch axis must split
-// some variable (else InvalidArgument: each device along it would compute the same rows). Layouts
-// that pass and split a variable are then Unimplemented naming the variable, its split and axis:
-// tensor-parallel execution is not built yet, so plan() can show such a layout but nothing trains
-// under it. With every non-batch axis of one device, training is DataParallel over the batch axis.
+// some variable (else InvalidArgument: each device along it would compute the same rows), except
+// the pipeline's stage axis, whose cuts and schedule are checked (cut_into_stages,
+// validate_pipeline_config). Layouts that pass and split a variable are then Unimplemented
+// naming the variable, its split and axis, and so is a pipeline of several stages: tensor-parallel
+// and pipeline execution under fit are not built yet (strategy::tensor_parallel and
+// strategy::PipelineRunner run them on graphs), so plan() can show such a distribution but
+// nothing trains under it. With every non-batch axis of one device, training is DataParallel over the batch axis.
 // A variable whose layout has another rank than its shape is InvalidArgument at its creation.
 class ModelParallel final : public Distribution {
  public:
   explicit ModelParallel(LayoutMap layout_map, ModelParallelOptions options = {});
   const LayoutMap& layout_map() const { return layout_map_; }
   bool strict() const { return strict_; }
+  // The pipeline the options (or a "stage" axis) ask for, its stage count filled in.
+  const std::optional<PipelineOptions>& pipeline() const { return pipeline_; }
   TensorLayout get_variable_layout(std::string_view path, int rank) const override;
   // The checks above, for a built model (Model::compile and the first step call it).
   void check_model(const Model& model) const;
@@ -350,6 +401,7 @@ class ModelParallel final : public Distribution {
  private:
   LayoutMap layout_map_;
   bool strict_ = true;
+  std::optional<PipelineOptions> pipeline_;
 };
 
 // Keras's set_distribution / distribution(): the distribution code with no strategy scope uses

@@ -322,9 +322,12 @@ void ModelParallel::check_model(const Model& model) const {
   const LayoutMap resolved = layout_map_.resolve(model);
   const auto layouts = check_layouts(model, resolved, batch_dim_name(), strict_);
   const DeviceMesh& mesh = device_mesh();
+  const std::string stage_axis = pipeline_ ? pipeline_->stage_axis : std::string();
+  std::vector<PlannedStage> stages;
+  if (pipeline_) stages = cut_into_stages(model, pipeline_->stages, pipeline_->cuts);
   for (std::size_t a = 0; a < mesh.axis_names().size(); ++a) {
     const std::string& axis = mesh.axis_names()[a];
-    if (axis == batch_dim_name() || mesh.shape()[a] == 1) continue;
+    if (axis == batch_dim_name() || axis == stage_axis || mesh.shape()[a] == 1) continue;
     const auto first = std::find_if(layouts.begin(), layouts.end(), [&](const VariableLayout& v) { return v.axis == axis; });
     TANDEM_REQUIRE(first != layouts.end(), InvalidArgument,
                    "ModelParallel: {} has {} devices along axis '{}', but no layout splits a variable of model \"{}\" "
@@ -337,6 +340,14 @@ void ModelParallel::check_model(const Model& model) const {
         "train, give every mesh axis other than '{}' one device",
         model.name(), first->layer, first->split, axis, first->parts, first->path, first->split_dim,
         batch_dim_name()));
+  }
+  if (pipeline_ && pipeline_->stages > 1) {
+    throw Unimplemented(fmt::format(
+        "ModelParallel: the pipeline of model \"{}\" is valid ({} stages over mesh axis '{}', the first {} to {}, {} "
+        "micro-batches, {}), but pipeline execution under fit is not built yet (strategy::PipelineRunner runs stage "
+        "graphs): plan() shows its schedule; to train, give the axis '{}' one device",
+        model.name(), pipeline_->stages, stage_axis, stages[0].first_layer, stages[0].last_layer,
+        pipeline_->microbatches, strategy::pipeline_schedule_name(pipeline_->schedule), stage_axis));
   }
 }
 

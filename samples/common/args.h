@@ -1,7 +1,7 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
 // --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan --mesh 2x2 --axes batch,model
-// (and --help), parsed with CLI11; the strategy they choose and the callbacks they ask for.
+// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b (and --help), parsed with CLI11; the strategy they choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -44,6 +44,9 @@ struct Args {
   bool print_plan = false;               // print keras::distribution::plan before training
   std::string mesh;                      // "2x2": a keras::distribution::ModelParallel on this mesh; "": none
   std::string axes = "batch,model";      // the mesh's axis names; LayoutMap::megatron splits over "model"
+  int pipeline_stages = 1;               // > 1: a "stage" axis of this many devices added to the mesh
+  int microbatches = 0;                  // the pipeline's micro-batches; 0: as many as stages
+  std::string schedule = "1f1b";         // the pipeline's schedule
   // Set when the sample must end at once with this status: 0 after --help, else the command line
   // was wrong (parse_args has printed why).
   std::optional<int> exit_code;
@@ -122,6 +125,16 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
       ->type_name("SHAPE");
   app.add_option("--axes", a.axes, "the --mesh axes' names, comma-separated; the first is the batch axis")
       ->capture_default_str();
+  app.add_option("--pipeline-stages", a.pipeline_stages,
+                 "cut the model into this many pipeline stages, one device each, along a\nmesh axis \"stage\" added "
+                 "to --mesh (ModelParallel's PipelineOptions)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--microbatches", a.microbatches, "micro-batches per step of the pipeline (0: as many as stages)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--schedule", a.schedule, "the pipeline's schedule: gpipe, 1f1b or interleaved-1f1b")
+      ->capture_default_str();
   app.add_option("--expect-accuracy", a.expect_accuracy,
                  "exit with status 3 when the final test accuracy is below this");
   if (add_options) add_options(app);
@@ -165,7 +178,7 @@ inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
   namespace kd = tandem::keras::distribution;
   std::vector<std::int64_t> shape;
   std::int64_t devices = 1;
-  for (const auto& part : split_list(a.mesh, 'x')) {
+  for (const auto& part : split_list(a.mesh.empty() ? "1" : a.mesh, 'x')) {
     std::size_t used = 0;
     long long n = 0;
     try {
@@ -178,7 +191,16 @@ inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
     shape.push_back(n);
     devices *= n;
   }
-  const auto axes = split_list(a.axes, ',');
+  auto axes = split_list(a.axes, ',');
+  if (axes.size() > shape.size()) axes.resize(shape.size());  // --mesh 2 takes the first name ("batch")
+  std::optional<kd::PipelineOptions> pipeline;
+  if (a.pipeline_stages > 1) {
+    shape.push_back(a.pipeline_stages);
+    axes.push_back("stage");
+    devices *= a.pipeline_stages;
+    pipeline = kd::PipelineOptions{.microbatches = a.microbatches,
+                                   .schedule = tandem::strategy::parse_pipeline_schedule(a.schedule)};
+  }
   const int cpu_devices = a.cpu_devices > 0 ? a.cpu_devices : static_cast<int>(devices);
   tandem::devices::set_logical_device_configuration({.num_cpu_devices = cpu_devices});
   std::vector<std::string> names;
@@ -187,7 +209,8 @@ inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
   kd::LayoutMap map = mesh.has_axis("model") ? kd::LayoutMap::megatron(mesh, "model") : kd::LayoutMap(mesh);
   tandem::strategy::DistributionOptions options;
   options.zero = static_cast<tandem::strategy::ZeroStage>(a.zero);
-  auto mp = std::make_unique<kd::ModelParallel>(std::move(map), kd::ModelParallelOptions{.distribution = options});
+  auto mp = std::make_unique<kd::ModelParallel>(
+      std::move(map), kd::ModelParallelOptions{.pipeline = pipeline, .distribution = options});
   std::printf("ModelParallel on %s, %d replicas in sync along '%s'\n", mesh.to_string().c_str(),
               static_cast<int>(mesh.axis_size(mp->batch_dim_name())), mp->batch_dim_name().c_str());
   return mp;
@@ -210,7 +233,7 @@ inline void compile_model(const Args& a, const tandem::keras::Model& model, cons
 //   tandem::OneDeviceStrategy strategy("CPU:0");
 //   tandem::MirroredStrategy strategy;  // every GPU, else one logical CPU device per core
 inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
-  if (!a.mesh.empty()) return make_model_parallel(a);
+  if (!a.mesh.empty() || a.pipeline_stages > 1) return make_model_parallel(a);
   if (a.strategy == "multiworker") {
     // One replica per worker on CPU:0 (TF's choice), or --cpu-devices replicas per worker (the
     // all-reduce is then hierarchical). The worker's share of the cores is the strategy's call.

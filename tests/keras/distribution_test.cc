@@ -285,7 +285,7 @@ Model make_mlp(bool with_norm = false) {
   set_global_seed(5);
   auto x = Input({8});
   auto h = Dense(16, "relu", {.name = "fc1"})(x);
-  h = Dropout(0.1)(h);
+  h = Dropout(0.1, {.name = "dropout"})(h);
   h = Dense(8, {.name = "fc2"})(h);
   if (with_norm) h = LayerNormalization({.name = "ln"})(h);
   auto y = Dense(3, {.name = "out"})(h);
@@ -448,7 +448,7 @@ TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per de
   CHECK(per_row == std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32",
                                             "all_reduce fc2 output (forward) 32"});
   CHECK(p.communication_bytes_per_row == 64);
-  CHECK(contains(p.to_string(), "Tensor-parallel collectives per row of the local batch"));
+  CHECK(contains(p.to_string(), "Tensor-parallel collectives and pipeline transfers per row of the local batch"));
   // The first layer's input is data: backward computes no gradient for it, so nothing to reduce.
   const Model mlp = make_mlp();
   const kd::LayoutMap megatron = kd::LayoutMap::megatron(mesh);
@@ -529,4 +529,87 @@ TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 re
   // A Sequential without an Input has no variables to plan yet.
   const Model deferred = Sequential({Dense(2)});
   CHECK(contains(testing::error_message<FailedPrecondition>([&] { kd::plan(deferred); }), "is not built"));
+}
+
+TEST_CASE("cut_into_stages: balanced by parameter bytes or at named layers; a boundary carries exactly one tensor") {
+  const Model mlp = make_mlp(/*with_norm=*/true);  // fc1 (8x16+16), dropout, fc2 (16x8+8), ln (16), out (8x3+3)
+  const auto names = [](const std::vector<kd::PlannedStage>& stages) {
+    std::string out;
+    for (const auto& s : stages) out += fmt::format("[{}..{} {} {}B] ", s.first_layer, s.last_layer, s.layer_calls, s.parameter_bytes);
+    return out;
+  };
+  // 576 + 0 + 544 + 64 + 108 = 1292 bytes: stage 1 starts once 646 are behind it (after fc2).
+  CHECK(names(kd::cut_into_stages(mlp, 2)) == "[fc1..fc2 3 1120B] [ln..out 2 172B] ");
+  CHECK(names(kd::cut_into_stages(mlp, 2, {"fc2"})) == "[fc1..dropout 2 576B] [fc2..out 3 716B] ");
+  CHECK(names(kd::cut_into_stages(mlp, 5)) ==
+        "[fc1..fc1 1 576B] [dropout..dropout 1 0B] [fc2..fc2 1 544B] [ln..ln 1 64B] [out..out 1 108B] ");
+  CHECK(kd::cut_into_stages(mlp, 2, {"fc2"})[0].boundary->shape.to_string() == "(None, 16)");
+  CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 2, {"fc9"}); }) ==
+        "pipeline: cut 'fc9' is not a layer of model \"mlp\"");
+  CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 3, {"ln", "fc2"}); }) ==
+        "pipeline: cut 'fc2' (layer call 2) does not come after the previous stage's start (layer call 3, 'ln'); list "
+        "the cuts in model order");
+  CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 3, {"ln"}); }) ==
+        "pipeline: 1 cut given for 3 stages of model \"mlp\"; give the 2 layers that start stages 1 to 2");
+  CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 6); }) ==
+        "pipeline: 6 stages for model \"mlp\", which has 5 layer calls; give 1 to 5 stages");
+  // A residual connection: x + Dense(x) cannot be cut between the Dense and the Add.
+  set_global_seed(5);
+  auto x = Input({8}, DType::kF32, "features");
+  auto h = Dense(8, {.name = "inner"})(x);
+  auto y = Dense(4, {.name = "after"})(Add({.name = "residual"})({x, h}));
+  const Model residual(x, y, "residual_model");
+  CHECK(testing::error_message([&] { kd::cut_into_stages(residual, 2, {"residual"}); }) ==
+        "pipeline: the boundary before layer 'residual' of model \"residual_model\" is crossed by 2 tensors (features:0, "
+        "inner:0); a stage boundary must carry exactly one (move the cut past the connection that skips it)");
+  CHECK(names(kd::cut_into_stages(residual, 2)) == "[inner..residual 2 288B] [after..after 1 144B] ");
+}
+
+TEST_CASE("ModelParallel with a stage axis: the pipeline checked at construction and compile, its plan shown") {
+  const kd::DeviceMesh mesh({1, 2}, {"batch", "stage"}, kTwoCpus);
+  CHECK(contains(testing::error_message([&] {
+                   kd::ModelParallel mp(kd::LayoutMap(mesh),
+                                        {.pipeline = kd::PipelineOptions{.microbatches = 3,
+                                                                         .schedule = strategy::PipelineSchedule::kInterleaved1F1B,
+                                                                         .virtual_stages = 2}});
+                 }),
+                 "interleaved 1F1B needs microbatches (3) to be a multiple of stages (2)"));
+  CHECK(testing::error_message([&] {
+          kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.stage_axis = "pipe"}});
+        }) == "ModelParallel: the pipeline's stage axis 'pipe' is not an axis of DeviceMesh(shape=[1, 2], axis_names=[batch, stage])");
+  CHECK(testing::error_message([&] {
+          kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.stages = 4}});
+        }) == "ModelParallel: PipelineOptions::stages is 4 but the stage axis 'stage' of DeviceMesh(shape=[1, 2], "
+              "axis_names=[batch, stage]) has 2 devices");
+  {
+    kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.microbatches = 4,
+                                                                              .schedule = strategy::PipelineSchedule::kGPipe,
+                                                                              .cuts = {"fc2"}}});
+    REQUIRE(mp.pipeline());
+    CHECK(mp.pipeline()->stages == 2);
+    auto scope = mp.scope();
+    Model model = make_mlp(false);
+    const kd::Plan p = mp.plan(model);
+    REQUIRE(p.pipeline);
+    CHECK(p.pipeline->predicted_bubble == doctest::Approx(1.0 / 5));
+    CHECK(contains(p.to_string(), "bubble: 0.200 (predicted (p-1)/(m+p-1) = 1/5 = 0.200)"));
+    CHECK(contains(p.to_string(), "stage 0: fc1 to dropout (2 layer calls), 576 parameter bytes, sends float32 (None, 16)"));
+    // 2 m transfers of a micro-batch's (rows / m x 16) float32 boundary a step: 64 bytes per row each way.
+    CHECK(p.communication_bytes_per_row == 128);
+    CHECK(contains(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }),
+                   "ModelParallel: the pipeline of model \"mlp\" is valid (2 stages over mesh axis 'stage', the first "
+                   "fc1 to dropout, 4 micro-batches, gpipe), but pipeline execution under fit is not built yet"));
+  }
+  {
+    // A "stage" axis of several devices is a pipeline by default (1F1B, as many micro-batches as stages).
+    kd::ModelParallel mp(kd::LayoutMap{mesh});
+    REQUIRE(mp.pipeline());
+    CHECK(mp.pipeline()->microbatches == 2);
+    CHECK(mp.pipeline()->schedule == strategy::PipelineSchedule::k1F1B);
+    kd::LayoutMap map(mesh);
+    map["fc1/kernel"] = {std::nullopt, "stage"};
+    CHECK(testing::error_message([&] { kd::ModelParallel bad(map); }) ==
+          "ModelParallel: layout_map['fc1/kernel'] = [None, 'stage'] splits variables over 'stage', the pipeline's "
+          "stage axis: the stages split the layers, not their weights");
+  }
 }

@@ -1,0 +1,286 @@
+// The pipeline runner: each stage's thread walks its schedule list (pipeline_schedule.h), running
+// forward and backward passes of its graph and the transfers between neighbours.
+#include "tandem/strategy/pipeline_runner.h"
+
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "tandem/base/errors.h"
+#include "tandem/graph/autodiff.h"
+
+namespace tandem::strategy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Kind = PipelineAction::Kind;
+
+// The error `code` names, with `message`: how a stage's failure keeps its type when rethrown.
+[[noreturn]] void throw_with_code(ErrorCode code, const std::string& message) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument: throw InvalidArgument(message);
+    case ErrorCode::kFailedPrecondition: throw FailedPrecondition(message);
+    case ErrorCode::kNotFound: throw NotFound(message);
+    case ErrorCode::kAlreadyExists: throw AlreadyExists(message);
+    case ErrorCode::kPermissionDenied: throw PermissionDenied(message);
+    case ErrorCode::kUnauthenticated: throw Unauthenticated(message);
+    case ErrorCode::kOutOfRange: throw OutOfRange(message);
+    case ErrorCode::kDeadlineExceeded: throw DeadlineExceeded(message);
+    case ErrorCode::kUnavailable: throw Unavailable(message);
+    case ErrorCode::kResourceExhausted: throw ResourceExhausted(message);
+    case ErrorCode::kDataLoss: throw DataLoss(message);
+    case ErrorCode::kUnimplemented: throw Unimplemented(message);
+    case ErrorCode::kInternal: throw Internal(message);
+  }
+  throw Internal(message);
+}
+
+std::string_view action_name(Kind kind) {
+  switch (kind) {
+    case Kind::kForward: return "forward";
+    case Kind::kBackward: return "backward";
+    case Kind::kRecvActivation: return "recv of its input activation";
+    case Kind::kSendActivation: return "send of its output activation";
+    case Kind::kRecvGradient: return "recv of its output's gradient";
+    case Kind::kSendGradient: return "send of its input's gradient";
+  }
+  return "action";
+}
+
+// `spec`'s shape with its unknown batch dimension set to `rows`.
+Shape with_rows(const Shape& shape, std::int64_t rows) {
+  Shape out = shape;
+  if (out.rank() > 0 && out[0] == Shape::kUnknown) out[0] = rows;
+  return out;
+}
+
+// The first failure of a step, kept until step() rethrows it.
+struct Failure {
+  std::mutex mutex;
+  bool failed = false;
+  ErrorCode code = ErrorCode::kInternal;
+  std::string message;
+};
+
+}  // namespace
+
+void PipelineStage::add_gradients() {
+  std::vector<graph::Output> xs = variables;
+  if (input.defined()) xs.push_back(input);
+  std::vector<graph::Output> grads;
+  if (loss.defined()) {
+    grads = graph::gradients({&loss, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
+  } else {
+    grads = graph::gradients({&output, 1}, xs, {&output_gradient, 1}, {.unconnected = graph::UnconnectedGradients::kZero});
+  }
+  if (input.defined()) {
+    input_gradient = grads.back();
+    grads.pop_back();
+  }
+  gradients = std::move(grads);
+}
+
+double PipelineStepResult::loss() const {
+  double sum = 0;
+  for (const double l : losses) sum += l;
+  return sum;
+}
+
+PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig config,
+                               std::vector<collective::Communicator*> communicators, PipelineRunnerOptions options)
+    : stages_(std::move(stages)),
+      config_(config),
+      communicators_(std::move(communicators)),
+      options_(std::move(options)) {
+  const int p = static_cast<int>(stages_.size());
+  TANDEM_REQUIRE(config_.stages == p, InvalidArgument, "PipelineRunner: {} stages given but the config says {}", p,
+                 config_.stages);
+  TANDEM_REQUIRE(config_.virtual_stages == 1, Unimplemented,
+                 "PipelineRunner: {} model chunks per stage; the runner takes one graph per stage (interleaved 1F1B "
+                 "needs one per chunk, which it does not take yet)",
+                 config_.virtual_stages);
+  TANDEM_REQUIRE(static_cast<int>(communicators_.size()) == p, InvalidArgument,
+                 "PipelineRunner: {} stages but {} communicators; give stage s rank s of one group", p,
+                 communicators_.size());
+  plan_ = make_pipeline_schedule(config_);  // validates the config
+  for (int s = 0; s < p; ++s) {
+    const PipelineStage& st = stages_[static_cast<std::size_t>(s)];
+    const bool first = s == 0, last = s == p - 1;
+    const auto* c = communicators_[static_cast<std::size_t>(s)];
+    TANDEM_REQUIRE(c != nullptr && c->rank() == s && c->size() == p, InvalidArgument,
+                   "PipelineRunner: stage {}'s communicator must be rank {} of a group of {}", s, s, p);
+    TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument,
+                   "PipelineRunner: stage {} has no graph or no device", s);
+    // The gradient sums are added on the host: GPU stages wait for an on-device sum.
+    TANDEM_REQUIRE(st.device->type() == devices::DeviceType::kCPU, Unimplemented,
+                   "PipelineRunner: stage {} is on {}; pipeline stages run on CPU devices only for now", s,
+                   st.device->short_name());
+    TANDEM_REQUIRE(first != st.input.defined(), InvalidArgument,
+                   "PipelineRunner: stage {} {} an input placeholder; every stage but the first needs one", s,
+                   first ? "has" : "lacks");
+    TANDEM_REQUIRE(last != st.output.defined() && last == st.loss.defined() && last != st.output_gradient.defined(),
+                   InvalidArgument,
+                   "PipelineRunner: stage {} must have {} (the last stage a loss; the others an output and an "
+                   "output_gradient placeholder)",
+                   s, last ? "a loss and no output" : "an output, an output_gradient and no loss");
+    TANDEM_REQUIRE(first || st.input_gradient.defined(), InvalidArgument,
+                   "PipelineRunner: stage {} has no input_gradient (call add_gradients())", s);
+    TANDEM_REQUIRE(st.gradients.size() == st.variables.size() && st.values.size() == st.variables.size(),
+                   InvalidArgument, "PipelineRunner: stage {} has {} variables, {} values and {} gradients", s,
+                   st.variables.size(), st.values.size(), st.gradients.size());
+    auto executor = std::make_unique<graph::Executor>(st.graph, *st.device);
+    for (std::size_t k = 0; k < st.variables.size(); ++k) executor->bind_variable(st.variables[k], st.values[k]);
+    executors_.push_back(std::move(executor));
+  }
+  for (int s = 0; s + 1 < p; ++s) {
+    const auto& out = stages_[static_cast<std::size_t>(s)].output;
+    const auto& in = stages_[static_cast<std::size_t>(s) + 1].input;
+    bool same = out.dtype() == in.dtype() && out.shape().rank() == in.shape().rank();
+    for (int d = 1; same && d < out.shape().rank(); ++d) same = out.shape()[d] == in.shape()[d];
+    TANDEM_REQUIRE(same, InvalidArgument,
+                   "PipelineRunner: stage {}'s output is {} {} but stage {}'s input is {} {}", s,
+                   graph::dtype_name(out.dtype()), out.shape(), s + 1, graph::dtype_name(in.dtype()), in.shape());
+  }
+}
+
+PipelineRunner::~PipelineRunner() = default;
+
+PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& microbatches) {
+  TANDEM_REQUIRE(static_cast<int>(microbatches.size()) == config_.microbatches, InvalidArgument,
+                 "PipelineRunner::step: {} micro-batches given; the schedule has {}", microbatches.size(),
+                 config_.microbatches);
+  const std::size_t p = stages_.size();
+  PipelineStepResult result;
+  result.losses.assign(microbatches.size(), 0.0);
+  result.gradients.resize(p);
+  result.peak_stashed.assign(p, 0);
+  result.forward_seconds.assign(p, 0.0);
+  result.backward_seconds.assign(p, 0.0);
+  Failure failure;
+  const auto run = [&](int s) {
+    try {
+      run_stage(s, microbatches, result);
+    } catch (const std::exception& e) {
+      const auto* error = dynamic_cast<const Error*>(&e);
+      {
+        std::lock_guard lock(failure.mutex);
+        if (!failure.failed) {
+          failure.failed = true;
+          failure.code = error != nullptr ? error->code() : ErrorCode::kInternal;
+          failure.message = e.what();
+        }
+      }
+      // Neighbours waiting on this stage stop now, not at their timeout.
+      communicators_[static_cast<std::size_t>(s)]->abort(e.what());
+    }
+  };
+  std::vector<std::thread> threads;
+  for (std::size_t s = 1; s < p; ++s) threads.emplace_back(run, static_cast<int>(s));
+  run(0);
+  for (auto& t : threads) t.join();
+  if (failure.failed) throw_with_code(failure.code, failure.message);
+  return result;
+}
+
+void PipelineRunner::run_stage(int s, const std::vector<std::vector<Tensor>>& microbatches,
+                               PipelineStepResult& result) {
+  const auto index = static_cast<std::size_t>(s);
+  PipelineStage& st = stages_[index];
+  graph::Executor& executor = *executors_[index];
+  collective::Communicator& comm = *communicators_[index];
+  std::map<int, Tensor> received, outputs, output_grads, input_grads;
+  int live = 0;
+  std::vector<Tensor>& sums = result.gradients[index];
+  const auto rows = [&](int mb) {
+    const auto& element = microbatches[static_cast<std::size_t>(mb)];
+    return element.empty() ? std::int64_t{0} : element[0].shape()[0];
+  };
+  const auto feeds = [&](int mb) {
+    std::vector<graph::Feed> f;
+    for (const auto& [placeholder, component] : st.data) {
+      f.push_back({placeholder, microbatches[static_cast<std::size_t>(mb)].at(static_cast<std::size_t>(component))});
+    }
+    if (st.input.defined()) f.push_back({st.input, received.at(mb)});
+    return f;
+  };
+  for (const PipelineAction& a : plan_[index]) {
+    const int mb = a.microbatch;
+    try {
+      if (options_.before_action) options_.before_action(s, a);
+      switch (a.kind) {
+        case Kind::kRecvActivation: {
+          Tensor t = Tensor::empty(with_rows(st.input.shape(), rows(mb)), st.input.dtype(), *st.device);
+          comm.recv(t, a.peer, options_.transfers);
+          received[mb] = std::move(t);
+          break;
+        }
+        case Kind::kForward: {
+          const auto start = Clock::now();
+          const graph::Output fetch = st.loss.defined() ? st.loss : st.output;
+          auto out = executor.run(feeds(mb), {fetch});
+          result.forward_seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
+          if (st.loss.defined()) {
+            result.losses[static_cast<std::size_t>(mb)] = out[0].to_vector<float>().at(0);
+          } else {
+            outputs[mb] = std::move(out[0]);
+          }
+          result.peak_stashed[index] = std::max(result.peak_stashed[index], ++live);
+          break;
+        }
+        case Kind::kSendActivation:
+          comm.send(outputs.at(mb), a.peer, options_.transfers);
+          outputs.erase(mb);
+          break;
+        case Kind::kRecvGradient: {
+          Tensor t = Tensor::empty(with_rows(st.output.shape(), rows(mb)), st.output.dtype(), *st.device);
+          comm.recv(t, a.peer, options_.transfers);
+          output_grads[mb] = std::move(t);
+          break;
+        }
+        case Kind::kBackward: {
+          const auto start = Clock::now();
+          auto f = feeds(mb);
+          if (st.output_gradient.defined()) f.push_back({st.output_gradient, output_grads.at(mb)});
+          std::vector<graph::Output> fetches = st.gradients;
+          if (st.input_gradient.defined()) fetches.push_back(st.input_gradient);
+          auto out = executor.run(f, fetches);
+          if (st.input_gradient.defined()) {
+            input_grads[mb] = std::move(out.back());
+            out.pop_back();
+          }
+          // Summed in micro-batch order on every run: the same sums, bitwise, run to run.
+          if (sums.empty()) {
+            for (const auto& g : out) {
+              sums.push_back(Tensor::empty(g.shape(), g.dtype(), *st.device));
+              st.device->copy_on_device(sums.back().raw_data(), g.raw_data(), g.nbytes());
+            }
+          } else {
+            for (std::size_t k = 0; k < out.size(); ++k) {
+              TANDEM_ASSERT(out[k].dtype() == graph::DType::kF32, "pipeline gradients are summed as float32");
+              float* sum = sums[k].data<float>();
+              const float* g = out[k].data<float>();
+              for (std::int64_t i = 0; i < out[k].num_elements(); ++i) sum[i] += g[i];
+            }
+          }
+          result.backward_seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
+          received.erase(mb);
+          output_grads.erase(mb);
+          --live;
+          break;
+        }
+        case Kind::kSendGradient:
+          comm.send(input_grads.at(mb), a.peer, options_.transfers);
+          input_grads.erase(mb);
+          break;
+      }
+    } catch (const Error& e) {
+      throw_with_code(e.code(), fmt::format("pipeline stage {}, micro-batch {}, {}: {}", s, mb, action_name(a.kind),
+                                            e.what()));
+    } catch (const std::exception& e) {
+      throw Internal(fmt::format("pipeline stage {}, micro-batch {}, {}: {}", s, mb, action_name(a.kind), e.what()));
+    }
+  }
+}
+
+}  // namespace tandem::strategy

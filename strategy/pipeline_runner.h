@@ -1,0 +1,99 @@
+// tandem/strategy/pipeline_runner.h — runs a model cut into pipeline stages, one graph per device,
+// over micro-batches in the order a schedule (pipeline_schedule.h: GPipe, 1F1B, interleaved 1F1B
+// with one chunk per stage) gives, passing activations forward and their gradients back with the
+// communicator's point-to-point send and recv.
+//
+// Each stage is a graph on its own device (PipelineStage below): it reads the activation its
+// predecessor sent (or, on the first stage, the micro-batch's data), computes its layers and
+// sends its output on; the last stage computes the loss. Backward runs the stage's graph again
+// with the gradient of its output fed (graph::gradients with grad_ys): the forward is recomputed
+// there (GPipe's re-materialisation), so what a stage keeps from a micro-batch's forward to its
+// backward is only the activation it received (its "stash"). Gradients are summed over the
+// micro-batches; the caller applies them (its optimizer), as after GradientReducer::finish_step.
+// The loss a last stage computes should be the micro-batch's share of the global batch's loss
+// (its rows' losses summed times 1 / global rows), so that the summed gradients are the global
+// batch's and the step's loss is the sum of the micro-batches' losses.
+//
+// Who calls: one thread, step() once per training step; step() runs every stage on a thread of
+// its own (stage 0 on the caller's) and returns when all are done.
+// What blocks: step(), until every stage has run its list; a transfer waits for the neighbour up
+// to CallOptions' timeout.
+// After a failed step the group is aborted: make a new runner over a new group to go on.
+// What throws: the constructor, InvalidArgument for stages that do not chain (a missing input,
+// output, loss or gradient, a communicator of another size or rank); step(), InvalidArgument for
+// micro-batches of the wrong count. A stage whose action fails aborts the group, so the others
+// stop promptly (Unavailable), and step() rethrows the first failure, of its own type, prefixed
+// with "pipeline stage S, micro-batch M, <action>: ".
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "tandem/collective/communicator.h"
+#include "tandem/devices/device.h"
+#include "tandem/graph/executor.h"
+#include "tandem/graph/graph.h"
+#include "tandem/strategy/pipeline_schedule.h"
+
+namespace tandem::strategy {
+
+struct PipelineStage {
+  std::shared_ptr<const graph::Graph> graph;
+  devices::Device* device = nullptr;
+  // Placeholders fed from the micro-batch's components: {placeholder, component index}.
+  std::vector<std::pair<graph::Output, int>> data;
+  graph::Output input;            // the received activation's placeholder; undefined on stage 0
+  graph::Output output;           // the activation sent on; undefined on the last stage
+  graph::Output loss;             // the last stage's scalar loss; undefined elsewhere
+  graph::Output output_gradient;  // placeholder for d loss / d output; undefined on the last stage
+  graph::Output input_gradient;   // d loss / d input; undefined on stage 0
+  std::vector<graph::Output> variables;  // Variable nodes, bound to `values`
+  std::vector<Tensor> values;
+  std::vector<graph::Output> gradients;  // d loss / d each variable
+
+  // Fills gradients and input_gradient from the rest: the last stage differentiates its loss,
+  // the others their output seeded with output_gradient.
+  void add_gradients();
+};
+
+struct PipelineRunnerOptions {
+  collective::CallOptions transfers;  // each send and recv's timeout
+  // Called before each action on its stage's thread (tests inject failures; a profiler times).
+  std::function<void(int stage, const PipelineAction& action)> before_action;
+};
+
+struct PipelineStepResult {
+  std::vector<double> losses;                    // per micro-batch, from the last stage
+  std::vector<std::vector<Tensor>> gradients;    // per stage, per variable: summed over micro-batches
+  std::vector<int> peak_stashed;                 // per stage, the most received activations held at once
+  std::vector<double> forward_seconds, backward_seconds;  // per stage, summed over micro-batches
+  double loss() const;                           // the sum over micro-batches
+};
+
+class PipelineRunner {
+ public:
+  // config.stages must equal stages.size(); communicators[s] is stage s's rank s of one group.
+  PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig config,
+                 std::vector<collective::Communicator*> communicators, PipelineRunnerOptions options = {});
+  ~PipelineRunner();
+
+  // One step over `microbatches` (config.microbatches of them, each the data components that
+  // PipelineStage::data index). Throws as the top of this file says.
+  PipelineStepResult step(const std::vector<std::vector<Tensor>>& microbatches);
+
+  const PipelinePlan& plan() const { return plan_; }
+  std::vector<PipelineStage>& stages() { return stages_; }
+
+ private:
+  void run_stage(int s, const std::vector<std::vector<Tensor>>& microbatches, PipelineStepResult& result);
+
+  std::vector<PipelineStage> stages_;
+  PipelineConfig config_;
+  PipelinePlan plan_;
+  std::vector<collective::Communicator*> communicators_;
+  PipelineRunnerOptions options_;
+  std::vector<std::unique_ptr<graph::Executor>> executors_;
+};
+
+}  // namespace tandem::strategy

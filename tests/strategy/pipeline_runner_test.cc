@@ -1,0 +1,264 @@
+// The pipeline runner (strategy/pipeline_runner.h) on logical CPU devices: an MLP cut into 2 and
+// 4 stages trains as the same MLP on one device under GPipe and 1F1B, with as many micro-batches
+// as stages, more, and fewer (every step's loss and the final weights within 1e-5 relative);
+// bitwise the same run to run; holding at most p micro-batches per stage under 1F1B and m under
+// GPipe; sending 2 m transfers of one micro-batch's boundary activation per boundary and step; and
+// a stage that fails ends the step at once with an error naming the stage, micro-batch and action.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include "common/error_message.h"
+#include "tandem/collective/in_process.h"
+#include "tandem/graph/executor.h"
+#include "tandem/ops/ops.h"
+#include "tandem/strategy/pipeline_runner.h"
+
+using namespace tandem;
+using graph::Output;
+using strategy::PipelineSchedule;
+
+namespace {
+
+constexpr std::int64_t kIn = 8, kBatch = 32;
+constexpr float kLearningRate = 0.05f;
+
+struct Layer {
+  std::int64_t in, out;
+  const char* activation;  // "tanh", "relu", "" (none)
+};
+// pre, fc1, fc2, head: 8 -> 8 -> 16 -> 8 -> 1.
+const std::vector<Layer> kLayers{{8, 8, "tanh"}, {8, 16, "relu"}, {16, 8, "tanh"}, {8, 1, ""}};
+
+std::vector<std::vector<float>> initial_weights() {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+  std::vector<std::vector<float>> w;
+  for (const auto& l : kLayers) {
+    for (const auto n : {l.in * l.out, l.out}) {
+      std::vector<float> v(static_cast<std::size_t>(n));
+      for (auto& e : v) e = u(rng);
+      w.push_back(v);
+    }
+  }
+  return w;
+}
+
+std::pair<Tensor, Tensor> batch(int step) {
+  std::mt19937 rng(static_cast<unsigned>(500 + step));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(kBatch * kIn)), y(static_cast<std::size_t>(kBatch));
+  for (auto& v : x) v = n(rng);
+  for (std::int64_t i = 0; i < kBatch; ++i) {
+    float s = 0;
+    for (std::int64_t f = 0; f < kIn; ++f) s += std::cos(x[static_cast<std::size_t>(i * kIn + f)] * (0.5f + f * 0.2f));
+    y[static_cast<std::size_t>(i)] = s / 4;
+  }
+  return {Tensor::from_vector(x, {kBatch, kIn}), Tensor::from_vector(y, {kBatch, 1})};
+}
+
+// Layers [first, last) of the MLP as one stage on `device`; the last layer adds the loss (its
+// rows' squared errors times 1 / the global batch).
+strategy::PipelineStage make_stage(std::size_t first, std::size_t last, devices::Device& device,
+                                   const std::vector<std::vector<float>>& weights) {
+  auto g = std::make_shared<graph::Graph>();
+  strategy::PipelineStage st;
+  st.device = &device;
+  Output h;
+  if (first == 0) {
+    h = g->placeholder(kFloat32, {-1, kIn}, "x");
+    st.data.push_back({h, 0});
+  } else {
+    st.input = h = g->placeholder(kFloat32, {-1, kLayers[first].in}, "input");
+  }
+  for (std::size_t l = first; l < last; ++l) {
+    const auto& layer = kLayers[l];
+    st.variables.push_back(g->variable(kFloat32, {layer.in, layer.out}, fmt::format("layer{}/kernel", l)));
+    st.values.push_back(Tensor::from_vector(weights[2 * l], {layer.in, layer.out}, device));
+    st.variables.push_back(g->variable(kFloat32, {layer.out}, fmt::format("layer{}/bias", l)));
+    st.values.push_back(Tensor::from_vector(weights[2 * l + 1], {layer.out}, device));
+    h = ops::bias_add(ops::matmul(h, st.variables[st.variables.size() - 2]), st.variables.back());
+    if (std::string_view(layer.activation) == "tanh") h = ops::tanh(h);
+    if (std::string_view(layer.activation) == "relu") h = ops::relu(h);
+  }
+  if (last == kLayers.size()) {
+    const Output y = g->placeholder(kFloat32, {-1, 1}, "y");
+    st.data.push_back({y, 1});
+    const Output sum = ops::reduce_sum(ops::square(h - y));
+    st.loss = sum * ops::scalar_like(sum, 1.0 / kBatch);
+  } else {
+    st.output = h;
+    st.output_gradient = g->placeholder(kFloat32, {-1, kLayers[last - 1].out}, "output_gradient");
+  }
+  st.add_gradients();
+  st.graph = g;
+  return st;
+}
+
+void sgd(std::vector<Tensor>& values, const std::vector<Tensor>& gradients) {
+  for (std::size_t k = 0; k < values.size(); ++k) {
+    float* v = values[k].data<float>();
+    const float* d = gradients[k].data<float>();
+    for (std::int64_t i = 0; i < values[k].num_elements(); ++i) v[i] -= kLearningRate * d[i];
+  }
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> weights;
+  std::vector<int> peak_stashed;
+  collective::CommunicationStats stage0;
+};
+
+// The whole MLP as one stage of a 1-stage pipeline with 1 micro-batch: one device's training.
+// cuts: the stage boundaries (layer indices), {0, 4} for one device.
+Run train(std::vector<std::size_t> cuts, PipelineSchedule schedule, int microbatches, int steps) {
+  const int p = static_cast<int>(cuts.size()) - 1;
+  const auto weights = initial_weights();
+  std::vector<strategy::PipelineStage> stages;
+  for (int s = 0; s < p; ++s) {
+    stages.push_back(make_stage(cuts[static_cast<std::size_t>(s)], cuts[static_cast<std::size_t>(s) + 1],
+                                devices::get_device(fmt::format("CPU:{}", s)), weights));
+  }
+  auto comms = collective::make_in_process_group(p);
+  std::vector<collective::Communicator*> group;
+  for (auto& c : comms) group.push_back(c.get());
+  strategy::PipelineRunner runner(std::move(stages), {.stages = p, .microbatches = microbatches, .schedule = schedule},
+                                  group);
+  Run run;
+  const std::int64_t rows = kBatch / microbatches;
+  for (int step = 0; step < steps; ++step) {
+    const auto [x, y] = batch(step);
+    std::vector<std::vector<Tensor>> mbs;
+    for (int m = 0; m < microbatches; ++m) {
+      mbs.push_back({strategy::flat_view(x, m * rows * kIn, rows * kIn).reshape({rows, kIn}),
+                     strategy::flat_view(y, m * rows, rows).reshape({rows, 1})});
+    }
+    const auto result = runner.step(mbs);
+    run.losses.push_back(result.loss());
+    for (int s = 0; s < p; ++s) sgd(runner.stages()[static_cast<std::size_t>(s)].values, result.gradients[static_cast<std::size_t>(s)]);
+    run.peak_stashed = result.peak_stashed;
+  }
+  for (auto& st : runner.stages()) {
+    for (const auto& v : st.values) run.weights.push_back(v.to_vector<float>());
+  }
+  run.stage0 = comms[0]->stats();
+  return run;
+}
+
+void check_equivalent(const Run& got, const Run& want) {
+  REQUIRE(got.losses.size() <= want.losses.size());
+  for (std::size_t s = 0; s < got.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * std::abs(want.losses[s]));
+  }
+  REQUIRE(got.weights.size() == want.weights.size());
+  for (std::size_t k = 0; k < got.weights.size(); ++k) {
+    for (std::size_t i = 0; i < got.weights[k].size(); ++i) {
+      const double a = got.weights[k][i], b = want.weights[k][i];
+      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b))) {
+        FAIL_CHECK("weight " << k << "[" << i << "]: " << a << " vs " << b);
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("pipelines of 2 and 4 stages train as one device under GPipe and 1F1B, with m = p, m > p and m < p") {
+  constexpr int kSteps = 50;
+  const Run one = train({0, 4}, PipelineSchedule::k1F1B, 1, kSteps);
+  CHECK(one.losses.back() < 0.5 * one.losses.front());  // it trains
+  struct Case {
+    std::vector<std::size_t> cuts;
+    PipelineSchedule schedule;
+    int microbatches;
+  };
+  for (const Case& c : std::vector<Case>{{{0, 2, 4}, PipelineSchedule::kGPipe, 4},
+                                         {{0, 2, 4}, PipelineSchedule::k1F1B, 4},
+                                         {{0, 2, 4}, PipelineSchedule::k1F1B, 1},
+                                         {{0, 2, 4}, PipelineSchedule::kGPipe, 2},
+                                         {{0, 1, 2, 3, 4}, PipelineSchedule::k1F1B, 8},
+                                         {{0, 1, 2, 3, 4}, PipelineSchedule::kGPipe, 2}}) {
+    const int p = static_cast<int>(c.cuts.size()) - 1;
+    CAPTURE(p);
+    CAPTURE(c.microbatches);
+    CAPTURE(strategy::pipeline_schedule_name(c.schedule));
+    const Run got = train(c.cuts, c.schedule, c.microbatches, kSteps);
+    check_equivalent(got, one);
+    // Micro-batches held between forward and backward: m under GPipe, min(p - s, m) under 1F1B.
+    for (int s = 0; s < p; ++s) {
+      const int want = c.schedule == PipelineSchedule::kGPipe ? c.microbatches : std::min(p - s, c.microbatches);
+      CHECK(got.peak_stashed[static_cast<std::size_t>(s)] == want);
+    }
+    // Stage 0 sends m activations of (32 / m rows x width) float32 and receives m gradients of
+    // them a step: 2 m transfers of one micro-batch's boundary activation.
+    const std::int64_t width = kLayers[c.cuts[1] - 1].out;
+    const std::int64_t bytes = kBatch * width * 4 * kSteps;
+    CHECK(got.stage0.send.calls == c.microbatches * kSteps);
+    CHECK(got.stage0.recv.calls == c.microbatches * kSteps);
+    CHECK(got.stage0.send.bytes_sent == bytes);
+    CHECK(got.stage0.recv.bytes_received == bytes);
+    CHECK(got.stage0.all_reduce.calls == 0);
+  }
+}
+
+TEST_CASE("a pipeline run is bitwise the same run to run") {
+  const Run a = train({0, 2, 4}, PipelineSchedule::k1F1B, 4, 20);
+  const Run b = train({0, 2, 4}, PipelineSchedule::k1F1B, 4, 20);
+  CHECK(a.losses == b.losses);
+  CHECK(a.weights == b.weights);
+}
+
+TEST_CASE("a stage that fails ends the step on every stage at once, naming the stage, micro-batch and action") {
+  const auto weights = initial_weights();
+  std::vector<strategy::PipelineStage> stages{make_stage(0, 2, devices::get_device("CPU:0"), weights),
+                                              make_stage(2, 4, devices::get_device("CPU:1"), weights)};
+  auto comms = collective::make_in_process_group(2);
+  strategy::PipelineRunnerOptions options;
+  options.transfers.timeout = std::chrono::seconds(60);
+  options.before_action = [](int stage, const strategy::PipelineAction& a) {
+    if (stage == 1 && a.microbatch == 2 && a.kind == strategy::PipelineAction::Kind::kForward) {
+      throw InvalidArgument("injected fault");
+    }
+  };
+  strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 4}, {comms[0].get(), comms[1].get()},
+                                  options);
+  const auto [x, y] = batch(0);
+  std::vector<std::vector<Tensor>> mbs;
+  for (int m = 0; m < 4; ++m) {
+    mbs.push_back({strategy::flat_view(x, m * 8 * kIn, 8 * kIn).reshape({8, kIn}),
+                   strategy::flat_view(y, m * 8, 8).reshape({8, 1})});
+  }
+  const auto start = std::chrono::steady_clock::now();
+  CHECK(testing::error_message([&] { runner.step(mbs); }) == "pipeline stage 1, micro-batch 2, forward: injected fault");
+  // Stage 0, blocked in a transfer to stage 1, was released by the abort, not by its 60 s timeout.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  CHECK(testing::error_message([&] { runner.step({mbs[0]}); }) ==
+        "PipelineRunner::step: 1 micro-batches given; the schedule has 4");
+}
+
+TEST_CASE("PipelineRunner refuses stages that do not chain") {
+  const auto weights = initial_weights();
+  auto comms = collective::make_in_process_group(2);
+  const auto make = [&](std::vector<strategy::PipelineStage> stages) {
+    strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 2}, {comms[0].get(), comms[1].get()});
+  };
+  CHECK(testing::error_message([&] {
+          make({make_stage(0, 2, devices::get_device("CPU:0"), weights), make_stage(0, 4, devices::get_device("CPU:1"), weights)});
+        }) == "PipelineRunner: stage 1 lacks an input placeholder; every stage but the first needs one");
+  CHECK(testing::error_message([&] {
+          make({make_stage(0, 1, devices::get_device("CPU:0"), weights), make_stage(2, 4, devices::get_device("CPU:1"), weights)});
+        }) == "PipelineRunner: stage 0's output is float32 (None, 8) but stage 1's input is float32 (None, 16)");
+  CHECK(testing::error_message([&] {
+          make({make_stage(0, 2, devices::get_device("CPU:0"), weights), make_stage(2, 3, devices::get_device("CPU:1"), weights)});
+        }) == "PipelineRunner: stage 1 must have a loss and no output (the last stage a loss; the others an output and an "
+              "output_gradient placeholder)");
+  CHECK(testing::error_message([&] {
+          strategy::PipelineRunner runner({make_stage(0, 4, devices::get_device("CPU:0"), weights)},
+                                          {.stages = 1, .microbatches = 0}, {comms[0].get()});
+        }).find("microbatches") != std::string::npos);
+}
