@@ -218,8 +218,9 @@ void Communicator::check_peer(std::string_view op, std::string_view role, int pe
   TANDEM_REQUIRE(peer != rank(), InvalidArgument,
                  "{} on rank {} of {}: the {} is this rank itself; a rank cannot {} itself", op, rank(), size(), role,
                  role == "receiver" ? "send to" : "receive from");
-  TANDEM_REQUIRE(peer >= 0 && peer < size(), InvalidArgument, "{} on rank {} of {}: the {} {} is not a rank of this group{}",
-                 op, rank(), size(), role, peer, allow_none ? " (-1: none)" : "");
+  TANDEM_REQUIRE(peer >= 0 && peer < size(), InvalidArgument,
+                 "{} on rank {} of {}: the {} {} is not a rank of this group{}", op, rank(), size(), role, peer,
+                 allow_none ? " (-1: none)" : "");
 }
 
 void Communicator::send(const Tensor& tensor, int peer, const CallOptions& options) {
@@ -413,9 +414,10 @@ std::string point_to_point_label(std::string_view op, bool receiving, std::uint6
 
 std::string point_to_point_mismatch(int sender, DType sent_dtype, std::int64_t sent_elements, int receiver,
                                     DType expected_dtype, std::int64_t expected_elements) {
-  return fmt::format("rank {} sent {} {} elements, rank {} receives {} {} elements; the dtypes and element counts "
-                     "must match",
-                     sender, sent_elements, sent_dtype, receiver, expected_elements, expected_dtype);
+  return fmt::format(
+      "rank {} sent {} {} elements, rank {} receives {} {} elements; the dtypes and element counts "
+      "must match",
+      sender, sent_elements, sent_dtype, receiver, expected_elements, expected_dtype);
 }
 
 std::string call_label(OpKind kind, std::uint64_t sequence_number) {

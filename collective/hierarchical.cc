@@ -158,8 +158,12 @@ class HierarchicalCommunicator final : public Communicator {
     }
     const Level level = send_level != Level::kNone ? send_level : recv_level;
     Communicator& c = level == Level::kLocal ? local() : *levels_->cross;
-    const int to = send_peer < 0 ? -1 : level == Level::kLocal ? send_peer % levels_->replicas : send_peer / levels_->replicas;
-    const int from = recv_peer < 0 ? -1 : level == Level::kLocal ? recv_peer % levels_->replicas : recv_peer / levels_->replicas;
+    const int to = send_peer < 0            ? -1
+                   : level == Level::kLocal ? send_peer % levels_->replicas
+                                            : send_peer / levels_->replicas;
+    const int from = recv_peer < 0            ? -1
+                     : level == Level::kLocal ? recv_peer % levels_->replicas
+                                              : recv_peer / levels_->replicas;
     c.send_recv(send_tensor, to, recv_tensor, from, options);
   }
 

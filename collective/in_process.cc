@@ -542,9 +542,9 @@ class InProcessCommunicator final : public Communicator {
     // Both halves' arguments are checked before anything is sent.
     for (const bool receiving : {false, true}) {
       if ((receiving ? recv_peer : send_peer) < 0) continue;
-      const std::string problem = detail::host_tensor_problem(receiving ? recv_tensor : send_tensor,
-                                                              receiving ? "the tensor to receive into" : "the tensor to send",
-                                                              kBackendName);
+      const std::string problem =
+          detail::host_tensor_problem(receiving ? recv_tensor : send_tensor,
+                                      receiving ? "the tensor to receive into" : "the tensor to send", kBackendName);
       if (!problem.empty()) throw InvalidArgument(fmt::format("{}: {}", label(receiving), problem));
     }
     if (send_peer >= 0) {
@@ -561,15 +561,16 @@ class InProcessCommunicator final : public Communicator {
       case Group::Taken::kMessage: break;
       case Group::Taken::kFailed: throw group_->unusable_now(label(true));
       case Group::Taken::kTimedOut:
-        throw DeadlineExceeded(fmt::format("{}: rank {} sent nothing within {} ms", label(true), recv_peer,
-                                           options.timeout.count()));
+        throw DeadlineExceeded(
+            fmt::format("{}: rank {} sent nothing within {} ms", label(true), recv_peer, options.timeout.count()));
     }
     const std::string what = label(true);
     ++received_from_[static_cast<std::size_t>(recv_peer)];  // a mismatched message is dropped
     if (message.dtype != recv_tensor.dtype() || message.elements != recv_tensor.num_elements()) {
-      throw InvalidArgument(fmt::format("{}: {}", what,
-                                        detail::point_to_point_mismatch(recv_peer, message.dtype, message.elements, rank_,
-                                                                        recv_tensor.dtype(), recv_tensor.num_elements())));
+      throw InvalidArgument(
+          fmt::format("{}: {}", what,
+                      detail::point_to_point_mismatch(recv_peer, message.dtype, message.elements, rank_,
+                                                      recv_tensor.dtype(), recv_tensor.num_elements())));
     }
     if (!message.bytes.empty()) std::memcpy(recv_tensor.raw_data(), message.bytes.data(), message.bytes.size());
   }

@@ -137,8 +137,10 @@ const Section& kPointToPoint = add_section({
           expect_op("recv", got.recv, peer < 0 ? none : received, ctx);
           expect_op("all_reduce", got.all_reduce, none, ctx);
           expect_op("barrier", got.barrier, none, ctx);
-          expect_op("total", got.total(), peer < 0 ? none : OpStats{.calls = 3, .bytes_sent = sent.bytes_sent,
-                                                                       .bytes_received = received.bytes_received},
+          expect_op("total", got.total(),
+                    peer < 0
+                        ? none
+                        : OpStats{.calls = 3, .bytes_sent = sent.bytes_sent, .bytes_received = received.bytes_received},
                     ctx);
           const std::string text = got.to_string();
           if (peer >= 0 && (text.find("send: ") == std::string::npos || text.find("recv: ") == std::string::npos)) {
