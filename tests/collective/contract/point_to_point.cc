@@ -124,6 +124,7 @@ const Section& kExchange = add_section({
           Tensor output_gradient = Tensor::zeros(Shape({4096}), kFloat32, ctx.device());
           c.send_recv(gradient, previous, output_gradient, next);
           if (next >= 0) expect_message<float>(output_gradient, 4096, next, call, "the backward gradient");
+          c.barrier();  // nobody leaves (some backends fail the group then) while a peer still receives
         },
 });
 
@@ -163,6 +164,7 @@ const Section& kOrder = add_section({
                 expect_message<T>(got, 64, n - 1, 30 + i, fmt::format("message {} of rank {}", i, n - 1));
               }
             }
+            c.barrier();
           });
         },
 });
@@ -230,6 +232,7 @@ const Section& kMismatch = add_section({
             c.send(message<float>(ctx, 8, 0, 40), 1, options);
             c.send(message<float>(ctx, 8, 0, 41), 1, options);
             c.send(message<float>(ctx, 8, 0, 42), 1, options);
+            ctx.step("barrier", [&] { c.barrier(options); });
             return;
           }
           Tensor ints = Tensor::zeros(Shape({8}), kInt64, ctx.device());
@@ -241,12 +244,14 @@ const Section& kMismatch = add_section({
             c.recv(fits, 0, options);
             expect_message<float>(fits, 8, 0, 42, "the message after two dropped ones");
           });
+          ctx.step("barrier", [&] { c.barrier(options); });
         },
     .verdict =
         [](const Run&, const std::vector<Outcome>& outcomes) {
           for (const Outcome& o : outcomes) {
             CAPTURE(o.rank);
             check_step(o.step("body"), "none");
+            check_step(o.step("barrier"), "none");
             if (o.rank != 1) continue;
             check_step(o.step("dtype"), "InvalidArgument", {"recv", "rank 0", "rank 1", "float32", "int64", "8"});
             check_step(o.step("count"), "InvalidArgument", {"recv", "rank 0", "rank 1", "8", "6"});
@@ -272,6 +277,8 @@ const Section& kNoSender = add_section({
             Tensor t = Tensor::zeros(Shape({16}), kFloat32, ctx.device());
             c.recv(t, 0, {.timeout = kLongTimeout});
             ctx.step("recv", [&] { c.recv(t, 0, {.timeout = kTimeout}); });
+          } else {
+            ctx.hold();  // in the group until the others are done
           }
         },
     .verdict =
@@ -371,6 +378,7 @@ const Section& kHierarchical = add_section({
             expect_message<float>(in, 300, 0, 61, "rank 0's message");
             c.send(message<float>(ctx, 300, 2, 62), 0);
           } else {
+            // (Both sides throw at once, before anything is sent.)
             // Across workers, not replicas 0: 1 -> 3.
             ctx.step("unsupported", [&] {
               if (r == 1) c.send(in, 3);
