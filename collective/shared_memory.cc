@@ -108,7 +108,7 @@ using std::chrono::milliseconds;
 constexpr std::string_view kBackendName = "the shared-memory communicator";
 
 constexpr std::uint64_t kMagic = 0x4853'6d65'646e'6174;  // "tandemSH", little-endian
-constexpr std::uint32_t kLayoutVersion = 2;  // 2: point-to-point channels
+constexpr std::uint32_t kLayoutVersion = 2;              // 2: point-to-point channels
 // Reduction parts start on multiples of 64 bytes (a cache line): two ranks never write into the
 // same line of the result, and the vector loops start aligned.
 constexpr std::size_t kAlignBytes = 64;
@@ -681,8 +681,8 @@ class SharedMemoryCommunicator final : public Communicator {
     }
     // This rank's own arguments: checked before anything is sent.
     if (call.timeout <= milliseconds(0)) {
-      throw InvalidArgument(fmt::format("{}: the timeout must be positive, got {} ms", describe(call, out, in),
-                                        call.timeout.count()));
+      throw InvalidArgument(
+          fmt::format("{}: the timeout must be positive, got {} ms", describe(call, out, in), call.timeout.count()));
     }
     if (send_peer >= 0 && !usable(send_tensor)) {
       throw InvalidArgument(fmt::format("{}: {}", describe(call, out, in),
@@ -785,10 +785,8 @@ class SharedMemoryCommunicator final : public Communicator {
     Channel& ch = channel(config_.rank, out.peer);
     const std::uint64_t k = ch.written.load(std::memory_order_relaxed);
     const std::size_t len = std::min(kChannelPieceBytes, out.bytes - out.offset);
-    ch.pieces[k % kChannelPieces] = {.message = out.number,
-                                     .elements = out.elements,
-                                     .bytes = len,
-                                     .dtype = static_cast<std::uint8_t>(out.dtype)};
+    ch.pieces[k % kChannelPieces] = {
+        .message = out.number, .elements = out.elements, .bytes = len, .dtype = static_cast<std::uint8_t>(out.dtype)};
     if (len > 0) std::memcpy(piece_data(config_.rank, out.peer, k), out.data + out.offset, len);
     out.offset += len;
     ++out.pieces;
@@ -814,7 +812,8 @@ class SharedMemoryCommunicator final : public Communicator {
       in.bytes = static_cast<std::size_t>(piece.elements) * dtype_size(in.sent_dtype);
       in.mismatch = in.sent_dtype != in.dtype || in.sent_elements != in.elements;
     }
-    if (!in.mismatch && piece.bytes > 0) std::memcpy(in.data + in.offset, piece_data(in.peer, config_.rank, k), piece.bytes);
+    if (!in.mismatch && piece.bytes > 0)
+      std::memcpy(in.data + in.offset, piece_data(in.peer, config_.rank, k), piece.bytes);
     in.offset += piece.bytes;
     ++in.pieces;
     if (in.done()) ++received_from_[static_cast<std::size_t>(in.peer)];
@@ -870,11 +869,12 @@ class SharedMemoryCommunicator final : public Communicator {
     const int peer = receiving ? in.peer : out.peer;
     const bool midway = (!out.done() && out.pieces > 0) || (!in.done() && in.pieces > 0);
     const std::string what = describe_half(call, receiving, peer, receiving ? in.number : out.number);
-    const std::string text = fmt::format(
-        "timed out after {}: {} {}", format_duration(call.timeout), label(peer),
-        receiving ? (in.pieces > 0 ? "sent only part of the message" : "sent nothing")
-                  : (out.pieces > 0 ? "received only part of the message" : "did not receive it"));
-    if (midway) set_failure(FailureKind::kAborted, "", 0, fmt::format("{}: {}, midway through the message", what, text));
+    const std::string text =
+        fmt::format("timed out after {}: {} {}", format_duration(call.timeout), label(peer),
+                    receiving ? (in.pieces > 0 ? "sent only part of the message" : "sent nothing")
+                              : (out.pieces > 0 ? "received only part of the message" : "did not receive it"));
+    if (midway)
+      set_failure(FailureKind::kAborted, "", 0, fmt::format("{}: {}, midway through the message", what, text));
     throw DeadlineExceeded(fmt::format("{}: {}", what, text));
   }
 
