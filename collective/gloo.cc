@@ -572,9 +572,10 @@ class GlooCommunicator final : public Communicator {
       const Tensor& t = receiving ? recv_tensor : send_tensor;
       if (usable(t)) continue;
       call.receiving = receiving;
-      throw InvalidArgument(fmt::format(
-          "{}: {}", describe(call),
-          detail::host_tensor_problem(t, receiving ? "the tensor to receive into" : "the tensor to send", kBackendName)));
+      throw InvalidArgument(
+          fmt::format("{}: {}", describe(call),
+                      detail::host_tensor_problem(t, receiving ? "the tensor to receive into" : "the tensor to send",
+                                                  kBackendName)));
     }
     if (failed_.load(std::memory_order_acquire)) {
       std::lock_guard lock(mutex_);
@@ -588,14 +589,16 @@ class GlooCommunicator final : public Communicator {
                   .elements = send_tensor.num_elements(),
                   .dtype = static_cast<std::uint8_t>(send_tensor.dtype())};
       send_descriptor = context_->createUnboundBuffer(&outgoing, sizeof(outgoing));
-      if (send_tensor.nbytes() > 0) send_data = context_->createUnboundBuffer(send_tensor.raw_data(), send_tensor.nbytes());
+      if (send_tensor.nbytes() > 0)
+        send_data = context_->createUnboundBuffer(send_tensor.raw_data(), send_tensor.nbytes());
     }
     if (recv_peer >= 0) recv_descriptor = context_->createUnboundBuffer(&incoming, sizeof(incoming));
     std::vector<std::byte> scratch;  // a mismatched message's bytes
     InFlight in_flight(*this, send_descriptor.get(), send_data.get(), recv_descriptor.get());
     bool mismatch = false;
     run_point_to_point(call, [&] {
-      if (recv_descriptor) recv_descriptor->recv(recv_peer, gloo::Slot::build(kPointToPointDescriptorSlot, tag(call.recv_number)));
+      if (recv_descriptor)
+        recv_descriptor->recv(recv_peer, gloo::Slot::build(kPointToPointDescriptorSlot, tag(call.recv_number)));
       if (send_descriptor) {
         send_descriptor->send(send_peer, gloo::Slot::build(kPointToPointDescriptorSlot, tag(call.send_number)));
         if (send_data) send_data->send(send_peer, gloo::Slot::build(kPointToPointDataSlot, tag(call.send_number)));
@@ -629,10 +632,10 @@ class GlooCommunicator final : public Communicator {
     if (mismatch) {
       call.receiving = true;
       call.recv_number = received_from_[static_cast<std::size_t>(recv_peer)] - 1;
-      throw InvalidArgument(fmt::format(
-          "{}: {}", describe(call),
-          detail::point_to_point_mismatch(recv_peer, static_cast<DType>(incoming.dtype), incoming.elements,
-                                          config_.rank, recv_tensor.dtype(), recv_tensor.num_elements())));
+      throw InvalidArgument(
+          fmt::format("{}: {}", describe(call),
+                      detail::point_to_point_mismatch(recv_peer, static_cast<DType>(incoming.dtype), incoming.elements,
+                                                      config_.rank, recv_tensor.dtype(), recv_tensor.num_elements())));
     }
   }
 
@@ -694,10 +697,11 @@ class GlooCommunicator final : public Communicator {
   std::string describe(const PointToPoint& call) const {
     const int peer = call.receiving ? call.recv_peer : call.send_peer;
     const std::string group = config_.group_name.empty() ? "" : fmt::format(" in the {} group", config_.group_name);
-    return fmt::format("gloo {}{}",
-                       detail::point_to_point_label(call.op, call.receiving, call.receiving ? call.recv_number : call.send_number,
-                                                    label(peer), label(config_.rank)),
-                       group);
+    return fmt::format(
+        "gloo {}{}",
+        detail::point_to_point_label(call.op, call.receiving, call.receiving ? call.recv_number : call.send_number,
+                                     label(peer), label(config_.rank)),
+        group);
   }
 
   // An interrupted wait (abort, or the monitor after a peer failed).
