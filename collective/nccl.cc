@@ -633,8 +633,8 @@ class NcclCommunicator final : public Communicator {
     const std::string_view op = detail::point_to_point_name(send_peer, recv_peer);
     const bool receiving = recv_peer >= 0;
     const int peer = receiving ? recv_peer : send_peer;
-    const std::uint64_t number = receiving ? received_from_[static_cast<std::size_t>(recv_peer)]
-                                           : sent_to_[static_cast<std::size_t>(send_peer)];
+    const std::uint64_t number =
+        receiving ? received_from_[static_cast<std::size_t>(recv_peer)] : sent_to_[static_cast<std::size_t>(send_peer)];
     Call call = begin_point_to_point(
         detail::point_to_point_label(op, receiving, number, group_->label(peer), group_->label(rank_)), options);
     check_arguments(call, [&] {
