@@ -683,7 +683,7 @@ class NcclCommunicator final : public Communicator {
   };
 
   // The seq of every point-to-point call: no collective's, so that the DeadlineExceeded a
-  // point-to-point timeout records is thrown by that call only.
+  // point-to-point timeout records is thrown by the calls waiting then, not by later ones.
   static constexpr std::uint64_t kPointToPointSeq = ~std::uint64_t{0};
 
   Call begin_point_to_point(std::string name, const CallOptions& options) {
@@ -695,7 +695,8 @@ class NcclCommunicator final : public Communicator {
     call.deadline = deadline_after(call.timeout);
     if (group_->failed()) {
       abort_own_communicator();
-      group_->throw_failure(call.label(), call.seq);
+      // (Not call.seq: a point-to-point call that timed out earlier would be this one.)
+      group_->throw_failure(call.label(), kPointToPointSeq - 1);
     }
     return call;
   }
