@@ -211,6 +211,48 @@ void Communicator::barrier(const CallOptions& options) {
   count(kBarrierOp, 0, 0);
 }
 
+// --- point-to-point --------------------------------------------------------------------------------
+
+void Communicator::check_peer(std::string_view op, std::string_view role, int peer, bool allow_none) const {
+  if (allow_none && peer < 0) return;
+  TANDEM_REQUIRE(peer != rank(), InvalidArgument,
+                 "{} on rank {} of {}: the {} is this rank itself; a rank cannot {} itself", op, rank(), size(), role,
+                 role == "receiver" ? "send to" : "receive from");
+  TANDEM_REQUIRE(peer >= 0 && peer < size(), InvalidArgument,
+                 "{} on rank {} of {}: the {} {} is not a rank of this group{}", op, rank(), size(), role, peer,
+                 allow_none ? " (-1: none)" : "");
+}
+
+void Communicator::send(const Tensor& tensor, int peer, const CallOptions& options) {
+  check_peer("send", "receiver", peer, false);
+  Tensor none;
+  do_send_recv(tensor, peer, none, -1, options);
+  count(kSendOp, bytes_of(tensor), 0);
+}
+
+void Communicator::recv(Tensor& tensor, int peer, const CallOptions& options) {
+  check_peer("recv", "sender", peer, false);
+  do_send_recv(Tensor(), -1, tensor, peer, options);
+  count(kRecvOp, 0, bytes_of(tensor));
+}
+
+void Communicator::send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                             const CallOptions& options) {
+  check_peer("send_recv", "receiver", send_peer, true);
+  check_peer("send_recv", "sender", recv_peer, true);
+  if (send_peer < 0 && recv_peer < 0) return;  // a pipeline of one stage
+  Tensor none;
+  do_send_recv(send_peer < 0 ? none : send_tensor, send_peer, recv_peer < 0 ? none : recv_tensor, recv_peer, options);
+  if (send_peer >= 0) count(kSendOp, bytes_of(send_tensor), 0);
+  if (recv_peer >= 0) count(kRecvOp, 0, bytes_of(recv_tensor));
+}
+
+void Communicator::do_send_recv(const Tensor& /*send_tensor*/, int send_peer, Tensor& /*recv_tensor*/, int recv_peer,
+                                const CallOptions& /*options*/) {
+  throw Unimplemented(fmt::format("{} communicator: {} is not implemented by this backend", backend(),
+                                  detail::point_to_point_name(send_peer, recv_peer)));
+}
+
 // --- stats -----------------------------------------------------------------------------------------
 
 void Communicator::count(Op op, std::int64_t sent_buffer_bytes, std::int64_t received_buffer_bytes) {
@@ -242,6 +284,8 @@ OpStats Communicator::read(Op op) const {
       case kReduceScatterOp:
       case kAllGatherOp: numerator = n - 1; break;
       case kBroadcastOp: numerator = n; break;
+      case kSendOp:
+      case kRecvOp: numerator = n; break;  // the bytes themselves
       case kBarrierOp:
       case kNumOps: break;
     }
@@ -256,7 +300,9 @@ CommunicationStats Communicator::stats() const {
           .reduce_scatter = read(kReduceScatterOp),
           .all_gather = read(kAllGatherOp),
           .broadcast = read(kBroadcastOp),
-          .barrier = read(kBarrierOp)};
+          .barrier = read(kBarrierOp),
+          .send = read(kSendOp),
+          .recv = read(kRecvOp)};
 }
 
 void Communicator::reset_stats() {
@@ -291,6 +337,8 @@ void for_each_op(Stats& stats, Fn&& fn) {
   fn("all_gather", stats.all_gather);
   fn("broadcast", stats.broadcast);
   fn("barrier", stats.barrier);
+  fn("send", stats.send);
+  fn("recv", stats.recv);
 }
 
 }  // namespace
@@ -311,6 +359,8 @@ void zip_ops(CommunicationStats& a, const CommunicationStats& b, Fn&& fn) {
   fn(a.all_gather, b.all_gather);
   fn(a.broadcast, b.broadcast);
   fn(a.barrier, b.barrier);
+  fn(a.send, b.send);
+  fn(a.recv, b.recv);
 }
 
 }  // namespace
@@ -346,6 +396,28 @@ std::string_view op_kind_name(OpKind kind) {
     case OpKind::kBarrier: return "barrier";
   }
   return "?";
+}
+
+std::string_view point_to_point_name(int send_peer, int recv_peer) {
+  if (send_peer < 0) return "recv";
+  if (recv_peer < 0) return "send";
+  return "send_recv";
+}
+
+std::string point_to_point_label(std::string_view op, bool receiving, std::uint64_t number, std::string_view peer,
+                                 std::string_view self) {
+  const std::string half =
+      fmt::format("{} #{} {} {}", receiving ? "recv" : "send", number, receiving ? "from" : "to", peer);
+  if (op == "send_recv") return fmt::format("send_recv (its {}) on {}", half, self);
+  return fmt::format("{} on {}", half, self);
+}
+
+std::string point_to_point_mismatch(int sender, DType sent_dtype, std::int64_t sent_elements, int receiver,
+                                    DType expected_dtype, std::int64_t expected_elements) {
+  return fmt::format(
+      "rank {} sent {} {} elements, rank {} receives {} {} elements; the dtypes and element counts "
+      "must match",
+      sender, sent_elements, sent_dtype, receiver, expected_elements, expected_dtype);
 }
 
 std::string call_label(OpKind kind, std::uint64_t sequence_number) {

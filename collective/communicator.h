@@ -8,7 +8,8 @@
 // blocks until the collective is complete on this rank, or its timeout passes: then it throws
 // DeadlineExceeded naming the operation, its sequence number and the ranks that did not arrive.
 // If any rank aborts the group (a replica failed), pending and later calls on every rank throw
-// Unavailable with the abort's reason, promptly.
+// Unavailable with the abort's reason, promptly. Point-to-point send/recv (below) are between two
+// ranks only, outside the collectives' order.
 //
 // The backends, each made by a factory declared in its own header (a caller includes only the
 // backend it makes): in_process.h (replica threads of one process), shared_memory.h (processes of
@@ -28,6 +29,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tandem/graph/tensor.h"
@@ -75,7 +77,10 @@ struct OpStats {
 //   all_gather      (N-1)/N x the output's bytes, sent and received;
 //   broadcast       the buffer's bytes: sent by the root, received by every other rank;
 //   barrier         no bytes;
-//   N = 1           no bytes, for every op.
+//   N = 1           no bytes, for every collective;
+//   send            the tensor's bytes, sent (one call per send, and per send_recv that sends);
+//   recv            the tensor's bytes, received (one call per recv, and per send_recv that
+//                   receives): point-to-point bytes are what really travels, at any N.
 // Rounding: each op keeps the exact sum of its buffers' bytes and applies the factor once, when
 // read, rounding down; so k calls of B bytes report floor(k x B x factor), the formula for k x B
 // bytes exactly (with a byte size that is a multiple of N, as float32 buffers are for N = 2 or 4,
@@ -89,6 +94,8 @@ struct CommunicationStats {
   OpStats all_gather;
   OpStats broadcast;
   OpStats barrier;
+  OpStats send;  // send, and the sending half of send_recv
+  OpStats recv;  // recv, and the receiving half of send_recv
 
   // Every op's calls and bytes added up.
   OpStats total() const;
@@ -154,6 +161,34 @@ class Communicator {
   void all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
                          const CallOptions& options = {});
 
+  // Point-to-point: one rank's tensor into another's (pipeline stages passing activations and
+  // gradients). Between two ranks only: the other ranks take no part, and sequence_number() (the
+  // group's collectives) does not move; each ordered pair (sender, receiver) numbers its own
+  // messages from 0, and messages of one pair match in the order they were sent.
+  //   - recv's tensor must have the dtype and element count of the matching send's (the shape
+  //     may differ). Otherwise the recv throws InvalidArgument naming both ranks, dtypes and
+  //     counts, where the backend can tell (every backend but NCCL: it sends a small descriptor
+  //     first); the message is then dropped and the pair stays usable.
+  //   - send MAY block until the peer posts the matching recv (Gloo, NCCL and the shared-memory
+  //     group do for messages that do not fit their buffers). A rank that both sends and receives
+  //     calls send_recv, or orders its calls so that every send meets a recv: two neighbours
+  //     that both send first may deadlock.
+  //   - peer == rank() or outside [0, size()): InvalidArgument, before anything is sent.
+  //   - a call whose peer does not come throws DeadlineExceeded at its timeout, naming the op
+  //     ("send", "recv", "send_recv"), the peer and the pair's message number; what else fails
+  //     with it is the backend's (the in-process group: nothing; the others fail the group as a
+  //     collective's timeout does).
+  //   - abort() makes a pending or later send/recv throw Unavailable promptly.
+  // Stats count a send's bytes as sent and a recv's as received (CommunicationStats).
+  void send(const Tensor& tensor, int peer, const CallOptions& options = {});
+  void recv(Tensor& tensor, int peer, const CallOptions& options = {});
+  // Sends send_tensor to send_peer and receives recv_tensor from recv_peer at once (MPI_Sendrecv),
+  // so that neighbours exchanging in opposite directions never deadlock. A negative peer (-1)
+  // leaves that half out: the first and last stages of a pipeline make the same call as the
+  // others. Counts as a send and/or a recv.
+  void send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                 const CallOptions& options = {});
+
   // Fails the group: every rank's pending and later calls throw Unavailable(reason). Any rank (or
   // any thread of its owner) may call it; it does not block.
   virtual void abort(const std::string& reason) = 0;
@@ -182,6 +217,12 @@ class Communicator {
                                         std::span<Tensor> riders, ReduceOp op, const CallOptions& options);
   virtual void do_all_gather_ranges(std::span<Tensor> tensors, std::span<const std::int64_t> shard_elements,
                                     const CallOptions& options);
+  // The point-to-point calls, all three through one function, with their peers checked (in range,
+  // not this rank): send_peer < 0 means no send (send_tensor is then undefined), recv_peer < 0 no
+  // recv; never both. detail::point_to_point_name() says which call it is, for messages.
+  // Default: Unimplemented naming the backend and the call.
+  virtual void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                            const CallOptions& options);
 
  private:
   // The counters of one op: its calls, and the bytes its calls' buffers held that count towards
@@ -191,8 +232,19 @@ class Communicator {
     std::atomic<std::int64_t> sent_buffer_bytes{0};
     std::atomic<std::int64_t> received_buffer_bytes{0};
   };
-  enum Op : std::size_t { kAllReduceOp, kReduceScatterOp, kAllGatherOp, kBroadcastOp, kBarrierOp, kNumOps };
+  enum Op : std::size_t {
+    kAllReduceOp,
+    kReduceScatterOp,
+    kAllGatherOp,
+    kBroadcastOp,
+    kBarrierOp,
+    kSendOp,
+    kRecvOp,
+    kNumOps
+  };
   void count(Op op, std::int64_t sent_buffer_bytes, std::int64_t received_buffer_bytes);
+  // InvalidArgument unless peer is another rank of the group (or, with allow_none, negative).
+  void check_peer(std::string_view op, std::string_view role, int peer, bool allow_none) const;
   OpStats read(Op op) const;
 
   std::array<Counter, kNumOps> counters_;

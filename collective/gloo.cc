@@ -71,6 +71,11 @@ constexpr std::size_t kMaxCachedAllreduces = 64;
 constexpr std::size_t kStagingAlignBytes = 64;
 // How often the monitor looks at the sockets of a call in flight.
 constexpr auto kMonitorInterval = milliseconds(50);
+// The slot prefixes of point-to-point messages: above gloo's own (0x01 to 0x08) and the ordered
+// all-reduce's (0x41, 0x42), so that they never meet a collective's. The tag is the pair's
+// message number.
+constexpr std::uint8_t kPointToPointDescriptorSlot = 0x51;
+constexpr std::uint8_t kPointToPointDataSlot = 0x52;
 
 // Gloo's messages start with "[file.cc:123] "; ours name the call instead.
 std::string gloo_message(std::string_view what) {
@@ -540,6 +545,100 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
+  // Point-to-point: each message is a descriptor (the pair's message number, dtype, element count)
+  // on slot (kPointToPointDescriptorSlot, number), then its bytes on (kPointToPointDataSlot,
+  // number). The receiver posts the bytes' recv once the descriptor has come, with a buffer of the
+  // sent size: a message that does not fit its tensor is drained into scratch memory (gloo would
+  // abort the process on a message of another size) and reported. Every recv and send is posted
+  // before the call waits for any, so a send_recv's halves go on at once.
+  void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                    const CallOptions& options) override {
+    PointToPoint call;
+    call.op = detail::point_to_point_name(send_peer, recv_peer);
+    call.send_peer = send_peer;
+    call.recv_peer = recv_peer;
+    call.receiving = recv_peer >= 0;
+    if (send_peer >= 0) call.send_number = sent_to_[static_cast<std::size_t>(send_peer)];
+    if (recv_peer >= 0) call.recv_number = received_from_[static_cast<std::size_t>(recv_peer)];
+    call.timeout = options.timeout == kDefaultTimeout ? config_.timeout : options.timeout;
+    call.started = Clock::now();
+    // This rank's own arguments: nothing is posted yet, so the peers are not affected.
+    if (call.timeout <= milliseconds(0)) {
+      throw InvalidArgument(
+          fmt::format("{}: the timeout must be positive, got {} ms", describe(call), call.timeout.count()));
+    }
+    for (const bool receiving : {false, true}) {
+      if ((receiving ? recv_peer : send_peer) < 0) continue;
+      const Tensor& t = receiving ? recv_tensor : send_tensor;
+      if (usable(t)) continue;
+      call.receiving = receiving;
+      throw InvalidArgument(
+          fmt::format("{}: {}", describe(call),
+                      detail::host_tensor_problem(t, receiving ? "the tensor to receive into" : "the tensor to send",
+                                                  kBackendName)));
+    }
+    if (failed_.load(std::memory_order_acquire)) {
+      std::lock_guard lock(mutex_);
+      throw Unavailable(fmt::format("{}: {}", describe(call), failure_));
+    }
+    const Clock::time_point deadline = detail::deadline_after(call.timeout);
+    PointToPointDescriptor outgoing, incoming;
+    std::unique_ptr<gloo::transport::UnboundBuffer> send_descriptor, send_data, recv_descriptor, recv_data;
+    if (send_peer >= 0) {
+      outgoing = {.number = call.send_number,
+                  .elements = send_tensor.num_elements(),
+                  .dtype = static_cast<std::uint8_t>(send_tensor.dtype())};
+      send_descriptor = context_->createUnboundBuffer(&outgoing, sizeof(outgoing));
+      if (send_tensor.nbytes() > 0)
+        send_data = context_->createUnboundBuffer(send_tensor.raw_data(), send_tensor.nbytes());
+    }
+    if (recv_peer >= 0) recv_descriptor = context_->createUnboundBuffer(&incoming, sizeof(incoming));
+    std::vector<std::byte> scratch;  // a mismatched message's bytes
+    InFlight in_flight(*this, send_descriptor.get(), send_data.get(), recv_descriptor.get());
+    bool mismatch = false;
+    run_point_to_point(call, [&] {
+      if (recv_descriptor)
+        recv_descriptor->recv(recv_peer, gloo::Slot::build(kPointToPointDescriptorSlot, tag(call.recv_number)));
+      if (send_descriptor) {
+        send_descriptor->send(send_peer, gloo::Slot::build(kPointToPointDescriptorSlot, tag(call.send_number)));
+        if (send_data) send_data->send(send_peer, gloo::Slot::build(kPointToPointDataSlot, tag(call.send_number)));
+      }
+      if (recv_descriptor) {
+        call.receiving = true;
+        wait(*recv_descriptor, true, deadline);
+        const auto sent_dtype = static_cast<DType>(incoming.dtype);
+        mismatch = sent_dtype != recv_tensor.dtype() || incoming.elements != recv_tensor.num_elements();
+        const std::size_t bytes = static_cast<std::size_t>(incoming.elements) * dtype_size(sent_dtype);
+        if (bytes > 0) {
+          void* into = recv_tensor.raw_data();
+          if (mismatch) {
+            scratch.resize(bytes);
+            into = scratch.data();
+          }
+          recv_data = context_->createUnboundBuffer(into, bytes);
+          track(recv_data.get());
+          recv_data->recv(recv_peer, gloo::Slot::build(kPointToPointDataSlot, tag(call.recv_number)));
+          wait(*recv_data, true, deadline);
+        }
+        ++received_from_[static_cast<std::size_t>(recv_peer)];
+      }
+      if (send_descriptor) {
+        call.receiving = false;
+        wait(*send_descriptor, false, deadline);
+        if (send_data) wait(*send_data, false, deadline);
+        ++sent_to_[static_cast<std::size_t>(send_peer)];
+      }
+    });
+    if (mismatch) {
+      call.receiving = true;
+      call.recv_number = received_from_[static_cast<std::size_t>(recv_peer)] - 1;
+      throw InvalidArgument(
+          fmt::format("{}: {}", describe(call),
+                      detail::point_to_point_mismatch(recv_peer, static_cast<DType>(incoming.dtype), incoming.elements,
+                                                      config_.rank, recv_tensor.dtype(), recv_tensor.num_elements())));
+    }
+  }
+
  public:
   void abort(const std::string& reason) override {
     {
@@ -570,19 +669,144 @@ class GlooCommunicator final : public Communicator {
 
   enum class FailureKind { kTimeout, kConnection, kGloo };
 
+  // One point-to-point call; `receiving` says which half it waits for (and messages name).
+  struct PointToPoint {
+    std::string_view op;
+    int send_peer = -1;
+    int recv_peer = -1;
+    std::uint64_t send_number = 0;  // the pairs' message numbers
+    std::uint64_t recv_number = 0;
+    bool receiving = false;
+    milliseconds timeout{0};
+    Clock::time_point started{};
+  };
+
+  // What goes ahead of every point-to-point message (plain bytes, the same on every rank).
+  struct PointToPointDescriptor {
+    std::uint64_t number = 0;
+    std::int64_t elements = 0;
+    std::uint8_t dtype = 0;
+    std::uint8_t padding[7] = {};
+  };
+
+  // A slot's tag: the message number (wrapping after 2^32 messages of one pair, long after the
+  // earlier ones have matched: a pair's messages match in order).
+  static std::uint32_t tag(std::uint64_t number) { return static_cast<std::uint32_t>(number); }
+
+  // "gloo recv #3 from rank 0 on rank 1".
+  std::string describe(const PointToPoint& call) const {
+    const int peer = call.receiving ? call.recv_peer : call.send_peer;
+    const std::string group = config_.group_name.empty() ? "" : fmt::format(" in the {} group", config_.group_name);
+    return fmt::format(
+        "gloo {}{}",
+        detail::point_to_point_label(call.op, call.receiving, call.receiving ? call.recv_number : call.send_number,
+                                     label(peer), label(config_.rank)),
+        group);
+  }
+
+  // An interrupted wait (abort, or the monitor after a peer failed).
+  struct Interrupted {};
+
+  // Waits for one posted operation until `deadline`: gloo throws its IoException at the timeout.
+  static void wait(gloo::transport::UnboundBuffer& buffer, bool receiving, Clock::time_point deadline) {
+    const auto left = std::max(milliseconds(1), std::chrono::ceil<milliseconds>(deadline - Clock::now()));
+    const bool done = receiving ? buffer.waitRecv(left) : buffer.waitSend(left);
+    if (!done) throw Interrupted{};
+  }
+
+  // Adds a buffer to the call in flight (after InFlight began), for interrupt().
+  void track(gloo::transport::UnboundBuffer* buffer) {
+    std::lock_guard lock(call_mutex_);
+    for (auto*& slot : call_buffers_) {
+      if (slot == nullptr) {
+        slot = buffer;
+        return;
+      }
+    }
+  }
+
+  // Runs a point-to-point call's gloo operations, turning their failures into ours. A failure
+  // fails the communicator as a collective's does: a timed-out or interrupted operation stays
+  // posted in gloo, and the pair's next messages could meet it.
+  template <class Fn>
+  void run_point_to_point(PointToPoint& call, Fn&& fn) {
+    try {
+      fn();
+    } catch (const Interrupted&) {
+      fail(call, FailureKind::kConnection, "interrupted: a connection to a peer closed");
+    } catch (const gloo::IoException& e) {
+      const std::string message = gloo_message(e.what());
+      fail(call, message.starts_with("Timed out") ? FailureKind::kTimeout : FailureKind::kConnection, message);
+    } catch (const gloo::Exception& e) {
+      fail(call, FailureKind::kConnection, gloo_message(e.what()));
+    }
+  }
+
+  [[noreturn]] void fail(const PointToPoint& call, FailureKind kind, const std::string& gloo_error) {
+    const std::string what = describe(call);
+    const auto waited = std::chrono::duration_cast<milliseconds>(Clock::now() - call.started);
+    const int peer = call.receiving ? call.recv_peer : call.send_peer;
+    std::optional<detail::DeadlineScope> bounded(std::in_place, Clock::now() + kRecordBudget);
+    const std::uint64_t issued = seq_.load(std::memory_order_relaxed);
+    {
+      std::lock_guard lock(mutex_);
+      if (aborted_) {
+        records_.record_failure(issued, detail::FailureCause::kAborted);
+        throw Unavailable(fmt::format("{}: the group was aborted: {}", what, abort_reason_));
+      }
+    }
+    const bool store_reachable = records_.record_failure(
+        issued, kind == FailureKind::kTimeout ? detail::FailureCause::kTimeout : detail::FailureCause::kConnection,
+        what);
+    bounded.emplace(Clock::now() + kFailureReportGrace + milliseconds(500));
+    poisoned_.store(true, std::memory_order_release);
+    shut_down_connections();
+    std::string verdict;
+    bool deadline = false;
+    if (kind == FailureKind::kTimeout) {
+      verdict = fmt::format("{}: timed out after {}: {} {}", what, format_duration(waited), label(peer),
+                            call.receiving ? "sent nothing" : "did not receive it");
+      deadline = true;
+    } else {
+      detail::PeerSurvey survey;
+      survey.store_reachable = false;
+      if (store_reachable) survey = records_.survey(issued, std::min(kFailureReportGrace, call.timeout), true);
+      if (!survey.store_reachable) {
+        verdict = fmt::format("{}: {}; {}", what, gloo_error, records_.store_unreachable_message(" too"));
+      } else if (!survey.lost.empty()) {
+        verdict = fmt::format("{}: {}; gloo: {}", what, records_.lost_message(survey.lost), gloo_error);
+      } else if (!survey.aborted.empty()) {
+        verdict = fmt::format("{}: {} aborted the group: {}", what, label(survey.aborted.front().first),
+                              survey.aborted.front().second);
+      } else {
+        verdict = fmt::format("{}: gloo: {}", what, gloo_error);
+      }
+    }
+    {
+      std::lock_guard lock(mutex_);
+      if (!failed_.load(std::memory_order_relaxed)) {
+        failure_ = fmt::format("the group failed: {}", verdict);
+        failed_.store(true, std::memory_order_release);
+      }
+    }
+    if (deadline) throw DeadlineExceeded(verdict);
+    throw Unavailable(verdict);
+  }
+
   // Marks a gloo operation on these buffers as in flight, so that abort() and the monitor can
   // interrupt its waits.
   class InFlight {
    public:
-    InFlight(GlooCommunicator& c, gloo::transport::UnboundBuffer* a, gloo::transport::UnboundBuffer* b = nullptr)
+    InFlight(GlooCommunicator& c, gloo::transport::UnboundBuffer* a, gloo::transport::UnboundBuffer* b = nullptr,
+             gloo::transport::UnboundBuffer* d = nullptr)
         : c_(c) {
       std::lock_guard lock(c_.call_mutex_);
-      c_.call_buffers_ = {a, b};
+      c_.call_buffers_ = {a, b, d, nullptr};
       c_.in_flight_ = true;
     }
     ~InFlight() {
       std::lock_guard lock(c_.call_mutex_);
-      c_.call_buffers_ = {nullptr, nullptr};
+      c_.call_buffers_ = {};
       c_.in_flight_ = false;
     }
     InFlight(const InFlight&) = delete;
@@ -926,6 +1150,10 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<gloo::rendezvous::Context> context_;  // null for a group of one
   std::vector<PeerSocket> sockets_;
   std::atomic<std::uint64_t> seq_{0};
+  // Point-to-point: the messages this rank sent to / received from each peer (the pairs' message
+  // numbers). The calling thread's.
+  std::vector<std::uint64_t> sent_to_ = std::vector<std::uint64_t>(static_cast<std::size_t>(config_.size));
+  std::vector<std::uint64_t> received_from_ = std::vector<std::uint64_t>(static_cast<std::size_t>(config_.size));
 
   // Failure state: set once (by a failed call or abort), read by every later call.
   std::atomic<bool> failed_{false};
@@ -939,7 +1167,8 @@ class GlooCommunicator final : public Communicator {
   // The call in flight, for interrupt().
   std::mutex call_mutex_;
   bool in_flight_ = false;                                         // guarded by call_mutex_
-  std::array<gloo::transport::UnboundBuffer*, 2> call_buffers_{};  // guarded by call_mutex_
+  // Up to four: a point-to-point call's two descriptors and two data buffers.
+  std::array<gloo::transport::UnboundBuffer*, 4> call_buffers_{};  // guarded by call_mutex_
 
   std::thread monitor_;
   std::mutex monitor_mutex_;

@@ -25,6 +25,10 @@
 //     naming the first disagreeing pair with both sides; without it, DeadlineExceeded at the
 //     timeout (each call's messages are tagged with its element count, dtype, operation and root,
 //     so disagreeing calls never exchange data; gloo itself would abort the process).
+// Point-to-point calls (send, recv, send_recv) send a descriptor ahead of each message on slots of
+// their own: a message that does not fit the receiver's tensor is InvalidArgument on the receiver
+// (the pair goes on); a timeout, or a peer's abort or death, fails the communicator as a
+// collective's failure does.
 // After any failure the communicator is unusable: later calls throw Unavailable naming the first
 // failure. Make a new one (with the same store: each generation of communicators gets its own
 // keys) to continue.

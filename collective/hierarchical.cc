@@ -139,6 +139,34 @@ class HierarchicalCommunicator final : public Communicator {
     local_step([&](Communicator& c) { c.barrier(options); });
   }
 
+  // A pair within this worker goes through the local group (peer = its replica number), a pair of
+  // two workers' replicas 0 through the cross-worker communicator (peer = its worker number).
+  // Other pairs would need a relay through replicas 0, which are not in the call: Unimplemented,
+  // before anything is sent, and so is a send_recv whose halves need different levels (the two
+  // levels' calls could not be made at once). Failures are not carried across levels: point-to-
+  // point calls are between two ranks only.
+  void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                    const CallOptions& options) override {
+    const std::string_view op = detail::point_to_point_name(send_peer, recv_peer);
+    const Level send_level = level_of(op, send_peer, "to");
+    const Level recv_level = level_of(op, recv_peer, "from");
+    if (send_level != Level::kNone && recv_level != Level::kNone && send_level != recv_level) {
+      throw Unimplemented(fmt::format(
+          "hierarchical send_recv on rank {}: sending to rank {} goes {}, receiving from rank {} goes {}; make two "
+          "calls (a send and a recv, in an order that cannot deadlock)",
+          rank(), send_peer, level_name(send_level), recv_peer, level_name(recv_level)));
+    }
+    const Level level = send_level != Level::kNone ? send_level : recv_level;
+    Communicator& c = level == Level::kLocal ? local() : *levels_->cross;
+    const int to = send_peer < 0            ? -1
+                   : level == Level::kLocal ? send_peer % levels_->replicas
+                                            : send_peer / levels_->replicas;
+    const int from = recv_peer < 0            ? -1
+                     : level == Level::kLocal ? recv_peer % levels_->replicas
+                                              : recv_peer / levels_->replicas;
+    c.send_recv(send_tensor, to, recv_tensor, from, options);
+  }
+
  public:
   void abort(const std::string& reason) override {
     local().abort(reason);
@@ -149,6 +177,24 @@ class HierarchicalCommunicator final : public Communicator {
 
  private:
   Communicator& local() { return *levels_->local[static_cast<std::size_t>(replica_)]; }
+
+  enum class Level { kNone, kLocal, kCross };
+  static std::string_view level_name(Level level) {
+    return level == Level::kLocal ? "through this worker's local group" : "across workers";
+  }
+
+  // Which communicator carries messages between this rank and `peer` (kNone for peer < 0); throws
+  // Unimplemented for a pair that neither does.
+  Level level_of(std::string_view op, int peer, std::string_view direction) const {
+    if (peer < 0) return Level::kNone;
+    const int peer_worker = peer / levels_->replicas;
+    if (peer_worker == levels_->worker) return Level::kLocal;
+    if (replica_ == 0 && peer % levels_->replicas == 0) return Level::kCross;
+    throw Unimplemented(fmt::format(
+        "hierarchical {} on rank {} (worker {}, replica {}) {} rank {} (worker {}, replica {}): across workers only "
+        "the workers' replicas 0 can send and receive",
+        op, rank(), levels_->worker, replica_, direction, peer, peer_worker, peer % levels_->replicas));
+  }
 
   // A collective among this worker's replicas. When it fails on replica 0, the other workers
   // would wait for this worker's cross-worker call until their timeout: abort it.

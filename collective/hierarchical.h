@@ -25,6 +25,9 @@ namespace tandem::collective {
 // throws, the local group is aborted with that error as the reason (replica 0 rethrows the
 // original), and when a local call throws on replica 0 the cross-worker communicator is aborted
 // so that the other workers fail promptly too. abort() aborts both levels.
+// Point-to-point calls reach two kinds of pairs: replicas of one worker (through the local group)
+// and two workers' replicas 0 (through the cross-worker communicator). Any other pair, and a
+// send_recv whose halves need different levels, throws Unimplemented before anything is sent.
 // Who calls: every worker, once, with the same L. Blocks for one cross-worker all-gather of L:
 // InvalidArgument naming two workers whose L differ (on every worker), and InvalidArgument for
 // local communicators that are not ranks 0..L-1 of one group of L.

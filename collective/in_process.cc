@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -205,6 +206,48 @@ class Group {
     if ((state_.load(std::memory_order_relaxed) & kFailedBit) == 0) fail_locked(Failure{.message = reason});
   }
 
+  // --- point-to-point ---------------------------------------------------------------------------
+  // One mailbox per ordered pair (sender, receiver): the messages sent and not yet received, in
+  // order, each a copy of the sender's bytes. So a send never waits for its recv, and the sender
+  // may reuse its tensor as soon as send returns. A recv waits (on p2p_cv_) for the mailbox's
+  // first message. Point-to-point calls take no part in the phases: a timeout fails nothing (the
+  // message, if it comes later, waits for the next recv), and only an abort (or a collective's
+  // failure) makes them throw Unavailable.
+  struct Message {
+    DType dtype = kFloat32;
+    std::int64_t elements = 0;
+    std::vector<std::byte> bytes;
+  };
+
+  bool failed() const { return (state_.load(std::memory_order_acquire) & kFailedBit) != 0; }
+
+  // Unavailable for `call` once the group has failed.
+  Unavailable unusable_now(const std::string& call) {
+    std::lock_guard lock(mutex_);
+    return unusable(call);
+  }
+
+  void post(int sender, int receiver, Message message) {
+    std::lock_guard lock(p2p_mutex_);
+    mailbox(sender, receiver).push_back(std::move(message));
+    p2p_cv_.notify_all();
+  }
+
+  enum class Taken { kMessage, kTimedOut, kFailed };
+
+  // Waits until the pair's first message is there (moved into `out`), the deadline passes, or the
+  // group fails.
+  Taken take(int sender, int receiver, Clock::time_point deadline, Message& out) {
+    std::unique_lock lock(p2p_mutex_);
+    auto& box = mailbox(sender, receiver);
+    const bool ready = p2p_cv_.wait_until(lock, deadline, [&] { return !box.empty() || failed(); });
+    if (failed()) return Taken::kFailed;  // an abort ends pending calls even when a message is there
+    if (!ready) return Taken::kTimedOut;
+    out = std::move(box.front());
+    box.pop_front();
+    return Taken::kMessage;
+  }
+
  private:
   // state_: bit 63 = the group failed; bits 24-62 = the phase; bits 0-23 = ranks arrived in it.
   static constexpr int kCountBits = 24;
@@ -260,6 +303,14 @@ class Group {
     failure_ = std::move(failure);
     state_.fetch_or(kFailedBit, std::memory_order_seq_cst);
     cv_.notify_all();
+    // Receivers check the failed bit under p2p_mutex_: notifying under it cannot be missed.
+    std::lock_guard lock(p2p_mutex_);
+    p2p_cv_.notify_all();
+  }
+
+  std::deque<Message>& mailbox(int sender, int receiver) {
+    return mailboxes_[static_cast<std::size_t>(sender) * static_cast<std::size_t>(size_) +
+                      static_cast<std::size_t>(receiver)];
   }
 
   // Caller holds mutex_ and the group has failed.
@@ -280,6 +331,13 @@ class Group {
   std::mutex mutex_;
   std::condition_variable cv_;
   Failure failure_;  // guarded by mutex_; set before the failed bit
+
+  // Point-to-point (post, take). Never locked while mutex_ is wanted: fail_locked takes it under
+  // mutex_, nothing takes mutex_ under it.
+  std::mutex p2p_mutex_;
+  std::condition_variable p2p_cv_;
+  std::vector<std::deque<Message>> mailboxes_ =
+      std::vector<std::deque<Message>>(static_cast<std::size_t>(size_) * static_cast<std::size_t>(size_));
 };
 
 // --- one rank's communicator -----------------------------------------------------------------
@@ -289,6 +347,8 @@ class InProcessCommunicator final : public Communicator {
   InProcessCommunicator(std::shared_ptr<Group> group, int rank)
       : group_(std::move(group)),
         rank_(rank),
+        sent_to_(static_cast<std::size_t>(group_->size())),
+        received_from_(static_cast<std::size_t>(group_->size())),
         inputs_(static_cast<std::size_t>(group_->size())),
         outputs_(static_cast<std::size_t>(group_->size())),
         cursors_(static_cast<std::size_t>(group_->size())) {}
@@ -465,6 +525,54 @@ class InProcessCommunicator final : public Communicator {
   void do_barrier(const CallOptions& options) override {
     Call call = begin(OpKind::kBarrier, options);
     enter(call);
+  }
+
+  // The send goes into the pair's mailbox (it never waits), then the recv waits for its message:
+  // two neighbours exchanging both ways cannot deadlock.
+  void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                    const CallOptions& options) override {
+    const Clock::time_point deadline = deadline_after(options.timeout);
+    const std::string_view op = detail::point_to_point_name(send_peer, recv_peer);
+    const auto label = [&](bool receiving) {
+      const int peer = receiving ? recv_peer : send_peer;
+      const auto& counters = receiving ? received_from_ : sent_to_;
+      return detail::point_to_point_label(op, receiving, counters[static_cast<std::size_t>(peer)],
+                                          fmt::format("rank {}", peer), fmt::format("rank {}", rank_));
+    };
+    // Both halves' arguments are checked before anything is sent.
+    for (const bool receiving : {false, true}) {
+      if ((receiving ? recv_peer : send_peer) < 0) continue;
+      const std::string problem =
+          detail::host_tensor_problem(receiving ? recv_tensor : send_tensor,
+                                      receiving ? "the tensor to receive into" : "the tensor to send", kBackendName);
+      if (!problem.empty()) throw InvalidArgument(fmt::format("{}: {}", label(receiving), problem));
+    }
+    if (send_peer >= 0) {
+      if (group_->failed()) throw group_->unusable_now(label(false));
+      Group::Message message{.dtype = send_tensor.dtype(), .elements = send_tensor.num_elements()};
+      const auto* data = static_cast<const std::byte*>(send_tensor.raw_data());
+      message.bytes.assign(data, data + send_tensor.nbytes());
+      group_->post(rank_, send_peer, std::move(message));
+      ++sent_to_[static_cast<std::size_t>(send_peer)];
+    }
+    if (recv_peer < 0) return;
+    Group::Message message;
+    switch (group_->take(recv_peer, rank_, deadline, message)) {
+      case Group::Taken::kMessage: break;
+      case Group::Taken::kFailed: throw group_->unusable_now(label(true));
+      case Group::Taken::kTimedOut:
+        throw DeadlineExceeded(
+            fmt::format("{}: rank {} sent nothing within {} ms", label(true), recv_peer, options.timeout.count()));
+    }
+    const std::string what = label(true);
+    ++received_from_[static_cast<std::size_t>(recv_peer)];  // a mismatched message is dropped
+    if (message.dtype != recv_tensor.dtype() || message.elements != recv_tensor.num_elements()) {
+      throw InvalidArgument(
+          fmt::format("{}: {}", what,
+                      detail::point_to_point_mismatch(recv_peer, message.dtype, message.elements, rank_,
+                                                      recv_tensor.dtype(), recv_tensor.num_elements())));
+    }
+    if (!message.bytes.empty()) std::memcpy(recv_tensor.raw_data(), message.bytes.data(), message.bytes.size());
   }
 
  public:
@@ -664,6 +772,10 @@ class InProcessCommunicator final : public Communicator {
   std::shared_ptr<Group> group_;
   const int rank_;
   std::atomic<std::uint64_t> seq_{0};
+  // Point-to-point: the messages this rank sent to / received from each peer (the pairs' message
+  // numbers). This rank's thread only.
+  std::vector<std::uint64_t> sent_to_;
+  std::vector<std::uint64_t> received_from_;
   // Scratch for the work, sized once: the steady state allocates nothing.
   std::vector<void*> inputs_;
   std::vector<void*> outputs_;

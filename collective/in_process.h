@@ -19,6 +19,8 @@ namespace tandem::collective {
 // of every rank's buffer and then copying the other ranks' chunks. Returns one communicator per
 // rank (rank i at index i); they share the group's state. Every rank checks every call against
 // rank 0's: mismatched calls throw InvalidArgument on every rank, and the group stays usable.
+// Point-to-point calls go through a mailbox per ordered pair holding a copy of each message:
+// send never waits; a recv that times out fails nothing.
 std::vector<std::unique_ptr<Communicator>> make_in_process_group(int size);
 
 }  // namespace tandem::collective

@@ -93,6 +93,8 @@ struct NcclApi {
   decltype(&::ncclBroadcast) ncclBroadcast = nullptr;
   decltype(&::ncclAllGather) ncclAllGather = nullptr;
   decltype(&::ncclReduceScatter) ncclReduceScatter = nullptr;
+  decltype(&::ncclSend) ncclSend = nullptr;
+  decltype(&::ncclRecv) ncclRecv = nullptr;
   decltype(&::ncclGroupStart) ncclGroupStart = nullptr;
   decltype(&::ncclGroupEnd) ncclGroupEnd = nullptr;
   // Only groups across processes use these (ncclCommInitRankConfig and ncclCommFinalize arrived
@@ -131,6 +133,8 @@ const NcclApi& nccl() {
     load(a.ncclBroadcast, "ncclBroadcast");
     load(a.ncclAllGather, "ncclAllGather");
     load(a.ncclReduceScatter, "ncclReduceScatter");
+    load(a.ncclSend, "ncclSend");
+    load(a.ncclRecv, "ncclRecv");
     load(a.ncclGroupStart, "ncclGroupStart");
     load(a.ncclGroupEnd, "ncclGroupEnd");
     if (!a.problem.empty()) return a;
@@ -618,19 +622,84 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // ncclSend / ncclRecv on the communication stream, both halves of a send_recv in one
+  // ncclGroupStart/End (NCCL runs them together: neighbours exchanging both ways cannot
+  // deadlock), waited for, failed and timed out as a collective is. A point-to-point call does not
+  // take a sequence number. NCCL cannot tell a message that does not fit the receiver's tensor
+  // (no descriptor travels: the tensors stay on the device): as with mismatched collectives, the
+  // peers' counts must agree, or the call hangs until its timeout.
+  void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                    const CallOptions& options) override {
+    const std::string_view op = detail::point_to_point_name(send_peer, recv_peer);
+    const bool receiving = recv_peer >= 0;
+    const int peer = receiving ? recv_peer : send_peer;
+    const std::uint64_t number =
+        receiving ? received_from_[static_cast<std::size_t>(recv_peer)] : sent_to_[static_cast<std::size_t>(send_peer)];
+    Call call = begin_point_to_point(
+        detail::point_to_point_label(op, receiving, number, group_->label(peer), group_->label(rank_)), options);
+    check_arguments(call, [&] {
+      if (send_peer >= 0) check_on_device(call, send_tensor, "the tensor to send");
+      if (recv_peer >= 0) check_on_device(call, recv_tensor, "the tensor to receive into");
+    });
+    call.timeout_text = fmt::format("{} {} within {}", group_->label(peer),
+                                    receiving ? "sent nothing (or not all of it)" : "did not receive it",
+                                    format_duration(call.timeout));
+    run(call, [&] {
+      const NcclApi& api = nccl();
+      TANDEM_NCCL_CHECK(api.ncclGroupStart(), where_, comm_);
+      if (send_peer >= 0) {
+        TANDEM_NCCL_CHECK(api.ncclSend(send_tensor.raw_data(), static_cast<std::size_t>(send_tensor.num_elements()),
+                                       nccl_dtype(send_tensor.dtype()), send_peer, comm_, stream_),
+                          where_, comm_);
+      }
+      if (recv_peer >= 0) {
+        TANDEM_NCCL_CHECK(api.ncclRecv(recv_tensor.raw_data(), static_cast<std::size_t>(recv_tensor.num_elements()),
+                                       nccl_dtype(recv_tensor.dtype()), recv_peer, comm_, stream_),
+                          where_, comm_);
+      }
+      TANDEM_NCCL_CHECK(api.ncclGroupEnd(), where_, comm_);
+    });
+    if (send_peer >= 0) ++sent_to_[static_cast<std::size_t>(send_peer)];
+    if (recv_peer >= 0) ++received_from_[static_cast<std::size_t>(recv_peer)];
+  }
+
  public:
   // Marks the group failed; every rank's waiting call sees it at its next poll, aborts its own
   // communicator and throws (a communicator is not thread-safe, so only its rank aborts it).
   void abort(const std::string& reason) override { group_->fail(NcclGroup::FailureKind::kAbort, 0, "", reason); }
 
  private:
+  // A collective, or a point-to-point call (point_to_point: its label is `name`, its seq
+  // kPointToPointSeq, and it is left out of the ranks' issued collectives).
   struct Call {
     OpKind kind = OpKind::kBarrier;
     std::uint64_t seq = 0;
     Clock::time_point deadline;
     std::chrono::milliseconds timeout{0};
-    std::string label() const { return detail::call_label(kind, seq); }
+    bool point_to_point = false;
+    std::string name;          // point-to-point: "recv #3 from rank 0 of 2 on rank 1 of 2"
+    std::string timeout_text;  // point-to-point: what its timeout says happened
+    std::string label() const { return point_to_point ? name : detail::call_label(kind, seq); }
   };
+
+  // The seq of every point-to-point call: no collective's, so that the DeadlineExceeded a
+  // point-to-point timeout records is thrown by the calls waiting then, not by later ones.
+  static constexpr std::uint64_t kPointToPointSeq = ~std::uint64_t{0};
+
+  Call begin_point_to_point(std::string name, const CallOptions& options) {
+    Call call;
+    call.point_to_point = true;
+    call.name = std::move(name);
+    call.seq = kPointToPointSeq;
+    call.timeout = options.timeout == kDefaultTimeout ? group_->default_timeout() : options.timeout;
+    call.deadline = deadline_after(call.timeout);
+    if (group_->failed()) {
+      abort_own_communicator();
+      // (Not call.seq: a point-to-point call that timed out earlier would be this one.)
+      group_->throw_failure(call.label(), kPointToPointSeq - 1);
+    }
+    return call;
+  }
 
   Call begin(OpKind kind, const CallOptions& options) {
     Call call;
@@ -705,7 +774,7 @@ class NcclCommunicator final : public Communicator {
   template <class Enqueue>
   void issue(const Call& call, Enqueue&& enqueue) {
     ScopedCudaDevice guard(ordinal_, where_);
-    group_->record_issue(local_, call.seq);
+    if (!call.point_to_point) group_->record_issue(local_, call.seq);
     try {
       auto compute = static_cast<cudaStream_t>(device_->compute_stream().native_handle());
       TANDEM_CUDA_CHECK(cudaEventRecord(inputs_ready_, compute), where_);
@@ -770,7 +839,9 @@ class NcclCommunicator final : public Communicator {
         group_->throw_failure(call.label(), call.seq);
       }
       if (now >= call.deadline) {
-        const std::string message = group_->diagnose_timeout(call.seq, call.label(), call.timeout, where_);
+        const std::string message = call.point_to_point
+                                        ? call.timeout_text
+                                        : group_->diagnose_timeout(call.seq, call.label(), call.timeout, where_);
         group_->fail(NcclGroup::FailureKind::kTimeout, call.seq, call.label(), message);
         abort_own_communicator();
         // A peer's failure may have arrived while this rank diagnosed its own: then fail() kept
@@ -802,6 +873,10 @@ class NcclCommunicator final : public Communicator {
   const std::string where_;  // "rank 1 of 2 (GPU:1)", "worker 1 (rank 1 of 2, GPU:0)"
   devices::Device* device_;
   std::atomic<std::uint64_t> seq_{0};
+  // Point-to-point: the messages this rank sent to / received from each peer (the pairs' message
+  // numbers). This rank's thread only.
+  std::vector<std::uint64_t> sent_to_ = std::vector<std::uint64_t>(static_cast<std::size_t>(group_->size()));
+  std::vector<std::uint64_t> received_from_ = std::vector<std::uint64_t>(static_cast<std::size_t>(group_->size()));
   cudaStream_t stream_ = nullptr;  // the communication stream
   cudaEvent_t inputs_ready_ = nullptr;
   cudaEvent_t outputs_ready_ = nullptr;  // all_reduce_on_device's result, for the compute stream

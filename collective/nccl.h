@@ -20,7 +20,9 @@ namespace tandem::collective {
 
 // GPU replicas of one process: NCCL (ncclCommInitAll over these CUDA device ordinals). Only in
 // builds with CUDA; elsewhere throws Unimplemented. Calls are enqueued on each device's
-// communication stream and synchronised before returning.
+// communication stream and synchronised before returning. Point-to-point calls are ncclSend /
+// ncclRecv (a send_recv's halves in one NCCL group), failed like collectives; NCCL cannot tell a
+// message whose count or dtype differs from the receiver's (it hangs until the timeout).
 std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int>& cuda_devices);
 bool nccl_available();
 

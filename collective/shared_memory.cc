@@ -108,7 +108,7 @@ using std::chrono::milliseconds;
 constexpr std::string_view kBackendName = "the shared-memory communicator";
 
 constexpr std::uint64_t kMagic = 0x4853'6d65'646e'6174;  // "tandemSH", little-endian
-constexpr std::uint32_t kLayoutVersion = 1;
+constexpr std::uint32_t kLayoutVersion = 2;              // 2: point-to-point channels
 // Reduction parts start on multiples of 64 bytes (a cache line): two ranks never write into the
 // same line of the result, and the vector loops start aligned.
 constexpr std::size_t kAlignBytes = 64;
@@ -123,6 +123,9 @@ constexpr auto kLivenessInterval = milliseconds(20);
 constexpr std::size_t kProblemBytes = 512;
 constexpr std::size_t kFailureTextBytes = 1024;
 constexpr std::size_t kCallLabelBytes = 64;
+// Point-to-point: each ordered pair's channel holds this many pieces of this many bytes.
+constexpr std::size_t kChannelPieces = 2;
+constexpr std::size_t kChannelPieceBytes = std::size_t{16} << 10;
 // Attempts at a fresh random segment name before giving up.
 constexpr int kCreateAttempts = 8;
 
@@ -166,6 +169,23 @@ struct alignas(kAlignBytes) RankHeader {
   FailureRecord failure;
 };
 
+// One piece of a point-to-point message, as its sender describes it.
+struct PieceHeader {
+  std::uint64_t message = 0;  // the pair's message number
+  std::int64_t elements = 0;  // the whole message's
+  std::uint64_t bytes = 0;    // this piece's
+  std::uint8_t dtype = 0;
+};
+
+// The channel of one ordered pair (sender, receiver): a ring of kChannelPieces pieces. Piece k
+// lives in place k % kChannelPieces; the sender writes it once written - taken < kChannelPieces,
+// the receiver copies it out once written > k. Each counter is written by one side only.
+struct alignas(kAlignBytes) Channel {
+  alignas(kAlignBytes) std::atomic<std::uint64_t> written{0};  // pieces the sender put in
+  alignas(kAlignBytes) std::atomic<std::uint64_t> taken{0};    // pieces the receiver copied out
+  alignas(kAlignBytes) PieceHeader pieces[kChannelPieces];
+};
+
 struct alignas(kAlignBytes) GroupHeader {
   std::uint64_t magic = 0;
   std::uint32_t version = 0;
@@ -182,6 +202,8 @@ struct Layout {
   std::size_t ranks_offset = 0;
   std::size_t slots_offset = 0;
   std::size_t result_offset = 0;
+  std::size_t channels_offset = 0;      // size x size channels, rank s to rank r at s x size + r
+  std::size_t channel_data_offset = 0;  // their pieces' bytes, in the same order
   std::size_t total = 0;
 };
 
@@ -191,7 +213,10 @@ Layout layout_of(int size, std::int64_t slot_bytes) {
   const std::size_t page = 4096;
   l.slots_offset = round_up(l.ranks_offset + sizeof(RankHeader) * static_cast<std::size_t>(size), page);
   l.result_offset = l.slots_offset + static_cast<std::size_t>(slot_bytes) * static_cast<std::size_t>(size);
-  l.total = l.result_offset + static_cast<std::size_t>(slot_bytes);
+  const auto pairs = static_cast<std::size_t>(size) * static_cast<std::size_t>(size);
+  l.channels_offset = round_up(l.result_offset + static_cast<std::size_t>(slot_bytes), kAlignBytes);
+  l.channel_data_offset = round_up(l.channels_offset + sizeof(Channel) * pairs, page);
+  l.total = l.channel_data_offset + kChannelPieces * kChannelPieceBytes * pairs;
   return l;
 }
 
@@ -235,6 +260,11 @@ void initialize(std::byte* base, const Layout& layout, int size, std::int64_t sl
   auto* group = new (base) GroupHeader();
   for (int q = 0; q < size; ++q) {
     new (base + layout.ranks_offset + sizeof(RankHeader) * static_cast<std::size_t>(q)) RankHeader();
+  }
+  // (A group of one has no peers, and its memory no channels.)
+  for (std::size_t pair = 0; size > 1 && pair < static_cast<std::size_t>(size) * static_cast<std::size_t>(size);
+       ++pair) {
+    new (base + layout.channels_offset + sizeof(Channel) * pair) Channel();
   }
   group->size = size;
   group->slot_bytes = slot_bytes;
@@ -428,8 +458,12 @@ class SharedMemoryCommunicator final : public Communicator {
         ranks_(reinterpret_cast<RankHeader*>(mapping_.base() + layout.ranks_offset)),
         slots_(mapping_.base() + layout.slots_offset),
         result_(mapping_.base() + layout.result_offset),
+        channels_(config_.size > 1 ? reinterpret_cast<Channel*>(mapping_.base() + layout.channels_offset) : nullptr),
+        channel_data_(config_.size > 1 ? mapping_.base() + layout.channel_data_offset : nullptr),
         spin_(spin_budget(kSpin, config_.size, devices::usable_cpu_cores())),
-        inputs_(static_cast<std::size_t>(config_.size)) {
+        inputs_(static_cast<std::size_t>(config_.size)),
+        sent_to_(static_cast<std::size_t>(config_.size)),
+        received_from_(static_cast<std::size_t>(config_.size)) {
     phase_ = me().arrived.load(std::memory_order_relaxed);
   }
 
@@ -621,6 +655,61 @@ class SharedMemoryCommunicator final : public Communicator {
     enter(call);
   }
 
+  // Point-to-point, through the pair's channel: the sender copies piece after piece in while there
+  // is room, the receiver copies them out into its tensor. A send_recv moves both halves in one
+  // loop, so neighbours exchanging both ways never wait for each other; a message larger than the
+  // channel makes its sender wait for the receiver.
+  void do_send_recv(const Tensor& send_tensor, int send_peer, Tensor& recv_tensor, int recv_peer,
+                    const CallOptions& options) override {
+    PointToPoint call;
+    call.op = detail::point_to_point_name(send_peer, recv_peer);
+    call.timeout = options.timeout == kDefaultTimeout ? config_.timeout : options.timeout;
+    Outgoing out{.peer = send_peer};
+    Incoming in{.peer = recv_peer};
+    if (send_peer >= 0) {
+      out.number = sent_to_[static_cast<std::size_t>(send_peer)];
+      out.dtype = send_tensor.dtype();
+      out.elements = send_tensor.num_elements();
+      out.bytes = send_tensor.nbytes();
+      out.data = static_cast<const std::byte*>(usable(send_tensor) ? send_tensor.raw_data() : nullptr);
+    }
+    if (recv_peer >= 0) {
+      in.number = received_from_[static_cast<std::size_t>(recv_peer)];
+      in.dtype = recv_tensor.dtype();
+      in.elements = recv_tensor.num_elements();
+      in.data = static_cast<std::byte*>(usable(recv_tensor) ? recv_tensor.raw_data() : nullptr);
+    }
+    // This rank's own arguments: checked before anything is sent.
+    if (call.timeout <= milliseconds(0)) {
+      throw InvalidArgument(
+          fmt::format("{}: the timeout must be positive, got {} ms", describe(call, out, in), call.timeout.count()));
+    }
+    if (send_peer >= 0 && !usable(send_tensor)) {
+      throw InvalidArgument(fmt::format("{}: {}", describe(call, out, in),
+                                        detail::host_tensor_problem(send_tensor, "the tensor to send", kBackendName)));
+    }
+    if (recv_peer >= 0 && !usable(recv_tensor)) {
+      throw InvalidArgument(
+          fmt::format("{}: {}", describe(call, out, in),
+                      detail::host_tensor_problem(recv_tensor, "the tensor to receive into", kBackendName)));
+    }
+    call.deadline = detail::deadline_after(call.timeout);
+    if (group_->failed.load(std::memory_order_acquire) != 0) {
+      throw Unavailable(fmt::format("{}: {}", describe(call, out, in), failure_summary()));
+    }
+    while (!out.done() || !in.done()) {
+      bool moved = false;
+      while (!out.done() && push(out)) moved = true;
+      while (!in.done() && pull(in)) moved = true;
+      if (!moved && (!out.done() || !in.done())) wait_for_channels(call, out, in);
+    }
+    if (in.mismatch) {
+      throw InvalidArgument(fmt::format("{}: {}", describe_half(call, true, in.peer, in.number),
+                                        detail::point_to_point_mismatch(in.peer, in.sent_dtype, in.sent_elements,
+                                                                        config_.rank, in.dtype, in.elements)));
+    }
+  }
+
  public:
   void abort(const std::string& reason) override { set_failure(FailureKind::kAborted, "", 0, reason); }
 
@@ -637,6 +726,168 @@ class SharedMemoryCommunicator final : public Communicator {
     int root = 0;
     std::uint64_t entry_phase = 0;  // the number of the call's first barrier
   };
+
+  // --- point-to-point ----------------------------------------------------------------------------
+
+  struct PointToPoint {
+    std::string_view op;  // "send", "recv", "send_recv"
+    milliseconds timeout{0};
+    Clock::time_point deadline;
+  };
+
+  // The sending half of a call: the message, and how far it went into the channel.
+  struct Outgoing {
+    int peer = -1;
+    std::uint64_t number = 0;  // the pair's message number
+    DType dtype = kFloat32;
+    std::int64_t elements = 0;
+    std::size_t bytes = 0;
+    const std::byte* data = nullptr;
+    std::size_t offset = 0;  // bytes put in
+    std::uint64_t pieces = 0;
+    bool done() const { return peer < 0 || (pieces > 0 && offset == bytes); }
+  };
+
+  // The receiving half: the tensor, and what came out of the channel so far.
+  struct Incoming {
+    int peer = -1;
+    std::uint64_t number = 0;
+    DType dtype = kFloat32;
+    std::int64_t elements = 0;
+    std::byte* data = nullptr;
+    DType sent_dtype = kFloat32;  // the message's, from its first piece
+    std::int64_t sent_elements = 0;
+    std::size_t bytes = 0;  // the message's
+    std::size_t offset = 0;
+    std::uint64_t pieces = 0;
+    bool mismatch = false;  // the message does not fit: its pieces are drained, not copied
+    bool done() const { return peer < 0 || (pieces > 0 && offset == bytes); }
+  };
+
+  Channel& channel(int sender, int receiver) const { return channels_[sender * config_.size + receiver]; }
+  std::byte* piece_data(int sender, int receiver, std::uint64_t piece) const {
+    const auto pair = static_cast<std::size_t>(sender * config_.size + receiver);
+    return channel_data_ + (pair * kChannelPieces + piece % kChannelPieces) * kChannelPieceBytes;
+  }
+
+  bool can_push(const Outgoing& out) const {
+    const Channel& ch = channel(config_.rank, out.peer);
+    return ch.written.load(std::memory_order_relaxed) - ch.taken.load(std::memory_order_acquire) < kChannelPieces;
+  }
+  bool can_pull(const Incoming& in) const {
+    const Channel& ch = channel(in.peer, config_.rank);
+    return ch.written.load(std::memory_order_acquire) > ch.taken.load(std::memory_order_relaxed);
+  }
+
+  // Puts the message's next piece into the channel if there is room; returns whether it did.
+  bool push(Outgoing& out) {
+    if (!can_push(out)) return false;
+    Channel& ch = channel(config_.rank, out.peer);
+    const std::uint64_t k = ch.written.load(std::memory_order_relaxed);
+    const std::size_t len = std::min(kChannelPieceBytes, out.bytes - out.offset);
+    ch.pieces[k % kChannelPieces] = {
+        .message = out.number, .elements = out.elements, .bytes = len, .dtype = static_cast<std::uint8_t>(out.dtype)};
+    if (len > 0) std::memcpy(piece_data(config_.rank, out.peer, k), out.data + out.offset, len);
+    out.offset += len;
+    ++out.pieces;
+    if (out.done()) ++sent_to_[static_cast<std::size_t>(out.peer)];
+    ch.written.store(k + 1, std::memory_order_seq_cst);
+    wake_sleepers();
+    return true;
+  }
+
+  // Copies the message's next piece out of the channel if it is there; returns whether it did.
+  bool pull(Incoming& in) {
+    if (!can_pull(in)) return false;
+    Channel& ch = channel(in.peer, config_.rank);
+    const std::uint64_t k = ch.taken.load(std::memory_order_relaxed);
+    const PieceHeader& piece = ch.pieces[k % kChannelPieces];
+    if (piece.message != in.number) {
+      throw Internal(fmt::format("shared-memory recv on {}: message #{} from {} arrived while #{} was expected",
+                                 label(config_.rank), piece.message, label(in.peer), in.number));
+    }
+    if (in.pieces == 0) {
+      in.sent_dtype = static_cast<DType>(piece.dtype);
+      in.sent_elements = piece.elements;
+      in.bytes = static_cast<std::size_t>(piece.elements) * dtype_size(in.sent_dtype);
+      in.mismatch = in.sent_dtype != in.dtype || in.sent_elements != in.elements;
+    }
+    if (!in.mismatch && piece.bytes > 0)
+      std::memcpy(in.data + in.offset, piece_data(in.peer, config_.rank, k), piece.bytes);
+    in.offset += piece.bytes;
+    ++in.pieces;
+    if (in.done()) ++received_from_[static_cast<std::size_t>(in.peer)];
+    ch.taken.store(k + 1, std::memory_order_seq_cst);
+    wake_sleepers();
+    return true;
+  }
+
+  // A sleeper counts itself before it looks at the channel again (both seq_cst): either it sees
+  // our piece, or we see it and ring.
+  void wake_sleepers() {
+    if (group_->sleepers.load(std::memory_order_seq_cst) != 0) ring();
+  }
+
+  // Waits until either half can move, as wait() waits for a barrier: polling, then the doorbell,
+  // checking the group's failure flag, the peers' processes and the deadline.
+  void wait_for_channels(const PointToPoint& call, const Outgoing& out, const Incoming& in) {
+    const auto ready = [&] { return (!out.done() && can_push(out)) || (!in.done() && can_pull(in)); };
+    const auto failed = [&] { return group_->failed.load(std::memory_order_seq_cst) != 0; };
+    if (spin_.count() > 0) poll_for(spin_, [&] { return ready() || failed(); });
+    auto next_liveness_check = Clock::now() + kLivenessInterval;
+    while (true) {
+      if (ready()) return;
+      if (failed()) throw Unavailable(fmt::format("{}: {}", describe(call, out, in), failure_summary()));
+      const auto now = Clock::now();
+      if (now >= next_liveness_check) {
+        check_peer_alive(call, out, in);
+        next_liveness_check = now + kLivenessInterval;
+      }
+      if (now >= call.deadline) time_out(call, out, in);
+      const std::uint32_t bell = group_->doorbell.load(std::memory_order_seq_cst);
+      group_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (!ready() && !failed()) {
+        futex_wait(group_->doorbell, bell, std::min<std::chrono::nanoseconds>(kLivenessInterval, call.deadline - now));
+      }
+      group_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  void check_peer_alive(const PointToPoint& call, const Outgoing& out, const Incoming& in) {
+    for (const int peer : {out.done() ? -1 : out.peer, in.done() ? -1 : in.peer}) {
+      if (peer < 0 || process_alive(ranks_[peer])) continue;
+      set_failure(FailureKind::kLost, "", 0, fmt::format("lost {}: its process died", label(peer)));
+      throw Unavailable(fmt::format("{}: {}", describe(call, out, in), failure_summary()));
+    }
+  }
+
+  // The deadline passed. A half that moved part of its message leaves the pair's channel in the
+  // middle of it: the group fails then. A half that moved nothing leaves it as it was: the late
+  // message is the next call's, and the group goes on.
+  [[noreturn]] void time_out(const PointToPoint& call, const Outgoing& out, const Incoming& in) {
+    const bool receiving = !in.done();
+    const int peer = receiving ? in.peer : out.peer;
+    const bool midway = (!out.done() && out.pieces > 0) || (!in.done() && in.pieces > 0);
+    const std::string what = describe_half(call, receiving, peer, receiving ? in.number : out.number);
+    const std::string text =
+        fmt::format("timed out after {}: {} {}", format_duration(call.timeout), label(peer),
+                    receiving ? (in.pieces > 0 ? "sent only part of the message" : "sent nothing")
+                              : (out.pieces > 0 ? "received only part of the message" : "did not receive it"));
+    if (midway)
+      set_failure(FailureKind::kAborted, "", 0, fmt::format("{}: {}, midway through the message", what, text));
+    throw DeadlineExceeded(fmt::format("{}: {}", what, text));
+  }
+
+  // "shared-memory recv #3 from rank 0 on rank 1"; a send_recv is named by its receiving half
+  // when it has one.
+  std::string describe(const PointToPoint& call, const Outgoing& out, const Incoming& in) const {
+    if (in.peer >= 0 && (out.peer < 0 || !in.done())) return describe_half(call, true, in.peer, in.number);
+    return describe_half(call, false, out.peer, out.number);
+  }
+  std::string describe_half(const PointToPoint& call, bool receiving, int peer, std::uint64_t number) const {
+    return fmt::format("shared-memory {}",
+                       detail::point_to_point_label(call.op, receiving, number, label(peer), label(config_.rank)));
+  }
 
   RankHeader& me() { return ranks_[config_.rank]; }
   RankHeader& rank_header(int q) { return ranks_[q]; }
@@ -869,10 +1120,16 @@ class SharedMemoryCommunicator final : public Communicator {
   RankHeader* ranks_;
   std::byte* slots_;
   std::byte* result_;
+  Channel* channels_;        // null in a group of one
+  std::byte* channel_data_;  // null in a group of one
   const std::chrono::microseconds spin_;
   std::uint64_t phase_ = 0;  // barriers this rank has arrived at (its arrival counter)
   std::atomic<std::uint64_t> seq_{0};
   std::vector<const void*> inputs_;  // the reduction's inputs, sized once
+  // Point-to-point: the messages this rank sent to / received from each peer (the pairs' message
+  // numbers).
+  std::vector<std::uint64_t> sent_to_;
+  std::vector<std::uint64_t> received_from_;
 };
 
 // --- meeting -------------------------------------------------------------------------------------

@@ -41,8 +41,14 @@
 //
 // Limits: the ranks must share /dev/shm and a PID namespace (liveness is checked through /proc),
 // which processes of one machine, or of one container, do. The segment takes (size + 1) x
-// slot_bytes plus a few KiB of shared memory, reserved when it is made: a /dev/shm too small (64
-// MiB in a default Docker container) is a ResourceExhausted then, not a crash later.
+// slot_bytes, plus size² x 32 KiB for the point-to-point channels, plus a few KiB of shared
+// memory, reserved when it is made: a /dev/shm too small (64 MiB in a default Docker container) is
+// a ResourceExhausted then, not a crash later.
+//
+// Point-to-point (send, recv, send_recv) goes through a channel per ordered pair of two 16 KiB
+// pieces: a message that fits them does not wait for its recv; a larger one makes its sender
+// wait for the receiver piece by piece. A timeout that moved nothing of its message leaves the
+// group usable (a late message is the next recv's); one midway through a message fails the group.
 #pragma once
 
 #include <chrono>

@@ -20,6 +20,19 @@ enum class OpKind : std::uint8_t { kAllReduce, kBroadcast, kAllGather, kReduceSc
 // "all_reduce", "broadcast", ...: the method names, as messages print them.
 std::string_view op_kind_name(OpKind kind);
 
+// "send", "recv" or "send_recv": which point-to-point call Communicator::do_send_recv stands for
+// (a negative peer: that half is left out).
+std::string_view point_to_point_name(int send_peer, int recv_peer);
+// How messages name one half of a point-to-point call: "recv #3 from rank 0 on rank 1", or within a
+// send_recv "send_recv (its recv #3 from rank 0) on rank 1". `number` is the pair's message number;
+// `peer` and `self` are how the backend names the two ranks.
+std::string point_to_point_label(std::string_view op, bool receiving, std::uint64_t number, std::string_view peer,
+                                 std::string_view self);
+// The receiver's InvalidArgument when a message does not fit its tensor: "rank 0 sent 8 float32
+// elements, rank 1 receives 8 int64 elements; ...".
+std::string point_to_point_mismatch(int sender, DType sent_dtype, std::int64_t sent_elements, int receiver,
+                                    DType expected_dtype, std::int64_t expected_elements);
+
 // "all_reduce #12": how every message names one call.
 std::string call_label(OpKind kind, std::uint64_t sequence_number);
 

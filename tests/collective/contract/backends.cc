@@ -130,8 +130,8 @@ const std::vector<Backend>& backends() {
        .make_rank = gloo_rank(collective::GlooAllReduceAlgorithm::kRing)},
       // Workers do not compare their calls (a disagreement between replicas of one worker is the
       // in-process group's InvalidArgument, between workers a timeout or nothing), a timeout names the missing rank's
-      // local number (not its global one), and a worker waiting for a local replica learns of another worker's abort
-      // only at its next cross-worker step.
+      // local number (not its global one), a worker waiting for a local replica learns of another worker's abort
+      // only at its next cross-worker step, and point-to-point calls reach only some pairs.
       {.name = "hierarchical",
        .traits = {.backend = "hierarchical",
                   .reduce_dtypes = kAllReducible,
@@ -139,7 +139,8 @@ const std::vector<Backend>& backends() {
                   .failure_size = 4,
                   .mismatch = MismatchReport::kTimeout,
                   .names_missing_rank = false,
-                  .abort_reaches_waiting_ranks = false},
+                  .abort_reaches_waiting_ranks = false,
+                  .point_to_point_any_pair = false},
        .make_group = hierarchical_group},
       {.name = "nccl",
        .traits = {.backend = "nccl",

@@ -81,6 +81,9 @@ struct Traits {
   // false: only calls that would reach the aborting rank (hierarchical: a rank waiting for a local
   // peer learns of another worker's abort at its next cross-worker step).
   bool abort_reaches_waiting_ranks = true;
+  // Point-to-point calls between any two ranks; false: only some pairs (the hierarchical group:
+  // replicas of one worker, and the workers' replicas 0), checked by a section of their own.
+  bool point_to_point_any_pair = true;
 };
 
 // One backend factory. Thread backends set make_group, process backends make_rank.

@@ -84,6 +84,8 @@ const Section& kFormula = add_section({
           expect_op("all_gather", got.all_gather, {.calls = 2, .bytes_sent = ag, .bytes_received = ag}, ctx);
           expect_op("broadcast", got.broadcast, bc, ctx);
           expect_op("barrier", got.barrier, {.calls = 3}, ctx);
+          expect_op("send", got.send, {}, ctx);
+          expect_op("recv", got.recv, {}, ctx);
           expect_op("total", got.total(),
                     {.calls = 13,
                      .bytes_sent = ar + rs + ag + bc.bytes_sent,
@@ -101,8 +103,56 @@ const Section& kFormula = add_section({
         },
 });
 
+// Point-to-point calls count the bytes themselves (no ring factor): rank 0 sends rank 1 a float32
+// (3) with send (12 B) and an int64 (5) with send_recv (40 B) while receiving a bfloat16 (7) from
+// it (14 B); rank 1 mirrors it. Other ranks pass -1 for both halves: nothing is counted.
+const Section& kPointToPoint = add_section({
+    .name = "stats/point_to_point",
+    .applies = [](const Backend& b) { return b.traits.point_to_point_any_pair; },
+    .sizes =
+        [](const Backend& b) {
+          std::vector<int> sizes;
+          for (const int n : b.traits.sizes) {
+            if (n >= 2) sizes.push_back(n);
+          }
+          return sizes;
+        },
+    .body =
+        [](RankContext& ctx) {
+          Communicator& c = ctx.comm();
+          const int r = ctx.rank();
+          const int peer = r == 0 ? 1 : r == 1 ? 0 : -1;
+          Tensor f = ctx.tensor(std::vector<float>(3, 1.0f), Shape({3}));
+          Tensor i = ctx.tensor(std::vector<std::int64_t>(5, 1), Shape({5}));
+          Tensor b = ctx.tensor(std::vector<graph::bfloat16>(7, graph::bfloat16(1.0f)), Shape({7}));
+          if (r == 0) c.send(f, 1);
+          if (r == 1) c.recv(f, 0);
+          c.send_recv(r == 0 ? i : b, peer, r == 0 ? b : i, peer);
+          const CommunicationStats got = c.stats();
+          const OpStats none;
+          const OpStats sent = r == 0 ? OpStats{.calls = 2, .bytes_sent = 52} : OpStats{.calls = 1, .bytes_sent = 14};
+          const OpStats received =
+              r == 0 ? OpStats{.calls = 1, .bytes_received = 14} : OpStats{.calls = 2, .bytes_received = 52};
+          expect_op("send", got.send, peer < 0 ? none : sent, ctx);
+          expect_op("recv", got.recv, peer < 0 ? none : received, ctx);
+          expect_op("all_reduce", got.all_reduce, none, ctx);
+          expect_op("barrier", got.barrier, none, ctx);
+          expect_op("total", got.total(),
+                    peer < 0
+                        ? none
+                        : OpStats{.calls = 3, .bytes_sent = sent.bytes_sent, .bytes_received = received.bytes_received},
+                    ctx);
+          const std::string text = got.to_string();
+          if (peer >= 0 && (text.find("send: ") == std::string::npos || text.find("recv: ") == std::string::npos)) {
+            throw ContractViolation(fmt::format("to_string() leaves out send or recv: {}", text));
+          }
+          c.barrier();  // nobody leaves (some backends fail the group then) while a peer still receives
+        },
+});
+
 }  // namespace
 
 TEST_CASE("stats: calls and ring bytes per op, by the formula") { check_contract(kFormula); }
+TEST_CASE("stats: point-to-point calls count their bytes as they are") { check_contract(kPointToPoint); }
 
 }  // namespace tandem::testing::contract
