@@ -15,6 +15,7 @@
 #include "tandem/graph/executor.h"
 #include "tandem/ops/ops.h"
 #include "tandem/strategy/pipeline_runner.h"
+#include "tandem/strategy/variable.h"
 
 using namespace tandem;
 using graph::Output;
