@@ -1,0 +1,186 @@
+// bench_pipeline — the pipeline bubble measured against the formula. An MLP cut into --stages
+// stages, one logical CPU device (one core) each, trains under strategy::PipelineRunner for each
+// schedule and micro-batch count; the table shows the step time, each stage's measured forward
+// and backward time per micro-batch, the measured bubble (the stages' mean idle share of the
+// step), the formula's (p-1)/(m+p-1), and the schedule simulator's bubble with the measured
+// times (which allows for stages that are not equally fast).
+//
+//   bench_pipeline [--stages 2] [--microbatches 1,2,4,8] [--schedules gpipe,1f1b] [--width 512]
+//                  [--layers 2] [--batch 512] [--steps 8]
+//
+// Backward recomputes the stage's forward (PipelineRunner's re-materialisation), so "backward"
+// here is a forward and a backward. Transfers are in-process copies (a few microseconds). The
+// ceiling is the formula: no schedule of these computations can idle less than (p-1)/(m+p-1) of a
+// step when the stages are equally fast. No peer is timed: PyTorch's pipelining API needs one
+// process per stage and its bubble is the same formula.
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "machine_info.h"
+#include "tandem/collective/in_process.h"
+#include "tandem/devices/device.h"
+#include "tandem/graph/autodiff.h"
+#include "tandem/ops/ops.h"
+#include "tandem/strategy/pipeline_runner.h"
+#include "tandem/strategy/variable.h"
+
+using namespace tandem;
+using graph::Output;
+
+namespace {
+
+struct Options {
+  int stages = 2;
+  std::string microbatches = "1,2,4,8";
+  std::string schedules = "gpipe,1f1b";
+  std::int64_t width = 512;
+  int layers = 2;  // per stage
+  std::int64_t batch = 512;
+  int steps = 8;
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out(1);
+  for (const char c : text) {
+    if (c == ',') {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
+  }
+  return out;
+}
+
+// Stage s of the MLP: `layers` Dense(width, tanh) layers; the last stage adds the MSE loss.
+strategy::PipelineStage make_stage(int s, const Options& o, devices::Device& device) {
+  auto g = std::make_shared<graph::Graph>();
+  strategy::PipelineStage st;
+  st.device = &device;
+  Output h = g->placeholder(kFloat32, {-1, o.width}, s == 0 ? "x" : "input");
+  if (s == 0) {
+    st.data.push_back({h, 0});
+  } else {
+    st.input = h;
+  }
+  std::mt19937 rng(static_cast<unsigned>(s + 1));
+  const float limit = std::sqrt(3.0f / static_cast<float>(o.width));
+  std::uniform_real_distribution<float> u(-limit, limit);
+  for (int l = 0; l < o.layers; ++l) {
+    std::vector<float> w(static_cast<std::size_t>(o.width * o.width));
+    for (auto& e : w) e = u(rng);
+    st.variables.push_back(g->variable(kFloat32, {o.width, o.width}, fmt::format("s{}l{}/kernel", s, l)));
+    st.values.push_back(Tensor::from_vector(w, {o.width, o.width}, device));
+    h = ops::tanh(ops::matmul(h, st.variables.back()));
+  }
+  if (s == o.stages - 1) {
+    const Output y = g->placeholder(kFloat32, {-1, o.width}, "y");
+    st.data.push_back({y, 1});
+    const Output sum = ops::reduce_sum(ops::square(h - y));
+    st.loss = sum * ops::scalar_like(sum, 1.0 / static_cast<double>(o.batch));
+  } else {
+    st.output = h;
+    st.output_gradient = g->placeholder(kFloat32, {-1, o.width}, "output_gradient");
+  }
+  st.add_gradients();
+  st.graph = g;
+  return st;
+}
+
+struct Row {
+  std::string schedule;
+  int microbatches = 0;
+  double step_ms = 0, forward_ms = 0, backward_ms = 0, measured = 0, formula = 0, simulated = 0;
+};
+
+Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
+  std::vector<strategy::PipelineStage> stages;
+  for (int s = 0; s < o.stages; ++s) stages.push_back(make_stage(s, o, devices::get_device(fmt::format("CPU:{}", s))));
+  auto comms = collective::make_in_process_group(o.stages);
+  std::vector<collective::Communicator*> group;
+  for (auto& c : comms) group.push_back(c.get());
+  const strategy::PipelineConfig config{.stages = o.stages, .microbatches = m, .schedule = schedule};
+  strategy::PipelineRunner runner(std::move(stages), config, group);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> xs(static_cast<std::size_t>(o.batch * o.width)), ys(xs.size());
+  for (auto& v : xs) v = normal(rng);
+  for (auto& v : ys) v = 0.5f * normal(rng);
+  const Tensor x = Tensor::from_vector(xs, {o.batch, o.width}), y = Tensor::from_vector(ys, {o.batch, o.width});
+  const std::int64_t rows = o.batch / m;
+  std::vector<std::vector<Tensor>> mbs;
+  for (int k = 0; k < m; ++k) {
+    mbs.push_back({strategy::flat_view(x, k * rows * o.width, rows * o.width).reshape({rows, o.width}),
+                   strategy::flat_view(y, k * rows * o.width, rows * o.width).reshape({rows, o.width})});
+  }
+  for (int w = 0; w < 2; ++w) runner.step(mbs);  // plans made, memory touched
+  Row row{.schedule = std::string(strategy::pipeline_schedule_name(schedule)), .microbatches = m};
+  std::vector<double> forward(static_cast<std::size_t>(o.stages)), backward(forward.size());
+  const auto start = std::chrono::steady_clock::now();
+  for (int step = 0; step < o.steps; ++step) {
+    const auto r = runner.step(mbs);
+    for (std::size_t s = 0; s < forward.size(); ++s) {
+      forward[s] += r.forward_seconds[s];
+      backward[s] += r.backward_seconds[s];
+    }
+  }
+  const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / o.steps;
+  double idle = 0, f_mean = 0, b_mean = 0;
+  for (std::size_t s = 0; s < forward.size(); ++s) {
+    const double compute = (forward[s] + backward[s]) / o.steps;
+    idle += 1.0 - compute / step_s;
+    f_mean += forward[s] / o.steps / m;
+    b_mean += backward[s] / o.steps / m;
+  }
+  const double p = o.stages;
+  row.step_ms = step_s * 1e3;
+  row.forward_ms = f_mean / p * 1e3;
+  row.backward_ms = b_mean / p * 1e3;
+  row.measured = idle / p;
+  row.formula = strategy::predicted_bubble(config);
+  row.simulated = strategy::simulate_pipeline(strategy::make_pipeline_schedule(config),
+                                              {.forward = f_mean / p, .backward = b_mean / p})
+                      .bubble_fraction();
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Options o;
+  CLI::App app("bench_pipeline: the pipeline bubble, measured beside (p-1)/(m+p-1)");
+  app.add_option("--stages", o.stages, "stages, one logical CPU device each")->capture_default_str();
+  app.add_option("--microbatches", o.microbatches, "micro-batch counts, comma-separated")->capture_default_str();
+  app.add_option("--schedules", o.schedules, "gpipe, 1f1b, comma-separated")->capture_default_str();
+  app.add_option("--width", o.width, "features of every layer")->capture_default_str();
+  app.add_option("--layers", o.layers, "Dense layers per stage")->capture_default_str();
+  app.add_option("--batch", o.batch, "rows per step (divided among the micro-batches)")->capture_default_str();
+  app.add_option("--steps", o.steps, "timed steps per row")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  devices::set_logical_device_configuration({.num_cpu_devices = o.stages});
+  std::printf("bench_pipeline on %s, %s; %s\n", bench::cpu_model().c_str(), bench::memory_total().c_str(),
+              bench::now_text().c_str());
+  std::printf("%d stages x %d Dense(%lld, tanh) each, batch %lld, %d logical CPU devices (one core each on a machine "
+              "with as many), %d timed steps a row\n",
+              o.stages, o.layers, static_cast<long long>(o.width), static_cast<long long>(o.batch), o.stages, o.steps);
+  std::printf("%-6s %4s %9s %8s %8s %9s %9s %9s %7s\n", "sched", "m", "step ms", "fwd ms", "bwd ms", "measured",
+              "formula", "simulated", "diff");
+  for (const auto& name : split(o.schedules)) {
+    const auto schedule = strategy::parse_pipeline_schedule(name);
+    for (const auto& m_text : split(o.microbatches)) {
+      const Row r = measure(o, schedule, std::stoi(m_text));
+      std::printf("%-6s %4d %9.2f %8.3f %8.3f %9.3f %9.3f %9.3f %+7.3f\n", r.schedule.c_str(), r.microbatches,
+                  r.step_ms, r.forward_ms, r.backward_ms, r.measured, r.formula, r.simulated, r.measured - r.formula);
+    }
+  }
+  std::printf("fwd/bwd: per micro-batch and stage, averaged over stages (bwd recomputes the forward). measured: the "
+              "stages' mean idle share of the step. diff: measured - formula.\n");
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_pipeline: %s\n", e.what());
+  return 1;
+}
