@@ -93,21 +93,28 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
       config_(config),
       communicators_(std::move(communicators)),
       options_(std::move(options)) {
-  const int p = static_cast<int>(stages_.size());
-  TANDEM_REQUIRE(config_.stages == p, InvalidArgument, "PipelineRunner: {} stages given but the config says {}", p,
-                 config_.stages);
+  const int p = config_.stages;
+  TANDEM_REQUIRE(!stages_.empty() && static_cast<int>(stages_.size()) <= p, InvalidArgument,
+                 "PipelineRunner: {} stages given for a pipeline of {}", stages_.size(), p);
+  for (std::size_t i = 0; i < stages_.size(); ++i) {
+    auto& st = stages_[i];
+    if (st.index < 0) st.index = static_cast<int>(i);
+    TANDEM_REQUIRE(st.index < p && (i == 0 || st.index > stages_[i - 1].index), InvalidArgument,
+                   "PipelineRunner: stage {} (position {}) is not in [0, {}) after the stages before it", st.index, i, p);
+  }
   TANDEM_REQUIRE(config_.virtual_stages == 1, Unimplemented,
                  "PipelineRunner: {} model chunks per stage; the runner takes one graph per stage (interleaved 1F1B "
                  "needs one per chunk, which it does not take yet)",
                  config_.virtual_stages);
-  TANDEM_REQUIRE(static_cast<int>(communicators_.size()) == p, InvalidArgument,
-                 "PipelineRunner: {} stages but {} communicators; give stage s rank s of one group", p,
+  TANDEM_REQUIRE(communicators_.size() == stages_.size(), InvalidArgument,
+                 "PipelineRunner: {} stages but {} communicators; give stage s rank s of one group", stages_.size(),
                  communicators_.size());
   plan_ = make_pipeline_schedule(config_);  // validates the config
-  for (int s = 0; s < p; ++s) {
-    const PipelineStage& st = stages_[static_cast<std::size_t>(s)];
+  for (std::size_t i = 0; i < stages_.size(); ++i) {
+    const PipelineStage& st = stages_[i];
+    const int s = st.index;
     const bool first = s == 0, last = s == p - 1;
-    const auto* c = communicators_[static_cast<std::size_t>(s)];
+    const auto* c = communicators_[i];
     TANDEM_REQUIRE(c != nullptr && c->rank() == s && c->size() == p, InvalidArgument,
                    "PipelineRunner: stage {}'s communicator must be rank {} of a group of {}", s, s, p);
     TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument,
@@ -133,9 +140,11 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
     for (std::size_t k = 0; k < st.variables.size(); ++k) executor->bind_variable(st.variables[k], st.values[k]);
     executors_.push_back(std::move(executor));
   }
-  for (int s = 0; s + 1 < p; ++s) {
-    const auto& out = stages_[static_cast<std::size_t>(s)].output;
-    const auto& in = stages_[static_cast<std::size_t>(s) + 1].input;
+  for (std::size_t i = 0; i + 1 < stages_.size(); ++i) {
+    if (stages_[i + 1].index != stages_[i].index + 1) continue;  // the neighbour is elsewhere
+    const int s = stages_[i].index;
+    const auto& out = stages_[i].output;
+    const auto& in = stages_[i + 1].input;
     bool same = out.dtype() == in.dtype() && out.shape().rank() == in.shape().rank();
     for (int d = 1; same && d < out.shape().rank(); ++d) same = out.shape()[d] == in.shape()[d];
     TANDEM_REQUIRE(same, InvalidArgument,
@@ -150,8 +159,9 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
   TANDEM_REQUIRE(static_cast<int>(microbatches.size()) == config_.microbatches, InvalidArgument,
                  "PipelineRunner::step: {} micro-batches given; the schedule has {}", microbatches.size(),
                  config_.microbatches);
-  const std::size_t p = stages_.size();
+  const std::size_t p = stages_.size();  // the local ones
   PipelineStepResult result;
+  result.has_loss = stages_.back().index == config_.stages - 1;
   result.losses.assign(microbatches.size(), 0.0);
   result.gradients.resize(p);
   result.peak_stashed.assign(p, 0);
@@ -183,10 +193,11 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
   return result;
 }
 
-void PipelineRunner::run_stage(int s, const std::vector<std::vector<Tensor>>& microbatches,
+void PipelineRunner::run_stage(int local, const std::vector<std::vector<Tensor>>& microbatches,
                                PipelineStepResult& result) {
-  const auto index = static_cast<std::size_t>(s);
+  const auto index = static_cast<std::size_t>(local);
   PipelineStage& st = stages_[index];
+  const int s = st.index;
   graph::Executor& executor = *executors_[index];
   collective::Communicator& comm = *communicators_[index];
   std::map<int, Tensor> received, outputs, output_grads, input_grads;
@@ -204,7 +215,7 @@ void PipelineRunner::run_stage(int s, const std::vector<std::vector<Tensor>>& mi
     if (st.input.defined()) f.push_back({st.input, received.at(mb)});
     return f;
   };
-  for (const PipelineAction& a : plan_[index]) {
+  for (const PipelineAction& a : plan_[static_cast<std::size_t>(s)]) {
     const int mb = a.microbatch;
     try {
       if (options_.before_action) options_.before_action(s, a);

@@ -39,6 +39,9 @@
 namespace tandem::strategy {
 
 struct PipelineStage {
+  // The stage's number in the pipeline; -1: its position in the list the runner is given. A
+  // runner may hold some stages only (one process per stage: each runner its own), numbered so.
+  int index = -1;
   std::shared_ptr<const graph::Graph> graph;
   devices::Device* device = nullptr;
   // Placeholders fed from the micro-batch's components: {placeholder, component index}.
@@ -63,17 +66,21 @@ struct PipelineRunnerOptions {
   std::function<void(int stage, const PipelineAction& action)> before_action;
 };
 
+// Per stage: in the order of the runner's stages (its local ones).
 struct PipelineStepResult {
-  std::vector<double> losses;                    // per micro-batch, from the last stage
+  bool has_loss = false;                         // whether the runner holds the last stage
+  std::vector<double> losses;                    // per micro-batch, from the last stage (0 without it)
   std::vector<std::vector<Tensor>> gradients;    // per stage, per variable: summed over micro-batches
-  std::vector<int> peak_stashed;                 // per stage, the most received activations held at once
+  std::vector<int> peak_stashed;                 // per stage, the most micro-batches between forward and backward
   std::vector<double> forward_seconds, backward_seconds;  // per stage, summed over micro-batches
   double loss() const;                           // the sum over micro-batches
 };
 
 class PipelineRunner {
  public:
-  // config.stages must equal stages.size(); communicators[s] is stage s's rank s of one group.
+  // `stages`: every stage of the pipeline, or some (PipelineStage::index), in increasing order;
+  // config.stages counts them all. communicators[i] is stages[i]'s: rank index of one group of
+  // config.stages ranks.
   PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig config,
                  std::vector<collective::Communicator*> communicators, PipelineRunnerOptions options = {});
   ~PipelineRunner();
