@@ -16,6 +16,7 @@ namespace {
 
 constexpr const char* kCopyOp = "TensorParallelCopy";
 constexpr const char* kAllReduceOp = "TensorParallelAllReduce";
+constexpr const char* kMaxOp = "TensorParallelMax";
 
 // The live groups by id: a kernel's attribute names its group by id (attributes hold values, not
 // pointers), and a destroyed group's id is refused rather than read after it is freed.
@@ -58,12 +59,13 @@ std::vector<graph::Output> all_reduce_of_grad(graph::GradContext& ctx) {
   return {add_op(ctx.grad(0), kAllReduceOp, ctx.attrs().get_int("group"))};
 }
 
-// Sums the group's copies: output = input, then all-reduced in place.
+// Combines the group's copies: output = input, then all-reduced in place.
+template <collective::ReduceOp kOp>
 void all_reduce_kernel(graph::KernelContext& ctx) {
   const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
   Tensor& out = ctx.output(0);
   ctx.device().copy_on_device(out.raw_data(), ctx.input(0).raw_data(), out.nbytes());
-  group.communicator(ctx.device()).all_reduce(out, collective::ReduceOp::kSum);
+  group.communicator(ctx.device()).all_reduce(out, kOp);
 }
 
 void register_ops() {
@@ -81,7 +83,10 @@ void register_ops() {
     // takes host tensors there); an on-stream NCCL kernel is for when a GPU can test it.
     const graph::KernelOptions options{.low_precision = graph::LowPrecision::kNative, .capturable = false};
     r.add({.name = kAllReduceOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input, .grad_fn = identity_grad});
-    r.add_kernel(kAllReduceOp, devices::DeviceType::kCPU, all_reduce_kernel, options);
+    r.add_kernel(kAllReduceOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kSum>, options);
+    // No gradient function: used on values whose gradient is not wanted (a softmax's shift).
+    r.add({.name = kMaxOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input});
+    r.add_kernel(kMaxOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kMax>, options);
   });
 }
 
@@ -138,6 +143,52 @@ graph::Output copy_to_group(graph::Output x, const Group& group) {
 
 graph::Output reduce_from_group(graph::Output x, const Group& group) {
   return add_op(std::move(x), kAllReduceOp, group.id());
+}
+
+graph::Output max_over_group(graph::Output x, const Group& group) { return add_op(std::move(x), kMaxOp, group.id()); }
+
+namespace {
+
+// ids - vocab_start, in ids' integer type: the rows of this device's piece (others out of range).
+graph::Output local_ids(graph::Output ids, std::int64_t vocab_start) {
+  return vocab_start == 0 ? ids : ops::sub(ids, ops::scalar_like(ids, static_cast<double>(vocab_start)));
+}
+
+}  // namespace
+
+graph::Output vocab_parallel_embedding(graph::Output ids, graph::Output table_piece, std::int64_t vocab_start,
+                                       const Group& group) {
+  TANDEM_REQUIRE(ids.defined() && table_piece.defined() && table_piece.shape().rank() == 2, InvalidArgument,
+                 "vocab_parallel_embedding: needs ids and a [rows, dim] table piece; got {}",
+                 table_piece.defined() ? table_piece.shape().to_string() : std::string("none"));
+  const std::int64_t rows = table_piece.shape()[0], dim = table_piece.shape()[1];
+  Shape out_shape = ids.shape();
+  out_shape.push_back(dim);
+  // An id outside the piece gets an all-zero one-hot row (OneHot's out-of-range rule), so its
+  // looked-up row is zeros here and comes from the device that holds it.
+  const graph::Output one_hot = ops::one_hot(ops::reshape(local_ids(ids, vocab_start), {-1}), rows);
+  graph::Output rows_found = ops::matmul(ops::cast(one_hot, table_piece.dtype()), table_piece);
+  return ops::reshape(reduce_from_group(rows_found, group), out_shape);
+}
+
+graph::Output vocab_parallel_cross_entropy(graph::Output logits_piece, graph::Output labels, std::int64_t vocab_start,
+                                           const Group& group) {
+  TANDEM_REQUIRE(logits_piece.defined() && labels.defined() && logits_piece.shape().rank() == 2 &&
+                     labels.shape().rank() == 1,
+                 InvalidArgument, "vocab_parallel_cross_entropy: needs logits [rows, V / t] and labels [rows]; got {} "
+                 "and {}",
+                 logits_piece.defined() ? logits_piece.shape().to_string() : "none",
+                 labels.defined() ? labels.shape().to_string() : "none");
+  const std::int64_t columns = logits_piece.shape()[1];
+  // The shift for a stable softmax: the row's maximum over every device's columns. Any shift
+  // gives the same loss and gradient, so none flows through it.
+  const graph::Output shift = max_over_group(
+      ops::stop_gradient(ops::reduce_max(logits_piece, {.axes = {1}, .keep_dims = true})), group);
+  const graph::Output z = ops::sub(logits_piece, shift);
+  const graph::Output sum_exp = reduce_from_group(ops::reduce_sum(ops::exp(z), {.axes = {1}}), group);
+  const graph::Output target_mask = ops::cast(ops::one_hot(local_ids(labels, vocab_start), columns), z.dtype());
+  const graph::Output target = reduce_from_group(ops::reduce_sum(ops::mul(z, target_mask), {.axes = {1}}), group);
+  return ops::sub(ops::log(sum_exp), target);
 }
 
 }  // namespace tandem::strategy::tensor_parallel

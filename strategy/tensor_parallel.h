@@ -61,5 +61,24 @@ class Group {
 // Megatron's f and g (above). x: a floating-point tensor of any shape.
 graph::Output copy_to_group(graph::Output x, const Group& group);
 graph::Output reduce_from_group(graph::Output x, const Group& group);
+// The element-wise maximum over the group; no gradient flows through it.
+graph::Output max_over_group(graph::Output x, const Group& group);
+
+// Megatron's vocabulary-parallel embedding: this device holds rows [vocab_start, vocab_start +
+// rows) of the table (table_piece: [rows, dim]); an id outside them looks up zeros, and the
+// group's sum is every id's row: one all-reduce of (ids x dim) forward, none backward (the
+// table's gradient stays on its device). ids: integers of any shape; the result is ids' shape +
+// [dim]. The lookup is a one-hot product (ids x rows x dim multiply-adds), not a gather.
+graph::Output vocab_parallel_embedding(graph::Output ids, graph::Output table_piece, std::int64_t vocab_start,
+                                       const Group& group);
+
+// Megatron's vocabulary-parallel cross-entropy: logits_piece [rows, V / t] holds this device's
+// vocabulary columns [vocab_start, vocab_start + V / t) of the logits, labels [rows] integers in
+// [0, V). Returns each row's loss, -log softmax(logits)[label], the same on every device, from
+// three all-reduces of [rows] values forward (the maximum, the sum of exponentials, the label's
+// logit) and none backward: the full logits are never gathered. Its gradient with respect to
+// logits_piece is this device's columns of softmax(logits) - one_hot(label).
+graph::Output vocab_parallel_cross_entropy(graph::Output logits_piece, graph::Output labels, std::int64_t vocab_start,
+                                           const Group& group);
 
 }  // namespace tandem::strategy::tensor_parallel

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <random>
+#include <functional>
 #include <thread>
 
 #include "common/error_message.h"
@@ -235,4 +236,138 @@ TEST_CASE("tensor_parallel::Group refuses mismatched lists, and a kernel refuses
   graph::Executor elsewhere(g, devices::get_device("CPU:2"));
   CHECK(contains_text(testing::error_message([&] { elsewhere.run({{x, Tensor::zeros({2}, kFloat32)}}, {y}); }),
                       "device CPU:2 is not in tensor-parallel group"));
+}
+
+namespace {
+
+using Built = std::pair<std::vector<graph::Feed>, std::vector<Output>>;
+
+// Two devices of one tensor-parallel group; run() builds each device's graph with build(r, graph)
+// (its feeds and fetches), runs both at once, and returns each device's fetched values.
+struct TwoDevices {
+  std::vector<std::unique_ptr<collective::Communicator>> comms = collective::make_in_process_group(2);
+  std::vector<devices::Device*> devices{&devices::get_device("CPU:0"), &devices::get_device("CPU:1")};
+  std::shared_ptr<tp::Group> group = tp::Group::create(devices, {comms[0].get(), comms[1].get()});
+
+  std::vector<std::vector<std::vector<float>>> run(const std::function<Built(int, graph::Graph&)>& build) {
+    std::vector<std::vector<std::vector<float>>> out(2);
+    std::vector<std::shared_ptr<graph::Graph>> graphs{std::make_shared<graph::Graph>(), std::make_shared<graph::Graph>()};
+    std::vector<Built> built;
+    for (int r = 0; r < 2; ++r) built.push_back(build(r, *graphs[static_cast<std::size_t>(r)]));
+    const auto go = [&](int r) {
+      const auto i = static_cast<std::size_t>(r);
+      graph::Executor ex(graphs[i], *devices[i]);
+      for (const auto& t : ex.run(built[i].first, built[i].second)) out[i].push_back(t.to_vector<float>());
+    };
+    std::thread other(go, 1);
+    go(0);
+    other.join();
+    return out;
+  }
+};
+
+std::vector<float> random_floats(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 2.0f);
+  std::vector<float> v(n);
+  for (auto& e : v) e = d(rng);
+  return v;
+}
+
+void check_close(const std::vector<float>& got, const std::vector<float>& want, double tolerance) {
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(std::abs(got[i] - want[i]) <= tolerance * std::max(1.0f, std::abs(want[i])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("vocabulary-parallel cross-entropy over 2 devices: the loss and its gradient without gathering the logits") {
+  constexpr std::int64_t kRows = 6, kVocab = 10, kPiece = kVocab / 2;
+  const std::vector<float> logits = random_floats(kRows * kVocab, 3);
+  const std::vector<std::int32_t> labels{0, 7, 4, 5, 9, 2};  // in both halves
+  // One device: the full logits.
+  std::vector<float> want_loss, want_grad;
+  {
+    auto g = std::make_shared<graph::Graph>();
+    const Output l = g->placeholder(kFloat32, {kRows, kVocab}, "logits");
+    const Output y = g->placeholder(DType::kI32, {kRows}, "labels");
+    const Output loss = ops::sparse_softmax_cross_entropy_with_logits(l, y);
+    const Output total = ops::reduce_sum(loss);
+    const Output grad = graph::gradients({&total, 1}, {&l, 1})[0];
+    graph::Executor ex(g, devices::get_device("CPU:0"));
+    const auto out = ex.run({{l, Tensor::from_vector(logits, {kRows, kVocab})}, {y, Tensor::from_vector(labels, {kRows})}},
+                            {loss, grad});
+    want_loss = out[0].to_vector<float>();
+    want_grad = out[1].to_vector<float>();
+  }
+  TwoDevices two;
+  const auto got = two.run([&](int r, graph::Graph& g) -> Built {
+    const Output piece = g.placeholder(kFloat32, {kRows, kPiece}, "logits_piece");
+    const Output y = g.placeholder(DType::kI32, {kRows}, "labels");
+    const Output loss = tp::vocab_parallel_cross_entropy(piece, y, r * kPiece, *two.group);
+    const Output total = ops::reduce_sum(loss);
+    const Output grad = graph::gradients({&total, 1}, {&piece, 1})[0];
+    return {{{piece, Tensor::from_vector(columns(logits, kRows, kVocab, r * kPiece, kPiece), {kRows, kPiece})},
+             {y, Tensor::from_vector(labels, {kRows})}},
+            {loss, grad}};
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    check_close(got[static_cast<std::size_t>(r)][0], want_loss, 1e-6);
+    check_close(got[static_cast<std::size_t>(r)][1], columns(want_grad, kRows, kVocab, r * kPiece, kPiece), 1e-6);
+  }
+  // Three all-reduces of one float per row (maximum, sum of exponentials, the label's logit),
+  // none in backward: 3 x 6 x 4 bytes, never the 6 x 10 logits.
+  const auto stats = two.comms[0]->stats();
+  CHECK(stats.all_reduce.calls == 3);
+  CHECK(stats.all_reduce.bytes_sent == 3 * kRows * 4);
+}
+
+TEST_CASE("vocabulary-parallel embedding over 2 devices: every id's row, and each piece's gradient") {
+  constexpr std::int64_t kVocab = 10, kPiece = kVocab / 2, kDim = 3;
+  const std::vector<float> table = random_floats(kVocab * kDim, 5);
+  const std::vector<std::int32_t> ids{0, 9, 4, 5, 5, 1, 7, 3};  // [2, 4], a repeat, both halves
+  const std::vector<float> weights = random_floats(ids.size() * kDim, 6);
+  std::vector<float> want_rows, want_grad;
+  {
+    auto g = std::make_shared<graph::Graph>();
+    const Output t = g->placeholder(kFloat32, {kVocab, kDim}, "table");
+    const Output i = g->placeholder(DType::kI32, {2, 4}, "ids");
+    const Output w = g->placeholder(kFloat32, {2, 4, kDim}, "w");
+    const Output rows = ops::gather(t, i);
+    const Output total = ops::reduce_sum(ops::mul(rows, w));
+    const Output grad = graph::gradients({&total, 1}, {&t, 1})[0];
+    graph::Executor ex(g, devices::get_device("CPU:0"));
+    const auto out = ex.run({{t, Tensor::from_vector(table, {kVocab, kDim})},
+                             {i, Tensor::from_vector(ids, {2, 4})},
+                             {w, Tensor::from_vector(weights, {2, 4, kDim})}},
+                            {rows, grad});
+    want_rows = out[0].to_vector<float>();
+    want_grad = out[1].to_vector<float>();
+  }
+  TwoDevices two;
+  const auto got = two.run([&](int r, graph::Graph& g) -> Built {
+    const Output piece = g.placeholder(kFloat32, {kPiece, kDim}, "table_piece");
+    const Output i = g.placeholder(DType::kI32, {2, 4}, "ids");
+    const Output w = g.placeholder(kFloat32, {2, 4, kDim}, "w");
+    const Output rows = tp::vocab_parallel_embedding(i, piece, r * kPiece, *two.group);
+    const Output total = ops::reduce_sum(ops::mul(rows, w));
+    const Output grad = graph::gradients({&total, 1}, {&piece, 1})[0];
+    return {{{piece, Tensor::from_vector(rows_of(table, kDim, r * kPiece, kPiece), {kPiece, kDim})},
+             {i, Tensor::from_vector(ids, {2, 4})},
+             {w, Tensor::from_vector(weights, {2, 4, kDim})}},
+            {rows, grad}};
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    check_close(got[static_cast<std::size_t>(r)][0], want_rows, 1e-6);
+    check_close(got[static_cast<std::size_t>(r)][1], rows_of(want_grad, kDim, r * kPiece, kPiece), 1e-6);
+  }
+  // One all-reduce of the (8 ids x 3) rows forward, none backward.
+  const auto stats = two.comms[0]->stats();
+  CHECK(stats.all_reduce.calls == 1);
+  CHECK(stats.all_reduce.bytes_sent == 8 * kDim * 4);
 }
