@@ -98,11 +98,17 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
                  "tensor_parallel::Group: {} devices but {} communicators; give one communicator per device",
                  devices.size(), communicators.size());
   for (std::size_t i = 0; i < devices.size(); ++i) {
-    TANDEM_REQUIRE(communicators[i] != nullptr && communicators[i]->rank() == static_cast<int>(i) &&
-                       communicators[i]->size() == static_cast<int>(devices.size()),
+    TANDEM_REQUIRE(communicators[i] != nullptr && communicators[i]->size() == communicators[0]->size() &&
+                       communicators[i]->size() >= static_cast<int>(devices.size()),
                    InvalidArgument,
-                   "tensor_parallel::Group: the communicator of device {} (index {}) must be rank {} of a group of {}",
-                   devices[i]->short_name(), i, i, devices.size());
+                   "tensor_parallel::Group: the communicator of device {} (index {}) must belong to one group of at "
+                   "least {} ranks with the others",
+                   devices[i]->short_name(), i, devices.size());
+    for (std::size_t j = 0; j < i; ++j) {
+      TANDEM_REQUIRE(communicators[j]->rank() != communicators[i]->rank(), InvalidArgument,
+                     "tensor_parallel::Group: devices {} and {} both have rank {}", devices[j]->short_name(),
+                     devices[i]->short_name(), communicators[i]->rank());
+    }
   }
   register_ops();
   const std::int64_t id = registry().next_id++;
@@ -120,21 +126,24 @@ Group::~Group() {
   registry().groups.erase(id_);
 }
 
-int Group::rank_of(const devices::Device& device) const {
+// The index of `device` among the group's local devices.
+std::size_t Group::local_index(const devices::Device& device) const {
   for (std::size_t i = 0; i < devices_.size(); ++i) {
-    if (devices_[i] == &device) return static_cast<int>(i);
+    if (devices_[i] == &device) return i;
   }
   throw InvalidArgument(fmt::format("device {} is not in {}", device.short_name(), to_string()));
 }
 
+int Group::rank_of(const devices::Device& device) const { return communicators_[local_index(device)]->rank(); }
+
 collective::Communicator& Group::communicator(const devices::Device& device) const {
-  return *communicators_[static_cast<std::size_t>(rank_of(device))];
+  return *communicators_[local_index(device)];
 }
 
 std::string Group::to_string() const {
   std::string names;
   for (const auto* d : devices_) names += fmt::format("{}{}", names.empty() ? "" : ", ", d->short_name());
-  return fmt::format("tensor-parallel group {} ({})", id_, names);
+  return fmt::format("tensor-parallel group {} ({} here of {})", id_, names, size());
 }
 
 graph::Output copy_to_group(graph::Output x, const Group& group) {

@@ -35,7 +35,9 @@
 namespace tandem::strategy::tensor_parallel {
 
 // The devices that compute the pieces of one layer together, each with its rank's communicator of
-// one group (communicators[i] is devices[i]'s, of rank i).
+// one group (communicators[i] is devices[i]'s). A process may hold some of the group's devices
+// only (one process per device: each its own Group of one local device); the group's size is the
+// communicators'.
 class Group {
  public:
   static std::shared_ptr<Group> create(std::vector<devices::Device*> devices,
@@ -45,13 +47,14 @@ class Group {
   Group& operator=(const Group&) = delete;
 
   std::int64_t id() const { return id_; }
-  int size() const { return static_cast<int>(devices_.size()); }
-  // The rank of `device` in the group; InvalidArgument naming it and the group's devices.
+  int size() const { return communicators_.front()->size(); }
+  // The rank of `device` in the group; InvalidArgument naming it and the group's local devices.
   int rank_of(const devices::Device& device) const;
   collective::Communicator& communicator(const devices::Device& device) const;
-  std::string to_string() const;  // "tensor-parallel group 3 (CPU:0, CPU:1)"
+  std::string to_string() const;  // "tensor-parallel group 3 (CPU:0, CPU:1 here of 2)"
 
  private:
+  std::size_t local_index(const devices::Device& device) const;
   Group(std::int64_t id, std::vector<devices::Device*> devices, std::vector<collective::Communicator*> communicators);
   std::int64_t id_;
   std::vector<devices::Device*> devices_;

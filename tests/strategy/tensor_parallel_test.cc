@@ -3,7 +3,9 @@
 // the same MLP on one device (every step's loss and the final weights within 1e-5 relative),
 // bitwise the same run to run, with the replicated weights' copies bit-identical, and
 // communicates exactly the formula's bytes: per step, one all-reduce of the (batch x 8)
-// activation forward and one of its gradient backward.
+// activation forward and one of its gradient backward; over Gloo with one Group per rank (as one
+// process per device) it trains bitwise the same. Also the vocabulary-parallel embedding and
+// cross-entropy against one device.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -12,7 +14,9 @@
 #include <thread>
 
 #include "common/error_message.h"
+#include "tandem/collective/gloo.h"
 #include "tandem/collective/in_process.h"
+#include "tandem/collective/store.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/autodiff.h"
 #include "tandem/ops/ops.h"
@@ -145,13 +149,30 @@ Run train_one_device() {
   return run;
 }
 
-Run train_tensor_parallel() {
-  auto comms = collective::make_in_process_group(2);
+// backend "in-process": one Group of both devices, as one process holds them; "gloo": a Gloo
+// communicator per rank and a Group of one local device each, as one process per device would.
+Run train_tensor_parallel(const std::string& backend = "in-process") {
+  std::vector<std::unique_ptr<collective::Communicator>> comms;
   std::vector<devices::Device*> devices{&devices::get_device("CPU:0"), &devices::get_device("CPU:1")};
-  const auto group = tp::Group::create(devices, {comms[0].get(), comms[1].get()});
+  std::vector<std::shared_ptr<tp::Group>> groups;
+  if (backend == "in-process") {
+    comms = collective::make_in_process_group(2);
+    groups.push_back(tp::Group::create(devices, {comms[0].get(), comms[1].get()}));
+    groups.push_back(groups[0]);
+  } else {
+    comms.resize(2);
+    auto store = collective::make_in_memory_store();
+    std::thread other([&] { comms[1] = collective::make_gloo_communicator({.rank = 1, .size = 2, .store = store}); });
+    comms[0] = collective::make_gloo_communicator({.rank = 0, .size = 2, .store = store});
+    other.join();
+    for (std::size_t r = 0; r < 2; ++r) groups.push_back(tp::Group::create({devices[r]}, {comms[r].get()}));
+  }
   const Weights w = initial_weights();
   std::vector<std::unique_ptr<Replica>> replicas;
-  for (int r = 0; r < 2; ++r) replicas.push_back(std::make_unique<Replica>(w, *devices[static_cast<std::size_t>(r)], group.get(), r));
+  for (int r = 0; r < 2; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    replicas.push_back(std::make_unique<Replica>(w, *devices[i], groups[i].get(), r));
+  }
   Run run;
   std::vector<double> losses(2);
   for (int s = 0; s < kSteps; ++s) {
@@ -216,10 +237,15 @@ TEST_CASE("a column- then row-parallel Dense pair over 2 devices trains as one d
   CHECK(got.stats.all_reduce.calls == 2 * kSteps);
   CHECK(got.stats.all_reduce.bytes_sent == 2 * kSteps * kBatch * kIn * 4);
   CHECK(got.stats.total().calls == got.stats.all_reduce.calls);
-  // Bitwise the same run to run.
+  // Bitwise the same run to run, and across processes: Gloo sums 2 ranks in rank order, as the
+  // in-process group does.
   const Run again = train_tensor_parallel();
   CHECK(again.losses == got.losses);
   CHECK(whole(again.weights) == whole(got.weights));
+  const Run gloo = train_tensor_parallel("gloo");
+  CHECK(gloo.losses == got.losses);
+  CHECK(whole(gloo.weights) == whole(got.weights));
+  CHECK(gloo.stats.all_reduce == got.stats.all_reduce);
 }
 
 TEST_CASE("tensor_parallel::Group refuses mismatched lists, and a kernel refuses a device outside its group") {
@@ -227,8 +253,12 @@ TEST_CASE("tensor_parallel::Group refuses mismatched lists, and a kernel refuses
   std::vector<devices::Device*> devices{&devices::get_device("CPU:0"), &devices::get_device("CPU:1")};
   CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[0].get()}); }) ==
         "tensor_parallel::Group: 2 devices but 1 communicators; give one communicator per device");
-  CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[1].get(), comms[0].get()}); }) ==
-        "tensor_parallel::Group: the communicator of device CPU:0 (index 0) must be rank 0 of a group of 2");
+  CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[1].get(), comms[1].get()}); }) ==
+        "tensor_parallel::Group: devices CPU:0 and CPU:1 both have rank 1");
+  auto three = collective::make_in_process_group(3);
+  CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[0].get(), three[1].get()}); }) ==
+        "tensor_parallel::Group: the communicator of device CPU:1 (index 1) must belong to one group of at least 2 "
+        "ranks with the others");
   const auto group = tp::Group::create(devices, {comms[0].get(), comms[1].get()});
   auto g = std::make_shared<graph::Graph>();
   const Output x = g->placeholder(kFloat32, {2}, "x");
