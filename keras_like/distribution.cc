@@ -584,7 +584,13 @@ Plan plan(const Model& model, const PlanOptions& options) {
       const auto& boundary = *pp.stages[k].boundary;
       double elements = 1;
       for (int d = 1; d < boundary.shape.rank(); ++d) elements *= static_cast<double>(boundary.shape[d]);
-      const double bytes = elements * static_cast<double>(graph::dtype_size(boundary.dtype));
+      double bytes = elements * static_cast<double>(graph::dtype_size(boundary.dtype));
+      // A column-parallel Dense leaves its output split by features: each device of the model
+      // axis sends its piece to its counterpart in the next stage.
+      const std::string column_kernel = pp.stages[k].last_layer + "/kernel";
+      for (const auto& l : layouts) {
+        if (l.path == column_kernel && l.split == "column") bytes /= static_cast<double>(l.parts);
+      }
       p.collectives.push_back({.op = "send",
                                .what = fmt::format("stage {} -> {}: {}'s output (forward)", k, k + 1, pp.stages[k].last_layer),
                                .bytes_per_device = bytes,
