@@ -1,0 +1,288 @@
+// Hybrid parallelism on hand-built graphs over 4 logical CPU devices: data parallelism (the
+// gradients all-reduced over the batch axis), tensor parallelism (Megatron's f and g around a
+// column/row Dense pair, strategy/tensor_parallel.h) and pipeline stages (strategy::PipelineRunner)
+// composed on 2-D meshes: DP2xTP2, TP2xPP2 and PP2xDP2, each training as one device (every step's
+// loss and the final weights within 1e-5 relative) and bitwise the same run to run.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <random>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "tandem/collective/in_process.h"
+#include "tandem/graph/autodiff.h"
+#include "tandem/graph/executor.h"
+#include "tandem/ops/ops.h"
+#include "tandem/strategy/pipeline_runner.h"
+#include "tandem/strategy/tensor_parallel.h"
+#include "tandem/strategy/variable.h"
+
+using namespace tandem;
+namespace tp = tandem::strategy::tensor_parallel;
+using graph::Output;
+
+namespace {
+
+constexpr std::int64_t kIn = 8, kWide = 16, kBatch = 32;
+constexpr float kLearningRate = 0.05f;
+
+// pre (8 -> 8, tanh), fc1 (8 -> 16, relu; column-parallel), fc2 (16 -> 8, tanh; row-parallel),
+// head (8 -> 1): kernels and biases, whole.
+std::vector<std::vector<float>> initial_weights() {
+  std::mt19937 rng(29);
+  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+  std::vector<std::vector<float>> w;
+  for (const auto n : {kIn * kIn, kIn, kIn * kWide, kWide, kWide * kIn, kIn, kIn, std::int64_t{1}}) {
+    std::vector<float> v(static_cast<std::size_t>(n));
+    for (auto& e : v) e = u(rng);
+    w.push_back(v);
+  }
+  return w;
+}
+
+std::pair<Tensor, Tensor> batch(int step) {
+  std::mt19937 rng(static_cast<unsigned>(900 + step));
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  std::vector<float> x(static_cast<std::size_t>(kBatch * kIn)), y(static_cast<std::size_t>(kBatch));
+  for (auto& v : x) v = n(rng);
+  for (std::int64_t i = 0; i < kBatch; ++i) {
+    float s = 0;
+    for (std::int64_t f = 0; f < kIn; ++f) s += std::sin(x[static_cast<std::size_t>(i * kIn + f)] * (0.7f + f * 0.1f));
+    y[static_cast<std::size_t>(i)] = s / 4;
+  }
+  return {Tensor::from_vector(x, {kBatch, kIn}), Tensor::from_vector(y, {kBatch, 1})};
+}
+
+std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols, std::int64_t c0,
+                           std::int64_t n) {
+  std::vector<float> out;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = c0; c < c0 + n; ++c) out.push_back(m[static_cast<std::size_t>(r * cols + c)]);
+  }
+  return out;
+}
+
+// The device at mesh coordinates (data replica b, tensor rank j, stage s).
+struct Mesh {
+  int dp = 1, tp = 1, pp = 1;
+  int device(int b, int j, int s) const { return (b * pp + s) * tp + j; }
+  int size() const { return dp * tp * pp; }
+};
+
+// Stage s of 1 or 2 (2: pre, fc1, fc2 | head) as tensor rank j of `group` (null: no tensor
+// parallelism), its variables' pieces from the whole weights.
+strategy::PipelineStage make_stage(const Mesh& mesh, int s, int j, const tp::Group* group, devices::Device& device,
+                                   const std::vector<std::vector<float>>& w) {
+  auto g = std::make_shared<graph::Graph>();
+  strategy::PipelineStage st;
+  st.index = s;
+  st.device = &device;
+  const auto variable = [&](const std::vector<float>& init, const Shape& shape, const std::string& name) {
+    st.variables.push_back(g->variable(kFloat32, shape, name));
+    st.values.push_back(Tensor::from_vector(init, shape, device));
+    return st.variables.back();
+  };
+  const bool first = s == 0, last = s == mesh.pp - 1;
+  Output h = g->placeholder(kFloat32, {-1, kIn}, first ? "x" : "input");
+  if (first) {
+    st.data.push_back({h, 0});
+  } else {
+    st.input = h;
+  }
+  if (first) {
+    const std::int64_t piece = kWide / mesh.tp;
+    const Output pre_k = variable(w[0], {kIn, kIn}, "pre/kernel"), pre_b = variable(w[1], {kIn}, "pre/bias");
+    const Output fc1_k = variable(columns(w[2], kIn, kWide, j * piece, piece), {kIn, piece}, "fc1/kernel");
+    const Output fc1_b = variable({w[3].begin() + j * piece, w[3].begin() + (j + 1) * piece}, {piece}, "fc1/bias");
+    const Output fc2_k = variable({w[4].begin() + j * piece * kIn, w[4].begin() + (j + 1) * piece * kIn}, {piece, kIn},
+                                  "fc2/kernel");
+    const Output fc2_b = variable(w[5], {kIn}, "fc2/bias");
+    h = ops::tanh(ops::bias_add(ops::matmul(h, pre_k), pre_b));
+    if (group) h = tp::copy_to_group(h, *group);
+    h = ops::relu(ops::bias_add(ops::matmul(h, fc1_k), fc1_b));
+    h = ops::matmul(h, fc2_k);
+    if (group) h = tp::reduce_from_group(h, *group);
+    h = ops::tanh(ops::bias_add(h, fc2_b));
+  }
+  if (last) {
+    const Output head_k = variable(w[6], {kIn, 1}, "head/kernel"), head_b = variable(w[7], {1}, "head/bias");
+    const Output prediction = ops::bias_add(ops::matmul(h, head_k), head_b);
+    const Output y = g->placeholder(kFloat32, {-1, 1}, "y");
+    st.data.push_back({y, 1});
+    const Output sum = ops::reduce_sum(ops::square(prediction - y));
+    st.loss = sum * ops::scalar_like(sum, 1.0 / kBatch);
+  } else {
+    st.output = h;
+    st.output_gradient = g->placeholder(kFloat32, {-1, kIn}, "output_gradient");
+  }
+  st.add_gradients();
+  st.graph = g;
+  return st;
+}
+
+struct Run {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> weights;  // whole, in initial_weights() order
+};
+
+using Group = std::vector<std::unique_ptr<collective::Communicator>>;
+
+// Trains on `mesh` with m micro-batches per data replica for `steps` steps.
+Run train(const Mesh& mesh, int microbatches, strategy::PipelineSchedule schedule, int steps) {
+  const auto w = initial_weights();
+  const auto dev = [&](int b, int j, int s) -> devices::Device& {
+    return devices::get_device(fmt::format("CPU:{}", mesh.device(b, j, s)));
+  };
+  // Tensor groups per (b, s); pipelines per (b, j); data-parallel groups per (j, s).
+  std::map<std::pair<int, int>, Group> tensor_comms, pipe_comms, data_comms;
+  std::map<std::pair<int, int>, std::shared_ptr<tp::Group>> tensor_groups;
+  for (int b = 0; b < mesh.dp; ++b) {
+    for (int s = 0; s < mesh.pp; ++s) {
+      if (mesh.tp == 1) continue;
+      auto& comms = tensor_comms[{b, s}] = collective::make_in_process_group(mesh.tp);
+      std::vector<devices::Device*> devices;
+      std::vector<collective::Communicator*> group;
+      for (int j = 0; j < mesh.tp; ++j) {
+        devices.push_back(&dev(b, j, s));
+        group.push_back(comms[static_cast<std::size_t>(j)].get());
+      }
+      tensor_groups[{b, s}] = tp::Group::create(devices, group);
+    }
+  }
+  for (int j = 0; j < mesh.tp; ++j) {
+    for (int s = 0; s < mesh.pp; ++s) data_comms[{j, s}] = collective::make_in_process_group(mesh.dp);
+  }
+  std::map<std::pair<int, int>, std::unique_ptr<strategy::PipelineRunner>> runners;  // per (b, j)
+  for (int b = 0; b < mesh.dp; ++b) {
+    for (int j = 0; j < mesh.tp; ++j) {
+      auto& comms = pipe_comms[{b, j}] = collective::make_in_process_group(mesh.pp);
+      std::vector<strategy::PipelineStage> stages;
+      std::vector<collective::Communicator*> group;
+      for (int s = 0; s < mesh.pp; ++s) {
+        const auto it = tensor_groups.find({b, s});
+        stages.push_back(make_stage(mesh, s, j, it == tensor_groups.end() ? nullptr : it->second.get(), dev(b, j, s), w));
+        group.push_back(comms[static_cast<std::size_t>(s)].get());
+      }
+      runners[{b, j}] = std::make_unique<strategy::PipelineRunner>(
+          std::move(stages), strategy::PipelineConfig{.stages = mesh.pp, .microbatches = microbatches, .schedule = schedule},
+          group);
+    }
+  }
+  Run run;
+  const std::int64_t shard = kBatch / mesh.dp, rows = shard / microbatches;
+  for (int step = 0; step < steps; ++step) {
+    const auto [x, y] = batch(step);
+    std::map<std::pair<int, int>, strategy::PipelineStepResult> results;
+    std::vector<std::thread> threads;
+    std::mutex mutex;
+    for (auto& [key, runner] : runners) {
+      threads.emplace_back([&, key = key, r = runner.get()] {
+        std::vector<std::vector<Tensor>> mbs;
+        for (int m = 0; m < microbatches; ++m) {
+          const std::int64_t row0 = key.first * shard + m * rows;
+          mbs.push_back({strategy::flat_view(x, row0 * kIn, rows * kIn).reshape({rows, kIn}),
+                         strategy::flat_view(y, row0, rows).reshape({rows, 1})});
+        }
+        auto result = r->step(mbs);
+        std::lock_guard lock(mutex);
+        results[key] = std::move(result);
+      });
+    }
+    for (auto& t : threads) t.join();
+    double loss = 0;
+    for (int b = 0; b < mesh.dp; ++b) loss += results[{b, 0}].loss();
+    run.losses.push_back(loss);
+    // Data parallelism: each (tensor rank, stage)'s gradients summed over the data replicas, then
+    // the same SGD step on every replica.
+    for (int j = 0; j < mesh.tp; ++j) {
+      for (int s = 0; s < mesh.pp; ++s) {
+        auto& comms = data_comms[{j, s}];
+        std::vector<std::thread> reducers;
+        for (int b = 0; b < mesh.dp; ++b) {
+          reducers.emplace_back([&, b] {
+            auto& grads = results[{b, j}].gradients[static_cast<std::size_t>(s)];
+            if (mesh.dp > 1) comms[static_cast<std::size_t>(b)]->all_reduce(grads, collective::ReduceOp::kSum);
+            auto& values = runners[{b, j}]->stages()[static_cast<std::size_t>(s)].values;
+            for (std::size_t k = 0; k < values.size(); ++k) {
+              float* v = values[k].data<float>();
+              const float* d = grads[k].data<float>();
+              for (std::int64_t i = 0; i < values[k].num_elements(); ++i) v[i] -= kLearningRate * d[i];
+            }
+          });
+        }
+        for (auto& t : reducers) t.join();
+      }
+    }
+  }
+  // The whole weights from data replica 0: pieces of fc1 and fc2 put back together.
+  const auto value = [&](int j, int s, std::size_t k) {
+    return runners[{0, j}]->stages()[static_cast<std::size_t>(s)].values[k].to_vector<float>();
+  };
+  const int last = mesh.pp - 1;
+  run.weights.assign(8, {});
+  run.weights[0] = value(0, 0, 0);
+  run.weights[1] = value(0, 0, 1);
+  for (std::int64_t row = 0; row < kIn; ++row) {
+    for (int j = 0; j < mesh.tp; ++j) {
+      const auto k = value(j, 0, 2);
+      const std::int64_t piece = kWide / mesh.tp;
+      run.weights[2].insert(run.weights[2].end(), k.begin() + row * piece, k.begin() + (row + 1) * piece);
+    }
+  }
+  for (int j = 0; j < mesh.tp; ++j) {
+    const auto b1 = value(j, 0, 3), k2 = value(j, 0, 4);
+    run.weights[3].insert(run.weights[3].end(), b1.begin(), b1.end());
+    run.weights[4].insert(run.weights[4].end(), k2.begin(), k2.end());
+  }
+  run.weights[5] = value(0, 0, 5);
+  const std::size_t head = mesh.pp == 1 ? 6 : 0;
+  run.weights[6] = value(0, last, head);
+  run.weights[7] = value(0, last, head + 1);
+  return run;
+}
+
+void check_equivalent(const Run& got, const Run& want) {
+  REQUIRE(got.losses.size() == want.losses.size());
+  for (std::size_t s = 0; s < got.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * std::abs(want.losses[s]));
+  }
+  for (std::size_t k = 0; k < want.weights.size(); ++k) {
+    REQUIRE(got.weights[k].size() == want.weights[k].size());
+    for (std::size_t i = 0; i < got.weights[k].size(); ++i) {
+      const double a = got.weights[k][i], b = want.weights[k][i];
+      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b))) {
+        FAIL_CHECK("weight " << k << "[" << i << "]: " << a << " vs " << b);
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("DP2xTP2, TP2xPP2 and PP2xDP2 on 4 devices train as one device, bitwise the same run to run") {
+  constexpr int kSteps = 50;
+  const Run one = train({}, 1, strategy::PipelineSchedule::k1F1B, kSteps);
+  CHECK(one.losses.back() < 0.5 * one.losses.front());  // it trains
+  struct Case {
+    const char* name;
+    Mesh mesh;
+    int microbatches;
+    strategy::PipelineSchedule schedule;
+  };
+  for (const Case& c : {Case{"DP2xTP2", {.dp = 2, .tp = 2}, 1, strategy::PipelineSchedule::k1F1B},
+                        Case{"TP2xPP2 1F1B", {.tp = 2, .pp = 2}, 4, strategy::PipelineSchedule::k1F1B},
+                        Case{"TP2xPP2 GPipe", {.tp = 2, .pp = 2}, 4, strategy::PipelineSchedule::kGPipe},
+                        Case{"PP2xDP2", {.dp = 2, .pp = 2}, 4, strategy::PipelineSchedule::k1F1B}}) {
+    CAPTURE(c.name);
+    REQUIRE(c.mesh.size() == 4);
+    const Run got = train(c.mesh, c.microbatches, c.schedule, kSteps);
+    check_equivalent(got, one);
+    const Run again = train(c.mesh, c.microbatches, c.schedule, kSteps);
+    CHECK(again.losses == got.losses);
+    CHECK(again.weights == got.weights);
+  }
+}
