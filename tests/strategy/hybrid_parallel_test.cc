@@ -268,7 +268,7 @@ TEST_CASE("DP2xTP2, TP2xPP2 and PP2xDP2 on 4 devices train as one device, bitwis
   const Run one = train({}, 1, strategy::PipelineSchedule::k1F1B, kSteps);
   CHECK(one.losses.back() < 0.5 * one.losses.front());  // it trains
   struct Case {
-    const char* name;
+    std::string name;
     Mesh mesh;
     int microbatches;
     strategy::PipelineSchedule schedule;
