@@ -185,6 +185,9 @@ CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& 
     index.tensors.push_back(
         {.name = name, .dtype = value.dtype(), .shape = value.shape(), .num_shards = 0, .chunks = {}});
   }
+  for (const auto& [name, spec] : contents.block_tensors) {
+    index.tensors.push_back({.name = name, .dtype = spec.dtype, .shape = spec.shape, .num_shards = 0, .chunks = {}});
+  }
   for (std::size_t w = 0; w < records.size(); ++w) {
     const auto& r = records[w];
     for (std::size_t at = 0; at < r.size();) {
@@ -251,6 +254,47 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
           value.to(devices::default_cpu_device()).reshape({value.shape().num_elements()}));
     }
   }
+  // Blocks: one chunk per contiguous run of the piece's elements in the whole tensor.
+  const std::size_t first_block_tensor = contents.variables.size() + contents.values.size();
+  for (const auto& block : contents.blocks) {
+    const auto it = std::find_if(contents.block_tensors.begin(), contents.block_tensors.end(),
+                                 [&](const auto& t) { return t.first == block.name; });
+    TANDEM_REQUIRE(it != contents.block_tensors.end(), InvalidArgument,
+                   "save checkpoint: a block of \"{}\", which block_tensors does not list", block.name);
+    const Shape& whole = it->second.shape;
+    const Tensor piece = block.piece.to(devices::default_cpu_device());
+    const Shape& p = piece.shape();
+    const int rank = whole.rank();
+    TANDEM_REQUIRE(piece.dtype() == it->second.dtype && p.rank() == rank &&
+                       static_cast<int>(block.offsets.size()) == rank,
+                   InvalidArgument, "save checkpoint: a block of \"{}\" is {} {} at [{}]; the tensor is {} {}", block.name,
+                   graph::dtype_name(piece.dtype()), p, fmt::join(block.offsets, ", "),
+                   graph::dtype_name(it->second.dtype), whole);
+    for (int d = 0; d < rank; ++d) {
+      const auto o = block.offsets[static_cast<std::size_t>(d)];
+      TANDEM_REQUIRE(o >= 0 && o + p[d] <= whole[d], InvalidArgument,
+                     "save checkpoint: a block of \"{}\" of shape {} at [{}] reaches past the tensor's shape {}",
+                     block.name, p, fmt::join(block.offsets, ", "), whole);
+    }
+    // Dimensions from `k` on are contiguous in the whole tensor: every later one is whole.
+    int k = rank - 1;
+    while (k > 0 && p[k] == whole[k]) --k;
+    std::vector<std::int64_t> stride(static_cast<std::size_t>(std::max(rank, 1)), 1);
+    for (int d = rank - 2; d >= 0; --d) stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * whole[d + 1];
+    const std::int64_t run = rank == 0 ? 1 : p[k] * stride[static_cast<std::size_t>(k)];
+    const std::int64_t runs = run == 0 ? 0 : piece.num_elements() / run;
+    const std::size_t tensor = first_block_tensor + static_cast<std::size_t>(it - contents.block_tensors.begin());
+    for (std::int64_t r = 0; r < runs; ++r) {
+      // The run's position: r counts the piece's indices over dimensions [0, k) row-major.
+      std::int64_t begin = rank == 0 ? 0 : block.offsets[static_cast<std::size_t>(k)] * stride[static_cast<std::size_t>(k)];
+      std::int64_t rest = r;
+      for (int d = k - 1; d >= 0; --d) {
+        begin += (block.offsets[static_cast<std::size_t>(d)] + rest % p[d]) * stride[static_cast<std::size_t>(d)];
+        rest /= p[d];
+      }
+      add(tensor, block.name, begin, strategy::flat_view(piece, r * run, run).clone());
+    }
+  }
   const std::uint64_t data_start = write_safetensors(file.string(), tensors, {{"format", "tandem.checkpoint_shard"}});
   std::vector<double> record;
   std::uint64_t offset = data_start;
@@ -289,6 +333,10 @@ void save_checkpoint_directory(Strategy& strategy, const std::string& path, cons
                    name);
   }
   for (const auto& [name, value] : contents.values) {
+    TANDEM_REQUIRE(names.insert(name).second, InvalidArgument, "checkpoint \"{}\": two tensors are named \"{}\"", path,
+                   name);
+  }
+  for (const auto& [name, spec] : contents.block_tensors) {
     TANDEM_REQUIRE(names.insert(name).second, InvalidArgument, "checkpoint \"{}\": two tensors are named \"{}\"", path,
                    name);
   }

@@ -27,10 +27,11 @@
 //                                             "crc32": ["1c291ca3", ...]}, ...]}, ...}}
 // A chunk's bytes are checksummed in blocks of block_bytes (zlib's CRC-32, one per block, the last
 // block shorter), so that a reader fetching part of a chunk verifies what it reads without reading
-// the rest. Every chunk is a flat element range (ZeRO's shards); tensor parallelism's N-D blocks
-// will be chunks with "offsets" and "sizes" instead of "range" (version 2): readers refuse a chunk
-// without "range" today, naming it. Replicated variables are written once, by the chief; a
-// sharded variable's shards by the workers that hold them (padding is never written).
+// the rest. Every chunk is a flat element range: ZeRO's shards are one each, and a block (tensor
+// parallelism's pieces, CheckpointContents::blocks) is one per contiguous run of its elements in
+// the whole tensor, so that the format needs no N-D chunks and every reader reads blocks. Readers
+// refuse a chunk without "range", naming it. Replicated variables are written once, by the
+// chief; a sharded variable's shards by the workers that hold them (padding is never written).
 //
 // Writing is atomic: every worker writes its file into a hidden sibling directory
 // (.NAME.tmp-<nonce>, the nonce drawn by the chief and broadcast), the workers agree that all
@@ -120,6 +121,20 @@ struct CheckpointContents {
   std::vector<std::pair<std::string, std::shared_ptr<strategy::Variable>>> variables;
   NamedTensors values;  // host values written whole by the chief (step counters, learning rate)
   std::map<std::string, std::string> metadata;
+  // Tensors held as blocks (tensor parallelism's pieces, a pipeline stage's weights): every
+  // worker lists every such tensor in `block_tensors` (name, dtype, whole shape), and in `blocks`
+  // the pieces it holds, each a host tensor and its offset in every dimension. The pieces of each
+  // tensor, over every worker, must tile it exactly (else the save fails, InvalidArgument). A
+  // piece is written as one flat chunk per contiguous run of its elements in the whole tensor
+  // (one for a split along the first dimension; one per row of a column split), so that readers
+  // of flat chunks (any ShardSpec, a single device) read it as they read everything else.
+  struct Block {
+    std::string name;
+    std::vector<std::int64_t> offsets;
+    Tensor piece;
+  };
+  std::vector<std::pair<std::string, graph::TensorSpec>> block_tensors;
+  std::vector<Block> blocks;
 };
 
 // Writes `contents` as a checkpoint directory at `path` (see above). Collective: every worker of
