@@ -169,15 +169,17 @@ class Communicator {
   //     may differ). Otherwise the recv throws InvalidArgument naming both ranks, dtypes and
   //     counts, where the backend can tell (every backend but NCCL: it sends a small descriptor
   //     first); the message is then dropped and the pair stays usable.
-  //   - send MAY block until the peer posts the matching recv (Gloo, NCCL and the shared-memory
-  //     group do for messages that do not fit their buffers). A rank that both sends and receives
+  //   - send MAY block until the peer posts the matching recv (NCCL may always; Gloo and the
+  //     shared-memory group for messages larger than their buffers; the in-process group never
+  //     does: it copies the message). A rank that both sends and receives
   //     calls send_recv, or orders its calls so that every send meets a recv: two neighbours
   //     that both send first may deadlock.
   //   - peer == rank() or outside [0, size()): InvalidArgument, before anything is sent.
   //   - a call whose peer does not come throws DeadlineExceeded at its timeout, naming the op
-  //     ("send", "recv", "send_recv"), the peer and the pair's message number; what else fails
-  //     with it is the backend's (the in-process group: nothing; the others fail the group as a
-  //     collective's timeout does).
+  //     ("send", "recv", "send_recv"), the peer and the pair's message number. What else fails
+  //     with it is the backend's: in the in-process group nothing (a late message is the next
+  //     recv's); in the shared-memory group the group, if the timeout cut a message in two; with
+  //     Gloo and NCCL the group, as a collective's timeout does.
   //   - abort() makes a pending or later send/recv throw Unavailable promptly.
   // Stats count a send's bytes as sent and a recv's as received (CommunicationStats).
   void send(const Tensor& tensor, int peer, const CallOptions& options = {});

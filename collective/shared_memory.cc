@@ -856,7 +856,7 @@ class SharedMemoryCommunicator final : public Communicator {
   void check_peer_alive(const PointToPoint& call, const Outgoing& out, const Incoming& in) {
     for (const int peer : {out.done() ? -1 : out.peer, in.done() ? -1 : in.peer}) {
       if (peer < 0 || process_alive(ranks_[peer])) continue;
-      set_failure(FailureKind::kLost, "", 0, fmt::format("lost {}: its process died", label(peer)));
+      set_failure(FailureKind::kLost, "", 0, fmt::format("lost {}: its process died", names({peer})));
       throw Unavailable(fmt::format("{}: {}", describe(call, out, in), failure_summary()));
     }
   }

@@ -350,6 +350,55 @@ const Section& kAbort = add_section({
         },
 });
 
+// A process killed while its neighbours pass tensors around the ring with send_recv (too large for
+// any buffer: each waits for its peer): the ranks that send to it and receive from it name it
+// ("lost rank 2 of 3: its process died"), long before the calls' timeout. The victim: the last
+// rank, then rank 0.
+constexpr auto kKilledPrompt = std::chrono::milliseconds(15s);
+
+const Section& kKilled = add_section({
+    .name = "point_to_point/killed_process",
+    .applies = [](const Backend& b) { return b.processes() && any_pair(b); },
+    .sizes = failure_size,
+    .params =
+        [](const Backend&, int size) {
+          return std::vector<int>{size - 1, 0};
+        },
+    .body =
+        [](RankContext& ctx) {
+          Communicator& c = ctx.comm();
+          const int n = ctx.size(), r = ctx.rank();
+          ctx.step("warm-up", [&] { c.barrier(); });
+          Tensor out = message<float>(ctx, 1 << 16, r, 70);
+          Tensor in = Tensor::zeros(Shape({1 << 16}), kFloat32, ctx.device());
+          const auto pass = [&] { c.send_recv(out, (r + 1) % n, in, (r + n - 1) % n, {.timeout = kLongTimeout}); };
+          // Passes until one fails: that one is recorded as "call".
+          for (int i = 0;; ++i) {
+            if (i == 3) ctx.ready();  // the driver kills the victim once every rank is here
+            if (!ctx.step("call", pass, /*record_success=*/false)) break;
+          }
+        },
+    .verdict =
+        [](const Run& run, const std::vector<Outcome>& outcomes) {
+          const std::string lost = fmt::format("lost {}: its process died", ranks_named({run.param}, run.size));
+          for (const Outcome& o : outcomes) {
+            if (o.rank == run.param) continue;
+            CAPTURE(o.rank);
+            const Step& call = o.step("call");
+            check_step(call, "Unavailable", {lost});
+            CHECK(call.ms < kKilledPrompt.count());
+          }
+        },
+    .drive =
+        [](const Run& run, Workers& workers) {
+          std::vector<std::string> ready;
+          for (int r = 0; r < run.size; ++r) ready.push_back(fmt::format("contract/ready/{}", r));
+          workers.store().wait(ready, std::chrono::duration_cast<std::chrono::milliseconds>(kRunLimit));
+          std::this_thread::sleep_for(100ms);  // every rank is inside a send_recv, or about to be
+          workers.kill(run.param);
+        },
+});
+
 // --- the hierarchical group --------------------------------------------------------------------------
 
 // Two workers of two replicas (ranks 0, 1 on worker 0; 2, 3 on worker 1): replicas of one worker
@@ -416,6 +465,7 @@ TEST_CASE("point_to_point: a recv whose sender never comes is DeadlineExceeded n
   check_contract(kNoSender);
 }
 TEST_CASE("point_to_point: abort ends a pending recv promptly, and later calls") { check_contract(kAbort); }
+TEST_CASE("point_to_point: a killed process is named by its neighbours, promptly") { check_contract(kKilled); }
 TEST_CASE("point_to_point: the hierarchical group carries pairs within a worker and between replicas 0") {
   check_contract(kHierarchical);
 }
