@@ -367,7 +367,8 @@ class Simulator {
                      "pipeline plan: {}: backward of micro-batch {} on chunk {} before its forward", where(d, k),
                      a.microbatch, a.chunk);
     }
-    const double duration = a.kind == Kind::kForward ? times_.forward : times_.backward;
+    const auto& per_stage = a.kind == Kind::kForward ? times_.stage_forward : times_.stage_backward;
+    const double duration = !per_stage.empty() ? per_stage[d] : a.kind == Kind::kForward ? times_.forward : times_.backward;
     result_.busy[d] += duration;
     record(d, s.clock, s.clock + duration);
     return true;
@@ -463,6 +464,13 @@ PipelineSimulation simulate_pipeline(const PipelinePlan& plan, const PipelineTim
   TANDEM_REQUIRE(times.forward > 0 && times.backward > 0 && times.transfer >= 0, InvalidArgument,
                  "pipeline times must be positive (transfer non-negative): forward {}, backward {}, transfer {}",
                  times.forward, times.backward, times.transfer);
+  for (const auto* per_stage : {&times.stage_forward, &times.stage_backward}) {
+    TANDEM_REQUIRE(per_stage->empty() || per_stage->size() == plan.size(), InvalidArgument,
+                   "pipeline times: {} per-stage times for {} stages", per_stage->size(), plan.size());
+    for (const double t : *per_stage) {
+      TANDEM_REQUIRE(t > 0, InvalidArgument, "pipeline times: a stage's time is {}; it must be positive", t);
+    }
+  }
   return Simulator(plan, times, semantics).run();
 }
 

@@ -104,6 +104,9 @@ struct PipelineTimes {
   double forward = 1;
   double backward = 1;
   double transfer = 0;
+  // Per stage (one entry per stage, or empty: the uniform times above): stages that are not
+  // equally fast, as measured.
+  std::vector<double> stage_forward, stage_backward;
 };
 
 enum class SendSemantics {
