@@ -427,3 +427,15 @@ TEST_CASE("tables: longer computations, chunks, wrapping, the predicted formula"
   CHECK(rows == 8 * 2);  // two blocks
   MESSAGE(wide);
 }
+
+TEST_CASE("simulate_pipeline takes per-stage times: equal ones give the uniform result, a slow stage sets the pace") {
+  const PipelineConfig config{.stages = 2, .microbatches = 4, .schedule = PipelineSchedule::k1F1B};
+  const PipelinePlan plan = make_pipeline_schedule(config);
+  const double uniform = simulate_pipeline(plan, {.forward = 1, .backward = 2}).makespan;
+  CHECK(simulate_pipeline(plan, {.stage_forward = {1, 1}, .stage_backward = {2, 2}}).makespan == uniform);
+  // Stage 1 twice as slow: its 4 forwards and backwards (4 x 6) plus stage 0's first forward and
+  // last backward (1 + 2) are the critical path.
+  CHECK(simulate_pipeline(plan, {.stage_forward = {1, 2}, .stage_backward = {2, 4}}).makespan == doctest::Approx(27));
+  CHECK_THROWS_WITH_AS(simulate_pipeline(plan, {.stage_forward = {1, 2, 3}}),
+                       "pipeline times: 3 per-stage times for 2 stages", InvalidArgument);
+}
