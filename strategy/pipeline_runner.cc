@@ -48,6 +48,9 @@ std::string_view action_name(Kind kind) {
   return "action";
 }
 
+// ", chunk c" where stages hold several chunks.
+std::string chunk_text(int chunks, int chunk) { return chunks > 1 ? fmt::format(" chunk {}", chunk) : std::string(); }
+
 // `spec`'s shape with its unknown batch dimension set to `rows`.
 Shape with_rows(const Shape& shape, std::int64_t rows) {
   Shape out = shape;
@@ -93,63 +96,83 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
       config_(config),
       communicators_(std::move(communicators)),
       options_(std::move(options)) {
-  const int p = config_.stages;
-  TANDEM_REQUIRE(!stages_.empty() && static_cast<int>(stages_.size()) <= p, InvalidArgument,
-                 "PipelineRunner: {} stages given for a pipeline of {}", stages_.size(), p);
+  const int p = config_.stages, v = config_.virtual_stages;
+  plan_ = make_pipeline_schedule(config_);  // validates the config
+  TANDEM_REQUIRE(!stages_.empty() && static_cast<int>(stages_.size()) <= p * v, InvalidArgument,
+                 "PipelineRunner: {} stages given for a pipeline of {} stage{} x {} chunk{}", stages_.size(), p,
+                 p == 1 ? "" : "s", v, v == 1 ? "" : "s");
+  // Group the stages by device, each device's chunks 0..v-1 in order.
   for (std::size_t i = 0; i < stages_.size(); ++i) {
     auto& st = stages_[i];
-    if (st.index < 0) st.index = static_cast<int>(i);
-    TANDEM_REQUIRE(st.index < p && (i == 0 || st.index > stages_[i - 1].index), InvalidArgument,
-                   "PipelineRunner: stage {} (position {}) is not in [0, {}) after the stages before it", st.index, i, p);
+    if (st.index < 0) st.index = v == 1 ? static_cast<int>(i) : static_cast<int>(i) / v;
+    if (devices_.empty() || devices_.back().index != st.index) {
+      TANDEM_REQUIRE(st.index < p && (devices_.empty() || st.index > devices_.back().index), InvalidArgument,
+                     "PipelineRunner: stage {} (position {}) is not in [0, {}) after the stages before it", st.index, i,
+                     p);
+      devices_.push_back({.index = st.index});
+    }
+    Device& device = devices_.back();
+    TANDEM_REQUIRE(st.chunk == static_cast<int>(device.chunks.size()) && st.chunk < v, InvalidArgument,
+                   "PipelineRunner: stage {} chunk {} (position {}): give each stage's chunks 0 to {} in order", st.index,
+                   st.chunk, i, v - 1);
+    device.chunks.push_back(i);
   }
-  TANDEM_REQUIRE(config_.virtual_stages == 1, Unimplemented,
-                 "PipelineRunner: {} model chunks per stage; the runner takes one graph per stage (interleaved 1F1B "
-                 "needs one per chunk, which it does not take yet)",
-                 config_.virtual_stages);
-  TANDEM_REQUIRE(communicators_.size() == stages_.size(), InvalidArgument,
-                 "PipelineRunner: {} stages but {} communicators; give stage s rank s of one group", stages_.size(),
+  TANDEM_REQUIRE(communicators_.size() == devices_.size(), InvalidArgument,
+                 "PipelineRunner: {} stages but {} communicators; give stage s rank s of one group", devices_.size(),
                  communicators_.size());
-  plan_ = make_pipeline_schedule(config_);  // validates the config
+  for (std::size_t k = 0; k < devices_.size(); ++k) {
+    Device& device = devices_[k];
+    const int s = device.index;
+    TANDEM_REQUIRE(static_cast<int>(device.chunks.size()) == v, InvalidArgument,
+                   "PipelineRunner: stage {} has {} chunk graphs; interleaving gives each stage {}", s,
+                   device.chunks.size(), v);
+    device.communicator = communicators_[k];
+    const auto* c = device.communicator;
+    TANDEM_REQUIRE(c != nullptr && c->rank() == s && c->size() == p, InvalidArgument,
+                   "PipelineRunner: stage {}'s communicator must be rank {} of a group of {}", s, s, p);
+  }
   for (std::size_t i = 0; i < stages_.size(); ++i) {
     const PipelineStage& st = stages_[i];
     const int s = st.index;
-    const bool first = s == 0, last = s == p - 1;
-    const auto* c = communicators_[i];
-    TANDEM_REQUIRE(c != nullptr && c->rank() == s && c->size() == p, InvalidArgument,
-                   "PipelineRunner: stage {}'s communicator must be rank {} of a group of {}", s, s, p);
-    TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument,
-                   "PipelineRunner: stage {} has no graph or no device", s);
+    const int virtual_stage = st.chunk * p + s;
+    const bool first = virtual_stage == 0, last = virtual_stage == p * v - 1;
+    const std::string name = v == 1 ? fmt::format("stage {}", s) : fmt::format("stage {} chunk {}", s, st.chunk);
+    TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument, "PipelineRunner: {} has no graph or no device",
+                   name);
     // The gradient sums are added on the host: GPU stages wait for an on-device sum.
     TANDEM_REQUIRE(st.device->type() == devices::DeviceType::kCPU, Unimplemented,
-                   "PipelineRunner: stage {} is on {}; pipeline stages run on CPU devices only for now", s,
+                   "PipelineRunner: {} is on {}; pipeline stages run on CPU devices only for now", name,
                    st.device->short_name());
     TANDEM_REQUIRE(first != st.input.defined(), InvalidArgument,
-                   "PipelineRunner: stage {} {} an input placeholder; every stage but the first needs one", s,
+                   "PipelineRunner: {} {} an input placeholder; every stage but the first needs one", name,
                    first ? "has" : "lacks");
     TANDEM_REQUIRE(last != st.output.defined() && last == st.loss.defined() && last != st.output_gradient.defined(),
                    InvalidArgument,
-                   "PipelineRunner: stage {} must have {} (the last stage a loss; the others an output and an "
+                   "PipelineRunner: {} must have {} (the last stage a loss; the others an output and an "
                    "output_gradient placeholder)",
-                   s, last ? "a loss and no output" : "an output, an output_gradient and no loss");
+                   name, last ? "a loss and no output" : "an output, an output_gradient and no loss");
     TANDEM_REQUIRE(first || st.input_gradient.defined(), InvalidArgument,
-                   "PipelineRunner: stage {} has no input_gradient (call add_gradients())", s);
+                   "PipelineRunner: {} has no input_gradient (call add_gradients())", name);
     TANDEM_REQUIRE(st.gradients.size() == st.variables.size() && st.values.size() == st.variables.size(),
-                   InvalidArgument, "PipelineRunner: stage {} has {} variables, {} values and {} gradients", s,
+                   InvalidArgument, "PipelineRunner: {} has {} variables, {} values and {} gradients", name,
                    st.variables.size(), st.values.size(), st.gradients.size());
     auto executor = std::make_unique<graph::Executor>(st.graph, *st.device);
     for (std::size_t k = 0; k < st.variables.size(); ++k) executor->bind_variable(st.variables[k], st.values[k]);
     executors_.push_back(std::move(executor));
   }
-  for (std::size_t i = 0; i + 1 < stages_.size(); ++i) {
-    if (stages_[i + 1].index != stages_[i].index + 1) continue;  // the neighbour is elsewhere
-    const int s = stages_[i].index;
-    const auto& out = stages_[i].output;
-    const auto& in = stages_[i + 1].input;
+  // Neighbouring virtual stages that are both here must chain.
+  std::map<int, const PipelineStage*> by_virtual_stage;
+  for (const auto& st : stages_) by_virtual_stage[st.chunk * p + st.index] = &st;
+  for (const auto& [vs, st] : by_virtual_stage) {
+    const auto next = by_virtual_stage.find(vs + 1);
+    if (next == by_virtual_stage.end()) continue;  // the neighbour is elsewhere
+    const auto& out = st->output;
+    const auto& in = next->second->input;
     bool same = out.dtype() == in.dtype() && out.shape().rank() == in.shape().rank();
     for (int d = 1; same && d < out.shape().rank(); ++d) same = out.shape()[d] == in.shape()[d];
     TANDEM_REQUIRE(same, InvalidArgument,
-                   "PipelineRunner: stage {}'s output is {} {} but stage {}'s input is {} {}", s,
-                   graph::dtype_name(out.dtype()), out.shape(), s + 1, graph::dtype_name(in.dtype()), in.shape());
+                   "PipelineRunner: stage {}'s output is {} {} but stage {}'s input is {} {}", vs,
+                   graph::dtype_name(out.dtype()), out.shape(), vs + 1, graph::dtype_name(in.dtype()), in.shape());
   }
 }
 
@@ -161,16 +184,17 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
                  config_.microbatches);
   const std::size_t p = stages_.size();  // the local ones
   PipelineStepResult result;
-  result.has_loss = stages_.back().index == config_.stages - 1;
+  const PipelineStage& last = stages_.back();
+  result.has_loss = last.index == config_.stages - 1 && last.chunk == config_.virtual_stages - 1;
   result.losses.assign(microbatches.size(), 0.0);
   result.gradients.resize(p);
   result.peak_stashed.assign(p, 0);
   result.forward_seconds.assign(p, 0.0);
   result.backward_seconds.assign(p, 0.0);
   Failure failure;
-  const auto run = [&](int s) {
+  const auto run = [&](std::size_t k) {
     try {
-      run_stage(s, microbatches, result);
+      run_device(devices_[k], microbatches, result);
     } catch (const std::exception& e) {
       const auto* error = dynamic_cast<const Error*>(&e);
       {
@@ -182,82 +206,84 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
         }
       }
       // Neighbours waiting on this stage stop now, not at their timeout.
-      communicators_[static_cast<std::size_t>(s)]->abort(e.what());
+      devices_[k].communicator->abort(e.what());
     }
   };
   std::vector<std::thread> threads;
-  for (std::size_t s = 1; s < p; ++s) threads.emplace_back(run, static_cast<int>(s));
+  for (std::size_t k = 1; k < devices_.size(); ++k) threads.emplace_back(run, k);
   run(0);
   for (auto& t : threads) t.join();
   if (failure.failed) throw_with_code(failure.code, failure.message);
   return result;
 }
 
-void PipelineRunner::run_stage(int local, const std::vector<std::vector<Tensor>>& microbatches,
-                               PipelineStepResult& result) {
-  const auto index = static_cast<std::size_t>(local);
-  PipelineStage& st = stages_[index];
-  const int s = st.index;
-  graph::Executor& executor = *executors_[index];
-  collective::Communicator& comm = *communicators_[index];
-  std::map<int, Tensor> received, outputs, output_grads, input_grads;
-  int live = 0;
-  std::vector<Tensor>& sums = result.gradients[index];
+void PipelineRunner::run_device(const Device& device, const std::vector<std::vector<Tensor>>& microbatches,
+                                PipelineStepResult& result) {
+  const int s = device.index, v = config_.virtual_stages;
+  collective::Communicator& comm = *device.communicator;
+  // Per (micro-batch, chunk): what is held between actions.
+  std::map<std::pair<int, int>, Tensor> received, outputs, output_grads, input_grads;
+  std::vector<int> live(device.chunks.size(), 0);
   const auto rows = [&](int mb) {
     const auto& element = microbatches[static_cast<std::size_t>(mb)];
     return element.empty() ? std::int64_t{0} : element[0].shape()[0];
   };
-  const auto feeds = [&](int mb) {
-    std::vector<graph::Feed> f;
-    for (const auto& [placeholder, component] : st.data) {
-      f.push_back({placeholder, microbatches[static_cast<std::size_t>(mb)].at(static_cast<std::size_t>(component))});
-    }
-    if (st.input.defined()) f.push_back({st.input, received.at(mb)});
-    return f;
-  };
   for (const PipelineAction& a : plan_[static_cast<std::size_t>(s)]) {
     const int mb = a.microbatch;
+    const std::pair<int, int> key{mb, a.chunk};
+    const std::size_t index = device.chunks.at(static_cast<std::size_t>(a.chunk));
+    PipelineStage& st = stages_[index];
+    graph::Executor& executor = *executors_[index];
+    std::vector<Tensor>& sums = result.gradients[index];
+    const auto feeds = [&] {
+      std::vector<graph::Feed> f;
+      for (const auto& [placeholder, component] : st.data) {
+        f.push_back({placeholder, microbatches[static_cast<std::size_t>(mb)].at(static_cast<std::size_t>(component))});
+      }
+      if (st.input.defined()) f.push_back({st.input, received.at(key)});
+      return f;
+    };
     try {
       if (options_.before_action) options_.before_action(s, a);
       switch (a.kind) {
         case Kind::kRecvActivation: {
           Tensor t = Tensor::empty(with_rows(st.input.shape(), rows(mb)), st.input.dtype(), *st.device);
           comm.recv(t, a.peer, options_.transfers);
-          received[mb] = std::move(t);
+          received[key] = std::move(t);
           break;
         }
         case Kind::kForward: {
           const auto start = Clock::now();
           const graph::Output fetch = st.loss.defined() ? st.loss : st.output;
-          auto out = executor.run(feeds(mb), {fetch});
+          auto out = executor.run(feeds(), {fetch});
           result.forward_seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
           if (st.loss.defined()) {
             result.losses[static_cast<std::size_t>(mb)] = out[0].to_vector<float>().at(0);
           } else {
-            outputs[mb] = std::move(out[0]);
+            outputs[key] = std::move(out[0]);
           }
-          result.peak_stashed[index] = std::max(result.peak_stashed[index], ++live);
+          result.peak_stashed[index] = std::max(result.peak_stashed[index], ++live[static_cast<std::size_t>(a.chunk)]);
           break;
         }
         case Kind::kSendActivation:
-          comm.send(outputs.at(mb), a.peer, options_.transfers);
-          outputs.erase(mb);
+          comm.send(outputs.at(key), a.peer, options_.transfers);
+          outputs.erase(key);
           break;
         case Kind::kRecvGradient: {
           Tensor t = Tensor::empty(with_rows(st.output.shape(), rows(mb)), st.output.dtype(), *st.device);
           comm.recv(t, a.peer, options_.transfers);
-          output_grads[mb] = std::move(t);
+          output_grads[key] = std::move(t);
           break;
         }
         case Kind::kBackward: {
           const auto start = Clock::now();
-          auto f = feeds(mb);
-          if (st.output_gradient.defined()) f.push_back({st.output_gradient, output_grads.at(mb)});
+          auto f = feeds();
+          if (st.output_gradient.defined()) f.push_back({st.output_gradient, output_grads.at(key)});
           std::vector<graph::Output> fetches = st.gradients;
           if (st.input_gradient.defined()) fetches.push_back(st.input_gradient);
           auto out = executor.run(f, fetches);
           if (st.input_gradient.defined()) {
-            input_grads[mb] = std::move(out.back());
+            input_grads[key] = std::move(out.back());
             out.pop_back();
           }
           // Summed in micro-batch order on every run: the same sums, bitwise, run to run.
@@ -275,21 +301,22 @@ void PipelineRunner::run_stage(int local, const std::vector<std::vector<Tensor>>
             }
           }
           result.backward_seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
-          received.erase(mb);
-          output_grads.erase(mb);
-          --live;
+          received.erase(key);
+          output_grads.erase(key);
+          --live[static_cast<std::size_t>(a.chunk)];
           break;
         }
         case Kind::kSendGradient:
-          comm.send(input_grads.at(mb), a.peer, options_.transfers);
-          input_grads.erase(mb);
+          comm.send(input_grads.at(key), a.peer, options_.transfers);
+          input_grads.erase(key);
           break;
       }
     } catch (const Error& e) {
-      throw_with_code(e.code(), fmt::format("pipeline stage {}, micro-batch {}, {}: {}", s, mb, action_name(a.kind),
-                                            e.what()));
+      throw_with_code(e.code(), fmt::format("pipeline stage {}{}, micro-batch {}, {}: {}", s, chunk_text(v, a.chunk), mb,
+                                            action_name(a.kind), e.what()));
     } catch (const std::exception& e) {
-      throw Internal(fmt::format("pipeline stage {}, micro-batch {}, {}: {}", s, mb, action_name(a.kind), e.what()));
+      throw Internal(fmt::format("pipeline stage {}{}, micro-batch {}, {}: {}", s, chunk_text(v, a.chunk), mb,
+                                 action_name(a.kind), e.what()));
     }
   }
 }

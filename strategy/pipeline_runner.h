@@ -1,11 +1,13 @@
-// tandem/strategy/pipeline_runner.h — runs a model cut into pipeline stages, one graph per device,
-// over micro-batches in the order a schedule (pipeline_schedule.h: GPipe, 1F1B, interleaved 1F1B
-// with one chunk per stage) gives, passing activations forward and their gradients back with the
-// communicator's point-to-point send and recv.
+// tandem/strategy/pipeline_runner.h — runs a model cut into pipeline stages, one graph per device
+// (per model chunk under interleaving), over micro-batches in the order a schedule
+// (pipeline_schedule.h: GPipe, 1F1B, interleaved 1F1B) gives, passing activations forward and
+// their gradients back with the communicator's point-to-point send and recv.
 //
 // Each stage is a graph on its own device (PipelineStage below): it reads the activation its
 // predecessor sent (or, on the first stage, the micro-batch's data), computes its layers and
-// sends its output on; the last stage computes the loss. Backward runs the stage's graph again
+// sends its output on; the last stage computes the loss. Under interleaved 1F1B each device holds
+// v graphs, its model chunks: chunk c of device d is virtual stage c·p + d, so the model runs
+// through devices 0..p-1 v times. Backward runs the stage's graph again
 // with the gradient of its output fed (graph::gradients with grad_ys): the forward is recomputed
 // there (GPipe's re-materialisation), so what a stage keeps from a micro-batch's forward to its
 // backward is only the activation it received (its "stash"). Gradients are summed over the
@@ -39,9 +41,13 @@
 namespace tandem::strategy {
 
 struct PipelineStage {
-  // The stage's number in the pipeline; -1: its position in the list the runner is given. A
-  // runner may hold some stages only (one process per stage: each runner its own), numbered so.
+  // The stage's number in the pipeline (its device's rank in the pipeline group); -1: its position
+  // in the list the runner is given. A runner may hold some stages only (one process per stage:
+  // each runner its own), numbered so.
   int index = -1;
+  // Interleaved 1F1B: which of its device's model chunks this graph is (virtual stage
+  // chunk x stages + index); 0 otherwise.
+  int chunk = 0;
   std::shared_ptr<const graph::Graph> graph;
   devices::Device* device = nullptr;
   // Placeholders fed from the micro-batch's components: {placeholder, component index}.
@@ -66,7 +72,7 @@ struct PipelineRunnerOptions {
   std::function<void(int stage, const PipelineAction& action)> before_action;
 };
 
-// Per stage: in the order of the runner's stages (its local ones).
+// Per stage: in the order of the runner's stages (its local ones; chunks are stages too).
 struct PipelineStepResult {
   bool has_loss = false;                         // whether the runner holds the last stage
   std::vector<double> losses;                    // per micro-batch, from the last stage (0 without it)
@@ -78,9 +84,10 @@ struct PipelineStepResult {
 
 class PipelineRunner {
  public:
-  // `stages`: every stage of the pipeline, or some (PipelineStage::index), in increasing order;
-  // config.stages counts them all. communicators[i] is stages[i]'s: rank index of one group of
-  // config.stages ranks.
+  // `stages`: every stage of the pipeline, or some (PipelineStage::index), in increasing order of
+  // (index, chunk), each device's v = config.virtual_stages chunks together; config.stages counts
+  // the devices. communicators[k] is the k-th device's (of the distinct indices, in order): rank
+  // index of one group of config.stages ranks.
   PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig config,
                  std::vector<collective::Communicator*> communicators, PipelineRunnerOptions options = {});
   ~PipelineRunner();
@@ -93,9 +100,17 @@ class PipelineRunner {
   std::vector<PipelineStage>& stages() { return stages_; }
 
  private:
-  void run_stage(int s, const std::vector<std::vector<Tensor>>& microbatches, PipelineStepResult& result);
+  // One device's stages: its rank, its chunks' positions in stages_, its communicator.
+  struct Device {
+    int index = 0;
+    std::vector<std::size_t> chunks;
+    collective::Communicator* communicator = nullptr;
+  };
+  void run_device(const Device& device, const std::vector<std::vector<Tensor>>& microbatches,
+                  PipelineStepResult& result);
 
   std::vector<PipelineStage> stages_;
+  std::vector<Device> devices_;
   PipelineConfig config_;
   PipelinePlan plan_;
   std::vector<collective::Communicator*> communicators_;

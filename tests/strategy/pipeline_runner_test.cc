@@ -5,7 +5,8 @@
 // GPipe; sending 2 m transfers of one micro-batch's boundary activation per boundary and step; and
 // a stage that fails ends the step at once with an error naming the stage, micro-batch and action;
 // the allocator sees GPipe hold m received activations on the last stage and 1F1B one; one runner
-// per rank over Gloo and shared memory (as one process per stage) trains bitwise the same.
+// per rank over Gloo and shared memory (as one process per stage) trains bitwise the same; and
+// interleaved 1F1B (2 devices x 2 chunks) trains as one device.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -372,4 +373,63 @@ TEST_CASE("the allocator sees m received activations live on the last stage unde
   // the few bytes of small temporaries (a loss scalar) alive at the two peaks.
   CHECK(gpipe >= 8 * 256);
   CHECK(std::abs(gpipe - one_f_one_b - 7 * 256) <= 64);
+}
+
+TEST_CASE("interleaved 1F1B: 2 devices holding 2 model chunks each train as one device") {
+  constexpr int kSteps = 50;
+  const Run one = train({0, 4}, PipelineSchedule::k1F1B, 1, kSteps);
+  const auto weights = initial_weights();
+  // Virtual stage c x 2 + d holds layer c x 2 + d: device 0 layers 0 and 2, device 1 layers 1 and 3.
+  std::vector<strategy::PipelineStage> stages;
+  for (int d = 0; d < 2; ++d) {
+    for (int c = 0; c < 2; ++c) {
+      const auto layer = static_cast<std::size_t>(c * 2 + d);
+      auto st = make_stage(layer, layer + 1, devices::get_device(fmt::format("CPU:{}", d)), weights);
+      st.index = d;
+      st.chunk = c;
+      stages.push_back(std::move(st));
+    }
+  }
+  auto comms = collective::make_in_process_group(2);
+  strategy::PipelineRunner runner(
+      std::move(stages),
+      {.stages = 2, .microbatches = 4, .virtual_stages = 2, .schedule = PipelineSchedule::kInterleaved1F1B},
+      {comms[0].get(), comms[1].get()});
+  Run got;
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = batch(step);
+    std::vector<std::vector<Tensor>> mbs;
+    for (int m = 0; m < 4; ++m) {
+      mbs.push_back({strategy::flat_view(x, m * 8 * kIn, 8 * kIn).reshape({8, kIn}),
+                     strategy::flat_view(y, m * 8, 8).reshape({8, 1})});
+    }
+    const auto result = runner.step(mbs);
+    CHECK(result.has_loss);
+    got.losses.push_back(result.loss());
+    for (std::size_t i = 0; i < 4; ++i) sgd(runner.stages()[i].values, result.gradients[i]);
+  }
+  // Layer order: stages at positions 0 (layer 0), 2 (layer 1), 1 (layer 2), 3 (layer 3).
+  for (const std::size_t i : {0, 2, 1, 3}) {
+    for (const auto& v : runner.stages()[i].values) got.weights.push_back(v.to_vector<float>());
+  }
+  check_equivalent(got, one);
+  // Four transfers of a micro-batch's boundary a step and micro-batch for device 0: it sends the
+  // activations of virtual stages 0 and 2 and the gradient of virtual stage 2's input.
+  CHECK(comms[0]->stats().send.calls == 3 * 4 * kSteps);
+}
+
+TEST_CASE("PipelineRunner refuses an interleaved pipeline without every chunk of a stage") {
+  const auto weights = initial_weights();
+  auto comms = collective::make_in_process_group(2);
+  std::vector<strategy::PipelineStage> stages;
+  stages.push_back(make_stage(0, 1, devices::get_device("CPU:0"), weights));
+  stages.back().index = 0;
+  stages.push_back(make_stage(1, 2, devices::get_device("CPU:1"), weights));
+  stages.back().index = 1;
+  CHECK(testing::error_message([&] {
+          strategy::PipelineRunner runner(
+              std::move(stages),
+              {.stages = 2, .microbatches = 2, .virtual_stages = 2, .schedule = PipelineSchedule::kInterleaved1F1B},
+              {comms[0].get(), comms[1].get()});
+        }) == "PipelineRunner: stage 0 has 1 chunk graphs; interleaving gives each stage 2");
 }
