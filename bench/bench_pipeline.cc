@@ -5,8 +5,11 @@
 // step), the formula's (p-1)/(m+p-1), and the schedule simulator's bubble with the measured
 // times (which allows for stages that are not equally fast).
 //
-//   bench_pipeline [--stages 2] [--microbatches 1,2,4,8] [--schedules gpipe,1f1b] [--width 512]
-//                  [--layers 2] [--batch 512] [--steps 8]
+//   bench_pipeline [--stages 2] [--microbatches 1,2,4,8] [--schedules gpipe,1f1b,interleaved-1f1b]
+//                  [--width 512] [--layers 2] [--chunks 2] [--batch 512] [--steps 8]
+//
+// Interleaved 1F1B splits each stage's layers into --chunks chunks (the same model); its
+// formula is (p-1)/(v·m+p-1), and it skips micro-batch counts that are not multiples of p.
 //
 // Backward recomputes the stage's forward (PipelineRunner's re-materialisation), so "backward"
 // here is a forward and a backward. Transfers are in-process copies (a few microseconds). The
@@ -38,9 +41,10 @@ namespace {
 struct Options {
   int stages = 2;
   std::string microbatches = "1,2,4,8";
-  std::string schedules = "gpipe,1f1b";
+  std::string schedules = "gpipe,1f1b,interleaved-1f1b";
   std::int64_t width = 512;
   int layers = 2;  // per stage
+  int chunks = 2;  // model chunks per stage under interleaved 1F1B
   std::int64_t batch = 512;
   int steps = 8;
 };
@@ -57,11 +61,15 @@ std::vector<std::string> split(const std::string& text) {
   return out;
 }
 
-// Stage s of the MLP: `layers` Dense(width, tanh) layers; the last stage adds the MSE loss.
-strategy::PipelineStage make_stage(int s, const Options& o, devices::Device& device) {
+// Virtual stage vs of `stages` (chunk vs / devices of device vs % devices): `layers` Dense(width,
+// tanh) layers; the last adds the MSE loss.
+strategy::PipelineStage make_stage(int vs, int stages, int layers, const Options& o, devices::Device& device) {
   auto g = std::make_shared<graph::Graph>();
   strategy::PipelineStage st;
+  st.index = vs % o.stages;
+  st.chunk = vs / o.stages;
   st.device = &device;
+  const int s = vs;
   Output h = g->placeholder(kFloat32, {-1, o.width}, s == 0 ? "x" : "input");
   if (s == 0) {
     st.data.push_back({h, 0});
@@ -71,14 +79,14 @@ strategy::PipelineStage make_stage(int s, const Options& o, devices::Device& dev
   std::mt19937 rng(static_cast<unsigned>(s + 1));
   const float limit = std::sqrt(3.0f / static_cast<float>(o.width));
   std::uniform_real_distribution<float> u(-limit, limit);
-  for (int l = 0; l < o.layers; ++l) {
+  for (int l = 0; l < layers; ++l) {
     std::vector<float> w(static_cast<std::size_t>(o.width * o.width));
     for (auto& e : w) e = u(rng);
     st.variables.push_back(g->variable(kFloat32, {o.width, o.width}, fmt::format("s{}l{}/kernel", s, l)));
     st.values.push_back(Tensor::from_vector(w, {o.width, o.width}, device));
     h = ops::tanh(ops::matmul(h, st.variables.back()));
   }
-  if (s == o.stages - 1) {
+  if (s == stages - 1) {
     const Output y = g->placeholder(kFloat32, {-1, o.width}, "y");
     st.data.push_back({y, 1});
     const Output sum = ops::reduce_sum(ops::square(h - y));
@@ -99,18 +107,25 @@ struct Row {
 };
 
 Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
+  // Interleaved: each device's layers in o.chunks chunks (the same model in all).
+  const int v = schedule == strategy::PipelineSchedule::kInterleaved1F1B ? o.chunks : 1;
   std::vector<strategy::PipelineStage> stages;
-  for (int s = 0; s < o.stages; ++s) stages.push_back(make_stage(s, o, devices::get_device(fmt::format("CPU:{}", s))));
+  for (int d = 0; d < o.stages; ++d) {
+    for (int c = 0; c < v; ++c) {
+      stages.push_back(make_stage(c * o.stages + d, o.stages * v, o.layers / v, o,
+                                  devices::get_device(fmt::format("CPU:{}", d))));
+    }
+  }
   auto comms = collective::make_in_process_group(o.stages);
   std::vector<collective::Communicator*> group;
   for (auto& c : comms) group.push_back(c.get());
-  const strategy::PipelineConfig config{.stages = o.stages, .microbatches = m, .schedule = schedule};
+  const strategy::PipelineConfig config{.stages = o.stages, .microbatches = m, .virtual_stages = v, .schedule = schedule};
   strategy::PipelineRunner runner(std::move(stages), config, group);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> xs(static_cast<std::size_t>(o.batch * o.width)), ys(xs.size());
-  for (auto& v : xs) v = normal(rng);
-  for (auto& v : ys) v = 0.5f * normal(rng);
+  for (auto& e : xs) e = normal(rng);
+  for (auto& e : ys) e = 0.5f * normal(rng);
   const Tensor x = Tensor::from_vector(xs, {o.batch, o.width}), y = Tensor::from_vector(ys, {o.batch, o.width});
   const std::int64_t rows = o.batch / m;
   std::vector<std::vector<Tensor>> mbs;
@@ -120,7 +135,7 @@ Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
   }
   for (int w = 0; w < 2; ++w) runner.step(mbs);  // plans made, memory touched
   Row row{.schedule = std::string(strategy::pipeline_schedule_name(schedule)), .microbatches = m};
-  std::vector<double> forward(static_cast<std::size_t>(o.stages)), backward(forward.size());
+  std::vector<double> forward(static_cast<std::size_t>(o.stages * v)), backward(forward.size());
   const auto start = std::chrono::steady_clock::now();
   for (int step = 0; step < o.steps; ++step) {
     const auto r = runner.step(mbs);
@@ -130,16 +145,29 @@ Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
     }
   }
   const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / o.steps;
+  // Per device (its chunks together) and per chunk (the simulator's unit).
+  std::vector<double> device_compute(static_cast<std::size_t>(o.stages), 0.0);
   double idle = 0, f_mean = 0, b_mean = 0;
-  for (std::size_t s = 0; s < forward.size(); ++s) {
-    const double compute = (forward[s] + backward[s]) / o.steps;
-    idle += 1.0 - compute / step_s;
-    f_mean += forward[s] / o.steps / m;
-    b_mean += backward[s] / o.steps / m;
+  strategy::PipelineTimes times;
+  for (std::size_t i = 0; i < forward.size(); ++i) {
+    device_compute[i / static_cast<std::size_t>(v)] += (forward[i] + backward[i]) / o.steps;
+    f_mean += forward[i] / o.steps / m;
+    b_mean += backward[i] / o.steps / m;
+  }
+  for (const double compute : device_compute) idle += 1.0 - compute / step_s;
+  for (std::size_t d = 0; d < device_compute.size(); ++d) {
+    // A chunk's time: its device's chunks averaged (the simulator takes one time per device).
+    double f = 0, b = 0;
+    for (int c = 0; c < v; ++c) {
+      f += forward[d * static_cast<std::size_t>(v) + static_cast<std::size_t>(c)] / o.steps / m / v;
+      b += backward[d * static_cast<std::size_t>(v) + static_cast<std::size_t>(c)] / o.steps / m / v;
+    }
+    times.stage_forward.push_back(f);
+    times.stage_backward.push_back(b);
   }
   const double p = o.stages;
   row.step_ms = step_s * 1e3;
-  row.forward_ms = f_mean / p * 1e3;
+  row.forward_ms = f_mean / p * 1e3;  // per micro-batch and device, its chunks together
   row.backward_ms = b_mean / p * 1e3;
   row.measured = idle / p;
   row.formula = strategy::predicted_bubble(config);
@@ -148,11 +176,6 @@ Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
       std::printf("  stage %zu: forward %.2f ms, backward %.2f ms a step; step %.2f ms\n", s, forward[s] / o.steps * 1e3,
                   backward[s] / o.steps * 1e3, step_s * 1e3);
     }
-  }
-  strategy::PipelineTimes times;
-  for (std::size_t s = 0; s < forward.size(); ++s) {
-    times.stage_forward.push_back(forward[s] / o.steps / m);
-    times.stage_backward.push_back(backward[s] / o.steps / m);
   }
   row.simulated = strategy::simulate_pipeline(strategy::make_pipeline_schedule(config), times).bubble_fraction();
   return row;
@@ -168,6 +191,8 @@ int main(int argc, char** argv) try {
   app.add_option("--schedules", o.schedules, "gpipe, 1f1b, comma-separated")->capture_default_str();
   app.add_option("--width", o.width, "features of every layer")->capture_default_str();
   app.add_option("--layers", o.layers, "Dense layers per stage")->capture_default_str();
+  app.add_option("--chunks", o.chunks, "model chunks per stage under interleaved 1F1B (divides --layers)")
+      ->capture_default_str();
   app.add_option("--batch", o.batch, "rows per step (divided among the micro-batches)")->capture_default_str();
   app.add_option("--steps", o.steps, "timed steps per row")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -182,12 +207,14 @@ int main(int argc, char** argv) try {
   for (const auto& name : split(o.schedules)) {
     const auto schedule = strategy::parse_pipeline_schedule(name);
     for (const auto& m_text : split(o.microbatches)) {
-      const Row r = measure(o, schedule, std::stoi(m_text));
+      const int m = std::stoi(m_text);
+      if (schedule == strategy::PipelineSchedule::kInterleaved1F1B && m % o.stages != 0) continue;  // Megatron's rule
+      const Row r = measure(o, schedule, m);
       std::printf("%-6s %4d %9.2f %8.3f %8.3f %9.3f %9.3f %9.3f %+9.3f\n", r.schedule.c_str(), r.microbatches,
                   r.step_ms, r.forward_ms, r.backward_ms, r.measured, r.formula, r.simulated, r.measured - r.simulated);
     }
   }
-  std::printf("fwd/bwd: per micro-batch and stage, averaged over stages (bwd recomputes the forward). measured: the "
+  std::printf("fwd/bwd: per micro-batch and device (its chunks together), averaged over devices (bwd recomputes the forward). measured: the "
               "stages' mean idle share of the step. simulated: the schedule run with each stage's measured times.\n");
   return 0;
 } catch (const std::exception& e) {

@@ -16,7 +16,7 @@
 // (its rows' losses summed times 1 / global rows), so that the summed gradients are the global
 // batch's and the step's loss is the sum of the micro-batches' losses.
 //
-// Who calls: one thread, step() once per training step; step() runs every stage on a thread of
+// Who calls: one thread, step() once per training step; step() runs every device on a thread of
 // its own (stage 0 on the caller's) and returns when all are done.
 // What blocks: step(), until every stage has run its list; a transfer waits for the neighbour up
 // to CallOptions' timeout.
