@@ -67,6 +67,18 @@ std::pair<Tensor, Tensor> batch(int step) {
   return {Tensor::from_vector(x, {kBatch, kIn}), Tensor::from_vector(y, {kBatch, 1})};
 }
 
+// Step `step`'s batch as `count` equal micro-batches.
+std::vector<std::vector<Tensor>> micro_batches_of(int step, int count) {
+  const auto [x, y] = batch(step);
+  const std::int64_t rows = kBatch / count;
+  std::vector<std::vector<Tensor>> out;
+  for (int m = 0; m < count; ++m) {
+    out.push_back({strategy::flat_view(x, m * rows * kIn, rows * kIn).reshape({rows, kIn}),
+                   strategy::flat_view(y, m * rows, rows).reshape({rows, 1})});
+  }
+  return out;
+}
+
 // Layers [first, last) of the MLP as one stage on `device`; the last layer adds the loss (its
 // rows' squared errors times 1 / the global batch).
 strategy::PipelineStage make_stage(std::size_t first, std::size_t last, devices::Device& device,
@@ -136,14 +148,8 @@ Run train(std::vector<std::size_t> cuts, PipelineSchedule schedule, int microbat
   strategy::PipelineRunner runner(std::move(stages), {.stages = p, .microbatches = microbatches, .schedule = schedule},
                                   group);
   Run run;
-  const std::int64_t rows = kBatch / microbatches;
   for (int step = 0; step < steps; ++step) {
-    const auto [x, y] = batch(step);
-    std::vector<std::vector<Tensor>> mbs;
-    for (int m = 0; m < microbatches; ++m) {
-      mbs.push_back({strategy::flat_view(x, m * rows * kIn, rows * kIn).reshape({rows, kIn}),
-                     strategy::flat_view(y, m * rows, rows).reshape({rows, 1})});
-    }
+    const auto mbs = micro_batches_of(step, microbatches);
     const auto result = runner.step(mbs);
     run.losses.push_back(result.loss());
     for (int s = 0; s < p; ++s) sgd(runner.stages()[static_cast<std::size_t>(s)].values, result.gradients[static_cast<std::size_t>(s)]);
@@ -235,12 +241,7 @@ TEST_CASE("a stage that fails ends the step on every stage at once, naming the s
   };
   strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 4}, {comms[0].get(), comms[1].get()},
                                   options);
-  const auto [x, y] = batch(0);
-  std::vector<std::vector<Tensor>> mbs;
-  for (int m = 0; m < 4; ++m) {
-    mbs.push_back({strategy::flat_view(x, m * 8 * kIn, 8 * kIn).reshape({8, kIn}),
-                   strategy::flat_view(y, m * 8, 8).reshape({8, 1})});
-  }
+  const auto mbs = micro_batches_of(0, 4);
   const auto start = std::chrono::steady_clock::now();
   CHECK(testing::error_message([&] { runner.step(mbs); }) == "pipeline stage 1, micro-batch 2, forward: injected fault");
   // Stage 0, blocked in a transfer to stage 1, was released by the abort, not by its 60 s timeout.
@@ -314,12 +315,7 @@ TEST_CASE("one runner per stage, as one process per stage, over Gloo and shared 
     }
     Run got;
     for (int step = 0; step < kSteps; ++step) {
-      const auto [x, y] = batch(step);
-      std::vector<std::vector<Tensor>> mbs;
-      for (int m = 0; m < 4; ++m) {
-        mbs.push_back({strategy::flat_view(x, m * 8 * kIn, 8 * kIn).reshape({8, kIn}),
-                       strategy::flat_view(y, m * 8, 8).reshape({8, 1})});
-      }
+      const auto mbs = micro_batches_of(step, 4);
       std::vector<strategy::PipelineStepResult> results(2);
       std::thread other([&] { results[1] = runners[1]->step(mbs); });
       results[0] = runners[0]->step(mbs);
@@ -349,12 +345,7 @@ TEST_CASE("the allocator sees m received activations live on the last stage unde
     auto comms = collective::make_in_process_group(2);
     strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 8, .schedule = schedule},
                                     {comms[0].get(), comms[1].get()});
-    const auto [x, y] = batch(0);
-    std::vector<std::vector<Tensor>> mbs;
-    for (int m = 0; m < 8; ++m) {
-      mbs.push_back({strategy::flat_view(x, m * 4 * kIn, 4 * kIn).reshape({4, kIn}),
-                     strategy::flat_view(y, m * 4, 4).reshape({4, 1})});
-    }
+    const auto mbs = micro_batches_of(0, 8);
     runner.step(mbs);  // plans and arenas made
     auto& allocator = devices::get_device("CPU:1").allocator();
     std::int64_t worst = 0;
@@ -397,12 +388,7 @@ TEST_CASE("interleaved 1F1B: 2 devices holding 2 model chunks each train as one 
       {comms[0].get(), comms[1].get()});
   Run got;
   for (int step = 0; step < kSteps; ++step) {
-    const auto [x, y] = batch(step);
-    std::vector<std::vector<Tensor>> mbs;
-    for (int m = 0; m < 4; ++m) {
-      mbs.push_back({strategy::flat_view(x, m * 8 * kIn, 8 * kIn).reshape({8, kIn}),
-                     strategy::flat_view(y, m * 8, 8).reshape({8, 1})});
-    }
+    const auto mbs = micro_batches_of(step, 4);
     const auto result = runner.step(mbs);
     CHECK(result.has_loss);
     got.losses.push_back(result.loss());
