@@ -112,14 +112,15 @@ Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
   std::vector<strategy::PipelineStage> stages;
   for (int d = 0; d < o.stages; ++d) {
     for (int c = 0; c < v; ++c) {
-      stages.push_back(make_stage(c * o.stages + d, o.stages * v, o.layers / v, o,
-                                  devices::get_device(fmt::format("CPU:{}", d))));
+      stages.push_back(
+          make_stage(c * o.stages + d, o.stages * v, o.layers / v, o, devices::get_device(fmt::format("CPU:{}", d))));
     }
   }
   auto comms = collective::make_in_process_group(o.stages);
   std::vector<collective::Communicator*> group;
   for (auto& c : comms) group.push_back(c.get());
-  const strategy::PipelineConfig config{.stages = o.stages, .microbatches = m, .virtual_stages = v, .schedule = schedule};
+  const strategy::PipelineConfig config{
+      .stages = o.stages, .microbatches = m, .virtual_stages = v, .schedule = schedule};
   strategy::PipelineRunner runner(std::move(stages), config, group);
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -173,8 +174,8 @@ Row measure(const Options& o, strategy::PipelineSchedule schedule, int m) {
   row.formula = strategy::predicted_bubble(config);
   if (std::getenv("BENCH_PIPELINE_DEBUG") != nullptr) {
     for (std::size_t s = 0; s < forward.size(); ++s) {
-      std::printf("  stage %zu: forward %.2f ms, backward %.2f ms a step; step %.2f ms\n", s, forward[s] / o.steps * 1e3,
-                  backward[s] / o.steps * 1e3, step_s * 1e3);
+      std::printf("  stage %zu: forward %.2f ms, backward %.2f ms a step; step %.2f ms\n", s,
+                  forward[s] / o.steps * 1e3, backward[s] / o.steps * 1e3, step_s * 1e3);
     }
   }
   row.simulated = strategy::simulate_pipeline(strategy::make_pipeline_schedule(config), times).bubble_fraction();
@@ -199,9 +200,10 @@ int main(int argc, char** argv) try {
   devices::set_logical_device_configuration({.num_cpu_devices = o.stages});
   std::printf("bench_pipeline on %s, %s; %s\n", bench::cpu_model().c_str(), bench::memory_total().c_str(),
               bench::now_text().c_str());
-  std::printf("%d stages x %d Dense(%lld, tanh) each, batch %lld, %d logical CPU devices (one core each on a machine "
-              "with as many), %d timed steps a row\n",
-              o.stages, o.layers, static_cast<long long>(o.width), static_cast<long long>(o.batch), o.stages, o.steps);
+  std::printf(
+      "%d stages x %d Dense(%lld, tanh) each, batch %lld, %d logical CPU devices (one core each on a machine "
+      "with as many), %d timed steps a row\n",
+      o.stages, o.layers, static_cast<long long>(o.width), static_cast<long long>(o.batch), o.stages, o.steps);
   std::printf("%-6s %4s %9s %8s %8s %9s %9s %9s %9s\n", "sched", "m", "step ms", "fwd ms", "bwd ms", "measured",
               "formula", "simulated", "meas-sim");
   for (const auto& name : split(o.schedules)) {
@@ -214,8 +216,10 @@ int main(int argc, char** argv) try {
                   r.step_ms, r.forward_ms, r.backward_ms, r.measured, r.formula, r.simulated, r.measured - r.simulated);
     }
   }
-  std::printf("fwd/bwd: per micro-batch and device (its chunks together), averaged over devices (bwd recomputes the forward). measured: the "
-              "stages' mean idle share of the step. simulated: the schedule run with each stage's measured times.\n");
+  std::printf(
+      "fwd/bwd: per micro-batch and device (its chunks together), averaged over devices (bwd recomputes the forward). "
+      "measured: the "
+      "stages' mean idle share of the step. simulated: the schedule run with each stage's measured times.\n");
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_pipeline: %s\n", e.what());

@@ -137,7 +137,8 @@ strategy::MultiWorkerOptions model_parallel_options(const LayoutMap& layout_map,
 
 // The pipeline ModelParallel's options (or a "stage" axis of several devices) ask for, checked
 // against the mesh, its stage and micro-batch counts filled in.
-std::optional<PipelineOptions> model_parallel_pipeline(const LayoutMap& layout_map, const ModelParallelOptions& options) {
+std::optional<PipelineOptions> model_parallel_pipeline(const LayoutMap& layout_map,
+                                                       const ModelParallelOptions& options) {
   const DeviceMesh& mesh = layout_map.device_mesh();
   const std::string batch = model_parallel_batch_dim(layout_map, options);
   std::optional<PipelineOptions> p = options.pipeline;
@@ -145,9 +146,10 @@ std::optional<PipelineOptions> model_parallel_pipeline(const LayoutMap& layout_m
   if (!p) return p;
   TANDEM_REQUIRE(mesh.has_axis(p->stage_axis), InvalidArgument,
                  "ModelParallel: the pipeline's stage axis '{}' is not an axis of {}", p->stage_axis, mesh.to_string());
-  TANDEM_REQUIRE(p->stage_axis != batch, InvalidArgument,
-                 "ModelParallel: the pipeline's stage axis '{}' is the batch axis; give the stages an axis of their own",
-                 p->stage_axis);
+  TANDEM_REQUIRE(
+      p->stage_axis != batch, InvalidArgument,
+      "ModelParallel: the pipeline's stage axis '{}' is the batch axis; give the stages an axis of their own",
+      p->stage_axis);
   const auto size = static_cast<int>(mesh.axis_size(p->stage_axis));
   TANDEM_REQUIRE(p->stages == 0 || p->stages == size, InvalidArgument,
                  "ModelParallel: PipelineOptions::stages is {} but the stage axis '{}' of {} has {} devices", p->stages,
@@ -578,8 +580,9 @@ Plan plan(const Model& model, const PlanOptions& options) {
     // Unit forward and backward times per model chunk: the schedule's shape, not a prediction of
     // seconds.
     const double chunk = 1.0 / pipe->virtual_stages;
-    pp.table = strategy::format_pipeline_table(
-        pp.config, strategy::simulate_pipeline(strategy::make_pipeline_schedule(pp.config), {.forward = chunk, .backward = chunk}));
+    pp.table = strategy::format_pipeline_table(pp.config,
+                                               strategy::simulate_pipeline(strategy::make_pipeline_schedule(pp.config),
+                                                                           {.forward = chunk, .backward = chunk}));
     for (std::size_t k = 0; k + 1 < pp.stages.size(); ++k) {
       const auto& boundary = *pp.stages[k].boundary;
       double elements = 1;
@@ -591,10 +594,11 @@ Plan plan(const Model& model, const PlanOptions& options) {
       for (const auto& l : layouts) {
         if (l.path == column_kernel && l.split == "column") bytes /= static_cast<double>(l.parts);
       }
-      p.collectives.push_back({.op = "send",
-                               .what = fmt::format("stage {} -> {}: {}'s output (forward)", k, k + 1, pp.stages[k].last_layer),
-                               .bytes_per_device = bytes,
-                               .per_row = true});
+      p.collectives.push_back(
+          {.op = "send",
+           .what = fmt::format("stage {} -> {}: {}'s output (forward)", k, k + 1, pp.stages[k].last_layer),
+           .bytes_per_device = bytes,
+           .per_row = true});
       p.collectives.push_back({.op = "send",
                                .what = fmt::format("stage {} -> {}: its gradient (backward)", k + 1, k),
                                .bytes_per_device = bytes,
@@ -653,8 +657,9 @@ std::string Plan::to_string() const {
     out += fmt::format("  {:<15} {:<24} {}\n", "total", "", bytes_text(communication_bytes_per_device));
   }
   if (static_cast<std::size_t>(per_step) < collectives.size()) {
-    out += "Tensor-parallel collectives and pipeline transfers per row of the local batch (bytes each device sends; x "
-           "rows per step):\n";
+    out +=
+        "Tensor-parallel collectives and pipeline transfers per row of the local batch (bytes each device sends; x "
+        "rows per step):\n";
     for (const auto& c : collectives) {
       if (c.per_row) out += fmt::format("  {:<15} {:<40} {:.0f}\n", c.op, c.what, c.bytes_per_device);
     }
@@ -662,18 +667,20 @@ std::string Plan::to_string() const {
   }
   for (const auto& note : layout_notes) out += fmt::format("LayoutMap::megatron: {}\n", note);
   if (pipeline) {
-    out += fmt::format("Pipeline: {} stages, {} micro-batches, schedule {}{}; each device holds its stage's weights (and "
-                       "their gradients and slots):\n",
-                       pipeline->config.stages, pipeline->config.microbatches,
-                       strategy::pipeline_schedule_name(pipeline->config.schedule),
-                       pipeline->config.virtual_stages > 1 ? fmt::format(", {} chunks per stage", pipeline->config.virtual_stages)
-                                                            : std::string());
+    out += fmt::format(
+        "Pipeline: {} stages, {} micro-batches, schedule {}{}; each device holds its stage's weights (and "
+        "their gradients and slots):\n",
+        pipeline->config.stages, pipeline->config.microbatches,
+        strategy::pipeline_schedule_name(pipeline->config.schedule),
+        pipeline->config.virtual_stages > 1 ? fmt::format(", {} chunks per stage", pipeline->config.virtual_stages)
+                                            : std::string());
     for (std::size_t k = 0; k < pipeline->stages.size(); ++k) {
       const auto& st = pipeline->stages[k];
-      out += fmt::format("  stage {}: {} to {} ({} layer call{}), {} parameter bytes{}\n", k, st.first_layer, st.last_layer,
-                         st.layer_calls, st.layer_calls == 1 ? "" : "s", st.parameter_bytes,
-                         st.boundary ? fmt::format(", sends {} {}", graph::dtype_name(st.boundary->dtype), st.boundary->shape)
-                                     : std::string());
+      out += fmt::format("  stage {}: {} to {} ({} layer call{}), {} parameter bytes{}\n", k, st.first_layer,
+                         st.last_layer, st.layer_calls, st.layer_calls == 1 ? "" : "s", st.parameter_bytes,
+                         st.boundary
+                             ? fmt::format(", sends {} {}", graph::dtype_name(st.boundary->dtype), st.boundary->shape)
+                             : std::string());
     }
     out += pipeline->table;
     if (!out.empty() && out.back() != '\n') out += '\n';
@@ -706,10 +713,10 @@ TensorLayout Distribution::get_variable_layout(std::string_view /*path*/, int ra
 
 Plan Distribution::plan(const Model& model) const {
   const auto* mp = dynamic_cast<const ModelParallel*>(this);
-  return distribution::plan(model, {.replicas = mp ? static_cast<int>(device_mesh().axis_size(batch_dim_name()))
-                                                   : num_replicas_in_sync(),
-                                    .zero = distribution_options().zero,
-                                    .layout_map = mp ? &mp->layout_map() : nullptr});
+  return distribution::plan(
+      model, {.replicas = mp ? static_cast<int>(device_mesh().axis_size(batch_dim_name())) : num_replicas_in_sync(),
+              .zero = distribution_options().zero,
+              .layout_map = mp ? &mp->layout_map() : nullptr});
 }
 
 // The default mesh of the job the options name (their cluster resolver, else the environment's).

@@ -170,13 +170,13 @@ class LayoutMap {
 
 // One variable's layout as check_layouts() accepted it.
 struct VariableLayout {
-  std::string path;    // "dense/kernel"
-  Shape shape;         // the whole variable's
-  std::string layer;   // "Dense \"dense\"" (how errors name it)
-  std::string key;     // the LayoutMap key that matched; empty when none
-  std::string split;   // the layer's TensorParallelSplit ("column"); empty when the variable is whole
-  int split_dim = -1;  // the dimension split; -1 when whole
-  std::string axis;    // the mesh axis it is split over; empty when whole
+  std::string path;        // "dense/kernel"
+  Shape shape;             // the whole variable's
+  std::string layer;       // "Dense \"dense\"" (how errors name it)
+  std::string key;         // the LayoutMap key that matched; empty when none
+  std::string split;       // the layer's TensorParallelSplit ("column"); empty when the variable is whole
+  int split_dim = -1;      // the dimension split; -1 when whole
+  std::string axis;        // the mesh axis it is split over; empty when whole
   std::int64_t parts = 1;  // the devices along `axis`
 };
 
@@ -273,8 +273,8 @@ struct Plan {
   PlannedMemory memory;                      // at this stage
   std::array<PlannedMemory, 4> memory_by_stage;  // k0..k3 at the same N, for comparison
   std::vector<PlannedCollective> collectives;
-  double communication_bytes_per_device = 0;  // the sum over `collectives` per step
-  double communication_bytes_per_row = 0;     // the sum over the per-row ones (tensor parallelism)
+  double communication_bytes_per_device = 0;       // the sum over `collectives` per step
+  double communication_bytes_per_row = 0;          // the sum over the per-row ones (tensor parallelism)
   std::vector<std::string> unmatched_layout_keys;  // LayoutMap keys that matched no variable
   std::vector<std::string> layout_notes;           // LayoutMap::megatron's layers kept whole
   // Set for a pipeline: its schedule, stages, the simulated schedule table (unit forward and

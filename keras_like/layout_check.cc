@@ -78,7 +78,8 @@ VariableLayout weight_layout(const LayerImpl& layer, const Variable& weight, con
 
 // The layer's weights' layouts together: whole, or exactly one of the layer's splits over one axis.
 void check_layer(const LayerImpl& layer, std::vector<VariableLayout>& rows) {
-  const auto split_row = std::find_if(rows.begin(), rows.end(), [](const VariableLayout& v) { return v.split_dim >= 0; });
+  const auto split_row =
+      std::find_if(rows.begin(), rows.end(), [](const VariableLayout& v) { return v.split_dim >= 0; });
   if (split_row == rows.end()) return;
   for (const auto& v : rows) {
     TANDEM_REQUIRE(v.split_dim < 0 || v.axis == split_row->axis, InvalidArgument,
@@ -91,12 +92,13 @@ void check_layer(const LayerImpl& layer, std::vector<VariableLayout>& rows) {
                  "ModelParallel: {} has no tensor-parallel split, but layout_map['{}'] splits its variable '{}' of "
                  "shape {} over mesh axis '{}' ({} devices) along dimension {}: its weights must stay whole (a layout "
                  "of None, or no key)",
-                 split_row->layer, split_row->key, split_row->path, split_row->shape, split_row->axis,
-                 split_row->parts, split_row->split_dim);
+                 split_row->layer, split_row->key, split_row->path, split_row->shape, split_row->axis, split_row->parts,
+                 split_row->split_dim);
   std::string given;
   for (const auto& v : rows) {
-    given += fmt::format("{}{} {}", given.empty() ? "" : ", ", layer.weight_name(*layer.own_weights()[&v - rows.data()]),
-                         v.split_dim >= 0 ? fmt::format("along dimension {}", v.split_dim) : std::string("whole"));
+    given +=
+        fmt::format("{}{} {}", given.empty() ? "" : ", ", layer.weight_name(*layer.own_weights()[&v - rows.data()]),
+                    v.split_dim >= 0 ? fmt::format("along dimension {}", v.split_dim) : std::string("whole"));
   }
   for (const auto& split : splits) {
     bool matches = true;
@@ -301,11 +303,11 @@ std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
       add("all_gather", "output (forward)", static_cast<double>(first[1]), all_gather);
     } else if (split->split == "heads") {
       const auto& w = layer->own_weights();
-      const auto output = std::find_if(w.begin(), w.end(), [&](const auto& v) {
-        return layer->weight_name(*v) == "attention_output/kernel";
-      });
+      const auto output = std::find_if(
+          w.begin(), w.end(), [&](const auto& v) { return layer->weight_name(*v) == "attention_output/kernel"; });
       add("all_reduce", "output (forward)", features((*output)->global_shape(), 2), all_reduce);
-      if (input_gradient) add("all_reduce", "query input gradient (backward)", static_cast<double>(first[0]), all_reduce);
+      if (input_gradient)
+        add("all_reduce", "query input gradient (backward)", static_cast<double>(first[0]), all_reduce);
     } else if (split->split == "output_channels") {
       add("all_gather", "output channels (forward, per output position)", static_cast<double>(first[3]), all_gather);
       if (input_gradient) {
@@ -328,7 +330,8 @@ void ModelParallel::check_model(const Model& model) const {
   for (std::size_t a = 0; a < mesh.axis_names().size(); ++a) {
     const std::string& axis = mesh.axis_names()[a];
     if (axis == batch_dim_name() || axis == stage_axis || mesh.shape()[a] == 1) continue;
-    const auto first = std::find_if(layouts.begin(), layouts.end(), [&](const VariableLayout& v) { return v.axis == axis; });
+    const auto first =
+        std::find_if(layouts.begin(), layouts.end(), [&](const VariableLayout& v) { return v.axis == axis; });
     TANDEM_REQUIRE(first != layouts.end(), InvalidArgument,
                    "ModelParallel: {} has {} devices along axis '{}', but no layout splits a variable of model \"{}\" "
                    "over it, so each of those devices would compute the same rows; give that axis one device, or "
@@ -338,8 +341,7 @@ void ModelParallel::check_model(const Model& model) const {
         "ModelParallel: the layouts of model \"{}\" are valid ({} is {}-split over mesh axis '{}' ({} devices): '{}' "
         "along dimension {}, ...), but tensor-parallel execution is not built yet: plan() shows this layout; to "
         "train, give every mesh axis other than '{}' one device",
-        model.name(), first->layer, first->split, axis, first->parts, first->path, first->split_dim,
-        batch_dim_name()));
+        model.name(), first->layer, first->split, axis, first->parts, first->path, first->split_dim, batch_dim_name()));
   }
   if (pipeline_ && pipeline_->stages > 1) {
     throw Unimplemented(fmt::format(

@@ -461,8 +461,8 @@ History Model::fit(const data::Dataset& data, const FitOptions& options) {
     trainer.check_replicas_agree();
     if (options.validation_data && (epoch + 1) % options.validation_freq == 0) {
       // Validation reports to the same callbacks (on_test_*), as in Keras; the bar ignores it.
-      const Logs val =
-          run_evaluation(*this, s, *options.validation_data, options.validation_steps, callbacks, "fit()'s validation_data");
+      const Logs val = run_evaluation(*this, s, *options.validation_data, options.validation_steps, callbacks,
+                                      "fit()'s validation_data");
       for (const auto& [key, value] : val) epoch_logs.set(fmt::format("val_{}", key), value);
     }
     callbacks.on_epoch_end(epoch, epoch_logs);

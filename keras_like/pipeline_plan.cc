@@ -30,7 +30,8 @@ std::vector<KerasTensor> crossing(const std::vector<const LayerNode*>& calls, st
   std::set<std::pair<const LayerNode*, int>> seen;
   std::vector<KerasTensor> tensors;  // in the order they are read: the same on every run
   const auto consider = [&](const KerasTensor& t) {
-    if ((t.node()->layer == nullptr || before.contains(t.node().get())) && seen.insert({t.node().get(), t.index()}).second) {
+    if ((t.node()->layer == nullptr || before.contains(t.node().get())) &&
+        seen.insert({t.node().get(), t.index()}).second) {
       tensors.push_back(t);
     }
   };
@@ -61,9 +62,10 @@ std::vector<PlannedStage> cut_into_stages(const Model& model, int stages, const 
   // Where each stage starts (call index); stage 0 at 0.
   std::vector<std::size_t> starts{0};
   if (!cuts.empty()) {
-    TANDEM_REQUIRE(static_cast<int>(cuts.size()) == stages - 1, InvalidArgument,
-                   "pipeline: {} cut{} given for {} stages of model \"{}\"; give the {} layers that start stages 1 to {}",
-                   cuts.size(), cuts.size() == 1 ? "" : "s", stages, model.name(), stages - 1, stages - 1);
+    TANDEM_REQUIRE(
+        static_cast<int>(cuts.size()) == stages - 1, InvalidArgument,
+        "pipeline: {} cut{} given for {} stages of model \"{}\"; give the {} layers that start stages 1 to {}",
+        cuts.size(), cuts.size() == 1 ? "" : "s", stages, model.name(), stages - 1, stages - 1);
     for (const auto& cut : cuts) {
       std::size_t i = 0;
       while (i < calls.size() && name_of(i) != cut) ++i;
@@ -109,8 +111,8 @@ std::vector<PlannedStage> cut_into_stages(const Model& model, int stages, const 
   for (int k = 0; k < stages; ++k) {
     const std::size_t begin = starts[static_cast<std::size_t>(k)];
     const std::size_t end = k + 1 < stages ? starts[static_cast<std::size_t>(k) + 1] : calls.size();
-    PlannedStage stage{.first_layer = name_of(begin), .last_layer = name_of(end - 1),
-                       .layer_calls = static_cast<int>(end - begin)};
+    PlannedStage stage{
+        .first_layer = name_of(begin), .last_layer = name_of(end - 1), .layer_calls = static_cast<int>(end - begin)};
     std::set<const LayerImpl*> seen;
     for (std::size_t i = begin; i < end; ++i) {
       if (seen.insert(calls[i]->layer.get()).second) stage.parameter_bytes += own_parameter_bytes(*calls[i]->layer);

@@ -265,11 +265,11 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
     const Tensor piece = block.piece.to(devices::default_cpu_device());
     const Shape& p = piece.shape();
     const int rank = whole.rank();
-    TANDEM_REQUIRE(piece.dtype() == it->second.dtype && p.rank() == rank &&
-                       static_cast<int>(block.offsets.size()) == rank,
-                   InvalidArgument, "save checkpoint: a block of \"{}\" is {} {} at [{}]; the tensor is {} {}", block.name,
-                   graph::dtype_name(piece.dtype()), p, fmt::join(block.offsets, ", "),
-                   graph::dtype_name(it->second.dtype), whole);
+    TANDEM_REQUIRE(
+        piece.dtype() == it->second.dtype && p.rank() == rank && static_cast<int>(block.offsets.size()) == rank,
+        InvalidArgument, "save checkpoint: a block of \"{}\" is {} {} at [{}]; the tensor is {} {}", block.name,
+        graph::dtype_name(piece.dtype()), p, fmt::join(block.offsets, ", "), graph::dtype_name(it->second.dtype),
+        whole);
     for (int d = 0; d < rank; ++d) {
       const auto o = block.offsets[static_cast<std::size_t>(d)];
       TANDEM_REQUIRE(o >= 0 && o + p[d] <= whole[d], InvalidArgument,
@@ -280,13 +280,15 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
     int k = rank - 1;
     while (k > 0 && p[k] == whole[k]) --k;
     std::vector<std::int64_t> stride(static_cast<std::size_t>(std::max(rank, 1)), 1);
-    for (int d = rank - 2; d >= 0; --d) stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * whole[d + 1];
+    for (int d = rank - 2; d >= 0; --d)
+      stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * whole[d + 1];
     const std::int64_t run = rank == 0 ? 1 : p[k] * stride[static_cast<std::size_t>(k)];
     const std::int64_t runs = run == 0 ? 0 : piece.num_elements() / run;
     const std::size_t tensor = first_block_tensor + static_cast<std::size_t>(it - contents.block_tensors.begin());
     for (std::int64_t r = 0; r < runs; ++r) {
       // The run's position: r counts the piece's indices over dimensions [0, k) row-major.
-      std::int64_t begin = rank == 0 ? 0 : block.offsets[static_cast<std::size_t>(k)] * stride[static_cast<std::size_t>(k)];
+      std::int64_t begin =
+          rank == 0 ? 0 : block.offsets[static_cast<std::size_t>(k)] * stride[static_cast<std::size_t>(k)];
       std::int64_t rest = r;
       for (int d = k - 1; d >= 0; --d) {
         begin += (block.offsets[static_cast<std::size_t>(d)] + rest % p[d]) * stride[static_cast<std::size_t>(d)];

@@ -75,7 +75,8 @@ void PipelineStage::add_gradients() {
   if (loss.defined()) {
     grads = graph::gradients({&loss, 1}, xs, {}, {.unconnected = graph::UnconnectedGradients::kZero});
   } else {
-    grads = graph::gradients({&output, 1}, xs, {&output_gradient, 1}, {.unconnected = graph::UnconnectedGradients::kZero});
+    grads =
+        graph::gradients({&output, 1}, xs, {&output_gradient, 1}, {.unconnected = graph::UnconnectedGradients::kZero});
   }
   if (input.defined()) {
     input_gradient = grads.back();
@@ -113,8 +114,8 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
     }
     Device& device = devices_.back();
     TANDEM_REQUIRE(st.chunk == static_cast<int>(device.chunks.size()) && st.chunk < v, InvalidArgument,
-                   "PipelineRunner: stage {} chunk {} (position {}): give each stage's chunks 0 to {} in order", st.index,
-                   st.chunk, i, v - 1);
+                   "PipelineRunner: stage {} chunk {} (position {}): give each stage's chunks 0 to {} in order",
+                   st.index, st.chunk, i, v - 1);
     device.chunks.push_back(i);
   }
   TANDEM_REQUIRE(communicators_.size() == devices_.size(), InvalidArgument,
@@ -137,8 +138,8 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
     const int virtual_stage = st.chunk * p + s;
     const bool first = virtual_stage == 0, last = virtual_stage == p * v - 1;
     const std::string name = v == 1 ? fmt::format("stage {}", s) : fmt::format("stage {} chunk {}", s, st.chunk);
-    TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument, "PipelineRunner: {} has no graph or no device",
-                   name);
+    TANDEM_REQUIRE(st.graph != nullptr && st.device != nullptr, InvalidArgument,
+                   "PipelineRunner: {} has no graph or no device", name);
     // The gradient sums are added on the host: GPU stages wait for an on-device sum.
     TANDEM_REQUIRE(st.device->type() == devices::DeviceType::kCPU, Unimplemented,
                    "PipelineRunner: {} is on {}; pipeline stages run on CPU devices only for now", name,
@@ -170,9 +171,8 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
     const auto& in = next->second->input;
     bool same = out.dtype() == in.dtype() && out.shape().rank() == in.shape().rank();
     for (int d = 1; same && d < out.shape().rank(); ++d) same = out.shape()[d] == in.shape()[d];
-    TANDEM_REQUIRE(same, InvalidArgument,
-                   "PipelineRunner: stage {}'s output is {} {} but stage {}'s input is {} {}", vs,
-                   graph::dtype_name(out.dtype()), out.shape(), vs + 1, graph::dtype_name(in.dtype()), in.shape());
+    TANDEM_REQUIRE(same, InvalidArgument, "PipelineRunner: stage {}'s output is {} {} but stage {}'s input is {} {}",
+                   vs, graph::dtype_name(out.dtype()), out.shape(), vs + 1, graph::dtype_name(in.dtype()), in.shape());
   }
 }
 
@@ -312,8 +312,8 @@ void PipelineRunner::run_device(const Device& device, const std::vector<std::vec
           break;
       }
     } catch (const Error& e) {
-      throw_with_code(e.code(), fmt::format("pipeline stage {}{}, micro-batch {}, {}: {}", s, chunk_text(v, a.chunk), mb,
-                                            action_name(a.kind), e.what()));
+      throw_with_code(e.code(), fmt::format("pipeline stage {}{}, micro-batch {}, {}: {}", s, chunk_text(v, a.chunk),
+                                            mb, action_name(a.kind), e.what()));
     } catch (const std::exception& e) {
       throw Internal(fmt::format("pipeline stage {}{}, micro-batch {}, {}: {}", s, chunk_text(v, a.chunk), mb,
                                  action_name(a.kind), e.what()));

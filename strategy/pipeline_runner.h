@@ -52,11 +52,11 @@ struct PipelineStage {
   devices::Device* device = nullptr;
   // Placeholders fed from the micro-batch's components: {placeholder, component index}.
   std::vector<std::pair<graph::Output, int>> data;
-  graph::Output input;            // the received activation's placeholder; undefined on stage 0
-  graph::Output output;           // the activation sent on; undefined on the last stage
-  graph::Output loss;             // the last stage's scalar loss; undefined elsewhere
-  graph::Output output_gradient;  // placeholder for d loss / d output; undefined on the last stage
-  graph::Output input_gradient;   // d loss / d input; undefined on stage 0
+  graph::Output input;                   // the received activation's placeholder; undefined on stage 0
+  graph::Output output;                  // the activation sent on; undefined on the last stage
+  graph::Output loss;                    // the last stage's scalar loss; undefined elsewhere
+  graph::Output output_gradient;         // placeholder for d loss / d output; undefined on the last stage
+  graph::Output input_gradient;          // d loss / d input; undefined on stage 0
   std::vector<graph::Output> variables;  // Variable nodes, bound to `values`
   std::vector<Tensor> values;
   std::vector<graph::Output> gradients;  // d loss / d each variable
@@ -74,12 +74,12 @@ struct PipelineRunnerOptions {
 
 // Per stage: in the order of the runner's stages (its local ones; chunks are stages too).
 struct PipelineStepResult {
-  bool has_loss = false;                         // whether the runner holds the last stage
-  std::vector<double> losses;                    // per micro-batch, from the last stage (0 without it)
-  std::vector<std::vector<Tensor>> gradients;    // per stage, per variable: summed over micro-batches
-  std::vector<int> peak_stashed;                 // per stage, the most micro-batches between forward and backward
+  bool has_loss = false;                       // whether the runner holds the last stage
+  std::vector<double> losses;                  // per micro-batch, from the last stage (0 without it)
+  std::vector<std::vector<Tensor>> gradients;  // per stage, per variable: summed over micro-batches
+  std::vector<int> peak_stashed;               // per stage, the most micro-batches between forward and backward
   std::vector<double> forward_seconds, backward_seconds;  // per stage, summed over micro-batches
-  double loss() const;                           // the sum over micro-batches
+  double loss() const;                                    // the sum over micro-batches
 };
 
 class PipelineRunner {

@@ -368,7 +368,9 @@ class Simulator {
                      a.microbatch, a.chunk);
     }
     const auto& per_stage = a.kind == Kind::kForward ? times_.stage_forward : times_.stage_backward;
-    const double duration = !per_stage.empty() ? per_stage[d] : a.kind == Kind::kForward ? times_.forward : times_.backward;
+    const double duration = !per_stage.empty()         ? per_stage[d]
+                            : a.kind == Kind::kForward ? times_.forward
+                                                       : times_.backward;
     result_.busy[d] += duration;
     record(d, s.clock, s.clock + duration);
     return true;

@@ -82,7 +82,8 @@ void register_ops() {
     // CPU only for now: a GPU executor runs it on host copies (its communicator's all_reduce
     // takes host tensors there); an on-stream NCCL kernel is for when a GPU can test it.
     const graph::KernelOptions options{.low_precision = graph::LowPrecision::kNative, .capturable = false};
-    r.add({.name = kAllReduceOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input, .grad_fn = identity_grad});
+    r.add(
+        {.name = kAllReduceOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input, .grad_fn = identity_grad});
     r.add_kernel(kAllReduceOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kSum>, options);
     // No gradient function: used on values whose gradient is not wanted (a softmax's shift).
     r.add({.name = kMaxOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input});
@@ -118,7 +119,8 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
   return group;
 }
 
-Group::Group(std::int64_t id, std::vector<devices::Device*> devices, std::vector<collective::Communicator*> communicators)
+Group::Group(std::int64_t id, std::vector<devices::Device*> devices,
+             std::vector<collective::Communicator*> communicators)
     : id_(id), devices_(std::move(devices)), communicators_(std::move(communicators)) {}
 
 Group::~Group() {
@@ -146,9 +148,7 @@ std::string Group::to_string() const {
   return fmt::format("tensor-parallel group {} ({} here of {})", id_, names, size());
 }
 
-graph::Output copy_to_group(graph::Output x, const Group& group) {
-  return add_op(std::move(x), kCopyOp, group.id());
-}
+graph::Output copy_to_group(graph::Output x, const Group& group) { return add_op(std::move(x), kCopyOp, group.id()); }
 
 graph::Output reduce_from_group(graph::Output x, const Group& group) {
   return add_op(std::move(x), kAllReduceOp, group.id());
@@ -182,17 +182,18 @@ graph::Output vocab_parallel_embedding(graph::Output ids, graph::Output table_pi
 
 graph::Output vocab_parallel_cross_entropy(graph::Output logits_piece, graph::Output labels, std::int64_t vocab_start,
                                            const Group& group) {
-  TANDEM_REQUIRE(logits_piece.defined() && labels.defined() && logits_piece.shape().rank() == 2 &&
-                     labels.shape().rank() == 1,
-                 InvalidArgument, "vocab_parallel_cross_entropy: needs logits [rows, V / t] and labels [rows]; got {} "
-                 "and {}",
-                 logits_piece.defined() ? logits_piece.shape().to_string() : "none",
-                 labels.defined() ? labels.shape().to_string() : "none");
+  TANDEM_REQUIRE(
+      logits_piece.defined() && labels.defined() && logits_piece.shape().rank() == 2 && labels.shape().rank() == 1,
+      InvalidArgument,
+      "vocab_parallel_cross_entropy: needs logits [rows, V / t] and labels [rows]; got {} "
+      "and {}",
+      logits_piece.defined() ? logits_piece.shape().to_string() : "none",
+      labels.defined() ? labels.shape().to_string() : "none");
   const std::int64_t columns = logits_piece.shape()[1];
   // The shift for a stable softmax: the row's maximum over every device's columns. Any shift
   // gives the same loss and gradient, so none flows through it.
-  const graph::Output shift = max_over_group(
-      ops::stop_gradient(ops::reduce_max(logits_piece, {.axes = {1}, .keep_dims = true})), group);
+  const graph::Output shift =
+      max_over_group(ops::stop_gradient(ops::reduce_max(logits_piece, {.axes = {1}, .keep_dims = true})), group);
   const graph::Output z = ops::sub(logits_piece, shift);
   const graph::Output sum_exp = reduce_from_group(ops::reduce_sum(ops::exp(z), {.axes = {1}}), group);
   const graph::Output target_mask = ops::cast(ops::one_hot(local_ids(labels, vocab_start), columns), z.dtype());

@@ -1,7 +1,8 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
 // --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan --mesh 2x2 --axes batch,model
-// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b (and --help), parsed with CLI11; the strategy they choose and the callbacks they ask for.
+// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b (and --help), parsed with CLI11; the
+// strategy they choose and the callbacks they ask for.
 #pragma once
 
 #include <CLI/CLI.hpp>

@@ -273,8 +273,9 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
     CHECK(contains(testing::error_message<InvalidArgument>([&] { model.compile("sgd", "mse"); }),
                    "has 2 devices along axis 'model', but no layout splits a variable of model \"tiny\" over it, so "
                    "each of those devices would compute the same rows"));
-    CHECK(contains(testing::error_message<InvalidArgument>([&] { kd::ModelParallel other(map, {.batch_dim_name = "data"}); }),
-                   "'data' is not an axis of"));
+    CHECK(contains(
+        testing::error_message<InvalidArgument>([&] { kd::ModelParallel other(map, {.batch_dim_name = "data"}); }),
+        "'data' is not an axis of"));
   }
 }
 
@@ -302,7 +303,8 @@ std::string layouts_text(const std::vector<kd::VariableLayout>& layouts) {
 
 }  // namespace
 
-TEST_CASE("LayoutMap::megatron pairs Dense layers column then row, splits attention by heads, and says what stays whole") {
+TEST_CASE(
+    "LayoutMap::megatron pairs Dense layers column then row, splits attention by heads, and says what stays whole") {
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
   {
     const Model model = make_mlp();
@@ -313,7 +315,8 @@ TEST_CASE("LayoutMap::megatron pairs Dense layers column then row, splits attent
     CHECK(resolved.get("fc2/kernel")->to_string() == "['model', None]");
     CHECK(resolved.get("fc2/bias")->to_string() == "[None]");
     CHECK(!resolved.get("out/kernel"));
-    CHECK(notes == std::vector<std::string>{"Dense \"out\" kept whole: its 3 output features do not divide by 2 ('model')"});
+    CHECK(notes ==
+          std::vector<std::string>{"Dense \"out\" kept whole: its 3 output features do not divide by 2 ('model')"});
     CHECK(layouts_text(kd::check_layouts(model, resolved, "batch")) ==
           "fc1/kernel:column:1:model fc1/bias:column:0:model fc2/kernel:row:0:model fc2/bias:whole:-1: "
           "out/kernel:whole:-1: out/bias:whole:-1: ");
@@ -348,7 +351,8 @@ TEST_CASE("LayoutMap::megatron pairs Dense layers column then row, splits attent
                  "'tensor' is not an axis of"));
 }
 
-TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused naming the variable, shape, axis and size") {
+TEST_CASE(
+    "ModelParallel's layout checks: a corpus of bad layouts, each refused naming the variable, shape, axis and size") {
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
   const Model model = make_mlp(/*with_norm=*/true);
   const auto error = [&](const std::function<void(kd::LayoutMap&)>& fill, const kd::DeviceMesh& m, bool strict = true) {
@@ -369,16 +373,20 @@ TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused 
     CHECK(kd::check_layouts(model, map, "batch", /*strict=*/false).size() == 8);
   }
   // Two keys that match one path.
-  CHECK(contains(error([](kd::LayoutMap& map) {
-                   map["fc1/.*"] = {std::nullopt, "model"};
-                   map[".*/kernel"] = {std::nullopt, "model"};
-                 }, mesh),
+  CHECK(contains(error(
+                     [](kd::LayoutMap& map) {
+                       map["fc1/.*"] = {std::nullopt, "model"};
+                       map[".*/kernel"] = {std::nullopt, "model"};
+                     },
+                     mesh),
                  "LayoutMap: path 'fc1/kernel' matches the keys 'fc1/.*' and '.*/kernel'"));
   // A dimension the axis does not divide.
-  CHECK(error([](kd::LayoutMap& map) {
-          map["out/kernel"] = {std::nullopt, "model"};
-          map["out/bias"] = {"model"};
-        }, mesh) ==
+  CHECK(error(
+            [](kd::LayoutMap& map) {
+              map["out/kernel"] = {std::nullopt, "model"};
+              map["out/bias"] = {"model"};
+            },
+            mesh) ==
         "ModelParallel: variable 'out/kernel' of shape (8, 3) cannot be split over mesh axis 'model' (2 devices) along "
         "dimension 1: 3 is not a multiple of 2 (layout_map['out/kernel'] = [None, 'model'])");
   // Half a split (the bias of a column-parallel Dense left whole), and swapped axes (a row-split
@@ -386,15 +394,23 @@ TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused 
   const std::string dense_splits =
       "which is none of the tensor-parallel splits Dense supports: column (kernel along dimension 1, bias along "
       "dimension 0); row (kernel along dimension 0, bias whole)";
-  CHECK(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {std::nullopt, "model"}; }, mesh) ==
+  CHECK(error(
+            [](kd::LayoutMap& map) {
+              map["fc1/kernel"] = {std::nullopt, "model"};
+            },
+            mesh) ==
         "ModelParallel: Dense \"fc1\" is laid out as kernel along dimension 1, bias whole over mesh axis 'model' (2 "
-        "devices), " + dense_splits);
-  CHECK(error([](kd::LayoutMap& map) {
-          map["fc1/kernel"] = {"model", std::nullopt};
-          map["fc1/bias"] = {"model"};
-        }, mesh) ==
+        "devices), " +
+            dense_splits);
+  CHECK(error(
+            [](kd::LayoutMap& map) {
+              map["fc1/kernel"] = {"model", std::nullopt};
+              map["fc1/bias"] = {"model"};
+            },
+            mesh) ==
         "ModelParallel: Dense \"fc1\" is laid out as kernel along dimension 0, bias along dimension 0 over mesh axis "
-        "'model' (2 devices), " + dense_splits);
+        "'model' (2 devices), " +
+            dense_splits);
   // A layer with no tensor-parallel split.
   CHECK(error([](kd::LayoutMap& map) { map["ln/gamma"] = {"model"}; }, mesh) ==
         "ModelParallel: LayerNormalization \"ln\" has no tensor-parallel split, but layout_map['ln/gamma'] splits its "
@@ -402,26 +418,38 @@ TEST_CASE("ModelParallel's layout checks: a corpus of bad layouts, each refused 
         "whole (a layout of None, or no key)");
   // A weight on the batch axis.
   const kd::DeviceMesh batch_mesh({2, 1}, {"batch", "model"}, kTwoCpus);
-  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"batch", std::nullopt}; }, batch_mesh),
+  CHECK(contains(error(
+                     [](kd::LayoutMap& map) {
+                       map["fc1/kernel"] = {"batch", std::nullopt};
+                     },
+                     batch_mesh),
                  "ModelParallel: variable 'fc1/kernel' of shape (8, 16) is split over the batch axis 'batch' (2 "
                  "devices) by layout_map['fc1/kernel'] = ['batch', None]: the batch axis splits the data"));
   // One variable split along two dimensions, and one layer over two axes.
   const kd::DeviceMesh cube({1, 2, 2}, {"batch", "m1", "m2"}, {"CPU:0", "CPU:1", "CPU:2", "CPU:3"});
-  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"m1", "m2"}; }, cube),
+  CHECK(contains(error(
+                     [](kd::LayoutMap& map) {
+                       map["fc1/kernel"] = {"m1", "m2"};
+                     },
+                     cube),
                  "variable 'fc1/kernel' of shape (8, 16) is split along dimensions 0 and 1 by layout_map['fc1/kernel'] "
                  "= ['m1', 'm2']; tensor parallelism splits a variable along one dimension"));
-  CHECK(contains(error([](kd::LayoutMap& map) {
-                   map["fc1/kernel"] = {std::nullopt, "m1"};
-                   map["fc1/bias"] = {"m2"};
-                 }, cube),
+  CHECK(contains(error(
+                     [](kd::LayoutMap& map) {
+                       map["fc1/kernel"] = {std::nullopt, "m1"};
+                       map["fc1/bias"] = {"m2"};
+                     },
+                     cube),
                  "Dense \"fc1\" splits 'fc1/kernel' over mesh axis 'm1' but 'fc1/bias' over 'm2'; a layer's weights "
                  "are split over one axis"));
   // A layout of the wrong rank.
-  CHECK(contains(error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"model"}; }, mesh),
-                 "variable 'fc1/kernel' of shape (8, 16) has rank 2 but layout_map['fc1/kernel'] = ['model'] has 1 axes"));
+  CHECK(contains(
+      error([](kd::LayoutMap& map) { map["fc1/kernel"] = {"model"}; }, mesh),
+      "variable 'fc1/kernel' of shape (8, 16) has rank 2 but layout_map['fc1/kernel'] = ['model'] has 1 axes"));
 }
 
-TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per device, Megatron's two all-reduces per pair") {
+TEST_CASE(
+    "plan() of a tensor-parallel layout: 1/t of each split variable per device, Megatron's two all-reduces per pair") {
   const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, kTwoCpus);
   set_global_seed(5);
   auto x = Input({8});
@@ -445,8 +473,8 @@ TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per de
   for (const auto& c : p.collectives) {
     if (c.per_row) per_row.push_back(fmt::format("{} {} {}", c.op, c.what, c.bytes_per_device));
   }
-  CHECK(per_row == std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32",
-                                            "all_reduce fc2 output (forward) 32"});
+  CHECK(per_row ==
+        std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32", "all_reduce fc2 output (forward) 32"});
   CHECK(p.communication_bytes_per_row == 64);
   CHECK(contains(p.to_string(), "Tensor-parallel collectives and pipeline transfers per row of the local batch"));
   // The first layer's input is data: backward computes no gradient for it, so nothing to reduce.
@@ -454,7 +482,8 @@ TEST_CASE("plan() of a tensor-parallel layout: 1/t of each split variable per de
   const kd::LayoutMap megatron = kd::LayoutMap::megatron(mesh);
   const kd::Plan q = kd::plan(mlp, {.replicas = 1, .layout_map = &megatron});
   CHECK(q.communication_bytes_per_row == 32);
-  CHECK(contains(q.to_string(), "LayoutMap::megatron: Dense \"out\" kept whole: its 3 output features do not divide by 2"));
+  CHECK(contains(q.to_string(),
+                 "LayoutMap::megatron: Dense \"out\" kept whole: its 3 output features do not divide by 2"));
 }
 
 TEST_CASE("plan: bytes per device and per step for ZeRO stages 0-3 on 2 and 4 replicas, as computed by hand") {
@@ -535,7 +564,8 @@ TEST_CASE("cut_into_stages: balanced by parameter bytes or at named layers; a bo
   const Model mlp = make_mlp(/*with_norm=*/true);  // fc1 (8x16+16), dropout, fc2 (16x8+8), ln (16), out (8x3+3)
   const auto names = [](const std::vector<kd::PlannedStage>& stages) {
     std::string out;
-    for (const auto& s : stages) out += fmt::format("[{}..{} {} {}B] ", s.first_layer, s.last_layer, s.layer_calls, s.parameter_bytes);
+    for (const auto& s : stages)
+      out += fmt::format("[{}..{} {} {}B] ", s.first_layer, s.last_layer, s.layer_calls, s.parameter_bytes);
     return out;
   };
   // 576 + 0 + 544 + 64 + 108 = 1292 bytes: stage 1 starts once 646 are behind it (after fc2).
@@ -546,7 +576,9 @@ TEST_CASE("cut_into_stages: balanced by parameter bytes or at named layers; a bo
   CHECK(kd::cut_into_stages(mlp, 2, {"fc2"})[0].boundary->shape.to_string() == "(None, 16)");
   CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 2, {"fc9"}); }) ==
         "pipeline: cut 'fc9' is not a layer of model \"mlp\"");
-  CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 3, {"ln", "fc2"}); }) ==
+  CHECK(testing::error_message([&] {
+          kd::cut_into_stages(mlp, 3, {"ln", "fc2"});
+        }) ==
         "pipeline: cut 'fc2' (layer call 2) does not come after the previous stage's start (layer call 3, 'ln'); list "
         "the cuts in model order");
   CHECK(testing::error_message([&] { kd::cut_into_stages(mlp, 3, {"ln"}); }) ==
@@ -559,32 +591,36 @@ TEST_CASE("cut_into_stages: balanced by parameter bytes or at named layers; a bo
   auto h = Dense(8, {.name = "inner"})(x);
   auto y = Dense(4, {.name = "after"})(Add({.name = "residual"})({x, h}));
   const Model residual(x, y, "residual_model");
-  CHECK(testing::error_message([&] { kd::cut_into_stages(residual, 2, {"residual"}); }) ==
-        "pipeline: the boundary before layer 'residual' of model \"residual_model\" is crossed by 2 tensors (features:0, "
-        "inner:0); a stage boundary must carry exactly one (move the cut past the connection that skips it)");
+  CHECK(
+      testing::error_message([&] { kd::cut_into_stages(residual, 2, {"residual"}); }) ==
+      "pipeline: the boundary before layer 'residual' of model \"residual_model\" is crossed by 2 tensors (features:0, "
+      "inner:0); a stage boundary must carry exactly one (move the cut past the connection that skips it)");
   CHECK(names(kd::cut_into_stages(residual, 2)) == "[inner..residual 2 288B] [after..after 1 144B] ");
 }
 
 TEST_CASE("ModelParallel with a stage axis: the pipeline checked at construction and compile, its plan shown") {
   const kd::DeviceMesh mesh({1, 2}, {"batch", "stage"}, kTwoCpus);
-  CHECK(contains(testing::error_message([&] {
-                   kd::ModelParallel mp(kd::LayoutMap(mesh),
-                                        {.pipeline = kd::PipelineOptions{.microbatches = 3,
-                                                                         .schedule = strategy::PipelineSchedule::kInterleaved1F1B,
-                                                                         .virtual_stages = 2}});
-                 }),
-                 "interleaved 1F1B needs microbatches (3) to be a multiple of stages (2)"));
+  CHECK(contains(
+      testing::error_message([&] {
+        kd::ModelParallel mp(
+            kd::LayoutMap(mesh),
+            {.pipeline = kd::PipelineOptions{
+                 .microbatches = 3, .schedule = strategy::PipelineSchedule::kInterleaved1F1B, .virtual_stages = 2}});
+      }),
+      "interleaved 1F1B needs microbatches (3) to be a multiple of stages (2)"));
   CHECK(testing::error_message([&] {
           kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.stage_axis = "pipe"}});
-        }) == "ModelParallel: the pipeline's stage axis 'pipe' is not an axis of DeviceMesh(shape=[1, 2], axis_names=[batch, stage])");
-  CHECK(testing::error_message([&] {
-          kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.stages = 4}});
-        }) == "ModelParallel: PipelineOptions::stages is 4 but the stage axis 'stage' of DeviceMesh(shape=[1, 2], "
-              "axis_names=[batch, stage]) has 2 devices");
+        }) ==
+        "ModelParallel: the pipeline's stage axis 'pipe' is not an axis of DeviceMesh(shape=[1, 2], axis_names=[batch, "
+        "stage])");
+  CHECK(testing::error_message(
+            [&] { kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.stages = 4}}); }) ==
+        "ModelParallel: PipelineOptions::stages is 4 but the stage axis 'stage' of DeviceMesh(shape=[1, 2], "
+        "axis_names=[batch, stage]) has 2 devices");
   {
-    kd::ModelParallel mp(kd::LayoutMap(mesh), {.pipeline = kd::PipelineOptions{.microbatches = 4,
-                                                                              .schedule = strategy::PipelineSchedule::kGPipe,
-                                                                              .cuts = {"fc2"}}});
+    kd::ModelParallel mp(kd::LayoutMap(mesh),
+                         {.pipeline = kd::PipelineOptions{
+                              .microbatches = 4, .schedule = strategy::PipelineSchedule::kGPipe, .cuts = {"fc2"}}});
     REQUIRE(mp.pipeline());
     CHECK(mp.pipeline()->stages == 2);
     auto scope = mp.scope();
@@ -593,7 +629,8 @@ TEST_CASE("ModelParallel with a stage axis: the pipeline checked at construction
     REQUIRE(p.pipeline);
     CHECK(p.pipeline->predicted_bubble == doctest::Approx(1.0 / 5));
     CHECK(contains(p.to_string(), "bubble: 0.200 (predicted (p-1)/(m+p-1) = 1/5 = 0.200)"));
-    CHECK(contains(p.to_string(), "stage 0: fc1 to dropout (2 layer calls), 576 parameter bytes, sends float32 (None, 16)"));
+    CHECK(contains(p.to_string(),
+                   "stage 0: fc1 to dropout (2 layer calls), 576 parameter bytes, sends float32 (None, 16)"));
     // 2 m transfers of a micro-batch's (rows / m x 16) float32 boundary a step: 64 bytes per row each way.
     CHECK(p.communication_bytes_per_row == 128);
     CHECK(contains(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }),

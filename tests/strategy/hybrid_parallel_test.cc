@@ -33,13 +33,13 @@ namespace {
 
 using namespace tandem::testing::parallel_mlp;
 
-const std::vector<std::string> kNames{"pre/kernel", "pre/bias",  "fc1/kernel",  "fc1/bias",
+const std::vector<std::string> kNames{"pre/kernel", "pre/bias", "fc1/kernel",  "fc1/bias",
                                       "fc2/kernel", "fc2/bias", "head/kernel", "head/bias"};
 
 struct Run {
   std::vector<double> losses;
-  std::vector<std::vector<float>> weights;  // whole, in initial_weights() order
-  double evaluation = 0;                    // the loss of batch(-1) after training (no update)
+  std::vector<std::vector<float>> weights;               // whole, in initial_weights() order
+  double evaluation = 0;                                 // the loss of batch(-1) after training (no update)
   std::vector<keras::CheckpointContents::Block> blocks;  // data replica 0's pieces, each once
 };
 
@@ -78,12 +78,13 @@ Run train(const Mesh& mesh, int microbatches, strategy::PipelineSchedule schedul
       std::vector<collective::Communicator*> group;
       for (int s = 0; s < mesh.pp; ++s) {
         const auto it = tensor_groups.find({b, s});
-        stages.push_back(make_stage(mesh, s, j, it == tensor_groups.end() ? nullptr : it->second.get(), dev(b, j, s), w));
+        stages.push_back(
+            make_stage(mesh, s, j, it == tensor_groups.end() ? nullptr : it->second.get(), dev(b, j, s), w));
         group.push_back(comms[static_cast<std::size_t>(s)].get());
       }
       runners[{b, j}] = std::make_unique<strategy::PipelineRunner>(
-          std::move(stages), strategy::PipelineConfig{.stages = mesh.pp, .microbatches = microbatches, .schedule = schedule},
-          group);
+          std::move(stages),
+          strategy::PipelineConfig{.stages = mesh.pp, .microbatches = microbatches, .schedule = schedule}, group);
     }
   }
   Run run;

@@ -83,9 +83,7 @@ int main(int argc, char** argv) try {
   if (reference) {
     devices::set_logical_device_configuration({.num_cpu_devices = 2});
     auto comms = collective::make_in_process_group(2);
-    std::thread other([&] {
-      run_rank(mode, 1, *comms[1], devices::get_device("CPU:1"), steps, out + "/rank-1.txt");
-    });
+    std::thread other([&] { run_rank(mode, 1, *comms[1], devices::get_device("CPU:1"), steps, out + "/rank-1.txt"); });
     run_rank(mode, 0, *comms[0], devices::get_device("CPU:0"), steps, out + "/rank-0.txt");
     other.join();
     return 0;

@@ -53,7 +53,7 @@ inline std::pair<Tensor, Tensor> batch(int step) {
 }
 
 inline std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols, std::int64_t c0,
-                           std::int64_t n) {
+                                  std::int64_t n) {
   std::vector<float> out;
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t c = c0; c < c0 + n; ++c) out.push_back(m[static_cast<std::size_t>(r * cols + c)]);
@@ -70,8 +70,8 @@ struct Mesh {
 
 // Stage s of 1 or 2 (2: pre, fc1, fc2 | head) as tensor rank j of `group` (null: no tensor
 // parallelism), its variables' pieces from the whole weights.
-inline strategy::PipelineStage make_stage(const Mesh& mesh, int s, int j, const tp::Group* group, devices::Device& device,
-                                   const std::vector<std::vector<float>>& w) {
+inline strategy::PipelineStage make_stage(const Mesh& mesh, int s, int j, const tp::Group* group,
+                                          devices::Device& device, const std::vector<std::vector<float>>& w) {
   auto g = std::make_shared<graph::Graph>();
   strategy::PipelineStage st;
   st.index = s;
@@ -93,8 +93,8 @@ inline strategy::PipelineStage make_stage(const Mesh& mesh, int s, int j, const 
     const Output pre_k = variable(w[0], {kIn, kIn}, "pre/kernel"), pre_b = variable(w[1], {kIn}, "pre/bias");
     const Output fc1_k = variable(columns(w[2], kIn, kWide, j * piece, piece), {kIn, piece}, "fc1/kernel");
     const Output fc1_b = variable({w[3].begin() + j * piece, w[3].begin() + (j + 1) * piece}, {piece}, "fc1/bias");
-    const Output fc2_k = variable({w[4].begin() + j * piece * kIn, w[4].begin() + (j + 1) * piece * kIn}, {piece, kIn},
-                                  "fc2/kernel");
+    const Output fc2_k =
+        variable({w[4].begin() + j * piece * kIn, w[4].begin() + (j + 1) * piece * kIn}, {piece, kIn}, "fc2/kernel");
     const Output fc2_b = variable(w[5], {kIn}, "fc2/bias");
     h = ops::tanh(ops::bias_add(ops::matmul(h, pre_k), pre_b));
     if (group) h = tp::copy_to_group(h, *group);

@@ -152,7 +152,8 @@ Run train(std::vector<std::size_t> cuts, PipelineSchedule schedule, int microbat
     const auto mbs = micro_batches_of(step, microbatches);
     const auto result = runner.step(mbs);
     run.losses.push_back(result.loss());
-    for (int s = 0; s < p; ++s) sgd(runner.stages()[static_cast<std::size_t>(s)].values, result.gradients[static_cast<std::size_t>(s)]);
+    for (int s = 0; s < p; ++s)
+      sgd(runner.stages()[static_cast<std::size_t>(s)].values, result.gradients[static_cast<std::size_t>(s)]);
     run.peak_stashed = result.peak_stashed;
   }
   for (auto& st : runner.stages()) {
@@ -243,7 +244,8 @@ TEST_CASE("a stage that fails ends the step on every stage at once, naming the s
                                   options);
   const auto mbs = micro_batches_of(0, 4);
   const auto start = std::chrono::steady_clock::now();
-  CHECK(testing::error_message([&] { runner.step(mbs); }) == "pipeline stage 1, micro-batch 2, forward: injected fault");
+  CHECK(testing::error_message([&] { runner.step(mbs); }) ==
+        "pipeline stage 1, micro-batch 2, forward: injected fault");
   // Stage 0, blocked in a transfer to stage 1, was released by the abort, not by its 60 s timeout.
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
   CHECK(testing::error_message([&] { runner.step({mbs[0]}); }) ==
@@ -254,18 +256,23 @@ TEST_CASE("PipelineRunner refuses stages that do not chain") {
   const auto weights = initial_weights();
   auto comms = collective::make_in_process_group(2);
   const auto make = [&](std::vector<strategy::PipelineStage> stages) {
-    strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 2}, {comms[0].get(), comms[1].get()});
+    strategy::PipelineRunner runner(std::move(stages), {.stages = 2, .microbatches = 2},
+                                    {comms[0].get(), comms[1].get()});
   };
   CHECK(testing::error_message([&] {
-          make({make_stage(0, 2, devices::get_device("CPU:0"), weights), make_stage(0, 4, devices::get_device("CPU:1"), weights)});
+          make({make_stage(0, 2, devices::get_device("CPU:0"), weights),
+                make_stage(0, 4, devices::get_device("CPU:1"), weights)});
         }) == "PipelineRunner: stage 1 lacks an input placeholder; every stage but the first needs one");
   CHECK(testing::error_message([&] {
-          make({make_stage(0, 1, devices::get_device("CPU:0"), weights), make_stage(2, 4, devices::get_device("CPU:1"), weights)});
+          make({make_stage(0, 1, devices::get_device("CPU:0"), weights),
+                make_stage(2, 4, devices::get_device("CPU:1"), weights)});
         }) == "PipelineRunner: stage 0's output is float32 (None, 8) but stage 1's input is float32 (None, 16)");
   CHECK(testing::error_message([&] {
-          make({make_stage(0, 2, devices::get_device("CPU:0"), weights), make_stage(2, 3, devices::get_device("CPU:1"), weights)});
-        }) == "PipelineRunner: stage 1 must have a loss and no output (the last stage a loss; the others an output and an "
-              "output_gradient placeholder)");
+          make({make_stage(0, 2, devices::get_device("CPU:0"), weights),
+                make_stage(2, 3, devices::get_device("CPU:1"), weights)});
+        }) ==
+        "PipelineRunner: stage 1 must have a loss and no output (the last stage a loss; the others an output and an "
+        "output_gradient placeholder)");
   CHECK(testing::error_message([&] {
           strategy::PipelineRunner runner({make_stage(0, 4, devices::get_device("CPU:0"), weights)},
                                           {.stages = 1, .microbatches = 0}, {comms[0].get()});
@@ -311,7 +318,8 @@ TEST_CASE("one runner per stage, as one process per stage, over Gloo and shared 
       std::vector<strategy::PipelineStage> local;
       local.push_back(std::move(stage));
       runners.push_back(std::make_unique<strategy::PipelineRunner>(
-          std::move(local), strategy::PipelineConfig{.stages = 2, .microbatches = 4}, std::vector{comms[static_cast<std::size_t>(s)].get()}));
+          std::move(local), strategy::PipelineConfig{.stages = 2, .microbatches = 4},
+          std::vector{comms[static_cast<std::size_t>(s)].get()}));
     }
     Run got;
     for (int step = 0; step < kSteps; ++step) {
@@ -323,7 +331,9 @@ TEST_CASE("one runner per stage, as one process per stage, over Gloo and shared 
       CHECK(!results[0].has_loss);
       CHECK(results[1].has_loss);
       got.losses.push_back(results[1].loss());
-      for (int s = 0; s < 2; ++s) sgd(runners[static_cast<std::size_t>(s)]->stages()[0].values, results[static_cast<std::size_t>(s)].gradients[0]);
+      for (int s = 0; s < 2; ++s)
+        sgd(runners[static_cast<std::size_t>(s)]->stages()[0].values,
+            results[static_cast<std::size_t>(s)].gradients[0]);
     }
     for (auto& r : runners) {
       for (const auto& v : r->stages()[0].values) got.weights.push_back(v.to_vector<float>());

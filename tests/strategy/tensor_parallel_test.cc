@@ -46,7 +46,8 @@ struct Replica {
   Replica(const Mesh& mesh, int j, const tp::Group* group, devices::Device& device)
       : stage(make_stage(mesh, 0, j, group, device, initial_weights())),
         executor(std::make_unique<graph::Executor>(stage.graph, device)) {
-    for (std::size_t k = 0; k < stage.variables.size(); ++k) executor->bind_variable(stage.variables[k], stage.values[k]);
+    for (std::size_t k = 0; k < stage.variables.size(); ++k)
+      executor->bind_variable(stage.variables[k], stage.values[k]);
   }
 
   double step(int s) {
@@ -139,7 +140,8 @@ double max_relative_difference(const std::vector<float>& a, const std::vector<fl
   REQUIRE(a.size() == b.size());
   double worst = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
-    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]) / std::max(1e-3, std::abs(static_cast<double>(b[i]))));
+    worst = std::max(worst,
+                     std::abs(static_cast<double>(a[i]) - b[i]) / std::max(1e-3, std::abs(static_cast<double>(b[i]))));
   }
   return worst;
 }
@@ -180,10 +182,13 @@ TEST_CASE("tensor_parallel::Group refuses mismatched lists, and a kernel refuses
   std::vector<devices::Device*> devices{&devices::get_device("CPU:0"), &devices::get_device("CPU:1")};
   CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[0].get()}); }) ==
         "tensor_parallel::Group: 2 devices but 1 communicators; give one communicator per device");
-  CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[1].get(), comms[1].get()}); }) ==
-        "tensor_parallel::Group: devices CPU:0 and CPU:1 both have rank 1");
+  CHECK(testing::error_message([&] {
+          tp::Group::create(devices, {comms[1].get(), comms[1].get()});
+        }) == "tensor_parallel::Group: devices CPU:0 and CPU:1 both have rank 1");
   auto three = collective::make_in_process_group(3);
-  CHECK(testing::error_message([&] { tp::Group::create(devices, {comms[0].get(), three[1].get()}); }) ==
+  CHECK(testing::error_message([&] {
+          tp::Group::create(devices, {comms[0].get(), three[1].get()});
+        }) ==
         "tensor_parallel::Group: the communicator of device CPU:1 (index 1) must belong to one group of at least 2 "
         "ranks with the others");
   const auto group = tp::Group::create(devices, {comms[0].get(), comms[1].get()});
@@ -191,7 +196,9 @@ TEST_CASE("tensor_parallel::Group refuses mismatched lists, and a kernel refuses
   const Output x = g->placeholder(kFloat32, {2}, "x");
   const Output y = tp::reduce_from_group(x, *group);
   graph::Executor elsewhere(g, devices::get_device("CPU:2"));
-  CHECK(contains_text(testing::error_message([&] { elsewhere.run({{x, Tensor::zeros({2}, kFloat32)}}, {y}); }),
+  CHECK(contains_text(testing::error_message([&] {
+                        elsewhere.run({{x, Tensor::zeros({2}, kFloat32)}}, {y});
+                      }),
                       "device CPU:2 is not in tensor-parallel group"));
 }
 
@@ -208,7 +215,8 @@ struct TwoDevices {
 
   std::vector<std::vector<std::vector<float>>> run(const std::function<Built(int, graph::Graph&)>& build) {
     std::vector<std::vector<std::vector<float>>> out(2);
-    std::vector<std::shared_ptr<graph::Graph>> graphs{std::make_shared<graph::Graph>(), std::make_shared<graph::Graph>()};
+    std::vector<std::shared_ptr<graph::Graph>> graphs{std::make_shared<graph::Graph>(),
+                                                      std::make_shared<graph::Graph>()};
     std::vector<Built> built;
     for (int r = 0; r < 2; ++r) built.push_back(build(r, *graphs[static_cast<std::size_t>(r)]));
     const auto go = [&](int r) {
@@ -255,8 +263,8 @@ TEST_CASE("vocabulary-parallel cross-entropy over 2 devices: the loss and its gr
     const Output total = ops::reduce_sum(loss);
     const Output grad = graph::gradients({&total, 1}, {&l, 1})[0];
     graph::Executor ex(g, devices::get_device("CPU:0"));
-    const auto out = ex.run({{l, Tensor::from_vector(logits, {kRows, kVocab})}, {y, Tensor::from_vector(labels, {kRows})}},
-                            {loss, grad});
+    const auto out = ex.run(
+        {{l, Tensor::from_vector(logits, {kRows, kVocab})}, {y, Tensor::from_vector(labels, {kRows})}}, {loss, grad});
     want_loss = out[0].to_vector<float>();
     want_grad = out[1].to_vector<float>();
   }
