@@ -204,7 +204,7 @@ int main(int argc, char** argv) try {
       "%d stages x %d Dense(%lld, tanh) each, batch %lld, %d logical CPU devices (one core each on a machine "
       "with as many), %d timed steps a row\n",
       o.stages, o.layers, static_cast<long long>(o.width), static_cast<long long>(o.batch), o.stages, o.steps);
-  std::printf("%-6s %4s %9s %8s %8s %9s %9s %9s %9s\n", "sched", "m", "step ms", "fwd ms", "bwd ms", "measured",
+  std::printf("%-16s %4s %9s %8s %8s %9s %9s %9s %9s\n", "sched", "m", "step ms", "fwd ms", "bwd ms", "measured",
               "formula", "simulated", "meas-sim");
   for (const auto& name : split(o.schedules)) {
     const auto schedule = strategy::parse_pipeline_schedule(name);
@@ -212,7 +212,7 @@ int main(int argc, char** argv) try {
       const int m = std::stoi(m_text);
       if (schedule == strategy::PipelineSchedule::kInterleaved1F1B && m % o.stages != 0) continue;  // Megatron's rule
       const Row r = measure(o, schedule, m);
-      std::printf("%-6s %4d %9.2f %8.3f %8.3f %9.3f %9.3f %9.3f %+9.3f\n", r.schedule.c_str(), r.microbatches,
+      std::printf("%-16s %4d %9.2f %8.3f %8.3f %9.3f %9.3f %9.3f %+9.3f\n", r.schedule.c_str(), r.microbatches,
                   r.step_ms, r.forward_ms, r.backward_ms, r.measured, r.formula, r.simulated, r.measured - r.simulated);
     }
   }
