@@ -4,8 +4,9 @@
 // bitwise the same run to run, with the replicated weights' copies bit-identical, and
 // communicates exactly the formula's bytes: per step, one all-reduce of the (batch x 8)
 // activation forward and one of its gradient backward; over Gloo with one Group per rank (as one
-// process per device) it trains bitwise the same. Also the vocabulary-parallel embedding and
-// cross-entropy against one device.
+// process per device) it trains bitwise the same. Also, against one device: the
+// vocabulary-parallel embedding and cross-entropy, and self-attention split by heads (its output
+// and the gradients of its input and of every projection's piece).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -335,4 +336,92 @@ TEST_CASE("vocabulary-parallel embedding over 2 devices: every id's row, and eac
   const auto stats = two.comms[0]->stats();
   CHECK(stats.all_reduce.calls == 1);
   CHECK(stats.all_reduce.bytes_sent == 8 * kDim * 4);
+}
+
+namespace {
+
+// Self-attention with `heads` heads of size kKey over x [kB, kT, kC], with projections given as
+// [kC, heads x kKey] (query, key, value) and [heads x kKey, kC] (output). With a group, this
+// device's heads only: x enters through f (copy_to_group) and the output projection's partial
+// sums leave through g (reduce_from_group) before the bias, as Megatron splits attention.
+constexpr std::int64_t kB = 2, kT = 4, kC = 8, kHeads = 4, kKey = 2;
+
+Output attention(Output x, Output wq, Output wk, Output wv, Output wo, Output bo, std::int64_t heads,
+                 const tp::Group* group) {
+  if (group) x = tp::copy_to_group(x, *group);
+  const Output rows = ops::reshape(x, {-1, kC});
+  const auto project = [&](Output w) {
+    return ops::transpose(ops::reshape(ops::matmul(rows, w), {kB, kT, heads, kKey}), {0, 2, 1, 3});
+  };
+  const Output q = project(wq), k = project(wk), v = project(wv);
+  const Output probs = ops::masked_softmax(ops::batch_matmul(q, k, {.adj_y = true}), Output{},
+                                           {.scale = 1.0 / std::sqrt(static_cast<double>(kKey))});
+  const Output combined = ops::reshape(ops::transpose(ops::batch_matmul(probs, v), {0, 2, 1, 3}), {-1, heads * kKey});
+  Output y = ops::matmul(combined, wo);
+  if (group) y = tp::reduce_from_group(y, *group);
+  return ops::bias_add(y, bo);
+}
+
+}  // namespace
+
+TEST_CASE("attention split by heads over 2 devices: the output and every gradient as one device computes them") {
+  // Values of about 0.5, as initialised weights and normalised activations are: scores stay in
+  // the softmax's soft range, where float32 sums in another order differ by a few ulps.
+  const auto small = [](std::size_t n, unsigned seed) {
+    auto v = random_floats(n, seed);
+    for (auto& e : v) e *= 0.25f;
+    return v;
+  };
+  const auto wq = small(kC * kHeads * kKey, 11), wk = small(kC * kHeads * kKey, 12), wv = small(kC * kHeads * kKey, 13),
+             wo = small(kHeads * kKey * kC, 14), bo = small(kC, 15), x = small(kB * kT * kC, 16),
+             w = small(kB * kT * kC, 17);
+  const std::int64_t width = kHeads * kKey, piece = width / 2;
+  // The outputs: y, then the gradients of sum(y * w) with respect to x, wq, wk, wv, wo, bo.
+  const auto build = [&](graph::Graph& g, int r, const tp::Group* group) -> Built {
+    const std::int64_t heads = group ? kHeads / 2 : kHeads, cols = heads * kKey;
+    const auto slice_columns = [&](const std::vector<float>& m) {
+      return group ? columns(m, kC, width, r * piece, piece) : m;
+    };
+    const std::vector<float> wo_rows =
+        group ? std::vector<float>(wo.begin() + r * piece * kC, wo.begin() + (r + 1) * piece * kC) : wo;
+    const Output px = g.placeholder(kFloat32, {kB, kT, kC}, "x");
+    const Output pq = g.placeholder(kFloat32, {kC, cols}, "wq"), pk = g.placeholder(kFloat32, {kC, cols}, "wk"),
+                 pv = g.placeholder(kFloat32, {kC, cols}, "wv"), po = g.placeholder(kFloat32, {cols, kC}, "wo"),
+                 pb = g.placeholder(kFloat32, {kC}, "bo"), pw = g.placeholder(kFloat32, {kB * kT, kC}, "w");
+    const Output y = attention(px, pq, pk, pv, po, pb, heads, group);
+    const Output total = ops::reduce_sum(ops::mul(y, pw));
+    const std::vector<Output> xs{px, pq, pk, pv, po, pb};
+    std::vector<Output> fetches{y};
+    for (const auto& grad : graph::gradients({&total, 1}, xs)) fetches.push_back(grad);
+    return {{{px, Tensor::from_vector(x, {kB, kT, kC})},
+             {pq, Tensor::from_vector(slice_columns(wq), {kC, cols})},
+             {pk, Tensor::from_vector(slice_columns(wk), {kC, cols})},
+             {pv, Tensor::from_vector(slice_columns(wv), {kC, cols})},
+             {po, Tensor::from_vector(wo_rows, {cols, kC})},
+             {pb, Tensor::from_vector(bo, {kC})},
+             {pw, Tensor::from_vector(w, {kB * kT, kC})}},
+            fetches};
+  };
+  std::vector<std::vector<float>> want;
+  {
+    auto g = std::make_shared<graph::Graph>();
+    const Built built = build(*g, 0, nullptr);
+    graph::Executor ex(g, devices::get_device("CPU:0"));
+    for (const auto& t : ex.run(built.first, built.second)) want.push_back(t.to_vector<float>());
+  }
+  TwoDevices two;
+  const auto got = two.run([&](int r, graph::Graph& g) { return build(g, r, two.group.get()); });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto& mine = got[static_cast<std::size_t>(r)];
+    check_close(mine[0], want[0], 1e-5);  // y, whole on every device
+    check_close(mine[1], want[1], 1e-5);  // x's gradient: summed over the heads by f
+    for (std::size_t k : {2, 3, 4}) check_close(mine[k], columns(want[k], kC, width, r * piece, piece), 1e-5);
+    check_close(mine[5], rows_of(want[5], kC, r * piece, piece), 1e-5);
+    check_close(mine[6], want[6], 1e-5);  // the output bias, whole
+  }
+  // One all-reduce of the (8 x 8) output forward and one of x's gradient backward.
+  const auto stats = two.comms[0]->stats();
+  CHECK(stats.all_reduce.calls == 2);
+  CHECK(stats.all_reduce.bytes_sent == 2 * kB * kT * kC * 4);
 }
