@@ -17,6 +17,7 @@ namespace {
 constexpr const char* kCopyOp = "TensorParallelCopy";
 constexpr const char* kAllReduceOp = "TensorParallelAllReduce";
 constexpr const char* kMaxOp = "TensorParallelMax";
+constexpr const char* kGatherOp = "TensorParallelAllGather";  // along dimension 0
 
 // The live groups by id: a kernel's attribute names its group by id (attributes hold values, not
 // pointers), and a destroyed group's id is refused rather than read after it is freed.
@@ -68,6 +69,32 @@ void all_reduce_kernel(graph::KernelContext& ctx) {
   group.communicator(ctx.device()).all_reduce(out, kOp);
 }
 
+// Dimension 0 times the group's size.
+std::vector<graph::TensorSpec> gathered_shape(graph::ShapeContext& ctx) {
+  ctx.require_float(0);
+  graph::TensorSpec out = ctx.input(0);
+  ctx.require(out.shape.rank() >= 1, "needs at least one dimension; got {}", out.shape);
+  if (out.shape[0] != Shape::kUnknown) out.shape[0] *= ctx.attrs().get_int("size");
+  return {out};
+}
+
+// Backward of the gather: this device's rows of the gradient.
+std::vector<graph::Output> own_part_of_grad(graph::GradContext& ctx) {
+  const graph::Output grad = ctx.grad(0);
+  const std::int64_t rows = ctx.input(0).shape()[0];
+  TANDEM_REQUIRE(rows != Shape::kUnknown, InvalidArgument, "{}: its gradient needs the gathered dimension known",
+                 ctx.node().label());
+  std::vector<std::int64_t> begin(static_cast<std::size_t>(grad.shape().rank()), 0), size(begin.size(), -1);
+  begin[0] = ctx.attrs().get_int("rank") * rows;
+  size[0] = rows;
+  return {ops::slice(grad, begin, size)};
+}
+
+void gather_kernel(graph::KernelContext& ctx) {
+  const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
+  group.communicator(ctx.device()).all_gather(ctx.input(0), ctx.output(0));
+}
+
 void register_ops() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -88,6 +115,8 @@ void register_ops() {
     // No gradient function: used on values whose gradient is not wanted (a softmax's shift).
     r.add({.name = kMaxOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = same_as_input});
     r.add_kernel(kMaxOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kMax>, options);
+    r.add({.name = kGatherOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = gathered_shape, .grad_fn = own_part_of_grad});
+    r.add_kernel(kGatherOp, devices::DeviceType::kCPU, gather_kernel, options);
   });
 }
 
@@ -155,6 +184,21 @@ graph::Output reduce_from_group(graph::Output x, const Group& group) {
 }
 
 graph::Output max_over_group(graph::Output x, const Group& group) { return add_op(std::move(x), kMaxOp, group.id()); }
+
+graph::Output gather_from_group(graph::Output x, int axis, int rank, const Group& group) {
+  TANDEM_REQUIRE(x.defined() && axis >= 0 && axis < x.shape().rank() && rank >= 0 && rank < group.size(),
+                 InvalidArgument, "gather_from_group: axis {} of {} and rank {} of {}", axis,
+                 x.defined() ? x.shape().to_string() : std::string("nothing"), rank, group.size());
+  // The collective concatenates along dimension 0: bring `axis` there and back.
+  std::vector<std::int64_t> perm(static_cast<std::size_t>(x.shape().rank()));
+  for (std::size_t d = 0; d < perm.size(); ++d) perm[d] = static_cast<std::int64_t>(d);
+  std::swap(perm[0], perm[static_cast<std::size_t>(axis)]);
+  const graph::Output front = axis == 0 ? x : ops::transpose(x, perm);
+  ops::register_all();
+  const graph::Output gathered =
+      front.graph->add(kGatherOp, {front}, graph::Attrs{{"group", group.id()}, {"rank", rank}, {"size", group.size()}});
+  return axis == 0 ? gathered : ops::transpose(gathered, perm);
+}
 
 namespace {
 

@@ -10,7 +10,8 @@
 //                         (all-reduced); backward, the identity. Placed after a row-parallel
 //                         layer (its weights split by input features).
 // A column-parallel Dense followed by a row-parallel one thus communicates once forward and once
-// backward, each an all-reduce of a (rows x features) activation.
+// backward, each an all-reduce of a (rows x features) activation. A layer split by output
+// channels whose output the next layer needs whole (Conv2D) ends in gather_from_group instead.
 //
 // Who calls: code that builds a replica's graph (a layer's call, a hand-written graph), once per
 // graph; every device of the group runs its own executor of a graph with the same collectives in
@@ -66,6 +67,11 @@ graph::Output copy_to_group(graph::Output x, const Group& group);
 graph::Output reduce_from_group(graph::Output x, const Group& group);
 // The element-wise maximum over the group; no gradient flows through it.
 graph::Output max_over_group(graph::Output x, const Group& group);
+// Every device's x concatenated along `axis` in rank order (the output of a layer split by output
+// features or channels, made whole). Backward, this device's part of the gradient (the gradient
+// of the whole is the same on every device when what follows is replicated). `rank`: this
+// graph's device's rank in the group.
+graph::Output gather_from_group(graph::Output x, int axis, int rank, const Group& group);
 
 // Megatron's vocabulary-parallel embedding: this device holds rows [vocab_start, vocab_start +
 // rows) of the table (table_piece: [rows, dim]); an id outside them looks up zeros, and the

@@ -6,7 +6,8 @@
 // activation forward and one of its gradient backward; over Gloo with one Group per rank (as one
 // process per device) it trains bitwise the same. Also, against one device: the
 // vocabulary-parallel embedding and cross-entropy, and self-attention split by heads (its output
-// and the gradients of its input and of every projection's piece).
+// and the gradients of its input and of every projection's piece), and a Conv2D split by output
+// channels, gathered for the next convolution.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -424,4 +425,62 @@ TEST_CASE("attention split by heads over 2 devices: the output and every gradien
   const auto stats = two.comms[0]->stats();
   CHECK(stats.all_reduce.calls == 2);
   CHECK(stats.all_reduce.bytes_sent == 2 * kB * kT * kC * 4);
+}
+
+TEST_CASE("Conv2D split by output channels over 2 devices, gathered for the next convolution, as one device") {
+  constexpr std::int64_t kN = 2, kH = 5, kW = 5, kIn = 3, kOut = 4, kOut2 = 2, kHalf = kOut / 2;
+  const auto small = [](std::size_t n, unsigned seed) {
+    auto v = random_floats(n, seed);
+    for (auto& e : v) e *= 0.25f;
+    return v;
+  };
+  const auto x = small(kN * kH * kW * kIn, 21), f1 = small(3 * 3 * kIn * kOut, 22), b1 = small(kOut, 23),
+             f2 = small(3 * 3 * kOut * kOut2, 24), w = small(kN * 3 * 3 * kOut2, 25);
+  // Outputs: y, then the gradients of sum(y * w) with respect to x, f1, b1 and f2.
+  const auto build = [&](graph::Graph& g, int r, const tp::Group* group) -> Built {
+    const std::int64_t out = group ? kHalf : kOut;
+    const Output px = g.placeholder(kFloat32, {kN, kH, kW, kIn}, "x");
+    const Output pf1 = g.placeholder(kFloat32, {3, 3, kIn, out}, "f1"), pb1 = g.placeholder(kFloat32, {out}, "b1");
+    const Output pf2 = g.placeholder(kFloat32, {3, 3, kOut, kOut2}, "f2");
+    const Output pw = g.placeholder(kFloat32, {kN, 3, 3, kOut2}, "w");
+    Output h = group ? tp::copy_to_group(px, *group) : px;
+    h = ops::relu(ops::bias_add(ops::conv2d(h, pf1), pb1));  // [2, 3, 3, out]
+    if (group) h = tp::gather_from_group(h, 3, r, *group);  // the channels made whole
+    const Output y = ops::conv2d(h, pf2, {.padding = ops::Padding::kSame});
+    const Output total = ops::reduce_sum(ops::mul(y, pw));
+    const std::vector<Output> xs{px, pf1, pb1, pf2};
+    std::vector<Output> fetches{y};
+    for (const auto& grad : graph::gradients({&total, 1}, xs)) fetches.push_back(grad);
+    return {{{px, Tensor::from_vector(x, {kN, kH, kW, kIn})},
+             {pf1, Tensor::from_vector(group ? columns(f1, 3 * 3 * kIn, kOut, r * kHalf, kHalf) : f1, {3, 3, kIn, out})},
+             {pb1, Tensor::from_vector(group ? std::vector<float>(b1.begin() + r * kHalf, b1.begin() + (r + 1) * kHalf) : b1,
+                                       {out})},
+             {pf2, Tensor::from_vector(f2, {3, 3, kOut, kOut2})},
+             {pw, Tensor::from_vector(w, {kN, 3, 3, kOut2})}},
+            fetches};
+  };
+  std::vector<std::vector<float>> want;
+  {
+    auto g = std::make_shared<graph::Graph>();
+    const Built built = build(*g, 0, nullptr);
+    graph::Executor ex(g, devices::get_device("CPU:0"));
+    for (const auto& t : ex.run(built.first, built.second)) want.push_back(t.to_vector<float>());
+  }
+  TwoDevices two;
+  const auto got = two.run([&](int r, graph::Graph& g) { return build(g, r, two.group.get()); });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const auto& mine = got[static_cast<std::size_t>(r)];
+    check_close(mine[0], want[0], 1e-5);  // y
+    check_close(mine[1], want[1], 1e-5);  // x's gradient, summed over the channel pieces by f
+    check_close(mine[2], columns(want[2], 3 * 3 * kIn, kOut, r * kHalf, kHalf), 1e-5);
+    check_close(mine[3], {want[3].begin() + r * kHalf, want[3].begin() + (r + 1) * kHalf}, 1e-5);
+    check_close(mine[4], want[4], 1e-5);  // the replicated second filter
+  }
+  // Forward: one all-gather of the (2 x 3 x 3 x 4) channels; backward: one all-reduce of x's gradient.
+  const auto stats = two.comms[0]->stats();
+  CHECK(stats.all_gather.calls == 1);
+  CHECK(stats.all_gather.bytes_sent == kN * 3 * 3 * kOut * 4 / 2);
+  CHECK(stats.all_reduce.calls == 1);
+  CHECK(stats.all_reduce.bytes_sent == kN * kH * kW * kIn * 4);
 }
