@@ -496,6 +496,9 @@ Plan plan(const Model& model, const PlanOptions& options) {
   p.replicas = options.replicas.value_or(default_replicas);
   TANDEM_REQUIRE(p.replicas >= 1, InvalidArgument, "plan: {} replicas; expected 1 or more", p.replicas);
   p.zero = options.zero.value_or(strategy.distribution_options().zero);
+  TANDEM_REQUIRE(options.batch_rows >= 0, InvalidArgument, "plan: batch_rows is {}; expected 0 or more",
+                 options.batch_rows);
+  p.local_rows = (options.batch_rows + p.replicas - 1) / p.replicas;  // the first replicas' share, as split_batch
 
   std::optional<Optimizer> optimizer;
   if (options.optimizer) {
@@ -660,10 +663,19 @@ std::string Plan::to_string() const {
     out +=
         "Tensor-parallel collectives and pipeline transfers per row of the local batch (bytes each device sends; x "
         "rows per step):\n";
+    const auto per_step_text = [&](double per_row) {
+      return local_rows > 0
+                 ? fmt::format("  x {} rows = {}", local_rows, bytes_text(per_row * static_cast<double>(local_rows)))
+                 : std::string();
+    };
     for (const auto& c : collectives) {
-      if (c.per_row) out += fmt::format("  {:<15} {:<40} {:.0f}\n", c.op, c.what, c.bytes_per_device);
+      if (c.per_row) {
+        out += fmt::format("  {:<15} {:<40} {:.0f}{}\n", c.op, c.what, c.bytes_per_device,
+                           per_step_text(c.bytes_per_device));
+      }
     }
-    out += fmt::format("  {:<15} {:<40} {:.0f}\n", "total", "", communication_bytes_per_row);
+    out += fmt::format("  {:<15} {:<40} {:.0f}{}\n", "total", "", communication_bytes_per_row,
+                       per_step_text(communication_bytes_per_row));
   }
   for (const auto& note : layout_notes) out += fmt::format("LayoutMap::megatron: {}\n", note);
   if (pipeline) {

@@ -275,6 +275,7 @@ struct Plan {
   std::vector<PlannedCollective> collectives;
   double communication_bytes_per_device = 0;       // the sum over `collectives` per step
   double communication_bytes_per_row = 0;          // the sum over the per-row ones (tensor parallelism)
+  std::int64_t local_rows = 0;                     // PlanOptions::batch_rows / replicas (0: not given)
   std::vector<std::string> unmatched_layout_keys;  // LayoutMap keys that matched no variable
   std::vector<std::string> layout_notes;           // LayoutMap::megatron's layers kept whole
   // Set for a pipeline: its schedule, stages, the simulated schedule table (unit forward and
@@ -299,6 +300,9 @@ struct PlanOptions {
   const LayoutMap* layout_map = nullptr;
   // Default: the ModelParallel's (its stage axis's size as the stage count).
   std::optional<PipelineOptions> pipeline;
+  // Rows of one global batch (examples, times positions for sequences): the per-row collectives
+  // are then also totalled per step, over each replica's share of them. 0: per row only.
+  std::int64_t batch_rows = 0;
 };
 
 // The plan of a built model (its variables exist; a Sequential without an Input needs build()

@@ -430,7 +430,7 @@ int main(int argc, char** argv) try {
     model = make_gpt(o, vocab.size());
     samples::compile_model(args, model, [&] {  // --print-plan shows a --mesh layout compile refuses
       model.compile(make_optimizer(o), keras::SparseCategoricalCrossentropy{.from_logits = true});
-    });
+    }, o.context);
   }
   if (!o.load.empty()) model.load_weights(o.load + ".weights.safetensors");
   if (!o.init_from.empty()) model.load_weights(o.init_from);
@@ -441,7 +441,7 @@ int main(int argc, char** argv) try {
                 strategy->num_replicas_in_sync(), args.dtype_policy.c_str());
     if (args.verbose > 0) model.summary();
   }
-  samples::print_plan_if_asked(args, model);  // --print-plan
+  samples::print_plan_if_asked(args, model, o.context);  // --print-plan
 
   const auto val_data = validation_batches(validation, o, args.batch);
   auto progress = std::make_shared<Progress>(o, args.batch * o.context, log);

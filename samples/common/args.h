@@ -220,11 +220,14 @@ inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
 // Compiles through `compile`. Under --print-plan, a compile that ModelParallel refuses because
 // tensor-parallel execution is not built prints the plan of the refused layout first, so that the
 // layout can still be looked at.
-inline void compile_model(const Args& a, const tandem::keras::Model& model, const std::function<void()>& compile) {
+inline void compile_model(const Args& a, const tandem::keras::Model& model, const std::function<void()>& compile,
+                          std::int64_t rows_per_example = 1) {
   try {
     compile();
   } catch (const tandem::Unimplemented&) {
-    if (a.print_plan) tandem::keras::distribution::print_plan(model, std::cout);
+    if (a.print_plan) {
+      tandem::keras::distribution::print_plan(model, std::cout, {.batch_rows = a.batch * rows_per_example});
+    }
     throw;
   }
 }
@@ -270,9 +273,11 @@ inline std::unique_ptr<tandem::Strategy> make_strategy(const Args& a) {
 // --print-plan: the plan of the built model under its strategy, printed by the worker that logs.
 // Training follows: the plan is computed from the model alone and costs nothing, so asking for it
 // must not change the run (--epochs 0 / --steps 0 for the plan alone).
-inline void print_plan_if_asked(const Args& a, const tandem::keras::Model& model) {
+// rows_per_example: the rows a layer sees per example (a sequence's positions), for the plan's
+// per-step totals of tensor-parallel and pipeline traffic.
+inline void print_plan_if_asked(const Args& a, const tandem::keras::Model& model, std::int64_t rows_per_example = 1) {
   if (a.print_plan && model.distribute_strategy().should_log()) {
-    tandem::keras::distribution::print_plan(model, std::cout);
+    tandem::keras::distribution::print_plan(model, std::cout, {.batch_rows = a.batch * rows_per_example});
   }
 }
 

@@ -460,7 +460,8 @@ TEST_CASE(
   map["fc1/kernel"] = {std::nullopt, "model"};
   map["fc1/bias"] = {"model"};
   map["fc2/kernel"] = {"model", std::nullopt};
-  const kd::Plan p = kd::plan(model, {.replicas = 1, .optimizer = OptimizerRef("sgd"), .layout_map = &map});
+  const kd::Plan p =
+      kd::plan(model, {.replicas = 1, .optimizer = OptimizerRef("sgd"), .layout_map = &map, .batch_rows = 32});
   // fc1/kernel (8, 16): 64 of 128 elements per device; fc2/bias stays whole.
   CHECK(p.variables[2].weight_bytes == 64 * 4);
   CHECK(p.variables[2].layout == "column [None, 'model'] (64 of 128 elements each)");
@@ -476,6 +477,8 @@ TEST_CASE(
   CHECK(per_row ==
         std::vector<std::string>{"all_reduce fc1 input gradient (backward) 32", "all_reduce fc2 output (forward) 32"});
   CHECK(p.communication_bytes_per_row == 64);
+  CHECK(p.local_rows == 32);
+  CHECK(contains(p.to_string(), "total                                                    64  x 32 rows = 2048 (2.00 KiB)"));
   CHECK(contains(p.to_string(), "Tensor-parallel collectives and pipeline transfers per row of the local batch"));
   // The first layer's input is data: backward computes no gradient for it, so nothing to reduce.
   const Model mlp = make_mlp();
