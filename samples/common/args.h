@@ -160,7 +160,7 @@ inline int report_test(double loss, double accuracy, const Args& a) {
   return 0;
 }
 
-// "2x2" -> {2, 2}; "batch,model" -> {"batch", "model"}. InvalidArgument naming the flag.
+// "2x2" -> {"2", "2"}; "batch,model" -> {"batch", "model"}: the pieces of a flag's list.
 inline std::vector<std::string> split_list(const std::string& text, char separator) {
   std::vector<std::string> out(1);
   for (const char c : text) {
