@@ -40,26 +40,14 @@ namespace {
 
 struct Options {
   int stages = 2;
-  std::string microbatches = "1,2,4,8";
-  std::string schedules = "gpipe,1f1b,interleaved-1f1b";
+  std::vector<int> microbatches{1, 2, 4, 8};
+  std::vector<std::string> schedules{"gpipe", "1f1b", "interleaved-1f1b"};
   std::int64_t width = 512;
   int layers = 2;  // per stage
   int chunks = 2;  // model chunks per stage under interleaved 1F1B
   std::int64_t batch = 512;
   int steps = 8;
 };
-
-std::vector<std::string> split(const std::string& text) {
-  std::vector<std::string> out(1);
-  for (const char c : text) {
-    if (c == ',') {
-      out.emplace_back();
-    } else {
-      out.back() += c;
-    }
-  }
-  return out;
-}
 
 // Virtual stage vs of `stages` (chunk vs / devices of device vs % devices): `layers` Dense(width,
 // tanh) layers; the last adds the MSE loss.
@@ -188,8 +176,13 @@ int main(int argc, char** argv) try {
   Options o;
   CLI::App app("bench_pipeline: the pipeline bubble, measured beside (p-1)/(m+p-1)");
   app.add_option("--stages", o.stages, "stages, one logical CPU device each")->capture_default_str();
-  app.add_option("--microbatches", o.microbatches, "micro-batch counts, comma-separated")->capture_default_str();
-  app.add_option("--schedules", o.schedules, "gpipe, 1f1b, comma-separated")->capture_default_str();
+  app.add_option("--microbatches", o.microbatches, "micro-batch counts, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  app.add_option("--schedules", o.schedules, "gpipe, 1f1b, interleaved-1f1b, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
   app.add_option("--width", o.width, "features of every layer")->capture_default_str();
   app.add_option("--layers", o.layers, "Dense layers per stage")->capture_default_str();
   app.add_option("--chunks", o.chunks, "model chunks per stage under interleaved 1F1B (divides --layers)")
@@ -206,10 +199,9 @@ int main(int argc, char** argv) try {
       o.stages, o.layers, static_cast<long long>(o.width), static_cast<long long>(o.batch), o.stages, o.steps);
   std::printf("%-16s %4s %9s %8s %8s %9s %9s %9s %9s\n", "sched", "m", "step ms", "fwd ms", "bwd ms", "measured",
               "formula", "simulated", "meas-sim");
-  for (const auto& name : split(o.schedules)) {
+  for (const auto& name : o.schedules) {
     const auto schedule = strategy::parse_pipeline_schedule(name);
-    for (const auto& m_text : split(o.microbatches)) {
-      const int m = std::stoi(m_text);
+    for (const int m : o.microbatches) {
       if (schedule == strategy::PipelineSchedule::kInterleaved1F1B && m % o.stages != 0) continue;  // Megatron's rule
       const Row r = measure(o, schedule, m);
       std::printf("%-16s %4d %9.2f %8.3f %8.3f %9.3f %9.3f %9.3f %+9.3f\n", r.schedule.c_str(), r.microbatches,

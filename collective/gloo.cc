@@ -44,6 +44,7 @@
 #include <cstring>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <thread>
 
 #include "tandem/base/env.h"
@@ -771,26 +772,35 @@ class GlooCommunicator final : public Communicator {
       detail::PeerSurvey survey;
       survey.store_reachable = false;
       if (store_reachable) survey = records_.survey(issued, std::min(kFailureReportGrace, call.timeout), true);
-      if (!survey.store_reachable) {
-        verdict = fmt::format("{}: {}; {}", what, gloo_error, records_.store_unreachable_message(" too"));
-      } else if (!survey.lost.empty()) {
-        verdict = fmt::format("{}: {}; gloo: {}", what, records_.lost_message(survey.lost), gloo_error);
-      } else if (!survey.aborted.empty()) {
-        verdict = fmt::format("{}: {} aborted the group: {}", what, label(survey.aborted.front().first),
-                              survey.aborted.front().second);
-      } else {
-        verdict = fmt::format("{}: gloo: {}", what, gloo_error);
-      }
+      verdict = culprit_verdict(what, gloo_error, survey).value_or(fmt::format("{}: gloo: {}", what, gloo_error));
     }
-    {
-      std::lock_guard lock(mutex_);
-      if (!failed_.load(std::memory_order_relaxed)) {
-        failure_ = fmt::format("the group failed: {}", verdict);
-        failed_.store(true, std::memory_order_release);
-      }
-    }
+    remember_failure(fmt::format("the group failed: {}", verdict));
     if (deadline) throw DeadlineExceeded(verdict);
     throw Unavailable(verdict);
+  }
+
+  // What a survey of the peers' reports says failed: the store out of reach, a lost peer, or a
+  // peer's abort; nullopt when none of them (the caller's own diagnosis then).
+  std::optional<std::string> culprit_verdict(const std::string& what, const std::string& gloo_error,
+                                             const detail::PeerSurvey& survey) const {
+    if (!survey.store_reachable) {
+      return fmt::format("{}: {}; {}", what, gloo_error, records_.store_unreachable_message(" too"));
+    }
+    if (!survey.lost.empty()) return fmt::format("{}: {}; gloo: {}", what, records_.lost_message(survey.lost), gloo_error);
+    if (!survey.aborted.empty()) {
+      return fmt::format("{}: {} aborted the group: {}", what, label(survey.aborted.front().first),
+                         survey.aborted.front().second);
+    }
+    return std::nullopt;
+  }
+
+  // Keeps the communicator's first failure: later calls throw Unavailable naming it.
+  void remember_failure(std::string failure) {
+    std::lock_guard lock(mutex_);
+    if (!failed_.load(std::memory_order_relaxed)) {
+      failure_ = std::move(failure);
+      failed_.store(true, std::memory_order_release);
+    }
   }
 
   // Marks a gloo operation on these buffers as in flight, so that abort() and the monitor can
@@ -1017,13 +1027,7 @@ class GlooCommunicator final : public Communicator {
     } else {
       std::tie(verdict, deadline) = diagnose(call, kind, gloo_error, store_reachable, waited);
     }
-    {
-      std::lock_guard lock(mutex_);
-      if (!failed_.load(std::memory_order_relaxed)) {
-        failure_ = fmt::format("the group failed at {} #{}: {}", detail::op_kind_name(call.kind), call.seq, verdict);
-        failed_.store(true, std::memory_order_release);
-      }
-    }
+    remember_failure(fmt::format("the group failed at {} #{}: {}", detail::op_kind_name(call.kind), call.seq, verdict));
     if (kind == FailureKind::kGloo) throw Internal(verdict);
     if (deadline) throw DeadlineExceeded(verdict);
     throw Unavailable(verdict);
@@ -1037,17 +1041,7 @@ class GlooCommunicator final : public Communicator {
     detail::PeerSurvey survey;
     survey.store_reachable = false;
     if (store_reachable) survey = records_.survey(call.seq, grace, /*stop_at_culprit=*/true);
-    if (!survey.store_reachable) {
-      return {fmt::format("{}: {}; {}", what, gloo_error, records_.store_unreachable_message(" too")), false};
-    }
-    if (!survey.lost.empty()) {
-      return {fmt::format("{}: {}; gloo: {}", what, records_.lost_message(survey.lost), gloo_error), false};
-    }
-    if (!survey.aborted.empty()) {
-      return {fmt::format("{}: {} aborted the group: {}", what, label(survey.aborted.front().first),
-                          survey.aborted.front().second),
-              false};
-    }
+    if (auto verdict = culprit_verdict(what, gloo_error, survey)) return {std::move(*verdict), false};
     const bool someone_timed_out = kind == FailureKind::kTimeout || survey.peer_timed_out;
     const std::string timeout = format_duration(waited);
     if (!survey.elsewhere.empty()) {

@@ -94,18 +94,18 @@ void check_layer(const LayerImpl& layer, std::vector<VariableLayout>& rows) {
                  "of None, or no key)",
                  split_row->layer, split_row->key, split_row->path, split_row->shape, split_row->axis, split_row->parts,
                  split_row->split_dim);
+  // rows[i] is own_weights()[i]'s layout (check_layouts builds them in that order).
+  std::vector<std::string> names;
   std::string given;
-  for (const auto& v : rows) {
-    given +=
-        fmt::format("{}{} {}", given.empty() ? "" : ", ", layer.weight_name(*layer.own_weights()[&v - rows.data()]),
-                    v.split_dim >= 0 ? fmt::format("along dimension {}", v.split_dim) : std::string("whole"));
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    names.push_back(layer.weight_name(*layer.own_weights()[i]));
+    given += fmt::format("{}{} {}", given.empty() ? "" : ", ", names[i],
+                         rows[i].split_dim >= 0 ? fmt::format("along dimension {}", rows[i].split_dim)
+                                                : std::string("whole"));
   }
   for (const auto& split : splits) {
     bool matches = true;
-    for (std::size_t i = 0; i < rows.size() && matches; ++i) {
-      const auto dim = split.dim_of(layer.weight_name(*layer.own_weights()[i]));
-      matches = dim.value_or(-1) == rows[i].split_dim;
-    }
+    for (std::size_t i = 0; i < rows.size() && matches; ++i) matches = split.dim_of(names[i]).value_or(-1) == rows[i].split_dim;
     if (!matches) continue;
     for (auto& v : rows) {
       if (v.split_dim >= 0) v.split = split.name;

@@ -3,6 +3,7 @@
 #include "tandem/strategy/pipeline_runner.h"
 
 #include <chrono>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -57,14 +58,6 @@ Shape with_rows(const Shape& shape, std::int64_t rows) {
   if (out.rank() > 0 && out[0] == Shape::kUnknown) out[0] = rows;
   return out;
 }
-
-// The first failure of a step, kept until step() rethrows it.
-struct Failure {
-  std::mutex mutex;
-  bool failed = false;
-  ErrorCode code = ErrorCode::kInternal;
-  std::string message;
-};
 
 }  // namespace
 
@@ -191,19 +184,17 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
   result.peak_stashed.assign(p, 0);
   result.forward_seconds.assign(p, 0.0);
   result.backward_seconds.assign(p, 0.0);
-  Failure failure;
+  // The first failure (run_device has named its stage, micro-batch and action), as Strategy::run
+  // keeps its replicas' first error.
+  std::mutex mutex;
+  std::exception_ptr first_error;
   const auto run = [&](std::size_t k) {
     try {
       run_device(devices_[k], microbatches, result);
     } catch (const std::exception& e) {
-      const auto* error = dynamic_cast<const Error*>(&e);
       {
-        std::lock_guard lock(failure.mutex);
-        if (!failure.failed) {
-          failure.failed = true;
-          failure.code = error != nullptr ? error->code() : ErrorCode::kInternal;
-          failure.message = e.what();
-        }
+        std::lock_guard lock(mutex);
+        if (!first_error) first_error = std::current_exception();
       }
       // Neighbours waiting on this stage stop now, not at their timeout.
       devices_[k].communicator->abort(e.what());
@@ -213,7 +204,7 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
   for (std::size_t k = 1; k < devices_.size(); ++k) threads.emplace_back(run, k);
   run(0);
   for (auto& t : threads) t.join();
-  if (failure.failed) throw_with_code(failure.code, failure.message);
+  if (first_error) std::rethrow_exception(first_error);
   return result;
 }
 
@@ -288,10 +279,7 @@ void PipelineRunner::run_device(const Device& device, const std::vector<std::vec
           }
           // Summed in micro-batch order on every run: the same sums, bitwise, run to run.
           if (sums.empty()) {
-            for (const auto& g : out) {
-              sums.push_back(Tensor::empty(g.shape(), g.dtype(), *st.device));
-              st.device->copy_on_device(sums.back().raw_data(), g.raw_data(), g.nbytes());
-            }
+            for (const auto& g : out) sums.push_back(g.clone());
           } else {
             for (std::size_t k = 0; k < out.size(); ++k) {
               TANDEM_ASSERT(out[k].dtype() == graph::DType::kF32, "pipeline gradients are summed as float32");

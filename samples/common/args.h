@@ -43,8 +43,8 @@ struct Args {
   double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
   int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
   bool print_plan = false;               // print keras::distribution::plan before training
-  std::string mesh;                      // "2x2": a keras::distribution::ModelParallel on this mesh; "": none
-  std::string axes = "batch,model";      // the mesh's axis names; LayoutMap::megatron splits over "model"
+  std::vector<std::int64_t> mesh;        // --mesh 2x2: a keras::distribution::ModelParallel on it; empty: none
+  std::vector<std::string> axes{"batch", "model"};  // the mesh's axis names; megatron splits over "model"
   int pipeline_stages = 1;               // > 1: a "stage" axis of this many devices added to the mesh
   int microbatches = 0;                  // the pipeline's micro-batches; 0: as many as stages
   std::string schedule = "1f1b";         // the pipeline's schedule
@@ -123,8 +123,11 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
                  "train under keras::distribution::ModelParallel on a device mesh of this\nshape (\"1x2\", \"2x2\"; "
                  "logical CPU devices unless --cpu-devices), its\nlayouts LayoutMap::megatron's over the axis "
                  "\"model\"; overrides\n--strategy")
+      ->delimiter('x')
+      ->check(CLI::Range(1, 4096))
       ->type_name("SHAPE");
   app.add_option("--axes", a.axes, "the --mesh axes' names, comma-separated; the first is the batch axis")
+      ->delimiter(',')
       ->capture_default_str();
   app.add_option("--pipeline-stages", a.pipeline_stages,
                  "cut the model into this many pipeline stages, one device each, along a\nmesh axis \"stage\" added "
@@ -160,39 +163,14 @@ inline int report_test(double loss, double accuracy, const Args& a) {
   return 0;
 }
 
-// "2x2" -> {"2", "2"}; "batch,model" -> {"batch", "model"}: the pieces of a flag's list.
-inline std::vector<std::string> split_list(const std::string& text, char separator) {
-  std::vector<std::string> out(1);
-  for (const char c : text) {
-    if (c == separator) {
-      out.emplace_back();
-    } else {
-      out.back() += c;
-    }
-  }
-  return out;
-}
-
 // --mesh and --axes: ModelParallel over the mesh, with Megatron's layouts over the axis "model"
 // when the mesh has one (a layout over a one-device axis splits nothing).
 inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
   namespace kd = tandem::keras::distribution;
-  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> shape = a.mesh.empty() ? std::vector<std::int64_t>{1} : a.mesh;
   std::int64_t devices = 1;
-  for (const auto& part : split_list(a.mesh.empty() ? "1" : a.mesh, 'x')) {
-    std::size_t used = 0;
-    long long n = 0;
-    try {
-      n = std::stoll(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    TANDEM_REQUIRE(used == part.size() && !part.empty() && n >= 1, InvalidArgument,
-                   "--mesh {}: expected sizes joined by 'x', such as 2x2", a.mesh);
-    shape.push_back(n);
-    devices *= n;
-  }
-  auto axes = split_list(a.axes, ',');
+  for (const auto n : shape) devices *= n;
+  auto axes = a.axes;
   if (axes.size() > shape.size()) axes.resize(shape.size());  // --mesh 2 takes the first name ("batch")
   std::optional<kd::PipelineOptions> pipeline;
   if (a.pipeline_stages > 1) {

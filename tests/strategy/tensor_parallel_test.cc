@@ -233,6 +233,16 @@ struct TwoDevices {
   }
 };
 
+// What build's graph fetches, run whole on CPU:0: the reference the two devices are checked against.
+std::vector<std::vector<float>> on_one_device(const std::function<Built(graph::Graph&)>& build) {
+  auto g = std::make_shared<graph::Graph>();
+  const Built built = build(*g);
+  graph::Executor ex(g, devices::get_device("CPU:0"));
+  std::vector<std::vector<float>> out;
+  for (const auto& t : ex.run(built.first, built.second)) out.push_back(t.to_vector<float>());
+  return out;
+}
+
 std::vector<float> random_floats(std::size_t n, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> d(0.0f, 2.0f);
@@ -403,13 +413,7 @@ TEST_CASE("attention split by heads over 2 devices: the output and every gradien
              {pw, Tensor::from_vector(w, {kB * kT, kC})}},
             fetches};
   };
-  std::vector<std::vector<float>> want;
-  {
-    auto g = std::make_shared<graph::Graph>();
-    const Built built = build(*g, 0, nullptr);
-    graph::Executor ex(g, devices::get_device("CPU:0"));
-    for (const auto& t : ex.run(built.first, built.second)) want.push_back(t.to_vector<float>());
-  }
+  const auto want = on_one_device([&](graph::Graph& g) { return build(g, 0, nullptr); });
   TwoDevices two;
   const auto got = two.run([&](int r, graph::Graph& g) { return build(g, r, two.group.get()); });
   for (int r = 0; r < 2; ++r) {
@@ -459,13 +463,7 @@ TEST_CASE("Conv2D split by output channels over 2 devices, gathered for the next
              {pw, Tensor::from_vector(w, {kN, 3, 3, kOut2})}},
             fetches};
   };
-  std::vector<std::vector<float>> want;
-  {
-    auto g = std::make_shared<graph::Graph>();
-    const Built built = build(*g, 0, nullptr);
-    graph::Executor ex(g, devices::get_device("CPU:0"));
-    for (const auto& t : ex.run(built.first, built.second)) want.push_back(t.to_vector<float>());
-  }
+  const auto want = on_one_device([&](graph::Graph& g) { return build(g, 0, nullptr); });
   TwoDevices two;
   const auto got = two.run([&](int r, graph::Graph& g) { return build(g, r, two.group.get()); });
   for (int r = 0; r < 2; ++r) {
