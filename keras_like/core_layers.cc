@@ -1,6 +1,7 @@
 // Core layers: Dense, Embedding, Flatten, Reshape, Activation, Add.
 #include "tandem/keras_like/layers.h"
 #include "tandem/ops/ops.h"
+#include "tandem/strategy/tensor_parallel.h"
 
 namespace tandem::keras {
 namespace {
@@ -46,27 +47,49 @@ class DenseImpl final : public LayerImpl {
       bias_ = add_weight({.name = "bias", .shape = {units_}, .initializer = options_.bias_initializer});
   }
 
+  bool runs_tensor_parallel(std::string_view name) const override { return name == "column" || name == "row"; }
+
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
     Output x = inputs[0];
     const Shape& in = x.shape();
-    const std::int64_t features = kernel_->global_shape()[0];
+    // Tensor parallelism (Megatron-LM): the kernel here is this device's piece.
+    const auto& tp = tensor_parallel_call();
+    const bool column = tp && tp->split == "column", row = tp && tp->split == "row";
+    const std::int64_t features = row && tp->input_split ? kernel_->shape()[0] : kernel_->global_shape()[0];
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == features, InvalidArgument,
                    "{}: input has {} features, kernel expects {} (input shape {})", label(),
                    in.rank() >= 1 ? in[in.rank() - 1] : 0, features, in);
     // Rank > 2: apply to every position of the leading dimensions.
-    Shape out_shape = in.with_dim(-1, units_);
+    const std::int64_t units = column && tp->output_split ? kernel_->shape()[1] : units_;
+    Shape out_shape = in.with_dim(-1, units);
     const bool flatten = in.rank() > 2;
     if (flatten) x = ops::reshape(x, {-1, features});
+    if (row && !tp->input_split) x = strategy::tensor_parallel::scatter_to_group(x, 1, *tp->group);
+    if (column) x = strategy::tensor_parallel::copy_to_group(x, *tp->group);  // f
     const Output kernel = ctx.read(kernel_);
     const auto fused = fused_activation();
     Output y;
-    if (bias_ != nullptr && fused) {
+    if (row) {
+      // The partial products summed over the group (g), then the whole bias once.
+      y = strategy::tensor_parallel::reduce_from_group(ops::matmul(x, kernel), *tp->group);
+      if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
+      y = apply_activation(options_.activation, y, label());
+    } else if (column && options_.activation == "softmax") {
+      // The softmax needs every output feature: gathered first (and split again for a partner).
+      y = ops::matmul(x, kernel);
+      if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
+      y = apply_activation(options_.activation, strategy::tensor_parallel::gather_from_group(y, 1, *tp->group),
+                           label());
+      if (tp->output_split) y = strategy::tensor_parallel::scatter_to_group(y, 1, *tp->group);
+    } else if (bias_ != nullptr && fused) {
       y = ops::dense(x, kernel, ctx.read(bias_), *fused);  // matmul + bias + activation in one op
     } else {
       y = ops::matmul(x, kernel);
       if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
       y = apply_activation(options_.activation, y, label());
     }
+    if (column && !tp->output_split && options_.activation != "softmax")
+      y = strategy::tensor_parallel::gather_from_group(y, 1, *tp->group);
     if (flatten) {
       Shape target = out_shape;
       target[0] = Shape::kUnknown;
@@ -184,6 +207,7 @@ class ActivationImpl final : public LayerImpl {
   std::vector<Output> call(CallContext& /*ctx*/, const std::vector<Output>& inputs) override {
     return {apply_activation(activation_, inputs[0], label())};
   }
+  bool elementwise() const override { return activation_ != "softmax"; }
 
  private:
   std::string activation_;

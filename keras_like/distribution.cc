@@ -746,7 +746,9 @@ ModelParallel::ModelParallel(LayoutMap layout_map, ModelParallelOptions options)
                    model_parallel_options(layout_map, options)),
       layout_map_(std::move(layout_map)),
       strict_(options.strict),
-      pipeline_(model_parallel_pipeline(layout_map_, options)) {}
+      pipeline_(model_parallel_pipeline(layout_map_, options)) {
+  place_replicas();
+}
 
 TensorLayout ModelParallel::get_variable_layout(std::string_view path, int rank) const {
   if (auto layout = layout_map_.get(path)) return *layout;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <iosfwd>
 #include <map>
@@ -43,6 +44,7 @@
 #include "tandem/strategy/multi_worker.h"
 #include "tandem/strategy/pipeline_schedule.h"
 #include "tandem/strategy/strategy.h"
+#include "tandem/strategy/tensor_parallel.h"
 
 namespace tandem::keras::distribution {
 
@@ -382,30 +384,61 @@ struct ModelParallelOptions {
 // options say otherwise), and a mesh axis of several devices other than the batch axis must split
 // some variable (else InvalidArgument: each device along it would compute the same rows), except
 // the pipeline's stage axis, whose cuts and schedule are checked (cut_into_stages,
-// validate_pipeline_config). Layouts that pass and split a variable are then Unimplemented
-// naming the variable, its split and axis, and so is a pipeline of several stages: tensor-parallel
-// and pipeline execution under fit are not built yet (strategy::tensor_parallel and
-// strategy::PipelineRunner run them on graphs), so plan() can show such a distribution but
-// nothing trains under it. With every non-batch axis of one device, training is DataParallel over the batch axis.
-// A variable whose layout has another rank than its shape is InvalidArgument at its creation.
+// validate_pipeline_config). Layouts that pass and split variables then train with tensor
+// parallelism (Megatron-LM's column- and row-parallel Dense layers; the groups' collectives in
+// the replicas' graphs), combined with data parallelism over the batch axis. A pipeline of several
+// stages is Unimplemented at that point: pipeline execution under fit is not built yet
+// (strategy::PipelineRunner runs stage graphs), so plan() can show such a distribution but fit
+// refuses it. A variable whose layout has another rank than its shape is InvalidArgument at its
+// creation.
 class ModelParallel final : public Distribution {
  public:
   explicit ModelParallel(LayoutMap layout_map, ModelParallelOptions options = {});
+  ~ModelParallel() override;
   const LayoutMap& layout_map() const { return layout_map_; }
   bool strict() const { return strict_; }
   // The pipeline the options (or a "stage" axis) ask for, its stage count filled in.
   const std::optional<PipelineOptions>& pipeline() const { return pipeline_; }
   TensorLayout get_variable_layout(std::string_view path, int rank) const override;
-  // The checks above, for a built model (Model::compile and the first step call it).
+  // The checks above, for a built model (Model::compile and the first step call it); then, when
+  // the layouts split variables, the model is prepared for tensor parallelism (below).
   void check_model(const Model& model) const;
+
+  // Replicas: every device of the mesh (this worker's, in mesh order). Replicas with the same
+  // coordinate on the batch axis compute on the same rows (one data shard each); the gradients
+  // are summed over the replicas along the batch axis only (the other coordinates fixed).
+  int data_shards_in_sync() const override;
+  int data_shard(int replica) const override;
+  bool leads_data_shard(int replica) const override;
+  collective::CommunicationStats tensor_parallel_stats() override;
 
  protected:
   void agree_on_variable(strategy::VariableOptions& options) override;
+  std::vector<std::unique_ptr<collective::Communicator>> make_replica_group() override;
+  void abort_other_collectives(const std::string& reason) override;
 
  private:
+  // Tensor parallelism, once check_model has accepted layouts that split variables over the model
+  // axis (one mesh axis other than the batch and stage axes): each split variable's copies become
+  // their replicas' pieces (Variable::split_into_pieces; optimizer slots follow at compile), and
+  // each split layer's call is told its split and whether a partner takes or gives its split
+  // activation (LayerImpl::set_tensor_parallel_call). Unimplemented, naming what, for what is
+  // not built: a split layer other than Dense, a model axis across workers, with ZeRO, on GPUs.
+  void prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const;
+  // At construction: the replicas' coordinates, the model axis and its groups.
+  void place_replicas();
+
   LayoutMap layout_map_;
   bool strict_ = true;
   std::optional<PipelineOptions> pipeline_;
+  // Per replica in sync (index in the mesh's device list): its coordinates on the mesh's axes.
+  std::vector<std::vector<std::int64_t>> coordinates_;
+  std::size_t batch_axis_ = 0;
+  // The tensor-parallel groups along the model axis (one per position on the other axes), when
+  // the mesh has such an axis and each group's devices are on this worker; else null.
+  std::shared_ptr<strategy::tensor_parallel::Group> tensor_group_;
+  std::optional<std::size_t> tensor_axis_;
+  std::atomic<bool> tensor_group_aborted_{false};
 };
 
 // Keras's set_distribution / distribution(): the distribution code with no strategy scope uses

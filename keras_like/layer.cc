@@ -78,7 +78,7 @@ Output CallContext::read_variable(const VariablePtr& variable) {
   TANDEM_REQUIRE(variable != nullptr, InvalidArgument, "CallContext::read of a null variable");
   auto it = variables_.nodes.find(variable.get());
   if (it != variables_.nodes.end()) return it->second;
-  const Output node = graph_.variable(variable->dtype(), variable->global_shape(), variable->name());
+  const Output node = graph_.variable(variable->dtype(), variable->graph_shape(), variable->name());
   variables_.nodes.emplace(variable.get(), node);
   variables_.variables.push_back(variable);
   return node;

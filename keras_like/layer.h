@@ -152,6 +152,19 @@ struct TensorParallelSplit {
   std::optional<int> dim_of(std::string_view weight) const;
 };
 
+// How a layer whose weights tensor parallelism split computes (set by
+// keras::distribution::ModelParallel at compile, from the checked layouts and the model's graph;
+// unset for a layer whose weights are whole). The layer's call then inserts the group's
+// collectives (strategy/tensor_parallel.h): Megatron's f before a column-parallel layer, g after a
+// row-parallel one, a gather after a column-parallel layer whose output no row-parallel layer
+// takes, a scatter before a row-parallel layer whose input arrives whole.
+struct TensorParallelCall {
+  std::string split;  // the layer's TensorParallelSplit: "column", "row"
+  std::shared_ptr<strategy::tensor_parallel::Group> group;
+  bool input_split = false;   // row: the input arrives split by features (a column-parallel layer's)
+  bool output_split = false;  // column: the output leaves split (a row-parallel layer takes it)
+};
+
 class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
  public:
   // class_name: "Dense"; name: "" for a unique default from the class ("dense", "dense_1", ...).
@@ -194,6 +207,16 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   // not declare a split keeps its weights whole on every device, and a layout that splits them is
   // refused at compile.
   virtual std::vector<TensorParallelSplit> tensor_parallel_splits() const { return {}; }
+  // Whether the layer maps each feature on its own (Dropout; an Activation other than softmax): a
+  // tensor-parallel split activation may pass through it from a column-parallel layer to the
+  // row-parallel layer that follows.
+  virtual bool elementwise() const { return false; }
+  // Whether call() runs the split `name` (one of tensor_parallel_splits()) with its weights split;
+  // a layer that declares a split for plan() only answers false, and ModelParallel refuses to
+  // train it split.
+  virtual bool runs_tensor_parallel(std::string_view /*name*/) const { return false; }
+  const std::optional<TensorParallelCall>& tensor_parallel_call() const { return tensor_parallel_; }
+  void set_tensor_parallel_call(std::optional<TensorParallelCall> call) { tensor_parallel_ = std::move(call); }
 
   // Weights: the layer's own in creation order, then those of the layers it tracks, in tracking
   // order. trainable_weights() is empty for a frozen layer (and its tracked layers then count as
@@ -239,6 +262,7 @@ class LayerImpl : public std::enable_shared_from_this<LayerImpl> {
   std::vector<VariablePtr> weights_;
   std::vector<std::shared_ptr<LayerImpl>> tracked_;
   std::string path_prefix_;  // "block/" for a layer that "block" tracks: its weights' names start so
+  std::optional<TensorParallelCall> tensor_parallel_;
 
   void set_path_prefix(const std::string& prefix);
 };

@@ -7,6 +7,7 @@
 #include "tandem/base/errors.h"
 #include "tandem/base/log.h"
 #include "tandem/keras_like/detail/layouts.h"
+#include "tandem/keras_like/detail/model_state.h"
 #include "tandem/keras_like/distribution.h"
 
 namespace tandem::keras::distribution {
@@ -132,11 +133,6 @@ std::string exact_key(const std::string& path) {
 
 bool divides(std::int64_t n, std::int64_t parts) { return n % parts == 0; }
 
-// A layer that maps each feature on its own (so a column-parallel output may pass through it to
-// the row-parallel layer that follows).
-bool elementwise(const LayerImpl& layer) {
-  return layer.class_name() == "Activation" || layer.class_name() == "Dropout";
-}
 
 }  // namespace
 
@@ -246,7 +242,7 @@ LayoutMap LayoutMap::resolve(const Model& model, std::vector<std::string>* notes
         note(fmt::format("{} kept whole: its {} heads do not divide by {} ('{}')", layer_label(*layer), heads, parts,
                          axis));
       }
-    } else if (elementwise(*layer) || (layer->own_weights().empty() && !layer->tracked_layers().empty())) {
+    } else if (layer->elementwise() || (layer->own_weights().empty() && !layer->tracked_layers().empty())) {
       // Passes a column-parallel output through (or holds layers visited next).
     } else {
       unpaired();
@@ -258,10 +254,52 @@ LayoutMap LayoutMap::resolve(const Model& model, std::vector<std::string>* notes
 
 namespace detail {
 
+std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(const ModelState& state,
+                                                        const std::map<const LayerImpl*, std::string>& splits) {
+  std::map<const LayerNode*, std::vector<const LayerNode*>> consumers;
+  std::map<const LayerImpl*, int> calls;
+  for (const auto& node : state.nodes) {
+    if (node->layer != nullptr) ++calls[node->layer.get()];
+    for (const auto& in : node->inputs) consumers[in.node().get()].push_back(node.get());
+  }
+  std::set<const LayerNode*> outputs;
+  for (const auto& out : state.outputs) outputs.insert(out.node().get());
+  const auto split_of = [&](const LayerNode* node) {
+    const auto it = splits.find(node->layer.get());
+    return it == splits.end() || calls[node->layer.get()] != 1 ? std::string() : it->second;
+  };
+  std::map<const LayerImpl*, const LayerImpl*> pairs;
+  for (const auto& node : state.nodes) {
+    if (node->layer == nullptr || split_of(node.get()) != "column") continue;
+    const LayerNode* at = node.get();
+    while (!outputs.contains(at) && consumers[at].size() == 1 && consumers[at][0]->inputs.size() == 1) {
+      const LayerNode* next = consumers[at][0];
+      if (split_of(next) == "row") {
+        pairs[node->layer.get()] = next->layer.get();
+        break;
+      }
+      if (!next->layer->elementwise() || calls[next->layer.get()] != 1) break;
+      at = next;
+    }
+  }
+  return pairs;
+}
+
 std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
                                                            const std::vector<VariableLayout>& layouts) {
   std::map<std::string, const VariableLayout*> by_path;
   for (const auto& v : layouts) by_path[v.path] = &v;
+  std::map<const LayerImpl*, std::string> splits;
+  for (const LayerImpl* layer : flat_layers(model.layers())) {
+    for (const auto& w : layer->own_weights()) {
+      const auto it = by_path.find(w->name());
+      if (it != by_path.end() && it->second->split_dim >= 0) splits[layer] = it->second->split;
+    }
+  }
+  std::map<const LayerImpl*, const LayerImpl*> pairs;
+  if (model.built() && !splits.empty()) pairs = tensor_parallel_pairs(*model.state(), splits);
+  std::set<const LayerImpl*> paired_rows;
+  for (const auto& [column, row] : pairs) paired_rows.insert(row);
   std::vector<PlannedCollective> out;
   // Backward computes no input gradient for a layer that no trained layer precedes (what it
   // reads is data), so Megatron's f operator has nothing to all-reduce there.
@@ -293,10 +331,15 @@ std::vector<PlannedCollective> tensor_parallel_collectives(const Model& model,
                      .bytes_per_device = factor * elements * element,
                      .per_row = true});
     };
+    // A column layer without its row partner gathers its output; a row layer without its column
+    // partner splits its input here, and gathers that input's gradient in backward.
     if (split->split == "column") {
       if (input_gradient) add("all_reduce", "input gradient (backward)", static_cast<double>(first[0]), all_reduce);
+      if (!pairs.contains(layer)) add("all_gather", "output (forward)", static_cast<double>(first[1]), all_gather);
     } else if (split->split == "row") {
       add("all_reduce", "output (forward)", static_cast<double>(first[1]), all_reduce);
+      if (!paired_rows.contains(layer) && input_gradient)
+        add("all_gather", "input gradient (backward)", static_cast<double>(first[0]), all_gather);
     } else if (split->split == "vocabulary") {
       add("all_reduce", "output (forward)", static_cast<double>(first[1]), all_reduce);
     } else if (split->split == "output") {
@@ -337,11 +380,6 @@ void ModelParallel::check_model(const Model& model) const {
                    "over it, so each of those devices would compute the same rows; give that axis one device, or "
                    "layouts that split over it (LayoutMap::megatron(mesh, \"{}\"))",
                    mesh.to_string(), mesh.shape()[a], axis, model.name(), axis);
-    throw Unimplemented(fmt::format(
-        "ModelParallel: the layouts of model \"{}\" are valid ({} is {}-split over mesh axis '{}' ({} devices): '{}' "
-        "along dimension {}, ...), but tensor-parallel execution is not built yet: plan() shows this layout; to "
-        "train, give every mesh axis other than '{}' one device",
-        model.name(), first->layer, first->split, axis, first->parts, first->path, first->split_dim, batch_dim_name()));
   }
   if (pipeline_ && pipeline_->stages > 1) {
     throw Unimplemented(fmt::format(
@@ -351,6 +389,7 @@ void ModelParallel::check_model(const Model& model) const {
         model.name(), pipeline_->stages, stage_axis, stages[0].first_layer, stages[0].last_layer,
         pipeline_->microbatches, strategy::pipeline_schedule_name(pipeline_->schedule), stage_axis));
   }
+  prepare_tensor_parallel(model, layouts);
 }
 
 }  // namespace tandem::keras::distribution

@@ -128,7 +128,9 @@ std::vector<const collective::Communicator*> replica_group(strategy::Strategy& s
 }
 
 ModelState::StatsBaseline stats_now(strategy::Strategy& strategy) {
-  ModelState::StatsBaseline now{.group = replica_group(strategy), .cross_worker = strategy.cross_worker_stats()};
+  ModelState::StatsBaseline now{.group = replica_group(strategy),
+                                .cross_worker = strategy.cross_worker_stats(),
+                                .tensor_parallel = strategy.tensor_parallel_stats()};
   for (const auto* c : now.group) now.communication += c->stats();
   return now;
 }
@@ -641,10 +643,12 @@ TrainingStats Model::training_stats() const {
     now.communication -= s.stats_baseline.communication;
     now.cross_worker -= s.stats_baseline.cross_worker;
   }
+  now.tensor_parallel -= s.stats_baseline.tensor_parallel;
   return {.steps = s.trainer->times().steps,
           .replicas = static_cast<int>(s.strategy->replica_devices().size()),
           .communication = now.communication,
-          .cross_worker = now.cross_worker};
+          .cross_worker = now.cross_worker,
+          .tensor_parallel = now.tensor_parallel};
 }
 
 namespace {

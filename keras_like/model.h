@@ -100,6 +100,11 @@ struct TrainingStats {
   // Multi-worker strategies: this worker's own traffic to the other workers
   // (Strategy::cross_worker_stats(), N = the number of workers). Nothing on one worker.
   collective::CommunicationStats cross_worker;
+  // Tensor parallelism (keras::distribution::ModelParallel's model axis): the layers' collectives
+  // in the groups along that axis, added up over this worker's replicas (Megatron's f and g: a
+  // column/row Dense pair all-reduces its (local batch x width) activation once forward and once
+  // backward). Nothing without tensor parallelism.
+  collective::CommunicationStats tensor_parallel;
 
   // Averages per training step (0 before the first step): the bytes every replica of this
   // worker sent (received) together in `communication`, and what one replica sent.

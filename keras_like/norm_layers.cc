@@ -16,6 +16,7 @@ void require_positive_epsilon(double epsilon, const std::string& label) {
 
 class DropoutImpl final : public LayerImpl {
  public:
+  bool elementwise() const override { return true; }
   DropoutImpl(double rate, DropoutOptions options)
       : LayerImpl("Dropout", std::move(options.name)),
         rate_(rate),

@@ -350,6 +350,18 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     slot_list_.emplace_back(dynamic_scale_->name(), dynamic_scale_);
     slot_list_.emplace_back(step_counter_->name(), step_counter_);
   }
+  const Clip clip = clip_of(spec_);
+  for (const auto& variable : variables) {
+    // Tensor parallelism: a norm or a finiteness check of a split weight's gradient would need
+    // its pieces' parts summed over the group, which the update does not do yet.
+    TANDEM_REQUIRE(!variable->tensor_split() || (!clip.clipnorm && !clip.global_clipnorm && !loss_scale_),
+                   Unimplemented,
+                   "{}: variable \"{}\" is split by tensor parallelism over '{}'; {} with tensor-parallel weights is not "
+                   "built yet (each device sees its piece's gradient only): use clipvalue, or no clipping and no loss "
+                   "scaling",
+                   name(), variable->name(), variable->tensor_split()->axis,
+                   loss_scale_ ? "loss scaling" : clip.clipnorm ? "clipnorm" : "global_clipnorm");
+  }
   for (const auto& variable : variables) {
     strategy::Strategy& owner = variable->strategy();
     TANDEM_REQUIRE(!strategy::has_strategy() || &strategy::get_strategy() == &owner, FailedPrecondition,
@@ -361,6 +373,7 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
       options.name = fmt::format("{}/gradient_accumulator", variable->name());
       options.initial_value = Tensor::zeros(variable->global_shape(), variable->dtype());
       options.trainable = false;
+      options.tensor_split = variable->tensor_split();
       accumulators_.push_back(owner.create_variable(std::move(options)));
       slot_list_.emplace_back(accumulators_.back()->name(), accumulators_.back());
     }
@@ -379,6 +392,7 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
       options.initial_value = Tensor::zeros(variable->global_shape(), variable->dtype());
       options.trainable = false;
       options.sharded = sharded;
+      options.tensor_split = variable->tensor_split();  // a split weight's slots are split alike
       auto created = owner.create_variable(std::move(options));
       slot_list_.emplace_back(created->name(), created);
       slots.push_back(std::move(created));

@@ -358,12 +358,13 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
   for (std::size_t r = 0; r < devices.size(); ++r) {
     auto replica = std::make_unique<Replica>();
     replica->index = static_cast<int>(r);
-    // Random streams differ between all replicas of all workers (Dropout masks).
-    const auto global_replica = static_cast<std::uint64_t>(model.strategy->worker_rank()) * devices.size() + r;
+    // Random streams differ between the data shards of all workers (Dropout masks), and agree
+    // among replicas that compute on the same rows (tensor parallelism: the masks of a replicated
+    // activation must be the same on every device of the group).
+    const auto data_shard = static_cast<std::uint64_t>(model.strategy->data_shard(static_cast<int>(r)));
     replica->executor = std::make_unique<graph::Executor>(
         g.graph, *devices[r],
-        graph::ExecutorOptions{
-            .seed = mix_seed(global_replica), .profile = g.profile, .cuda_graphs = model.cuda_graphs});
+        graph::ExecutorOptions{.seed = mix_seed(data_shard), .profile = g.profile, .cuda_graphs = model.cuda_graphs});
     for (const auto& variable : g.variables.variables) {
       TANDEM_REQUIRE(&variable->strategy() == model.strategy, FailedPrecondition,
                      "model \"{}\": variable \"{}\" was created under {}, not under {} which runs the model; create "
@@ -545,7 +546,9 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
     }
     for (; k < g.num_sums; ++k) replica.sums.metrics.push_back(scalars[k]);
     replica.sums.examples = rows;
-    if (borrowed) {  // it had no examples: its sums are zeros
+    // It had no examples, or another replica computed the same rows and counts them: zeros.
+    if (borrowed || !model_.strategy->leads_data_shard(r)) {
+      replica.sums.examples = 0;
       replica.sums.loss = 0;
       std::fill(replica.sums.output_loss.begin(), replica.sums.output_loss.end(), 0.0);
       std::fill(replica.sums.metrics.begin(), replica.sums.metrics.end(), 0.0);
@@ -718,6 +721,7 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
     }
     for (; k < g.num_sums; ++k) sums.metrics.push_back(scalars[k]);
     sums.examples = rows;
+    if (!model_.strategy->leads_data_shard(r)) return;  // another replica computed these rows: zeros
     step_sums[static_cast<std::size_t>(r)] = std::move(sums);
   };
   if (replicas_.size() == 1) {
@@ -750,7 +754,9 @@ std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
     const auto r = static_cast<std::size_t>(ctx.replica_id_in_sync_group());
     if (rows_of(shards[r]) == 0) return;
     auto out = body(static_cast<int>(r), shards[r]);
-    if (!lent[r]) parts[r] = std::move(out);  // a lent row ran for the parameter gathers only
+    // A lent row ran for the parameter gathers only; a replica that is not its shard's first
+    // computed the same rows as that one (tensor parallelism).
+    if (!lent[r] && model_.strategy->leads_data_shard(static_cast<int>(r))) parts[r] = std::move(out);
   });
   // The replicas' outputs, concatenated in replica order.
   std::vector<Tensor> result;

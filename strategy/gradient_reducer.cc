@@ -342,9 +342,9 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     TANDEM_REQUIRE(&variable->strategy() == &strategy_, FailedPrecondition,
                    "gradient reducer of {}: variable \"{}\" was created under {}", strategy_.name(), variable->name(),
                    variable->strategy().name());
-    TANDEM_REQUIRE(gradient.dtype() == variable->dtype() && gradient.shape().compatible_with(variable->global_shape()),
+    TANDEM_REQUIRE(gradient.dtype() == variable->dtype() && gradient.shape().compatible_with(variable->graph_shape()),
                    InvalidArgument, "gradient reducer: the gradient of variable \"{}\" ({} {}) is {} {} ({})",
-                   variable->name(), variable->dtype(), variable->global_shape(), gradient.dtype(), gradient.shape(),
+                   variable->name(), variable->dtype(), variable->graph_shape(), gradient.dtype(), gradient.shape(),
                    gradient.name());
     if (!readers) readers = std::make_unique<FirstReaders>(*gradient.graph);
     TANDEM_REQUIRE(gradient.graph == sources_.front().gradient.graph, InvalidArgument,
@@ -360,9 +360,9 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
                                 : fmt::format("read by {}", gradient.graph->node(reader).label()));
     if (!options_.accumulators.empty()) {
       const auto& acc = *options_.accumulators[k];
-      TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->global_shape(), InvalidArgument,
+      TANDEM_REQUIRE(acc.dtype() == variable->dtype() && acc.shape() == variable->graph_shape(), InvalidArgument,
                      "gradient reducer: accumulator \"{}\" is {} {}, its variable \"{}\" {} {}", acc.name(),
-                     acc.dtype(), acc.shape(), variable->name(), variable->dtype(), variable->global_shape());
+                     acc.dtype(), acc.shape(), variable->name(), variable->dtype(), variable->graph_shape());
     }
   }
 
@@ -383,7 +383,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     std::int64_t limit = plan.buckets.size() == 1 ? distribution.first_bucket_bytes : distribution.bucket_bytes;
     if (scatter && distribution.zero >= ZeroStage::k2) limit = std::min(limit, distribution.reduce_bucket_bytes);
     const auto size =
-        variable->global_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
+        variable->graph_shape().num_elements() * static_cast<std::int64_t>(graph::dtype_size(variable->dtype()));
     const bool starts_new = plan.buckets.empty() || (bytes > 0 && bytes + size > limit) ||
                             sources_[plan.buckets.back().front()].variable->dtype() != variable->dtype() ||
                             plan.scatter.back() != scatter;
@@ -483,7 +483,7 @@ void GradientReducer::set_zero_gradients(int replica) {
   if (s.zero_grads.empty()) {
     for (const auto& [variable, gradient] : sources_) {
       s.zero_grads.push_back(
-          Tensor::zeros(variable->global_shape(), variable->dtype(), variable->value(replica).device()));
+          Tensor::zeros(variable->graph_shape(), variable->dtype(), variable->value(replica).device()));
     }
   }
   for (std::size_t k = 0; k < sources_.size(); ++k) {

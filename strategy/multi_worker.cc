@@ -487,19 +487,21 @@ namespace {
 // DATA: every worker runs the whole pipeline and keeps its replicas' rows of each global batch.
 class DataShardIterator final : public Strategy::WorkerIterator {
  public:
-  DataShardIterator(std::unique_ptr<data::Iterator> it, int workers, int rank, int local_replicas)
-      : iterator_(std::move(it)), workers_(workers), rank_(rank), local_(local_replicas) {}
+  // The worker's local data shards [first, first + local) of `shards` in sync (Strategy::data_shard:
+  // one per replica, unless replicas share their rows).
+  DataShardIterator(std::unique_ptr<data::Iterator> it, int shards, int first, int local)
+      : iterator_(std::move(it)), shards_(shards), first_(first), local_(local) {}
   std::optional<Strategy::WorkerBatch> next() override {
     auto element = iterator_->next();
     if (!element) return std::nullopt;
     const std::int64_t n = element->empty() || element->front().shape().rank() == 0 ? 0 : element->front().shape()[0];
-    const auto [begin, count] = replica_rows(n, std::int64_t{workers_} * local_, std::int64_t{rank_} * local_, local_);
+    const auto [begin, count] = replica_rows(n, shards_, first_, local_);
     return Strategy::WorkerBatch{slice_rows(*element, begin, count), n};
   }
 
  private:
   std::unique_ptr<data::Iterator> iterator_;
-  int workers_, rank_, local_;
+  int shards_, first_, local_;
 };
 
 // FILE and OFF: each worker's batches are its own; the workers agree before every step on the
@@ -568,8 +570,8 @@ std::unique_ptr<Strategy::WorkerIterator> MultiWorkerMirroredStrategy::worker_ba
   auto& self = const_cast<MultiWorkerMirroredStrategy&>(*this);  // agreement is a collective
   switch (policy) {
     case AutoShardPolicy::kData:
-      return std::make_unique<DataShardIterator>(dataset.iterate(options), impl_->workers, impl_->rank,
-                                                 impl_->local_replicas);
+      return std::make_unique<DataShardIterator>(dataset.iterate(options), data_shards_in_sync(),
+                                                 first_local_data_shard(), local_data_shards());
     case AutoShardPolicy::kFile: {
       TANDEM_REQUIRE(dataset.reads_files(), InvalidArgument,
                      "MultiWorkerMirroredStrategy: AutoShardPolicy::kFile needs a dataset that reads files "

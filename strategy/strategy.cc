@@ -1,6 +1,7 @@
 #include "tandem/strategy/strategy.h"
 
 #include <algorithm>
+#include <set>
 #include <atomic>
 #include <condition_variable>
 #include <thread>
@@ -201,6 +202,20 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
   }
   std::vector<Tensor> copies;
   copies.reserve(devices_.size());
+  if (options.tensor_split) {
+    // Tensor parallelism: each copy is its replica's piece.
+    const TensorSplit& split = *options.tensor_split;
+    TANDEM_REQUIRE(options.initial_value.shape() == split.global_shape, InvalidArgument,
+                   "{}: variable \"{}\" of shape {} with a tensor split of shape {}", name_, options.name,
+                   options.initial_value.shape(), split.global_shape);
+    for (std::size_t r = 0; r < devices_.size(); ++r) {
+      const int p = split.piece_of_replica[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))];
+      Tensor copy = Tensor::empty(split.piece_shape(), options.initial_value.dtype(), *devices_[r]);
+      copy.copy_from(split.piece(options.initial_value, p));
+      copies.push_back(std::move(copy));
+    }
+    return std::make_shared<MirroredVariable>(*this, std::move(options), std::move(copies));
+  }
   for (auto* device : devices_) {
     Tensor copy = Tensor::empty(options.initial_value.shape(), options.initial_value.dtype(), *device);
     copy.copy_from(options.initial_value);
@@ -236,16 +251,35 @@ collective::Communicator& Strategy::communicator(int replica) {
   // An aborted group is not rebuilt here but at the start of the next run(): a replica of the
   // failed run that asks now must get the aborted group (and fail at once), not a fresh group in
   // which it would wait for peers that have given up.
-  if (group_.empty()) group_ = cross_device_ops_->make_group(devices_);
+  if (group_.empty()) group_ = make_replica_group();
   TANDEM_REQUIRE(replica >= 0 && replica < static_cast<int>(group_.size()), InvalidArgument,
                  "{} has {} replicas; asked for the communicator of replica {}", name_, group_.size(), replica);
   return *group_[static_cast<std::size_t>(replica)];
 }
 
+std::vector<std::unique_ptr<collective::Communicator>> Strategy::make_replica_group() {
+  return cross_device_ops_->make_group(devices_);
+}
+
 void Strategy::abort_collectives(const std::string& reason) {
-  std::lock_guard lock(group_mutex_);
-  for (auto& c : group_) c->abort(reason);
-  if (!group_.empty()) group_aborted_ = true;
+  {
+    std::lock_guard lock(group_mutex_);
+    for (auto& c : group_) c->abort(reason);
+    if (!group_.empty()) group_aborted_ = true;
+  }
+  abort_other_collectives(reason);
+}
+
+int Strategy::local_data_shards() const {
+  std::set<int> shards;
+  for (int r = 0; r < static_cast<int>(devices_.size()); ++r) shards.insert(data_shard(r));
+  return static_cast<int>(shards.size());
+}
+
+int Strategy::first_local_data_shard() const {
+  int first = data_shard(0);
+  for (int r = 1; r < static_cast<int>(devices_.size()); ++r) first = std::min(first, data_shard(r));
+  return first;
 }
 
 void Strategy::run(const std::function<void(ReplicaContext&)>& fn) {
@@ -263,7 +297,7 @@ void Strategy::run(const std::function<void(ReplicaContext&)>& fn) {
       group_.clear();
       group_aborted_ = false;
     }
-    if (group_.empty()) group_ = cross_device_ops_->make_group(devices_);
+    if (group_.empty()) group_ = make_replica_group();
   }
   if (threads_ == nullptr) threads_ = std::make_unique<ReplicaThreads>(static_cast<int>(devices_.size()));
   std::mutex error_mutex;
@@ -304,9 +338,9 @@ Tensor Strategy::reduce(ReduceOp op, const std::vector<Tensor>& per_replica) con
 }
 
 std::vector<data::Element> Strategy::split_batch(const data::Element& global_batch) const {
-  const auto replicas = static_cast<std::int64_t>(devices_.size());
+  const auto replicas = static_cast<std::int64_t>(local_data_shards());
   std::vector<data::Element> shards(static_cast<std::size_t>(replicas));
-  if (global_batch.empty()) return shards;
+  if (global_batch.empty()) return std::vector<data::Element>(devices_.size());
   const std::int64_t n = global_batch.front().shape().rank() > 0 ? global_batch.front().shape()[0] : 1;
   for (const auto& component : global_batch) {
     TANDEM_REQUIRE(component.shape().rank() > 0 && component.shape()[0] == n, InvalidArgument,
@@ -328,7 +362,13 @@ std::vector<data::Element> Strategy::split_batch(const data::Element& global_bat
     }
     offset += rows;
   }
-  return shards;
+  if (shards.size() == devices_.size()) return shards;
+  // Replicas that share a shard get the same views.
+  std::vector<data::Element> per_replica;
+  const int first = first_local_data_shard();
+  for (int r = 0; r < static_cast<int>(devices_.size()); ++r)
+    per_replica.push_back(shards[static_cast<std::size_t>(data_shard(r) - first)]);
+  return per_replica;
 }
 
 std::optional<std::vector<data::Element>> Strategy::DistributedIterator::next() {

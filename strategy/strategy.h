@@ -170,6 +170,9 @@ class Strategy {
   // CommunicationStats, N = the number of workers): MultiWorkerMirroredStrategy's gradient and
   // control communicators added up. Nothing on one worker. Any thread may call it.
   virtual collective::CommunicationStats cross_worker_stats() { return {}; }
+  // What this worker's replicas did in tensor-parallel groups (the layers' collectives of
+  // keras::distribution::ModelParallel's model axis), added up; nothing for other strategies.
+  virtual collective::CommunicationStats tensor_parallel_stats() { return {}; }
 
   // Values the workers sum across workers before the step after this one (the FILE and OFF
   // policies' agreement on the next batch: its rows, whether every worker has one), which a
@@ -240,7 +243,30 @@ class Strategy {
 
   // Splits a global batch into one shard per local replica along dimension 0, as evenly as
   // possible (the first replicas get one more example; some may get none). Views, not copies.
+  // Replicas that share a data shard (data_shard below: tensor parallelism) get the same rows.
   std::vector<data::Element> split_batch(const data::Element& global_batch) const;
+
+  // --- data shards: which rows each replica computes on -----------------------------------------
+  // Data-parallel strategies give every replica its own rows. A strategy whose replicas compute
+  // together on the same rows (tensor parallelism: keras::distribution::ModelParallel's model
+  // axis) says so here; the trainer then feeds them the same rows, draws the same random streams
+  // for them, and counts their logged sums once.
+  // The distinct shards of each global batch, across every worker.
+  virtual int data_shards_in_sync() const { return num_replicas_in_sync(); }
+  // The global index of local replica `replica`'s shard; the local replicas' shards form a
+  // consecutive range.
+  virtual int data_shard(int replica) const { return global_replica_index(replica); }
+  // Whether local replica `replica` is the first replica in sync (across workers) of its shard:
+  // the one whose logged sums count.
+  virtual bool leads_data_shard(int /*replica*/) const { return true; }
+  // The number of distinct shards among the local replicas, and the first of them (they are
+  // consecutive).
+  int local_data_shards() const;
+  int first_local_data_shard() const;
+  // Whether the gradient communicators (communicator()) span every worker, so that values riding
+  // in their collectives reach every worker. False when tensor parallelism spans the workers and
+  // each data-parallel group stays on one.
+  virtual bool gradient_group_spans_workers() const { return true; }
   // Each element of `dataset` (a global batch) as one shard per replica: TF's
   // experimental_distribute_dataset. next() of the returned iterator yields split_batch(element).
   class DistributedIterator {
@@ -259,6 +285,14 @@ class Strategy {
   // Called by create_variable before the copies are made: a multi-worker strategy checks that
   // every worker creates the same variable and broadcasts the chief's initial value.
   virtual void agree_on_variable(VariableOptions& /*options*/) {}
+  // The replicas' gradient communicators, one per local replica in replica order (communicator()
+  // returns them): by default one group of every replica made by the cross-device ops; a strategy
+  // whose gradients are summed over groups of replicas (ModelParallel: the replicas along the
+  // batch axis) makes those groups. Called under the group lock, again after an abort.
+  virtual std::vector<std::unique_ptr<collective::Communicator>> make_replica_group();
+  // Called when a failed replica aborts the group: a strategy with communicators of its own
+  // (tensor-parallel groups) aborts them too, so that replicas waiting in them fail at once.
+  virtual void abort_other_collectives(const std::string& /*reason*/) {}
   // This worker's batches in host memory, before any staging (iterate_for_worker's source).
   virtual std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
                                                          const data::IterateOptions& options) const;

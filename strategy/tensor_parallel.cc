@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "tandem/base/errors.h"
+#include "tandem/collective/in_process.h"
 #include "tandem/graph/op_registry.h"
 #include "tandem/ops/ops.h"
 
@@ -18,6 +19,7 @@ constexpr const char* kCopyOp = "TensorParallelCopy";
 constexpr const char* kAllReduceOp = "TensorParallelAllReduce";
 constexpr const char* kMaxOp = "TensorParallelMax";
 constexpr const char* kGatherOp = "TensorParallelAllGather";  // along dimension 0
+constexpr const char* kOwnPartOp = "TensorParallelOwnPart";   // this device's rows of dimension 0
 
 // The live groups by id: a kernel's attribute names its group by id (attributes hold values, not
 // pointers), and a destroyed group's id is refused rather than read after it is freed.
@@ -78,21 +80,51 @@ std::vector<graph::TensorSpec> gathered_shape(graph::ShapeContext& ctx) {
   return {out};
 }
 
-// Backward of the gather: this device's rows of the gradient.
+// Dimension 0 divided by the group's size (which must divide it).
+std::vector<graph::TensorSpec> own_part_shape(graph::ShapeContext& ctx) {
+  ctx.require_float(0);
+  graph::TensorSpec out = ctx.input(0);
+  ctx.require(out.shape.rank() >= 1, "needs at least one dimension; got {}", out.shape);
+  const std::int64_t size = ctx.attrs().get_int("size");
+  if (out.shape[0] != Shape::kUnknown) {
+    ctx.require(out.shape[0] % size == 0, "dimension 0 ({}) must divide by the group's {} devices", out.shape[0],
+                size);
+    out.shape[0] /= size;
+  }
+  return {out};
+}
+
+graph::Output add_sized_op(graph::Output x, const char* op, const Group& group) {
+  ops::register_all();
+  return x.graph->add(op, {x}, graph::Attrs{{"group", group.id()}, {"size", group.size()}});
+}
+
+// The gather and the own part are each other's gradients: backward of a gather takes this
+// device's rows of the gradient; backward of taking them gathers every device's.
 std::vector<graph::Output> own_part_of_grad(graph::GradContext& ctx) {
-  const graph::Output grad = ctx.grad(0);
-  const std::int64_t rows = ctx.input(0).shape()[0];
-  TANDEM_REQUIRE(rows != Shape::kUnknown, InvalidArgument, "{}: its gradient needs the gathered dimension known",
-                 ctx.node().label());
-  std::vector<std::int64_t> begin(static_cast<std::size_t>(grad.shape().rank()), 0), size(begin.size(), -1);
-  begin[0] = ctx.attrs().get_int("rank") * rows;
-  size[0] = rows;
-  return {ops::slice(grad, begin, size)};
+  return {ctx.grad(0).graph->add(kOwnPartOp, {ctx.grad(0)},
+                          graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
+}
+
+std::vector<graph::Output> gather_of_grad(graph::GradContext& ctx) {
+  return {ctx.grad(0).graph->add(kGatherOp, {ctx.grad(0)},
+                          graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
 }
 
 void gather_kernel(graph::KernelContext& ctx) {
   const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
   group.communicator(ctx.device()).all_gather(ctx.input(0), ctx.output(0));
+}
+
+// The rank is the executor's device's in the group, found at run time: one graph serves every
+// device of the group.
+void own_part_kernel(graph::KernelContext& ctx) {
+  const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
+  const Tensor& in = ctx.input(0);
+  Tensor& out = ctx.output(0);
+  const auto rank = static_cast<std::size_t>(group.rank_of(ctx.device()));
+  ctx.device().copy_on_device(out.raw_data(), static_cast<const char*>(in.raw_data()) + rank * out.nbytes(),
+                              out.nbytes());
 }
 
 void register_ops() {
@@ -117,6 +149,8 @@ void register_ops() {
     r.add_kernel(kMaxOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kMax>, options);
     r.add({.name = kGatherOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = gathered_shape, .grad_fn = own_part_of_grad});
     r.add_kernel(kGatherOp, devices::DeviceType::kCPU, gather_kernel, options);
+    r.add({.name = kOwnPartOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = own_part_shape, .grad_fn = gather_of_grad});
+    r.add_kernel(kOwnPartOp, devices::DeviceType::kCPU, own_part_kernel, options);
   });
 }
 
@@ -148,9 +182,65 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
   return group;
 }
 
+std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> devices, const std::vector<int>& group_of) {
+  TANDEM_REQUIRE(!devices.empty() && devices.size() == group_of.size(), InvalidArgument,
+                 "tensor_parallel::Group: {} devices but {} group indices", devices.size(), group_of.size());
+  std::map<int, std::vector<std::size_t>> members;  // group index -> device indices, in device order
+  for (std::size_t i = 0; i < devices.size(); ++i) members[group_of[i]].push_back(i);
+  const std::size_t size = members.begin()->second.size();
+  std::vector<collective::Communicator*> communicators(devices.size(), nullptr);
+  std::vector<std::unique_ptr<collective::Communicator>> owned;
+  for (const auto& [index, indices] : members) {
+    TANDEM_REQUIRE(indices.size() == size, InvalidArgument,
+                   "tensor_parallel::Group: group {} has {} devices, group {} has {}; every group needs as many",
+                   members.begin()->first, size, index, indices.size());
+    auto comms = collective::make_in_process_group(static_cast<int>(size));
+    for (std::size_t k = 0; k < indices.size(); ++k) {
+      communicators[indices[k]] = comms[k].get();
+      owned.push_back(std::move(comms[k]));
+    }
+  }
+  register_ops();
+  const std::int64_t id = registry().next_id++;
+  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
+  group->owned_ = std::move(owned);
+  group->size_of_groups_ = static_cast<int>(size);
+  std::lock_guard lock(registry().mutex);
+  registry().groups[id] = group.get();
+  return group;
+}
+
 Group::Group(std::int64_t id, std::vector<devices::Device*> devices,
              std::vector<collective::Communicator*> communicators)
     : id_(id), devices_(std::move(devices)), communicators_(std::move(communicators)) {}
+
+void Group::abort(const std::string& reason) {
+  for (auto& c : owned_) c->abort(reason);
+}
+
+collective::CommunicationStats Group::stats() const {
+  collective::CommunicationStats total;
+  for (const auto* list : {&owned_, &retired_}) {
+    for (const auto& c : *list) total += c->stats();
+  }
+  return total;
+}
+
+void Group::renew() {
+  if (owned_.empty()) return;
+  // Same membership as before: the devices whose communicators were one group stay one.
+  std::map<const collective::Communicator*, std::size_t> index_of;
+  for (std::size_t k = 0; k < owned_.size(); ++k) index_of[owned_[k].get()] = k;
+  const auto size = static_cast<std::size_t>(size_of_groups_);
+  std::vector<std::unique_ptr<collective::Communicator>> fresh;
+  for (std::size_t first = 0; first < owned_.size(); first += size) {
+    auto comms = collective::make_in_process_group(static_cast<int>(size));
+    for (auto& c : comms) fresh.push_back(std::move(c));
+  }
+  for (auto& c : communicators_) c = fresh[index_of.at(c)].get();
+  for (auto& c : owned_) retired_.push_back(std::move(c));
+  owned_ = std::move(fresh);
+}
 
 Group::~Group() {
   std::lock_guard lock(registry().mutex);
@@ -185,19 +275,29 @@ graph::Output reduce_from_group(graph::Output x, const Group& group) {
 
 graph::Output max_over_group(graph::Output x, const Group& group) { return add_op(std::move(x), kMaxOp, group.id()); }
 
-graph::Output gather_from_group(graph::Output x, int axis, int rank, const Group& group) {
-  TANDEM_REQUIRE(x.defined() && axis >= 0 && axis < x.shape().rank() && rank >= 0 && rank < group.size(),
-                 InvalidArgument, "gather_from_group: axis {} of {} and rank {} of {}", axis,
-                 x.defined() ? x.shape().to_string() : std::string("nothing"), rank, group.size());
-  // The collective concatenates along dimension 0: bring `axis` there and back.
+namespace {
+
+// `op` applied along `axis`: the collectives work on dimension 0, so `axis` is brought there and
+// back.
+graph::Output along_axis(graph::Output x, int axis, const char* op, const Group& group, const char* caller) {
+  TANDEM_REQUIRE(x.defined() && axis >= 0 && axis < x.shape().rank(), InvalidArgument, "{}: axis {} of {}", caller, axis,
+                 x.defined() ? x.shape().to_string() : std::string("nothing"));
   std::vector<std::int64_t> perm(static_cast<std::size_t>(x.shape().rank()));
   for (std::size_t d = 0; d < perm.size(); ++d) perm[d] = static_cast<std::int64_t>(d);
   std::swap(perm[0], perm[static_cast<std::size_t>(axis)]);
   const graph::Output front = axis == 0 ? x : ops::transpose(x, perm);
-  ops::register_all();
-  const graph::Output gathered =
-      front.graph->add(kGatherOp, {front}, graph::Attrs{{"group", group.id()}, {"rank", rank}, {"size", group.size()}});
-  return axis == 0 ? gathered : ops::transpose(gathered, perm);
+  const graph::Output done = add_sized_op(front, op, group);
+  return axis == 0 ? done : ops::transpose(done, perm);
+}
+
+}  // namespace
+
+graph::Output gather_from_group(graph::Output x, int axis, const Group& group) {
+  return along_axis(std::move(x), axis, kGatherOp, group, "gather_from_group");
+}
+
+graph::Output scatter_to_group(graph::Output x, int axis, const Group& group) {
+  return along_axis(std::move(x), axis, kOwnPartOp, group, "scatter_to_group");
 }
 
 namespace {

@@ -43,6 +43,12 @@ class Group {
  public:
   static std::shared_ptr<Group> create(std::vector<devices::Device*> devices,
                                        std::vector<collective::Communicator*> communicators);
+  // Groups of local devices made in one: the devices with the same group_of index form one group
+  // (in-process communicators the Group owns; every group as large). Ranks follow the devices'
+  // order within each group. How keras::distribution::ModelParallel makes the groups along its
+  // model axis, one per position on the other axes: a kernel finds its device's own group.
+  static std::shared_ptr<Group> create_in_process(std::vector<devices::Device*> devices,
+                                                  const std::vector<int>& group_of);
   ~Group();
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;
@@ -53,6 +59,14 @@ class Group {
   int rank_of(const devices::Device& device) const;
   collective::Communicator& communicator(const devices::Device& device) const;
   std::string to_string() const;  // "tensor-parallel group 3 (CPU:0, CPU:1 here of 2)"
+  // Aborts the communicators the group owns (create_in_process), so that devices waiting in its
+  // collectives fail at once: a failed replica's strategy calls it.
+  void abort(const std::string& reason);
+  // Replaces the owned communicators by fresh ones of the same membership (after an abort, before
+  // the next step: no device may be in a collective of the group). The old ones stay alive.
+  void renew();
+  // What the owned communicators did (since the group was made, renewed ones included), added up.
+  collective::CommunicationStats stats() const;
 
  private:
   std::size_t local_index(const devices::Device& device) const;
@@ -60,6 +74,8 @@ class Group {
   std::int64_t id_;
   std::vector<devices::Device*> devices_;
   std::vector<collective::Communicator*> communicators_;
+  std::vector<std::unique_ptr<collective::Communicator>> owned_, retired_;
+  int size_of_groups_ = 0;
 };
 
 // Megatron's f and g (above). x: a floating-point tensor of any shape.
@@ -69,9 +85,13 @@ graph::Output reduce_from_group(graph::Output x, const Group& group);
 graph::Output max_over_group(graph::Output x, const Group& group);
 // Every device's x concatenated along `axis` in rank order (the output of a layer split by output
 // features or channels, made whole). Backward, this device's part of the gradient (the gradient
-// of the whole is the same on every device when what follows is replicated). `rank`: this
-// graph's device's rank in the group.
-graph::Output gather_from_group(graph::Output x, int axis, int rank, const Group& group);
+// of the whole is the same on every device when what follows is replicated).
+graph::Output gather_from_group(graph::Output x, int axis, const Group& group);
+// The reverse (Megatron's scatter): this device's part of x along `axis` (x's size there divided
+// by the group's, which must divide it), for a row-parallel layer whose input arrives whole.
+// Backward, the parts' gradients gathered. Each device's rank is found when its executor runs,
+// so one graph serves every device of the group.
+graph::Output scatter_to_group(graph::Output x, int axis, const Group& group);
 
 // Megatron's vocabulary-parallel embedding: this device holds rows [vocab_start, vocab_start +
 // rows) of the table (table_piece: [rows, dim]); an id outside them looks up zeros, and the

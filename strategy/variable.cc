@@ -28,6 +28,52 @@ Tensor flat_view(const Tensor& tensor, std::int64_t offset, std::int64_t count) 
                 tensor.byte_offset() + static_cast<std::size_t>(offset) * graph::dtype_size(tensor.dtype()));
 }
 
+Shape TensorSplit::piece_shape() const {
+  Shape shape = global_shape;
+  shape[dim] = global_shape[dim] / parts;
+  return shape;
+}
+
+namespace {
+
+// A tensor of `shape` seen as [outer, dim, inner] around dimension `dim`: the piece copies move
+// `rows` x inner elements per outer index.
+struct AroundDim {
+  std::int64_t outer = 1, inner = 1;
+  AroundDim(const Shape& shape, int dim) {
+    for (int d = 0; d < dim; ++d) outer *= shape[d];
+    for (int d = dim + 1; d < shape.rank(); ++d) inner *= shape[d];
+  }
+};
+
+}  // namespace
+
+Tensor TensorSplit::piece(const Tensor& whole, int p) const {
+  const Tensor host = whole.to(devices::default_cpu_device());
+  Tensor out = Tensor::empty(piece_shape(), host.dtype());
+  const AroundDim around(global_shape, dim);
+  const std::int64_t rows = global_shape[dim] / parts;
+  const std::size_t chunk = static_cast<std::size_t>(rows * around.inner) * graph::dtype_size(host.dtype());
+  const auto* src = static_cast<const char*>(host.raw_data());
+  auto* dst = static_cast<char*>(out.raw_data());
+  for (std::int64_t o = 0; o < around.outer; ++o) {
+    std::memcpy(dst + static_cast<std::size_t>(o) * chunk, src + static_cast<std::size_t>(o * parts + p) * chunk, chunk);
+  }
+  return out;
+}
+
+void TensorSplit::put_piece(const Tensor& piece, int p, Tensor& whole) const {
+  const Tensor host = piece.to(devices::default_cpu_device());
+  const AroundDim around(global_shape, dim);
+  const std::int64_t rows = global_shape[dim] / parts;
+  const std::size_t chunk = static_cast<std::size_t>(rows * around.inner) * graph::dtype_size(host.dtype());
+  const auto* src = static_cast<const char*>(host.raw_data());
+  auto* dst = static_cast<char*>(whole.raw_data());
+  for (std::int64_t o = 0; o < around.outer; ++o) {
+    std::memcpy(dst + static_cast<std::size_t>(o * parts + p) * chunk, src + static_cast<std::size_t>(o) * chunk, chunk);
+  }
+}
+
 Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tensor> copies,
                    std::optional<ShardSpec> sharding)
     : strategy_(&strategy),
@@ -36,8 +82,32 @@ Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tens
       synchronization_(options.synchronization),
       aggregation_(options.aggregation),
       copies_(std::move(copies)),
-      sharding_(std::move(sharding)) {
+      sharding_(std::move(sharding)),
+      tensor_split_(std::move(options.tensor_split)) {
   TANDEM_ASSERT(!copies_.empty(), "variable {} has no copies", name_);
+}
+
+void Variable::split_into_pieces(TensorSplit split) {
+  TANDEM_REQUIRE(!sharding_, FailedPrecondition,
+                 "variable \"{}\" is sharded (ZeRO); tensor parallelism cannot also split it over '{}'", name_,
+                 split.axis);
+  if (tensor_split_) {
+    TANDEM_REQUIRE(tensor_split_->dim == split.dim && tensor_split_->parts == split.parts, FailedPrecondition,
+                   "variable \"{}\" is already split along dimension {} into {} pieces; cannot split it along "
+                   "dimension {} into {}",
+                   name_, tensor_split_->dim, tensor_split_->parts, split.dim, split.parts);
+    return;
+  }
+  TANDEM_ASSERT(split.global_shape == shape() && split.parts >= 1 && split.global_shape[split.dim] % split.parts == 0,
+                "variable {}: split of {} along {} into {}", name_, shape(), split.dim, split.parts);
+  const int first = strategy_->global_replica_index(0);
+  for (std::size_t r = 0; r < copies_.size(); ++r) {
+    const int p = split.piece_of_replica[static_cast<std::size_t>(first) + r];
+    Tensor piece = Tensor::empty(split.piece_shape(), dtype(), copies_[r].device());
+    piece.copy_from(split.piece(copies_[r], p));
+    copies_[r] = std::move(piece);
+  }
+  tensor_split_ = std::move(split);
 }
 
 // The other workers' shards of `out` are zeros here: the sum over the workers, in float64 (exact
@@ -80,6 +150,26 @@ Tensor Variable::read_value() const {
     if (strategy_->num_workers() > 1) out = sum_over_workers(out);
     return out;
   }
+  if (tensor_split_) {
+    // Each piece from the first replica in sync that holds it; the sum over the workers when some
+    // piece's first holder is on another worker (every worker then reads in the same order).
+    const TensorSplit& split = *tensor_split_;
+    const int first = strategy_->global_replica_index(0);
+    const auto local = static_cast<int>(copies_.size());
+    Tensor out = Tensor::zeros(split.global_shape, dtype());
+    bool all_here = true;
+    for (int p = 0; p < split.parts; ++p) {
+      const auto& pieces = split.piece_of_replica;
+      const auto holder = static_cast<int>(std::find(pieces.begin(), pieces.end(), p) - pieces.begin());
+      if (holder >= first && holder < first + local) {
+        split.put_piece(copies_[static_cast<std::size_t>(holder - first)], p, out);
+      } else {
+        all_here = false;
+      }
+    }
+    if (!all_here) out = sum_over_workers(out);
+    return out;
+  }
   if (synchronization_ == VariableSynchronization::kOnRead && copies_.size() > 1 &&
       (aggregation_ == VariableAggregation::kSum || aggregation_ == VariableAggregation::kMean)) {
     return strategy_->reduce(aggregation_ == VariableAggregation::kSum ? ReduceOp::kSum : ReduceOp::kMean, copies_);
@@ -89,8 +179,15 @@ Tensor Variable::read_value() const {
 
 void Variable::check_copies_equal() const {
   if (copies_.size() < 2 || synchronization_ == VariableSynchronization::kOnRead || sharding_) return;
-  const Tensor first = copies_.front().to(devices::default_cpu_device());
+  const int first_replica = strategy_->global_replica_index(0);
+  const auto piece = [&](std::size_t r) {
+    return tensor_split_ ? tensor_split_->piece_of_replica[static_cast<std::size_t>(first_replica) + r] : 0;
+  };
   for (std::size_t r = 1; r < copies_.size(); ++r) {
+    std::size_t q = 0;
+    while (piece(q) != piece(r)) ++q;
+    if (q == r) continue;  // the first copy of its piece
+    const Tensor first = copies_[q].to(devices::default_cpu_device());
     const Tensor other = copies_[r].to(devices::default_cpu_device());
     const auto* a = static_cast<const unsigned char*>(first.raw_data());
     const auto* b = static_cast<const unsigned char*>(other.raw_data());
@@ -98,9 +195,9 @@ void Variable::check_copies_equal() const {
     for (std::size_t i = 0; i < first.nbytes(); i += element) {
       if (std::memcmp(a + i, b + i, element) != 0) {
         throw FailedPrecondition(fmt::format(
-            "mirrored variable \"{}\": the copies of replica 0 ({}) and replica {} ({}) differ at element {}; every "
+            "mirrored variable \"{}\": the copies of replica {} ({}) and replica {} ({}) differ at element {}; every "
             "replica must apply the same updates",
-            name_, copies_.front().device().short_name(), r, copies_[r].device().short_name(), i / element));
+            name_, q, copies_[q].device().short_name(), r, copies_[r].device().short_name(), i / element));
       }
     }
   }
@@ -124,6 +221,13 @@ void Variable::assign(const Tensor& value) {
     }
     return;
   }
+  if (tensor_split_) {
+    const int first = strategy_->global_replica_index(0);
+    for (std::size_t r = 0; r < copies_.size(); ++r) {
+      copies_[r].copy_from(tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r]));
+    }
+    return;
+  }
   if (synchronization_ == VariableSynchronization::kOnRead && aggregation_ == VariableAggregation::kSum &&
       copies_.size() > 1) {
     Tensor divided = value.to(devices::default_cpu_device()).clone();
@@ -139,10 +243,10 @@ void Variable::assign(const Tensor& value) {
 }
 
 void Variable::assign_per_replica(const std::vector<Tensor>& per_replica) {
-  TANDEM_REQUIRE(!sharding_, FailedPrecondition,
-                 "variable \"{}\" is sharded (each replica holds another part of it); set it with assign(), not "
-                 "from per-replica values",
-                 name_);
+  TANDEM_REQUIRE(!sharding_ && !tensor_split_, FailedPrecondition,
+                 "variable \"{}\" is {} (each replica holds another part of it); set it with assign(), not from "
+                 "per-replica values",
+                 name_, sharding_ ? "sharded" : "split by tensor parallelism");
   TANDEM_REQUIRE(per_replica.size() == copies_.size(), InvalidArgument,
                  "variable \"{}\" has {} copies; got {} per-replica values", name_, copies_.size(), per_replica.size());
   for (std::size_t r = 0; r < per_replica.size(); ++r) {

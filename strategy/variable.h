@@ -18,6 +18,9 @@
 namespace tandem::strategy {
 
 class Strategy;
+namespace tensor_parallel {
+class Group;
+}
 
 // How updates from several replicas combine (TF's tf.VariableAggregation).
 enum class VariableAggregation { kNone, kSum, kMean, kOnlyFirstReplica };
@@ -44,6 +47,29 @@ struct ShardSpec {
   std::int64_t end(int shard) const;
 };
 
+// How tensor parallelism splits a variable (keras::distribution::ModelParallel's layouts,
+// Megatron-LM's column- and row-parallel weights): the value cut along dimension `dim` into
+// `parts` equal pieces, piece p holding indices [p x n / parts, (p + 1) x n / parts) of that
+// dimension. Each replica's copy is one piece: the one of its rank along the split's mesh axis;
+// replicas along the other axes (the batch axis) hold the same pieces. Dimensions that do not
+// divide are refused before a variable is split (keras::distribution::check_layouts).
+struct TensorSplit {
+  int dim = 0;
+  int parts = 1;
+  std::string axis;   // the mesh axis, for messages ("model")
+  Shape global_shape;  // the whole value's
+  // Per replica in sync (every worker's, by global replica index): the piece it holds.
+  std::vector<int> piece_of_replica;
+  // The devices that compute with the pieces together (their layers' f and g collectives).
+  std::shared_ptr<tensor_parallel::Group> group;
+
+  Shape piece_shape() const;
+  // Piece p of `whole` (host or device; global_shape), as a new host tensor.
+  Tensor piece(const Tensor& whole, int p) const;
+  // Writes `piece` (piece p, any device) into its place in `whole` (a host tensor of global_shape).
+  void put_piece(const Tensor& piece, int p, Tensor& whole) const;
+};
+
 // Elements [offset, offset + count) of `tensor` flattened: a 1-D view of its buffer, no copy
 // (how shards are cut out of whole values and packed into collective buffers).
 Tensor flat_view(const Tensor& tensor, std::int64_t offset, std::int64_t count);
@@ -57,6 +83,9 @@ struct VariableOptions {
   // Split across the replicas in sync (ShardSpec) instead of copied whole to each. Strategies
   // that do not shard ignore it.
   bool sharded = false;
+  // Tensor parallelism: each copy is the replica's piece of initial_value (an optimizer slot of a
+  // split weight is split as the weight).
+  std::optional<TensorSplit> tensor_split;
 };
 
 class Variable {
@@ -77,8 +106,21 @@ class Variable {
   VariableAggregation aggregation() const { return aggregation_; }
   // Unset for a variable whose every copy is the whole value; else how the copies split it.
   const std::optional<ShardSpec>& sharding() const { return sharding_; }
-  // The value's shape as the model sees it: shape() unless sharded (each copy is then a 1-D shard).
-  const Shape& global_shape() const { return sharding_ ? sharding_->global_shape : shape(); }
+  // Set when tensor parallelism split the value into pieces, one per copy (TensorSplit).
+  const std::optional<TensorSplit>& tensor_split() const { return tensor_split_; }
+  // The value's shape as the model sees it: shape() unless sharded (each copy is then a 1-D shard)
+  // or split (each copy a piece).
+  const Shape& global_shape() const {
+    return sharding_ ? sharding_->global_shape : tensor_split_ ? tensor_split_->global_shape : shape();
+  }
+  // The shape a replica's graph computes with: global_shape() (a ZeRO shard is gathered whole for
+  // its steps), except for a split variable, whose graph computes with its piece (shape()).
+  const Shape& graph_shape() const { return tensor_split_ ? shape() : global_shape(); }
+  // Replaces each whole copy by the replica's piece of it (keras::distribution::ModelParallel, at
+  // compile, once the layouts are checked against the model). Callers: one thread, not during a
+  // step. FailedPrecondition for a sharded variable or one already split otherwise; a no-op when
+  // split alike.
+  void split_into_pieces(TensorSplit split);
   // The strategy whose scope created it.
   Strategy& strategy() const { return *strategy_; }
 
@@ -100,6 +142,8 @@ class Variable {
   // of it (padding zero); every worker takes the same value. Callers: one thread at a time, not
   // during a step.
   void assign(const Tensor& value);
+  // A split variable (tensor_split()) reads its pieces put together and takes a whole value, which
+  // each copy cuts its piece from.
   // Sets the variable from one value per replica (what each replica computed in Strategy::run),
   // combined as TF combines replica-context updates: on-write variables take the SUM or MEAN of
   // the values, or replica 0's for ONLY_FIRST_REPLICA, on every copy; NONE with several replicas
@@ -108,7 +152,8 @@ class Variable {
   void assign_per_replica(const std::vector<Tensor>& per_replica);
   // For on-write (mirrored) variables: throws FailedPrecondition naming the variable, the
   // replicas and the first element where the copies differ. Copies must stay bit-identical: every
-  // replica applies the same update. Sharded variables (each copy another shard) are skipped.
+  // replica applies the same update. Sharded variables (each copy another shard) are skipped; the
+  // copies of a split variable are compared with those holding the same piece.
   void check_copies_equal() const;
 
  private:
@@ -119,6 +164,7 @@ class Variable {
   VariableAggregation aggregation_;
   std::vector<Tensor> copies_;
   std::optional<ShardSpec> sharding_;
+  std::optional<TensorSplit> tensor_split_;
 
   // read_value across workers: `out` holds this worker's shards, zeros elsewhere.
   Tensor sum_over_workers(const Tensor& out) const;

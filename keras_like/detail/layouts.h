@@ -1,11 +1,28 @@
 // Internal to keras_like: what plan() needs of the layout checks (layout_check.cc).
 #pragma once
 
+#include <map>
+#include <string>
 #include <vector>
 
 #include "tandem/keras_like/distribution.h"
 
+namespace tandem::keras::detail {
+struct ModelState;
+}
+
 namespace tandem::keras::distribution::detail {
+
+using keras::detail::LayerNode;
+using keras::detail::ModelState;
+
+// Megatron's pairs in a model's graph: a column-parallel Dense (splits: a layer's split name) whose
+// output reaches a row-parallel Dense through elementwise layers only (LayerImpl::elementwise;
+// each call's single consumer, none a model output), both called once. Returns the column layer
+// -> row layer pairs. The other split layers gather their output (column) or split their input
+// (row) on their own.
+std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(const ModelState& state,
+                                                                   const std::map<const LayerImpl*, std::string>& splits);
 
 // The collectives tensor parallelism adds to a step of `model` laid out as `layouts`
 // (check_layouts' result), per row of the local batch (PlannedCollective::per_row): Megatron's f

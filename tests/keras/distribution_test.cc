@@ -214,7 +214,7 @@ TEST_CASE("a mesh across workers names each device with its worker's rank, worke
   CHECK(contains(error({global(0, 0), global(2, 0)}), "is on task 2, but this job has 2 workers (tasks 0 to 1)"));
 }
 
-TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refuses to split variables") {
+TEST_CASE("ModelParallel trains replicated layouts as data parallelism and splits the variables of valid layouts") {
   const kd::DeviceMesh mesh({2, 1}, {"batch", "model"}, kTwoCpus);
   {
     kd::LayoutMap map(mesh);
@@ -251,7 +251,8 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
           "devices): that is ZeRO stage 3; use DataParallel(mesh, {.zero = ZeroStage::k3})");
   }
   {
-    // Valid tensor-parallel layouts pass every check, then compile says what is not built.
+    // Valid tensor-parallel layouts pass every check, and compile splits the weights
+    // (model_parallel_fit_test trains them).
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));
     map["fc1/kernel"] = {std::nullopt, "model"};
     map["fc1/bias"] = {"model"};
@@ -259,11 +260,10 @@ TEST_CASE("ModelParallel trains replicated layouts as data parallelism and refus
     kd::ModelParallel mp(map);
     auto scope = mp.scope();
     Model model = make_mlp(false);
-    CHECK(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }) ==
-          "ModelParallel: the layouts of model \"mlp\" are valid (Dense \"fc1\" is column-split over mesh axis "
-          "'model' (2 devices): 'fc1/kernel' along dimension 1, ...), but tensor-parallel execution is not built yet: "
-          "plan() shows this layout; to train, give every mesh axis other than 'batch' one device");
-    CHECK(!model.compiled());
+    model.compile("sgd", "mse");
+    CHECK(model.compiled());
+    CHECK(model.weights()[0]->tensor_split()->dim == 1);
+    CHECK(model.weights()[0]->value(1).shape() == Shape{8, 8});
   }
   {
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, kTwoCpus));

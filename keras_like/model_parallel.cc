@@ -1,0 +1,205 @@
+// keras::distribution::ModelParallel on its mesh: where each replica sits, the groups its
+// gradients and its tensor-parallel layers communicate in, and a model's preparation for tensor
+// parallelism once its layouts are checked (Megatron-LM's column/row pairing found in the model's
+// graph, the split weights cut into their replicas' pieces).
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "tandem/base/errors.h"
+#include "tandem/base/log.h"
+#include "tandem/keras_like/detail/layouts.h"
+#include "tandem/keras_like/detail/model_state.h"
+#include "tandem/keras_like/distribution.h"
+
+namespace tandem::keras::distribution {
+namespace {
+
+// Row-major coordinates of device `index` of a mesh of `shape`.
+std::vector<std::int64_t> unravel(std::int64_t index, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> coordinates(shape.size());
+  for (std::size_t a = shape.size(); a-- > 0;) {
+    coordinates[a] = index % shape[a];
+    index /= shape[a];
+  }
+  return coordinates;
+}
+
+// Every layer of the model with the layers it tracks, depth first.
+void collect(const std::shared_ptr<LayerImpl>& layer, std::vector<std::shared_ptr<LayerImpl>>& out) {
+  out.push_back(layer);
+  for (const auto& tracked : layer->tracked_layers()) collect(tracked, out);
+}
+
+}  // namespace
+
+void ModelParallel::place_replicas() {
+  const DeviceMesh& mesh = device_mesh();
+  const auto& names = mesh.axis_names();
+  batch_axis_ = static_cast<std::size_t>(std::find(names.begin(), names.end(), batch_dim_name()) - names.begin());
+  const std::string stage = pipeline_ ? pipeline_->stage_axis : std::string();
+  for (std::size_t a = 0; a < names.size() && !tensor_axis_; ++a) {
+    if (a != batch_axis_ && names[a] != stage && mesh.shape()[a] > 1) tensor_axis_ = a;
+  }
+  for (std::size_t i = 0; i < mesh.devices().size(); ++i)
+    coordinates_.push_back(unravel(static_cast<std::int64_t>(i), mesh.shape()));
+  if (!tensor_axis_ || (pipeline_ && pipeline_->stages > 1)) return;
+  // The groups along the model axis: the replicas with the same coordinates on the other axes,
+  // made here only when each group is whole on this worker (prepare_tensor_parallel refuses
+  // splits otherwise).
+  const auto& devices = replica_devices();
+  std::map<std::vector<std::int64_t>, int> ids;
+  std::map<int, std::int64_t> members;
+  std::vector<int> group_of;
+  for (int r = 0; r < static_cast<int>(devices.size()); ++r) {
+    auto key = coordinates_[static_cast<std::size_t>(global_replica_index(r))];
+    key[*tensor_axis_] = 0;
+    const int id = ids.emplace(key, static_cast<int>(ids.size())).first->second;
+    group_of.push_back(id);
+    ++members[id];
+  }
+  for (const auto& [id, count] : members) {
+    if (count != mesh.shape()[*tensor_axis_]) return;
+  }
+  tensor_group_ = strategy::tensor_parallel::Group::create_in_process(devices, group_of);
+}
+
+ModelParallel::~ModelParallel() = default;
+
+int ModelParallel::data_shards_in_sync() const { return static_cast<int>(device_mesh().shape()[batch_axis_]); }
+
+int ModelParallel::data_shard(int replica) const {
+  return static_cast<int>(coordinates_[static_cast<std::size_t>(global_replica_index(replica))][batch_axis_]);
+}
+
+bool ModelParallel::leads_data_shard(int replica) const {
+  const auto& c = coordinates_[static_cast<std::size_t>(global_replica_index(replica))];
+  for (std::size_t a = 0; a < c.size(); ++a) {
+    if (a != batch_axis_ && c[a] != 0) return false;
+  }
+  return true;
+}
+
+std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::make_replica_group() {
+  // After an abort the tensor-parallel groups are renewed with the gradient groups (between steps).
+  if (tensor_group_ && tensor_group_aborted_.exchange(false)) tensor_group_->renew();
+  // The gradients are summed along the batch axis: one group per position on the other axes.
+  const auto& devices = replica_devices();
+  std::map<std::vector<std::int64_t>, std::vector<std::size_t>> groups;
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    auto key = coordinates_[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))];
+    key[batch_axis_] = 0;
+    groups[key].push_back(r);
+  }
+  if (groups.size() == 1) return Distribution::make_replica_group();
+  std::vector<std::unique_ptr<collective::Communicator>> out(devices.size());
+  for (const auto& [key, members] : groups) {  // in the same order on every worker
+    std::vector<devices::Device*> subset;
+    for (const std::size_t r : members) subset.push_back(devices[r]);
+    auto communicators = cross_device_ops().make_group(subset);
+    for (std::size_t k = 0; k < members.size(); ++k) out[members[k]] = std::move(communicators[k]);
+  }
+  return out;
+}
+
+collective::CommunicationStats ModelParallel::tensor_parallel_stats() {
+  return tensor_group_ ? tensor_group_->stats() : collective::CommunicationStats{};
+}
+
+void ModelParallel::abort_other_collectives(const std::string& reason) {
+  if (!tensor_group_) return;
+  tensor_group_->abort(reason);
+  tensor_group_aborted_ = true;
+}
+
+void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const {
+  std::map<std::string, const VariableLayout*> split_paths;
+  for (const auto& v : layouts) {
+    if (v.split_dim >= 0) split_paths[v.path] = &v;
+  }
+  if (split_paths.empty()) return;
+  const DeviceMesh& mesh = device_mesh();
+  const VariableLayout& first = *split_paths.begin()->second;
+  // Everything is checked before anything is split: a refusal leaves the model as it was.
+  for (const auto& [path, v] : split_paths) {
+    TANDEM_REQUIRE(tensor_axis_ && v->axis == mesh.axis_names()[*tensor_axis_], Unimplemented,
+                   "ModelParallel: {} splits '{}' over mesh axis '{}', but tensor parallelism runs over one axis, "
+                   "'{}' here: split every layer over that axis",
+                   v->layer, path, v->axis, tensor_axis_ ? mesh.axis_names()[*tensor_axis_] : std::string("none"));
+  }
+  const std::string& axis = first.axis;
+  TANDEM_REQUIRE(tensor_group_ != nullptr, Unimplemented,
+                 "ModelParallel: {} is split over mesh axis '{}', whose groups of {} devices are not all on one "
+                 "worker; tensor parallelism across workers is not built yet: lay out {} so that each worker holds "
+                 "whole groups along '{}' (the batch axis '{}' may cross workers)",
+                 first.layer, axis, first.parts, mesh.to_string(), axis, batch_dim_name());
+  TANDEM_REQUIRE(distribution_options().zero == strategy::ZeroStage::k0, Unimplemented,
+                 "ModelParallel: {} is split over '{}', and ZeRO stage {} is asked; sharding the data-parallel state "
+                 "of a tensor-parallel model is not built yet: use ZeRO or tensor parallelism",
+                 first.layer, axis, static_cast<int>(distribution_options().zero));
+  for (const auto* device : replica_devices()) {
+    TANDEM_REQUIRE(device->type() == devices::DeviceType::kCPU, Unimplemented,
+                   "ModelParallel: {} is split over '{}', but tensor-parallel collectives have CPU kernels only, and "
+                   "replica device {} is a {}",
+                   first.layer, axis, device->short_name(), device->type() == devices::DeviceType::kGPU ? "GPU" : "device");
+  }
+  std::vector<std::shared_ptr<LayerImpl>> layers;
+  for (const auto& layer : model.layers()) collect(layer.ptr(), layers);
+  std::map<const LayerImpl*, std::string> splits;
+  for (const auto& layer : layers) {
+    for (const auto& w : layer->own_weights()) {
+      const auto it = split_paths.find(w->name());
+      if (it == split_paths.end()) continue;
+      const VariableLayout& v = *it->second;
+      TANDEM_REQUIRE(layer->runs_tensor_parallel(v.split), Unimplemented,
+                     "ModelParallel: {} is {}-split over '{}' ('{}' along dimension {}): a valid layout, which plan() "
+                     "shows, but training this layer split is not built yet (tensor-parallel Dense layers are); keep "
+                     "its weights whole (no layout for them) to train",
+                     v.layer, v.split, axis, v.path, v.split_dim);
+      splits[layer.get()] = v.split;
+    }
+  }
+  const auto pairs = detail::tensor_parallel_pairs(*model.state(), splits);
+  std::set<const LayerImpl*> paired_rows;
+  for (const auto& [column, row] : pairs) paired_rows.insert(row);
+
+  // The pieces: replica g holds piece (its coordinate on the model axis).
+  std::vector<int> piece_of_replica;
+  for (const auto& c : coordinates_) piece_of_replica.push_back(static_cast<int>(c[*tensor_axis_]));
+  for (const auto& layer : layers) {
+    for (const auto& w : layer->own_weights()) {
+      const auto it = split_paths.find(w->name());
+      if (it == split_paths.end()) continue;
+      w->split_into_pieces({.dim = it->second->split_dim,
+                            .parts = static_cast<int>(it->second->parts),
+                            .axis = axis,
+                            .global_shape = w->global_shape(),
+                            .piece_of_replica = piece_of_replica,
+                            .group = tensor_group_});
+    }
+    const auto split = splits.find(layer.get());
+    if (split == splits.end()) continue;
+    // Logged once, when the layer is first prepared (check_model runs at compile and again
+    // before the first step).
+    const bool first_time = !layer->tensor_parallel_call();
+    TensorParallelCall call{.split = split->second, .group = tensor_group_};
+    if (split->second == "column") {
+      call.output_split = pairs.contains(layer.get());
+      if (!call.output_split && first_time) {
+        logging::info("ModelParallel: {} \"{}\" is column-split with no row-split Dense taking its output; its output "
+                      "is gathered over '{}' (one all-gather forward)",
+                      layer->class_name(), layer->name(), axis);
+      }
+    } else if (split->second == "row") {
+      call.input_split = paired_rows.contains(layer.get());
+      if (!call.input_split && first_time) {
+        logging::info("ModelParallel: {} \"{}\" is row-split with no column-split Dense giving its input; its input "
+                      "is split over '{}' (one all-gather backward)",
+                      layer->class_name(), layer->name(), axis);
+      }
+    }
+    layer->set_tensor_parallel_call(std::move(call));
+  }
+}
+
+}  // namespace tandem::keras::distribution

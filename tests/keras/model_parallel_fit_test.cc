@@ -1,0 +1,300 @@
+// keras::distribution::ModelParallel training with tensor parallelism under fit, on 4 logical CPU
+// devices (CTest sets TANDEM_NUM_CPU_DEVICES=4): Megatron's column/row Dense pair split over the
+// model axis of a 1x2 mesh (TP=2) and of a 2x2 mesh (DP2xTP2), LayoutMap::megatron's choice, and a
+// lone column-split (its output gathered) or row-split Dense (its input split) each train as
+// OneDeviceStrategy does (every step's loss and the final weights within 1e-5 relative, Adam's
+// slots split with their weights) and bitwise the same run to run. Each device holds 1/t of a
+// split weight; the tensor-parallel collectives move the bytes of the published formula; a
+// checkpoint of a tensor-parallel run loads on one device; what is not built is refused at
+// compile or before the first step, the model left whole.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "common/error_message.h"
+#include "common/temp_dir.h"
+#include "tandem/keras_like/distribution.h"
+#include "tandem/keras_like/keras.h"
+
+using namespace tandem;
+using namespace tandem::keras;
+namespace kd = tandem::keras::distribution;
+
+namespace {
+
+constexpr std::int64_t kBatch = 32, kSteps = 50, kIn = 8, kWide = 16;
+const std::vector<std::string> kFourCpus{"CPU:0", "CPU:1", "CPU:2", "CPU:3"};
+
+// Input 8 -> Dense(8, tanh) "pre" -> Dense(16, relu) "fc1" -> Dense(8, tanh) "fc2" -> Dense(1) "head".
+Model make_mlp() {
+  set_global_seed(7);
+  auto x = Input({kIn});
+  auto h = Dense(kIn, "tanh", {.name = "pre"})(x);
+  h = Dense(kWide, "relu", {.name = "fc1"})(h);
+  h = Dense(kIn, "tanh", {.name = "fc2"})(h);
+  auto y = Dense(1, {.name = "head"})(h);
+  return Model(x, y, "mlp");
+}
+
+// kSteps batches of kBatch rows, and one more for evaluation.
+std::pair<Tensor, Tensor> make_data(std::int64_t batches) {
+  std::mt19937 rng(900);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x, y;
+  for (std::int64_t i = 0; i < batches * kBatch; ++i) {
+    float s = 0;
+    for (std::int64_t f = 0; f < kIn; ++f) {
+      const float v = normal(rng);
+      x.push_back(v);
+      s += std::sin(v * (0.7f + 0.1f * static_cast<float>(f)));
+    }
+    y.push_back(s / 4);
+  }
+  return {Tensor::from_vector(x, {batches * kBatch, kIn}), Tensor::from_vector(y, {batches * kBatch, 1})};
+}
+
+struct Run {
+  std::vector<double> losses;  // the epoch's running mean after each step, as fit logs it
+  std::vector<std::vector<float>> weights;
+  double evaluation = 0;
+  TrainingStats stats;
+  // plan()'s tensor-parallel bytes per device per step (its per-row figure times the local rows).
+  double planned_tensor_parallel_bytes = 0;
+};
+
+Model model_under(Strategy& strategy) {
+  auto scope = strategy.scope();
+  return make_mlp();
+}
+
+Run train(Strategy& strategy, const std::string& save_to = "") {
+  Model model = model_under(strategy);
+  {
+    auto scope = strategy.scope();
+    model.compile(Adam{.learning_rate = 0.01}, "mse");
+  }
+  Run run;
+  auto record = std::make_shared<LambdaCallback>(LambdaCallbackOptions{
+      .on_train_batch_end = [&](std::int64_t, Logs& logs) { run.losses.push_back(logs.at("loss")); }});
+  const auto [x, y] = make_data(kSteps);
+  model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .callbacks = {record}, .shuffle = false});
+  run.stats = model.training_stats();
+  if (dynamic_cast<kd::ModelParallel*>(&strategy) != nullptr) {
+    const kd::Plan plan = kd::plan(model, {.batch_rows = kBatch});
+    run.planned_tensor_parallel_bytes = plan.communication_bytes_per_row * static_cast<double>(plan.local_rows);
+  }
+  for (const auto& w : model.get_weights()) run.weights.push_back(w.to_vector<float>());
+  const auto [ex, ey] = make_data(kSteps + 1);
+  run.evaluation = model.evaluate(ex, ey, {.batch_size = kBatch, .verbose = 0}).at("loss");
+  if (!save_to.empty()) model.save_weights(save_to);
+  return run;
+}
+
+// What the tensor-parallel groups sent per device per step, against plan()'s formula.
+void check_planned_bytes(const Run& got) {
+  const double sent = static_cast<double>(got.stats.tensor_parallel.total().bytes_sent) /
+                      static_cast<double>(got.stats.steps * got.stats.replicas);
+  CHECK(got.planned_tensor_parallel_bytes > 0);
+  CHECK(sent == got.planned_tensor_parallel_bytes);
+}
+
+void check_equivalent(const Run& got, const Run& want) {
+  REQUIRE(got.losses.size() == static_cast<std::size_t>(kSteps));
+  REQUIRE(got.losses.size() == want.losses.size());
+  for (std::size_t s = 0; s < got.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * std::abs(want.losses[s]));
+  }
+  CHECK(std::abs(got.evaluation - want.evaluation) <= 1e-5 * std::abs(want.evaluation));
+  REQUIRE(got.weights.size() == want.weights.size());
+  for (std::size_t k = 0; k < want.weights.size(); ++k) {
+    REQUIRE(got.weights[k].size() == want.weights[k].size());
+    for (std::size_t i = 0; i < got.weights[k].size(); ++i) {
+      const double a = got.weights[k][i], b = want.weights[k][i];
+      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b))) {
+        FAIL_CHECK("weight " << k << "[" << i << "]: " << a << " vs " << b);
+        break;
+      }
+    }
+  }
+}
+
+// Megatron's pairing by hand: fc1 column-split, fc2 row-split, over 'model'.
+kd::LayoutMap pair_layouts(const kd::DeviceMesh& mesh) {
+  kd::LayoutMap map(mesh);
+  map["fc1/kernel"] = {std::nullopt, "model"};
+  map["fc1/bias"] = {"model"};
+  map["fc2/kernel"] = {"model", std::nullopt};
+  return map;
+}
+
+const Run& one_device() {
+  static const Run run = [] {
+    OneDeviceStrategy one("CPU:0");
+    return train(one);
+  }();
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("tensor parallelism under fit: TP=2 and DP2xTP2 train as one device, bitwise run to run") {
+  const Run& want = one_device();
+  struct Config {
+    std::string name;
+    kd::DeviceMesh mesh;
+  };
+  for (const auto& config : {Config{"TP=2 (mesh 1x2)", kd::DeviceMesh({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"})},
+                             Config{"DP2xTP2 (mesh 2x2)", kd::DeviceMesh({2, 2}, {"batch", "model"}, kFourCpus)}}) {
+    CAPTURE(config.name);
+    const auto run_once = [&] {
+      kd::ModelParallel mp(pair_layouts(config.mesh));
+      return train(mp);
+    };
+    const Run got = run_once();
+    check_equivalent(got, want);
+    check_planned_bytes(got);
+    const Run again = run_once();
+    CHECK(again.losses == got.losses);
+    CHECK(again.weights == got.weights);
+    CHECK(again.evaluation == got.evaluation);
+
+    // Communication per step, from the formula: the pair all-reduces one (local batch x 8)
+    // float32 activation forward (g after fc2) and one backward (f before fc1, pre's input
+    // gradient); ring all-reduce sends 2(t-1)/t of the buffer per device, t = 2.
+    const std::int64_t dp = config.mesh.shape()[0], replicas = dp * 2, rows = kBatch / dp;
+    const auto& all_reduce = got.stats.tensor_parallel.all_reduce;
+    CHECK(all_reduce.calls == kSteps * replicas * 2);
+    CHECK(all_reduce.bytes_sent == kSteps * replicas * 2 * (rows * kIn * 4));  // 2(t-1)/t = 1
+    CHECK(got.stats.tensor_parallel.all_gather.calls == 0);
+    // The gradients: summed over the batch axis only (no group to sum in with one data shard).
+    if (dp == 1) CHECK(got.stats.communication.all_reduce.calls == 0);
+    if (dp == 2) CHECK(got.stats.communication.all_reduce.calls > 0);
+  }
+}
+
+TEST_CASE("a split weight's copies are its pieces: 1/t of the whole on each device, Adam's slots alike") {
+  kd::ModelParallel mp(pair_layouts(kd::DeviceMesh({2, 2}, {"batch", "model"}, kFourCpus)));
+  Model model = model_under(mp);
+  {
+    auto scope = mp.scope();
+    model.compile(Adam{}, "mse");
+  }
+  const auto [x, y] = make_data(1);
+  model.fit(x, y, {.batch_size = kBatch, .verbose = 0, .shuffle = false});
+  for (const auto& w : model.weights()) {
+    CAPTURE(w->name());
+    const bool split = w->name() == "fc1/kernel" || w->name() == "fc1/bias" || w->name() == "fc2/kernel";
+    REQUIRE(w->tensor_split().has_value() == split);
+    for (int r = 0; r < 4; ++r) {
+      const std::int64_t bytes = static_cast<std::int64_t>(w->value(r).nbytes());
+      const std::int64_t whole = w->global_shape().num_elements() * 4;
+      CHECK(bytes == (split ? whole / 2 : whole));
+    }
+  }
+  CHECK(model.weights()[2]->value(1).shape() == Shape{kIn, kWide / 2});  // fc1/kernel: 8 of 16 columns
+  CHECK(model.weights()[4]->value(3).shape() == Shape{kWide / 2, kIn});  // fc2/kernel: 8 of 16 rows
+  // The pieces put together are the weight; the copies of each piece agree across the batch axis.
+  const auto weights = model.weights();
+  mp.check_replicas_agree(weights);
+}
+
+TEST_CASE("LayoutMap::megatron, a lone column-split and a lone row-split Dense train as one device") {
+  const Run& want = one_device();
+  const kd::DeviceMesh mesh({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"});
+  {
+    INFO("megatron: pre column / fc1 row, fc2 column / head row");
+    kd::ModelParallel mp(kd::LayoutMap::megatron(mesh));
+    const Run got = train(mp);
+    check_equivalent(got, want);
+    check_planned_bytes(got);
+    // Two pairs, each one all-reduce forward and one backward, but the first pair's backward one:
+    // "pre" reads the data, so backward computes no gradient of its input.
+    CHECK(got.stats.tensor_parallel.all_reduce.calls == kSteps * 2 * 3);
+  }
+  {
+    INFO("fc1 column-split alone: its output gathered (one all-gather forward, its part of the gradient back)");
+    kd::LayoutMap map(mesh);
+    map["fc1/kernel"] = {std::nullopt, "model"};
+    map["fc1/bias"] = {"model"};
+    kd::ModelParallel mp(map);
+    const Run got = train(mp);
+    check_equivalent(got, want);
+    check_planned_bytes(got);
+    CHECK(got.stats.tensor_parallel.all_gather.calls == kSteps * 2);
+  }
+  {
+    INFO("fc2 row-split alone: its input split here (its gradient gathered backward)");
+    kd::LayoutMap map(mesh);
+    map["fc2/kernel"] = {"model", std::nullopt};
+    kd::ModelParallel mp(map);
+    const Run got = train(mp);
+    check_equivalent(got, want);
+    check_planned_bytes(got);
+    CHECK(got.stats.tensor_parallel.all_gather.calls == kSteps * 2);
+    CHECK(got.stats.tensor_parallel.all_reduce.calls == kSteps * 2);
+  }
+}
+
+TEST_CASE("a tensor-parallel run's weights save whole and load on one device") {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "tp.weights.safetensors").string();
+  kd::ModelParallel mp(pair_layouts(kd::DeviceMesh({2, 2}, {"batch", "model"}, kFourCpus)));
+  const Run trained = train(mp, path);
+  OneDeviceStrategy one("CPU:0");
+  Model model = model_under(one);
+  {
+    auto scope = one.scope();
+    model.compile(Adam{}, "mse");
+  }
+  model.load_weights(path);
+  const auto [ex, ey] = make_data(kSteps + 1);
+  const double loss = model.evaluate(ex, ey, {.batch_size = kBatch, .verbose = 0}).at("loss");
+  CHECK(std::abs(loss - trained.evaluation) <= 1e-6 * std::abs(trained.evaluation));
+  std::vector<std::vector<float>> weights;
+  for (const auto& w : model.get_weights()) weights.push_back(w.to_vector<float>());
+  CHECK(weights == trained.weights);
+}
+
+TEST_CASE("what tensor parallelism under fit does not do yet is refused before the first step, the model left whole") {
+  const kd::DeviceMesh mesh({2, 2}, {"batch", "model"}, kFourCpus);
+  {
+    kd::ModelParallel mp(pair_layouts(mesh), {.distribution = {.zero = strategy::ZeroStage::k1}});
+    Model model = model_under(mp);
+    auto scope = mp.scope();
+    CHECK(testing::error_message<Unimplemented>([&] { model.compile("adam", "mse"); }) ==
+          "ModelParallel: Dense \"fc1\" is split over 'model', and ZeRO stage 1 is asked; sharding the "
+          "data-parallel state of a tensor-parallel model is not built yet: use ZeRO or tensor parallelism");
+    for (const auto& w : model.weights()) CHECK(!w->tensor_split());
+  }
+  {
+    kd::ModelParallel mp(pair_layouts(mesh));
+    Model model = model_under(mp);
+    auto scope = mp.scope();
+    model.compile(Adam{.global_clipnorm = 1.0}, "mse");
+    const auto [x, y] = make_data(1);
+    CHECK(testing::error_message<Unimplemented>([&] { model.fit(x, y, {.batch_size = kBatch, .verbose = 0}); }) ==
+          "adam: variable \"fc1/kernel\" is split by tensor parallelism over 'model'; global_clipnorm with "
+          "tensor-parallel weights is not built yet (each device sees its piece's gradient only): use clipvalue, or "
+          "no clipping and no loss scaling");
+  }
+  {
+    kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"}));
+    map["mha/(query|key|value)/kernel"] = {std::nullopt, "model", std::nullopt};
+    map["mha/(query|key|value)/bias"] = {"model", std::nullopt};
+    map["mha/attention_output/kernel"] = {"model", std::nullopt, std::nullopt};
+    kd::ModelParallel mp(map);
+    auto scope = mp.scope();
+    set_global_seed(3);
+    auto x = Input({4, 8});
+    auto y = MultiHeadAttention(2, 4, {.name = "mha"})({x, x});
+    Model model(x, y, "attention");
+    CHECK(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }) ==
+          "ModelParallel: MultiHeadAttention \"mha\" is heads-split over 'model' ('mha/query/kernel' along dimension "
+          "1): a valid layout, which plan() shows, but training this layer split is not built yet (tensor-parallel "
+          "Dense layers are); keep its weights whole (no layout for them) to train");
+    for (const auto& w : model.weights()) CHECK(!w->tensor_split());
+  }
+}
