@@ -410,6 +410,7 @@ class ModelParallel final : public Distribution {
   int data_shards_in_sync() const override;
   int data_shard(int replica) const override;
   bool leads_data_shard(int replica) const override;
+  bool gradient_group_spans_workers() const override { return gradients_span_workers_; }
   collective::CommunicationStats tensor_parallel_stats() override;
 
  protected:
@@ -427,6 +428,9 @@ class ModelParallel final : public Distribution {
   void prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const;
   // At construction: the replicas' coordinates, the model axis and its groups.
   void place_replicas();
+  enum class GroupReach { kThisWorker, kEveryWorker, kSomeWorkers };
+  GroupReach reach_of(const std::vector<std::int64_t>& key, std::size_t free_axis) const;
+  std::map<std::vector<std::int64_t>, std::vector<std::size_t>> groups_along(std::size_t free_axis) const;
 
   LayoutMap layout_map_;
   bool strict_ = true;
@@ -439,6 +443,10 @@ class ModelParallel final : public Distribution {
   std::shared_ptr<strategy::tensor_parallel::Group> tensor_group_;
   std::optional<std::size_t> tensor_axis_;
   std::atomic<bool> tensor_group_aborted_{false};
+  // Groups spread over the workers: their communicators (the cross-device ops'), which stay
+  // aborted after a failure; a new distribution is needed then.
+  std::vector<std::unique_ptr<collective::Communicator>> tensor_communicators_;
+  bool gradients_span_workers_ = true;
 };
 
 // Keras's set_distribution / distribution(): the distribution code with no strategy scope uses

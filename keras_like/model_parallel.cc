@@ -11,6 +11,7 @@
 #include "tandem/keras_like/detail/layouts.h"
 #include "tandem/keras_like/detail/model_state.h"
 #include "tandem/keras_like/distribution.h"
+#include "tandem/strategy/cross_device_ops.h"
 
 namespace tandem::keras::distribution {
 namespace {
@@ -33,6 +34,37 @@ void collect(const std::shared_ptr<LayerImpl>& layer, std::vector<std::shared_pt
 
 }  // namespace
 
+// Where a group of replicas (those sharing a key) lives: wholly on this worker, or spread evenly
+// over every worker (the cross-device ops' groups span all workers), or neither.
+ModelParallel::GroupReach ModelParallel::reach_of(const std::vector<std::int64_t>& key, std::size_t free_axis) const {
+  std::int64_t here = 0, everywhere = 0;
+  const int local = static_cast<int>(replica_devices().size());
+  std::vector<std::int64_t> per_worker(static_cast<std::size_t>(num_workers()), 0);
+  for (std::size_t g = 0; g < coordinates_.size(); ++g) {
+    auto other = coordinates_[g];
+    other[free_axis] = 0;
+    if (other != key) continue;
+    ++everywhere;
+    ++per_worker[g / static_cast<std::size_t>(local)];
+    if (static_cast<int>(g) / local == worker_rank()) ++here;
+  }
+  if (here == everywhere) return GroupReach::kThisWorker;
+  const bool even = std::all_of(per_worker.begin(), per_worker.end(), [&](std::int64_t n) { return n == here; });
+  return even ? GroupReach::kEveryWorker : GroupReach::kSomeWorkers;
+}
+
+// The local replicas grouped by their coordinates with `free_axis`'s set to 0 (the groups along
+// that axis), in key order: the same order on every worker.
+std::map<std::vector<std::int64_t>, std::vector<std::size_t>> ModelParallel::groups_along(std::size_t free_axis) const {
+  std::map<std::vector<std::int64_t>, std::vector<std::size_t>> groups;
+  for (std::size_t r = 0; r < replica_devices().size(); ++r) {
+    auto key = coordinates_[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))];
+    key[free_axis] = 0;
+    groups[key].push_back(r);
+  }
+  return groups;
+}
+
 void ModelParallel::place_replicas() {
   const DeviceMesh& mesh = device_mesh();
   const auto& names = mesh.axis_names();
@@ -43,25 +75,43 @@ void ModelParallel::place_replicas() {
   }
   for (std::size_t i = 0; i < mesh.devices().size(); ++i)
     coordinates_.push_back(unravel(static_cast<std::int64_t>(i), mesh.shape()));
+  for (const auto& [key, members] : groups_along(batch_axis_)) {
+    if (reach_of(key, batch_axis_) != GroupReach::kEveryWorker && num_workers() > 1) gradients_span_workers_ = false;
+  }
+  // The base made the default group (every replica) if it made one: ours sums along the batch
+  // axis only.
+  if (num_workers() > 1) remake_replica_group();
   if (!tensor_axis_ || (pipeline_ && pipeline_->stages > 1)) return;
-  // The groups along the model axis: the replicas with the same coordinates on the other axes,
-  // made here only when each group is whole on this worker (prepare_tensor_parallel refuses
-  // splits otherwise).
+  // The groups along the model axis: in-process communicators for groups on this worker, the
+  // cross-device ops' (Gloo, shared memory) for groups spread over every worker; none when some
+  // group is neither (prepare_tensor_parallel refuses splits then).
   const auto& devices = replica_devices();
-  std::map<std::vector<std::int64_t>, int> ids;
-  std::map<int, std::int64_t> members;
-  std::vector<int> group_of;
-  for (int r = 0; r < static_cast<int>(devices.size()); ++r) {
-    auto key = coordinates_[static_cast<std::size_t>(global_replica_index(r))];
-    key[*tensor_axis_] = 0;
-    const int id = ids.emplace(key, static_cast<int>(ids.size())).first->second;
-    group_of.push_back(id);
-    ++members[id];
+  const auto groups = groups_along(*tensor_axis_);
+  std::set<GroupReach> reaches;
+  for (const auto& [key, members] : groups) reaches.insert(reach_of(key, *tensor_axis_));
+  if (reaches == std::set{GroupReach::kThisWorker}) {
+    std::vector<int> group_of(devices.size());
+    int id = 0;
+    for (const auto& [key, members] : groups) {
+      for (const std::size_t r : members) group_of[r] = id;
+      ++id;
+    }
+    tensor_group_ = strategy::tensor_parallel::Group::create_in_process(devices, group_of);
+  } else if (reaches == std::set{GroupReach::kEveryWorker}) {
+    std::vector<devices::Device*> ordered;
+    std::vector<collective::Communicator*> communicators;
+    for (const auto& [key, members] : groups) {  // in the same order on every worker
+      std::vector<devices::Device*> subset;
+      for (const std::size_t r : members) subset.push_back(devices[r]);
+      auto made = cross_device_ops().make_group(subset);
+      for (std::size_t k = 0; k < members.size(); ++k) {
+        ordered.push_back(devices[members[k]]);
+        communicators.push_back(made[k].get());
+        tensor_communicators_.push_back(std::move(made[k]));
+      }
+    }
+    tensor_group_ = strategy::tensor_parallel::Group::create(ordered, communicators);
   }
-  for (const auto& [id, count] : members) {
-    if (count != mesh.shape()[*tensor_axis_]) return;
-  }
-  tensor_group_ = strategy::tensor_parallel::Group::create_in_process(devices, group_of);
 }
 
 ModelParallel::~ModelParallel() = default;
@@ -83,32 +133,39 @@ bool ModelParallel::leads_data_shard(int replica) const {
 std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::make_replica_group() {
   // After an abort the tensor-parallel groups are renewed with the gradient groups (between steps).
   if (tensor_group_ && tensor_group_aborted_.exchange(false)) tensor_group_->renew();
-  // The gradients are summed along the batch axis: one group per position on the other axes.
+  // The gradients are summed along the batch axis: one group per position on the other axes, on
+  // this worker (in-process) or over every worker (the cross-device ops').
+  const auto groups = groups_along(batch_axis_);
+  if (groups.size() == 1 && (num_workers() == 1 || reach_of(groups.begin()->first, batch_axis_) == GroupReach::kEveryWorker))
+    return Distribution::make_replica_group();
   const auto& devices = replica_devices();
-  std::map<std::vector<std::int64_t>, std::vector<std::size_t>> groups;
-  for (std::size_t r = 0; r < devices.size(); ++r) {
-    auto key = coordinates_[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))];
-    key[batch_axis_] = 0;
-    groups[key].push_back(r);
-  }
-  if (groups.size() == 1) return Distribution::make_replica_group();
   std::vector<std::unique_ptr<collective::Communicator>> out(devices.size());
+  const strategy::InProcessAllReduce in_process;
   for (const auto& [key, members] : groups) {  // in the same order on every worker
     std::vector<devices::Device*> subset;
     for (const std::size_t r : members) subset.push_back(devices[r]);
-    auto communicators = cross_device_ops().make_group(subset);
+    const GroupReach reach = reach_of(key, batch_axis_);
+    TANDEM_REQUIRE(reach != GroupReach::kSomeWorkers, Unimplemented,
+                   "ModelParallel: the replicas along the batch axis '{}' of {} are on some workers but not all; lay "
+                   "the mesh out so that each such group is on one worker or spread evenly over all of them",
+                   batch_dim_name(), device_mesh().to_string());
+    auto communicators = reach == GroupReach::kThisWorker && num_workers() > 1 ? in_process.make_group(subset)
+                                                                                : cross_device_ops().make_group(subset);
     for (std::size_t k = 0; k < members.size(); ++k) out[members[k]] = std::move(communicators[k]);
   }
   return out;
 }
 
 collective::CommunicationStats ModelParallel::tensor_parallel_stats() {
-  return tensor_group_ ? tensor_group_->stats() : collective::CommunicationStats{};
+  collective::CommunicationStats total = tensor_group_ ? tensor_group_->stats() : collective::CommunicationStats{};
+  for (const auto& c : tensor_communicators_) total += c->stats();
+  return total;
 }
 
 void ModelParallel::abort_other_collectives(const std::string& reason) {
   if (!tensor_group_) return;
   tensor_group_->abort(reason);
+  for (auto& c : tensor_communicators_) c->abort(reason);
   tensor_group_aborted_ = true;
 }
 
@@ -129,10 +186,10 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
   }
   const std::string& axis = first.axis;
   TANDEM_REQUIRE(tensor_group_ != nullptr, Unimplemented,
-                 "ModelParallel: {} is split over mesh axis '{}', whose groups of {} devices are not all on one "
-                 "worker; tensor parallelism across workers is not built yet: lay out {} so that each worker holds "
-                 "whole groups along '{}' (the batch axis '{}' may cross workers)",
-                 first.layer, axis, first.parts, mesh.to_string(), axis, batch_dim_name());
+                 "ModelParallel: {} is split over mesh axis '{}', whose groups of {} devices are on some workers but "
+                 "not all: lay out {} so that each group along '{}' is on one worker or spread evenly over every "
+                 "worker",
+                 first.layer, axis, first.parts, mesh.to_string(), axis);
   TANDEM_REQUIRE(distribution_options().zero == strategy::ZeroStage::k0, Unimplemented,
                  "ModelParallel: {} is split over '{}', and ZeRO stage {} is asked; sharding the data-parallel state "
                  "of a tensor-parallel model is not built yet: use ZeRO or tensor parallelism",

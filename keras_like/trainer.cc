@@ -571,7 +571,8 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   // decisions (they depend on the step, the global batch and the model only).
   replica.sums_reduced = false;
   const auto& strategy = *model_.strategy;
-  if (strategy.num_workers() > 1 && replica.executor->device().host_accessible() &&
+  if (strategy.num_workers() > 1 && strategy.gradient_group_spans_workers() &&
+      replica.executor->device().host_accessible() &&
       holds_step_sums(reducer.extra_dtype(), global_examples)) {
     const auto slot = static_cast<std::size_t>(strategy.worker_rank()) * replicas_.size() + static_cast<std::size_t>(r);
     // The rider's values once per worker (replica 0's), so that the sum is over the workers.

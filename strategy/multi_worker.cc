@@ -466,8 +466,11 @@ MultiWorkerMirroredStrategy::CollectiveCounts MultiWorkerMirroredStrategy::colle
 
 MultiWorkerMirroredStrategy::CrossWorkerStats MultiWorkerMirroredStrategy::cross_worker_stats_per_communicator() {
   if (impl_->control == nullptr) return {};
+  // A group of several local replicas is hierarchical (its cross-worker member counts); a group
+  // of one local replica (one device per worker, or ModelParallel's groups along the batch axis
+  // with one device of each worker) is the cross-worker communicator itself.
   auto& data = communicator(0);
-  return {.data = impl_->local_replicas > 1 ? collective::cross_worker_stats(data) : data.stats(),
+  return {.data = data.backend() == "hierarchical" ? collective::cross_worker_stats(data) : data.stats(),
           .control = impl_->control->stats()};
 }
 

@@ -261,6 +261,13 @@ std::vector<std::unique_ptr<collective::Communicator>> Strategy::make_replica_gr
   return cross_device_ops_->make_group(devices_);
 }
 
+void Strategy::remake_replica_group() {
+  std::lock_guard lock(group_mutex_);
+  if (!group_.empty()) retired_groups_.push_back(std::move(group_));
+  group_ = make_replica_group();
+  group_aborted_ = false;
+}
+
 void Strategy::abort_collectives(const std::string& reason) {
   {
     std::lock_guard lock(group_mutex_);

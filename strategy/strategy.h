@@ -293,6 +293,11 @@ class Strategy {
   // Called when a failed replica aborts the group: a strategy with communicators of its own
   // (tensor-parallel groups) aborts them too, so that replicas waiting in them fail at once.
   virtual void abort_other_collectives(const std::string& /*reason*/) {}
+  // Makes the group again with make_replica_group(), keeping the old one alive: for a subclass
+  // whose override needs state its constructor sets up after a base constructor made the default
+  // group (MultiWorkerMirroredStrategy connects its group at construction). Every worker calls it
+  // at the same point.
+  void remake_replica_group();
   // This worker's batches in host memory, before any staging (iterate_for_worker's source).
   virtual std::unique_ptr<WorkerIterator> worker_batches(const data::Dataset& dataset,
                                                          const data::IterateOptions& options) const;

@@ -151,23 +151,26 @@ Tensor Variable::read_value() const {
     return out;
   }
   if (tensor_split_) {
-    // Each piece from the first replica in sync that holds it; the sum over the workers when some
-    // piece's first holder is on another worker (every worker then reads in the same order).
+    // A worker that holds every piece reads them here. Otherwise (some worker lacks a piece: the
+    // same answer on every worker), each piece comes from the first replica in sync that holds
+    // it, summed over the workers (every worker then reads in the same order).
     const TensorSplit& split = *tensor_split_;
-    const int first = strategy_->global_replica_index(0);
+    const auto& pieces = split.piece_of_replica;
     const auto local = static_cast<int>(copies_.size());
-    Tensor out = Tensor::zeros(split.global_shape, dtype());
-    bool all_here = true;
-    for (int p = 0; p < split.parts; ++p) {
-      const auto& pieces = split.piece_of_replica;
-      const auto holder = static_cast<int>(std::find(pieces.begin(), pieces.end(), p) - pieces.begin());
-      if (holder >= first && holder < first + local) {
-        split.put_piece(copies_[static_cast<std::size_t>(holder - first)], p, out);
-      } else {
-        all_here = false;
-      }
+    const int first = strategy_->global_replica_index(0);
+    bool every_worker_holds_all = true;
+    for (std::size_t w = 0; w * static_cast<std::size_t>(local) < pieces.size(); ++w) {
+      std::vector<bool> held(static_cast<std::size_t>(split.parts), false);
+      for (int r = 0; r < local; ++r) held[static_cast<std::size_t>(pieces[w * static_cast<std::size_t>(local) + static_cast<std::size_t>(r)])] = true;
+      every_worker_holds_all = every_worker_holds_all && std::all_of(held.begin(), held.end(), [](bool h) { return h; });
     }
-    if (!all_here) out = sum_over_workers(out);
+    Tensor out = Tensor::zeros(split.global_shape, dtype());
+    for (int p = 0; p < split.parts; ++p) {
+      const auto begin = every_worker_holds_all ? pieces.begin() + first : pieces.begin();
+      const auto holder = static_cast<int>(std::find(begin, pieces.end(), p) - pieces.begin());
+      if (holder >= first && holder < first + local) split.put_piece(copies_[static_cast<std::size_t>(holder - first)], p, out);
+    }
+    if (!every_worker_holds_all) out = sum_over_workers(out);
     return out;
   }
   if (synchronization_ == VariableSynchronization::kOnRead && copies_.size() > 1 &&

@@ -17,6 +17,7 @@
 #include "common/temp_dir.h"
 #include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/keras.h"
+#include "keras/parallel_fit_mlp.h"
 
 using namespace tandem;
 using namespace tandem::keras;
@@ -24,73 +25,7 @@ namespace kd = tandem::keras::distribution;
 
 namespace {
 
-constexpr std::int64_t kBatch = 32, kSteps = 50, kIn = 8, kWide = 16;
-const std::vector<std::string> kFourCpus{"CPU:0", "CPU:1", "CPU:2", "CPU:3"};
-
-// Input 8 -> Dense(8, tanh) "pre" -> Dense(16, relu) "fc1" -> Dense(8, tanh) "fc2" -> Dense(1) "head".
-Model make_mlp() {
-  set_global_seed(7);
-  auto x = Input({kIn});
-  auto h = Dense(kIn, "tanh", {.name = "pre"})(x);
-  h = Dense(kWide, "relu", {.name = "fc1"})(h);
-  h = Dense(kIn, "tanh", {.name = "fc2"})(h);
-  auto y = Dense(1, {.name = "head"})(h);
-  return Model(x, y, "mlp");
-}
-
-// kSteps batches of kBatch rows, and one more for evaluation.
-std::pair<Tensor, Tensor> make_data(std::int64_t batches) {
-  std::mt19937 rng(900);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x, y;
-  for (std::int64_t i = 0; i < batches * kBatch; ++i) {
-    float s = 0;
-    for (std::int64_t f = 0; f < kIn; ++f) {
-      const float v = normal(rng);
-      x.push_back(v);
-      s += std::sin(v * (0.7f + 0.1f * static_cast<float>(f)));
-    }
-    y.push_back(s / 4);
-  }
-  return {Tensor::from_vector(x, {batches * kBatch, kIn}), Tensor::from_vector(y, {batches * kBatch, 1})};
-}
-
-struct Run {
-  std::vector<double> losses;  // the epoch's running mean after each step, as fit logs it
-  std::vector<std::vector<float>> weights;
-  double evaluation = 0;
-  TrainingStats stats;
-  // plan()'s tensor-parallel bytes per device per step (its per-row figure times the local rows).
-  double planned_tensor_parallel_bytes = 0;
-};
-
-Model model_under(Strategy& strategy) {
-  auto scope = strategy.scope();
-  return make_mlp();
-}
-
-Run train(Strategy& strategy, const std::string& save_to = "") {
-  Model model = model_under(strategy);
-  {
-    auto scope = strategy.scope();
-    model.compile(Adam{.learning_rate = 0.01}, "mse");
-  }
-  Run run;
-  auto record = std::make_shared<LambdaCallback>(LambdaCallbackOptions{
-      .on_train_batch_end = [&](std::int64_t, Logs& logs) { run.losses.push_back(logs.at("loss")); }});
-  const auto [x, y] = make_data(kSteps);
-  model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .callbacks = {record}, .shuffle = false});
-  run.stats = model.training_stats();
-  if (dynamic_cast<kd::ModelParallel*>(&strategy) != nullptr) {
-    const kd::Plan plan = kd::plan(model, {.batch_rows = kBatch});
-    run.planned_tensor_parallel_bytes = plan.communication_bytes_per_row * static_cast<double>(plan.local_rows);
-  }
-  for (const auto& w : model.get_weights()) run.weights.push_back(w.to_vector<float>());
-  const auto [ex, ey] = make_data(kSteps + 1);
-  run.evaluation = model.evaluate(ex, ey, {.batch_size = kBatch, .verbose = 0}).at("loss");
-  if (!save_to.empty()) model.save_weights(save_to);
-  return run;
-}
+using namespace tandem::testing::parallel_fit;
 
 // What the tensor-parallel groups sent per device per step, against plan()'s formula.
 void check_planned_bytes(const Run& got) {
@@ -101,33 +36,8 @@ void check_planned_bytes(const Run& got) {
 }
 
 void check_equivalent(const Run& got, const Run& want) {
-  REQUIRE(got.losses.size() == static_cast<std::size_t>(kSteps));
-  REQUIRE(got.losses.size() == want.losses.size());
-  for (std::size_t s = 0; s < got.losses.size(); ++s) {
-    CAPTURE(s);
-    CHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * std::abs(want.losses[s]));
-  }
-  CHECK(std::abs(got.evaluation - want.evaluation) <= 1e-5 * std::abs(want.evaluation));
-  REQUIRE(got.weights.size() == want.weights.size());
-  for (std::size_t k = 0; k < want.weights.size(); ++k) {
-    REQUIRE(got.weights[k].size() == want.weights[k].size());
-    for (std::size_t i = 0; i < got.weights[k].size(); ++i) {
-      const double a = got.weights[k][i], b = want.weights[k][i];
-      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b))) {
-        FAIL_CHECK("weight " << k << "[" << i << "]: " << a << " vs " << b);
-        break;
-      }
-    }
-  }
-}
-
-// Megatron's pairing by hand: fc1 column-split, fc2 row-split, over 'model'.
-kd::LayoutMap pair_layouts(const kd::DeviceMesh& mesh) {
-  kd::LayoutMap map(mesh);
-  map["fc1/kernel"] = {std::nullopt, "model"};
-  map["fc1/bias"] = {"model"};
-  map["fc2/kernel"] = {"model", std::nullopt};
-  return map;
+  CHECK(got.losses.size() == static_cast<std::size_t>(kSteps));
+  CHECK(difference(got, want) == "");
 }
 
 const Run& one_device() {

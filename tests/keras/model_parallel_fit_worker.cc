@@ -1,0 +1,66 @@
+// The worker program of the 2-process ModelParallel fit test (model_parallel_fit_processes.sh),
+// started by tandem-run, or alone with --reference:
+//   --mesh BxT --out DIR   ModelParallel over a B x T mesh of (batch, model) of every worker's
+//                          devices, fc1/fc2 tensor-parallel (parallel_fit_mlp.h), trained as the
+//                          in-process test trains it; checked here against OneDeviceStrategy
+//                          (within 1e-5) and written to DIR/rank-R.txt bit for bit (hex floats)
+//   --reference            the same mesh over this one process's devices, written as rank 0
+// Exit status 1, with the difference on stderr, when the run is not equivalent to one device.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "keras/parallel_fit_mlp.h"
+
+using namespace tandem;
+using namespace tandem::testing::parallel_fit;
+namespace kd = tandem::keras::distribution;
+
+int main(int argc, char** argv) {
+  CLI::App app("model_parallel_fit_worker: ModelParallel's tensor parallelism under fit across processes");
+  std::vector<std::int64_t> mesh_shape;
+  std::string out;
+  bool reference = false;
+  app.add_option("--mesh", mesh_shape, "batch x model devices")->required()->delimiter('x')->expected(2);
+  app.add_option("--out", out)->required();
+  app.add_flag("--reference", reference, "one process over its own devices");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    Run want;
+    {
+      OneDeviceStrategy one("CPU:0");
+      want = train(one);
+    }
+    kd::ModelParallel mp(pair_layouts(kd::DeviceMesh(mesh_shape, {"batch", "model"}, kd::list_devices("cpu"))));
+    const Run got = train(mp);
+    const int rank = reference ? 0 : mp.worker_rank();
+    std::filesystem::create_directories(out);
+    std::ofstream file(fmt::format("{}/rank-{}.txt", out, rank));
+    for (const double loss : got.losses) file << fmt::format("loss {:a}\n", loss);
+    file << fmt::format("evaluation {:a}\n", got.evaluation);
+    for (const auto& w : got.weights) {
+      file << "weight";
+      for (const float v : w) file << fmt::format(" {:a}", v);
+      file << "\n";
+    }
+    // Per device and step: the same in one process as in two.
+    file << fmt::format("tensor_parallel_bytes_per_device_and_step {}\n",
+                        got.stats.tensor_parallel.total().bytes_sent /
+                            std::max<std::int64_t>(1, got.stats.steps * got.stats.replicas));
+    const std::string difference_from_one_device = difference(got, want);
+    if (!difference_from_one_device.empty()) {
+      std::fprintf(stderr, "model_parallel_fit_worker rank %d: differs from one device: %s\n", rank,
+                   difference_from_one_device.c_str());
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "model_parallel_fit_worker: %s\n", e.what());
+    return 1;
+  }
+}
