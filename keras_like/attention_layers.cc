@@ -4,6 +4,7 @@
 #include "tandem/base/random.h"
 #include "tandem/keras_like/layers.h"
 #include "tandem/ops/ops.h"
+#include "tandem/strategy/tensor_parallel.h"
 
 namespace tandem::keras {
 namespace {
@@ -56,6 +57,8 @@ class MultiHeadAttentionImpl final : public LayerImpl {
                          {"attention_output/bias", std::nullopt}}}};
   }
 
+  bool runs_tensor_parallel(std::string_view name) const override { return name == "heads"; }
+
   int min_inputs() const override { return 3; }
   int max_inputs() const override { return 4; }
 
@@ -87,7 +90,20 @@ class MultiHeadAttentionImpl final : public LayerImpl {
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
     const auto* arguments = std::any_cast<AttentionArguments>(&ctx.arguments());
     const AttentionArguments args = arguments != nullptr ? *arguments : AttentionArguments{};
-    const Output query = inputs[kQuery], value = inputs[kValue], key = inputs[kKey];
+    Output query = inputs[kQuery], value = inputs[kValue], key = inputs[kKey];
+    // Tensor parallelism over heads (Megatron): this device's heads (the kernels here are its
+    // pieces); the inputs pass through f (their gradients all-reduced in backward), once per
+    // distinct input, and the output projection's partial sums through g.
+    const auto& tp = tensor_parallel_call();
+    if (tp) {
+      const auto same = [](const Output& a, const Output& b) { return a.node == b.node && a.index == b.index; };
+      const Output q_in = strategy::tensor_parallel::copy_to_group(query, *tp->group);
+      const Output v_in = same(value, query) ? q_in : strategy::tensor_parallel::copy_to_group(value, *tp->group);
+      key = same(key, query) ? q_in : same(key, value) ? v_in : strategy::tensor_parallel::copy_to_group(key, *tp->group);
+      query = q_in;
+      value = v_in;
+    }
+    const std::int64_t heads = query_.kernel->graph_shape()[1];  // this device's (all without tensor parallelism)
     require_sequence(query.shape(), "query");
     require_sequence(value.shape(), "value");
     require_sequence(key.shape(), "key");
@@ -96,9 +112,9 @@ class MultiHeadAttentionImpl final : public LayerImpl {
                    "{}: value {} and key {} must have the same sequence length", label(), value.shape(), key.shape());
 
     // [B, L, C] -> [B, heads, L, dim] per projection.
-    const Output q = project(ctx, query, query_, key_dim_, "query");
-    const Output k = project(ctx, key, key_, key_dim_, "key");
-    const Output v = project(ctx, value, value_, value_dim_, "value");
+    const Output q = project(ctx, query, query_, heads, key_dim_, "query");
+    const Output k = project(ctx, key, key_, heads, key_dim_, "key");
+    const Output v = project(ctx, value, value_, heads, value_dim_, "value");
     const Output mask = inputs.size() > kMask ? attention_mask(inputs[kMask], t, s) : Output{};
 
     // Scores [B, heads, T, S]; the fused softmax applies 1/sqrt(key_dim) (Keras scales the query
@@ -111,9 +127,18 @@ class MultiHeadAttentionImpl final : public LayerImpl {
                                : probs;
     // [B, heads, T, value_dim] -> [B, T, heads * value_dim] -> the output projection.
     Output combined = ops::transpose(ops::batch_matmul(dropped, v), {0, 2, 1, 3});
-    combined = ops::reshape(combined, {-1, heads_ * value_dim_});
+    combined = ops::reshape(combined, {-1, heads * value_dim_});
     const std::int64_t out_features = output_shape_.num_elements();
-    Output y = dense(ctx, combined, output_, heads_ * value_dim_, out_features);
+    Output y;
+    if (tp) {
+      // The heads' partial products summed over the group (g), then the whole bias once.
+      y = strategy::tensor_parallel::reduce_from_group(
+          ops::matmul(combined, ops::reshape(ctx.read(output_.kernel), {heads * value_dim_, out_features})),
+          *tp->group);
+      if (output_.bias != nullptr) y = ops::bias_add(y, ops::reshape(ctx.read(output_.bias), {out_features}));
+    } else {
+      y = dense(ctx, combined, output_, heads * value_dim_, out_features);
+    }
     Shape y_shape{Shape::kUnknown, t};
     for (const auto d : output_shape_.dims()) y_shape.push_back(d);
     y = ops::reshape(y, y_shape);
@@ -158,13 +183,14 @@ class MultiHeadAttentionImpl final : public LayerImpl {
   }
 
   // [B, L, C] -> [B, heads, L, dim].
-  Output project(CallContext& ctx, Output x, const Projection& p, std::int64_t dim, std::string_view what) const {
+  Output project(CallContext& ctx, Output x, const Projection& p, std::int64_t heads, std::int64_t dim,
+                 std::string_view what) const {
     const Shape& in = x.shape();
     const std::int64_t features = p.kernel->global_shape()[0];
     TANDEM_REQUIRE(in[2] == features, InvalidArgument, "{}: {} has {} features, its kernel expects {} (shape {})",
                    label(), what, in[2], features, in);
-    Output y = dense(ctx, ops::reshape(x, {-1, features}), p, features, heads_ * dim);
-    y = ops::reshape(y, {-1, in[1], heads_, dim});
+    Output y = dense(ctx, ops::reshape(x, {-1, features}), p, features, heads * dim);
+    y = ops::reshape(y, {-1, in[1], heads, dim});
     return ops::transpose(y, {0, 2, 1, 3});
   }
 

@@ -1,6 +1,7 @@
 // Convolution and pooling layers: Conv2D, MaxPooling2D, AveragePooling2D (NHWC, channels last).
 #include "tandem/keras_like/layers.h"
 #include "tandem/ops/ops.h"
+#include "tandem/strategy/tensor_parallel.h"
 
 namespace tandem::keras {
 namespace {
@@ -57,22 +58,34 @@ class Conv2DImpl final : public LayerImpl {
       bias_ = add_weight({.name = "bias", .shape = {filters_}, .initializer = options_.bias_initializer});
   }
 
+  bool runs_tensor_parallel(std::string_view name) const override { return name == "output_channels"; }
+
   std::vector<Output> call(CallContext& ctx, const std::vector<Output>& inputs) override {
-    const Output x = inputs[0];
+    Output x = inputs[0];
     const Shape& in = x.shape();
     require_image(in, label());
     const std::int64_t channels = kernel_->global_shape()[2];
     TANDEM_REQUIRE(in[3] == channels, InvalidArgument, "{}: input has {} channels, kernel expects {} (input shape {})",
                    label(), in[3], channels, in);
+    // Tensor parallelism over output channels: this device's filters (the kernel here is its
+    // piece) on the whole input (f: its gradient all-reduced in backward), the channels gathered.
+    const auto& tp = tensor_parallel_call();
+    if (tp) x = strategy::tensor_parallel::copy_to_group(x, *tp->group);
     const ops::Conv2DOptions conv{.strides = options_.strides, .padding = padding_};
     const auto fused = fused_activation();
-    if (bias_ != nullptr && fused) {
+    const bool softmax = options_.activation == "softmax";  // needs every channel: after the gather
+    Output y;
+    if (bias_ != nullptr && fused && !(tp && softmax)) {
       // Bias and activation applied in the convolution's own pass, while its output is in cache.
-      return {ops::fused_conv2d(x, ctx.read(kernel_), ctx.read(bias_), *fused, conv)};
+      y = ops::fused_conv2d(x, ctx.read(kernel_), ctx.read(bias_), *fused, conv);
+    } else {
+      y = ops::conv2d(x, ctx.read(kernel_), conv);
+      if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
+      if (!(tp && softmax)) y = apply_activation(options_.activation, y, label());
     }
-    Output y = ops::conv2d(x, ctx.read(kernel_), conv);
-    if (bias_ != nullptr) y = ops::bias_add(y, ctx.read(bias_));
-    return {apply_activation(options_.activation, y, label())};
+    if (!tp) return {y};
+    y = strategy::tensor_parallel::gather_from_group(y, 3, *tp->group);
+    return {softmax ? apply_activation(options_.activation, y, label()) : y};
   }
 
  private:

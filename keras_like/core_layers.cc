@@ -140,9 +140,14 @@ class EmbeddingImpl final : public LayerImpl {
                    ids.shape());
     if (ids.dtype() != DType::kI32 && ids.dtype() != DType::kI64) ids = ops::cast(ids, DType::kI32);
     Output rows = ops::gather(ctx.read(embeddings_), ids);
+    // Split by output features: this device's columns of every row, gathered (the vocabulary
+    // split's masked lookup is not run under fit yet).
+    if (const auto& tp = tensor_parallel_call())
+      rows = strategy::tensor_parallel::gather_from_group(rows, rows.shape().rank() - 1, *tp->group);
     if (graph::is_floating(rows.dtype()) && rows.dtype() != compute_dtype()) rows = ops::cast(rows, compute_dtype());
     return {rows};
   }
+  bool runs_tensor_parallel(std::string_view name) const override { return name == "output"; }
 
  private:
   std::int64_t input_dim_, output_dim_;

@@ -133,7 +133,6 @@ std::string exact_key(const std::string& path) {
 
 bool divides(std::int64_t n, std::int64_t parts) { return n % parts == 0; }
 
-
 }  // namespace
 
 std::vector<VariableLayout> check_layouts(const Model& model, const LayoutMap& layout_map,
@@ -254,8 +253,8 @@ LayoutMap LayoutMap::resolve(const Model& model, std::vector<std::string>* notes
 
 namespace detail {
 
-std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(const ModelState& state,
-                                                        const std::map<const LayerImpl*, std::string>& splits) {
+std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(
+    const ModelState& state, const std::map<const LayerImpl*, std::string>& splits) {
   std::map<const LayerNode*, std::vector<const LayerNode*>> consumers;
   std::map<const LayerImpl*, int> calls;
   for (const auto& node : state.nodes) {

@@ -136,7 +136,8 @@ std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::make_repli
   // The gradients are summed along the batch axis: one group per position on the other axes, on
   // this worker (in-process) or over every worker (the cross-device ops').
   const auto groups = groups_along(batch_axis_);
-  if (groups.size() == 1 && (num_workers() == 1 || reach_of(groups.begin()->first, batch_axis_) == GroupReach::kEveryWorker))
+  if (groups.size() == 1 &&
+      (num_workers() == 1 || reach_of(groups.begin()->first, batch_axis_) == GroupReach::kEveryWorker))
     return Distribution::make_replica_group();
   const auto& devices = replica_devices();
   std::vector<std::unique_ptr<collective::Communicator>> out(devices.size());
@@ -150,7 +151,7 @@ std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::make_repli
                    "the mesh out so that each such group is on one worker or spread evenly over all of them",
                    batch_dim_name(), device_mesh().to_string());
     auto communicators = reach == GroupReach::kThisWorker && num_workers() > 1 ? in_process.make_group(subset)
-                                                                                : cross_device_ops().make_group(subset);
+                                                                               : cross_device_ops().make_group(subset);
     for (std::size_t k = 0; k < members.size(); ++k) out[members[k]] = std::move(communicators[k]);
   }
   return out;
@@ -198,7 +199,8 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
     TANDEM_REQUIRE(device->type() == devices::DeviceType::kCPU, Unimplemented,
                    "ModelParallel: {} is split over '{}', but tensor-parallel collectives have CPU kernels only, and "
                    "replica device {} is a {}",
-                   first.layer, axis, device->short_name(), device->type() == devices::DeviceType::kGPU ? "GPU" : "device");
+                   first.layer, axis, device->short_name(),
+                   device->type() == devices::DeviceType::kGPU ? "GPU" : "device");
   }
   std::vector<std::shared_ptr<LayerImpl>> layers;
   for (const auto& layer : model.layers()) collect(layer.ptr(), layers);
@@ -210,8 +212,9 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
       const VariableLayout& v = *it->second;
       TANDEM_REQUIRE(layer->runs_tensor_parallel(v.split), Unimplemented,
                      "ModelParallel: {} is {}-split over '{}' ('{}' along dimension {}): a valid layout, which plan() "
-                     "shows, but training this layer split is not built yet (tensor-parallel Dense layers are); keep "
-                     "its weights whole (no layout for them) to train",
+                     "shows, but training this layer split is not built yet (tensor-parallel Dense, Conv2D, "
+                     "MultiHeadAttention and Embedding split by output features are); keep its weights whole (no "
+                     "layout for them) to train",
                      v.layer, v.split, axis, v.path, v.split_dim);
       splits[layer.get()] = v.split;
     }
@@ -243,16 +246,18 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
     if (split->second == "column") {
       call.output_split = pairs.contains(layer.get());
       if (!call.output_split && first_time) {
-        logging::info("ModelParallel: {} \"{}\" is column-split with no row-split Dense taking its output; its output "
-                      "is gathered over '{}' (one all-gather forward)",
-                      layer->class_name(), layer->name(), axis);
+        logging::info(
+            "ModelParallel: {} \"{}\" is column-split with no row-split Dense taking its output; its output "
+            "is gathered over '{}' (one all-gather forward)",
+            layer->class_name(), layer->name(), axis);
       }
     } else if (split->second == "row") {
       call.input_split = paired_rows.contains(layer.get());
       if (!call.input_split && first_time) {
-        logging::info("ModelParallel: {} \"{}\" is row-split with no column-split Dense giving its input; its input "
-                      "is split over '{}' (one all-gather backward)",
-                      layer->class_name(), layer->name(), axis);
+        logging::info(
+            "ModelParallel: {} \"{}\" is row-split with no column-split Dense giving its input; its input "
+            "is split over '{}' (one all-gather backward)",
+            layer->class_name(), layer->name(), axis);
       }
     }
     layer->set_tensor_parallel_call(std::move(call));

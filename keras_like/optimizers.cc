@@ -354,13 +354,15 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
   for (const auto& variable : variables) {
     // Tensor parallelism: a norm or a finiteness check of a split weight's gradient would need
     // its pieces' parts summed over the group, which the update does not do yet.
-    TANDEM_REQUIRE(!variable->tensor_split() || (!clip.clipnorm && !clip.global_clipnorm && !loss_scale_),
-                   Unimplemented,
-                   "{}: variable \"{}\" is split by tensor parallelism over '{}'; {} with tensor-parallel weights is not "
-                   "built yet (each device sees its piece's gradient only): use clipvalue, or no clipping and no loss "
-                   "scaling",
-                   name(), variable->name(), variable->tensor_split()->axis,
-                   loss_scale_ ? "loss scaling" : clip.clipnorm ? "clipnorm" : "global_clipnorm");
+    TANDEM_REQUIRE(
+        !variable->tensor_split() || (!clip.clipnorm && !clip.global_clipnorm && !loss_scale_), Unimplemented,
+        "{}: variable \"{}\" is split by tensor parallelism over '{}'; {} with tensor-parallel weights is not "
+        "built yet (each device sees its piece's gradient only): use clipvalue, or no clipping and no loss "
+        "scaling",
+        name(), variable->name(), variable->tensor_split()->axis,
+        loss_scale_     ? "loss scaling"
+        : clip.clipnorm ? "clipnorm"
+                        : "global_clipnorm");
   }
   for (const auto& variable : variables) {
     strategy::Strategy& owner = variable->strategy();

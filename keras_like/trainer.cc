@@ -572,8 +572,7 @@ void Trainer::run_replica_step(int r, const data::Element& shard, std::int64_t g
   replica.sums_reduced = false;
   const auto& strategy = *model_.strategy;
   if (strategy.num_workers() > 1 && strategy.gradient_group_spans_workers() &&
-      replica.executor->device().host_accessible() &&
-      holds_step_sums(reducer.extra_dtype(), global_examples)) {
+      replica.executor->device().host_accessible() && holds_step_sums(reducer.extra_dtype(), global_examples)) {
     const auto slot = static_cast<std::size_t>(strategy.worker_rank()) * replicas_.size() + static_cast<std::size_t>(r);
     // The rider's values once per worker (replica 0's), so that the sum is over the workers.
     sums_to_tensor(replica.sums, replica.sums_tensor, reducer.extra_dtype(), slot,

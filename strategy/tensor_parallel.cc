@@ -87,8 +87,7 @@ std::vector<graph::TensorSpec> own_part_shape(graph::ShapeContext& ctx) {
   ctx.require(out.shape.rank() >= 1, "needs at least one dimension; got {}", out.shape);
   const std::int64_t size = ctx.attrs().get_int("size");
   if (out.shape[0] != Shape::kUnknown) {
-    ctx.require(out.shape[0] % size == 0, "dimension 0 ({}) must divide by the group's {} devices", out.shape[0],
-                size);
+    ctx.require(out.shape[0] % size == 0, "dimension 0 ({}) must divide by the group's {} devices", out.shape[0], size);
     out.shape[0] /= size;
   }
   return {out};
@@ -102,13 +101,15 @@ graph::Output add_sized_op(graph::Output x, const char* op, const Group& group) 
 // The gather and the own part are each other's gradients: backward of a gather takes this
 // device's rows of the gradient; backward of taking them gathers every device's.
 std::vector<graph::Output> own_part_of_grad(graph::GradContext& ctx) {
-  return {ctx.grad(0).graph->add(kOwnPartOp, {ctx.grad(0)},
-                          graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
+  return {ctx.grad(0).graph->add(
+      kOwnPartOp, {ctx.grad(0)},
+      graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
 }
 
 std::vector<graph::Output> gather_of_grad(graph::GradContext& ctx) {
-  return {ctx.grad(0).graph->add(kGatherOp, {ctx.grad(0)},
-                          graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
+  return {ctx.grad(0).graph->add(
+      kGatherOp, {ctx.grad(0)},
+      graph::Attrs{{"group", ctx.attrs().get_int("group")}, {"size", ctx.attrs().get_int("size")}})};
 }
 
 void gather_kernel(graph::KernelContext& ctx) {
@@ -149,7 +150,8 @@ void register_ops() {
     r.add_kernel(kMaxOp, devices::DeviceType::kCPU, all_reduce_kernel<collective::ReduceOp::kMax>, options);
     r.add({.name = kGatherOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = gathered_shape, .grad_fn = own_part_of_grad});
     r.add_kernel(kGatherOp, devices::DeviceType::kCPU, gather_kernel, options);
-    r.add({.name = kOwnPartOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = own_part_shape, .grad_fn = gather_of_grad});
+    r.add(
+        {.name = kOwnPartOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = own_part_shape, .grad_fn = gather_of_grad});
     r.add_kernel(kOwnPartOp, devices::DeviceType::kCPU, own_part_kernel, options);
   });
 }
@@ -182,7 +184,8 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
   return group;
 }
 
-std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> devices, const std::vector<int>& group_of) {
+std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> devices,
+                                                const std::vector<int>& group_of) {
   TANDEM_REQUIRE(!devices.empty() && devices.size() == group_of.size(), InvalidArgument,
                  "tensor_parallel::Group: {} devices but {} group indices", devices.size(), group_of.size());
   std::map<int, std::vector<std::size_t>> members;  // group index -> device indices, in device order
@@ -280,8 +283,8 @@ namespace {
 // `op` applied along `axis`: the collectives work on dimension 0, so `axis` is brought there and
 // back.
 graph::Output along_axis(graph::Output x, int axis, const char* op, const Group& group, const char* caller) {
-  TANDEM_REQUIRE(x.defined() && axis >= 0 && axis < x.shape().rank(), InvalidArgument, "{}: axis {} of {}", caller, axis,
-                 x.defined() ? x.shape().to_string() : std::string("nothing"));
+  TANDEM_REQUIRE(x.defined() && axis >= 0 && axis < x.shape().rank(), InvalidArgument, "{}: axis {} of {}", caller,
+                 axis, x.defined() ? x.shape().to_string() : std::string("nothing"));
   std::vector<std::int64_t> perm(static_cast<std::size_t>(x.shape().rank()));
   for (std::size_t d = 0; d < perm.size(); ++d) perm[d] = static_cast<std::int64_t>(d);
   std::swap(perm[0], perm[static_cast<std::size_t>(axis)]);

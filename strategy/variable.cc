@@ -57,7 +57,8 @@ Tensor TensorSplit::piece(const Tensor& whole, int p) const {
   const auto* src = static_cast<const char*>(host.raw_data());
   auto* dst = static_cast<char*>(out.raw_data());
   for (std::int64_t o = 0; o < around.outer; ++o) {
-    std::memcpy(dst + static_cast<std::size_t>(o) * chunk, src + static_cast<std::size_t>(o * parts + p) * chunk, chunk);
+    std::memcpy(dst + static_cast<std::size_t>(o) * chunk, src + static_cast<std::size_t>(o * parts + p) * chunk,
+                chunk);
   }
   return out;
 }
@@ -70,7 +71,8 @@ void TensorSplit::put_piece(const Tensor& piece, int p, Tensor& whole) const {
   const auto* src = static_cast<const char*>(host.raw_data());
   auto* dst = static_cast<char*>(whole.raw_data());
   for (std::int64_t o = 0; o < around.outer; ++o) {
-    std::memcpy(dst + static_cast<std::size_t>(o * parts + p) * chunk, src + static_cast<std::size_t>(o) * chunk, chunk);
+    std::memcpy(dst + static_cast<std::size_t>(o * parts + p) * chunk, src + static_cast<std::size_t>(o) * chunk,
+                chunk);
   }
 }
 
@@ -161,14 +163,18 @@ Tensor Variable::read_value() const {
     bool every_worker_holds_all = true;
     for (std::size_t w = 0; w * static_cast<std::size_t>(local) < pieces.size(); ++w) {
       std::vector<bool> held(static_cast<std::size_t>(split.parts), false);
-      for (int r = 0; r < local; ++r) held[static_cast<std::size_t>(pieces[w * static_cast<std::size_t>(local) + static_cast<std::size_t>(r)])] = true;
-      every_worker_holds_all = every_worker_holds_all && std::all_of(held.begin(), held.end(), [](bool h) { return h; });
+      for (int r = 0; r < local; ++r)
+        held[static_cast<std::size_t>(pieces[w * static_cast<std::size_t>(local) + static_cast<std::size_t>(r)])] =
+            true;
+      every_worker_holds_all =
+          every_worker_holds_all && std::all_of(held.begin(), held.end(), [](bool h) { return h; });
     }
     Tensor out = Tensor::zeros(split.global_shape, dtype());
     for (int p = 0; p < split.parts; ++p) {
       const auto begin = every_worker_holds_all ? pieces.begin() + first : pieces.begin();
       const auto holder = static_cast<int>(std::find(begin, pieces.end(), p) - pieces.begin());
-      if (holder >= first && holder < first + local) split.put_piece(copies_[static_cast<std::size_t>(holder - first)], p, out);
+      if (holder >= first && holder < first + local)
+        split.put_piece(copies_[static_cast<std::size_t>(holder - first)], p, out);
     }
     if (!every_worker_holds_all) out = sum_over_workers(out);
     return out;
@@ -227,7 +233,8 @@ void Variable::assign(const Tensor& value) {
   if (tensor_split_) {
     const int first = strategy_->global_replica_index(0);
     for (std::size_t r = 0; r < copies_.size(); ++r) {
-      copies_[r].copy_from(tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r]));
+      copies_[r].copy_from(
+          tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r]));
     }
     return;
   }

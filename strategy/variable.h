@@ -56,7 +56,7 @@ struct ShardSpec {
 struct TensorSplit {
   int dim = 0;
   int parts = 1;
-  std::string axis;   // the mesh axis, for messages ("model")
+  std::string axis;    // the mesh axis, for messages ("model")
   Shape global_shape;  // the whole value's
   // Per replica in sync (every worker's, by global replica index): the piece it holds.
   std::vector<int> piece_of_replica;

@@ -196,8 +196,8 @@ inline std::unique_ptr<tandem::Strategy> make_model_parallel(const Args& a) {
 }
 
 // Compiles through `compile`. Under --print-plan, a compile that ModelParallel refuses because
-// tensor-parallel execution is not built prints the plan of the refused layout first, so that the
-// layout can still be looked at.
+// what it asks is not built (a pipeline of several stages) prints the plan of the refused
+// distribution first, so that it can still be looked at.
 inline void compile_model(const Args& a, const tandem::keras::Model& model, const std::function<void()>& compile,
                           std::int64_t rows_per_example = 1) {
   try {

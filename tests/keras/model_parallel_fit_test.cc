@@ -192,19 +192,112 @@ TEST_CASE("what tensor parallelism under fit does not do yet is refused before t
   }
   {
     kd::LayoutMap map(kd::DeviceMesh({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"}));
-    map["mha/(query|key|value)/kernel"] = {std::nullopt, "model", std::nullopt};
-    map["mha/(query|key|value)/bias"] = {"model", std::nullopt};
-    map["mha/attention_output/kernel"] = {"model", std::nullopt, std::nullopt};
+    map["embedding/embeddings"] = {"model", std::nullopt};
     kd::ModelParallel mp(map);
     auto scope = mp.scope();
     set_global_seed(3);
-    auto x = Input({4, 8});
-    auto y = MultiHeadAttention(2, 4, {.name = "mha"})({x, x});
-    Model model(x, y, "attention");
+    auto x = Input({4}, DType::kI32);
+    auto y = Dense(1, {.name = "out"})(Flatten()(Embedding(10, 4, {.name = "embedding"})(x)));
+    Model model(x, y, "lookup");
     CHECK(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }) ==
-          "ModelParallel: MultiHeadAttention \"mha\" is heads-split over 'model' ('mha/query/kernel' along dimension "
-          "1): a valid layout, which plan() shows, but training this layer split is not built yet (tensor-parallel "
-          "Dense layers are); keep its weights whole (no layout for them) to train");
+          "ModelParallel: Embedding \"embedding\" is vocabulary-split over 'model' ('embedding/embeddings' along "
+          "dimension 0): a valid layout, which plan() shows, but training this layer split is not built yet "
+          "(tensor-parallel Dense, Conv2D, MultiHeadAttention and Embedding split by output features are); keep its "
+          "weights whole (no layout for them) to train");
     for (const auto& w : model.weights()) CHECK(!w->tensor_split());
+  }
+}
+
+namespace {
+
+// Rows of kSteps + 1 batches with features of `shape` (normal), and a target per row from them.
+std::pair<Tensor, Tensor> random_rows(const Shape& shape, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::int64_t rows = (kSteps + 1) * kBatch, per_row = shape.num_elements();
+  std::vector<float> x(static_cast<std::size_t>(rows * per_row)), y;
+  for (auto& v : x) v = normal(rng);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float s = 0;
+    for (std::int64_t i = 0; i < per_row; ++i) s += std::sin(x[static_cast<std::size_t>(r * per_row + i)] * 0.9f);
+    y.push_back(s / static_cast<float>(per_row));
+  }
+  Shape x_shape{rows};
+  for (const auto d : shape.dims()) x_shape.push_back(d);
+  return {Tensor::from_vector(x, x_shape), Tensor::from_vector(y, {rows, 1})};
+}
+
+}  // namespace
+
+TEST_CASE("Conv2D split over output channels, attention over heads, Embedding over features train as one device") {
+  const kd::DeviceMesh tp2({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"});
+  const kd::DeviceMesh dp2tp2({2, 2}, {"batch", "model"}, kFourCpus);
+  const auto check = [&](const std::function<Model()>& make, const std::pair<Tensor, Tensor>& data,
+                         const std::function<kd::LayoutMap(const kd::DeviceMesh&)>& layouts, std::int64_t gathers,
+                         const OptimizerRef& optimizer = Adam{.learning_rate = 0.01}) {
+    OneDeviceStrategy one("CPU:0");
+    const Run want = train_model(one, make, data.first, data.second, "", optimizer);
+    for (const auto* mesh : {&tp2, &dp2tp2}) {
+      CAPTURE(mesh->to_string());
+      kd::ModelParallel mp(layouts(*mesh));
+      const Run got = train_model(mp, make, data.first, data.second, "", optimizer);
+      CHECK(got.losses.size() == static_cast<std::size_t>(kSteps));
+      CHECK(difference(got, want) == "");
+      const std::int64_t replicas = mesh->shape()[0] * 2;
+      CHECK(got.stats.tensor_parallel.all_gather.calls == kSteps * replicas * gathers);
+    }
+  };
+  SUBCASE("Conv2D over output channels: the channels gathered") {
+    check(
+        [] {
+          set_global_seed(13);
+          auto x = Input({6, 6, 2});
+          auto h = Conv2D(4, {3, 3}, {.activation = "relu", .name = "conv"})(x);
+          auto y = Dense(1, {.name = "out"})(Flatten()(h));
+          return Model(x, y, "cnn");
+        },
+        random_rows({6, 6, 2}, 41),
+        [](const kd::DeviceMesh& mesh) {
+          kd::LayoutMap map(mesh);
+          map["conv/kernel"] = {std::nullopt, std::nullopt, std::nullopt, "model"};
+          map["conv/bias"] = {"model"};
+          return map;
+        },
+        1);
+  }
+  SUBCASE("MultiHeadAttention over heads (LayoutMap::megatron): the output projection's sums all-reduced") {
+    check(
+        [] {
+          set_global_seed(17);
+          auto x = Input({4, 8});
+          auto h = MultiHeadAttention(2, 4, {.name = "mha"})({x, x});
+          auto y = Dense(1, {.name = "out"})(Flatten()(h));
+          return Model(x, y, "attention");
+        },
+        random_rows({4, 8}, 43), [](const kd::DeviceMesh& mesh) { return kd::LayoutMap::megatron(mesh); }, 0,
+        // SGD: the key projection's bias has a zero gradient in exact arithmetic (a softmax does not
+        // see a constant added to every score of a query); its rounding noise, which Adam would
+        // scale up to learning-rate-sized steps, stays noise.
+        SGD{.learning_rate = 0.05});
+  }
+  SUBCASE("Embedding over output features: each row's features gathered") {
+    const auto [x, y] = random_rows({4}, 47);
+    std::vector<std::int32_t> ids;
+    for (const float v : x.to_vector<float>()) ids.push_back(static_cast<std::int32_t>(std::abs(v) * 3) % 10);
+    check(
+        [] {
+          set_global_seed(19);
+          auto in = Input({4}, DType::kI32);
+          auto h = Embedding(10, 4, {.name = "embedding"})(in);
+          auto out = Dense(1, {.name = "out"})(Flatten()(h));
+          return Model(in, out, "lookup");
+        },
+        {Tensor::from_vector(ids, x.shape()), y},
+        [](const kd::DeviceMesh& mesh) {
+          kd::LayoutMap map(mesh);
+          map["embedding/embeddings"] = {std::nullopt, "model"};
+          return map;
+        },
+        1);
   }
 }

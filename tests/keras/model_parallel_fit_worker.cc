@@ -49,9 +49,9 @@ int main(int argc, char** argv) {
       file << "\n";
     }
     // Per device and step: the same in one process as in two.
-    file << fmt::format("tensor_parallel_bytes_per_device_and_step {}\n",
-                        got.stats.tensor_parallel.total().bytes_sent /
-                            std::max<std::int64_t>(1, got.stats.steps * got.stats.replicas));
+    file << fmt::format(
+        "tensor_parallel_bytes_per_device_and_step {}\n",
+        got.stats.tensor_parallel.total().bytes_sent / std::max<std::int64_t>(1, got.stats.steps * got.stats.replicas));
     const std::string difference_from_one_device = difference(got, want);
     if (!difference_from_one_device.empty()) {
       std::fprintf(stderr, "model_parallel_fit_worker rank %d: differs from one device: %s\n", rank,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,27 +67,39 @@ inline Model model_under(Strategy& strategy) {
   return make_mlp();
 }
 
-inline Run train(Strategy& strategy, const std::string& save_to = "") {
-  Model model = model_under(strategy);
+// Trains the model `make` builds under `strategy` on the first kSteps batches of (x, y), logging
+// each step's loss, then evaluates it on all of (x, y).
+inline Run train_model(Strategy& strategy, const std::function<Model()>& make, const Tensor& x, const Tensor& y,
+                       const std::string& save_to = "", OptimizerRef optimizer = Adam{.learning_rate = 0.01}) {
+  Model model = [&] {
+    auto scope = strategy.scope();
+    return make();
+  }();
   {
     auto scope = strategy.scope();
-    model.compile(Adam{.learning_rate = 0.01}, "mse");
+    model.compile(std::move(optimizer), "mse");
   }
   Run run;
   auto record = std::make_shared<LambdaCallback>(LambdaCallbackOptions{
       .on_train_batch_end = [&](std::int64_t, Logs& logs) { run.losses.push_back(logs.at("loss")); }});
-  const auto [x, y] = make_data(kSteps);
-  model.fit(x, y, {.batch_size = kBatch, .epochs = 1, .verbose = 0, .callbacks = {record}, .shuffle = false});
+  model.fit(x, y,
+            {.batch_size = kBatch, .epochs = 1, .verbose = 0, .callbacks = {record}, .shuffle = false,
+             .steps_per_epoch = kSteps});
   run.stats = model.training_stats();
   if (dynamic_cast<distribution::ModelParallel*>(&strategy) != nullptr) {
     const distribution::Plan plan = distribution::plan(model, {.batch_rows = kBatch});
     run.planned_tensor_parallel_bytes = plan.communication_bytes_per_row * static_cast<double>(plan.local_rows);
   }
   for (const auto& w : model.get_weights()) run.weights.push_back(w.to_vector<float>());
-  const auto [ex, ey] = make_data(kSteps + 1);
-  run.evaluation = model.evaluate(ex, ey, {.batch_size = kBatch, .verbose = 0}).at("loss");
+  run.evaluation = model.evaluate(x, y, {.batch_size = kBatch, .verbose = 0}).at("loss");
   if (!save_to.empty()) model.save_weights(save_to);
   return run;
+}
+
+// The MLP on kSteps batches and one more.
+inline Run train(Strategy& strategy, const std::string& save_to = "") {
+  const auto [x, y] = make_data(kSteps + 1);
+  return train_model(strategy, make_mlp, x, y, save_to);
 }
 
 // The first difference beyond 1e-5 relative between two runs (every step's logged loss, the
@@ -105,7 +118,8 @@ inline std::string difference(const Run& got, const Run& want) {
     if (got.weights[k].size() != want.weights[k].size()) return fmt::format("weight {}: another size", k);
     for (std::size_t i = 0; i < got.weights[k].size(); ++i) {
       const double a = got.weights[k][i], b = want.weights[k][i];
-      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b))) return fmt::format("weight {}[{}]: {} vs {}", k, i, a, b);
+      if (std::abs(a - b) > 1e-5 * std::max(1e-2, std::abs(b)))
+        return fmt::format("weight {}[{}]: {} vs {}", k, i, a, b);
     }
   }
   return "";

@@ -4,7 +4,8 @@
 # (tandem-run) give every step's loss within 1e-5 (relative) of OneDeviceStrategy's, and the same
 # validation loss after the last step; under ZeRO stage 3 (--zero 3: weights, gradients and Adam's
 # slots sharded, weights gathered layer by layer) the mirrored run's losses are bitwise the
-# unsharded run's, and the 2 workers' within 1e-5 of one device's. Also: the run's saved weights,
+# unsharded run's, and the 2 workers' within 1e-5 of one device's; under ModelParallel on a 2x2
+# mesh (data parallelism over 2 x tensor parallelism over 2) within 1e-5. Also: the run's saved weights,
 # loaded by a new process, give the same validation loss, and the same run twice writes the same
 # weights byte for byte.
 #
@@ -44,6 +45,11 @@ common="--steps $steps --eval-every $steps --eval-batches 4 --dropout 0 --verbos
 "$run" --nproc_per_node 2 --master_port 0 -- "$gpt" $common --strategy multiworker --zero 3 --collective-timeout 60 \
   --loss-log "$dir/multiworker_zero3.loss" >"$dir/multiworker_zero3.out" 2>&1 ||
   fail "the 2-worker run under ZeRO stage 3 failed"
+# Tensor parallelism: DP2xTP2 under ModelParallel (LayoutMap::megatron: attention split over heads,
+# the blocks' Dense layers over features).
+# shellcheck disable=SC2086
+"$gpt" $common --mesh 2x2 --cpu-devices 4 --loss-log "$dir/tensor_parallel.loss" >"$dir/tensor_parallel.out" 2>&1 ||
+  fail "the DP2xTP2 ModelParallel run failed"
 # shellcheck disable=SC2086
 "$gpt" --steps 0 --eval-batches 4 --verbose 0 --strategy one --load "$dir/one" >"$dir/load.out" 2>&1 ||
   fail "loading the saved weights failed"
@@ -60,6 +66,7 @@ compare() {
 compare "$dir/one.loss" "$dir/mirrored.loss" || fail "MirroredStrategy's losses differ from one device's"
 compare "$dir/one.loss" "$dir/multiworker.loss" || fail "the 2 workers' losses differ from one device's"
 compare "$dir/one.loss" "$dir/multiworker_zero3.loss" || fail "the 2 workers' losses under stage 3 differ from one device's"
+compare "$dir/one.loss" "$dir/tensor_parallel.loss" || fail "DP2xTP2's losses differ from one device's"
 cmp -s "$dir/mirrored.loss" "$dir/zero3.loss" || fail "ZeRO stage 3's losses are not bitwise the unsharded run's"
 cmp -s "$dir/one.loss" "$dir/again.loss" || fail "two OneDeviceStrategy runs logged different losses"
 cmp -s "$dir/one.weights.safetensors" "$dir/again.weights.safetensors" ||
@@ -70,4 +77,4 @@ val() { sed -n 's/^final val_loss \([0-9.]*\).*/\1/p' "$1"; }
 [ "$(val "$dir/one.out")" = "$(val "$dir/load.out")" ] ||
   fail "the loaded weights give val_loss $(val "$dir/load.out"), the trained model $(val "$dir/one.out")"
 echo "char_gpt_equivalence: $steps steps equal under mirrored (2 devices) and 2 workers, unsharded and under ZeRO" \
-  "stage 3; reload and rerun identical"
+  "stage 3, and under DP2xTP2 (ModelParallel); reload and rerun identical"

@@ -449,7 +449,7 @@ TEST_CASE("Conv2D split by output channels over 2 devices, gathered for the next
     const Output pw = g.placeholder(kFloat32, {kN, 3, 3, kOut2}, "w");
     Output h = group ? tp::copy_to_group(px, *group) : px;
     h = ops::relu(ops::bias_add(ops::conv2d(h, pf1), pb1));  // [2, 3, 3, out]
-    if (group) h = tp::gather_from_group(h, 3, *group);  // the channels made whole
+    if (group) h = tp::gather_from_group(h, 3, *group);      // the channels made whole
     const Output y = ops::conv2d(h, pf2, {.padding = ops::Padding::kSame});
     const Output total = ops::reduce_sum(ops::mul(y, pw));
     const std::vector<Output> xs{px, pf1, pb1, pf2};
