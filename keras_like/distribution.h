@@ -23,8 +23,8 @@
 //
 // What throws: InvalidArgument for a malformed mesh, layout or layout map (the message names the
 // key, axis, variable or device), for a path that matches two LayoutMap keys; Unimplemented for
-// what ModelParallel cannot do yet (sharding a variable); FailedPrecondition for plan() of a model
-// that is not built. Construction of a distribution blocks like MultiWorkerMirroredStrategy's.
+// what ModelParallel cannot do yet (a pipeline of several stages under fit; see ModelParallel);
+// FailedPrecondition for plan() of a model that is not built. Construction of a distribution blocks like MultiWorkerMirroredStrategy's.
 #pragma once
 
 #include <array>
