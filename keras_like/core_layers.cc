@@ -139,15 +139,22 @@ class EmbeddingImpl final : public LayerImpl {
     TANDEM_REQUIRE(ids.shape().rank() >= 1, InvalidArgument, "{}: ids have shape {}; expected (batch, ...)", label(),
                    ids.shape());
     if (ids.dtype() != DType::kI32 && ids.dtype() != DType::kI64) ids = ops::cast(ids, DType::kI32);
-    Output rows = ops::gather(ctx.read(embeddings_), ids);
-    // Split by output features: this device's columns of every row, gathered (the vocabulary
-    // split's masked lookup is not run under fit yet).
-    if (const auto& tp = tensor_parallel_call())
-      rows = strategy::tensor_parallel::gather_from_group(rows, rows.shape().rank() - 1, *tp->group);
+    const auto& tp = tensor_parallel_call();
+    Output rows;
+    if (tp && tp->split == "vocabulary") {
+      // Megatron's masked lookup: this device's rows of the table, zeros for the other ids,
+      // summed over the group.
+      rows = strategy::tensor_parallel::vocab_parallel_embedding(
+          ids, ctx.read(embeddings_), strategy::tensor_parallel::kVocabStartOfRank, *tp->group);
+    } else {
+      rows = ops::gather(ctx.read(embeddings_), ids);
+      // Split by output features: this device's columns of every row, gathered.
+      if (tp) rows = strategy::tensor_parallel::gather_from_group(rows, rows.shape().rank() - 1, *tp->group);
+    }
     if (graph::is_floating(rows.dtype()) && rows.dtype() != compute_dtype()) rows = ops::cast(rows, compute_dtype());
     return {rows};
   }
-  bool runs_tensor_parallel(std::string_view name) const override { return name == "output"; }
+  bool runs_tensor_parallel(std::string_view name) const override { return name == "output" || name == "vocabulary"; }
 
  private:
   std::int64_t input_dim_, output_dim_;

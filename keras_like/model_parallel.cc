@@ -213,8 +213,7 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
       TANDEM_REQUIRE(layer->runs_tensor_parallel(v.split), Unimplemented,
                      "ModelParallel: {} is {}-split over '{}' ('{}' along dimension {}): a valid layout, which plan() "
                      "shows, but training this layer split is not built yet (tensor-parallel Dense, Conv2D, "
-                     "MultiHeadAttention and Embedding split by output features are); keep its weights whole (no "
-                     "layout for them) to train",
+                     "MultiHeadAttention and Embedding are); keep its weights whole (no layout for them) to train",
                      v.layer, v.split, axis, v.path, v.split_dim);
       splits[layer.get()] = v.split;
     }

@@ -20,6 +20,7 @@ constexpr const char* kAllReduceOp = "TensorParallelAllReduce";
 constexpr const char* kMaxOp = "TensorParallelMax";
 constexpr const char* kGatherOp = "TensorParallelAllGather";  // along dimension 0
 constexpr const char* kOwnPartOp = "TensorParallelOwnPart";   // this device's rows of dimension 0
+constexpr const char* kShiftOp = "TensorParallelShiftByRank";  // integer ids - rank x rows
 
 // The live groups by id: a kernel's attribute names its group by id (attributes hold values, not
 // pointers), and a destroyed group's id is refused rather than read after it is freed.
@@ -128,6 +129,25 @@ void own_part_kernel(graph::KernelContext& ctx) {
                               out.nbytes());
 }
 
+// Integer ids minus rank x rows: the ids of this device's piece of a vocabulary.
+void shift_kernel(graph::KernelContext& ctx) {
+  const Group& group = find_group(ctx.attrs().get_int("group"), ctx.label());
+  const std::int64_t offset = group.rank_of(ctx.device()) * ctx.attrs().get_int("rows");
+  const Tensor& in = ctx.input(0);
+  Tensor& out = ctx.output(0);
+  graph::dispatch<graph::IntegerTypes>(in.dtype(), ctx.label(), [&]<class T>() {
+    const T* src = in.data<T>();
+    T* dst = out.data<T>();
+    for (std::int64_t i = 0; i < in.num_elements(); ++i) dst[i] = static_cast<T>(src[i] - static_cast<T>(offset));
+  });
+}
+
+std::vector<graph::TensorSpec> integer_like_input(graph::ShapeContext& ctx) {
+  const DType dtype = ctx.input(0).dtype;
+  ctx.require(dtype == DType::kI32 || dtype == DType::kI64, "needs int32 or int64 ids; got {}", dtype);
+  return {ctx.input(0)};
+}
+
 void register_ops() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -153,6 +173,9 @@ void register_ops() {
     r.add(
         {.name = kOwnPartOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = own_part_shape, .grad_fn = gather_of_grad});
     r.add_kernel(kOwnPartOp, devices::DeviceType::kCPU, own_part_kernel, options);
+    // Integers: no gradient.
+    r.add({.name = kShiftOp, .min_inputs = 1, .max_inputs = 1, .shape_fn = integer_like_input});
+    r.add_kernel(kShiftOp, devices::DeviceType::kCPU, shift_kernel);
   });
 }
 
@@ -306,7 +329,12 @@ graph::Output scatter_to_group(graph::Output x, int axis, const Group& group) {
 namespace {
 
 // ids - vocab_start, in ids' integer type: the rows of this device's piece (others out of range).
-graph::Output local_ids(graph::Output ids, std::int64_t vocab_start) {
+// kVocabStartOfRank: rank x rows, the rank found when the executor runs.
+graph::Output local_ids(graph::Output ids, std::int64_t vocab_start, std::int64_t rows, const Group& group) {
+  if (vocab_start == kVocabStartOfRank) {
+    ops::register_all();
+    return ids.graph->add(kShiftOp, {ids}, graph::Attrs{{"group", group.id()}, {"rows", rows}});
+  }
   return vocab_start == 0 ? ids : ops::sub(ids, ops::scalar_like(ids, static_cast<double>(vocab_start)));
 }
 
@@ -322,7 +350,7 @@ graph::Output vocab_parallel_embedding(graph::Output ids, graph::Output table_pi
   out_shape.push_back(dim);
   // An id outside the piece gets an all-zero one-hot row (OneHot's out-of-range rule), so its
   // looked-up row is zeros here and comes from the device that holds it.
-  const graph::Output one_hot = ops::one_hot(ops::reshape(local_ids(ids, vocab_start), {-1}), rows);
+  const graph::Output one_hot = ops::one_hot(ops::reshape(local_ids(ids, vocab_start, rows, group), {-1}), rows);
   graph::Output rows_found = ops::matmul(ops::cast(one_hot, table_piece.dtype()), table_piece);
   return ops::reshape(reduce_from_group(rows_found, group), out_shape);
 }
@@ -343,7 +371,8 @@ graph::Output vocab_parallel_cross_entropy(graph::Output logits_piece, graph::Ou
       max_over_group(ops::stop_gradient(ops::reduce_max(logits_piece, {.axes = {1}, .keep_dims = true})), group);
   const graph::Output z = ops::sub(logits_piece, shift);
   const graph::Output sum_exp = reduce_from_group(ops::reduce_sum(ops::exp(z), {.axes = {1}}), group);
-  const graph::Output target_mask = ops::cast(ops::one_hot(local_ids(labels, vocab_start), columns), z.dtype());
+  const graph::Output target_mask =
+      ops::cast(ops::one_hot(local_ids(labels, vocab_start, columns, group), columns), z.dtype());
   const graph::Output target = reduce_from_group(ops::reduce_sum(ops::mul(z, target_mask), {.axes = {1}}), group);
   return ops::sub(ops::log(sum_exp), target);
 }

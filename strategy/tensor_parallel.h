@@ -93,6 +93,10 @@ graph::Output gather_from_group(graph::Output x, int axis, const Group& group);
 // so one graph serves every device of the group.
 graph::Output scatter_to_group(graph::Output x, int axis, const Group& group);
 
+// vocab_start for a device holding piece `rank` of a vocabulary split evenly: rank x rows, the
+// rank found when the executor runs (one graph serves every device of the group).
+inline constexpr std::int64_t kVocabStartOfRank = -1;
+
 // Megatron's vocabulary-parallel embedding: this device holds rows [vocab_start, vocab_start +
 // rows) of the table (table_piece: [rows, dim]); an id outside them looks up zeros, and the
 // group's sum is every id's row: one all-reduce of (ids x dim) forward, none backward (the
