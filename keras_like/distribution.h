@@ -411,6 +411,14 @@ class ModelParallel final : public Distribution {
   int data_shard(int replica) const override;
   bool leads_data_shard(int replica) const override;
   bool gradient_group_spans_workers() const override { return gradients_span_workers_; }
+  // Pipelines (a stage axis of several devices): local replica `replica`'s stage (its coordinate
+  // on the stage axis), and its communicator in the group of its pipeline's stages (rank = stage),
+  // through which the activations and their gradients pass. Null without a pipeline.
+  int pipeline_stage(int replica) const;
+  collective::Communicator* pipeline_communicator(int replica) const;
+  // The model's layer calls cut into the pipeline's virtual stages (stages x virtual_stages), as
+  // check_model cut them last; empty before.
+  const std::vector<PlannedStage>& planned_stages() const { return planned_stages_; }
   collective::CommunicationStats tensor_parallel_stats() override;
 
  protected:
@@ -426,8 +434,17 @@ class ModelParallel final : public Distribution {
   // activation (LayerImpl::set_tensor_parallel_call). Unimplemented, naming what, for what is
   // not built: a split layer other than Dense, a model axis across workers, with ZeRO, on GPUs.
   void prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const;
+  // Pipelines, once check_model has accepted the cut: each variable placed on the replicas of the
+  // stage whose layers use it (Variable::split_into_pieces with one piece: the others hold
+  // nothing). Unimplemented, naming what, for what is not built: with tensor parallelism, ZeRO,
+  // GPUs, layers with moving statistics, a layer used by two stages.
+  void prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages) const;
   // At construction: the replicas' coordinates, the model axis and its groups.
   void place_replicas();
+  // The communicators of the groups along `axis` (one per position on the other axes), in-process
+  // for a group on this worker and the cross-device ops' for one spread over every worker, in
+  // local replica order; empty when some group is neither.
+  std::vector<std::unique_ptr<collective::Communicator>> communicators_along(std::size_t axis);
   enum class GroupReach { kThisWorker, kEveryWorker, kSomeWorkers };
   GroupReach reach_of(const std::vector<std::int64_t>& key, std::size_t free_axis) const;
   std::map<std::vector<std::int64_t>, std::vector<std::size_t>> groups_along(std::size_t free_axis) const;
@@ -447,6 +464,9 @@ class ModelParallel final : public Distribution {
   // aborted after a failure; a new distribution is needed then.
   std::vector<std::unique_ptr<collective::Communicator>> tensor_communicators_;
   bool gradients_span_workers_ = true;
+  std::optional<std::size_t> stage_axis_;
+  std::vector<std::unique_ptr<collective::Communicator>> pipeline_communicators_;  // per local replica
+  mutable std::vector<PlannedStage> planned_stages_;
 };
 
 // Keras's set_distribution / distribution(): the distribution code with no strategy scope uses

@@ -381,12 +381,17 @@ void ModelParallel::check_model(const Model& model) const {
                    mesh.to_string(), mesh.shape()[a], axis, model.name(), axis);
   }
   if (pipeline_ && pipeline_->stages > 1) {
-    throw Unimplemented(fmt::format(
-        "ModelParallel: the pipeline of model \"{}\" is valid ({} stages over mesh axis '{}', the first {} to {}, {} "
-        "micro-batches, {}), but pipeline execution under fit is not built yet (strategy::PipelineRunner runs stage "
-        "graphs): plan() shows its schedule; to train, give the axis '{}' one device",
-        model.name(), pipeline_->stages, stage_axis, stages[0].first_layer, stages[0].last_layer,
-        pipeline_->microbatches, strategy::pipeline_schedule_name(pipeline_->schedule), stage_axis));
+    const bool splits = std::any_of(layouts.begin(), layouts.end(), [](const VariableLayout& v) { return v.split_dim >= 0; });
+    TANDEM_REQUIRE(!splits, Unimplemented,
+                   "ModelParallel: model \"{}\" has a pipeline of {} stages over mesh axis '{}' and layouts that split "
+                   "variables; tensor and pipeline parallelism together under fit are not built yet (plan() shows "
+                   "them): give the stage axis one device, or keep every weight whole",
+                   model.name(), pipeline_->stages, stage_axis);
+    if (pipeline_->virtual_stages > 1) {
+      stages = cut_into_stages(model, pipeline_->stages * pipeline_->virtual_stages, pipeline_->cuts);
+    }
+    prepare_pipeline(model, stages);
+    return;
   }
   prepare_tensor_parallel(model, layouts);
 }

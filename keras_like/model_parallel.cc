@@ -81,7 +81,12 @@ void ModelParallel::place_replicas() {
   // The base made the default group (every replica) if it made one: ours sums along the batch
   // axis only.
   if (num_workers() > 1) remake_replica_group();
-  if (!tensor_axis_ || (pipeline_ && pipeline_->stages > 1)) return;
+  if (pipeline_ && pipeline_->stages > 1) {
+    stage_axis_ = static_cast<std::size_t>(std::find(names.begin(), names.end(), pipeline_->stage_axis) - names.begin());
+    pipeline_communicators_ = communicators_along(*stage_axis_);
+    return;  // tensor parallelism with a pipeline is refused at compile
+  }
+  if (!tensor_axis_) return;
   // The groups along the model axis: in-process communicators for groups on this worker, the
   // cross-device ops' (Gloo, shared memory) for groups spread over every worker; none when some
   // group is neither (prepare_tensor_parallel refuses splits then).
@@ -111,6 +116,86 @@ void ModelParallel::place_replicas() {
       }
     }
     tensor_group_ = strategy::tensor_parallel::Group::create(ordered, communicators);
+  }
+}
+
+std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::communicators_along(std::size_t axis) {
+  const auto& devices = replica_devices();
+  std::vector<std::unique_ptr<collective::Communicator>> out(devices.size());
+  const strategy::InProcessAllReduce in_process;
+  for (const auto& [key, members] : groups_along(axis)) {  // in the same order on every worker
+    std::vector<devices::Device*> subset;
+    for (const std::size_t r : members) subset.push_back(devices[r]);
+    const GroupReach reach = reach_of(key, axis);
+    if (reach == GroupReach::kSomeWorkers) return {};
+    auto made = reach == GroupReach::kThisWorker && num_workers() > 1 ? in_process.make_group(subset)
+                                                                      : cross_device_ops().make_group(subset);
+    for (std::size_t k = 0; k < members.size(); ++k) out[members[k]] = std::move(made[k]);
+  }
+  return out;
+}
+
+int ModelParallel::pipeline_stage(int replica) const {
+  return stage_axis_ ? static_cast<int>(coordinates_[static_cast<std::size_t>(global_replica_index(replica))][*stage_axis_])
+                     : 0;
+}
+
+collective::Communicator* ModelParallel::pipeline_communicator(int replica) const {
+  if (pipeline_communicators_.empty()) return nullptr;
+  return pipeline_communicators_[static_cast<std::size_t>(replica)].get();
+}
+
+void ModelParallel::prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages) const {
+  const int p = pipeline_->stages;
+  const std::string& axis = pipeline_->stage_axis;
+  TANDEM_REQUIRE(!pipeline_communicators_.empty(), Unimplemented,
+                 "ModelParallel: the pipelines along '{}' of {} are on some workers but not all: lay the mesh out so "
+                 "that each pipeline is on one worker or spread evenly over every worker",
+                 axis, device_mesh().to_string());
+  TANDEM_REQUIRE(distribution_options().zero == strategy::ZeroStage::k0, Unimplemented,
+                 "ModelParallel: model \"{}\" has a pipeline over '{}', and ZeRO stage {} is asked; sharding the "
+                 "data-parallel state of a pipeline's stages is not built yet",
+                 model.name(), axis, static_cast<int>(distribution_options().zero));
+  for (const auto* device : replica_devices()) {
+    TANDEM_REQUIRE(device->type() == devices::DeviceType::kCPU, Unimplemented,
+                   "ModelParallel: pipeline stages run on CPU devices only for now; replica device {} is not one",
+                   device->short_name());
+  }
+  // Each layer's device: the stage (virtual stage k runs on device k mod p) whose calls use it.
+  std::map<const Variable*, int> home;
+  std::size_t call = 0;
+  std::vector<const detail::LayerNode*> calls;
+  for (const auto& node : model.state()->nodes) {
+    if (node->layer != nullptr) calls.push_back(node.get());
+  }
+  for (std::size_t k = 0; k < stages.size(); ++k) {
+    const int device = static_cast<int>(k) % p;
+    for (int c = 0; c < stages[k].layer_calls; ++c, ++call) {
+      const LayerImpl& layer = *calls[call]->layer;
+      TANDEM_REQUIRE(layer.non_trainable_weights().empty(), Unimplemented,
+                     "ModelParallel: {} \"{}\" keeps non-trainable state (moving statistics) updated by training; "
+                     "under a pipeline that is not built yet",
+                     layer.class_name(), layer.name());
+      for (const auto& w : layer.weights()) {
+        const auto [it, inserted] = home.emplace(w.get(), device);
+        TANDEM_REQUIRE(inserted || it->second == device, Unimplemented,
+                       "ModelParallel: {} \"{}\" is called in stages {} and {} of the pipeline over '{}'; a layer "
+                       "shared across stages is not built yet: cut the model elsewhere",
+                       layer.class_name(), layer.name(), it->second, device, axis);
+      }
+    }
+  }
+  planned_stages_ = stages;
+  for (const auto& w : model.weights()) {
+    const auto it = home.find(w.get());
+    const int device = it == home.end() ? 0 : it->second;
+    std::vector<int> piece_of_replica;
+    for (const auto& c : coordinates_) piece_of_replica.push_back(static_cast<int>(c[*stage_axis_]) == device ? 0 : -1);
+    w->split_into_pieces({.dim = 0,
+                          .parts = 1,
+                          .axis = axis,
+                          .global_shape = w->global_shape(),
+                          .piece_of_replica = std::move(piece_of_replica)});
   }
 }
 

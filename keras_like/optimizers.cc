@@ -352,13 +352,13 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
   }
   const Clip clip = clip_of(spec_);
   for (const auto& variable : variables) {
-    // Tensor parallelism: a norm or a finiteness check of a split weight's gradient would need
-    // its pieces' parts summed over the group, which the update does not do yet.
+    // Tensor and pipeline parallelism: a norm or a finiteness check of the gradients would need
+    // the devices' parts summed over the group, which the update does not do yet.
     TANDEM_REQUIRE(
         !variable->tensor_split() || (!clip.clipnorm && !clip.global_clipnorm && !loss_scale_), Unimplemented,
-        "{}: variable \"{}\" is split by tensor parallelism over '{}'; {} with tensor-parallel weights is not "
-        "built yet (each device sees its piece's gradient only): use clipvalue, or no clipping and no loss "
-        "scaling",
+        "{}: variable \"{}\" is split over '{}' by ModelParallel; {} with tensor- or pipeline-parallel weights is "
+        "not built yet (each device sees its own part of the gradients only): use clipvalue, or no clipping and "
+        "no loss scaling",
         name(), variable->name(), variable->tensor_split()->axis,
         loss_scale_     ? "loss scaling"
         : clip.clipnorm ? "clipnorm"

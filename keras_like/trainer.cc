@@ -35,6 +35,7 @@
 #include "tandem/graph/autodiff.h"
 #include "tandem/graph/op_registry.h"
 #include "tandem/keras_like/detail/model_state.h"
+#include "tandem/keras_like/distribution.h"
 #include "tandem/ops/ops.h"
 
 namespace tandem::keras::detail {
@@ -43,17 +44,9 @@ namespace {
 
 // Runs the model's layer calls on graph outputs for its inputs.
 std::vector<Output> forward(ModelState& model, CallContext& ctx, const std::vector<Output>& inputs) {
-  std::map<const LayerNode*, std::vector<Output>> values;
+  LayerValues values;
   for (std::size_t i = 0; i < model.inputs.size(); ++i) values[model.inputs[i].node().get()] = {inputs[i]};
-  for (const auto& node : model.nodes) {
-    std::vector<Output> ins;
-    for (const auto& in : node->inputs) ins.push_back(values.at(in.node().get())[static_cast<std::size_t>(in.index())]);
-    auto scope = ctx.graph().name_scope(node->layer->name());
-    auto outs = node->layer->call_with_policy(ctx, ins, node->arguments);
-    TANDEM_ASSERT(outs.size() == node->outputs.size(), "{} returned {} outputs, {} when built", node->layer->name(),
-                  outs.size(), node->outputs.size());
-    values[node.get()] = std::move(outs);
-  }
+  run_layer_calls(model, ctx, values, 0, model.nodes.size());
   std::vector<Output> result;
   for (const auto& out : model.outputs)
     result.push_back(values.at(out.node().get())[static_cast<std::size_t>(out.index())]);
@@ -159,6 +152,43 @@ std::int64_t rows_of(const data::Element& shard) { return shard.empty() ? 0 : sh
 
 }  // namespace
 
+void run_layer_calls(ModelState& model, CallContext& ctx, LayerValues& values, std::size_t first, std::size_t end) {
+  for (std::size_t n = first; n < end; ++n) {
+    const auto& node = model.nodes[n];
+    std::vector<Output> ins;
+    for (const auto& in : node->inputs) ins.push_back(values.at(in.node().get())[static_cast<std::size_t>(in.index())]);
+    auto scope = ctx.graph().name_scope(node->layer->name());
+    auto outs = node->layer->call_with_policy(ctx, ins, node->arguments);
+    TANDEM_ASSERT(outs.size() == node->outputs.size(), "{} returned {} outputs, {} when built", node->layer->name(),
+                  outs.size(), node->outputs.size());
+    values[node.get()] = std::move(outs);
+  }
+}
+
+StepSumOutputs step_sum_outputs(ModelState& model, Graph& graph, const std::vector<Output>& outputs,
+                                const std::vector<Output>& targets, std::string_view scope_name) {
+  auto scope = graph.name_scope(scope_name);
+  const std::size_t n_out = model.outputs.size();
+  std::vector<Output> output_losses, metrics;
+  Output total;
+  for (std::size_t j = 0; j < n_out; ++j) {
+    const auto& compiled = model.compiled_outputs[j];
+    const Output per_example = per_example_loss(compiled.loss, targets[j], outputs[j]);
+    TANDEM_REQUIRE(per_example.shape().rank() == 1, InvalidArgument,
+                   "model \"{}\": the loss of output \"{}\" has shape {} per batch; expected one value per example",
+                   model.name, compiled.name, per_example.shape());
+    Output sum = ops::cast(ops::reduce_sum(per_example), DType::kF32);
+    output_losses.push_back(sum);
+    if (compiled.loss_weight != 1.0) sum = sum * ops::scalar_like(sum, compiled.loss_weight);
+    total = total.defined() ? total + sum : sum;
+    for (const auto& [metric, name] : compiled.metrics) metrics.push_back(metric_sum(metric, targets[j], outputs[j]));
+  }
+  StepSumOutputs out{.total = total, .fetches = {total}};
+  if (n_out > 1) out.fetches.insert(out.fetches.end(), output_losses.begin(), output_losses.end());
+  out.fetches.insert(out.fetches.end(), metrics.begin(), metrics.end());
+  return out;
+}
+
 struct Trainer::Graphs {
   std::shared_ptr<Graph> graph = std::make_shared<Graph>();
   std::vector<Output> x, y;
@@ -256,6 +286,16 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
                  "supported yet",
                  model.name, element_spec.size());
   if (with_targets && model.compiled) check_targets(model, std::span(element_spec).subspan(n_in));
+  if (const auto* mp = dynamic_cast<const distribution::ModelParallel*>(model.strategy);
+      mp != nullptr && mp->pipeline() && mp->pipeline()->stages > 1) {
+    const std::size_t num_sums = build_pipeline();
+    if (with_targets && model.compiled) {
+      const auto parts = static_cast<std::size_t>(model.strategy->num_replicas_in_sync());
+      train_metrics_ = std::make_unique<Metrics>(parts, num_sums);
+      test_metrics_ = std::make_unique<Metrics>(parts, num_sums);
+    }
+    return;
+  }
   auto& g = *graphs_;
   Graph& graph = *g.graph;
   std::vector<Output> inputs;
@@ -301,33 +341,10 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
       if (fed.rank() > 0) fed[0] = Shape::kUnknown;
       g.y.push_back(graph.placeholder(data.dtype, fed, fmt::format("y_{}", j)));
     }
-    // The loss and metric sums of one pass.
-    const auto sums = [&](const std::vector<Output>& outputs, std::string_view scope_name) {
-      auto scope = graph.name_scope(scope_name);
-      std::vector<Output> output_losses, metrics;
-      Output total;
-      for (std::size_t j = 0; j < n_out; ++j) {
-        const auto& compiled = model.compiled_outputs[j];
-        const Output per_example = per_example_loss(compiled.loss, g.y[j], outputs[j]);
-        TANDEM_REQUIRE(per_example.shape().rank() == 1, InvalidArgument,
-                       "model \"{}\": the loss of output \"{}\" has shape {} per batch; expected one value per example",
-                       model.name, compiled.name, per_example.shape());
-        Output sum = ops::cast(ops::reduce_sum(per_example), DType::kF32);
-        output_losses.push_back(sum);
-        if (compiled.loss_weight != 1.0) sum = sum * ops::scalar_like(sum, compiled.loss_weight);
-        total = total.defined() ? total + sum : sum;
-        for (const auto& [metric, name] : compiled.metrics) metrics.push_back(metric_sum(metric, g.y[j], outputs[j]));
-      }
-      std::vector<Output> fetches{total};
-      if (n_out > 1) fetches.insert(fetches.end(), output_losses.begin(), output_losses.end());
-      fetches.insert(fetches.end(), metrics.begin(), metrics.end());
-      return std::pair{total, fetches};
-    };
-    auto [train_total, train_sums] = sums(train_outputs, "train_loss");
-    auto [test_total, test_sums] = sums(infer_outputs, "test_loss");
-    (void)test_total;
+    // The loss and metric sums of each pass.
+    auto [train_total, train_sums] = step_sum_outputs(model, graph, train_outputs, g.y, "train_loss");
     g.num_sums = train_sums.size();
-    g.test_fetches = test_sums;
+    g.test_fetches = step_sum_outputs(model, graph, infer_outputs, g.y, "test_loss").fetches;
     g.train_fetches = train_sums;
 
     // Gradients of the scaled loss with respect to every trainable weight of the model.
@@ -394,7 +411,7 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
 Trainer::~Trainer() {
   const auto& g = *graphs_;
   const auto& t = g.times;
-  if (!g.profile || t.steps == 0) return;
+  if (!g.profile || t.steps == 0 || replicas_.empty()) return;
   // Printed when the trainer goes away (the model is rebuilt or destroyed).
   const auto per_step = [&](double seconds) { return 1e3 * seconds / static_cast<double>(t.steps); };
   std::string report = fmt::format(
@@ -643,6 +660,7 @@ std::vector<data::Element> Trainer::shards_of(const strategy::Strategy::WorkerBa
 }
 
 void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
+  if (pipeline_) return pipeline_train_step(batch);
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.train_fetches.empty(), FailedPrecondition,
                  "model \"{}\": training needs a compiled model and data with targets", model_.name);
@@ -691,7 +709,17 @@ void Trainer::train_step(const strategy::Strategy::WorkerBatch& batch) {
 
 TrainingTimes Trainer::times() const { return graphs_->times; }
 
+void Trainer::pipeline_add_sums(Phase phase, std::vector<StepSums>& per_replica) {
+  add_step_sums(phase == Phase::kTrain ? *train_metrics_ : *test_metrics_, per_replica);
+}
+
+void Trainer::count_step(double seconds) {
+  graphs_->times.steps += 1;
+  graphs_->times.step_seconds += seconds;
+}
+
 void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
+  if (pipeline_) return pipeline_test_step(batch);
   auto& g = *graphs_;
   TANDEM_REQUIRE(with_targets_ && !g.test_fetches.empty(), FailedPrecondition,
                  "model \"{}\": evaluation needs a compiled model and data with targets", model_.name);
@@ -735,6 +763,7 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
 }
 
 std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
+  if (pipeline_) return pipeline_predict_step(batch);
   auto& g = *graphs_;
   const auto body = [&](int r, const data::Element& shard) {
     Replica& replica = *replicas_[static_cast<std::size_t>(r)];

@@ -92,6 +92,13 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
       options_(std::move(options)) {
   const int p = config_.stages, v = config_.virtual_stages;
   plan_ = make_pipeline_schedule(config_);  // validates the config
+  if (options_.forward_only) {
+    for (auto& actions : plan_) {
+      std::erase_if(actions, [](const PipelineAction& a) {
+        return a.kind != Kind::kForward && a.kind != Kind::kRecvActivation && a.kind != Kind::kSendActivation;
+      });
+    }
+  }
   TANDEM_REQUIRE(!stages_.empty() && static_cast<int>(stages_.size()) <= p * v, InvalidArgument,
                  "PipelineRunner: {} stages given for a pipeline of {} stage{} x {} chunk{}", stages_.size(), p,
                  p == 1 ? "" : "s", v, v == 1 ? "" : "s");
@@ -140,16 +147,25 @@ PipelineRunner::PipelineRunner(std::vector<PipelineStage> stages, PipelineConfig
     TANDEM_REQUIRE(first != st.input.defined(), InvalidArgument,
                    "PipelineRunner: {} {} an input placeholder; every stage but the first needs one", name,
                    first ? "has" : "lacks");
-    TANDEM_REQUIRE(last != st.output.defined() && last == st.loss.defined() && last != st.output_gradient.defined(),
-                   InvalidArgument,
-                   "PipelineRunner: {} must have {} (the last stage a loss; the others an output and an "
-                   "output_gradient placeholder)",
-                   name, last ? "a loss and no output" : "an output, an output_gradient and no loss");
-    TANDEM_REQUIRE(first || st.input_gradient.defined(), InvalidArgument,
-                   "PipelineRunner: {} has no input_gradient (call add_gradients())", name);
-    TANDEM_REQUIRE(st.gradients.size() == st.variables.size() && st.values.size() == st.variables.size(),
-                   InvalidArgument, "PipelineRunner: {} has {} variables, {} values and {} gradients", name,
-                   st.variables.size(), st.values.size(), st.gradients.size());
+    if (options_.forward_only) {
+      TANDEM_REQUIRE(last != st.output.defined() && (!last || st.loss.defined() || !st.fetches.empty()),
+                     InvalidArgument, "PipelineRunner: {} must have {}", name,
+                     last ? "a loss or fetches, and no output" : "an output");
+    } else {
+      TANDEM_REQUIRE(
+          last != st.output.defined() && last == st.loss.defined() && last != st.output_gradient.defined(),
+          InvalidArgument,
+          "PipelineRunner: {} must have {} (the last stage a loss; the others an output and an output_gradient "
+          "placeholder)",
+          name, last ? "a loss and no output" : "an output, an output_gradient and no loss");
+      TANDEM_REQUIRE(first || st.input_gradient.defined(), InvalidArgument,
+                     "PipelineRunner: {} has no input_gradient (call add_gradients())", name);
+      TANDEM_REQUIRE(st.gradients.size() == st.variables.size(), InvalidArgument,
+                     "PipelineRunner: {} has {} variables and {} gradients", name, st.variables.size(),
+                     st.gradients.size());
+    }
+    TANDEM_REQUIRE(st.values.size() == st.variables.size(), InvalidArgument,
+                   "PipelineRunner: {} has {} variables and {} values", name, st.variables.size(), st.values.size());
     auto executor = std::make_unique<graph::Executor>(st.graph, *st.device);
     for (std::size_t k = 0; k < st.variables.size(); ++k) executor->bind_variable(st.variables[k], st.values[k]);
     executors_.push_back(std::move(executor));
@@ -180,6 +196,7 @@ PipelineStepResult PipelineRunner::step(const std::vector<std::vector<Tensor>>& 
   const PipelineStage& last = stages_.back();
   result.has_loss = last.index == config_.stages - 1 && last.chunk == config_.virtual_stages - 1;
   result.losses.assign(microbatches.size(), 0.0);
+  result.fetched.assign(microbatches.size(), {});
   result.gradients.resize(p);
   result.peak_stashed.assign(p, 0);
   result.forward_seconds.assign(p, 0.0);
@@ -245,13 +262,23 @@ void PipelineRunner::run_device(const Device& device, const std::vector<std::vec
         }
         case Kind::kForward: {
           const auto start = Clock::now();
-          const graph::Output fetch = st.loss.defined() ? st.loss : st.output;
-          auto out = executor.run(feeds(), {fetch});
+          std::vector<graph::Output> fetch;
+          if (st.loss.defined() || st.output.defined()) fetch.push_back(st.loss.defined() ? st.loss : st.output);
+          fetch.insert(fetch.end(), st.fetches.begin(), st.fetches.end());
+          auto out = executor.run(feeds(), fetch);
           result.forward_seconds[index] += std::chrono::duration<double>(Clock::now() - start).count();
+          if (!st.fetches.empty()) {
+            auto& fetched = result.fetched[static_cast<std::size_t>(mb)];
+            for (std::size_t k = fetch.size() - st.fetches.size(); k < out.size(); ++k) fetched.push_back(out[k].clone());
+          }
           if (st.loss.defined()) {
             result.losses[static_cast<std::size_t>(mb)] = out[0].to_vector<float>().at(0);
-          } else {
+          } else if (st.output.defined()) {
             outputs[key] = std::move(out[0]);
+          }
+          if (options_.forward_only) {  // nothing waits for a backward
+            received.erase(key);
+            break;
           }
           result.peak_stashed[index] = std::max(result.peak_stashed[index], ++live[static_cast<std::size_t>(a.chunk)]);
           break;

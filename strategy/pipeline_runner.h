@@ -60,6 +60,9 @@ struct PipelineStage {
   std::vector<graph::Output> variables;  // Variable nodes, bound to `values`
   std::vector<Tensor> values;
   std::vector<graph::Output> gradients;  // d loss / d each variable
+  // The last stage's: fetched with its loss in each micro-batch's forward (the step's loss and
+  // metric sums, a prediction's outputs), returned per micro-batch (PipelineStepResult::fetched).
+  std::vector<graph::Output> fetches;
 
   // Fills gradients and input_gradient from the rest: the last stage differentiates its loss,
   // the others their output seeded with output_gradient.
@@ -70,12 +73,16 @@ struct PipelineRunnerOptions {
   collective::CallOptions transfers;  // each send and recv's timeout
   // Called before each action on its stage's thread (tests inject failures; a profiler times).
   std::function<void(int stage, const PipelineAction& action)> before_action;
+  // Evaluation and prediction: each micro-batch's forward and its activations' transfers only, in
+  // the schedule's order. Stages need no gradients then; the last stage a loss or fetches.
+  bool forward_only = false;
 };
 
 // Per stage: in the order of the runner's stages (its local ones; chunks are stages too).
 struct PipelineStepResult {
   bool has_loss = false;                       // whether the runner holds the last stage
   std::vector<double> losses;                  // per micro-batch, from the last stage (0 without it)
+  std::vector<std::vector<Tensor>> fetched;    // per micro-batch, the last stage's fetches (empty without it)
   std::vector<std::vector<Tensor>> gradients;  // per stage, per variable: summed over micro-batches
   std::vector<int> peak_stashed;               // per stage, the most micro-batches between forward and backward
   std::vector<double> forward_seconds, backward_seconds;  // per stage, summed over micro-batches

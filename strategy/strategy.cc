@@ -210,8 +210,8 @@ std::shared_ptr<Variable> Strategy::create_variable(VariableOptions options) {
                    options.initial_value.shape(), split.global_shape);
     for (std::size_t r = 0; r < devices_.size(); ++r) {
       const int p = split.piece_of_replica[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))];
-      Tensor copy = Tensor::empty(split.piece_shape(), options.initial_value.dtype(), *devices_[r]);
-      copy.copy_from(split.piece(options.initial_value, p));
+      Tensor copy = Tensor::empty(p < 0 ? Shape{0} : split.piece_shape(), options.initial_value.dtype(), *devices_[r]);
+      if (p >= 0) copy.copy_from(split.piece(options.initial_value, p));
       copies.push_back(std::move(copy));
     }
     return std::make_shared<MirroredVariable>(*this, std::move(options), std::move(copies));

@@ -29,6 +29,7 @@ Tensor flat_view(const Tensor& tensor, std::int64_t offset, std::int64_t count) 
 }
 
 Shape TensorSplit::piece_shape() const {
+  if (parts == 1) return global_shape;
   Shape shape = global_shape;
   shape[dim] = global_shape[dim] / parts;
   return shape;
@@ -50,6 +51,8 @@ struct AroundDim {
 
 Tensor TensorSplit::piece(const Tensor& whole, int p) const {
   const Tensor host = whole.to(devices::default_cpu_device());
+  if (p < 0) return Tensor::empty({0}, host.dtype());  // a replica that holds nothing of it
+  if (parts == 1) return host.clone();
   Tensor out = Tensor::empty(piece_shape(), host.dtype());
   const AroundDim around(global_shape, dim);
   const std::int64_t rows = global_shape[dim] / parts;
@@ -65,6 +68,10 @@ Tensor TensorSplit::piece(const Tensor& whole, int p) const {
 
 void TensorSplit::put_piece(const Tensor& piece, int p, Tensor& whole) const {
   const Tensor host = piece.to(devices::default_cpu_device());
+  if (parts == 1) {
+    std::memcpy(whole.raw_data(), host.raw_data(), host.nbytes());
+    return;
+  }
   const AroundDim around(global_shape, dim);
   const std::int64_t rows = global_shape[dim] / parts;
   const std::size_t chunk = static_cast<std::size_t>(rows * around.inner) * graph::dtype_size(host.dtype());
@@ -87,6 +94,7 @@ Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tens
       sharding_(std::move(sharding)),
       tensor_split_(std::move(options.tensor_split)) {
   TANDEM_ASSERT(!copies_.empty(), "variable {} has no copies", name_);
+  if (tensor_split_) piece_shape_ = tensor_split_->piece_shape();
 }
 
 void Variable::split_into_pieces(TensorSplit split) {
@@ -100,15 +108,17 @@ void Variable::split_into_pieces(TensorSplit split) {
                    name_, tensor_split_->dim, tensor_split_->parts, split.dim, split.parts);
     return;
   }
-  TANDEM_ASSERT(split.global_shape == shape() && split.parts >= 1 && split.global_shape[split.dim] % split.parts == 0,
+  TANDEM_ASSERT(split.global_shape == shape() && split.parts >= 1 &&
+                    (split.parts == 1 || split.global_shape[split.dim] % split.parts == 0),
                 "variable {}: split of {} along {} into {}", name_, shape(), split.dim, split.parts);
   const int first = strategy_->global_replica_index(0);
   for (std::size_t r = 0; r < copies_.size(); ++r) {
     const int p = split.piece_of_replica[static_cast<std::size_t>(first) + r];
-    Tensor piece = Tensor::empty(split.piece_shape(), dtype(), copies_[r].device());
-    piece.copy_from(split.piece(copies_[r], p));
+    Tensor piece = Tensor::empty(p < 0 ? Shape{0} : split.piece_shape(), dtype(), copies_[r].device());
+    if (p >= 0) piece.copy_from(split.piece(copies_[r], p));
     copies_[r] = std::move(piece);
   }
+  piece_shape_ = split.piece_shape();
   tensor_split_ = std::move(split);
 }
 
@@ -163,9 +173,10 @@ Tensor Variable::read_value() const {
     bool every_worker_holds_all = true;
     for (std::size_t w = 0; w * static_cast<std::size_t>(local) < pieces.size(); ++w) {
       std::vector<bool> held(static_cast<std::size_t>(split.parts), false);
-      for (int r = 0; r < local; ++r)
-        held[static_cast<std::size_t>(pieces[w * static_cast<std::size_t>(local) + static_cast<std::size_t>(r)])] =
-            true;
+      for (int r = 0; r < local; ++r) {
+        const int p = pieces[w * static_cast<std::size_t>(local) + static_cast<std::size_t>(r)];
+        if (p >= 0) held[static_cast<std::size_t>(p)] = true;
+      }
       every_worker_holds_all =
           every_worker_holds_all && std::all_of(held.begin(), held.end(), [](bool h) { return h; });
     }
@@ -233,6 +244,7 @@ void Variable::assign(const Tensor& value) {
   if (tensor_split_) {
     const int first = strategy_->global_replica_index(0);
     for (std::size_t r = 0; r < copies_.size(); ++r) {
+      if (tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r] < 0) continue;  // holds nothing
       copies_[r].copy_from(
           tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r]));
     }

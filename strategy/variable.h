@@ -53,12 +53,15 @@ struct ShardSpec {
 // dimension. Each replica's copy is one piece: the one of its rank along the split's mesh axis;
 // replicas along the other axes (the batch axis) hold the same pieces. Dimensions that do not
 // divide are refused before a variable is split (keras::distribution::check_layouts).
+// Pipeline parallelism places a variable with parts = 1: piece 0 (the whole value) on the
+// replicas of the stage that computes with it, and piece -1 elsewhere: a replica holding piece
+// -1 holds nothing of the variable (its copy has no elements).
 struct TensorSplit {
   int dim = 0;
   int parts = 1;
   std::string axis;    // the mesh axis, for messages ("model")
   Shape global_shape;  // the whole value's
-  // Per replica in sync (every worker's, by global replica index): the piece it holds.
+  // Per replica in sync (every worker's, by global replica index): the piece it holds (-1: none).
   std::vector<int> piece_of_replica;
   // The devices that compute with the pieces together (their layers' f and g collectives).
   std::shared_ptr<tensor_parallel::Group> group;
@@ -115,7 +118,7 @@ class Variable {
   }
   // The shape a replica's graph computes with: global_shape() (a ZeRO shard is gathered whole for
   // its steps), except for a split variable, whose graph computes with its piece (shape()).
-  const Shape& graph_shape() const { return tensor_split_ ? shape() : global_shape(); }
+  const Shape& graph_shape() const { return tensor_split_ ? piece_shape_ : global_shape(); }
   // Replaces each whole copy by the replica's piece of it (keras::distribution::ModelParallel, at
   // compile, once the layouts are checked against the model). Callers: one thread, not during a
   // step. FailedPrecondition for a sharded variable or one already split otherwise; a no-op when
@@ -165,6 +168,7 @@ class Variable {
   std::vector<Tensor> copies_;
   std::optional<ShardSpec> sharding_;
   std::optional<TensorSplit> tensor_split_;
+  Shape piece_shape_;  // tensor_split_->piece_shape()
 
   // read_value across workers: `out` holds this worker's shards, zeros elsewhere.
   Tensor sum_over_workers(const Tensor& out) const;

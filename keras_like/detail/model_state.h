@@ -1,6 +1,7 @@
 // tandem/keras_like/detail/model_state.h — what a Model handle points to, and its trainer.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -65,6 +66,21 @@ struct ModelState {
 
 enum class Phase { kTrain, kTest };
 
+// Graph values of layer calls' outputs (and model inputs), by call.
+using LayerValues = std::map<const LayerNode*, std::vector<Output>>;
+// Adds the model's layer calls [first, end) (indices into model.nodes) to ctx's graph, reading
+// their inputs from `values` and adding their outputs there.
+void run_layer_calls(ModelState& model, CallContext& ctx, LayerValues& values, std::size_t first, std::size_t end);
+// The loss and metric sums of one pass over the model's outputs against `targets`: `total` (the
+// weighted loss, summed over the examples) and the fetches [total, output losses (several outputs
+// only)..., metric sums...] that StepSums reads.
+struct StepSumOutputs {
+  Output total;
+  std::vector<Output> fetches;
+};
+StepSumOutputs step_sum_outputs(ModelState& model, Graph& graph, const std::vector<Output>& outputs,
+                                const std::vector<Output>& targets, std::string_view scope_name);
+
 // Builds and runs the model's graph: one graph with the training pass (loss, metrics, gradients,
 // layer updates) and the inference pass (evaluate, predict), instantiated once per replica of the
 // model's strategy. A training step splits the global batch across the replicas, runs them in
@@ -121,6 +137,19 @@ class Trainer {
   void whole_step_work(Replica& replica, graph::RunOptions& options);
   // The step's fetched scalars [loss, output losses..., metrics...].
   std::vector<double> read_step_scalars(Replica& replica, std::span<const Tensor> fetched);
+
+  // Pipelines (keras::distribution::ModelParallel with a stage axis; pipeline_trainer.cc): each
+  // local replica runs its stage's graphs (one per model chunk) under a strategy::PipelineRunner
+  // per pipeline, instead of the whole graph.
+  struct Pipeline;
+  // Returns the number of step sums its last stages fetch.
+  std::size_t build_pipeline();
+  void count_step(double seconds);
+  void pipeline_add_sums(Phase phase, std::vector<StepSums>& per_replica);
+  void pipeline_train_step(const strategy::Strategy::WorkerBatch& batch);
+  void pipeline_test_step(const strategy::Strategy::WorkerBatch& batch);
+  std::vector<Tensor> pipeline_predict_step(const data::Element& batch);
+  std::shared_ptr<Pipeline> pipeline_;  // shared: its deleter is made where Pipeline is complete
 
   ModelState& model_;
   std::vector<graph::TensorSpec> element_spec_;

@@ -223,9 +223,9 @@ TEST_CASE("what tensor parallelism under fit does not do yet is refused before t
     model.compile(Adam{.global_clipnorm = 1.0}, "mse");
     const auto [x, y] = make_data(1);
     CHECK(testing::error_message<Unimplemented>([&] { model.fit(x, y, {.batch_size = kBatch, .verbose = 0}); }) ==
-          "adam: variable \"fc1/kernel\" is split by tensor parallelism over 'model'; global_clipnorm with "
-          "tensor-parallel weights is not built yet (each device sees its piece's gradient only): use clipvalue, or "
-          "no clipping and no loss scaling");
+          "adam: variable \"fc1/kernel\" is split over 'model' by ModelParallel; global_clipnorm with tensor- or "
+          "pipeline-parallel weights is not built yet (each device sees its own part of the gradients only): use "
+          "clipvalue, or no clipping and no loss scaling");
   }
   {
     // A layer that declares a split for plan() but does not run it.
