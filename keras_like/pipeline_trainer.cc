@@ -249,9 +249,17 @@ std::size_t Trainer::build_pipeline() {
         std::make_unique<strategy::PipelineRunner>(std::move(predict_stages), P.config, communicators, forward_only);
     P.lines.push_back(std::move(line));
   }
-  P.num_sums = std::max<std::size_t>(num_sums, 1);
+  // What the last stage fetches, known on every worker (the last stage may be on another):
+  // [loss, output losses (several outputs only)..., metrics...].
+  std::size_t expected = 1 + (n_out > 1 ? n_out : 0);
+  if (model.compiled) {
+    for (const auto& out : model.compiled_outputs) expected += out.metrics.size();
+  }
+  TANDEM_ASSERT(num_sums == 0 || num_sums == expected, "model \"{}\": the last stage fetches {} sums, not {}",
+                model.name, num_sums, expected);
+  P.num_sums = expected;
   pipeline_ = std::move(pipeline);
-  return num_sums;
+  return expected;
 }
 
 namespace {

@@ -4,6 +4,8 @@
 //                          devices, fc1/fc2 tensor-parallel (parallel_fit_mlp.h), trained as the
 //                          in-process test trains it; checked here against OneDeviceStrategy
 //                          (within 1e-5) and written to DIR/rank-R.txt bit for bit (hex floats)
+//   --axes batch,stage     the mesh's second axis is a pipeline's instead (2 stages, 1F1B, 4
+//                          micro-batches)
 //   --reference            the same mesh over this one process's devices, written as rank 0
 // Exit status 1, with the difference on stderr, when the run is not equivalent to one device.
 #include <CLI/CLI.hpp>
@@ -24,9 +26,11 @@ namespace kd = tandem::keras::distribution;
 int main(int argc, char** argv) {
   CLI::App app("model_parallel_fit_worker: ModelParallel's tensor parallelism under fit across processes");
   std::vector<std::int64_t> mesh_shape;
+  std::vector<std::string> axes{"batch", "model"};
   std::string out;
   bool reference = false;
   app.add_option("--mesh", mesh_shape, "batch x model devices")->required()->delimiter('x')->expected(2);
+  app.add_option("--axes", axes, "the mesh's axes: batch,model or batch,stage")->delimiter(',')->expected(2);
   app.add_option("--out", out)->required();
   app.add_flag("--reference", reference, "one process over its own devices");
   CLI11_PARSE(app, argc, argv);
@@ -36,7 +40,10 @@ int main(int argc, char** argv) {
       OneDeviceStrategy one("CPU:0");
       want = train(one);
     }
-    kd::ModelParallel mp(pair_layouts(kd::DeviceMesh(mesh_shape, {"batch", "model"}, kd::list_devices("cpu"))));
+    const kd::DeviceMesh mesh(mesh_shape, axes, kd::list_devices("cpu"));
+    kd::ModelParallel mp(axes[1] == "stage" ? kd::LayoutMap(mesh) : pair_layouts(mesh),
+                         {.pipeline = axes[1] == "stage" ? std::optional(kd::PipelineOptions{.microbatches = 4})
+                                                         : std::nullopt});
     const Run got = train(mp);
     const int rank = reference ? 0 : mp.worker_rank();
     std::filesystem::create_directories(out);

@@ -5,7 +5,8 @@
 # validation loss after the last step; under ZeRO stage 3 (--zero 3: weights, gradients and Adam's
 # slots sharded, weights gathered layer by layer) the mirrored run's losses are bitwise the
 # unsharded run's, and the 2 workers' within 1e-5 of one device's; under ModelParallel on a 2x2
-# mesh (data parallelism over 2 x tensor parallelism over 2) within 1e-5. Also: the run's saved weights,
+# mesh (data parallelism over 2 x tensor parallelism over 2) and as a pipeline of 2 stages (1F1B,
+# 4 micro-batches) within 1e-5. Also: the run's saved weights,
 # loaded by a new process, give the same validation loss, and the same run twice writes the same
 # weights byte for byte.
 #
@@ -50,6 +51,10 @@ common="--steps $steps --eval-every $steps --eval-batches 4 --dropout 0 --verbos
 # shellcheck disable=SC2086
 "$gpt" $common --mesh 2x2 --cpu-devices 4 --loss-log "$dir/tensor_parallel.loss" >"$dir/tensor_parallel.out" 2>&1 ||
   fail "the DP2xTP2 ModelParallel run failed"
+# A pipeline of 2 stages (1F1B, 4 micro-batches), cut between the transformer blocks.
+# shellcheck disable=SC2086
+"$gpt" $common --pipeline-stages 2 --microbatches 4 --loss-log "$dir/pipeline.loss" >"$dir/pipeline.out" 2>&1 ||
+  fail "the 2-stage pipeline run failed"
 # shellcheck disable=SC2086
 "$gpt" --steps 0 --eval-batches 4 --verbose 0 --strategy one --load "$dir/one" >"$dir/load.out" 2>&1 ||
   fail "loading the saved weights failed"
@@ -67,6 +72,7 @@ compare "$dir/one.loss" "$dir/mirrored.loss" || fail "MirroredStrategy's losses 
 compare "$dir/one.loss" "$dir/multiworker.loss" || fail "the 2 workers' losses differ from one device's"
 compare "$dir/one.loss" "$dir/multiworker_zero3.loss" || fail "the 2 workers' losses under stage 3 differ from one device's"
 compare "$dir/one.loss" "$dir/tensor_parallel.loss" || fail "DP2xTP2's losses differ from one device's"
+compare "$dir/one.loss" "$dir/pipeline.loss" || fail "the pipeline's losses differ from one device's"
 cmp -s "$dir/mirrored.loss" "$dir/zero3.loss" || fail "ZeRO stage 3's losses are not bitwise the unsharded run's"
 cmp -s "$dir/one.loss" "$dir/again.loss" || fail "two OneDeviceStrategy runs logged different losses"
 cmp -s "$dir/one.weights.safetensors" "$dir/again.weights.safetensors" ||
@@ -77,4 +83,4 @@ val() { sed -n 's/^final val_loss \([0-9.]*\).*/\1/p' "$1"; }
 [ "$(val "$dir/one.out")" = "$(val "$dir/load.out")" ] ||
   fail "the loaded weights give val_loss $(val "$dir/load.out"), the trained model $(val "$dir/one.out")"
 echo "char_gpt_equivalence: $steps steps equal under mirrored (2 devices) and 2 workers, unsharded and under ZeRO" \
-  "stage 3, and under DP2xTP2 (ModelParallel); reload and rerun identical"
+  "stage 3, and under DP2xTP2 and a 2-stage pipeline (ModelParallel); reload and rerun identical"
