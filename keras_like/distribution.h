@@ -415,6 +415,11 @@ class ModelParallel final : public Distribution {
   // on the stage axis), and its communicator in the group of its pipeline's stages (rank = stage),
   // through which the activations and their gradients pass. Null without a pipeline.
   int pipeline_stage(int replica) const;
+  // The pipeline local replica `replica` belongs to (its coordinates but the stage's, as one
+  // number), and whether that pipeline's sums count for its data shard (its coordinates on the
+  // axes other than the batch and stage axes are 0: one pipeline per data shard counts).
+  int pipeline_of(int replica) const;
+  bool leads_pipeline(int replica) const;
   collective::Communicator* pipeline_communicator(int replica) const;
   // The model's layer calls cut into the pipeline's virtual stages (stages x virtual_stages), as
   // check_model cut them last; empty before.
@@ -433,12 +438,17 @@ class ModelParallel final : public Distribution {
   // each split layer's call is told its split and whether a partner takes or gives its split
   // activation (LayerImpl::set_tensor_parallel_call). Unimplemented, naming what, for what is
   // not built: a split layer other than Dense, a model axis across workers, with ZeRO, on GPUs.
-  void prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const;
+  // `home` (pipelines): each variable's stage; the pieces of a split variable then live on that
+  // stage's replicas only.
+  void prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts,
+                               const std::map<const Variable*, int>* home = nullptr) const;
   // Pipelines, once check_model has accepted the cut: each variable placed on the replicas of the
   // stage whose layers use it (Variable::split_into_pieces with one piece: the others hold
-  // nothing). Unimplemented, naming what, for what is not built: with tensor parallelism, ZeRO,
-  // GPUs, layers with moving statistics, a layer used by two stages.
-  void prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages) const;
+  // nothing; a tensor-split variable's pieces on that stage's replicas). Unimplemented, naming
+  // what, for what is not built: ZeRO, GPUs, layers with moving statistics, a layer used by two
+  // stages.
+  void prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages,
+                        const std::vector<VariableLayout>& layouts) const;
   // At construction: the replicas' coordinates, the model axis and its groups.
   void place_replicas();
   // The communicators of the groups along `axis` (one per position on the other axes), in-process

@@ -254,7 +254,7 @@ LayoutMap LayoutMap::resolve(const Model& model, std::vector<std::string>* notes
 namespace detail {
 
 std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(
-    const ModelState& state, const std::map<const LayerImpl*, std::string>& splits) {
+    const ModelState& state, const std::map<const LayerImpl*, std::string>& splits, const std::vector<std::size_t>& cuts) {
   std::map<const LayerNode*, std::vector<const LayerNode*>> consumers;
   std::map<const LayerImpl*, int> calls;
   for (const auto& node : state.nodes) {
@@ -267,12 +267,19 @@ std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(
     const auto it = splits.find(node->layer.get());
     return it == splits.end() || calls[node->layer.get()] != 1 ? std::string() : it->second;
   };
+  std::map<const LayerNode*, std::size_t> index;
+  for (std::size_t n = 0; n < state.nodes.size(); ++n) index[state.nodes[n].get()] = n;
+  // Whether a cut (the first call of a later stage) falls in (from, to].
+  const auto cut_between = [&](const LayerNode* from, const LayerNode* to) {
+    return std::any_of(cuts.begin(), cuts.end(), [&](std::size_t c) { return index[from] < c && c <= index[to]; });
+  };
   std::map<const LayerImpl*, const LayerImpl*> pairs;
   for (const auto& node : state.nodes) {
     if (node->layer == nullptr || split_of(node.get()) != "column") continue;
     const LayerNode* at = node.get();
     while (!outputs.contains(at) && consumers[at].size() == 1 && consumers[at][0]->inputs.size() == 1) {
       const LayerNode* next = consumers[at][0];
+      if (cut_between(node.get(), next)) break;
       if (split_of(next) == "row") {
         pairs[node->layer.get()] = next->layer.get();
         break;
@@ -381,16 +388,10 @@ void ModelParallel::check_model(const Model& model) const {
                    mesh.to_string(), mesh.shape()[a], axis, model.name(), axis);
   }
   if (pipeline_ && pipeline_->stages > 1) {
-    const bool splits = std::any_of(layouts.begin(), layouts.end(), [](const VariableLayout& v) { return v.split_dim >= 0; });
-    TANDEM_REQUIRE(!splits, Unimplemented,
-                   "ModelParallel: model \"{}\" has a pipeline of {} stages over mesh axis '{}' and layouts that split "
-                   "variables; tensor and pipeline parallelism together under fit are not built yet (plan() shows "
-                   "them): give the stage axis one device, or keep every weight whole",
-                   model.name(), pipeline_->stages, stage_axis);
     if (pipeline_->virtual_stages > 1) {
       stages = cut_into_stages(model, pipeline_->stages * pipeline_->virtual_stages, pipeline_->cuts);
     }
-    prepare_pipeline(model, stages);
+    prepare_pipeline(model, stages, layouts);
     return;
   }
   prepare_tensor_parallel(model, layouts);

@@ -84,7 +84,6 @@ void ModelParallel::place_replicas() {
   if (pipeline_ && pipeline_->stages > 1) {
     stage_axis_ = static_cast<std::size_t>(std::find(names.begin(), names.end(), pipeline_->stage_axis) - names.begin());
     pipeline_communicators_ = communicators_along(*stage_axis_);
-    return;  // tensor parallelism with a pipeline is refused at compile
   }
   if (!tensor_axis_) return;
   // The groups along the model axis: in-process communicators for groups on this worker, the
@@ -115,7 +114,7 @@ void ModelParallel::place_replicas() {
         tensor_communicators_.push_back(std::move(made[k]));
       }
     }
-    tensor_group_ = strategy::tensor_parallel::Group::create(ordered, communicators);
+    tensor_group_ = strategy::tensor_parallel::Group::create_grouped(ordered, communicators);
   }
 }
 
@@ -135,6 +134,22 @@ std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::communicat
   return out;
 }
 
+int ModelParallel::pipeline_of(int replica) const {
+  auto key = coordinates_[static_cast<std::size_t>(global_replica_index(replica))];
+  if (stage_axis_) key[*stage_axis_] = 0;
+  std::int64_t index = 0;
+  for (std::size_t a = 0; a < key.size(); ++a) index = index * device_mesh().shape()[a] + key[a];
+  return static_cast<int>(index);
+}
+
+bool ModelParallel::leads_pipeline(int replica) const {
+  const auto& c = coordinates_[static_cast<std::size_t>(global_replica_index(replica))];
+  for (std::size_t a = 0; a < c.size(); ++a) {
+    if (a != batch_axis_ && (!stage_axis_ || a != *stage_axis_) && c[a] != 0) return false;
+  }
+  return true;
+}
+
 int ModelParallel::pipeline_stage(int replica) const {
   return stage_axis_ ? static_cast<int>(coordinates_[static_cast<std::size_t>(global_replica_index(replica))][*stage_axis_])
                      : 0;
@@ -145,7 +160,8 @@ collective::Communicator* ModelParallel::pipeline_communicator(int replica) cons
   return pipeline_communicators_[static_cast<std::size_t>(replica)].get();
 }
 
-void ModelParallel::prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages) const {
+void ModelParallel::prepare_pipeline(const Model& model, const std::vector<PlannedStage>& stages,
+                                     const std::vector<VariableLayout>& layouts) const {
   const int p = pipeline_->stages;
   const std::string& axis = pipeline_->stage_axis;
   TANDEM_REQUIRE(!pipeline_communicators_.empty(), Unimplemented,
@@ -185,8 +201,12 @@ void ModelParallel::prepare_pipeline(const Model& model, const std::vector<Plann
       }
     }
   }
+  // Everything is checked: the split variables take their pieces on their stage's devices, the
+  // others whole there.
   planned_stages_ = stages;
+  prepare_tensor_parallel(model, layouts, &home);
   for (const auto& w : model.weights()) {
+    if (w->tensor_split()) continue;  // split by tensor parallelism, on its stage
     const auto it = home.find(w.get());
     const int device = it == home.end() ? 0 : it->second;
     std::vector<int> piece_of_replica;
@@ -255,7 +275,8 @@ void ModelParallel::abort_other_collectives(const std::string& reason) {
   tensor_group_aborted_ = true;
 }
 
-void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts) const {
+void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vector<VariableLayout>& layouts,
+                                            const std::map<const Variable*, int>* home) const {
   std::map<std::string, const VariableLayout*> split_paths;
   for (const auto& v : layouts) {
     if (v.split_dim >= 0) split_paths[v.path] = &v;
@@ -303,22 +324,35 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
       splits[layer.get()] = v.split;
     }
   }
-  const auto pairs = detail::tensor_parallel_pairs(*model.state(), splits);
+  // Under a pipeline, a pair split by a stage boundary is two lone layers (the boundary carries a
+  // whole activation).
+  std::vector<std::size_t> cuts;
+  if (home != nullptr) {
+    std::size_t call = 0;
+    for (std::size_t k = 0; k + 1 < planned_stages_.size(); ++k) cuts.push_back(call += planned_stages_[k].layer_calls);
+  }
+  const auto pairs = detail::tensor_parallel_pairs(*model.state(), splits, cuts);
   std::set<const LayerImpl*> paired_rows;
   for (const auto& [column, row] : pairs) paired_rows.insert(row);
 
-  // The pieces: replica g holds piece (its coordinate on the model axis).
-  std::vector<int> piece_of_replica;
-  for (const auto& c : coordinates_) piece_of_replica.push_back(static_cast<int>(c[*tensor_axis_]));
+  // The pieces: replica g holds piece (its coordinate on the model axis); under a pipeline, only
+  // the replicas of the variable's stage hold one.
   for (const auto& layer : layers) {
     for (const auto& w : layer->own_weights()) {
       const auto it = split_paths.find(w->name());
       if (it == split_paths.end()) continue;
+      std::vector<int> piece_of_replica;
+      for (const auto& c : coordinates_) {
+        const auto h = home == nullptr ? std::map<const Variable*, int>::const_iterator{} : home->find(w.get());
+        const int stage = home == nullptr || h == home->end() ? 0 : h->second;
+        const bool here = home == nullptr || static_cast<int>(c[*stage_axis_]) == stage;
+        piece_of_replica.push_back(here ? static_cast<int>(c[*tensor_axis_]) : -1);
+      }
       w->split_into_pieces({.dim = it->second->split_dim,
                             .parts = static_cast<int>(it->second->parts),
                             .axis = axis,
                             .global_shape = w->global_shape(),
-                            .piece_of_replica = piece_of_replica,
+                            .piece_of_replica = std::move(piece_of_replica),
                             .group = tensor_group_});
     }
     const auto split = splits.find(layer.get());

@@ -95,6 +95,9 @@ struct Trainer::Pipeline {
     std::vector<int> stage_replica;
     std::vector<std::vector<std::size_t>> trainable_index;
     int first_replica = -1, last_replica = -1;  // the replicas of the first and the last stage, when here
+    // Whether its sums and outputs count: one pipeline per data shard (tensor parallelism runs
+    // one per tensor rank, each computing the same loss).
+    bool counts = true;
   };
   std::vector<Line> lines;
   std::size_t num_sums = 0;  // the last stage's fetched sums [loss, output losses..., metrics...]
@@ -211,15 +214,17 @@ std::size_t Trainer::build_pipeline() {
     return std::pair{std::move(st), std::move(index)};
   };
 
-  // The pipelines here: the local replicas by data shard, each pipeline's stages in order.
+  // The pipelines here (the local replicas by pipeline: one per data shard, and per tensor rank
+  // under tensor parallelism), each pipeline's stages in order.
   const auto replicas = static_cast<int>(model.strategy->replica_devices().size());
-  std::map<int, std::vector<int>> by_shard;
-  for (int r = 0; r < replicas; ++r) by_shard[mp.data_shard(r)].push_back(r);
-  for (auto& [shard, members] : by_shard) {
+  std::map<int, std::vector<int>> by_pipeline;
+  for (int r = 0; r < replicas; ++r) by_pipeline[mp.pipeline_of(r)].push_back(r);
+  for (auto& [id, members] : by_pipeline) {
     std::sort(members.begin(), members.end(),
               [&](int a, int b) { return mp.pipeline_stage(a) < mp.pipeline_stage(b); });
     Pipeline::Line line;
-    line.data_shard = shard;
+    line.data_shard = mp.data_shard(members.front());
+    line.counts = mp.leads_pipeline(members.front());
     std::vector<strategy::PipelineStage> train_stages, infer_stages, predict_stages;
     std::vector<collective::Communicator*> communicators;
     for (const int r : members) {
@@ -363,7 +368,7 @@ void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) 
   std::vector<StepSums> sums(grads.size(), P.zeros(model_.outputs.size()));
   for (std::size_t i = 0; i < P.lines.size(); ++i) {
     const auto& line = P.lines[i];
-    if (line.last_replica < 0) continue;
+    if (line.last_replica < 0 || !line.counts) continue;
     sums[static_cast<std::size_t>(line.last_replica)] =
         sums_of(results[i].fetched, model_.outputs.size(), rows_in(shards[static_cast<std::size_t>(line.last_replica)]));
   }
@@ -385,7 +390,7 @@ void Trainer::pipeline_test_step(const strategy::Strategy::WorkerBatch& batch) {
   std::vector<StepSums> sums(model_.strategy->replica_devices().size(), P.zeros(model_.outputs.size()));
   for (std::size_t i = 0; i < P.lines.size(); ++i) {
     const auto& line = P.lines[i];
-    if (line.last_replica < 0) continue;
+    if (line.last_replica < 0 || !line.counts) continue;
     sums[static_cast<std::size_t>(line.last_replica)] =
         sums_of(results[i].fetched, model_.outputs.size(), rows_in(shards[static_cast<std::size_t>(line.last_replica)]));
   }
@@ -406,7 +411,7 @@ std::vector<Tensor> Trainer::pipeline_predict_step(const data::Element& batch) {
     std::vector<Tensor> parts;
     std::int64_t rows = 0;
     for (std::size_t i = 0; i < P.lines.size(); ++i) {
-      if (P.lines[i].last_replica < 0) continue;
+      if (P.lines[i].last_replica < 0 || !P.lines[i].counts) continue;
       for (const auto& mb : results[i].fetched) {
         parts.push_back(mb[j].to(devices::default_cpu_device()));
         rows += parts.back().shape()[0];

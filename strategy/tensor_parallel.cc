@@ -207,6 +207,24 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
   return group;
 }
 
+std::shared_ptr<Group> Group::create_grouped(std::vector<devices::Device*> devices,
+                                             std::vector<collective::Communicator*> communicators) {
+  TANDEM_REQUIRE(!devices.empty() && devices.size() == communicators.size(), InvalidArgument,
+                 "tensor_parallel::Group: {} devices but {} communicators; give one communicator per device",
+                 devices.size(), communicators.size());
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    TANDEM_REQUIRE(communicators[i] != nullptr && communicators[i]->size() == communicators[0]->size(),
+                   InvalidArgument, "tensor_parallel::Group: the groups of devices {} and {} differ in size",
+                   devices[0]->short_name(), devices[i]->short_name());
+  }
+  register_ops();
+  const std::int64_t id = registry().next_id++;
+  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
+  std::lock_guard lock(registry().mutex);
+  registry().groups[id] = group.get();
+  return group;
+}
+
 std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> devices,
                                                 const std::vector<int>& group_of) {
   TANDEM_REQUIRE(!devices.empty() && devices.size() == group_of.size(), InvalidArgument,

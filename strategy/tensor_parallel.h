@@ -49,6 +49,10 @@ class Group {
   // model axis, one per position on the other axes: a kernel finds its device's own group.
   static std::shared_ptr<Group> create_in_process(std::vector<devices::Device*> devices,
                                                   const std::vector<int>& group_of);
+  // Groups of local devices whose communicators the caller made (each device's of its own group:
+  // groups spread over several processes), all of one size; the caller keeps them alive.
+  static std::shared_ptr<Group> create_grouped(std::vector<devices::Device*> devices,
+                                               std::vector<collective::Communicator*> communicators);
   ~Group();
   Group(const Group&) = delete;
   Group& operator=(const Group&) = delete;

@@ -21,8 +21,10 @@ using keras::detail::ModelState;
 // each call's single consumer, none a model output), both called once. Returns the column layer
 // -> row layer pairs. The other split layers gather their output (column) or split their input
 // (row) on their own.
-std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(
-    const ModelState& state, const std::map<const LayerImpl*, std::string>& splits);
+// `cuts` (pipelines): the first calls of the stages after the first; a pair split by one is none.
+std::map<const LayerImpl*, const LayerImpl*> tensor_parallel_pairs(const ModelState& state,
+                                                                   const std::map<const LayerImpl*, std::string>& splits,
+                                                                   const std::vector<std::size_t>& cuts = {});
 
 // The collectives tensor parallelism adds to a step of `model` laid out as `layouts`
 // (check_layouts' result), per row of the local batch (PlannedCollective::per_row): Megatron's f

@@ -1,7 +1,8 @@
 #!/bin/sh
 # ModelParallel under fit across 2 processes under tandem-run: TP=2 with the model axis across the
 # processes (mesh 1x2, one CPU device each), DP2xTP2 with the batch axis across them (mesh 2x2,
-# two CPU devices each), PP=2 with one stage per process and PP2xDP2 with a pipeline per process.
+# two CPU devices each), PP=2 with one stage per process, PP2xDP2 with a pipeline per process, and
+# TP2xPP2 (mesh 1x2x2: a pipeline per process, the model axis across them).
 # Each worker checks its run against OneDeviceStrategy (within 1e-5); here every rank's run must
 # equal, bit for bit, the same mesh in one process (model_parallel_fit_worker --reference).
 #   model_parallel_fit_processes.sh TANDEM_RUN WORKER
@@ -10,10 +11,10 @@ run=$1 worker=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 fail() { echo "model_parallel_fit_processes: $*" >&2; exit 1; }
-for config in 1x2:model:1 2x2:model:2 1x2:stage:1 2x2:stage:2; do
+for config in 1x2:model:1 2x2:model:2 1x2:stage:1 2x2:stage:2 1x2x2:model,stage:2; do
   mesh=${config%%:*} rest=${config#*:}
   axis=${rest%:*} per_process=${rest#*:}
-  name="$mesh-$axis"
+  name="$mesh-$(echo "$axis" | tr , -)"
   TANDEM_NUM_CPU_DEVICES=$((per_process * 2)) "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/reference-$name" \
     --reference || fail "mesh $mesh (batch, $axis): the one-process run failed"
   TANDEM_NUM_CPU_DEVICES=$per_process TANDEM_RENDEZVOUS_TIMEOUT=60 \

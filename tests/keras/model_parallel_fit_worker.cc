@@ -5,7 +5,7 @@
 //                          in-process test trains it; checked here against OneDeviceStrategy
 //                          (within 1e-5) and written to DIR/rank-R.txt bit for bit (hex floats)
 //   --axes batch,stage     the mesh's second axis is a pipeline's instead (2 stages, 1F1B, 4
-//                          micro-batches)
+//                          micro-batches); batch,model,stage (a 3-D --mesh): both
 //   --reference            the same mesh over this one process's devices, written as rank 0
 // Exit status 1, with the difference on stderr, when the run is not equivalent to one device.
 #include <CLI/CLI.hpp>
@@ -29,8 +29,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> axes{"batch", "model"};
   std::string out;
   bool reference = false;
-  app.add_option("--mesh", mesh_shape, "batch x model devices")->required()->delimiter('x')->expected(2);
-  app.add_option("--axes", axes, "the mesh's axes: batch,model or batch,stage")->delimiter(',')->expected(2);
+  app.add_option("--mesh", mesh_shape, "devices per axis")->required()->delimiter('x')->expected(2, 3);
+  app.add_option("--axes", axes, "the mesh's axes: batch,model, batch,stage or batch,model,stage")
+      ->delimiter(',')
+      ->expected(2, 3);
   app.add_option("--out", out)->required();
   app.add_flag("--reference", reference, "one process over its own devices");
   CLI11_PARSE(app, argc, argv);
@@ -41,9 +43,9 @@ int main(int argc, char** argv) {
       want = train(one);
     }
     const kd::DeviceMesh mesh(mesh_shape, axes, kd::list_devices("cpu"));
-    kd::ModelParallel mp(axes[1] == "stage" ? kd::LayoutMap(mesh) : pair_layouts(mesh),
-                         {.pipeline = axes[1] == "stage" ? std::optional(kd::PipelineOptions{.microbatches = 4})
-                                                         : std::nullopt});
+    const bool tensor = mesh.has_axis("model"), pipeline = mesh.has_axis("stage");
+    kd::ModelParallel mp(tensor ? pair_layouts(mesh) : kd::LayoutMap(mesh),
+                         {.pipeline = pipeline ? std::optional(kd::PipelineOptions{.microbatches = 4}) : std::nullopt});
     const Run got = train(mp);
     const int rank = reference ? 0 : mp.worker_rank();
     std::filesystem::create_directories(out);

@@ -3,7 +3,8 @@
 // fc2, head: balanced by parameter bytes) trains as OneDeviceStrategy does (every step's loss, the
 // evaluation and the final weights within 1e-5 relative) and bitwise the same run to run, under
 // GPipe and 1F1B with 4 micro-batches, with fewer micro-batches than stages, interleaved (2 model
-// chunks per stage), and with data parallelism over a batch axis (PP2xDP2). Each variable lives on
+// chunks per stage), with data parallelism over a batch axis (PP2xDP2), and with tensor
+// parallelism over a model axis (TP2xPP2). Each variable lives on
 // its stage's devices only; predict gives one device's outputs; what is not built is refused.
 #include <doctest/doctest.h>
 
@@ -28,8 +29,11 @@ const Run& one_device() {
   return run;
 }
 
-std::unique_ptr<kd::ModelParallel> pipeline_on(const kd::DeviceMesh& mesh, kd::PipelineOptions options) {
-  return std::make_unique<kd::ModelParallel>(kd::LayoutMap(mesh), kd::ModelParallelOptions{.pipeline = options});
+// tensor_split: fc1/fc2 split over the mesh's "model" axis too (pair_layouts).
+std::unique_ptr<kd::ModelParallel> pipeline_on(const kd::DeviceMesh& mesh, kd::PipelineOptions options,
+                                               bool tensor_split = false) {
+  return std::make_unique<kd::ModelParallel>(tensor_split ? pair_layouts(mesh) : kd::LayoutMap(mesh),
+                                             kd::ModelParallelOptions{.pipeline = options});
 }
 
 }  // namespace
@@ -38,10 +42,12 @@ TEST_CASE("pipelines under fit train as one device, bitwise run to run") {
   const Run& want = one_device();
   const kd::DeviceMesh pp2({1, 2}, {"batch", "stage"}, {"CPU:0", "CPU:1"});
   const kd::DeviceMesh pp2dp2({2, 2}, {"batch", "stage"}, kFourCpus);
+  const kd::DeviceMesh tp2pp2({1, 2, 2}, {"batch", "model", "stage"}, kFourCpus);
   struct Config {
     std::string name;
     const kd::DeviceMesh* mesh;
     kd::PipelineOptions options;
+    bool tensor_split = false;
   };
   const std::vector<Config> configs{
       {"PP=2, GPipe, m=4", &pp2, {.microbatches = 4, .schedule = PipelineSchedule::kGPipe}},
@@ -51,11 +57,13 @@ TEST_CASE("pipelines under fit train as one device, bitwise run to run") {
        &pp2,
        {.microbatches = 4, .schedule = PipelineSchedule::kInterleaved1F1B, .virtual_stages = 2}},
       {"PP2xDP2, 1F1B, m=4", &pp2dp2, {.microbatches = 4}},
+      // The stages cut fc1 | fc2: each is a lone split layer (fc1 gathers, fc2 splits its input).
+      {"TP2xPP2 (a 3-D mesh: batch 1 x model 2 x stage 2), 1F1B, m=4", &tp2pp2, {.microbatches = 4}, true},
   };
   for (const auto& config : configs) {
     CAPTURE(config.name);
     const auto run_once = [&] {
-      auto mp = pipeline_on(*config.mesh, config.options);
+      auto mp = pipeline_on(*config.mesh, config.options, config.tensor_split);
       return train(*mp);
     };
     const Run got = run_once();
@@ -102,23 +110,6 @@ TEST_CASE("a stage's variables live on its devices only; predict gives one devic
 }
 
 TEST_CASE("what pipelines under fit do not do yet is refused at compile, the model left whole") {
-  {
-    kd::LayoutMap map(kd::DeviceMesh({1, 2, 2}, {"batch", "model", "stage"}, kFourCpus));
-    map["fc1/kernel"] = {std::nullopt, "model"};
-    map["fc1/bias"] = {"model"};
-    map["fc2/kernel"] = {"model", std::nullopt};
-    kd::ModelParallel mp(map);
-    Model model = [&] {
-      auto scope = mp.scope();
-      return make_mlp();
-    }();
-    auto scope = mp.scope();
-    CHECK(testing::error_message<Unimplemented>([&] { model.compile("sgd", "mse"); }) ==
-          "ModelParallel: model \"mlp\" has a pipeline of 2 stages over mesh axis 'stage' and layouts that split "
-          "variables; tensor and pipeline parallelism together under fit are not built yet (plan() shows them): give "
-          "the stage axis one device, or keep every weight whole");
-    for (const auto& w : model.weights()) CHECK(!w->tensor_split());
-  }
   {
     auto mp = pipeline_on(kd::DeviceMesh({1, 2}, {"batch", "stage"}, {"CPU:0", "CPU:1"}), {});
     auto scope = mp->scope();
