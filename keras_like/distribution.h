@@ -425,6 +425,7 @@ class ModelParallel final : public Distribution {
   // check_model cut them last; empty before.
   const std::vector<PlannedStage>& planned_stages() const { return planned_stages_; }
   collective::CommunicationStats tensor_parallel_stats() override;
+  collective::CommunicationStats pipeline_stats() override;
 
  protected:
   void agree_on_variable(strategy::VariableOptions& options) override;

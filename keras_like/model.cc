@@ -130,7 +130,8 @@ std::vector<const collective::Communicator*> replica_group(strategy::Strategy& s
 ModelState::StatsBaseline stats_now(strategy::Strategy& strategy) {
   ModelState::StatsBaseline now{.group = replica_group(strategy),
                                 .cross_worker = strategy.cross_worker_stats(),
-                                .tensor_parallel = strategy.tensor_parallel_stats()};
+                                .tensor_parallel = strategy.tensor_parallel_stats(),
+                                .pipeline = strategy.pipeline_stats()};
   for (const auto* c : now.group) now.communication += c->stats();
   return now;
 }
@@ -644,11 +645,13 @@ TrainingStats Model::training_stats() const {
     now.cross_worker -= s.stats_baseline.cross_worker;
   }
   now.tensor_parallel -= s.stats_baseline.tensor_parallel;
+  now.pipeline -= s.stats_baseline.pipeline;
   return {.steps = s.trainer->times().steps,
           .replicas = static_cast<int>(s.strategy->replica_devices().size()),
           .communication = now.communication,
           .cross_worker = now.cross_worker,
-          .tensor_parallel = now.tensor_parallel};
+          .tensor_parallel = now.tensor_parallel,
+          .pipeline = now.pipeline};
 }
 
 namespace {

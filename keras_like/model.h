@@ -105,6 +105,9 @@ struct TrainingStats {
   // column/row Dense pair all-reduces its (local batch x width) activation once forward and once
   // backward). Nothing without tensor parallelism.
   collective::CommunicationStats tensor_parallel;
+  // Pipelines: the stages' sends and receives (a micro-batch's boundary activation forward, its
+  // gradient back: 2 m transfers per boundary and step), added up over this worker's replicas.
+  collective::CommunicationStats pipeline;
 
   // Averages per training step (0 before the first step): the bytes every replica of this
   // worker sent (received) together in `communication`, and what one replica sent.

@@ -268,6 +268,12 @@ collective::CommunicationStats ModelParallel::tensor_parallel_stats() {
   return total;
 }
 
+collective::CommunicationStats ModelParallel::pipeline_stats() {
+  collective::CommunicationStats total;
+  for (const auto& c : pipeline_communicators_) total += c->stats();
+  return total;
+}
+
 void ModelParallel::abort_other_collectives(const std::string& reason) {
   if (!tensor_group_) return;
   tensor_group_->abort(reason);

@@ -173,6 +173,8 @@ class Strategy {
   // What this worker's replicas did in tensor-parallel groups (the layers' collectives of
   // keras::distribution::ModelParallel's model axis), added up; nothing for other strategies.
   virtual collective::CommunicationStats tensor_parallel_stats() { return {}; }
+  // The same for pipelines' point-to-point transfers (activations forward, their gradients back).
+  virtual collective::CommunicationStats pipeline_stats() { return {}; }
 
   // Values the workers sum across workers before the step after this one (the FILE and OFF
   // policies' agreement on the next batch: its rows, whether every worker has one), which a

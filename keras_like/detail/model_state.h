@@ -56,7 +56,7 @@ struct ModelState {
   // Model::training_stats() counts from this: the communicators' stats when the trainer was made.
   struct StatsBaseline {
     std::vector<const collective::Communicator*> group;  // the strategy's group then
-    collective::CommunicationStats communication, cross_worker, tensor_parallel;
+    collective::CommunicationStats communication, cross_worker, tensor_parallel, pipeline;
   };
   StatsBaseline stats_baseline;
 

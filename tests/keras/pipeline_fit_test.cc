@@ -72,6 +72,18 @@ TEST_CASE("pipelines under fit train as one device, bitwise run to run") {
     const Run again = run_once();
     CHECK(again.losses == got.losses);
     CHECK(again.weights == got.weights);
+    // Each step, each pipeline sends its boundary activation (a micro-batch's rows x 16 float32:
+    // fc1's output) forward and its gradient back once per micro-batch and model chunk boundary.
+    const std::int64_t pipelines = config.mesh->shape()[0] * (config.tensor_split ? 2 : 1);
+    const std::int64_t m = config.options.microbatches, boundaries = 2 * config.options.virtual_stages - 1;
+    const std::int64_t rows = kBatch / config.mesh->shape()[0] / m;
+    const auto& send = got.stats.pipeline.send;
+    if (config.options.virtual_stages == 1) {
+      CHECK(send.calls == kSteps * pipelines * 2 * m * boundaries);
+      CHECK(send.bytes_sent == kSteps * pipelines * 2 * m * boundaries * rows * 16 * 4);
+    } else {
+      CHECK(send.calls == kSteps * pipelines * 2 * m * boundaries);  // the chunks' boundaries carry other widths
+    }
   }
 }
 
