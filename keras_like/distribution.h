@@ -23,7 +23,7 @@
 //
 // What throws: InvalidArgument for a malformed mesh, layout or layout map (the message names the
 // key, axis, variable or device), for a path that matches two LayoutMap keys; Unimplemented for
-// what ModelParallel cannot do yet (a pipeline of several stages under fit; see ModelParallel);
+// what ModelParallel cannot do yet (see ModelParallel);
 // FailedPrecondition for plan() of a model that is not built. Construction of a distribution blocks like MultiWorkerMirroredStrategy's.
 #pragma once
 
@@ -385,12 +385,14 @@ struct ModelParallelOptions {
 // some variable (else InvalidArgument: each device along it would compute the same rows), except
 // the pipeline's stage axis, whose cuts and schedule are checked (cut_into_stages,
 // validate_pipeline_config). Layouts that pass and split variables then train with tensor
-// parallelism (Megatron-LM's column- and row-parallel Dense layers; the groups' collectives in
-// the replicas' graphs), combined with data parallelism over the batch axis. A pipeline of several
-// stages is Unimplemented at that point: pipeline execution under fit is not built yet
-// (strategy::PipelineRunner runs stage graphs), so plan() can show such a distribution but fit
-// refuses it. A variable whose layout has another rank than its shape is InvalidArgument at its
-// creation.
+// parallelism (Megatron-LM's column- and row-parallel layers; the groups' collectives in the
+// replicas' graphs), and a stage axis of several devices trains as a pipeline (the stages'
+// graphs under a strategy::PipelineRunner per pipeline, each stage's variables on its devices
+// only), either or both combined with data parallelism over the batch axis, in one process or
+// across workers. What is not built is Unimplemented there, naming it, before anything changes:
+// ZeRO stages with either, GPU replicas, clipping by norm or loss scaling, a pipeline over layers
+// with moving statistics or a layer used by two stages. A variable whose layout has another rank
+// than its shape is InvalidArgument at its creation.
 class ModelParallel final : public Distribution {
  public:
   explicit ModelParallel(LayoutMap layout_map, ModelParallelOptions options = {});
