@@ -109,6 +109,16 @@ struct Trainer::Pipeline {
     sums.metrics.assign(num_sums - 1 - sums.output_loss.size(), 0.0);
     return sums;
   }
+
+  // Every pipeline's `runner` over its shard's micro-batches (each with `extra` appended), at once.
+  std::vector<strategy::PipelineStepResult> run(std::unique_ptr<strategy::PipelineRunner> Line::*runner,
+                                                const std::vector<data::Element>& shards,
+                                                const std::vector<Tensor>& extra);
+  // Per local replica, a step's sums: from the last stages of the pipelines that count, zeros
+  // elsewhere.
+  std::vector<StepSums> step_sums(const std::vector<strategy::PipelineStepResult>& results,
+                                  const std::vector<data::Element>& shards, std::size_t replicas,
+                                  std::size_t outputs) const;
 };
 
 std::size_t Trainer::build_pipeline() {
@@ -317,6 +327,30 @@ std::int64_t rows_in(const data::Element& e) { return e.empty() ? 0 : e.front().
 
 }  // namespace
 
+std::vector<strategy::PipelineStepResult> Trainer::Pipeline::run(
+    std::unique_ptr<strategy::PipelineRunner> Line::*runner, const std::vector<data::Element>& shards,
+    const std::vector<Tensor>& extra) {
+  std::vector<strategy::PipelineStepResult> results(lines.size());
+  for_each_line(lines, [&](Line& line, std::size_t i) {
+    const int any = line.first_replica >= 0 ? line.first_replica : line.stage_replica.front();
+    results[i] = (line.*runner)->step(microbatches(shards[static_cast<std::size_t>(any)], config.microbatches, extra));
+  });
+  return results;
+}
+
+std::vector<StepSums> Trainer::Pipeline::step_sums(const std::vector<strategy::PipelineStepResult>& results,
+                                                   const std::vector<data::Element>& shards, std::size_t replicas,
+                                                   std::size_t outputs) const {
+  std::vector<StepSums> sums(replicas, zeros(outputs));
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    const auto& line = lines[i];
+    if (line.last_replica < 0 || !line.counts) continue;
+    const auto r = static_cast<std::size_t>(line.last_replica);
+    sums[r] = sums_of(results[i].fetched, outputs, rows_in(shards[r]));
+  }
+  return sums;
+}
+
 void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) {
   TANDEM_REQUIRE(with_targets_ && model_.compiled, FailedPrecondition,
                  "model \"{}\": training needs a compiled model and data with targets", model_.name);
@@ -325,11 +359,7 @@ void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) 
   auto& strategy = *model_.strategy;
   const auto shards = shards_of(batch);
   const Tensor scale = Tensor::scalar<float>(1.0f / static_cast<float>(std::max<std::int64_t>(1, batch.global_examples)));
-  std::vector<strategy::PipelineStepResult> results(P.lines.size());
-  for_each_line(P.lines, [&](Pipeline::Line& line, std::size_t i) {
-    const int any = line.first_replica >= 0 ? line.first_replica : line.stage_replica.front();
-    results[i] = line.train->step(microbatches(shards[static_cast<std::size_t>(any)], P.config.microbatches, {scale}));
-  });
+  const auto results = P.run(&Pipeline::Line::train, shards, {scale});
   // Each replica: its stages' gradients summed over the batch axis, then its variables updated.
   std::vector<std::vector<Tensor>> grads(static_cast<std::size_t>(strategy.replica_devices().size()));
   for (std::size_t r = 0; r < grads.size(); ++r) {
@@ -364,14 +394,7 @@ void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) 
     strategy.run([&](strategy::ReplicaContext& ctx) { update(ctx.replica_id_in_sync_group()); });
   }
   model_.optimizer->finish_step();
-  // The step's sums, from each pipeline's last stage (zeros elsewhere).
-  std::vector<StepSums> sums(grads.size(), P.zeros(model_.outputs.size()));
-  for (std::size_t i = 0; i < P.lines.size(); ++i) {
-    const auto& line = P.lines[i];
-    if (line.last_replica < 0 || !line.counts) continue;
-    sums[static_cast<std::size_t>(line.last_replica)] =
-        sums_of(results[i].fetched, model_.outputs.size(), rows_in(shards[static_cast<std::size_t>(line.last_replica)]));
-  }
+  auto sums = P.step_sums(results, shards, grads.size(), model_.outputs.size());
   pipeline_add_sums(Phase::kTrain, sums);
   count_step(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
@@ -381,30 +404,14 @@ void Trainer::pipeline_test_step(const strategy::Strategy::WorkerBatch& batch) {
                  "model \"{}\": evaluation needs a compiled model and data with targets", model_.name);
   Pipeline& P = *pipeline_;
   const auto shards = shards_of(batch);
-  std::vector<strategy::PipelineStepResult> results(P.lines.size());
-  const Tensor scale = Tensor::scalar<float>(1.0f);
-  for_each_line(P.lines, [&](Pipeline::Line& line, std::size_t i) {
-    const int any = line.first_replica >= 0 ? line.first_replica : line.stage_replica.front();
-    results[i] = line.infer->step(microbatches(shards[static_cast<std::size_t>(any)], P.config.microbatches, {scale}));
-  });
-  std::vector<StepSums> sums(model_.strategy->replica_devices().size(), P.zeros(model_.outputs.size()));
-  for (std::size_t i = 0; i < P.lines.size(); ++i) {
-    const auto& line = P.lines[i];
-    if (line.last_replica < 0 || !line.counts) continue;
-    sums[static_cast<std::size_t>(line.last_replica)] =
-        sums_of(results[i].fetched, model_.outputs.size(), rows_in(shards[static_cast<std::size_t>(line.last_replica)]));
-  }
+  const auto results = P.run(&Pipeline::Line::infer, shards, {});
+  auto sums = P.step_sums(results, shards, model_.strategy->replica_devices().size(), model_.outputs.size());
   pipeline_add_sums(Phase::kTest, sums);
 }
 
 std::vector<Tensor> Trainer::pipeline_predict_step(const data::Element& batch) {
   Pipeline& P = *pipeline_;
-  const auto shards = model_.strategy->split_batch(batch);
-  std::vector<strategy::PipelineStepResult> results(P.lines.size());
-  for_each_line(P.lines, [&](Pipeline::Line& line, std::size_t i) {
-    const int any = line.first_replica >= 0 ? line.first_replica : line.stage_replica.front();
-    results[i] = line.predict->step(microbatches(shards[static_cast<std::size_t>(any)], P.config.microbatches, {}));
-  });
+  const auto results = P.run(&Pipeline::Line::predict, model_.strategy->split_batch(batch), {});
   // The last stages' outputs, micro-batch by micro-batch, pipeline by pipeline (data shard order).
   std::vector<Tensor> out;
   for (std::size_t j = 0; j < model_.outputs.size(); ++j) {

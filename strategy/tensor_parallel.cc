@@ -181,6 +181,16 @@ void register_ops() {
 
 }  // namespace
 
+std::shared_ptr<Group> Group::registered(std::vector<devices::Device*> devices,
+                                        std::vector<collective::Communicator*> communicators) {
+  register_ops();
+  const std::int64_t id = registry().next_id++;
+  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
+  std::lock_guard lock(registry().mutex);
+  registry().groups[id] = group.get();
+  return group;
+}
+
 std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
                                      std::vector<collective::Communicator*> communicators) {
   TANDEM_REQUIRE(!devices.empty() && devices.size() == communicators.size(), InvalidArgument,
@@ -199,12 +209,7 @@ std::shared_ptr<Group> Group::create(std::vector<devices::Device*> devices,
                      devices[i]->short_name(), communicators[i]->rank());
     }
   }
-  register_ops();
-  const std::int64_t id = registry().next_id++;
-  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
-  std::lock_guard lock(registry().mutex);
-  registry().groups[id] = group.get();
-  return group;
+  return registered(std::move(devices), std::move(communicators));
 }
 
 std::shared_ptr<Group> Group::create_grouped(std::vector<devices::Device*> devices,
@@ -217,12 +222,7 @@ std::shared_ptr<Group> Group::create_grouped(std::vector<devices::Device*> devic
                    InvalidArgument, "tensor_parallel::Group: the groups of devices {} and {} differ in size",
                    devices[0]->short_name(), devices[i]->short_name());
   }
-  register_ops();
-  const std::int64_t id = registry().next_id++;
-  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
-  std::lock_guard lock(registry().mutex);
-  registry().groups[id] = group.get();
-  return group;
+  return registered(std::move(devices), std::move(communicators));
 }
 
 std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> devices,
@@ -244,13 +244,9 @@ std::shared_ptr<Group> Group::create_in_process(std::vector<devices::Device*> de
       owned.push_back(std::move(comms[k]));
     }
   }
-  register_ops();
-  const std::int64_t id = registry().next_id++;
-  std::shared_ptr<Group> group(new Group(id, std::move(devices), std::move(communicators)));
+  auto group = registered(std::move(devices), std::move(communicators));
   group->owned_ = std::move(owned);
   group->size_of_groups_ = static_cast<int>(size);
-  std::lock_guard lock(registry().mutex);
-  registry().groups[id] = group.get();
   return group;
 }
 

@@ -73,6 +73,9 @@ class Group {
   collective::CommunicationStats stats() const;
 
  private:
+  // A new group under a fresh id in the registry through which kernels find it.
+  static std::shared_ptr<Group> registered(std::vector<devices::Device*> devices,
+                                           std::vector<collective::Communicator*> communicators);
   std::size_t local_index(const devices::Device& device) const;
   Group(std::int64_t id, std::vector<devices::Device*> devices, std::vector<collective::Communicator*> communicators);
   std::int64_t id_;
