@@ -238,7 +238,12 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
     const auto& [name, variable] = contents.variables[i];
     const auto& spec = variable->sharding();
     if (!spec) {
-      if (chief) add(i, name, 0, variable->read_value().reshape({variable->shape().num_elements()}));
+      // A variable split by ModelParallel is read on every worker (its pieces may be on several),
+      // and written whole by the chief.
+      if (chief || variable->tensor_split()) {
+        Tensor whole = variable->read_value();
+        if (chief) add(i, name, 0, whole.reshape({variable->global_shape().num_elements()}));
+      }
       continue;
     }
     // Shard s is the replica with global index s (ShardSpec).
@@ -626,12 +631,15 @@ bool shards_state(const Model& model) {
 
 bool writes_directory(const Model& model, const std::string& path, bool with_optimizer) {
   if (path.ends_with('/') || is_checkpoint_directory(path)) return true;
+  // ZeRO's shards, and across workers ModelParallel's pieces and stages: every worker takes part.
+  const bool workers = model.distribute_strategy().num_workers() > 1;
+  const auto split = [&](const Variable& v) { return v.sharding() || (workers && v.tensor_split()); };
   for (const auto& w : model.weights()) {
-    if (w->sharding()) return true;
+    if (split(*w)) return true;
   }
   if (!with_optimizer) return false;
   for (const auto& [name, slot] : model.optimizer().slots()) {
-    if (slot->sharding()) return true;
+    if (split(*slot)) return true;
   }
   return false;
 }

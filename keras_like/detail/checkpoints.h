@@ -30,7 +30,8 @@ bool shards_state(const Model& model);
 
 // The rule for the format of save_weights (with_optimizer false) and training checkpoints (true):
 // a checkpoint directory when the path ends with '/' or names an existing directory, or when a
-// variable written is sharded; else one safetensors file, as before sharding existed. A directory
+// variable written is sharded (ZeRO), or split by ModelParallel in a job of several workers (its
+// pieces or stages may be on several); else one safetensors file, as before sharding existed. A directory
 // is written by every worker together (collective), a file by whoever calls.
 bool writes_directory(const Model& model, const std::string& path, bool with_optimizer);
 

@@ -7,10 +7,13 @@
 //   --axes batch,stage     the mesh's second axis is a pipeline's instead (2 stages, 1F1B, 4
 //                          micro-batches); batch,model,stage (a 3-D --mesh): both
 //   --reference            the same mesh over this one process's devices, written as rank 0
+// Every worker also saves the weights into DIR/weights/ together; rank 0 loads them on one device
+// and checks that they evaluate to the run's loss.
 // Exit status 1, with the difference on stderr, when the run is not equivalent to one device.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <fstream>
@@ -46,7 +49,10 @@ int main(int argc, char** argv) {
     const bool tensor = mesh.has_axis("model"), pipeline = mesh.has_axis("stage");
     kd::ModelParallel mp(tensor ? pair_layouts(mesh) : kd::LayoutMap(mesh),
                          {.pipeline = pipeline ? std::optional(kd::PipelineOptions{.microbatches = 4}) : std::nullopt});
-    const Run got = train(mp);
+    // Saved by every worker together (a checkpoint directory: the pieces may be on several), and
+    // loaded on one device below.
+    const std::string saved = fmt::format("{}/weights/", out);
+    const Run got = train(mp, saved);
     const int rank = reference ? 0 : mp.worker_rank();
     std::filesystem::create_directories(out);
     std::ofstream file(fmt::format("{}/rank-{}.txt", out, rank));
@@ -61,7 +67,24 @@ int main(int argc, char** argv) {
     file << fmt::format(
         "tensor_parallel_bytes_per_device_and_step {}\n",
         got.stats.tensor_parallel.total().bytes_sent / std::max<std::int64_t>(1, got.stats.steps * got.stats.replicas));
-    const std::string difference_from_one_device = difference(got, want);
+    std::string difference_from_one_device = difference(got, want);
+    if (rank == 0) {
+      OneDeviceStrategy one("CPU:0");
+      Model reloaded = [&] {
+        auto scope = one.scope();
+        return make_mlp();
+      }();
+      {
+        auto scope = one.scope();
+        reloaded.compile("adam", "mse");
+      }
+      reloaded.load_weights(saved);
+      const auto [x, y] = make_data(kSteps + 1);
+      const double loss = reloaded.evaluate(x, y, {.batch_size = kBatch, .verbose = 0}).at("loss");
+      if (std::abs(loss - got.evaluation) > 1e-6 * std::abs(got.evaluation) && difference_from_one_device.empty())
+        difference_from_one_device = fmt::format("the saved weights evaluate to {} on one device, not {}", loss,
+                                                 got.evaluation);
+    }
     if (!difference_from_one_device.empty()) {
       std::fprintf(stderr, "model_parallel_fit_worker rank %d: differs from one device: %s\n", rank,
                    difference_from_one_device.c_str());
