@@ -75,12 +75,15 @@ void ModelParallel::place_replicas() {
   }
   for (std::size_t i = 0; i < mesh.devices().size(); ++i)
     coordinates_.push_back(unravel(static_cast<std::int64_t>(i), mesh.shape()));
-  for (const auto& [key, members] : groups_along(batch_axis_)) {
+  const auto batch_groups = groups_along(batch_axis_);
+  for (const auto& [key, members] : batch_groups) {
     if (reach_of(key, batch_axis_) != GroupReach::kEveryWorker && num_workers() > 1) gradients_span_workers_ = false;
   }
   // The base made the default group (every replica) if it made one: ours sums along the batch
-  // axis only.
-  if (num_workers() > 1) remake_replica_group();
+  // axis only, when that is another group.
+  const bool default_group =
+      batch_groups.size() == 1 && reach_of(batch_groups.begin()->first, batch_axis_) == GroupReach::kEveryWorker;
+  if (num_workers() > 1 && !default_group) remake_replica_group();
   if (pipeline_ && pipeline_->stages > 1) {
     stage_axis_ = static_cast<std::size_t>(std::find(names.begin(), names.end(), pipeline_->stage_axis) - names.begin());
     pipeline_communicators_ = communicators_along(*stage_axis_);

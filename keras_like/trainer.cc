@@ -14,6 +14,9 @@
 // them as it applies them, or skips the step (every replica sees the same reduced values, so all
 // take the same decision). The logged loss sums are taken before the scaling.
 //
+// A model cut into pipeline stages (ModelParallel with a stage axis) is run by the stages' own
+// graphs instead: pipeline_trainer.cc, behind the same public steps.
+//
 // How the gradients are communicated is the strategy's business: the trainer asks it for a
 // GradientReducer (strategy/gradient_reducer.h), hands the reducer's observer to each replica's
 // run, and takes the reduced gradients from it (PyTorch keeps DDP's Reducer in its distributed

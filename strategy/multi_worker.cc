@@ -317,6 +317,15 @@ std::unique_ptr<MultiWorkerMirroredStrategy::Impl> MultiWorkerMirroredStrategy::
     impl->devices.push_back(d);
   }
   impl->local_replicas = static_cast<int>(impl->devices.size());
+  // Refused before any connection: a worker that failed later, while another still connects,
+  // would leave that one with a closed connection to report instead of the reason.
+  const bool cpus = std::all_of(impl->devices.begin(), impl->devices.end(),
+                                [](const devices::Device* d) { return d->type() == devices::DeviceType::kCPU; });
+  TANDEM_REQUIRE(impl->workers == 1 || !cpus ||
+                     options.communication_options.implementation != CommunicationImplementation::kNccl,
+                 InvalidArgument,
+                 "MultiWorkerMirroredStrategy: CommunicationImplementation::kNccl needs GPU replicas; this worker's "
+                 "devices are CPUs (use kAuto, kRing or kSharedMemory)");
 
   if (impl->workers > 1) {
     collective::RendezvousOptions rv;

@@ -1,9 +1,9 @@
 #include "tandem/strategy/strategy.h"
 
 #include <algorithm>
-#include <set>
 #include <atomic>
 #include <condition_variable>
+#include <set>
 #include <thread>
 #include <vector>
 

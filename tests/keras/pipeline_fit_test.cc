@@ -134,3 +134,30 @@ TEST_CASE("what pipelines under fit do not do yet is refused at compile, the mod
           "training; under a pipeline that is not built yet");
   }
 }
+
+TEST_CASE("a last batch with fewer rows than micro-batches (some micro-batches empty) trains as one device") {
+  // 36 rows in batches of 8: the last batch has 4 rows, 2 per data shard under PP2xDP2, so 2 of
+  // each pipeline's 4 micro-batches are empty.
+  const auto [x, y] = make_data(2);
+  const auto xs = x.to_vector<float>(), ys = y.to_vector<float>();
+  const Tensor x36 = Tensor::from_vector(std::vector<float>(xs.begin(), xs.begin() + 36 * kIn), {36, kIn});
+  const Tensor y36 = Tensor::from_vector(std::vector<float>(ys.begin(), ys.begin() + 36), {36, 1});
+  const auto fit = [&](Strategy& strategy) {
+    Model model = [&] {
+      auto scope = strategy.scope();
+      return make_mlp();
+    }();
+    {
+      auto scope = strategy.scope();
+      model.compile(Adam{.learning_rate = 0.01}, "mse");
+    }
+    const auto history = model.fit(x36, y36, {.batch_size = 8, .epochs = 2, .verbose = 0, .shuffle = false});
+    return history.history.at("loss");
+  };
+  OneDeviceStrategy one("CPU:0");
+  const auto want = fit(one);
+  auto mp = pipeline_on(kd::DeviceMesh({2, 2}, {"batch", "stage"}, kFourCpus), {.microbatches = 4});
+  const auto got = fit(*mp);
+  REQUIRE(got.size() == want.size());
+  for (std::size_t e = 0; e < got.size(); ++e) CHECK(std::abs(got[e] - want[e]) <= 1e-5 * std::abs(want[e]));
+}
