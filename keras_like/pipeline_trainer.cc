@@ -86,7 +86,6 @@ struct Trainer::Pipeline {
   std::vector<VariablePtr> trainable;
   // One pipeline: the local replicas that share a data shard, one per stage.
   struct Line {
-    int data_shard = 0;
     // Training (forward and backward), evaluation (forward: the loss and metric sums) and
     // prediction (forward: the model's outputs).
     std::unique_ptr<strategy::PipelineRunner> train, infer, predict;
@@ -94,7 +93,7 @@ struct Trainer::Pipeline {
     // `trainable` (kNotTrained for a frozen one).
     std::vector<int> stage_replica;
     std::vector<std::vector<std::size_t>> trainable_index;
-    int first_replica = -1, last_replica = -1;  // the replicas of the first and the last stage, when here
+    int last_replica = -1;  // the replica of the last stage, when here
     // Whether its sums and outputs count: one pipeline per data shard (tensor parallelism runs
     // one per tensor rank, each computing the same loss).
     bool counts = true;
@@ -233,14 +232,12 @@ std::size_t Trainer::build_pipeline() {
     std::sort(members.begin(), members.end(),
               [&](int a, int b) { return mp.pipeline_stage(a) < mp.pipeline_stage(b); });
     Pipeline::Line line;
-    line.data_shard = mp.data_shard(members.front());
     line.counts = mp.leads_pipeline(members.front());
     std::vector<strategy::PipelineStage> train_stages, infer_stages, predict_stages;
     std::vector<collective::Communicator*> communicators;
     for (const int r : members) {
       const int s = mp.pipeline_stage(r);
       communicators.push_back(mp.pipeline_communicator(r));
-      if (s == 0) line.first_replica = r;
       if (s == p - 1) line.last_replica = r;
       for (int c = 0; c < v; ++c) {
         const int k = c * p + s;
@@ -332,8 +329,9 @@ std::vector<strategy::PipelineStepResult> Trainer::Pipeline::run(
     const std::vector<Tensor>& extra) {
   std::vector<strategy::PipelineStepResult> results(lines.size());
   for_each_line(lines, [&](Line& line, std::size_t i) {
-    const int any = line.first_replica >= 0 ? line.first_replica : line.stage_replica.front();
-    results[i] = (line.*runner)->step(microbatches(shards[static_cast<std::size_t>(any)], config.microbatches, extra));
+    // Every replica of a pipeline has the same data shard.
+    const auto r = static_cast<std::size_t>(line.stage_replica.front());
+    results[i] = (line.*runner)->step(microbatches(shards[r], config.microbatches, extra));
   });
   return results;
 }
