@@ -206,12 +206,13 @@ void ModelParallel::prepare_pipeline(const Model& model, const std::vector<Plann
   }
   // Everything is checked: the split variables take their pieces on their stage's devices, the
   // others whole there.
+  // A weight no stage's calls read lives on stage 0.
+  for (const auto& w : model.weights()) home.emplace(w.get(), 0);
   planned_stages_ = stages;
   prepare_tensor_parallel(model, layouts, &home);
   for (const auto& w : model.weights()) {
     if (w->tensor_split()) continue;  // split by tensor parallelism, on its stage
-    const auto it = home.find(w.get());
-    const int device = it == home.end() ? 0 : it->second;
+    const int device = home.at(w.get());
     std::vector<int> piece_of_replica;
     for (const auto& c : coordinates_) piece_of_replica.push_back(static_cast<int>(c[*stage_axis_]) == device ? 0 : -1);
     w->split_into_pieces({.dim = 0,
@@ -231,11 +232,8 @@ int ModelParallel::data_shard(int replica) const {
 }
 
 bool ModelParallel::leads_data_shard(int replica) const {
-  const auto& c = coordinates_[static_cast<std::size_t>(global_replica_index(replica))];
-  for (std::size_t a = 0; a < c.size(); ++a) {
-    if (a != batch_axis_ && c[a] != 0) return false;
-  }
-  return true;
+  // Its pipeline's first stage (every replica, without a pipeline) of the pipeline that counts.
+  return leads_pipeline(replica) && pipeline_stage(replica) == 0;
 }
 
 std::vector<std::unique_ptr<collective::Communicator>> ModelParallel::make_replica_group() {
@@ -350,10 +348,9 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
     for (const auto& w : layer->own_weights()) {
       const auto it = split_paths.find(w->name());
       if (it == split_paths.end()) continue;
+      const int stage = home == nullptr ? -1 : home->at(w.get());
       std::vector<int> piece_of_replica;
       for (const auto& c : coordinates_) {
-        const auto h = home == nullptr ? std::map<const Variable*, int>::const_iterator{} : home->find(w.get());
-        const int stage = home == nullptr || h == home->end() ? 0 : h->second;
         const bool here = home == nullptr || static_cast<int>(c[*stage_axis_]) == stage;
         piece_of_replica.push_back(here ? static_cast<int>(c[*tensor_axis_]) : -1);
       }
