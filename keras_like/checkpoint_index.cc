@@ -149,6 +149,20 @@ CheckpointTensorInfo parse_tensor(const std::string& name, const Json& value,
       tensor.num_shards = static_cast<int>(unsigned_number(member(*it, "num_shards", problems, "a flat layout"),
                                                            kMaxCount, problems, "a layout's num_shards"));
       if (tensor.num_shards == 0) bad("a flat layout of 0 shards");
+    } else if (kind == "split") {
+      const auto count = [&](const char* key, std::uint64_t most) {
+        return static_cast<int>(
+            unsigned_number(member(*it, key, problems, "a split layout"), most, problems, "a split layout's count"));
+      };
+      CheckpointSplit split{.dim = count("dim", static_cast<std::uint64_t>(Shape::kMaxRank)),
+                            .parts = count("parts", kMaxCount),
+                            .axis = {}};
+      split.axis = string_value(member(*it, "axis", problems, "a split layout"), problems, "a split layout's axis");
+      if (split.parts == 0) bad("a split layout of 0 parts");
+      if (split.dim >= std::max(tensor.shape.rank(), 1)) {
+        bad(fmt::format("a split layout along dimension {} of a tensor of shape {}", split.dim, show(shape)));
+      }
+      tensor.split = std::move(split);
     } else if (kind != "replicated") {
       bad(fmt::format("unknown layout kind {}", quote_value(kind)));
     }
@@ -259,8 +273,11 @@ std::string checkpoint_index_json(const CheckpointIndex& index) {
                             {"bytes", Json::array({c.byte_offset, c.byte_length})},
                             {"crc32", std::move(crc)}});
     }
-    const Json layout =
-        t.num_shards == 0 ? Json{{"kind", "replicated"}} : Json{{"kind", "flat"}, {"num_shards", t.num_shards}};
+    Json layout =
+        t.num_shards != 0 ? Json{{"kind", "flat"}, {"num_shards", t.num_shards}} : Json{{"kind", "replicated"}};
+    if (t.split) {
+      layout = Json{{"kind", "split"}, {"dim", t.split->dim}, {"parts", t.split->parts}, {"axis", t.split->axis}};
+    }
     Json shape = Json::array();
     for (const auto d : t.shape.dims()) shape.push_back(d);
     tensors[t.name] = Json{{"dtype", *detail::safetensors_dtype(t.dtype)},

@@ -179,14 +179,19 @@ CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& 
                              .dtype = variable->dtype(),
                              .shape = variable->global_shape(),
                              .num_shards = sharding ? sharding->num_shards : 0,
+                             .split = {},
                              .chunks = {}});
+    if (const auto& split = variable->tensor_split(); split && !sharding) {
+      index.tensors.back().split = CheckpointSplit{.dim = split->dim, .parts = split->parts, .axis = split->axis};
+    }
   }
   for (const auto& [name, value] : contents.values) {
     index.tensors.push_back(
-        {.name = name, .dtype = value.dtype(), .shape = value.shape(), .num_shards = 0, .chunks = {}});
+        {.name = name, .dtype = value.dtype(), .shape = value.shape(), .num_shards = 0, .split = {}, .chunks = {}});
   }
   for (const auto& [name, spec] : contents.block_tensors) {
-    index.tensors.push_back({.name = name, .dtype = spec.dtype, .shape = spec.shape, .num_shards = 0, .chunks = {}});
+    index.tensors.push_back(
+        {.name = name, .dtype = spec.dtype, .shape = spec.shape, .num_shards = 0, .split = {}, .chunks = {}});
   }
   for (std::size_t w = 0; w < records.size(); ++w) {
     const auto& r = records[w];
@@ -217,6 +222,12 @@ CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& 
   return index;
 }
 
+// The global replica that writes piece `p` of a split variable: the first that holds it.
+int first_holder(const strategy::TensorSplit& split, int p) {
+  const auto it = std::find(split.piece_of_replica.begin(), split.piece_of_replica.end(), p);
+  return static_cast<int>(it - split.piece_of_replica.begin());
+}
+
 // This worker's file: its shards of the sharded variables, and (the chief) every whole value.
 // Returns the records of its chunks.
 std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& file,
@@ -234,16 +245,63 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
     pending.push_back({tensor, begin, end});
     tensors.emplace_back(chunk_key(name, begin, end), std::move(value));
   };
+  // A block of tensor `tensor` (whole: `spec`) at `offsets`: one chunk per contiguous run of its
+  // elements in the whole tensor (one for a split along the first dimension; one per row of a
+  // column split), so that readers of flat chunks read it as they read everything else.
+  const auto add_block = [&](std::size_t tensor, const std::string& name, const graph::TensorSpec& spec,
+                             const std::vector<std::int64_t>& offsets, const Tensor& value) {
+    const Shape& whole = spec.shape;
+    const Tensor piece = value.to(devices::default_cpu_device());
+    const Shape& p = piece.shape();
+    const int rank = whole.rank();
+    TANDEM_REQUIRE(piece.dtype() == spec.dtype && p.rank() == rank && static_cast<int>(offsets.size()) == rank,
+                   InvalidArgument, "save checkpoint: a block of \"{}\" is {} {} at [{}]; the tensor is {} {}", name,
+                   graph::dtype_name(piece.dtype()), p, fmt::join(offsets, ", "), graph::dtype_name(spec.dtype), whole);
+    for (int d = 0; d < rank; ++d) {
+      const auto o = offsets[static_cast<std::size_t>(d)];
+      TANDEM_REQUIRE(o >= 0 && o + p[d] <= whole[d], InvalidArgument,
+                     "save checkpoint: a block of \"{}\" of shape {} at [{}] reaches past the tensor's shape {}", name,
+                     p, fmt::join(offsets, ", "), whole);
+    }
+    // Dimensions from `k` on are contiguous in the whole tensor: every later one is whole.
+    int k = rank - 1;
+    while (k > 0 && p[k] == whole[k]) --k;
+    std::vector<std::int64_t> stride(static_cast<std::size_t>(std::max(rank, 1)), 1);
+    for (int d = rank - 2; d >= 0; --d)
+      stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * whole[d + 1];
+    const std::int64_t run = rank == 0 ? 1 : p[k] * stride[static_cast<std::size_t>(k)];
+    const std::int64_t runs = run == 0 ? 0 : piece.num_elements() / run;
+    for (std::int64_t r = 0; r < runs; ++r) {
+      // The run's position: r counts the piece's indices over dimensions [0, k) row-major.
+      std::int64_t begin = rank == 0 ? 0 : offsets[static_cast<std::size_t>(k)] * stride[static_cast<std::size_t>(k)];
+      std::int64_t rest = r;
+      for (int d = k - 1; d >= 0; --d) {
+        begin += (offsets[static_cast<std::size_t>(d)] + rest % p[d]) * stride[static_cast<std::size_t>(d)];
+        rest /= p[d];
+      }
+      add(tensor, name, begin, strategy::flat_view(piece, r * run, run).clone());
+    }
+  };
   for (std::size_t i = 0; i < contents.variables.size(); ++i) {
     const auto& [name, variable] = contents.variables[i];
     const auto& spec = variable->sharding();
-    if (!spec) {
-      // A variable split by ModelParallel is read on every worker (its pieces may be on several),
-      // and written whole by the chief.
-      if (chief || variable->tensor_split()) {
-        Tensor whole = variable->read_value();
-        if (chief) add(i, name, 0, whole.reshape({variable->global_shape().num_elements()}));
+    if (const auto& split = variable->tensor_split(); split && !spec) {
+      // ModelParallel's pieces (and a pipeline stage's weights): each written by the worker of
+      // the first replica that holds it, so that every worker writes what it holds and no piece
+      // twice (a piece held along a batch axis is held by several replicas).
+      const graph::TensorSpec whole{.dtype = variable->dtype(), .shape = split->global_shape};
+      for (int r = 0; r < variable->num_replicas(); ++r) {
+        const int g = strategy.global_replica_index(r);
+        const int p = split->piece_of_replica[static_cast<std::size_t>(g)];
+        if (p < 0 || first_holder(*split, p) != g) continue;
+        std::vector<std::int64_t> offsets(static_cast<std::size_t>(whole.shape.rank()), 0);
+        if (split->parts > 1) offsets[static_cast<std::size_t>(split->dim)] = p * split->piece_shape()[split->dim];
+        add_block(i, name, whole, offsets, variable->value(r));
       }
+      continue;
+    }
+    if (!spec) {
+      if (chief) add(i, name, 0, variable->read_value().reshape({variable->global_shape().num_elements()}));
       continue;
     }
     // Shard s is the replica with global index s (ShardSpec).
@@ -266,41 +324,8 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
                                  [&](const auto& t) { return t.first == block.name; });
     TANDEM_REQUIRE(it != contents.block_tensors.end(), InvalidArgument,
                    "save checkpoint: a block of \"{}\", which block_tensors does not list", block.name);
-    const Shape& whole = it->second.shape;
-    const Tensor piece = block.piece.to(devices::default_cpu_device());
-    const Shape& p = piece.shape();
-    const int rank = whole.rank();
-    TANDEM_REQUIRE(
-        piece.dtype() == it->second.dtype && p.rank() == rank && static_cast<int>(block.offsets.size()) == rank,
-        InvalidArgument, "save checkpoint: a block of \"{}\" is {} {} at [{}]; the tensor is {} {}", block.name,
-        graph::dtype_name(piece.dtype()), p, fmt::join(block.offsets, ", "), graph::dtype_name(it->second.dtype),
-        whole);
-    for (int d = 0; d < rank; ++d) {
-      const auto o = block.offsets[static_cast<std::size_t>(d)];
-      TANDEM_REQUIRE(o >= 0 && o + p[d] <= whole[d], InvalidArgument,
-                     "save checkpoint: a block of \"{}\" of shape {} at [{}] reaches past the tensor's shape {}",
-                     block.name, p, fmt::join(block.offsets, ", "), whole);
-    }
-    // Dimensions from `k` on are contiguous in the whole tensor: every later one is whole.
-    int k = rank - 1;
-    while (k > 0 && p[k] == whole[k]) --k;
-    std::vector<std::int64_t> stride(static_cast<std::size_t>(std::max(rank, 1)), 1);
-    for (int d = rank - 2; d >= 0; --d)
-      stride[static_cast<std::size_t>(d)] = stride[static_cast<std::size_t>(d) + 1] * whole[d + 1];
-    const std::int64_t run = rank == 0 ? 1 : p[k] * stride[static_cast<std::size_t>(k)];
-    const std::int64_t runs = run == 0 ? 0 : piece.num_elements() / run;
-    const std::size_t tensor = first_block_tensor + static_cast<std::size_t>(it - contents.block_tensors.begin());
-    for (std::int64_t r = 0; r < runs; ++r) {
-      // The run's position: r counts the piece's indices over dimensions [0, k) row-major.
-      std::int64_t begin =
-          rank == 0 ? 0 : block.offsets[static_cast<std::size_t>(k)] * stride[static_cast<std::size_t>(k)];
-      std::int64_t rest = r;
-      for (int d = k - 1; d >= 0; --d) {
-        begin += (block.offsets[static_cast<std::size_t>(d)] + rest % p[d]) * stride[static_cast<std::size_t>(d)];
-        rest /= p[d];
-      }
-      add(tensor, block.name, begin, strategy::flat_view(piece, r * run, run).clone());
-    }
+    add_block(first_block_tensor + static_cast<std::size_t>(it - contents.block_tensors.begin()), block.name,
+              it->second, block.offsets, block.piece);
   }
   const std::uint64_t data_start = write_safetensors(file.string(), tensors, {{"format", "tandem.checkpoint_shard"}});
   std::vector<double> record;

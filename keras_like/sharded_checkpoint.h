@@ -18,7 +18,8 @@
 //    "checksum": {"algorithm": "crc32", "block_bytes": 1048576},
 //    "metadata": {"format": "tandem.checkpoint", "epoch": "3", "step": "0", ...},
 //    "tensors": {"dense/kernel": {"dtype": "F32", "shape": [784, 128],
-//                                 "layout": {"kind": "flat", "num_shards": 4},  or {"kind": "replicated"}
+//                                 "layout": {"kind": "flat", "num_shards": 4},  or {"kind": "replicated"},
+//                                           or {"kind": "split", "dim": 1, "parts": 2, "axis": "model"}
 //                                 "chunks": [{"file": "rank-00000-of-00002.safetensors",
 //                                             "key": "dense/kernel[0:25088]",
 //                                             "range": [0, 25088],       elements [begin, end) of the
@@ -31,7 +32,9 @@
 // parallelism's pieces, CheckpointContents::blocks) is one per contiguous run of its elements in
 // the whole tensor, so that the format needs no N-D chunks and every reader reads blocks. Readers
 // refuse a chunk without "range", naming it. Replicated variables are written once, by the
-// chief; a sharded variable's shards by the workers that hold them (padding is never written).
+// chief; a sharded variable's shards by the workers that hold them (padding is never written); a
+// variable split by ModelParallel (tensor parallelism's pieces, a pipeline stage's weights) as
+// blocks, each piece by the worker of the first replica holding it (layout "split").
 //
 // Writing is atomic: every worker writes its file into a hidden sibling directory
 // (.NAME.tmp-<nonce>, the nonce drawn by the chief and broadcast), the workers agree that all
@@ -54,6 +57,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -85,11 +89,22 @@ struct CheckpointChunk {
   std::vector<std::uint32_t> crc32;                // one per checksum block of the chunk's bytes
 };
 
+// How ModelParallel split a tensor when it was written: `parts` pieces along `dim`, one per device
+// of mesh axis `axis` (parts 1: a pipeline stage's weight, held by that stage's devices). It
+// tells a reader how the chunks came about; reading never needs it (chunks are flat ranges).
+struct CheckpointSplit {
+  int dim = 0;
+  int parts = 1;
+  std::string axis;
+  bool operator==(const CheckpointSplit&) const = default;
+};
+
 struct CheckpointTensorInfo {
   std::string name;
   DType dtype = DType::kF32;
   Shape shape;                          // the whole value's
   int num_shards = 0;                   // 0: written whole (replicated); N: as N flat shards (ShardSpec::even)
+  std::optional<CheckpointSplit> split;  // written as ModelParallel's pieces (num_shards 0)
   std::vector<CheckpointChunk> chunks;  // sorted by begin, tiling [0, elements) exactly
 };
 

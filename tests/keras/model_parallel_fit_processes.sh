@@ -11,14 +11,19 @@ run=$1 worker=$2
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 fail() { echo "model_parallel_fit_processes: $*" >&2; exit 1; }
-for config in 1x2:model:1 2x2:model:2 1x2:stage:1 2x2:stage:2 1x2x2:model,stage:2; do
+# The fourth field: whether the split weights' pieces sit on both processes (the model or stage
+# axis across them), so that each process's checkpoint file must hold some.
+for config in 1x2:model:1:every 2x2:model:2:one 1x2:stage:1:every 2x2:stage:2:one 1x2x2:model,stage:2:every; do
   mesh=${config%%:*} rest=${config#*:}
+  spread=${rest##*:} rest=${rest%:*}
   axis=${rest%:*} per_process=${rest#*:}
+  pieces=""
+  [ "$spread" = every ] && pieces=--pieces-on-every-worker
   name="$mesh-$(echo "$axis" | tr , -)"
   TANDEM_NUM_CPU_DEVICES=$((per_process * 2)) "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/reference-$name" \
     --reference || fail "mesh $mesh (batch, $axis): the one-process run failed"
   TANDEM_NUM_CPU_DEVICES=$per_process TANDEM_RENDEZVOUS_TIMEOUT=60 \
-    "$run" --nproc_per_node 2 --master_port 0 -- "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/job-$name" \
+    "$run" --nproc_per_node 2 --master_port 0 -- "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/job-$name" $pieces \
     >"$dir/job-$name.log" 2>&1 || { cat "$dir/job-$name.log" >&2; fail "mesh $mesh (batch, $axis): the 2-process job failed"; }
   for rank in 0 1; do
     cmp "$dir/reference-$name/rank-0.txt" "$dir/job-$name/rank-$rank.txt" ||

@@ -5,7 +5,8 @@
 // OneDeviceStrategy does (every step's loss and the final weights within 1e-5 relative, Adam's
 // slots split with their weights) and bitwise the same run to run. Each device holds 1/t of a
 // split weight; the tensor-parallel collectives move the bytes of the published formula; a
-// checkpoint of a tensor-parallel run loads on one device; what is not built is refused at
+// checkpoint of a tensor-parallel run loads on one device, and its directory form holds each
+// piece once and loads under another mesh; what is not built is refused at
 // compile or before the first step, the model left whole.
 #include <doctest/doctest.h>
 
@@ -17,6 +18,7 @@
 #include "common/temp_dir.h"
 #include "tandem/keras_like/distribution.h"
 #include "tandem/keras_like/keras.h"
+#include "tandem/keras_like/sharded_checkpoint.h"
 #include "keras/parallel_fit_mlp.h"
 #include "tandem/ops/ops.h"
 
@@ -203,6 +205,56 @@ TEST_CASE("a tensor-parallel run's weights save whole and load on one device") {
   std::vector<std::vector<float>> weights;
   for (const auto& w : model.get_weights()) weights.push_back(w.to_vector<float>());
   CHECK(weights == trained.weights);
+}
+
+TEST_CASE("a tensor-parallel checkpoint directory holds each piece once, as written, and loads under another mesh") {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "tp-weights").string() + "/";
+  kd::ModelParallel mp(pair_layouts(kd::DeviceMesh({2, 2}, {"batch", "model"}, kFourCpus)));
+  const Run trained = train(mp, path);
+
+  // The index says how each weight was split; each piece is its own chunks (a column split's
+  // piece one per row), written once although two replicas (the batch axis) hold it.
+  const auto index = keras::parse_checkpoint_index(
+      testing::read_file_bytes((dir.path() / "tp-weights" / keras::kCheckpointIndexName).string()), "index.json");
+  const auto* fc1 = index.find("fc1/kernel");
+  REQUIRE(fc1 != nullptr);
+  REQUIRE(fc1->split.has_value());
+  CHECK(*fc1->split == keras::CheckpointSplit{.dim = 1, .parts = 2, .axis = "model"});
+  CHECK(fc1->chunks.size() == static_cast<std::size_t>(2 * kIn));  // 2 pieces x 8 rows
+  const auto* fc2 = index.find("fc2/kernel");
+  REQUIRE(fc2 != nullptr);
+  CHECK(*fc2->split == keras::CheckpointSplit{.dim = 0, .parts = 2, .axis = "model"});
+  CHECK(fc2->chunks.size() == 2);  // a row split: each piece one contiguous run
+  const auto* head = index.find("head/kernel");
+  REQUIRE(head != nullptr);
+  CHECK(!head->split.has_value());
+  CHECK(head->chunks.size() == 1);
+
+  // Loaded under a 1x4 mesh (each weight cut in 4, not 2) and on one device: the trained weights.
+  for (const bool split : {true, false}) {
+    CAPTURE(split);
+    kd::ModelParallel four(pair_layouts(kd::DeviceMesh({1, 4}, {"batch", "model"}, kFourCpus)));
+    OneDeviceStrategy one("CPU:0");
+    Strategy& strategy = split ? static_cast<Strategy&>(four) : one;
+    Model model = model_under(strategy);
+    {
+      auto scope = strategy.scope();
+      model.compile(Adam{}, "mse");
+    }
+    model.load_weights(path);
+    if (split) {
+      for (const auto& w : model.weights()) {
+        if (w->tensor_split()) CHECK(w->tensor_split()->parts == 4);
+      }
+    }
+    std::vector<std::vector<float>> weights;
+    for (const auto& w : model.get_weights()) weights.push_back(w.to_vector<float>());
+    CHECK(weights == trained.weights);
+    const auto [ex, ey] = make_data(kSteps + 1);
+    const double loss = model.evaluate(ex, ey, {.batch_size = kBatch, .verbose = 0}).at("loss");
+    CHECK(std::abs(loss - trained.evaluation) <= 1e-6 * std::abs(trained.evaluation));
+  }
 }
 
 TEST_CASE("what tensor parallelism under fit does not do yet is refused before the first step, the model left whole") {

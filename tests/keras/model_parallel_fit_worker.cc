@@ -8,7 +8,8 @@
 //                          micro-batches); batch,model,stage (a 3-D --mesh): both
 //   --reference            the same mesh over this one process's devices, written as rank 0
 // Every worker also saves the weights into DIR/weights/ together; rank 0 loads them on one device
-// and checks that they evaluate to the run's loss.
+// and checks that they evaluate to the run's loss, and with --pieces-on-every-worker that every
+// worker's file holds pieces of split weights (each piece written by a worker holding it).
 // Exit status 1, with the difference on stderr, when the run is not equivalent to one device.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -17,10 +18,13 @@
 #include <cstdio>
 #include <exception>
 #include <fstream>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "common/temp_dir.h"
 #include "keras/parallel_fit_mlp.h"
+#include "tandem/keras_like/sharded_checkpoint.h"
 
 using namespace tandem;
 using namespace tandem::testing::parallel_fit;
@@ -38,6 +42,9 @@ int main(int argc, char** argv) {
       ->expected(2, 3);
   app.add_option("--out", out)->required();
   app.add_flag("--reference", reference, "one process over its own devices");
+  bool pieces_on_every_worker = false;
+  app.add_flag("--pieces-on-every-worker", pieces_on_every_worker,
+               "the mesh puts split weights' pieces on every worker: each worker's checkpoint file must hold some");
   CLI11_PARSE(app, argc, argv);
   try {
     Run want;
@@ -68,6 +75,19 @@ int main(int argc, char** argv) {
         "tensor_parallel_bytes_per_device_and_step {}\n",
         got.stats.tensor_parallel.total().bytes_sent / std::max<std::int64_t>(1, got.stats.steps * got.stats.replicas));
     std::string difference_from_one_device = difference(got, want);
+    if (rank == 0 && pieces_on_every_worker && !reference) {
+      // Each piece is written by a worker that holds it, so that no worker gathers the others'.
+      const auto index = keras::parse_checkpoint_index(
+          testing::read_file_bytes(fmt::format("{}/weights/{}", out, keras::kCheckpointIndexName)), "index.json");
+      std::set<std::string> files;
+      for (const auto& t : index.tensors) {
+        if (!t.split) continue;
+        for (const auto& c : t.chunks) files.insert(c.file);
+      }
+      if (files.size() != index.files.size() && difference_from_one_device.empty())
+        difference_from_one_device = fmt::format("the split weights' pieces are in {} of the {} workers' files",
+                                                 files.size(), index.files.size());
+    }
     if (rank == 0) {
       OneDeviceStrategy one("CPU:0");
       Model reloaded = [&] {

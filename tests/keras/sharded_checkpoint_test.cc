@@ -509,6 +509,12 @@ TEST_CASE("sharded checkpoint: the index parser reads the seed index and names w
   CHECK(index.find("dense/bias")->dtype == DType::kF64);
   CHECK(index.find("empty")->chunks.empty());
   CHECK(keras::parse_checkpoint_index(keras::checkpoint_index_json(index), "again").tensors.size() == 4);
+  // ModelParallel's split layout: read, and written back the same.
+  const auto split = parse("valid_split.json");
+  CHECK(*split.find("dense/kernel")->split == keras::CheckpointSplit{.dim = 0, .parts = 3, .axis = "model"});
+  CHECK(!split.find("dense/bias")->split);
+  CHECK(*keras::parse_checkpoint_index(keras::checkpoint_index_json(split), "again").find("dense/kernel")->split ==
+        *split.find("dense/kernel")->split);
   const auto refused = [&](const std::string& name) {
     CAPTURE(name);
     const auto message = testing::error_message<DataLoss>([&] { parse(name); });
@@ -525,6 +531,8 @@ TEST_CASE("sharded checkpoint: the index parser reads the seed index and names w
   CHECK(refused("crc_count.json").find("one per 1-byte block") != std::string::npos);
   CHECK(refused("deep.json").find("nested deeper") != std::string::npos);
   CHECK(refused("not_object.json").find("not a JSON object") != std::string::npos);
+  CHECK(refused("split_dim.json").find("a split layout along dimension 2 of a tensor of shape [3,3]") !=
+        std::string::npos);
 }
 
 TEST_CASE("sharded checkpoint: tandem-consolidate DIR OUT") {
