@@ -16,6 +16,7 @@ packages=(
   jargon-text                # the GPT sample's text, /usr/share/doc/jargon-text/jargon.txt.gz
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
   clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
+  libonnx-dev libonnx-testdata libprotobuf-dev  # ONNX's node tests as an oracle for the ops (tests/onnx/; test-only)
 )
 
 missing=()
