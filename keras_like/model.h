@@ -123,6 +123,10 @@ struct PredictOptions {
   std::vector<CallbackPtr> callbacks;
 };
 
+struct ExportOptions {
+  std::string format = "onnx";  // the only one: Keras 3 also writes "tf_saved_model"
+};
+
 // An element of Sequential's list: a layer, or an Input first.
 class SequentialItem {
  public:
@@ -193,6 +197,14 @@ class Model {
   // mismatch.
   void save_weights(const std::string& path) const;
   void load_weights(const std::string& path);
+
+  // Keras 3's model.export(path, format="onnx") (export is a C++ keyword): the inference graph,
+  // as predict runs it, written as an ONNX model (opset 17, a dynamic batch dimension, the
+  // weights' current values) that ONNX's checker accepts; written atomically. Inputs and outputs
+  // keep predict's layouts (NHWC images) and dtypes (float32 outputs under a mixed policy).
+  // Throws Unimplemented naming the node (and so its layer) for an op without an ONNX form,
+  // InvalidArgument for another format, FailedPrecondition for a model not built.
+  void export_model(const std::string& path, const ExportOptions& options = {}) const;
 
   Optimizer& optimizer() const;  // FailedPrecondition before compile()
   strategy::Strategy& distribute_strategy() const;

@@ -462,6 +462,7 @@ int main(int argc, char** argv) try {
     std::printf("final val_loss %.6f nats/char\n", val_loss);
     if (o.steps > 0) std::printf("tokens/s %.0f peak_rss_mb %.0f\n", progress->tokens_per_second(), peak_rss_mb());
   }
+  samples::export_if_asked(args, model);  // --export model.onnx
   if (!o.save.empty()) {
     model.save_weights(o.save + ".weights.safetensors");
     if (log) vocab.save(o.save + ".vocab.json");

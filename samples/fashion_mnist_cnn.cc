@@ -2,7 +2,7 @@
 //
 //   build/samples/fashion_mnist_cnn [--epochs 10] [--batch 64] [--seed 0] [--strategy one|mirrored|multiworker]
 //       [--cpu-devices N] [--dtype-policy P] [--backup DIR] [--checkpoint PATH] [--collective-timeout S]
-//       [--expect-accuracy A]
+//       [--expect-accuracy A] [--export model.onnx]
 #include <tandem/keras_like/keras.h>
 
 #include <cstdio>
@@ -39,6 +39,7 @@ int main(int argc, char** argv) try {
              .callbacks = samples::fit_callbacks(args, *strategy),  // --backup, --checkpoint
              .validation_data = data.test.batch(1000)});
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
+  samples::export_if_asked(args, model);  // --export model.onnx
   return samples::report_test(test.at("loss"), test.at("accuracy"), args);
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "fashion_mnist_cnn: %s\n", e.what());

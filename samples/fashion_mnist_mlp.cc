@@ -2,7 +2,7 @@
 //
 //   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored|multiworker]
 //       [--cpu-devices N] [--dtype-policy P] [--backup DIR] [--checkpoint PATH] [--collective-timeout S]
-//       [--expect-accuracy A]
+//       [--expect-accuracy A] [--export model.onnx]
 //
 // Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
 #include <tandem/keras_like/keras.h>
@@ -41,6 +41,7 @@ int main(int argc, char** argv) try {
              .callbacks = samples::fit_callbacks(args, *strategy),  // --backup, --checkpoint
              .validation_data = data.test.batch(1000)});
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
+  samples::export_if_asked(args, model);  // --export model.onnx
   return samples::report_test(test.at("loss"), test.at("accuracy"), args);
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "fashion_mnist_mlp: %s\n", e.what());

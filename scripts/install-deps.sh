@@ -16,7 +16,8 @@ packages=(
   jargon-text                # the GPT sample's text, /usr/share/doc/jargon-text/jargon.txt.gz
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
   clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
-  libonnx-dev libonnx-testdata libprotobuf-dev  # ONNX's node tests as an oracle for the ops (tests/onnx/; test-only)
+  libonnx-dev libprotobuf-dev  # Model::export_model (ONNX's messages and checker)
+  libonnx-testdata           # ONNX's node tests as an oracle for the ops (tests/onnx/)
 )
 
 missing=()

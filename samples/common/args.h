@@ -1,7 +1,8 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
 // --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan --mesh 2x2 --axes batch,model
-// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b (and --help), parsed with CLI11; the
+// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b --export model.onnx (and --help),
+// parsed with CLI11; the
 // strategy they choose and the callbacks they ask for.
 #pragma once
 
@@ -43,6 +44,7 @@ struct Args {
   double collective_timeout = 0;         // seconds a collective waits for the others; 0: the default
   int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
   bool print_plan = false;               // print keras::distribution::plan before training
+  std::string export_path;               // after training, Model::export_model to this ONNX file; "": none
   std::vector<std::int64_t> mesh;        // --mesh 2x2: a keras::distribution::ModelParallel on it; empty: none
   std::vector<std::string> axes{"batch", "model"};  // the mesh's axis names; megatron splits over "model"
   int pipeline_stages = 1;               // > 1: a "stage" axis of this many devices added to the mesh
@@ -116,6 +118,10 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
                  "multiworker, a no-op with one")
       ->capture_default_str()
       ->check(CLI::Range(0, 3));
+  app.add_option("--export", a.export_path,
+                 "after training, write the model as ONNX to PATH (Model::export_model;\nKeras's "
+                 "model.export(path, format=\"onnx\")), for ONNX Runtime and the like")
+      ->type_name("PATH");
   app.add_flag("--print-plan", a.print_plan,
                "print the model's plan (keras::distribution::plan: bytes per device,\ncollectives per step) "
                "before training, then train");
@@ -257,6 +263,13 @@ inline void print_plan_if_asked(const Args& a, const tandem::keras::Model& model
   if (a.print_plan && model.distribute_strategy().should_log()) {
     tandem::keras::distribution::print_plan(model, std::cout, {.batch_rows = a.batch * rows_per_example});
   }
+}
+
+// --export PATH: the trained model as ONNX, written by the worker that logs.
+inline void export_if_asked(const Args& a, const tandem::keras::Model& model) {
+  if (a.export_path.empty() || !model.distribute_strategy().should_log()) return;
+  model.export_model(a.export_path);
+  std::printf("exported the model as ONNX to %s\n", a.export_path.c_str());
 }
 
 // The callbacks --backup and --checkpoint ask for, for fit's list: Keras's BackupAndRestore (with
