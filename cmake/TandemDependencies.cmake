@@ -13,6 +13,14 @@ find_package(spdlog CONFIG REQUIRED)
 # OpenSSL's libcrypto (libssl-dev): the TCP store's challenge-response handshake (HMAC-SHA256,
 # random nonces, constant-time comparison; collective/detail/store_auth.cc). Linked privately.
 find_package(OpenSSL 3 REQUIRED COMPONENTS Crypto)
+# Protocol Buffers (libprotobuf-dev, protobuf-compiler): TensorBoard's event files (keras_like's
+# TensorBoard callback); protoc compiles keras_like/detail/tensorboard_events.proto at build time.
+# Linked privately: no public header includes it.
+find_package(Protobuf 3 REQUIRED)
+# ONNX (libonnx-dev): Model::export_model writes models with ONNX's own messages and checks them
+# with its checker (keras_like/onnx_export.cc); the ONNX node tests (tests/onnx/) read them too.
+# Its CMake package needs protobuf's targets, found above. Linked privately.
+find_package(ONNX CONFIG REQUIRED)
 # CLI11 (libcli11-dev, header-only): the command lines of the samples, benchmarks and tandem-run.
 find_package(CLI11 CONFIG REQUIRED)
 

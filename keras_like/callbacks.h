@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "tandem/graph/tensor.h"
@@ -216,6 +217,53 @@ class CSVLogger : public Callback {
   struct State;
   std::string filename_;
   CsvLoggerOptions options_;
+  std::unique_ptr<State> state_;
+};
+
+struct TensorBoardOptions {
+  // "epoch": scalars once per epoch; "batch" or N: also batch_<metric> every N training batches
+  // (counted over the whole fit, as Keras's global batch), at that batch number as the step.
+  std::variant<std::string, std::int64_t> update_freq = std::string("epoch");
+  int histogram_freq = 0;  // N > 0: a histogram of every weight every N epochs (0, N, 2N, ...)
+  bool write_graph = true;
+  bool write_steps_per_second = false;  // epoch_steps_per_second (and batch_ with update_freq N)
+};
+// Logs for TensorBoard (keras.callbacks.TensorBoard), in Keras's layout: log_dir/train and
+// log_dir/validation each get an event file (events.out.tfevents.<secs>.<host>.<pid>.<n>.v2) per
+// fit. At every epoch end, train/ gets epoch_<name> for each log value without the val_ prefix
+// (epoch_loss, epoch_accuracy), epoch_learning_rate, and epoch_steps_per_second when asked;
+// validation/ gets epoch_<name> for each val_<name>; the step is the 0-based epoch. After each
+// validation pass, validation/ gets evaluation_<name>_vs_iterations at the optimizer's
+// iterations. Histograms are tagged "<weight path>/histogram" ("dense/kernel/histogram"); the
+// graph is the model's layers (op: the layer's class), written once at the first batch. Files
+// are flushed at every epoch end, so a running TensorBoard shows progress.
+//
+// Bad options are InvalidArgument from the constructor; a log_dir that cannot be created or
+// written is Unavailable naming the path, from on_train_begin (before the first step). Only the
+// chief writes; the other workers still read the weights with it when histograms are due (a
+// sharded weight is gathered by all of them).
+class TensorBoard : public Callback {
+ public:
+  explicit TensorBoard(std::string log_dir = "logs", TensorBoardOptions options = {});
+  ~TensorBoard() override;
+  void on_train_begin(Logs& logs) override;
+  void on_train_end(Logs& logs) override;
+  void on_epoch_begin(int epoch, Logs& logs) override;
+  void on_epoch_end(int epoch, Logs& logs) override;
+  void on_train_batch_begin(std::int64_t batch, Logs& logs) override;
+  void on_train_batch_end(std::int64_t batch, Logs& logs) override;
+  void on_test_end(Logs& logs) override;
+
+  const std::string& log_dir() const { return log_dir_; }
+  // The event files of the last fit ("" for one not opened).
+  std::string train_file() const;
+  std::string validation_file() const;
+
+ private:
+  struct State;
+  std::string log_dir_;
+  TensorBoardOptions options_;
+  std::int64_t update_every_ = 0;  // batches between batch_ scalars; 0: per epoch only
   std::unique_ptr<State> state_;
 };
 

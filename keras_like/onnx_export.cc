@@ -30,14 +30,10 @@
 #include "tandem/keras_like/model.h"
 #include "tandem/ops/ops.h"
 
-#if TANDEM_HAVE_ONNX
 #include <onnx/checker.h>
 #include <onnx/onnx_pb.h>
-#endif
 
 namespace tandem::keras {
-
-#if TANDEM_HAVE_ONNX
 
 namespace {
 
@@ -561,15 +557,5 @@ void Model::export_model(const std::string& path, const ExportOptions& options) 
   file.write(bytes.data(), bytes.size());
   file.commit();
 }
-
-#else  // !TANDEM_HAVE_ONNX
-
-void Model::export_model(const std::string& path, const ExportOptions& /*options*/) const {
-  throw Unimplemented(fmt::format(
-      "model \"{}\": export to \"{}\" needs tandem built with Debian's libonnx-dev (scripts/install-deps.sh)",
-      state_->name, path));
-}
-
-#endif
 
 }  // namespace tandem::keras

@@ -11,6 +11,7 @@ packages=(
   libcli11-dev               # command lines of the samples, benchmarks and tandem-run
   libgloo-dev                # collectives between worker processes (TCP)
   libssl-dev                 # libcrypto: the TCP store's handshake (HMAC-SHA256)
+  libprotobuf-dev protobuf-compiler  # TensorBoard's event files (keras_like/detail/event_file.cc)
   libopenblas-dev            # loaded at run time for MatMul/convolution (Eigen otherwise)
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
   jargon-text                # the GPT sample's text, /usr/share/doc/jargon-text/jargon.txt.gz
