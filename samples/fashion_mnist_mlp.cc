@@ -2,7 +2,7 @@
 //
 //   build/samples/fashion_mnist_mlp [--epochs 10] [--batch 32] [--seed 0] [--strategy one|mirrored|multiworker]
 //       [--cpu-devices N] [--dtype-policy P] [--backup DIR] [--checkpoint PATH] [--collective-timeout S]
-//       [--expect-accuracy A] [--export model.onnx]
+//       [--expect-accuracy A] [--export model.onnx] [--tensorboard DIR]
 //
 // Reads Debian's dataset-fashion-mnist package (/usr/share/datasets/fashion-mnist).
 #include <tandem/keras_like/keras.h>
@@ -38,7 +38,7 @@ int main(int argc, char** argv) try {
   model.fit(data.train.shuffle(60000).batch(args.batch),
             {.epochs = args.epochs,
              .verbose = args.verbose,
-             .callbacks = samples::fit_callbacks(args, *strategy),  // --backup, --checkpoint
+             .callbacks = samples::fit_callbacks(args, *strategy),  // --backup, --checkpoint, --tensorboard
              .validation_data = data.test.batch(1000)});
   const auto test = model.evaluate(data.test.batch(1000), {.verbose = 0});
   samples::export_if_asked(args, model);  // --export model.onnx

@@ -1,7 +1,8 @@
 // samples/common/args.h — the Keras samples' command line: --epochs N --batch N --seed N
 // --strategy one|mirrored|multiworker --cpu-devices N --dtype-policy P --backup DIR
 // --checkpoint PATH --collective-timeout S --zero 0|1|2|3 --print-plan --mesh 2x2 --axes batch,model
-// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b --export model.onnx (and --help),
+// --pipeline-stages N --microbatches M --schedule gpipe|1f1b|interleaved-1f1b --export model.onnx
+// --tensorboard DIR (and --help),
 // parsed with CLI11; the
 // strategy they choose and the callbacks they ask for.
 #pragma once
@@ -45,6 +46,7 @@ struct Args {
   int zero = 0;                          // ZeRO stage (DistributionOptions::zero) of mirrored and multiworker
   bool print_plan = false;               // print keras::distribution::plan before training
   std::string export_path;               // after training, Model::export_model to this ONNX file; "": none
+  std::string tensorboard_dir;           // keras::TensorBoard's log_dir; "": none
   std::vector<std::int64_t> mesh;        // --mesh 2x2: a keras::distribution::ModelParallel on it; empty: none
   std::vector<std::string> axes{"batch", "model"};  // the mesh's axis names; megatron splits over "model"
   int pipeline_stages = 1;               // > 1: a "stage" axis of this many devices added to the mesh
@@ -118,6 +120,10 @@ inline Args parse_args(int argc, char** argv, Args defaults, const char* descrip
                  "multiworker, a no-op with one")
       ->capture_default_str()
       ->check(CLI::Range(0, 3));
+  app.add_option("--tensorboard", a.tensorboard_dir,
+                 "write TensorBoard logs into DIR (keras::TensorBoard, histograms every\nepoch): tensorboard "
+                 "--logdir DIR shows them")
+      ->type_name("DIR");
   app.add_option("--export", a.export_path,
                  "after training, write the model as ONNX to PATH (Model::export_model;\nKeras's "
                  "model.export(path, format=\"onnx\")), for ONNX Runtime and the like")
@@ -272,7 +278,7 @@ inline void export_if_asked(const Args& a, const tandem::keras::Model& model) {
   std::printf("exported the model as ONNX to %s\n", a.export_path.c_str());
 }
 
-// The callbacks --backup and --checkpoint ask for, for fit's list: Keras's BackupAndRestore (with
+// The callbacks --backup, --checkpoint and --tensorboard ask for, for fit's list: Keras's BackupAndRestore (with
 // a line saying where a run resumed from) and ModelCheckpoint. Every worker of a multi-worker run
 // passes them; only the chief writes files and prints.
 inline std::vector<tandem::keras::CallbackPtr> fit_callbacks(const Args& a, const tandem::Strategy& strategy) {
@@ -289,6 +295,9 @@ inline std::vector<tandem::keras::CallbackPtr> fit_callbacks(const Args& a, cons
         }}));
   }
   if (!a.checkpoint_path.empty()) out.push_back(std::make_shared<keras::ModelCheckpoint>(a.checkpoint_path));
+  if (!a.tensorboard_dir.empty()) {
+    out.push_back(std::make_shared<keras::TensorBoard>(a.tensorboard_dir, keras::TensorBoardOptions{.histogram_freq = 1}));
+  }
   return out;
 }
 
