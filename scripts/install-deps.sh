@@ -16,6 +16,7 @@ packages=(
   dataset-fashion-mnist      # the samples' data set, in /usr/share/datasets/fashion-mnist
   jargon-text                # the GPT sample's text, /usr/share/doc/jargon-text/jargon.txt.gz
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
+  python3-venv               # the test-only virtual environment for tensorboard and onnxruntime (tests/common/test_venv.sh; skipped without it)
   clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
   libonnx-dev libprotobuf-dev  # Model::export_model (ONNX's messages and checker)
   libonnx-testdata           # ONNX's node tests as an oracle for the ops (tests/onnx/)
