@@ -18,7 +18,7 @@ packages=(
   iproute2                   # ip netns, for the multi-host tests (tests/multihost/; skipped without it)
   python3-venv               # the test-only virtual environment for tensorboard and onnxruntime (tests/common/test_venv.sh; skipped without it)
   clang libclang-rt-14-dev   # libFuzzer, ASan, UBSan for the fuzzing harnesses (scripts/fuzz.sh)
-  libonnx-dev libprotobuf-dev  # Model::export_model (ONNX's messages and checker)
+  libonnx-dev                # Model::export_model (ONNX's messages and checker)
   libonnx-testdata           # ONNX's node tests as an oracle for the ops (tests/onnx/)
 )
 
