@@ -1,7 +1,8 @@
 // bench_fit: one epoch of Fashion-MNIST training (Adam, batch 128) for the three models of
-// bench/peers/torch_fmnist.py, beside that script run in the same invocation.
+// bench/peers/torch_fmnist.py and tf_fmnist.py, beside those scripts run in the same invocation.
 //
 //   build/bench/bench_fit [--models mlp,wide,cnn] [--epochs 1] [--threads N] [--repeat R] [--no-peer]
+//                         [--python VENV/bin/python] [--install-peers]
 //   build/bench/bench_fit --strategy mirrored [--replicas 2] [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --strategy multiworker [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --strategy mirrored --zero 0,1,2 [--replicas 2] [--models mlp,wide] [--repeat R]
@@ -37,9 +38,11 @@
 //
 // Both sides time the training loop only (data already decoded in memory), over the same
 // 468 full batches of 128 per epoch (the peer drops the last partial batch; so do we here), and
-// report test accuracy after training. The peer runs three times: as Debian installs it; with
-// OPENBLAS_CORETYPE set to the kernel set tandem's loader picks (Debian's OpenBLAS otherwise falls
-// back to SSE3 kernels on recent Xeons); and with that plus OPENBLAS_NUM_THREADS=1.
+// report test accuracy after training. The peers come from a virtual environment with PyTorch 2.15
+// and TensorFlow 2.21 (--python; --install-peers makes it), never from the project's dependencies:
+// PyTorch eager with tandem's thread count, and Keras 3 on TensorFlow with oneDNN on, as it comes
+// and in its fastest configuration found here (XLA, steps_per_execution 32). Each peer runs 20
+// untimed warm-up steps first. The DDP peers of the tables below use the same PyTorch.
 #include <tandem/keras_like/keras.h>
 
 #include <CLI/CLI.hpp>
@@ -71,19 +74,30 @@ constexpr std::int64_t kBatch = 128;
 // The OpenBLAS kernel set for the fair peer run: what tandem's loader picks on AVX-512 machines.
 constexpr const char* kPeerCoreType = "Cooperlake";
 
+// $TANDEM_PEERS_VENV/bin/python, else ~/peers-venv/bin/python (bench/README.md's install).
+std::string peers_python_default() {
+  if (const char* venv = std::getenv("TANDEM_PEERS_VENV")) return std::string(venv) + "/bin/python";
+  const char* home = std::getenv("HOME");
+  return std::string(home ? home : "/root") + "/peers-venv/bin/python";
+}
+
 struct Options {
   std::vector<std::string> models{"mlp", "wide", "cnn"};
   int epochs = 1;
   int threads = 0;  // 0: all usable cores
   int repeat = 1;   // runs of each side, interleaved; the table shows medians
   bool peer = true;
+  bool install_peers = false;
   std::string peer_script = TANDEM_BENCH_PEER_DIR "/torch_fmnist.py";
+  std::string tf_script = TANDEM_BENCH_PEER_DIR "/tf_fmnist.py";
   std::string strategy = "one";  // or "mirrored", "multiworker"
   int replicas = 2;              // logical CPU devices under --strategy mirrored
   std::string worker_model;      // set in the worker processes of --strategy multiworker
   bool worker_ring = false;      // those workers use Gloo (RING) instead of the default (shared memory here)
   std::vector<int> zero;         // ZeRO stages to compare under --strategy mirrored
-  std::string python = "/root/peers-venv/bin/python";  // the ZeRO table's peer (torch 2.15)
+  // The peers' Python: a virtual environment with torch 2.15 and tensorflow-cpu 2.21 (found, or
+  // made with --install-peers); never a project dependency.
+  std::string python = peers_python_default();
   std::string device = "cpu";    // or "gpu"
   std::string data_dir = data::kDebianFashionMnistDir;
   // How to start the GPU peer (a command prefix: gpu_check.sh adds the environment PyTorch needs).
@@ -117,7 +131,13 @@ void add_options(CLI::App& app, Options& o) {
                  "under --strategy mirrored: ZeRO stages to compare (e.g. 0,1,2), in a table of their own")
       ->delimiter(',')
       ->check(CLI::Range(0, 3));
-  app.add_option("--python", o.python, "the ZeRO peer's Python (with torch)")->capture_default_str();
+  app.add_option("--python", o.python,
+                 "the peers' Python: a virtual environment with torch 2.15 and tensorflow-cpu 2.21\n(default: "
+                 "$TANDEM_PEERS_VENV/bin/python, else ~/peers-venv/bin/python)")
+      ->capture_default_str();
+  app.add_flag("--install-peers", o.install_peers,
+               "create the --python virtual environment and pip install torch==2.15.0\ntensorflow-cpu==2.21.0 "
+               "into it first (about 7 GB), then run");
   app.add_option("--device", o.device, "cpu, or gpu (GPU:0, float32 and mixed_bfloat16, beside PyTorch eager)")
       ->capture_default_str()
       ->check(CLI::IsMember({"cpu", "gpu"}));
@@ -210,10 +230,44 @@ std::optional<Result> run_peer_command(const std::string& command) {
   return Result{*sps, *acc, {}};
 }
 
-// bench/peers/torch_fmnist.py in one process of `threads` threads, with `env` before it.
-std::optional<Result> run_peer(const Options& o, const std::string& kind, int threads, const std::string& env) {
-  return run_peer_command(fmt::format("{} /usr/bin/python3 {} --model {} --epochs {} --batch {} --threads {} 2>&1", env,
-                                      o.peer_script, kind, o.epochs, kBatch, threads));
+// Untimed steps each peer runs before its timed epoch (tracing, first-touch allocations), as
+// tandem's fit needs none: its first step is as fast as the rest.
+constexpr int kPeerWarmupSteps = 20;
+
+// bench/peers/torch_fmnist.py (PyTorch eager) with `python`, in one process of `threads` threads.
+std::optional<Result> run_torch_peer(const Options& o, const std::string& python, const std::string& kind,
+                                     int threads) {
+  return run_peer_command(fmt::format("{} {} --model {} --epochs {} --batch {} --threads {} --warmup-steps {} 2>&1",
+                                      python, o.peer_script, kind, o.epochs, kBatch, threads, kPeerWarmupSteps));
+}
+
+// bench/peers/tf_fmnist.py (Keras 3 on TensorFlow, one device) with oneDNN on, and `extra` flags.
+std::optional<Result> run_tf_peer(const Options& o, const std::string& kind, const std::string& extra) {
+  return run_peer_command(fmt::format(
+      "TF_ENABLE_ONEDNN_OPTS=1 TF_CPP_MIN_LOG_LEVEL=2 {} {} --model {} --epochs {} --batch {} --warmup-steps {} {} 2>&1",
+      o.python, o.tf_script, kind, o.epochs, kBatch, kPeerWarmupSteps, extra));
+}
+
+// --install-peers: the virtual environment of --python, made and filled with pip.
+void install_peers(const Options& o) {
+  const std::string venv = o.python.substr(0, o.python.rfind("/bin/python"));
+  const std::string command =
+      fmt::format("python3 -m venv {0} && {0}/bin/pip install -q torch==2.15.0 tensorflow-cpu==2.21.0", venv);
+  std::printf("installing the peers: %s\n", command.c_str());
+  TANDEM_REQUIRE(std::system(command.c_str()) == 0, Unavailable, "--install-peers: \"{}\" failed", command);
+}
+
+// The version of `module` (torch, tensorflow) in `python`, or "missing".
+std::string peer_version(const std::string& python, const std::string& module) {
+  FILE* pipe = popen(fmt::format("{0} -c 'import {1}; print({1}.__version__)' 2>/dev/null", python, module).c_str(), "r");
+  if (pipe == nullptr) return "missing";
+  char buffer[256] = {};
+  const bool read = std::fgets(buffer, sizeof buffer, pipe) != nullptr;
+  const int status = pclose(pipe);
+  if (!read || status != 0) return "missing";
+  std::string version(buffer);
+  while (!version.empty() && (version.back() == '\n' || version.back() == '\r')) version.pop_back();
+  return version;
 }
 
 // Milliseconds per step of the gradient all-reduce alone: the model's gradients handed to the
@@ -257,8 +311,9 @@ double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int st
 }
 
 // PyTorch DDP over Gloo, two processes of one thread (bench/peers/torch_ddp2.sh).
-std::optional<Result> run_ddp_peer(const std::string& kind, const std::string& env) {
-  return run_peer_command(fmt::format("{} bash {}/torch_ddp2.sh {} 2>&1", env, TANDEM_BENCH_PEER_DIR, kind));
+std::optional<Result> run_ddp_peer(const Options& o, const std::string& kind, const std::string& env) {
+  return run_peer_command(
+      fmt::format("{} PYTHON={} bash {}/torch_ddp2.sh {} 2>&1", env, o.python, TANDEM_BENCH_PEER_DIR, kind));
 }
 
 std::optional<Result> median(std::vector<Result> runs) {
@@ -292,53 +347,53 @@ int main(int argc, char** argv) try {
   if (o.threads > 0)
     devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
   const int threads = devices::default_cpu_device().intra_op_threads();
-  const std::string coretype = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : "";
+  if (o.install_peers) install_peers(o);
+  const std::string torch_version = o.peer ? peer_version(o.python, "torch") : "skipped";
+  const std::string tf_version = o.peer ? peer_version(o.python, "tensorflow") : "skipped";
   std::printf("bench_fit: Fashion-MNIST, Adam, batch %lld, %d epoch(s), training loop only, median of %d run(s)\n",
               static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s, %d intra-op thread(s)\n", bench::cpu_model().c_str(), threads);
   std::printf("tandem GEMM:   %s\n", ops::cpu::gemm_backend_description().c_str());
-  std::printf("peer:          %s %s\n\n", o.peer ? "/usr/bin/python3" : "(skipped)",
-              o.peer ? o.peer_script.c_str() : "");
+  std::printf("peers:         %s: torch %s, tensorflow %s (%d untimed warm-up steps each)\n\n", o.python.c_str(),
+              torch_version.c_str(), tf_version.c_str(), kPeerWarmupSteps);
   const auto data = data::fashion_mnist();
 
-  std::printf("%-6s | %12s %8s | %12s %8s %7s | %12s %8s %7s | %12s %8s %7s\n", "model", "tandem /s", "acc", "torch /s",
-              "acc", "ratio", "torch* /s", "acc", "ratio", "torch** /s", "acc", "ratio");
-  std::printf("%s\n", std::string(130, '-').c_str());
+  std::printf("%-6s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %9s\n", "model", "tandem /s", "acc", "torch /s", "acc",
+              "tf /s", "acc", "tf-xla /s", "acc", "vs best");
+  std::printf("%s\n", std::string(98, '-').c_str());
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
-    std::vector<Result> ours_runs, peer_runs, fixed_runs, tuned_runs;
-    const std::string core = coretype.empty() ? kPeerCoreType : coretype;
+    std::vector<Result> ours_runs, torch_runs, tf_runs, xla_runs;
     for (int r = 0; r < o.repeat; ++r) {
       ours_runs.push_back(run_tandem(kind, data, o.epochs));
       if (!o.peer) continue;
-      // As installed: nothing of ours in its environment.
-      if (auto p = run_peer(o, kind, threads, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS"))
-        peer_runs.push_back(*p);
-      // The same peer with OpenBLAS's AVX-512 kernels (what tandem's loader selects) ...
-      if (auto p = run_peer(o, kind, threads, fmt::format("env -u OPENBLAS_NUM_THREADS OPENBLAS_CORETYPE={}", core))) {
-        fixed_runs.push_back(*p);
+      if (torch_version != "missing") {
+        if (auto p = run_torch_peer(o, o.python, kind, threads)) torch_runs.push_back(*p);
       }
-      // ... and also without OpenBLAS's own thread pool competing with PyTorch's: its best here.
-      if (auto p = run_peer(o, kind, threads, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
-        tuned_runs.push_back(*p);
+      if (tf_version != "missing") {
+        if (auto p = run_tf_peer(o, kind, "")) tf_runs.push_back(*p);
+        if (auto p = run_tf_peer(o, kind, "--jit-compile --steps-per-execution 32")) xla_runs.push_back(*p);
       }
     }
     const Result ours = *median(ours_runs);
-    const std::optional<Result> peer = median(peer_runs), fixed = median(fixed_runs), tuned = median(tuned_runs);
-    const auto cell = [&](const std::optional<Result>& r) {
-      if (!r) return fmt::format("{:>12} {:>8} {:>7}", "-", "-", "-");
-      return fmt::format("{:>12.0f} {:>8.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy,
-                         ours.samples_per_s / r->samples_per_s);
+    const std::optional<Result> torch = median(torch_runs), tf = median(tf_runs), xla = median(xla_runs);
+    double best = 0;
+    for (const auto& r : {torch, tf, xla}) {
+      if (r) best = std::max(best, r->samples_per_s);
+    }
+    const auto cell = [](const std::optional<Result>& r) {
+      if (!r) return fmt::format("{:>11} {:>7}", "-", "-");
+      return fmt::format("{:>11.0f} {:>7.4f}", r->samples_per_s, r->test_accuracy);
     };
-    std::printf("%-6s | %12.0f %8.4f | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
-                cell(peer).c_str(), cell(fixed).c_str(), cell(tuned).c_str());
+    const std::string ratio = best > 0 ? fmt::format("{:>8.2f}x", ours.samples_per_s / best) : fmt::format("{:>9}", "-");
+    std::printf("%-6s | %11.0f %7.4f | %s | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
+                cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(), ratio.c_str());
     std::fflush(stdout);
   }
   std::printf(
-      "\nratio = tandem samples/s over the peer's. torch = PyTorch as Debian installs it (its OpenBLAS detects\n"
-      "this CPU as Prescott and uses SSE3 kernels); torch* = with OPENBLAS_CORETYPE set (AVX-512 kernels, as\n"
-      "tandem uses); torch** = also with OPENBLAS_NUM_THREADS=1, so OpenBLAS's pool does not compete with\n"
-      "PyTorch's (the fastest PyTorch found on this machine).\n");
+      "\ntorch = PyTorch eager (bench/peers/torch_fmnist.py, --threads as tandem's); tf = Keras 3 on TensorFlow\n"
+      "with oneDNN on (TF_ENABLE_ONEDNN_OPTS=1; bench/peers/tf_fmnist.py); tf-xla = the same with\n"
+      "jit_compile=True and steps_per_execution=32; vs best = tandem samples/s over the fastest peer column.\n");
   return 0;
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());
@@ -419,8 +474,8 @@ int run_mirrored(const Options& o) {
       plain_runs.push_back(run_tandem(kind, data, o.epochs, &after_backward));
       allreduce_runs.push_back(allreduce_ms_per_step(overlapped, kind, 200));
       if (!o.peer) continue;
-      if (auto p = run_ddp_peer(kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
-      if (auto p = run_ddp_peer(kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
+      if (auto p = run_ddp_peer(o, kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      if (auto p = run_ddp_peer(o, kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
         tuned_runs.push_back(*p);
       }
     }
@@ -447,9 +502,9 @@ int run_mirrored(const Options& o) {
       "\nno-ovl = the same MirroredStrategy with overlap_communication = false (all buckets reduced after\n"
       "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
       "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
-      "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh as\n"
-      "Debian installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1 (its fastest\n"
-      "here). ratio = tandem /s over the peer's.\n",
+      "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh with\n"
+      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s\n"
+      "over the peer's.\n",
       core.c_str());
   return 0;
 }
@@ -582,8 +637,8 @@ int run_multiworker(const Options& o) {
       if (auto ours = run_pair(false)) ours_runs.push_back(*ours);
       if (auto ring = run_pair(true)) ring_runs.push_back(*ring);
       if (!o.peer) continue;
-      if (auto p = run_ddp_peer(kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
-      if (auto p = run_ddp_peer(kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
+      if (auto p = run_ddp_peer(o, kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
+      if (auto p = run_ddp_peer(o, kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
         tuned_runs.push_back(*p);
       }
     }
@@ -602,9 +657,9 @@ int run_multiworker(const Options& o) {
   }
   std::printf(
       "\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
-      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh as Debian\n"
-      "installs it; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s over\n"
-      "the peer's; ring = ring /s over the peer's.\n",
+      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh with\n"
+      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s\n"
+      "over the peer's; ring = ring /s over the peer's.\n",
       core.c_str());
   return 0;
 }
