@@ -216,8 +216,13 @@ PlannedVariable place(const VariableFacts& v, int replicas, ZeroStage stage, int
                            p.shard_elements, n);
     p.weight_bytes = p.shard_elements * b;
     if (v.trainable) {
-      p.gradient_bytes = p.weight_bytes;
-      p.slot_bytes = (slots + (accumulator ? 1 : 0)) * p.weight_bytes;
+      // ZeRO over tensor parallelism: each piece's slots (stage 1 on), gradients (2 on) and
+      // weights (3) sharded over the data-parallel replicas holding that piece.
+      const std::int64_t zero_shard = strategy::ShardSpec::even(Shape{p.shard_elements}, replicas).shard_elements;
+      const int k = static_cast<int>(stage);
+      if (k >= 3) p.weight_bytes = zero_shard * b;
+      p.gradient_bytes = (k >= 2 ? zero_shard : p.shard_elements) * b;
+      p.slot_bytes = slots * (k >= 1 ? zero_shard : p.shard_elements) * b + (accumulator ? p.shard_elements * b : 0);
     }
     return p;
   }

@@ -384,7 +384,7 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     const bool sharded =
         owner.variable_plan(*variable).reduction == strategy::VariablePlan::Reduction::kReduceScatter;
     shards_.push_back(
-        sharded ? std::optional(strategy::ShardSpec::even(variable->global_shape(), owner.num_replicas_in_sync()))
+        sharded ? std::optional(strategy::ShardSpec::even(variable->graph_shape(), owner.data_shards_in_sync()))
                 : std::nullopt);
     sharded_ = sharded_ || sharded;
     std::vector<VariablePtr> slots;
@@ -425,9 +425,9 @@ std::pair<std::int64_t, std::int64_t> Optimizer::update_range(std::size_t variab
   return {first, sharding->end(s) - sharding->begin(s)};
 }
 
-int Optimizer::shard_of(int replica) const {
-  return variables_.front()->strategy().global_replica_index(replica);
-}
+// The data-parallel shard (Strategy::data_shard): every replica in sync's own under data
+// parallelism; under tensor parallelism the batch-axis position, each piece sharded along it.
+int Optimizer::shard_of(int replica) const { return variables_.front()->strategy().data_shard(replica); }
 
 void Optimizer::sum_over_replicas(int replica, std::vector<double>& values) const {
   strategy::Strategy& owner = variables_.front()->strategy();
@@ -447,14 +447,13 @@ void Optimizer::sum_over_replicas(int replica, std::vector<double>& values) cons
 // so clipping is bitwise the same with and without ZeRO on the same replica count (and, on one
 // replica, one pass per gradient as before).
 std::vector<double> Optimizer::squared_norms(int replica, const std::vector<Tensor>& gradients) const {
-  const int n = variables_.front()->strategy().num_replicas_in_sync();
+  const int n = variables_.front()->strategy().data_shards_in_sync();
   const std::size_t count = variables_.size();
   const int me = shard_of(replica);
   std::vector<double> table(static_cast<std::size_t>(n) * count, 0.0);
   for (std::size_t vi = 0; vi < count; ++vi) {
     const auto& sharding = shards_[vi];
-    const strategy::ShardSpec spec =
-        sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->global_shape(), n);
+    const strategy::ShardSpec spec = sharding ? *sharding : strategy::ShardSpec::even(variables_[vi]->graph_shape(), n);
     for (int q = 0; q < n; ++q) {
       if (sharded_ && q != me) continue;  // another replica's row
       const std::int64_t b = spec.begin(q), e = spec.end(q);

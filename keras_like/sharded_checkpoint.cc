@@ -169,19 +169,20 @@ std::vector<std::vector<double>> gather_records(Strategy& strategy, const std::v
 CheckpointIndex build_index(const Strategy& strategy, const CheckpointContents& contents,
                             const std::vector<std::vector<double>>& records) {
   CheckpointIndex index;
-  index.num_shards = strategy.num_replicas_in_sync();
+  index.num_shards = strategy.data_shards_in_sync();  // ZeRO's shard count
   index.num_workers = strategy.num_workers();
   index.metadata = contents.metadata;
   for (int w = 0; w < index.num_workers; ++w) index.files.push_back(rank_file_name(w, index.num_workers));
   for (const auto& [name, variable] : contents.variables) {
-    const auto& sharding = variable->sharding();
+    // Flat shards of the whole value; ZeRO's shards of tensor-parallel pieces are written whole.
+    const int num_shards = variable->sharding() && !variable->tensor_split() ? variable->sharding()->num_shards : 0;
     index.tensors.push_back({.name = name,
                              .dtype = variable->dtype(),
                              .shape = variable->global_shape(),
-                             .num_shards = sharding ? sharding->num_shards : 0,
+                             .num_shards = num_shards,
                              .split = {},
                              .chunks = {}});
-    if (const auto& split = variable->tensor_split(); split && !sharding) {
+    if (const auto& split = variable->tensor_split(); split && !variable->sharding()) {
       index.tensors.back().split = CheckpointSplit{.dim = split->dim, .parts = split->parts, .axis = split->axis};
     }
   }
@@ -304,9 +305,18 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
       if (chief) add(i, name, 0, variable->read_value().reshape({variable->global_shape().num_elements()}));
       continue;
     }
-    // Shard s is the replica with global index s (ShardSpec).
+    if (variable->tensor_split()) {
+      // ZeRO over tensor parallelism (shards of pieces): gathered by every worker, written whole
+      // by the chief.
+      const Tensor whole = variable->read_value();
+      if (chief) add(i, name, 0, whole.reshape({variable->global_shape().num_elements()}));
+      continue;
+    }
+    // Shard s is the data-parallel shard s (Strategy::data_shard; ShardSpec), written by the
+    // replica that leads it (several hold it along a tensor-parallel axis).
     for (int r = 0; r < variable->num_replicas(); ++r) {
-      const int s = strategy.global_replica_index(r);
+      if (!strategy.leads_data_shard(r)) continue;
+      const int s = strategy.data_shard(r);
       add(i, name, spec->begin(s), host_prefix(variable->value(r), spec->end(s) - spec->begin(s)));
     }
   }
@@ -571,10 +581,10 @@ Tensor CheckpointReader::read(const std::string& name) const {
 
 std::vector<Tensor> CheckpointReader::read_for(const std::string& name, const Variable& variable) const {
   const auto& spec = variable.sharding();
-  if (!spec) return {read(name)};
+  if (!spec || variable.tensor_split()) return {read(name)};  // assign cuts a split one's shards
   std::vector<Tensor> out;
   for (int r = 0; r < variable.num_replicas(); ++r) {
-    const int s = variable.strategy().global_replica_index(r);
+    const int s = variable.strategy().data_shard(r);
     Tensor shard = Tensor::zeros({spec->shard_elements}, variable.dtype());
     const Tensor part = read_range(name, spec->begin(s), spec->end(s));
     if (part.nbytes() > 0) std::memcpy(shard.raw_data(), part.raw_data(), part.nbytes());
@@ -584,7 +594,7 @@ std::vector<Tensor> CheckpointReader::read_for(const std::string& name, const Va
 }
 
 void assign_checkpoint_value(Variable& variable, const std::vector<Tensor>& values) {
-  if (!variable.sharding()) {
+  if (!variable.sharding() || variable.tensor_split()) {
     variable.assign(values.at(0));
     return;
   }

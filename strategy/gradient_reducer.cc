@@ -293,7 +293,7 @@ void GradientReducer::Gatherer::start_gather(int node_id, const Tensor& whole) {
   const Variable& variable = *e.variable;
   const ShardSpec& spec = *variable.sharding();
   Strategy& strategy = reducer_.strategy_;
-  const int me = strategy.global_replica_index(replica_);
+  const int me = strategy.data_shard(replica_);
   const std::int64_t begin = spec.begin(me), end = spec.end(me);
   if (end > begin) flat_view(whole, begin, end - begin).copy_from(flat_view(variable.value(replica_), 0, end - begin));
   if (spec.num_shards == 1) return;
@@ -398,7 +398,9 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     bytes += size;
     if (scatter) {
       plan.any_scatter = true;
-      plan.spec[k] = ShardSpec::even(variable->global_shape(), strategy_.num_replicas_in_sync());
+      // Over the data-parallel replicas (Strategy::data_shard): under tensor parallelism each
+      // replica's piece is sharded along the batch axis, its gradient group.
+      plan.spec[k] = ShardSpec::even(variable->graph_shape(), strategy_.data_shards_in_sync());
       plan.shard_elements.back().push_back(plan.spec[k].shard_elements);
     }
   }
@@ -532,7 +534,7 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   while (s.next_bucket < plan_->order.size()) reduce_bucket(replica, plan_->order[s.next_bucket++]);
   if (!plan_->any_scatter) return s.grads;
   s.out.assign(s.grads.begin(), s.grads.end());
-  const int me = strategy_.global_replica_index(replica);
+  const int me = strategy_.data_shard(replica);
   s.shard_copy.resize(sources_.size());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
@@ -585,11 +587,11 @@ void GradientReducer::reduce_bucket(int replica, std::size_t bucket) {
 void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras) {
   ReplicaState& s = state(replica);
   auto& comm = strategy_.communicator(replica);
-  const int n = strategy_.num_replicas_in_sync();
-  TANDEM_REQUIRE(comm.size() == n && comm.rank() == strategy_.global_replica_index(replica), FailedPrecondition,
+  const int n = strategy_.data_shards_in_sync();
+  TANDEM_REQUIRE(comm.size() == n && comm.rank() == strategy_.data_shard(replica), FailedPrecondition,
                  "gradient reducer of {}: replica {} is rank {} of {} in its communicator; a reduce-scatter over the "
-                 "replicas in sync needs rank {} of {}",
-                 strategy_.name(), replica, comm.rank(), comm.size(), strategy_.global_replica_index(replica), n);
+                 "data-parallel replicas needs rank {} of {}",
+                 strategy_.name(), replica, comm.rank(), comm.size(), strategy_.data_shard(replica), n);
   if (n == 1) return;  // the replica's range is the whole gradient, and the extras are their own sums
   s.bucket.clear();
   for (const auto k : plan_->buckets[bucket]) s.bucket.push_back(s.grads[k]);
@@ -639,7 +641,7 @@ void GradientReducer::gather_updated(int replica) {
                  "gradient reducer of {}: gather_updated on replica {} after a micro-step; call it after the "
                  "optimizer applied a reduce step's gradients",
                  strategy_.name(), replica);
-  const int n = strategy_.num_replicas_in_sync();
+  const int n = strategy_.data_shards_in_sync();
   if (n == 1) return;  // the replica's range is the whole variable
   // Each bucket's variables gathered where they are: no packed copy in the in-process group.
   // Sharded parameters (stage 3) stay sharded: the executor gathers them when it needs them.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 namespace tandem::strategy {
 
@@ -151,14 +152,29 @@ const Tensor& Variable::value(int replica) const { return const_cast<Variable*>(
 
 Tensor Variable::read_value() const {
   if (sharding_) {
-    // Each local shard's elements, padding dropped, at their place in the flattened value.
-    const int first = strategy_->global_replica_index(0);
-    Tensor out = Tensor::zeros(sharding_->global_shape, dtype());
+    // Each local shard's elements, padding dropped, at their place in the flattened value (of its
+    // piece, for a split variable): each element comes from one replica in sync (one shard of one
+    // piece, or the leader of its data shard), so that the sum over the workers is the value.
+    Tensor out = Tensor::zeros(global_shape(), dtype());
+    std::map<int, Tensor> pieces;  // a split variable's pieces held here, by piece
     for (std::size_t r = 0; r < copies_.size(); ++r) {
-      const int s = first + static_cast<int>(r);
+      // A whole variable's shard is held by every replica of its data shard (along a
+      // tensor-parallel axis): the one that leads it writes it.
+      if (!tensor_split_ && !strategy_->leads_data_shard(static_cast<int>(r))) continue;
+      const int s = strategy_->data_shard(static_cast<int>(r));
       const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
-      if (e > b) flat_view(out, b, e - b).copy_from(flat_view(copies_[r], 0, e - b));
+      Tensor target = out;
+      if (tensor_split_) {
+        const int p =
+            tensor_split_
+                ->piece_of_replica[static_cast<std::size_t>(strategy_->global_replica_index(static_cast<int>(r)))];
+        auto [it, fresh] = pieces.try_emplace(p);
+        if (fresh) it->second = Tensor::zeros(piece_shape_, dtype());
+        target = it->second;
+      }
+      if (e > b) flat_view(target, b, e - b).copy_from(flat_view(copies_[r], 0, e - b));
     }
+    for (const auto& [p, piece] : pieces) tensor_split_->put_piece(piece, p, out);
     if (strategy_->num_workers() > 1) out = sum_over_workers(out);
     return out;
   }
@@ -229,15 +245,18 @@ void Variable::assign(const Tensor& value) {
                  value.defined() ? graph::dtype_name(value.dtype()) : "undefined",
                  value.defined() ? value.shape() : Shape{}, dtype(), global_shape());
   if (sharding_) {
-    // Each local copy takes its shard's elements; the padding after them stays zero. Every worker
-    // holds the whole value: no communication.
-    const int first = strategy_->global_replica_index(0);
+    // Each local copy takes its shard's elements (of its piece, for a split variable); the
+    // padding after them stays zero. Every worker holds the whole value: no communication.
     for (std::size_t r = 0; r < copies_.size(); ++r) {
-      const int s = first + static_cast<int>(r);
+      const int s = strategy_->data_shard(static_cast<int>(r));
       const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
+      const Tensor source =
+          tensor_split_ ? tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(
+                                                          strategy_->global_replica_index(static_cast<int>(r)))])
+                        : value;
       Tensor& copy = copies_[r];
       copy.device().fill_zero(copy.raw_data(), copy.nbytes());
-      if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(value, b, e - b));
+      if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(source, b, e - b));
     }
     return;
   }

@@ -114,7 +114,7 @@ class Variable {
   // The value's shape as the model sees it: shape() unless sharded (each copy is then a 1-D shard)
   // or split (each copy a piece).
   const Shape& global_shape() const {
-    return sharding_ ? sharding_->global_shape : tensor_split_ ? tensor_split_->global_shape : shape();
+    return tensor_split_ ? tensor_split_->global_shape : sharding_ ? sharding_->global_shape : shape();
   }
   // The shape a replica's graph computes with: global_shape() (a ZeRO shard is gathered whole for
   // its steps), except for a split variable, whose graph computes with its piece (shape()).

@@ -13,21 +13,26 @@ trap 'rm -rf "$dir"' EXIT
 fail() { echo "model_parallel_fit_processes: $*" >&2; exit 1; }
 # The fourth field: whether the split weights' pieces sit on both processes (the model or stage
 # axis across them), so that each process's checkpoint file must hold some.
-for config in 1x2:model:1:every 2x2:model:2:one 1x2:stage:1:every 2x2:stage:2:one 1x2x2:model,stage:2:every; do
+# A fifth field: a ZeRO stage (DP2xTP2 with each piece's slots and gradients sharded along the
+# batch axis, across the processes).
+for config in 1x2:model:1:every 2x2:model:2:one 1x2:stage:1:every 2x2:stage:2:one 1x2x2:model,stage:2:every \
+  2x2:model:2:one:2; do
+  zero=0
+  case $config in *:*:*:*:*) zero=${config##*:} config=${config%:*} ;; esac
   mesh=${config%%:*} rest=${config#*:}
   spread=${rest##*:} rest=${rest%:*}
   axis=${rest%:*} per_process=${rest#*:}
   pieces=""
   [ "$spread" = every ] && pieces=--pieces-on-every-worker
-  name="$mesh-$(echo "$axis" | tr , -)"
+  name="$mesh-$(echo "$axis" | tr , -)-zero$zero"
   TANDEM_NUM_CPU_DEVICES=$((per_process * 2)) "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/reference-$name" \
-    --reference || fail "mesh $mesh (batch, $axis): the one-process run failed"
+    --zero "$zero" --reference || fail "mesh $mesh (batch, $axis): the one-process run failed"
   TANDEM_NUM_CPU_DEVICES=$per_process TANDEM_RENDEZVOUS_TIMEOUT=60 \
-    "$run" --nproc_per_node 2 --master_port 0 -- "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/job-$name" $pieces \
+    "$run" --nproc_per_node 2 --master_port 0 -- "$worker" --mesh "$mesh" --axes "batch,$axis" --out "$dir/job-$name" --zero "$zero" $pieces \
     >"$dir/job-$name.log" 2>&1 || { cat "$dir/job-$name.log" >&2; fail "mesh $mesh (batch, $axis): the 2-process job failed"; }
   for rank in 0 1; do
     cmp "$dir/reference-$name/rank-0.txt" "$dir/job-$name/rank-$rank.txt" ||
       fail "mesh $mesh (batch, $axis): rank $rank of the 2-process job differs from the one-process run"
   done
-  echo "mesh $mesh (batch, $axis) over 2 processes: equivalent to one device, bitwise the one-process run ($(grep -c '^loss' "$dir/job-$name/rank-0.txt") steps)"
+  echo "mesh $mesh (batch, $axis), ZeRO stage $zero, over 2 processes: equivalent to one device, bitwise the one-process run ($(grep -c '^loss' "$dir/job-$name/rank-0.txt") steps)"
 done

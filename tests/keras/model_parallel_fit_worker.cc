@@ -7,6 +7,7 @@
 //   --axes batch,stage     the mesh's second axis is a pipeline's instead (2 stages, 1F1B, 4
 //                          micro-batches); batch,model,stage (a 3-D --mesh): both
 //   --reference            the same mesh over this one process's devices, written as rank 0
+//   --zero 1|2             ZeRO over tensor parallelism: each piece's slots (and gradients) sharded
 // Every worker also saves the weights into DIR/weights/ together; rank 0 loads them on one device
 // and checks that they evaluate to the run's loss, and with --pieces-on-every-worker that every
 // worker's file holds pieces of split weights (each piece written by a worker holding it).
@@ -42,6 +43,9 @@ int main(int argc, char** argv) {
       ->expected(2, 3);
   app.add_option("--out", out)->required();
   app.add_flag("--reference", reference, "one process over its own devices");
+  int zero = 0;
+  app.add_option("--zero", zero, "ZeRO stage (1 or 2: each piece's slots and gradients sharded along the batch axis)")
+      ->check(CLI::Range(0, 2));
   bool pieces_on_every_worker = false;
   app.add_flag("--pieces-on-every-worker", pieces_on_every_worker,
                "the mesh puts split weights' pieces on every worker: each worker's checkpoint file must hold some");
@@ -55,7 +59,8 @@ int main(int argc, char** argv) {
     const kd::DeviceMesh mesh(mesh_shape, axes, kd::list_devices("cpu"));
     const bool tensor = mesh.has_axis("model"), pipeline = mesh.has_axis("stage");
     kd::ModelParallel mp(tensor ? pair_layouts(mesh) : kd::LayoutMap(mesh),
-                         {.pipeline = pipeline ? std::optional(kd::PipelineOptions{.microbatches = 4}) : std::nullopt});
+                         {.pipeline = pipeline ? std::optional(kd::PipelineOptions{.microbatches = 4}) : std::nullopt,
+                          .distribution = {.zero = static_cast<strategy::ZeroStage>(zero)}});
     // Saved by every worker together (a checkpoint directory: the pieces may be on several), and
     // loaded on one device below.
     const std::string saved = fmt::format("{}/weights/", out);
