@@ -252,14 +252,16 @@ class Strategy {
   // Data-parallel strategies give every replica its own rows. A strategy whose replicas compute
   // together on the same rows (tensor parallelism: keras::distribution::ModelParallel's model
   // axis) says so here; the trainer then feeds them the same rows, draws the same random streams
-  // for them, and counts their logged sums once.
+  // for them, and counts their logged sums once. ZeRO shards state over the same shards: replica
+  // r keeps shard data_shard(r) of each sharded slot, gradient or weight (of its piece, for a
+  // tensor-parallel one), its communicator being the group of those shards.
   // The distinct shards of each global batch, across every worker.
   virtual int data_shards_in_sync() const { return num_replicas_in_sync(); }
   // The global index of local replica `replica`'s shard; the local replicas' shards form a
   // consecutive range.
   virtual int data_shard(int replica) const { return global_replica_index(replica); }
   // Whether local replica `replica` is the first replica in sync (across workers) of its shard:
-  // the one whose logged sums count.
+  // the one whose logged sums count, and which writes a whole variable's ZeRO shard.
   virtual bool leads_data_shard(int /*replica*/) const { return true; }
   // The number of distinct shards among the local replicas, and the first of them (they are
   // consecutive).
