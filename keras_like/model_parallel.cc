@@ -171,10 +171,12 @@ void ModelParallel::prepare_pipeline(const Model& model, const std::vector<Plann
                  "ModelParallel: the pipelines along '{}' of {} are on some workers but not all: lay the mesh out so "
                  "that each pipeline is on one worker or spread evenly over every worker",
                  axis, device_mesh().to_string());
-  TANDEM_REQUIRE(distribution_options().zero == strategy::ZeroStage::k0, Unimplemented,
-                 "ModelParallel: model \"{}\" has a pipeline over '{}', and ZeRO stage {} is asked; sharding the "
-                 "data-parallel state of a pipeline's stages is not built yet",
-                 model.name(), axis, static_cast<int>(distribution_options().zero));
+  // ZeRO stages 1 and 2 shard each stage's slots along the batch axis (the same stage of every
+  // pipeline); stage 3 would gather each stage's weights per micro-batch.
+  TANDEM_REQUIRE(distribution_options().zero != strategy::ZeroStage::k3, Unimplemented,
+                 "ModelParallel: model \"{}\" has a pipeline over '{}', and ZeRO stage 3 is asked; sharding a "
+                 "pipeline stage's parameters is not built yet: use ZeRO stage 1 or 2 with pipelines",
+                 model.name(), axis);
   for (const auto* device : replica_devices()) {
     TANDEM_REQUIRE(device->type() == devices::DeviceType::kCPU, Unimplemented,
                    "ModelParallel: pipeline stages run on CPU devices only for now; replica device {} is not one",

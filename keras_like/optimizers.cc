@@ -418,7 +418,10 @@ std::int64_t Optimizer::loss_scale_step_counter(int replica) const {
 
 std::pair<std::int64_t, std::int64_t> Optimizer::update_range(std::size_t variable, int replica) const {
   const auto& sharding = shards_[variable];
-  if (!sharding) return {0, variables_[variable]->value(replica).num_elements()};
+  // A replica holding nothing of it (another pipeline stage's weight) updates nothing.
+  if (!sharding || variables_[variable]->value(replica).num_elements() == 0) {
+    return {0, variables_[variable]->value(replica).num_elements()};
+  }
   const int s = shard_of(replica);
   // Stage 3: the replica's copy of the variable is its shard itself, from its first element.
   const std::int64_t first = variables_[variable]->sharding() ? 0 : sharding->begin(s);
@@ -533,7 +536,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
     const Tensor& grad = gradients[vi];
     const auto [first, n] = update_range(vi, replica);
     require_matching_gradient(name(), *variables_[vi], w, grad,
-                              shards_[vi] ? Shape{shards_[vi]->shard_elements} : w.shape());
+                              shards_[vi] && w.num_elements() > 0 ? Shape{shards_[vi]->shard_elements} : w.shape());
     auto& device = w.device();
     graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
       T* var = static_cast<T*>(w.raw_data()) + first;
@@ -636,7 +639,7 @@ std::vector<ops::detail::UpdateTensor> Optimizer::device_update_tensors(int repl
     const Tensor& grad = gradients[vi];
     const auto [first, n] = update_range(vi, replica);
     require_matching_gradient(name(), *variables_[vi], w, grad,
-                              shards_[vi] ? Shape{shards_[vi]->shard_elements} : w.shape());
+                              shards_[vi] && w.num_elements() > 0 ? Shape{shards_[vi]->shard_elements} : w.shape());
     ops::detail::UpdateTensor u;
     u.var = static_cast<std::byte*>(w.raw_data()) + static_cast<std::size_t>(first) * graph::dtype_size(w.dtype());
     u.grad = grad.raw_data();

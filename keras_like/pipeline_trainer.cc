@@ -376,15 +376,46 @@ void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) 
     }
   }
   std::vector<char> applied(grads.size(), 1);
+  // ZeRO (stages 1 and 2): the gradients of the variables the strategy reduce-scatters are
+  // summed into this replica's shard only (its range along the batch axis: data_shard), the
+  // optimizer updates that range, and the ranges are gathered back into every copy.
+  const int zero_shards = strategy.data_shards_in_sync();
+  std::vector<std::optional<strategy::ShardSpec>> zero(P.trainable.size());
+  for (std::size_t t = 0; t < P.trainable.size(); ++t) {
+    if (strategy.variable_plan(*P.trainable[t]).reduction == strategy::VariablePlan::Reduction::kReduceScatter)
+      zero[t] = strategy::ShardSpec::even(P.trainable[t]->graph_shape(), zero_shards);
+  }
   const auto update = [&](int r) {
     auto& g = grads[static_cast<std::size_t>(r)];
-    std::vector<Tensor> held;
-    for (const auto& t : g) {
-      if (t.num_elements() > 0) held.push_back(t);
+    std::vector<Tensor> held, scattered, gathered;
+    std::vector<std::int64_t> shard_elements;
+    for (std::size_t t = 0; t < g.size(); ++t) {
+      if (g[t].num_elements() == 0) continue;
+      if (zero[t]) {
+        scattered.push_back(g[t]);
+        gathered.push_back(P.trainable[t]->value(r));
+        shard_elements.push_back(zero[t]->shard_elements);
+      } else {
+        held.push_back(g[t]);
+      }
     }
     auto& comm = strategy.communicator(r);
-    if (comm.size() > 1 && !held.empty()) comm.all_reduce(held, collective::ReduceOp::kSum);
+    const collective::CallOptions call{.timeout = strategy.distribution_options().collective_timeout};
+    if (comm.size() > 1 && !held.empty()) comm.all_reduce(held, collective::ReduceOp::kSum, call);
+    if (comm.size() > 1 && !scattered.empty())
+      comm.reduce_scatter_ranges(scattered, shard_elements, {}, collective::ReduceOp::kSum, call);
+    // The optimizer takes a sharded variable's gradient as the replica's [shard_elements] range,
+    // zero-padded where the last range is short.
+    const int s = strategy.data_shard(r);
+    for (std::size_t t = 0; t < g.size(); ++t) {
+      if (!zero[t] || g[t].num_elements() == 0) continue;
+      Tensor shard = Tensor::zeros({zero[t]->shard_elements}, g[t].dtype(), g[t].device());
+      const std::int64_t b = zero[t]->begin(s), e = zero[t]->end(s);
+      if (e > b) strategy::flat_view(shard, 0, e - b).copy_from(strategy::flat_view(g[t], b, e - b));
+      g[t] = shard;
+    }
     applied[static_cast<std::size_t>(r)] = model_.optimizer->apply(r, g) ? 1 : 0;
+    if (comm.size() > 1 && !gathered.empty()) comm.all_gather_ranges(gathered, shard_elements, call);
   };
   if (grads.size() == 1) {
     update(0);

@@ -235,27 +235,23 @@ std::shared_ptr<Variable> Strategy::create_sharded_variable(VariableOptions opti
   const Tensor& initial = options.initial_value;
   // The shards are the data-parallel replicas' (data_shards_in_sync, data_shard): every replica
   // in sync under data parallelism; under ModelParallel the replicas along the batch axis, each
-  // sharding its tensor-parallel piece (a split variable: ZeRO over tensor parallelism).
+  // sharding its tensor-parallel piece or its pipeline stage's weight (a split variable).
   const TensorSplit* split = options.tensor_split ? &*options.tensor_split : nullptr;
   TANDEM_REQUIRE(!split || initial.shape() == split->global_shape, InvalidArgument,
                  "{}: variable \"{}\" of shape {} with a tensor split of shape {}", name_, options.name,
                  initial.shape(), split ? split->global_shape : Shape{});
-  TANDEM_REQUIRE(!split || std::none_of(split->piece_of_replica.begin(), split->piece_of_replica.end(),
-                                        [](int p) { return p < 0; }),
-                 Unimplemented,
-                 "{}: variable \"{}\" is held by some replicas only (a pipeline stage's); ZeRO does not "
-                 "shard such variables yet",
-                 name_, options.name);
   const ShardSpec spec = ShardSpec::even(split ? split->piece_shape() : initial.shape(), data_shards_in_sync());
   std::vector<Tensor> copies;
   copies.reserve(devices_.size());
   for (std::size_t r = 0; r < devices_.size(); ++r) {
     const int s = data_shard(static_cast<int>(r));
-    const Tensor whole =
-        split
-            ? split->piece(initial,
-                           split->piece_of_replica[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))])
-            : initial;
+    const int piece =
+        split ? split->piece_of_replica[static_cast<std::size_t>(global_replica_index(static_cast<int>(r)))] : 0;
+    if (piece < 0) {  // a replica that holds none of it (another pipeline stage's weight)
+      copies.push_back(Tensor::empty({0}, initial.dtype(), *devices_[r]));
+      continue;
+    }
+    const Tensor whole = split ? split->piece(initial, piece) : initial;
     Tensor copy = Tensor::zeros({spec.shard_elements}, initial.dtype(), *devices_[r]);
     const std::int64_t b = spec.begin(s), e = spec.end(s);
     if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(whole, b, e - b));

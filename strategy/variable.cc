@@ -168,6 +168,7 @@ Tensor Variable::read_value() const {
         const int p =
             tensor_split_
                 ->piece_of_replica[static_cast<std::size_t>(strategy_->global_replica_index(static_cast<int>(r)))];
+        if (p < 0) continue;  // holds none of it
         auto [it, fresh] = pieces.try_emplace(p);
         if (fresh) it->second = Tensor::zeros(piece_shape_, dtype());
         target = it->second;
@@ -250,10 +251,13 @@ void Variable::assign(const Tensor& value) {
     for (std::size_t r = 0; r < copies_.size(); ++r) {
       const int s = strategy_->data_shard(static_cast<int>(r));
       const std::int64_t b = sharding_->begin(s), e = sharding_->end(s);
-      const Tensor source =
-          tensor_split_ ? tensor_split_->piece(value, tensor_split_->piece_of_replica[static_cast<std::size_t>(
-                                                          strategy_->global_replica_index(static_cast<int>(r)))])
-                        : value;
+      const int p =
+          tensor_split_
+              ? tensor_split_
+                    ->piece_of_replica[static_cast<std::size_t>(strategy_->global_replica_index(static_cast<int>(r)))]
+              : 0;
+      if (p < 0) continue;  // holds none of it
+      const Tensor source = tensor_split_ ? tensor_split_->piece(value, p) : value;
       Tensor& copy = copies_[r];
       copy.device().fill_zero(copy.raw_data(), copy.nbytes());
       if (e > b) flat_view(copy, 0, e - b).copy_from(flat_view(source, b, e - b));
