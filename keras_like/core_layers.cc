@@ -55,12 +55,12 @@ class DenseImpl final : public LayerImpl {
     // Tensor parallelism (Megatron-LM): the kernel here is this device's piece.
     const auto& tp = tensor_parallel_call();
     const bool column = tp && tp->split == "column", row = tp && tp->split == "row";
-    const std::int64_t features = row && tp->input_split ? kernel_->shape()[0] : kernel_->global_shape()[0];
+    const std::int64_t features = row && tp->input_split ? kernel_->graph_shape()[0] : kernel_->global_shape()[0];
     TANDEM_REQUIRE(in.rank() >= 2 && in[in.rank() - 1] == features, InvalidArgument,
                    "{}: input has {} features, kernel expects {} (input shape {})", label(),
                    in.rank() >= 1 ? in[in.rank() - 1] : 0, features, in);
     // Rank > 2: apply to every position of the leading dimensions.
-    const std::int64_t units = column && tp->output_split ? kernel_->shape()[1] : units_;
+    const std::int64_t units = column && tp->output_split ? kernel_->graph_shape()[1] : units_;
     Shape out_shape = in.with_dim(-1, units);
     const bool flatten = in.rank() > 2;
     if (flatten) x = ops::reshape(x, {-1, features});

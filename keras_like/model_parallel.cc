@@ -306,13 +306,8 @@ void ModelParallel::prepare_tensor_parallel(const Model& model, const std::vecto
                  "not all: lay out {} so that each group along '{}' is on one worker or spread evenly over every "
                  "worker",
                  first.layer, axis, first.parts, mesh.to_string(), axis);
-  // ZeRO stages 1 and 2 shard each piece's optimizer slots and gradients along the batch axis (the
-  // data-parallel replicas holding that piece); stage 3 would also gather pieces per layer.
-  TANDEM_REQUIRE(distribution_options().zero != strategy::ZeroStage::k3, Unimplemented,
-                 "ModelParallel: {} is split over '{}', and ZeRO stage 3 is asked; sharding the parameters of a "
-                 "tensor-parallel model is not built yet: use ZeRO stage 1 or 2 with tensor parallelism, or stage 3 "
-                 "without it",
-                 first.layer, axis);
+  // ZeRO shards each piece's optimizer slots (stage 1), gradients (2) and the piece itself (3, the
+  // executors gathering it per layer) along the batch axis: the data-parallel replicas holding it.
   for (const auto* device : replica_devices()) {
     TANDEM_REQUIRE(device->type() == devices::DeviceType::kCPU, Unimplemented,
                    "ModelParallel: {} is split over '{}', but tensor-parallel collectives have CPU kernels only, and "

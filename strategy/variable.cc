@@ -99,9 +99,24 @@ Variable::Variable(Strategy& strategy, VariableOptions options, std::vector<Tens
 }
 
 void Variable::split_into_pieces(TensorSplit split) {
-  TANDEM_REQUIRE(!sharding_, FailedPrecondition,
-                 "variable \"{}\" is sharded (ZeRO); tensor parallelism cannot also split it over '{}'", name_,
-                 split.axis);
+  if (sharding_ && !tensor_split_) {
+    // ZeRO stage 3 sharded the whole value over the data shards: each replica's copy becomes its
+    // shard of its piece instead. read_value sums over the workers: every worker splits the same
+    // variables in the same order (ModelParallel's compile).
+    const Tensor whole = read_value();
+    TANDEM_ASSERT(split.global_shape == whole.shape(), "variable {}: split of {} for a value of {}", name_,
+                  split.global_shape, whole.shape());
+    piece_shape_ = split.piece_shape();
+    tensor_split_ = std::move(split);
+    sharding_ = ShardSpec::even(piece_shape_, strategy_->data_shards_in_sync());
+    const int first = strategy_->global_replica_index(0);
+    for (std::size_t r = 0; r < copies_.size(); ++r) {
+      const bool holds = tensor_split_->piece_of_replica[static_cast<std::size_t>(first) + r] >= 0;
+      copies_[r] = Tensor::zeros({holds ? sharding_->shard_elements : 0}, dtype(), copies_[r].device());
+    }
+    assign(whole);
+    return;
+  }
   if (tensor_split_) {
     TANDEM_REQUIRE(tensor_split_->dim == split.dim && tensor_split_->parts == split.parts, FailedPrecondition,
                    "variable \"{}\" is already split along dimension {} into {} pieces; cannot split it along "

@@ -120,9 +120,10 @@ class Variable {
   // its steps), except for a split variable, whose graph computes with its piece (shape()).
   const Shape& graph_shape() const { return tensor_split_ ? piece_shape_ : global_shape(); }
   // Replaces each whole copy by the replica's piece of it (keras::distribution::ModelParallel, at
-  // compile, once the layouts are checked against the model). Callers: one thread, not during a
-  // step. FailedPrecondition for a sharded variable or one already split otherwise; a no-op when
-  // split alike.
+  // compile, once the layouts are checked against the model); a variable ZeRO stage 3 sharded
+  // becomes its shards of the replica's piece (then collective: every worker calls it for the same
+  // variables in the same order). Callers: one thread, not during a step. FailedPrecondition for
+  // one already split otherwise; a no-op when split alike.
   void split_into_pieces(TensorSplit split);
   // The strategy whose scope created it.
   Strategy& strategy() const { return *strategy_; }

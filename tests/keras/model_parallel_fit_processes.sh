@@ -16,7 +16,7 @@ fail() { echo "model_parallel_fit_processes: $*" >&2; exit 1; }
 # A fifth field: a ZeRO stage (DP2xTP2 and PP2xDP2 with each piece's or stage's slots sharded along the
 # batch axis, across the processes).
 for config in 1x2:model:1:every 2x2:model:2:one 1x2:stage:1:every 2x2:stage:2:one 1x2x2:model,stage:2:every \
-  2x2:model:2:one:2 2x2:stage:2:one:1; do
+  2x2:model:2:one:2 2x2:model:2:one:3 2x2:stage:2:one:1; do
   zero=0
   case $config in *:*:*:*:*) zero=${config##*:} config=${config%:*} ;; esac
   mesh=${config%%:*} rest=${config#*:}

@@ -192,7 +192,7 @@ TEST_CASE(
     "along the batch axis") {
   const Run& want = one_device();
   const kd::DeviceMesh mesh({2, 2}, {"batch", "model"}, kFourCpus);
-  for (const auto stage : {strategy::ZeroStage::k1, strategy::ZeroStage::k2}) {
+  for (const auto stage : {strategy::ZeroStage::k1, strategy::ZeroStage::k2, strategy::ZeroStage::k3}) {
     CAPTURE(static_cast<int>(stage));
     const auto run_once = [&] {
       kd::ModelParallel mp(pair_layouts(mesh), {.distribution = {.zero = stage}});
@@ -239,7 +239,13 @@ TEST_CASE(
                                   [](const auto& v) { return v.path == "fc1/kernel"; });
     REQUIRE(row != plan.variables.end());
     CHECK(row->slot_bytes == 2 * 32 * 4);
-    CHECK(row->gradient_bytes == (stage == strategy::ZeroStage::k2 ? 32 : 64) * 4);
+    CHECK(row->gradient_bytes == (stage >= strategy::ZeroStage::k2 ? 32 : 64) * 4);
+    CHECK(row->weight_bytes == (stage == strategy::ZeroStage::k3 ? 32 : 64) * 4);
+    for (const auto& w : model.weights()) {
+      if (w->name() != "fc1/kernel") continue;
+      CHECK(w->sharding().has_value() == (stage == strategy::ZeroStage::k3));
+      CHECK(w->value(0).num_elements() == (stage == strategy::ZeroStage::k3 ? 32 : 64));
+    }
 
     // A training checkpoint (weights, slots, iterations) loads into a fresh run of the same mesh.
     testing::TempDir dir;
@@ -335,16 +341,6 @@ TEST_CASE("a tensor-parallel checkpoint directory holds each piece once, as writ
 
 TEST_CASE("what tensor parallelism under fit does not do yet is refused before the first step, the model left whole") {
   const kd::DeviceMesh mesh({2, 2}, {"batch", "model"}, kFourCpus);
-  {
-    kd::ModelParallel mp(pair_layouts(mesh), {.distribution = {.zero = strategy::ZeroStage::k3}});
-    Model model = model_under(mp);
-    auto scope = mp.scope();
-    CHECK(testing::error_message<Unimplemented>([&] { model.compile("adam", "mse"); }) ==
-          "ModelParallel: Dense \"fc1\" is split over 'model', and ZeRO stage 3 is asked; sharding the parameters "
-          "of a tensor-parallel model is not built yet: use ZeRO stage 1 or 2 with tensor parallelism, or stage 3 "
-          "without it");
-    for (const auto& w : model.weights()) CHECK(!w->tensor_split());
-  }
   {
     kd::ModelParallel mp(pair_layouts(mesh));
     Model model = model_under(mp);

@@ -7,7 +7,7 @@
 //   --axes batch,stage     the mesh's second axis is a pipeline's instead (2 stages, 1F1B, 4
 //                          micro-batches); batch,model,stage (a 3-D --mesh): both
 //   --reference            the same mesh over this one process's devices, written as rank 0
-//   --zero 1|2             ZeRO over tensor parallelism: each piece's slots (and gradients) sharded
+//   --zero 1|2|3           ZeRO over tensor parallelism: each piece's slots (gradients, weights) sharded
 // Every worker also saves the weights into DIR/weights/ together; rank 0 loads them on one device
 // and checks that they evaluate to the run's loss, and with --pieces-on-every-worker that every
 // worker's file holds pieces of split weights (each piece written by a worker holding it).
@@ -44,8 +44,9 @@ int main(int argc, char** argv) {
   app.add_option("--out", out)->required();
   app.add_flag("--reference", reference, "one process over its own devices");
   int zero = 0;
-  app.add_option("--zero", zero, "ZeRO stage (1 or 2: each piece's slots and gradients sharded along the batch axis)")
-      ->check(CLI::Range(0, 2));
+  app.add_option("--zero", zero,
+                 "ZeRO stage (1, 2, 3: each piece's slots, gradients, weights sharded along the batch axis)")
+      ->check(CLI::Range(0, 3));
   bool pieces_on_every_worker = false;
   app.add_flag("--pieces-on-every-worker", pieces_on_every_worker,
                "the mesh puts split weights' pieces on every worker: each worker's checkpoint file must hold some");
