@@ -75,17 +75,6 @@ class Writer {
     if (attributes) attributes(*n);
     return first;
   }
-  // The same with its output named `out`.
-  void node_into(std::string_view op, const std::vector<std::string>& inputs, const std::string& out,
-                 const std::function<void(onnx::NodeProto&)>& attributes = {}) {
-    onnx::NodeProto* n = graph_.add_node();
-    n->set_op_type(std::string(op));
-    n->set_name(fresh(out));
-    for (const auto& i : inputs) n->add_input(i);
-    n->add_output(out);
-    if (attributes) attributes(*n);
-  }
-
   std::string initializer(const Tensor& value, std::string name) {
     const Tensor host = value.to(devices::default_cpu_device());
     onnx::TensorProto* t = graph_.add_initializer();

@@ -18,6 +18,7 @@
 
 #include "tandem/base/log.h"
 #include "tandem/keras_like/keras.h"
+#include "common/regression_data.h"
 
 using namespace tandem;
 namespace fs = std::filesystem;
@@ -722,21 +723,7 @@ TEST_CASE("ProgbarLogger: the time per step leaves out the first step and picks 
 
 namespace {
 
-struct Data {
-  Tensor x, y;
-};
-
-// y = x @ w for a fixed w: a model can learn it, so losses fall.
-Data regression_data(std::int64_t n) {
-  std::vector<float> xs, ys;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float a = static_cast<float>(i % 7) / 7.0f, b = static_cast<float>(i % 5) / 5.0f,
-                c = static_cast<float>(i % 3) / 3.0f;
-    xs.insert(xs.end(), {a, b, c});
-    ys.insert(ys.end(), {a + 2 * b - c, 0.5f * a - b});
-  }
-  return {Tensor::from_vector<float>(xs, {n, 3}), Tensor::from_vector<float>(ys, {n, 2})};
-}
+using testing::regression_data;
 
 }  // namespace
 

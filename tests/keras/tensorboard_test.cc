@@ -17,6 +17,7 @@
 #include "tandem/keras_like/detail/event_file.h"
 #include "tandem/keras_like/keras.h"
 #include "detail/tensorboard_events.pb.h"
+#include "common/regression_data.h"
 
 using namespace tandem;
 namespace fs = std::filesystem;
@@ -98,19 +99,7 @@ std::string only_event_file(const fs::path& dir) {
   return files[0];
 }
 
-struct Data {
-  Tensor x, y;
-};
-Data regression_data(std::int64_t n) {
-  std::vector<float> xs, ys;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float a = static_cast<float>(i % 7) / 7.0f, b = static_cast<float>(i % 5) / 5.0f,
-                c = static_cast<float>(i % 3) / 3.0f;
-    xs.insert(xs.end(), {a, b, c});
-    ys.insert(ys.end(), {a + 2 * b - c, 0.5f * a - b});
-  }
-  return {Tensor::from_vector<float>(xs, {n, 3}), Tensor::from_vector<float>(ys, {n, 2})};
-}
+using testing::regression_data;
 
 keras::Model compiled_model() {
   auto x = keras::Input({3});
