@@ -124,14 +124,31 @@ class Exporter {
   Exporter(const Graph& graph, onnx::GraphProto& out, const std::unordered_map<int, VariablePtr>& variables)
       : graph_(graph), w_(out), variables_(variables) {}
 
+  // Translates every node `outputs` depend on, inputs first: node ids are a topological order (a
+  // node's inputs were added before it), so one pass in id order over the reachable nodes, with no
+  // recursion however deep the model.
+  void translate_for(const std::vector<Output>& outputs) {
+    std::vector<bool> needed(static_cast<std::size_t>(graph_.num_nodes()), false);
+    std::vector<int> stack;
+    for (const auto& o : outputs) stack.push_back(o.node);
+    while (!stack.empty()) {
+      const int id = stack.back();
+      stack.pop_back();
+      if (needed[static_cast<std::size_t>(id)] || names_.contains(key(Output{nullptr, id, 0}))) continue;
+      needed[static_cast<std::size_t>(id)] = true;
+      for (const auto& in : graph_.node(id).inputs) stack.push_back(in.node);
+    }
+    for (int id = 0; id < graph_.num_nodes(); ++id) {
+      if (needed[static_cast<std::size_t>(id)]) translate(graph_.node(id));
+    }
+  }
+  // The ONNX name of a translated output.
   std::string value(const Output& o) {
     const auto it = names_.find(key(o));
-    if (it != names_.end()) return it->second;
-    const auto& node = graph_.node(o.node);
-    TANDEM_REQUIRE(o.index == 0 || node.op_name() == "FusedBatchNorm", Unimplemented,
-                   "export to ONNX: output {} of {} is used; only its first output is exported", o.index, node.label());
-    translate(node);
-    return names_.at(key(o));
+    TANDEM_REQUIRE(it != names_.end(), Unimplemented,
+                   "export to ONNX: output {} of {} is used; only a node's first output is exported", o.index,
+                   graph_.node(o.node).label());
+    return it->second;
   }
   void name_input(const Output& o, const std::string& name) { names_[key(o)] = name; }
 
@@ -521,6 +538,7 @@ void Model::export_model(const std::string& path, const ExportOptions& options) 
     exporter.name_input(inputs[i], input_names[i]);
     set_value_info(*g->add_input(), input_names[i], inputs[i].dtype(), inputs[i].shape());
   }
+  exporter.translate_for(outputs);
   std::set<std::string> output_names;
   for (std::size_t j = 0; j < outputs.size(); ++j) {
     const std::string inner = exporter.value(outputs[j]);
