@@ -381,11 +381,8 @@ void Optimizer::build(const std::vector<VariablePtr>& variables) {
     }
     // ZeRO: this replica updates its shard of a reduce-scattered variable, so its slots keep that
     // shard only (the accumulators above stay whole: micro-steps add whole gradients into them).
-    const bool sharded =
-        owner.variable_plan(*variable).reduction == strategy::VariablePlan::Reduction::kReduceScatter;
-    shards_.push_back(
-        sharded ? std::optional(strategy::ShardSpec::even(variable->graph_shape(), owner.data_shards_in_sync()))
-                : std::nullopt);
+    shards_.push_back(owner.zero_shard_spec(*variable));
+    const bool sharded = shards_.back().has_value();
     sharded_ = sharded_ || sharded;
     std::vector<VariablePtr> slots;
     for (const auto& slot : names) {

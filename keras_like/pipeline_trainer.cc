@@ -379,12 +379,8 @@ void Trainer::pipeline_train_step(const strategy::Strategy::WorkerBatch& batch) 
   // ZeRO (stages 1 and 2): the gradients of the variables the strategy reduce-scatters are
   // summed into this replica's shard only (its range along the batch axis: data_shard), the
   // optimizer updates that range, and the ranges are gathered back into every copy.
-  const int zero_shards = strategy.data_shards_in_sync();
-  std::vector<std::optional<strategy::ShardSpec>> zero(P.trainable.size());
-  for (std::size_t t = 0; t < P.trainable.size(); ++t) {
-    if (strategy.variable_plan(*P.trainable[t]).reduction == strategy::VariablePlan::Reduction::kReduceScatter)
-      zero[t] = strategy::ShardSpec::even(P.trainable[t]->graph_shape(), zero_shards);
-  }
+  std::vector<std::optional<strategy::ShardSpec>> zero;
+  for (const auto& w : P.trainable) zero.push_back(strategy.zero_shard_spec(*w));
   const auto update = [&](int r) {
     auto& g = grads[static_cast<std::size_t>(r)];
     std::vector<Tensor> held, scattered, gathered;

@@ -301,15 +301,13 @@ std::vector<double> write_worker_file(const Strategy& strategy, const fs::path& 
       }
       continue;
     }
-    if (!spec) {
-      if (chief) add(i, name, 0, variable->read_value().reshape({variable->global_shape().num_elements()}));
-      continue;
-    }
-    if (variable->tensor_split()) {
-      // ZeRO over tensor parallelism (shards of pieces): gathered by every worker, written whole
-      // by the chief.
-      const Tensor whole = variable->read_value();
-      if (chief) add(i, name, 0, whole.reshape({variable->global_shape().num_elements()}));
+    if (!spec || variable->tensor_split()) {
+      // Written whole by the chief. ZeRO's shards of split pieces are gathered by every worker
+      // (read_value sums over the workers).
+      if (chief || spec) {
+        const Tensor whole = variable->read_value();
+        if (chief) add(i, name, 0, whole.reshape({variable->global_shape().num_elements()}));
+      }
       continue;
     }
     // Shard s is the data-parallel shard s (Strategy::data_shard; ShardSpec), written by the

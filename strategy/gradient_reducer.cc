@@ -398,9 +398,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     bytes += size;
     if (scatter) {
       plan.any_scatter = true;
-      // Over the data-parallel replicas (Strategy::data_shard): under tensor parallelism each
-      // replica's piece is sharded along the batch axis, its gradient group.
-      plan.spec[k] = ShardSpec::even(variable->graph_shape(), strategy_.data_shards_in_sync());
+      plan.spec[k] = *strategy_.zero_shard_spec(*variable);
       plan.shard_elements.back().push_back(plan.spec[k].shard_elements);
     }
   }

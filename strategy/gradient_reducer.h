@@ -80,8 +80,8 @@ struct VariablePlan {
   enum class Reduction {
     kAllReduce,  // summed over every replica in sync, in buckets (data parallelism)
     kNone,       // not communicated: the replica's own gradient (a variable only it holds)
-    // Reduce-scattered (ZeRO): each replica gets the sum of its shard (ShardSpec::even over the
-    // replicas in sync), updates that range of its copy, and gather_updated makes copies whole.
+    // Reduce-scattered (ZeRO): each replica gets the sum of its shard (Strategy::zero_shard_spec:
+    // over the data shards), updates that range of its copy, and gather_updated makes copies whole.
     kReduceScatter,
   };
   Reduction reduction = Reduction::kAllReduce;

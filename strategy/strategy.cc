@@ -164,6 +164,11 @@ VariablePlan Strategy::variable_plan(const Variable& variable) const {
   return {};
 }
 
+std::optional<ShardSpec> Strategy::zero_shard_spec(const Variable& variable) const {
+  if (variable_plan(variable).reduction != VariablePlan::Reduction::kReduceScatter) return std::nullopt;
+  return ShardSpec::even(variable.graph_shape(), data_shards_in_sync());
+}
+
 void Strategy::check_replicas_agree(std::span<const std::shared_ptr<Variable>> variables) const {
   for (const auto& v : variables) {
     // Reduce-scattered variables are whole again on every replica after the all-gather.

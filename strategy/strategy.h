@@ -228,6 +228,11 @@ class Strategy {
   // reducer all-gathering the results (GradientReducer::gather_updated); a strategy that splits
   // variables answers per variable.
   virtual VariablePlan variable_plan(const Variable& variable) const;
+  // How ZeRO shards `variable`'s gradient, slots and update when variable_plan reduce-scatters
+  // it: ShardSpec::even of its graph_shape() (a tensor-parallel piece, a stage's weight) over the
+  // data shards (data_shards_in_sync, shard data_shard(r)); unset otherwise. The reducer, the
+  // optimizer and the pipeline trainer all take it from here.
+  std::optional<ShardSpec> zero_shard_spec(const Variable& variable) const;
   // Checks that the copies of every variable this strategy replicates are still bit-identical
   // (every replica applied the same updates); FailedPrecondition naming the first that differs.
   // Variables whose gradients are not reduced (variable_plan) keep per-replica values, and

@@ -1,11 +1,12 @@
-// A small regression data set the Keras tests train on: 3 features, 2 targets, y a fixed linear
-// function of x, so that a model can learn it and losses fall.
+// A small regression data set the Keras tests train on (3 features, 2 targets, y a fixed linear
+// function of x, so that a model can learn it and losses fall), and a model for it.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "tandem/graph/tensor.h"
+#include "tandem/keras_like/keras.h"
 
 namespace tandem::testing {
 
@@ -22,6 +23,16 @@ inline RegressionData regression_data(std::int64_t n) {
     ys.insert(ys.end(), {a + 2 * b - c, 0.5f * a - b});
   }
   return {Tensor::from_vector<float>(xs, {n, 3}), Tensor::from_vector<float>(ys, {n, 2})};
+}
+
+// 3 -> Dense 4 relu "hidden" -> Dense 2 "out", compiled with SGD 0.05, mse and mae (under the
+// current strategy scope).
+inline keras::Model compiled_regression_model() {
+  auto x = keras::Input({3});
+  auto y = keras::Dense(2, {.name = "out"})(keras::Dense(4, "relu", {.name = "hidden"})(x));
+  keras::Model model(x, y);
+  model.compile(keras::SGD{.learning_rate = 0.05}, "mse", {"mae"});
+  return model;
 }
 
 }  // namespace tandem::testing

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include "common/error_message.h"
@@ -51,10 +52,24 @@ const Run& one_device() {
   return run;
 }
 
+struct TwoRuns {
+  Run first, second;
+};
+
+// Trains twice: the first run as one device does, with the planned tensor-parallel bytes, and
+// the second bitwise the first.
+TwoRuns check_as_one_device_twice(const std::function<Run()>& run_once) {
+  TwoRuns runs{run_once(), run_once()};
+  check_equivalent(runs.first, one_device());
+  check_planned_bytes(runs.first);
+  CHECK(runs.second.losses == runs.first.losses);
+  CHECK(runs.second.weights == runs.first.weights);
+  return runs;
+}
+
 }  // namespace
 
 TEST_CASE("tensor parallelism under fit: TP=2 and DP2xTP2 train as one device, bitwise run to run") {
-  const Run& want = one_device();
   struct Config {
     std::string name;
     kd::DeviceMesh mesh;
@@ -62,16 +77,10 @@ TEST_CASE("tensor parallelism under fit: TP=2 and DP2xTP2 train as one device, b
   for (const auto& config : {Config{"TP=2 (mesh 1x2)", kd::DeviceMesh({1, 2}, {"batch", "model"}, {"CPU:0", "CPU:1"})},
                              Config{"DP2xTP2 (mesh 2x2)", kd::DeviceMesh({2, 2}, {"batch", "model"}, kFourCpus)}}) {
     CAPTURE(config.name);
-    const auto run_once = [&] {
+    const auto [got, again] = check_as_one_device_twice([&] {
       kd::ModelParallel mp(pair_layouts(config.mesh));
       return train(mp);
-    };
-    const Run got = run_once();
-    check_equivalent(got, want);
-    check_planned_bytes(got);
-    const Run again = run_once();
-    CHECK(again.losses == got.losses);
-    CHECK(again.weights == got.weights);
+    });
     CHECK(again.evaluation == got.evaluation);
 
     // Communication per step, from the formula: the pair all-reduces one (local batch x 8)
@@ -188,22 +197,15 @@ TEST_CASE("LayoutMap::megatron, a lone column-split and a lone row-split Dense t
 }
 
 TEST_CASE(
-    "ZeRO stages 1 and 2 over tensor parallelism (DP2xTP2) train as one device, each piece's slots sharded "
-    "along the batch axis") {
-  const Run& want = one_device();
+    "ZeRO stages 1, 2 and 3 over tensor parallelism (DP2xTP2) train as one device, each piece's slots (and "
+    "at stage 3 the piece) sharded along the batch axis") {
   const kd::DeviceMesh mesh({2, 2}, {"batch", "model"}, kFourCpus);
   for (const auto stage : {strategy::ZeroStage::k1, strategy::ZeroStage::k2, strategy::ZeroStage::k3}) {
     CAPTURE(static_cast<int>(stage));
-    const auto run_once = [&] {
+    check_as_one_device_twice([&] {
       kd::ModelParallel mp(pair_layouts(mesh), {.distribution = {.zero = stage}});
       return train(mp);
-    };
-    const Run got = run_once();
-    check_equivalent(got, want);
-    check_planned_bytes(got);
-    const Run again = run_once();
-    CHECK(again.losses == got.losses);
-    CHECK(again.weights == got.weights);
+    });
 
     // fc1/kernel [8, 16] is split by columns into [8, 8] pieces; each piece's Adam slots are
     // sharded over the 2 replicas along the batch axis: 32 elements per device.

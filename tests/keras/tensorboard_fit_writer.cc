@@ -19,6 +19,7 @@ using namespace tandem;
 
 namespace {
 
+using testing::compiled_regression_model;
 using testing::regression_data;
 
 // {"name": [v0, v1, ...], ...}; 17 significant digits read back as the same double.
@@ -30,14 +31,6 @@ std::string history_json(const keras::History& history) {
     out += "]";
   }
   return out + "}\n";
-}
-
-keras::Model compiled_model() {
-  auto x = keras::Input({3});
-  auto y = keras::Dense(2, {.name = "out"})(keras::Dense(4, "relu", {.name = "hidden"})(x));
-  keras::Model model(x, y);
-  model.compile(keras::SGD{.learning_rate = 0.05}, "mse", {"mae"});
-  return model;
 }
 
 }  // namespace
@@ -57,9 +50,9 @@ int main(int argc, char** argv) {
       strategy = std::make_unique<MultiWorkerMirroredStrategy>();
       history_path += fmt::format(".{}", strategy->worker_rank());
       auto scope = strategy->scope();
-      model = compiled_model();
+      model = compiled_regression_model();
     } else {
-      model = compiled_model();
+      model = compiled_regression_model();
     }
     const auto train = regression_data(48);
     const auto val = regression_data(16);

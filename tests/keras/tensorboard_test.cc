@@ -99,15 +99,8 @@ std::string only_event_file(const fs::path& dir) {
   return files[0];
 }
 
+using testing::compiled_regression_model;
 using testing::regression_data;
-
-keras::Model compiled_model() {
-  auto x = keras::Input({3});
-  auto y = keras::Dense(2, {.name = "out"})(keras::Dense(4, "relu", {.name = "hidden"})(x));
-  keras::Model model(x, y);
-  model.compile(keras::SGD{.learning_rate = 0.05}, "mse", {"mae"});
-  return model;
-}
 
 // 48 examples in batches of 16 (3 batches an epoch) for 3 epochs, validated on 16 others.
 keras::History fit_three_epochs(keras::Model& model, const keras::CallbackPtr& callback) {
@@ -171,7 +164,7 @@ TEST_CASE("Histograms: 30 equal buckets over [min, max]; equal values in one") {
 
 TEST_CASE("fit() writes Keras's train/ and validation/ runs: scalars equal History, histograms, graph") {
   TempDir dir;
-  auto model = compiled_model();
+  auto model = compiled_regression_model();
   const auto log_dir = dir.path() / "logs";
   auto tb = std::make_shared<keras::TensorBoard>(log_dir.string(), keras::TensorBoardOptions{.histogram_freq = 1});
   const auto history = fit_three_epochs(model, tb);
@@ -229,7 +222,7 @@ TEST_CASE("fit() writes Keras's train/ and validation/ runs: scalars equal Histo
 
 TEST_CASE("Without histogram_freq and write_graph: no histograms, no graph; a second fit opens new files") {
   TempDir dir;
-  auto model = compiled_model();
+  auto model = compiled_regression_model();
   auto tb = std::make_shared<keras::TensorBoard>(dir.file("logs"), keras::TensorBoardOptions{.write_graph = false});
   fit_three_epochs(model, tb);
   const auto first = tb->train_file();
@@ -244,7 +237,7 @@ TEST_CASE("Without histogram_freq and write_graph: no histograms, no graph; a se
 
 TEST_CASE("update_freq N: batch_ scalars every N batches of the fit; steps per second when asked") {
   TempDir dir;
-  auto model = compiled_model();
+  auto model = compiled_regression_model();
   auto tb = std::make_shared<keras::TensorBoard>(
       dir.file("logs"), keras::TensorBoardOptions{.update_freq = 2, .write_steps_per_second = true});
   fit_three_epochs(model, tb);
@@ -279,7 +272,7 @@ TEST_CASE("Bad options are InvalidArgument; an unwritable log_dir is Unavailable
   TempDir dir;
   { std::ofstream(dir.file("blocker")) << "a file, not a folder"; }
   const auto log_dir = dir.file("blocker") + "/logs";
-  auto model = compiled_model();
+  auto model = compiled_regression_model();
   const auto before = model.get_weights().front().to_vector<float>();
   auto tb = std::make_shared<keras::TensorBoard>(log_dir);
   const auto message = error_message<Unavailable>([&] { fit_three_epochs(model, tb); });
@@ -303,7 +296,7 @@ TEST_CASE("Only the chief writes: a non-chief worker's callback leaves log_dir a
   keras::Model model;
   {
     auto scope = worker.scope();
-    model = compiled_model();
+    model = compiled_regression_model();
   }
   REQUIRE_FALSE(model.distribute_strategy().should_checkpoint());
   auto tb = std::make_shared<keras::TensorBoard>(dir.file("logs"),
