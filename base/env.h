@@ -85,6 +85,15 @@ inline constexpr Variable kGemm{
     .default_value = "auto",
     .meaning = "matrix products on CPUs: auto (OpenBLAS when libopenblas loads, else Eigen), eigen or openblas",
     .choices = kGemmChoices};
+inline constexpr std::string_view kCpuIsaChoices[] = {"auto", "avx512", "avx2", "baseline"};
+inline constexpr Variable kCpuIsa{
+    .name = "TANDEM_CPU_ISA",
+    .type = Type::kChoice,
+    .default_value = "auto",
+    .meaning =
+        "which build of the CPU kernels runs: auto (the newest this CPU can run), avx512, avx2 or baseline "
+        "(x86-64 with SSE2); a path the CPU lacks is refused; fixed at first use",
+    .choices = kCpuIsaChoices};
 inline constexpr Variable kAllowTf32{
     .name = "TANDEM_ALLOW_TF32",
     .type = Type::kBool,
@@ -173,10 +182,11 @@ inline constexpr Variable kStoreSecret{
         "wins); the same on every node; unset: no authentication. Never logged"};
 
 // Every variable, in the README's order.
-inline constexpr const Variable* kAll[] = {&kNumCpuDevices, &kIntraOpThreads,  &kWaitPolicy,        &kGemm,
-                                           &kAllowTf32,     &kCudnn,           &kCudnnLibrary,      &kCudaGraphs,
-                                           &kProfile,       &kLogLevel,        &kRendezvousTimeout, &kRendezvousPort,
-                                           &kRestartCount,  &kLauncherStore,  &kCheckCollectives,  &kStoreSecret};
+inline constexpr const Variable* kAll[] = {&kNumCpuDevices,  &kIntraOpThreads, &kWaitPolicy,    &kGemm,
+                                           &kCpuIsa,         &kAllowTf32,      &kCudnn,         &kCudnnLibrary,
+                                           &kCudaGraphs,     &kProfile,        &kLogLevel,      &kRendezvousTimeout,
+                                           &kRendezvousPort, &kRestartCount,   &kLauncherStore, &kCheckCollectives,
+                                           &kStoreSecret};
 
 // ---------------------------------------------------------------------------------------------
 // Reading. Each accessor checks that the variable has the type it reads (else Internal: a bug);

@@ -186,6 +186,7 @@ int main(int argc, char** argv) try {
   const int threads = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   fmt::print("bench_char_gpt, {}\n", bench::now_text());
   fmt::print("machine: {}, {} cores, {}\n", bench::cpu_model(), threads, bench::memory_total());
+  fmt::print("CPU kernels: {}\n", bench::cpu_kernels_text());
   fmt::print("sgemm 1024^3 through tandem's gemm() on {} threads: {:.1f} GFLOP/s (the ceiling)\n",
              tandem::devices::get_device("CPU:0").intra_op_threads(), sgemm_ceiling_gflops());
 

@@ -354,6 +354,7 @@ int main(int argc, char** argv) try {
               static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s, %d intra-op thread(s)\n", bench::cpu_model().c_str(), threads);
   std::printf("tandem GEMM:   %s\n", ops::cpu::gemm_backend_description().c_str());
+  std::printf("CPU kernels:   %s\n", bench::cpu_kernels_text().c_str());
   std::printf("peers:         %s: torch %s, tensorflow %s (%d untimed warm-up steps each)\n\n", o.python.c_str(),
               torch_version.c_str(), tf_version.c_str(), kPeerWarmupSteps);
   const auto data = data::fashion_mnist();

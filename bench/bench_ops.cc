@@ -579,6 +579,7 @@ int run(const Options& options) {
   fmt::print("threads:       {} intra-op on {} ({} usable cores)\n", threads_text(threads), device.short_name(),
              devices::usable_cpu_cores());
   fmt::print("gemm backend:  {}\n", ops::cpu::gemm_backend_description());
+  fmt::print("CPU kernels:   {}\n", bench::cpu_kernels_text());
   if (own.corename != nullptr)
     fmt::print("OpenBLAS core: {} (OPENBLAS_CORETYPE set by tandem's loader)\n", own.corename());
   fmt::print("timing:        best of {} rounds x {} samples, each the mean of calls over >= {} ms\n",

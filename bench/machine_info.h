@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include "tandem/base/cpu_isa.h"
+
 namespace bench {
 
 // "Intel(R) Xeon(R) Processor (family 6, model 207)": the model name alone does not say which
@@ -37,6 +39,16 @@ inline std::string now_text() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M", std::localtime(&t));
   return buf;
+}
+
+// "avx512 (this CPU: baseline, avx2, avx512)": the build of the CPU kernels this run uses
+// (TANDEM_CPU_ISA forces another).
+inline std::string cpu_kernels_text() {
+  std::string levels;
+  for (tandem::CpuIsa isa : tandem::supported_cpu_isas()) {
+    levels += fmt::format("{}{}", levels.empty() ? "" : ", ", tandem::cpu_isa_name(isa));
+  }
+  return fmt::format("{} (this CPU: {})", tandem::cpu_isa_name(tandem::cpu_isa()), levels);
 }
 
 }  // namespace bench

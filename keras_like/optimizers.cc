@@ -12,6 +12,7 @@
 #include <limits>
 #include <regex>
 
+#include "tandem/ops/cpu/isa.h"
 #include "tandem/ops/detail/device_update.h"
 #include "tandem/ops/detail/update_rules.h"
 #include "tandem/strategy/strategy.h"
@@ -201,43 +202,12 @@ double squared_norm_of(const Tensor& g) {
   return total;
 }
 
-// The update rules over elements [b, e): ops/detail/update_rules.h's element functions (shared
-// with the CUDA kernel), with the option branches hoisted out of the loops so that they vectorise.
+// The update loops run in the CPU kernels' build for this CPU's instruction-set level
+// (ops/cpu/isa.h, ops/cpu/update_kernels.cc): they are the hottest memory-bound loops of a step.
 using ops::detail::AdamStep;
 using ops::detail::GradientTransform;
 using ops::detail::RmspropStep;
 using ops::detail::SgdStep;
-
-template <class T>
-void sgd_update(T* __restrict var, T* __restrict m, const T* __restrict g, std::int64_t b, std::int64_t e, SgdStep<T> s,
-                GradientTransform<T> gt) {
-  if (m == nullptr) {
-    for (std::int64_t i = b; i < e; ++i) ops::detail::sgd_plain(var[i], gt(g[i]), s);
-    return;
-  }
-  for (std::int64_t i = b; i < e; ++i) ops::detail::sgd_momentum(var[i], m[i], gt(g[i]), s);
-}
-
-template <class T>
-void rmsprop_update(T* __restrict var, T* __restrict velocity, T* __restrict mom, T* __restrict average,
-                    const T* __restrict g, std::int64_t b, std::int64_t e, RmspropStep<T> s, GradientTransform<T> gt) {
-  for (std::int64_t i = b; i < e; ++i) {
-    ops::detail::rmsprop_element(var[i], velocity[i], mom != nullptr ? mom + i : nullptr,
-                                 average != nullptr ? average + i : nullptr, gt(g[i]), s);
-  }
-}
-
-template <class T>
-void adam_update(T* __restrict var, T* __restrict m, T* __restrict v, T* __restrict v_hat, const T* __restrict g,
-                 std::int64_t b, std::int64_t e, AdamStep<T> s, GradientTransform<T> gt) {
-  if (v_hat == nullptr && !gt.clip && s.decay == T(0)) {
-    const T scale = gt.scale;
-    for (std::int64_t i = b; i < e; ++i) ops::detail::adam_plain(var[i], m[i], v[i], g[i] * scale, s);
-    return;
-  }
-  for (std::int64_t i = b; i < e; ++i)
-    ops::detail::adam_general(var[i], m[i], v[i], v_hat != nullptr ? v_hat + i : nullptr, gt(g[i]), s);
-}
 
 }  // namespace
 
@@ -549,13 +519,14 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
       for (std::size_t s = 0; s < slots_[vi].size(); ++s)
         slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
 
+      const ops::cpu::UpdateLoops<T>& loops = ops::cpu::update_loops<T>();
       std::visit(
           [&](const auto& o) {
             using O = std::decay_t<decltype(o)>;
             if constexpr (std::is_same_v<O, SGD>) {
               const SgdStep<T> step{static_cast<T>(lr), static_cast<T>(o.momentum), o.nesterov};
               device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                sgd_update(var, slot[0], g, b, e, step, gt);
+                loops.sgd(var, slot[0], g, b, e, step, gt);
               });
             } else if constexpr (std::is_same_v<O, RMSprop>) {
               const RmspropStep<T> step{static_cast<T>(lr), static_cast<T>(o.rho), static_cast<T>(o.momentum),
@@ -563,7 +534,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
               T* mom = o.momentum > 0 ? slot[1] : nullptr;
               T* average = o.centered ? slot[o.momentum > 0 ? 2 : 1] : nullptr;
               device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                rmsprop_update(var, slot[0], mom, average, g, b, e, step, gt);
+                loops.rmsprop(var, slot[0], mom, average, g, b, e, step, gt);
               });
             } else {  // Adam, AdamW (AdamW first decays: w -= w * weight_decay * lr)
               T decay = T(0);
@@ -576,7 +547,7 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
                                      static_cast<T>(o.epsilon), decay};
               T* v_hat = o.amsgrad ? slot[2] : nullptr;
               device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                adam_update(var, slot[0], slot[1], v_hat, g, b, e, step, gt);
+                loops.adam(var, slot[0], slot[1], v_hat, g, b, e, step, gt);
               });
             }
           },

@@ -1,5 +1,7 @@
 #include <mutex>
 
+#include "tandem/base/cpu_isa.h"
+#include "tandem/ops/cpu/isa.h"
 #include "tandem/ops/detail/registration.h"
 #include "tandem/ops/ops.h"
 
@@ -12,10 +14,7 @@ void register_all() {
     detail::register_math_ops();
     detail::register_nn_ops();
     detail::register_conv_ops();
-    detail::register_array_cpu_kernels();
-    detail::register_math_cpu_kernels();
-    detail::register_nn_cpu_kernels();
-    detail::register_conv_cpu_kernels();
+    cpu::isa_kernels(cpu_isa()).register_kernels();
 #if TANDEM_HAVE_CUDA
     detail::register_cuda_kernels();
     detail::register_cuda_array_kernels();

@@ -9,7 +9,7 @@
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/gather_args.h"
 #include "tandem/ops/detail/slice_args.h"
-#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/cpu/isa.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -319,8 +319,8 @@ void concat_kernel(KernelContext& ctx) {
 }  // namespace
 }  // namespace tandem::ops::cpu
 
-namespace tandem::ops::detail {
-void register_array_cpu_kernels() {
+namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS {
+void register_array_kernels() {
   using namespace tandem::ops::cpu;
   using devices::DeviceType;
   auto& r = graph::OpRegistry::global();
@@ -341,4 +341,4 @@ void register_array_cpu_kernels() {
   r.add_kernel("SliceGrad", DeviceType::kCPU, slice_grad_kernel, bytes);
   r.add_kernel("Concat", DeviceType::kCPU, concat_kernel, bytes);
 }
-}  // namespace tandem::ops::detail
+}  // namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS

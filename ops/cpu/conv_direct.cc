@@ -7,24 +7,55 @@
 #include "tandem/ops/cpu/conv_scratch.h"
 #include "tandem/ops/cpu/kernel_util.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_DIRECT_CONV 1
 #include <immintrin.h>
 #endif
 
 namespace tandem::ops::cpu::direct {
 
-#if defined(__AVX512F__)
+#if TANDEM_DIRECT_CONV
 namespace {
 
 using detail::Window2DGeometry;
 using std::int64_t;
 
-constexpr int kLanes = 16;  // floats per AVX-512 register
-// Register tiles hold 24 accumulators, leaving room for the operands in the 32 registers:
-// up to 12 rows (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4 registers
-// (64 channels), which needs fewer broadcasts per FMA.
-constexpr int kTileRows = 12;
-constexpr int kWideTileRows = 6;
+// The vector operations the kernels use, for the level this file is compiled for (ops/cpu/isa.h).
+// Register tiles hold the accumulators and leave room for the operands: with AVX-512's 32
+// registers, up to 12 rows (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4
+// registers (64 channels), which needs fewer broadcasts per FMA; with AVX2's 16, 12 rows x 1
+// register or 6 rows x 2 (12 accumulators, 2 operands, 1 broadcast).
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kWidestBlock = 4;  // registers across the output channels
+Vec vzero() { return _mm512_setzero_ps(); }
+Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
+Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kWidestBlock = 2;
+Vec vzero() { return _mm256_setzero_ps(); }
+Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
+Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+constexpr int kTileRows = 12;     // rows of a tile one register wide (and of 2 with AVX-512)
+constexpr int kWideTileRows = 6;  // rows of a tile kWidestBlock registers wide
+// Forward's unit of work: up to this many output rows of one image.
+constexpr int64_t kBlockRows = 12;
 // Backprop-filter walks its pixels in chunks whose dy rows stay in L2 across the passes over
 // column blocks and filter rows.
 constexpr int64_t kDyChunkBytes = 256 * 1024;
@@ -45,8 +76,13 @@ thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow,
 thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
 
 // Registers in the next column block of the output channels when `left` channels remain.
-int column_block(int64_t left) { return left >= 4 * kLanes ? 4 : left >= 2 * kLanes ? 2 : 1; }
-int64_t max_tile_rows(int registers) { return registers == 4 ? kWideTileRows : kTileRows; }
+int column_block(int64_t left) {
+  if (kWidestBlock >= 4 && left >= 4 * kLanes) return 4;
+  return left >= 2 * kLanes ? 2 : 1;
+}
+constexpr int max_tile_rows(int registers) { return registers == kWidestBlock ? kWideTileRows : kTileRows; }
+// Tiles 4 registers wide exist with AVX-512 only (a 1-row table, never used, stands in on AVX2).
+constexpr int kRows4 = kWidestBlock >= 4 ? max_tile_rows(4) : 1;
 
 // Offsets of the patch elements (kh, kw, c), in HWIO row order, from a window's corner in an
 // image `width` pixels wide with `c` channels.
@@ -69,28 +105,28 @@ const int64_t* patch_offsets(const Window2DGeometry& g, int64_t width, int64_t c
 template <int MR, int NV>
 void forward_tile(int64_t k, const float* a, int64_t base, int64_t stride, const int64_t* off, const float* w,
                   int64_t ldw, float* y, int64_t ldy) {
-  __m512 acc[MR][NV];
+  Vec acc[MR][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
   }
   for (int64_t kk = 0; kk < k; ++kk) {
     const float* column = a + (base + off[kk]);
-    __m512 wv[NV];
+    Vec wv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + kk * ldw + kLanes * v);
+    for (int v = 0; v < NV; ++v) wv[v] = vload(w + kk * ldw + kLanes * v);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m512 av = _mm512_set1_ps(column[r * stride]);
+      const Vec av = vbroadcast(column[r * stride]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, wv[v], acc[r][v]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, wv[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(y + r * ldy + kLanes * v, acc[r][v]);
+    for (int v = 0; v < NV; ++v) vstore(y + r * ldy + kLanes * v, acc[r][v]);
   }
 }
 
@@ -101,9 +137,9 @@ template <int NV, int... R>
 constexpr std::array<ForwardTileFn, sizeof...(R)> forward_tiles(std::integer_sequence<int, R...>) {
   return {&forward_tile<R + 1, NV>...};
 }
-constexpr auto kForwardTiles1 = forward_tiles<1>(std::make_integer_sequence<int, kTileRows>{});
-constexpr auto kForwardTiles2 = forward_tiles<2>(std::make_integer_sequence<int, kTileRows>{});
-constexpr auto kForwardTiles4 = forward_tiles<4>(std::make_integer_sequence<int, kWideTileRows>{});
+constexpr auto kForwardTiles1 = forward_tiles<1>(std::make_integer_sequence<int, max_tile_rows(1)>{});
+constexpr auto kForwardTiles2 = forward_tiles<2>(std::make_integer_sequence<int, max_tile_rows(2)>{});
+constexpr auto kForwardTiles4 = forward_tiles<4>(std::make_integer_sequence<int, kRows4>{});
 
 ForwardTileFn forward_tile_fn(int registers, int64_t rows) {
   const auto i = static_cast<std::size_t>(rows - 1);
@@ -135,7 +171,7 @@ bool forward_applies(const Window2DGeometry& g) {
 //  - the output columns whose windows cross the left or right edge (edge columns) have their own
 //    tap lists, with a copy of the filter rows of those taps, and run as tiles down the column
 //    (consecutive output rows with the same kh range), so that they too get a full register tile.
-// Work is split into blocks of up to kTileRows output rows of one image.
+// Work is split into blocks of up to kBlockRows output rows of one image.
 void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y) {
   const int64_t o = g.out_c, c = g.in_c, k = g.patch_size(), kh_size = g.k_w * c;
   const int64_t* offsets = patch_offsets(g, g.in_w, c);
@@ -166,15 +202,15 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
       }
     }
   }
-  const int64_t blocks_per_image = (g.out_h + kTileRows - 1) / kTileRows;
-  const int64_t block_work = kTileRows * g.out_w * o * k;
+  const int64_t blocks_per_image = (g.out_h + kBlockRows - 1) / kBlockRows;
+  const int64_t block_work = kBlockRows * g.out_w * o * k;
   device.parallel_for(
       g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
       [&](int64_t begin, int64_t end) {
         for (int64_t unit = begin; unit < end; ++unit) {
           const int64_t n = unit / blocks_per_image;
-          const int64_t oh_begin = unit % blocks_per_image * kTileRows,
-                        oh_end = std::min(g.out_h, oh_begin + kTileRows);
+          const int64_t oh_begin = unit % blocks_per_image * kBlockRows,
+                        oh_end = std::min(g.out_h, oh_begin + kBlockRows);
           const float* image = x + n * g.in_h * g.in_w * c;
           float* y_image = y + n * g.out_h * g.out_w * o;
           // Index in `image` of the corner of output pixel (oh, ow)'s window: negative in padding.
@@ -256,27 +292,27 @@ Image padded_input(devices::Device& device, const Window2DGeometry& g, const flo
 template <int KB, int NV>
 void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int64_t r1, const int64_t* offsets,
                  const float* dy, float* dw, bool accumulate) {
-  __m512 acc[KB][NV];
+  Vec acc[KB][NV];
   int64_t off[KB];
 #pragma GCC unroll 16
   for (int r = 0; r < KB; ++r) {
     off[r] = offsets[r];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
   }
   const int64_t o = g.out_c, step = g.stride_w * image.c;
   for (int64_t row = r0; row < r1; ++row) {
     const float* corner = image.corner(g, row / g.out_h, row % g.out_h, 0);
     const float* d = dy + row * g.out_w * o;
     for (int64_t ow = 0; ow < g.out_w; ++ow, corner += step, d += o) {
-      __m512 dv[NV];
+      Vec dv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) dv[v] = _mm512_loadu_ps(d + kLanes * v);
+      for (int v = 0; v < NV; ++v) dv[v] = vload(d + kLanes * v);
 #pragma GCC unroll 16
       for (int r = 0; r < KB; ++r) {
-        const __m512 av = _mm512_set1_ps(corner[off[r]]);
+        const Vec av = vbroadcast(corner[off[r]]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, dv[v], acc[r][v]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, dv[v], acc[r][v]);
       }
     }
   }
@@ -285,7 +321,7 @@ void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int6
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float* out = dw + r * o + kLanes * v;
-      _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc[r][v]) : acc[r][v]);
+      vstore(out, accumulate ? vadd(vload(out), acc[r][v]) : acc[r][v]);
     }
   }
 }
@@ -296,9 +332,9 @@ template <int NV, int... R>
 constexpr std::array<FilterTileFn, sizeof...(R)> filter_tiles(std::integer_sequence<int, R...>) {
   return {&filter_tile<R + 1, NV>...};
 }
-constexpr auto kFilterTiles1 = filter_tiles<1>(std::make_integer_sequence<int, kTileRows>{});
-constexpr auto kFilterTiles2 = filter_tiles<2>(std::make_integer_sequence<int, kTileRows>{});
-constexpr auto kFilterTiles4 = filter_tiles<4>(std::make_integer_sequence<int, kWideTileRows>{});
+constexpr auto kFilterTiles1 = filter_tiles<1>(std::make_integer_sequence<int, max_tile_rows(1)>{});
+constexpr auto kFilterTiles2 = filter_tiles<2>(std::make_integer_sequence<int, max_tile_rows(2)>{});
+constexpr auto kFilterTiles4 = filter_tiles<4>(std::make_integer_sequence<int, kRows4>{});
 
 FilterTileFn filter_tile_fn(int registers, int64_t rows) {
   const auto i = static_cast<std::size_t>(rows - 1);
@@ -324,13 +360,13 @@ void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t 
                            float* out) {
   constexpr int kSplit = P * C <= 4 ? 2 : 1;
   const int64_t vectors = kVectors > 0 ? kVectors : o / kLanes;
-  __m512 acc[P][C][kSplit];
+  Vec acc[P][C][kSplit];
 #pragma GCC unroll 4
   for (int p = 0; p < P; ++p) {
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
 #pragma GCC unroll 2
-      for (int s = 0; s < kSplit; ++s) acc[p][c][s] = _mm512_setzero_ps();
+      for (int s = 0; s < kSplit; ++s) acc[p][c][s] = vzero();
     }
   }
   for (int64_t t = 0; t < num_taps; ++t) {
@@ -341,30 +377,30 @@ void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t 
     int64_t j = 0;
 #pragma GCC unroll 4
     for (; j + 2 <= vectors; j += 2) {
-      __m512 d0[P], d1[P];
+      Vec d0[P], d1[P];
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
-        d0[p] = _mm512_loadu_ps(d + p * o + kLanes * j);
-        d1[p] = _mm512_loadu_ps(d + p * o + kLanes * (j + 1));
+        d0[p] = vload(d + p * o + kLanes * j);
+        d1[p] = vload(d + p * o + kLanes * (j + 1));
       }
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512 w0 = _mm512_loadu_ps(wk + c * o + kLanes * j);
-        const __m512 w1 = _mm512_loadu_ps(wk + c * o + kLanes * (j + 1));
+        const Vec w0 = vload(wk + c * o + kLanes * j);
+        const Vec w1 = vload(wk + c * o + kLanes * (j + 1));
 #pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
-          acc[p][c][0] = _mm512_fmadd_ps(d0[p], w0, acc[p][c][0]);
-          acc[p][c][kSplit - 1] = _mm512_fmadd_ps(d1[p], w1, acc[p][c][kSplit - 1]);
+          acc[p][c][0] = vfmadd(d0[p], w0, acc[p][c][0]);
+          acc[p][c][kSplit - 1] = vfmadd(d1[p], w1, acc[p][c][kSplit - 1]);
         }
       }
     }
     if (j < vectors) {
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512 w0 = _mm512_loadu_ps(wk + c * o + kLanes * j);
+        const Vec w0 = vload(wk + c * o + kLanes * j);
 #pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
-          acc[p][c][0] = _mm512_fmadd_ps(_mm512_loadu_ps(d + p * o + kLanes * j), w0, acc[p][c][0]);
+          acc[p][c][0] = vfmadd(vload(d + p * o + kLanes * j), w0, acc[p][c][0]);
         }
       }
     }
@@ -373,9 +409,9 @@ void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t 
   for (int p = 0; p < P; ++p) {
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      __m512 sum = acc[p][c][0];
-      if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, acc[p][c][1]);
-      out[p * C + c] = _mm512_reduce_add_ps(sum);
+      Vec sum = acc[p][c][0];
+      if constexpr (kSplit == 2) sum = vadd(sum, acc[p][c][1]);
+      out[p * C + c] = vsum(sum);
     }
   }
 }
@@ -383,7 +419,8 @@ void backprop_input_pixels(int64_t o, const float* dy, const Tap* taps, int64_t 
 template <int C, int kVectors>
 void backprop_input_row(const Window2DGeometry& g, const float* w, const float* dy, const std::int32_t* columns,
                         const std::uint8_t* full, float* dx, int64_t n, int64_t ih) {
-  constexpr int64_t kQuad = 4;
+  // Pixels at once: 4 share each filter load with AVX-512; AVX2 has registers for 2.
+  constexpr int64_t kQuad = kLanes == 16 ? 4 : 2;
   const int64_t o = g.out_c;
   // Uninitialised on purpose: only the entries written below are read.
   std::array<Tap, kMaxBackpropInputTaps> full_taps;  // all kw, for column 0 (stride 1)
@@ -563,7 +600,7 @@ bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
   return false;
 }
 
-#else  // no AVX-512: the GEMM paths handle everything
+#else  // baseline: the GEMM paths handle everything
 
 bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
   return false;

@@ -1,21 +1,22 @@
-// tandem/ops/cpu/conv_direct.h — direct float32 convolution kernels for AVX-512.
+// tandem/ops/cpu/conv_direct.h — direct float32 convolution kernels for AVX-512 and AVX2.
 //
 // im2col + GEMM copies every input value kh * kw times into a patch matrix, and a BLAS then packs
 // that matrix again; with one input channel (patch rows of 9 values) the copying and packing
 // cost more than the arithmetic. These kernels instead read the input in place ("implicit
 // GEMM": patch element (kh, kw, c) of a pixel sits at a fixed offset from its window's corner)
-// and keep a tile of the result in AVX-512 registers for the whole reduction, vectorised over
-// output channels (16 floats a register; tiles of 12 pixels x 32 channels or 6 x 64). On the
+// and keep a tile of the result in registers for the whole reduction, vectorised over output
+// channels (AVX-512: 16 floats a register, tiles of 12 pixels x 32 channels or 6 x 64; AVX2: 8
+// floats, tiles of 12 x 8 or 6 x 16). On the
 // benchmark CNN they run at 75-100% of the core's FMA peak where im2col + OpenBLAS ran at 60%.
-//   forward           any padding and stride; output channels a multiple of 16
+//   forward           any padding and stride; output channels a multiple of the lanes (16, 8)
 //   backprop filter   the same, reducing a tile of dW over the pixels in registers
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
-//                     channels a multiple of 16: the forward kernel over dy with the filter
+//                     channels a multiple of the lanes: the forward kernel over dy with the filter
 //                     flipped and transposed
 //
-// Each function returns false, doing nothing, when the geometry does not qualify or the build
-// has no AVX-512 (the default -march=native provides it on the machines we target); the caller
-// then takes the im2col + GEMM path, which also serves float64.
+// Each function returns false, doing nothing, when the geometry does not qualify or the level
+// this copy is compiled for (ops/cpu/isa.h) has neither AVX-512 nor AVX2 (the baseline level); the
+// caller then takes the im2col + GEMM path, which also serves float64.
 #pragma once
 
 #include <cstdint>

@@ -25,7 +25,7 @@
 #include "tandem/ops/cpu/conv_scratch.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cpu/kernel_util.h"
-#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/cpu/isa.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -567,9 +567,9 @@ void avg_pool2d_grad_kernel(KernelContext& ctx) {
 }  // namespace
 }  // namespace tandem::ops::cpu
 
-namespace tandem::ops::detail {
+namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS {
 
-void register_conv_cpu_kernels() {
+void register_conv_kernels() {
   auto& r = graph::OpRegistry::global();
   constexpr auto kCpu = devices::DeviceType::kCPU;
   r.add_kernel("Conv2D", kCpu, cpu::conv2d_kernel);
@@ -582,4 +582,4 @@ void register_conv_cpu_kernels() {
   r.add_kernel("AvgPool2DGrad", kCpu, cpu::avg_pool2d_grad_kernel);
 }
 
-}  // namespace tandem::ops::detail
+}  // namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS

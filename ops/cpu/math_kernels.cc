@@ -9,7 +9,7 @@
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/batch_matmul_args.h"
 #include "tandem/ops/detail/kernel_args.h"
-#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/cpu/isa.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -382,8 +382,8 @@ void batch_matmul_kernel(KernelContext& ctx) {
 }  // namespace
 }  // namespace tandem::ops::cpu
 
-namespace tandem::ops::detail {
-void register_math_cpu_kernels() {
+namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS {
+void register_math_kernels() {
   using namespace tandem::ops::cpu;
   using devices::DeviceType;
   auto& r = graph::OpRegistry::global();
@@ -410,4 +410,4 @@ void register_math_cpu_kernels() {
   r.add_kernel("MatMul", DeviceType::kCPU, matmul_kernel);
   r.add_kernel("BatchMatMul", DeviceType::kCPU, batch_matmul_kernel);
 }
-}  // namespace tandem::ops::detail
+}  // namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS

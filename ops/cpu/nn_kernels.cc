@@ -21,7 +21,7 @@
 #include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/kernel_args.h"
 #include "tandem/ops/detail/masked_softmax_args.h"
-#include "tandem/ops/detail/registration.h"
+#include "tandem/ops/cpu/isa.h"
 #include "tandem/ops/nn_ops.h"
 
 namespace tandem::ops::cpu {
@@ -863,9 +863,9 @@ void masked_softmax_grad_kernel(KernelContext& ctx) {
 }  // namespace
 }  // namespace tandem::ops::cpu
 
-namespace tandem::ops::detail {
+namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS {
 
-void register_nn_cpu_kernels() {
+void register_nn_kernels() {
   using namespace tandem::ops::cpu;
   auto& registry = graph::OpRegistry::global();
   const auto add = [&](std::string_view op, graph::KernelFn fn) {
@@ -901,4 +901,4 @@ void register_nn_cpu_kernels() {
   add("MaskedSoftmaxGrad", masked_softmax_grad_kernel);
 }
 
-}  // namespace tandem::ops::detail
+}  // namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS

@@ -11,10 +11,8 @@ void register_math_ops();
 void register_nn_ops();
 void register_conv_ops();
 
-void register_array_cpu_kernels();
-void register_math_cpu_kernels();
-void register_nn_cpu_kernels();
-void register_conv_cpu_kernels();
+// The CPU kernels register through the table of the instruction-set level the process runs
+// (ops/cpu/isa.h).
 // CUDA builds only (ops/cuda/cuda_kernels.cc).
 void register_cuda_kernels();
 // CUDA builds only (ops/cuda/array_cuda_kernels.cc): BatchMatMul, Gather, UnsortedSegmentSum,

@@ -1,0 +1,176 @@
+// The CPU kernels' instruction-set levels (base/cpu_isa.h, ops/cpu/isa.h): which level runs, and
+// every level this CPU has against a float64 reference, in one process (the op suites run once
+// per level besides, under TANDEM_CPU_ISA; see CMakeLists.txt).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/random_values.h"
+#include "tandem/base/cpu_isa.h"
+#include "tandem/base/env.h"
+#include "tandem/base/errors.h"
+#include "tandem/devices/device.h"
+#include "tandem/ops/cpu/conv_geometry.h"
+#include "tandem/ops/cpu/isa.h"
+#include "tandem/ops/ops.h"
+
+namespace {
+
+using tandem::CpuIsa;
+using tandem::ops::Padding;
+using tandem::ops::detail::Window2DGeometry;
+
+Window2DGeometry geometry(std::int64_t batch, std::int64_t h, std::int64_t w, std::int64_t c, std::int64_t k,
+                          std::int64_t o, std::int64_t stride, Padding padding) {
+  namespace d = tandem::ops::detail;
+  Window2DGeometry g;
+  g.batch = batch;
+  g.in_h = h;
+  g.in_w = w;
+  g.in_c = c;
+  g.k_h = g.k_w = k;
+  g.out_c = o;
+  g.stride_h = g.stride_w = stride;
+  g.out_h = d::window_output_size(h, k, stride, padding);
+  g.out_w = d::window_output_size(w, k, stride, padding);
+  g.pad_top = d::window_pad_before(h, k, stride, g.out_h, padding);
+  g.pad_left = d::window_pad_before(w, k, stride, g.out_w, padding);
+  return g;
+}
+
+// The three passes of a convolution in float64, by their definitions (NHWC input, HWIO filter).
+struct Reference {
+  std::vector<double> y, dw, dx;
+};
+
+Reference reference(const Window2DGeometry& g, const std::vector<float>& x, const std::vector<float>& w,
+                    const std::vector<float>& dy) {
+  Reference r{std::vector<double>(static_cast<std::size_t>(g.out_pixels() * g.out_c)),
+              std::vector<double>(static_cast<std::size_t>(g.patch_size() * g.out_c)),
+              std::vector<double>(static_cast<std::size_t>(g.batch * g.in_h * g.in_w * g.in_c))};
+  for (std::int64_t n = 0; n < g.batch; ++n) {
+    for (std::int64_t oh = 0; oh < g.out_h; ++oh) {
+      for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
+        const std::int64_t pixel = (n * g.out_h + oh) * g.out_w + ow;
+        for (std::int64_t kh = 0; kh < g.k_h; ++kh) {
+          for (std::int64_t kw = 0; kw < g.k_w; ++kw) {
+            const std::int64_t ih = oh * g.stride_h - g.pad_top + kh, iw = ow * g.stride_w - g.pad_left + kw;
+            if (ih < 0 || ih >= g.in_h || iw < 0 || iw >= g.in_w) continue;
+            for (std::int64_t c = 0; c < g.in_c; ++c) {
+              const std::size_t xi = static_cast<std::size_t>(((n * g.in_h + ih) * g.in_w + iw) * g.in_c + c);
+              const std::int64_t row = (kh * g.k_w + kw) * g.in_c + c;
+              for (std::int64_t o = 0; o < g.out_c; ++o) {
+                const std::size_t wi = static_cast<std::size_t>(row * g.out_c + o);
+                const std::size_t yi = static_cast<std::size_t>(pixel * g.out_c + o);
+                r.y[yi] += double{x[xi]} * w[wi];
+                r.dw[wi] += double{x[xi]} * dy[yi];
+                r.dx[xi] += double{w[wi]} * dy[yi];
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// The largest difference over the largest reference value.
+double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double diff = 0, scale = 1e-30;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff = std::max(diff, std::abs(got[i] - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  return diff / scale;
+}
+
+struct Case {
+  const char* name;
+  Window2DGeometry g;
+};
+
+std::vector<Case> cases() {
+  return {
+      {"first layer 12x12x1 -> 32, 3x3 VALID", geometry(3, 12, 12, 1, 3, 32, 1, Padding::kValid)},
+      {"7x7x32 -> 64, 3x3 VALID", geometry(2, 7, 7, 32, 3, 64, 1, Padding::kValid)},
+      {"9x9x3 -> 16, 3x3 SAME stride 2", geometry(2, 9, 9, 3, 3, 16, 2, Padding::kSame)},
+      {"6x6x8 -> 48, 5x5 SAME", geometry(2, 6, 6, 8, 5, 48, 1, Padding::kSame)},
+      {"5x6x16 -> 24, 3x3 SAME (24 channels: AVX2's lanes only)", geometry(2, 5, 6, 16, 3, 24, 1, Padding::kSame)},
+  };
+}
+
+}  // namespace
+
+TEST_CASE("the CPU kernels run the level TANDEM_CPU_ISA asks for, else the newest this CPU has") {
+  const auto levels = tandem::supported_cpu_isas();
+  REQUIRE(!levels.empty());
+  CHECK(levels.front() == CpuIsa::kBaseline);
+  CHECK(tandem::best_cpu_isa() == levels.back());
+  const std::string requested = tandem::env::get_string(tandem::env::kCpuIsa);
+  MESSAGE("this CPU runs: " <<
+          [&] {
+            std::string names;
+            for (CpuIsa isa : levels) names += std::string(tandem::cpu_isa_name(isa)) + " ";
+            return names;
+          }() << "; TANDEM_CPU_ISA="
+                            << requested << "; running: " << tandem::cpu_isa_name(tandem::cpu_isa()));
+  if (requested == "auto") {
+    CHECK(tandem::cpu_isa() == tandem::best_cpu_isa());
+  } else {
+    CHECK(tandem::cpu_isa_name(tandem::cpu_isa()) == requested);
+  }
+  tandem::ops::register_all();  // registers the chosen level's kernels; must not throw
+  for (CpuIsa isa : levels) CHECK(tandem::ops::cpu::isa_kernels(isa).isa == isa);
+}
+
+TEST_CASE("a level this CPU lacks is refused, naming the variable") {
+  bool any_missing = false;
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (tandem::cpu_supports(isa)) continue;
+    any_missing = true;
+    CHECK_THROWS_AS(tandem::ops::cpu::isa_kernels(isa), tandem::FailedPrecondition);
+  }
+  if (!any_missing) MESSAGE("this CPU runs every level: nothing to refuse here");
+  CHECK_THROWS_WITH_AS(tandem::env::parse_choice(tandem::env::kCpuIsa, "avx9"),
+                       doctest::Contains("TANDEM_CPU_ISA=\"avx9\""), tandem::InvalidArgument);
+}
+
+TEST_CASE("every level's direct convolutions equal the float64 definition") {
+  auto& device = tandem::devices::default_cpu_device();
+  for (CpuIsa isa : tandem::supported_cpu_isas()) {
+    const auto& k = tandem::ops::cpu::isa_kernels(isa);
+    int ran = 0;
+    for (const auto& [name, g] : cases()) {
+      CAPTURE(tandem::cpu_isa_name(isa));
+      CAPTURE(name);
+      const auto x = tandem::testing::random_values(g.batch * g.in_h * g.in_w * g.in_c, 1);
+      const auto w = tandem::testing::random_values(g.patch_size() * g.out_c, 2);
+      const auto dy = tandem::testing::random_values(g.out_pixels() * g.out_c, 3);
+      const Reference want = reference(g, x, w, dy);
+      std::vector<float> y(want.y.size()), dw(want.dw.size()), dx(want.dx.size());
+      if (k.conv2d_forward(device, g, x.data(), w.data(), y.data())) {
+        CHECK(relative_error(y, want.y) < 2e-6);
+        ++ran;
+      }
+      if (k.conv2d_backprop_filter(device, g, x.data(), dy.data(), dw.data())) {
+        CHECK(relative_error(dw, want.dw) < 2e-6);
+        ++ran;
+      }
+      if (k.conv2d_backprop_input(device, g, w.data(), dy.data(), dx.data())) {
+        CHECK(relative_error(dx, want.dx) < 2e-6);
+        ++ran;
+      }
+    }
+    MESSAGE(tandem::cpu_isa_name(isa) << ": " << ran << " direct convolution passes checked");
+    // The baseline level has no direct kernels (im2col + GEMM takes every convolution); AVX2
+    // takes all 15 passes; AVX-512 (16 lanes) declines the 24-channel case's three and the
+    // 8-input-channel case's backprop input (its flipped forward would have 8 output channels).
+    if (isa == CpuIsa::kBaseline) CHECK(ran == 0);
+    if (isa == CpuIsa::kAvx2) CHECK(ran == 15);
+    if (isa == CpuIsa::kAvx512) CHECK(ran == 11);
+  }
+}
