@@ -7,6 +7,10 @@
 #include "tandem/base/errors.h"
 #include "tandem/base/log.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace tandem {
 namespace {
 
@@ -23,7 +27,11 @@ constexpr bool kX86 = false;
 bool supports_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID itself (clang's __builtin_cpu_supports does not know it); the AVX2 check
+  // already covers the OS's saving of the YMM registers, which F16C needs too.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 #else
   return false;
 #endif
