@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -581,7 +582,9 @@ int run(const Options& options) {
   fmt::print("gemm backend:  {}\n", ops::cpu::gemm_backend_description());
   fmt::print("CPU kernels:   {}\n", bench::cpu_kernels_text());
   if (own.corename != nullptr)
-    fmt::print("OpenBLAS core: {} (OPENBLAS_CORETYPE set by tandem's loader)\n", own.corename());
+    fmt::print("OpenBLAS core: {} ({})\n", own.corename(),
+               std::getenv("OPENBLAS_CORETYPE") != nullptr ? "OPENBLAS_CORETYPE as the environment sets it"
+                                                           : "OPENBLAS_CORETYPE set by tandem's loader");
   fmt::print("timing:        best of {} rounds x {} samples, each the mean of calls over >= {} ms\n",
              options.quick ? 1 : options.rounds, options.quick ? 2 : options.samples,
              kMinSampleSeconds * 1e3 / (options.quick ? 5 : 1));

@@ -1,7 +1,8 @@
 // CPU kernels of the convolution and pooling ops (definitions: ops/conv_ops.cc).
 //
-// Float32 convolutions run the direct AVX-512 kernels of conv_direct.cc (implicit GEMM with
-// register tiles) whenever they apply: output channels a multiple of 16, patches up to 3x3x512.
+// Float32 convolutions run the direct kernels of conv_direct.cc (implicit GEMM with register
+// tiles; AVX-512 and AVX2 levels, ops/cpu/isa.h) whenever they apply: output channels a multiple
+// of the vector's lanes (16, 8), patches up to 3x3x512.
 // Everything else, float64 included, is lowered to GEMM through im2col, one chunk of output
 // pixels at a time: a chunk's patch matrix (rows: output pixels; columns: kh * kw * in_channels,
 // the filter's HWIO row order) is sized to stay in L2, and chunks run in parallel, each with a
