@@ -20,7 +20,9 @@ Strategies:
 Timing: each epoch is timed by a callback (on_epoch_begin .. on_epoch_end). Epoch 1 contains tf.function tracing
 and graph optimisation, so with --epochs >= 2 'samples_per_s' is over the epochs after the first, and
 'first_epoch_samples_per_s' is reported beside it. With --warmup-steps N an untimed fit() of N batches runs first
-(the train function is traced there and reused by the timed fit()), and 'samples_per_s' is over all timed epochs. Training samples per epoch: the full batches
+(the train function is traced there and reused by the timed fit()), and 'samples_per_s' is over all timed epochs; the
+weights and optimizer variables it changed are then restored, so the timed fit() trains from the initial weights whatever
+N is. Training samples per epoch: the full batches
 (drop_remainder, as tandem's bench_fit and torch_fmnist.py; with --validation the remainder is kept, as Keras does).
 --validation evaluates on the test set after every epoch (what tandem's samples do) and prints val_acc per epoch.
 Prints one line (on worker 0 only) with key=value fields.
@@ -194,6 +196,12 @@ def main():
                 self.val_acc.append(float(logs["val_accuracy"]))
 
     if a.warmup_steps:
+        # The warm-up fit trains, so the weights and the optimizer's variables (Adam's slots and
+        # step count) it changes are put back afterwards: the timed fit() then trains from the
+        # initial weights, and as many steps, as the other programs of the comparison.
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+        start = [(v, v.numpy()) for v in model.weights + model.optimizer.variables]
         wn = a.warmup_steps * a.batch
         if a.input == "tfdata":
             warm = tf.data.Dataset.from_tensor_slices((xtr[:wn], ytr[:wn])).batch(a.batch, drop_remainder=True)
@@ -202,6 +210,8 @@ def main():
             model.fit(warm, epochs=1, verbose=0, shuffle=False)
         else:
             model.fit(xtr[:wn], ytr[:wn], batch_size=a.batch, epochs=1, verbose=0)
+        for v, value in start:
+            v.assign(value)
 
     timer = EpochTimer()
     t0 = time.perf_counter()
