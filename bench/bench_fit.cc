@@ -7,6 +7,11 @@
 //   build/bench/bench_fit --strategy multiworker [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --strategy mirrored --zero 0,1,2 [--replicas 2] [--models mlp,wide] [--repeat R]
 //   build/bench/bench_fit --device gpu [--models mlp,wide,cnn] [--data DIR] [--gpu-peer-command CMD] [--no-peer]
+//   build/bench/bench_fit --seeds 5 [--seed 0] [--models wide] [--strategy one|mirrored|multiworker]
+//
+// --seeds N times nothing: it trains from each of N seeds (--seed, --seed + 1, ...) on every side
+// of --strategy's table and prints the test accuracies, their means and standard deviations. A
+// seed sets every side's initial weights and data order; --seed alone does so for the timed runs.
 //
 // --device gpu trains on GPU:0 (OneDeviceStrategy) in float32 and under mixed_bfloat16, beside
 // scripts/torch_fmnist_gpu.py (PyTorch eager on the same GPU, float32 and bf16 autocast) run in
@@ -14,17 +19,21 @@
 //
 // --strategy multiworker starts this program again as two worker processes of one intra-op
 // thread each on 127.0.0.1 (TF_CONFIG set as tandem-run sets it), training under
-// MultiWorkerMirroredStrategy (global batch 128 = 64 per worker), beside the same DDP peer: the
-// same shape of job on both sides. tandem runs twice: as it chooses (AUTO: shared memory between
-// workers of one machine) and with Gloo's ring over TCP (kRing), the peer's transport.
+// MultiWorkerMirroredStrategy (global batch 128 = 64 per worker), beside the same DDP peer and
+// bench/peers/tf_mwms2.sh (Keras 3 under MultiWorkerMirroredStrategy, two worker processes of one
+// intra-op thread on 127.0.0.1): the same shape of job on every side. tandem runs twice: as it
+// chooses (AUTO: shared memory between workers of one machine) and with Gloo's ring over TCP
+// (kRing), the DDP peer's transport.
 //
 // --strategy mirrored trains under MirroredStrategy on --replicas logical CPU devices of one
 // intra-op thread each, beside bench/peers/torch_ddp2.sh (PyTorch DDP over Gloo, two processes of
-// one thread, global batch 128). It also trains with the all-reduce after backward instead of
-// overlapped with it, and times the all-reduce of the model's gradient buckets alone, to show how
-// much of the all-reduce the overlap hides. Each run reports (Model::training_times) how long
-// replica 0 waited for the gradient all-reduce after its backward pass: all of the all-reduce
-// without overlap, the unhidden rest with it; hidden = 1 - wait with overlap / wait without.
+// one thread, global batch 128) and tf_fmnist.py --strategy mirrored (Keras 3's MirroredStrategy
+// over --replicas logical CPU devices of one process, which share TensorFlow's thread pools). It
+// also trains with the all-reduce after backward instead of overlapped with it, and times the
+// all-reduce of the model's gradient buckets alone, to show how much of the all-reduce the overlap
+// hides. Each run reports (Model::training_times) how long replica 0 waited for the gradient
+// all-reduce after its backward pass: all of the all-reduce without overlap, the unhidden rest with
+// it; hidden = 1 - wait with overlap / wait without.
 //
 // --strategy mirrored --zero 0,1,2 trains the same MirroredStrategy at each ZeRO stage listed
 // (DistributionOptions::zero) and prints, per stage, samples/s and its ratio to stage 0
@@ -42,7 +51,8 @@
 // and TensorFlow 2.21 (--python; --install-peers makes it), never from the project's dependencies:
 // PyTorch eager with tandem's thread count, and Keras 3 on TensorFlow with oneDNN on, as it comes
 // and in its fastest configuration found here (XLA, steps_per_execution 32). Each peer runs 20
-// untimed warm-up steps first. The DDP peers of the tables below use the same PyTorch.
+// untimed warm-up steps first. The DDP peers use the same PyTorch. The mirrored and multiworker
+// tables end, like the one-device table, with tandem's samples/s over the fastest peer's.
 #include <tandem/keras_like/keras.h>
 
 #include <CLI/CLI.hpp>
@@ -51,10 +61,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -95,6 +108,9 @@ struct Options {
   std::string worker_model;      // set in the worker processes of --strategy multiworker
   bool worker_ring = false;      // those workers use Gloo (RING) instead of the default (shared memory here)
   std::vector<int> zero;         // ZeRO stages to compare under --strategy mirrored
+  int seed = 0;                  // every run's seed: tandem's global seed and the peers' --seed
+  int seeds = 0;                 // > 0: test accuracy over the seeds seed .. seed + seeds - 1, no timing
+  bool lockstep = false;         // tandem and Keras 3 step by step from the same weights and batches
   // The peers' Python: a virtual environment with torch 2.15 and tensorflow-cpu 2.21 (found, or
   // made with --install-peers); never a project dependency.
   std::string python = peers_python_default();
@@ -127,6 +143,16 @@ void add_options(CLI::App& app, Options& o) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_flag("--peer,!--no-peer", o.peer, "run the PyTorch peer beside tandem (--no-peer: tandem only)");
+  app.add_option("--seed", o.seed, "the seed of every run (tandem's global seed, the peers' --seed)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1 << 30));
+  app.add_option("--seeds", o.seeds,
+                 "instead of timing: test accuracy after training with N seeds (--seed, --seed + 1, ...), per\n"
+                 "seed, their mean and standard deviation, for tandem and the peers of --strategy")
+      ->check(CLI::Range(1, 1000));
+  app.add_flag("--lockstep", o.lockstep,
+               "instead of timing: one epoch in tandem and in Keras 3 (tf_fmnist.py --lockstep) from the same\n"
+               "initial weights (Keras's, then tandem's) and batches, compared step by step");
   app.add_option("--zero", o.zero,
                  "under --strategy mirrored: ZeRO stages to compare (e.g. 0,1,2), in a table of their own")
       ->delimiter(',')
@@ -175,12 +201,13 @@ double process_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
-// One training run; under `strategy` (its scope) when given, else the default strategy.
-// `trained`: where to leave the model after the run (its weights and slots), when given.
-Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, int epochs,
+// One training run of o.epochs from o.seed; under `strategy` (its scope) when given, else the
+// default strategy. `trained`: where to leave the model after the run (its weights and slots), when given.
+Result run_tandem(const std::string& kind, const data::ImageClassificationData& data, const Options& o,
                   Strategy* strategy = nullptr, const char* policy = "float32", bool cuda_graphs = true,
                   keras::Model* trained = nullptr) {
-  set_global_seed(0);
+  const int epochs = o.epochs;
+  set_global_seed(static_cast<std::uint64_t>(o.seed));
   keras::mixed_precision::PolicyScope policy_scope(policy);
   const auto make = [&] {
     auto model = build(kind);
@@ -237,15 +264,29 @@ constexpr int kPeerWarmupSteps = 20;
 // bench/peers/torch_fmnist.py (PyTorch eager) with `python`, in one process of `threads` threads.
 std::optional<Result> run_torch_peer(const Options& o, const std::string& python, const std::string& kind,
                                      int threads) {
-  return run_peer_command(fmt::format("{} {} --model {} --epochs {} --batch {} --threads {} --warmup-steps {} 2>&1",
-                                      python, o.peer_script, kind, o.epochs, kBatch, threads, kPeerWarmupSteps));
+  return run_peer_command(
+      fmt::format("{} {} --model {} --epochs {} --batch {} --threads {} --warmup-steps {} --seed {} 2>&1", python,
+                  o.peer_script, kind, o.epochs, kBatch, threads, kPeerWarmupSteps, o.seed));
 }
 
-// bench/peers/tf_fmnist.py (Keras 3 on TensorFlow, one device) with oneDNN on, and `extra` flags.
+// The environment every TensorFlow peer runs in: oneDNN's kernels on (off by default on AMD CPUs),
+// TensorFlow's start-up notices off.
+constexpr const char* kTfEnvironment = "TF_ENABLE_ONEDNN_OPTS=1 TF_CPP_MIN_LOG_LEVEL=2";
+
+// bench/peers/tf_fmnist.py (Keras 3 on TensorFlow) with oneDNN on, and `extra` flags: one device,
+// or --strategy mirrored.
 std::optional<Result> run_tf_peer(const Options& o, const std::string& kind, const std::string& extra) {
+  return run_peer_command(fmt::format("{} {} {} --model {} --epochs {} --batch {} --warmup-steps {} --seed {} {} 2>&1",
+                                      kTfEnvironment, o.python, o.tf_script, kind, o.epochs, kBatch, kPeerWarmupSteps,
+                                      o.seed, extra));
+}
+
+// bench/peers/tf_mwms2.sh: Keras 3 under MultiWorkerMirroredStrategy, two worker processes of one
+// intra-op thread on 127.0.0.1 (ports `port` and `port` + 1), global batch kBatch.
+std::optional<Result> run_tf_multiworker_peer(const Options& o, const std::string& kind, int port) {
   return run_peer_command(fmt::format(
-      "TF_ENABLE_ONEDNN_OPTS=1 TF_CPP_MIN_LOG_LEVEL=2 {} {} --model {} --epochs {} --batch {} --warmup-steps {} {} 2>&1",
-      o.python, o.tf_script, kind, o.epochs, kBatch, kPeerWarmupSteps, extra));
+      "{} PYTHON={} bash {}/tf_mwms2.sh {} {} --epochs {} --batch {} --warmup-steps {} --seed {} 2>&1", kTfEnvironment,
+      o.python, TANDEM_BENCH_PEER_DIR, kind, port, o.epochs, kBatch, kPeerWarmupSteps, o.seed));
 }
 
 // --install-peers: the virtual environment of --python, made and filled with pip.
@@ -312,8 +353,21 @@ double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int st
 
 // PyTorch DDP over Gloo, two processes of one thread (bench/peers/torch_ddp2.sh).
 std::optional<Result> run_ddp_peer(const Options& o, const std::string& kind, const std::string& env) {
-  return run_peer_command(
-      fmt::format("{} PYTHON={} bash {}/torch_ddp2.sh {} 2>&1", env, o.python, TANDEM_BENCH_PEER_DIR, kind));
+  return run_peer_command(fmt::format("{} PYTHON={} bash {}/torch_ddp2.sh {} 29511 --warmup-steps {} --seed {} 2>&1",
+                                      env, o.python, TANDEM_BENCH_PEER_DIR, kind, kPeerWarmupSteps, o.seed));
+}
+
+// tandem's two workers of --strategy multiworker (this program again, one intra-op thread each,
+// TF_CONFIG set as tandem-run sets it, on ports `port` and `port` + 1); the chief's report.
+// `ring`: Gloo's ring over TCP instead of the default (shared memory between workers of one machine).
+std::optional<Result> run_tandem_workers(const Options& o, const std::string& kind, bool ring, int port) {
+  const auto worker = [&](int rank) {
+    return fmt::format(
+        "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
+        "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {} --seed {}{}",
+        port, port + 1, rank, getpid(), kind, o.epochs, o.seed, ring ? " --multiworker-ring" : "");
+  };
+  return run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)));
 }
 
 std::optional<Result> median(std::vector<Result> runs) {
@@ -323,8 +377,24 @@ std::optional<Result> median(std::vector<Result> runs) {
   return runs[runs.size() / 2];
 }
 
+// The fastest of `peers`' median samples/s, 0 when none ran: what "vs best" divides by.
+double best_peer(std::initializer_list<std::optional<Result>> peers) {
+  double best = 0;
+  for (const auto& p : peers) {
+    if (p) best = std::max(best, p->samples_per_s);
+  }
+  return best;
+}
+
+// A "vs best" cell: `samples_per_s` over the fastest peer's, or "-" when no peer ran.
+std::string vs_best_cell(double samples_per_s, double best) {
+  return best > 0 ? fmt::format("{:>8.2f}x", samples_per_s / best) : fmt::format("{:>9}", "-");
+}
+
 }  // namespace
 
+int run_seeds(const Options& o);
+int run_lockstep(const Options& o);
 int run_mirrored(const Options& o);
 int run_zero(const Options& o);
 int run_multiworker(const Options& o);
@@ -340,6 +410,8 @@ int main(int argc, char** argv) try {
   if ((o.strategy == "mirrored" || o.strategy == "multiworker") && app.count("--models") == 0)
     o.models = {"mlp", "wide"};
   if (!o.worker_model.empty()) return run_multiworker_worker(o);
+  if (o.seeds > 0) return run_seeds(o);
+  if (o.lockstep) return run_lockstep(o);
   if (o.strategy == "mirrored" && !o.zero.empty()) return run_zero(o);
   if (o.strategy == "mirrored") return run_mirrored(o);
   if (o.strategy == "multiworker") return run_multiworker(o);
@@ -366,7 +438,7 @@ int main(int argc, char** argv) try {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
     std::vector<Result> ours_runs, torch_runs, tf_runs, xla_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      ours_runs.push_back(run_tandem(kind, data, o.epochs));
+      ours_runs.push_back(run_tandem(kind, data, o));
       if (!o.peer) continue;
       if (torch_version != "missing") {
         if (auto p = run_torch_peer(o, o.python, kind, threads)) torch_runs.push_back(*p);
@@ -378,17 +450,13 @@ int main(int argc, char** argv) try {
     }
     const Result ours = *median(ours_runs);
     const std::optional<Result> torch = median(torch_runs), tf = median(tf_runs), xla = median(xla_runs);
-    double best = 0;
-    for (const auto& r : {torch, tf, xla}) {
-      if (r) best = std::max(best, r->samples_per_s);
-    }
     const auto cell = [](const std::optional<Result>& r) {
       if (!r) return fmt::format("{:>11} {:>7}", "-", "-");
       return fmt::format("{:>11.0f} {:>7.4f}", r->samples_per_s, r->test_accuracy);
     };
-    const std::string ratio = best > 0 ? fmt::format("{:>8.2f}x", ours.samples_per_s / best) : fmt::format("{:>9}", "-");
     std::printf("%-6s | %11.0f %7.4f | %s | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
-                cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(), ratio.c_str());
+                cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(),
+                vs_best_cell(ours.samples_per_s, best_peer({torch, tf, xla})).c_str());
     std::fflush(stdout);
   }
   std::printf(
@@ -421,8 +489,8 @@ int run_gpu(const Options& o) {
          {std::pair{"float32", "float32"}, std::pair{"mixed_bfloat16", "bf16"}}) {
       std::vector<Result> graph_runs, eager_runs, peer_runs;
       for (int r = 0; r < o.repeat; ++r) {
-        graph_runs.push_back(run_tandem(kind, data, o.epochs, &gpu, policy, /*cuda_graphs=*/true));
-        eager_runs.push_back(run_tandem(kind, data, o.epochs, &gpu, policy, /*cuda_graphs=*/false));
+        graph_runs.push_back(run_tandem(kind, data, o, &gpu, policy, /*cuda_graphs=*/true));
+        eager_runs.push_back(run_tandem(kind, data, o, &gpu, policy, /*cuda_graphs=*/false));
         if (!o.peer) continue;
         if (auto p =
                 run_peer_command(fmt::format("{} --model {} --precision {} --epochs {} --batch {} --data {} 2>&1",
@@ -447,7 +515,241 @@ int run_gpu(const Options& o) {
   return 0;
 }
 
-// --strategy mirrored: tandem's MirroredStrategy (with and without overlap) beside PyTorch DDP.
+// --seeds N: test accuracy after o.epochs from each of N seeds, for tandem and the peers of
+// --strategy (the runs of the speed tables, untimed here): one device beside PyTorch eager and
+// Keras 3; MirroredStrategy beside DDP and Keras 3's MirroredStrategy; two workers beside DDP and
+// Keras 3's MultiWorkerMirroredStrategy. A seed sets everything random on each side: initial
+// weights and the order of the training data.
+int run_seeds(const Options& o) {
+  if (o.strategy == "mirrored") {
+    devices::set_logical_device_configuration({.num_cpu_devices = o.replicas, .intra_op_threads_per_device = 1});
+  } else if (o.threads > 0) {
+    devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
+  }
+  const int threads = devices::default_cpu_device().intra_op_threads();
+  const auto data = data::fashion_mnist();
+  std::optional<MirroredStrategy> mirrored;  // under --strategy mirrored
+  int port = 29620, tf_port = 23456;
+  using Run = std::function<std::optional<Result>(const Options&, const std::string&)>;
+  std::vector<std::pair<std::string, Run>> columns;
+  if (o.strategy == "one") {
+    columns = {{"tandem", [&](const Options& s, const std::string& kind) { return run_tandem(kind, data, s); }},
+               {"torch",
+                [&](const Options& s, const std::string& kind) { return run_torch_peer(s, s.python, kind, threads); }},
+               {"tf", [&](const Options& s, const std::string& kind) { return run_tf_peer(s, kind, ""); }}};
+  } else if (o.strategy == "mirrored") {
+    mirrored.emplace();
+    columns = {
+        {"tandem", [&](const Options& s, const std::string& kind) { return run_tandem(kind, data, s, &*mirrored); }},
+        {"DDP", [&](const Options& s, const std::string& kind) { return run_ddp_peer(s, kind, ""); }},
+        {"tf", [&](const Options& s, const std::string& kind) {
+           return run_tf_peer(s, kind, fmt::format("--strategy mirrored --cpu-devices {}", s.replicas));
+         }}};
+  } else {
+    columns = {
+        {"tandem", [&](const Options& s,
+                       const std::string& kind) { return run_tandem_workers(s, kind, /*ring=*/false, port += 2); }},
+        {"DDP", [&](const Options& s, const std::string& kind) { return run_ddp_peer(s, kind, ""); }},
+        {"tf",
+         [&](const Options& s, const std::string& kind) { return run_tf_multiworker_peer(s, kind, tf_port += 2); }}};
+  }
+  if (!o.peer) columns.resize(1);
+
+  std::printf(
+      "bench_fit --seeds %d: test accuracy after %d epoch(s) of Fashion-MNIST, Adam, global batch %lld, "
+      "seeds %d..%d, --strategy %s\n\n",
+      o.seeds, o.epochs, static_cast<long long>(kBatch), o.seed, o.seed + o.seeds - 1, o.strategy.c_str());
+  std::printf("%-5s | %5s", "model", "seed");
+  for (const auto& [name, run] : columns) std::printf(" | %8s", name.c_str());
+  std::printf("\n%s\n", std::string(14 + 11 * columns.size(), '-').c_str());
+  for (const auto& kind : o.models) {
+    std::vector<std::vector<double>> accuracies(columns.size());
+    for (int k = 0; k < o.seeds; ++k) {
+      Options seeded = o;
+      seeded.seed = o.seed + k;
+      std::printf("%-5s | %5d", kind.c_str(), seeded.seed);
+      for (std::size_t c = 0; c < columns.size(); ++c) {
+        const std::optional<Result> r = columns[c].second(seeded, kind);
+        if (r) accuracies[c].push_back(r->test_accuracy);
+        std::printf(" | %8s", r ? fmt::format("{:.4f}", r->test_accuracy).c_str() : "-");
+        std::fflush(stdout);
+      }
+      std::printf("\n");
+    }
+    // Mean, sample standard deviation, and each peer's mean minus tandem's.
+    const auto mean = [](const std::vector<double>& v) {
+      double sum = 0;
+      for (const double x : v) sum += x;
+      return v.empty() ? 0.0 : sum / static_cast<double>(v.size());
+    };
+    const auto sd = [&](const std::vector<double>& v) {
+      if (v.size() < 2) return 0.0;
+      const double m = mean(v);
+      double sum = 0;
+      for (const double x : v) sum += (x - m) * (x - m);
+      return std::sqrt(sum / static_cast<double>(v.size() - 1));
+    };
+    const auto row = [&](const char* label, const auto& value) {
+      std::printf("%-5s | %5s", kind.c_str(), label);
+      for (std::size_t c = 0; c < columns.size(); ++c) std::printf(" | %8s", value(c).c_str());
+      std::printf("\n");
+    };
+    const auto or_dash = [&](std::size_t c, double x, const char* format) {
+      return accuracies[c].empty() ? std::string("-") : fmt::format(fmt::runtime(format), x);
+    };
+    row("mean", [&](std::size_t c) { return or_dash(c, mean(accuracies[c]), "{:.4f}"); });
+    row("sd", [&](std::size_t c) { return or_dash(c, sd(accuracies[c]), "{:.4f}"); });
+    row("gap", [&](std::size_t c) {
+      return c == 0 || accuracies[0].empty() ? std::string("-")
+                                             : or_dash(c, mean(accuracies[c]) - mean(accuracies[0]), "{:+.4f}");
+    });
+    std::fflush(stdout);
+  }
+  std::printf("\nsd = sample standard deviation over the seeds; gap = the peer's mean minus tandem's.\n");
+  return 0;
+}
+
+namespace {
+
+// One value per line (tf_fmnist.py --lockstep's losses).
+std::vector<double> read_values(const std::string& path) {
+  std::ifstream in(path);
+  TANDEM_REQUIRE(in.good(), NotFound, "bench_fit --lockstep: cannot read \"{}\"", path);
+  std::vector<double> values;
+  for (double v = 0; in >> v;) values.push_back(v);
+  return values;
+}
+
+// The training rows in `order` (int64, as tf_fmnist.py --lockstep writes it), batched in that
+// order without shuffling: the full batches only.
+data::Dataset rows_in_order(const data::ImageClassificationData& data, const std::string& order_path) {
+  const std::int64_t n = data.x_train.shape()[0], rows = n / kBatch * kBatch, pixels = 28 * 28;
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+  std::ifstream in(order_path, std::ios::binary);
+  in.read(reinterpret_cast<char*>(order.data()), static_cast<std::streamsize>(order.size() * sizeof(std::int64_t)));
+  TANDEM_REQUIRE(in.good(), NotFound, "bench_fit --lockstep: cannot read {} row numbers from \"{}\"", n, order_path);
+  std::vector<float> x(static_cast<std::size_t>(rows * pixels));
+  std::vector<std::int64_t> y(static_cast<std::size_t>(rows));
+  const float* images = data.x_train.data<float>();
+  const std::int64_t* labels = data.y_train.data<std::int64_t>();
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const std::int64_t row = order[static_cast<std::size_t>(i)];
+    std::copy(images + row * pixels, images + (row + 1) * pixels, x.begin() + i * pixels);
+    y[static_cast<std::size_t>(i)] = labels[row];
+  }
+  return data::Dataset::from_tensor_slices(
+             {Tensor::from_vector<float>(x, {rows, 28, 28}), Tensor::from_vector<std::int64_t>(y, {rows})})
+      .batch(kBatch, /*drop_remainder=*/true);
+}
+
+struct StepRun {
+  std::vector<double> losses;  // each step's loss, on the batch before its update
+  double test_accuracy = 0;
+};
+
+// tandem's model of `kind` from o.seed's weights (written to `save_init`), or from `init` when
+// given, trained one epoch on `train`. fit's logs hold the epoch's running mean of the loss; the
+// step's own loss is the difference of two running sums.
+StepRun run_tandem_steps(const std::string& kind, const data::ImageClassificationData& data, const Options& o,
+                         const data::Dataset& train, const std::string& init, const std::string& save_init) {
+  set_global_seed(static_cast<std::uint64_t>(o.seed));
+  auto model = build(kind);
+  model.compile(keras::Adam{.epsilon = 1e-7}, keras::SparseCategoricalCrossentropy{.from_logits = true}, {"accuracy"});
+  if (!save_init.empty()) model.save_weights(save_init);
+  if (!init.empty()) model.load_weights(init);
+  std::vector<double> means;
+  auto record = std::make_shared<keras::LambdaCallback>(keras::LambdaCallbackOptions{
+      .on_train_batch_end = [&](std::int64_t, keras::Logs& logs) { means.push_back(logs.at("loss")); }});
+  model.fit(train, {.epochs = 1, .verbose = 0, .callbacks = {record}});
+  StepRun run;
+  for (std::size_t k = 0; k < means.size(); ++k) {
+    const auto before = static_cast<double>(k);
+    run.losses.push_back(k == 0 ? means[0] : (before + 1) * means[k] - before * means[k - 1]);
+  }
+  run.test_accuracy = model.evaluate(data.test.batch(1000), {.verbose = 0}).at("accuracy");
+  return run;
+}
+
+// Keras 3 (tf_fmnist.py --lockstep) in `dir`: from its own weights (init empty) or from `init`;
+// `extra`: more flags.
+StepRun run_keras_steps(const Options& o, const std::string& kind, const std::string& dir, const std::string& init,
+                        const std::string& losses, const std::string& extra = "") {
+  const auto r = run_peer_command(fmt::format(
+      "{} {} {} --model {} --batch {} --seed {} --lockstep {} --losses {}{}{} 2>&1", kTfEnvironment, o.python,
+      o.tf_script, kind, kBatch, o.seed, dir, losses, init.empty() ? "" : " --init-from " + init, extra));
+  TANDEM_REQUIRE(r.has_value(), Unavailable, "bench_fit --lockstep: tf_fmnist.py --lockstep did not run");
+  return {read_values(dir + "/" + losses), r->test_accuracy};
+}
+
+// "max |d| steps 1-10, mean |d| 1-50, mean |d| 51-end" of `run`'s losses against `reference`'s.
+std::string loss_differences(const StepRun& run, const StepRun& reference) {
+  TANDEM_REQUIRE(run.losses.size() == reference.losses.size(), Internal,
+                 "bench_fit --lockstep: {} steps against the reference's {}", run.losses.size(),
+                 reference.losses.size());
+  const auto d = [&](std::size_t k) { return std::abs(run.losses[k] - reference.losses[k]); };
+  double first = 0, early = 0, late = 0;
+  for (std::size_t k = 0; k < run.losses.size(); ++k) {
+    if (k < 10) first = std::max(first, d(k));
+    (k < 50 ? early : late) += d(k);
+  }
+  return fmt::format("{:>12.2e} {:>12.2e} {:>12.2e}", first, early / 50.0,
+                     late / static_cast<double>(run.losses.size() - 50));
+}
+
+}  // namespace
+
+// --lockstep: tandem and Keras 3 train one epoch on the same batches from the same initial
+// weights, Keras's and then tandem's, and each step's loss is compared with the reference: Keras
+// with Adam's step size computed in float64, as tandem computes it (Keras as it comes rounds it to
+// float32, 6e-6 of every step: its row shows what that alone does). Programs that compute the same
+// thing agree to float32 rounding until a ReLU input within rounding of zero takes the other side;
+// from there training, chaotic, drifts apart at the same rate whatever the cause, and the test
+// accuracies differ by chance alone.
+int run_lockstep(const Options& o) {
+  if (o.threads > 0)
+    devices::set_logical_device_configuration({.num_cpu_devices = 1, .intra_op_threads_per_device = o.threads});
+  const auto data = data::fashion_mnist();
+  char dir_template[] = "/tmp/bench_fit_lockstep.XXXXXX";
+  TANDEM_REQUIRE(mkdtemp(dir_template) != nullptr, Unavailable, "bench_fit --lockstep: mkdtemp failed");
+  const std::string dir = dir_template;
+  std::printf(
+      "bench_fit --lockstep: one epoch of Fashion-MNIST, Adam, batch %lld, in the order seed %d draws (numpy), from "
+      "the\n"
+      "same initial weights on both sides; files in %s\n\n",
+      static_cast<long long>(kBatch), o.seed, dir.c_str());
+  std::printf("%-5s | %-12s %-18s | %8s | %12s %12s %12s\n", "model", "start", "trained by", "test acc", "max|d| 1-10",
+              "mean|d| 1-50", "mean|d| 51-");
+  std::printf("%s\n", std::string(94, '-').c_str());
+  for (const auto& kind : o.models) {
+    const auto row = [&](const char* start, const char* by, const StepRun& run, const StepRun* reference) {
+      std::printf("%-5s | %-12s %-18s | %8.4f | %s\n", kind.c_str(), start, by, run.test_accuracy,
+                  reference ? loss_differences(run, *reference).c_str() : "   (reference)");
+      std::fflush(stdout);
+    };
+    // The reference: Keras computing what tandem computes (Adam's step size in float64).
+    const std::string f64_step = " --adam-step-float64";
+    const StepRun keras_f64 = run_keras_steps(o, kind, dir, "", kind + "_keras_f64.txt", f64_step);
+    row("Keras's", "Keras, f64 step", keras_f64, nullptr);
+    row("Keras's", "Keras", run_keras_steps(o, kind, dir, dir + "/keras_init.safetensors", kind + "_keras.txt"),
+        &keras_f64);
+    const data::Dataset train = rows_in_order(data, dir + "/order.i64");
+    const std::string tandem_init = dir + "/" + kind + "_tandem_init.safetensors";
+    row("Keras's", "tandem", run_tandem_steps(kind, data, o, train, dir + "/keras_init.safetensors", tandem_init),
+        &keras_f64);
+    const StepRun keras_from_tandem = run_keras_steps(o, kind, dir, tandem_init, kind + "_keras_t.txt", f64_step);
+    row("tandem's", "Keras, f64 step", keras_from_tandem, nullptr);
+    row("tandem's", "tandem", run_tandem_steps(kind, data, o, train, "", ""), &keras_from_tandem);
+  }
+  std::printf(
+      "\nd = a step's loss (on its batch, before its update) minus the same step's in the reference row above it\n"
+      "(Keras from the same start with f64 step): the largest over steps 1-10, the mean over 1-50 and over the\n"
+      "rest. f64 step = Adam's step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) computed in float64, as tandem\n"
+      "computes it; Keras as it comes computes it in float32.\n");
+  return 0;
+}
+
+// --strategy mirrored: tandem's MirroredStrategy (with and without overlap) beside PyTorch DDP and
+// Keras 3's MirroredStrategy.
 int run_mirrored(const Options& o) {
   devices::set_logical_device_configuration({.num_cpu_devices = o.replicas, .intra_op_threads_per_device = 1});
   std::printf(
@@ -456,33 +758,41 @@ int run_mirrored(const Options& o) {
       static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s; tandem: MirroredStrategy over %d logical CPU devices of 1 thread\n",
               bench::cpu_model().c_str(), o.replicas);
-  std::printf("peer:          %s\n\n",
-              o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  std::printf("peers:         %s\n\n",
+              o.peer ? fmt::format("{}/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread); tf_fmnist.py --strategy "
+                                   "mirrored --cpu-devices {} (Keras 3, {}); {} untimed warm-up steps each",
+                                   TANDEM_BENCH_PEER_DIR, o.replicas, kTfEnvironment, kPeerWarmupSteps)
+                           .c_str()
+                     : "(skipped)");
   const auto data = data::fashion_mnist();
   MirroredStrategy overlapped;
   MirroredStrategy after_backward(strategy::MirroredOptions{.distribution = {.overlap_communication = false}});
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
+  const std::string tf_mirrored = fmt::format("--strategy mirrored --cpu-devices {}", o.replicas);
 
-  std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s\n", "model", "tandem /s",
-              "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt", "hidden", "DDP /s", "acc",
-              "ratio", "DDP** /s", "acc", "ratio");
-  std::printf("%s\n", std::string(150, '-').c_str());
+  std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %9s\n",
+              "model", "tandem /s", "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt",
+              "hidden", "DDP /s", "acc", "ratio", "DDP** /s", "acc", "ratio", "tf /s", "acc", "ratio", "vs best");
+  std::printf("%s\n", std::string(190, '-').c_str());
   for (const auto& kind : o.models) {
-    std::vector<Result> ours_runs, plain_runs, peer_runs, tuned_runs;
+    // Interleaved runs, so that a slow phase of the machine hits every column alike.
+    std::vector<Result> ours_runs, plain_runs, peer_runs, tuned_runs, tf_runs;
     std::vector<double> allreduce_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      ours_runs.push_back(run_tandem(kind, data, o.epochs, &overlapped));
-      plain_runs.push_back(run_tandem(kind, data, o.epochs, &after_backward));
+      ours_runs.push_back(run_tandem(kind, data, o, &overlapped));
+      plain_runs.push_back(run_tandem(kind, data, o, &after_backward));
       allreduce_runs.push_back(allreduce_ms_per_step(overlapped, kind, 200));
       if (!o.peer) continue;
       if (auto p = run_ddp_peer(o, kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
       if (auto p = run_ddp_peer(o, kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
         tuned_runs.push_back(*p);
       }
+      if (auto p = run_tf_peer(o, kind, tf_mirrored)) tf_runs.push_back(*p);
     }
     std::sort(allreduce_runs.begin(), allreduce_runs.end());
     const double allreduce_ms = allreduce_runs[allreduce_runs.size() / 2];
     const Result ours = *median(ours_runs), plain = *median(plain_runs);
+    const std::optional<Result> ddp = median(peer_runs), tuned = median(tuned_runs), tf = median(tf_runs);
     const auto ms = [](const Result& r) { return 1e3 * static_cast<double>(kBatch) / r.samples_per_s; };
     const auto wait_ms = [](const Result& r) {
       return 1e3 * r.times.reduce_wait_seconds / static_cast<double>(std::max<std::int64_t>(1, r.times.steps));
@@ -493,10 +803,10 @@ int run_mirrored(const Options& o) {
       return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy,
                          ours.samples_per_s / r->samples_per_s);
     };
-    std::printf("%-5s | %10.0f %7.4f | %10.0f | %7.3f %8.3f %8.3f %9.3f %9.3f %6.0f%% | %s | %s\n", kind.c_str(),
-                ours.samples_per_s, ours.test_accuracy, plain.samples_per_s, allreduce_ms, ms(ours), wait_ms(ours),
-                ms(plain), wait_ms(plain), 100.0 * hidden, cell(median(peer_runs)).c_str(),
-                cell(median(tuned_runs)).c_str());
+    std::printf("%-5s | %10.0f %7.4f | %10.0f | %7.3f %8.3f %8.3f %9.3f %9.3f %6.0f%% | %s | %s | %s | %s\n",
+                kind.c_str(), ours.samples_per_s, ours.test_accuracy, plain.samples_per_s, allreduce_ms, ms(ours),
+                wait_ms(ours), ms(plain), wait_ms(plain), 100.0 * hidden, cell(ddp).c_str(), cell(tuned).c_str(),
+                cell(tf).c_str(), vs_best_cell(ours.samples_per_s, best_peer({ddp, tuned, tf})).c_str());
     std::fflush(stdout);
   }
   std::printf(
@@ -504,9 +814,10 @@ int run_mirrored(const Options& o) {
       "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
       "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
       "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh with\n"
-      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s\n"
-      "over the peer's.\n",
-      core.c_str());
+      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. tf = Keras 3 on\n"
+      "TensorFlow, tf.distribute.MirroredStrategy over %d logical CPU devices (TensorFlow's own thread pools, one\n"
+      "for the process), oneDNN on. ratio = tandem /s over the peer's; vs best = tandem /s over the fastest peer.\n",
+      core.c_str(), o.replicas);
   return 0;
 }
 
@@ -554,7 +865,7 @@ int run_zero(const Options& o) {
         auto& device = *strategy.replica_devices().back();
         device.allocator().reset_peak_bytes_in_use();
         keras::Model model;
-        runs.push_back(run_tandem(kind, data, o.epochs, &strategy, "float32", true, &model));
+        runs.push_back(run_tandem(kind, data, o, &strategy, "float32", true, &model));
         peak = device.allocator().stats().peak_bytes_in_use;
         std::tie(weights, slots) = state_bytes(model, static_cast<int>(strategy.replica_devices().size()) - 1);
       }
@@ -599,7 +910,7 @@ int run_multiworker_worker(const Options& o) {
   if (o.worker_ring) options.communication_options.implementation = strategy::CommunicationImplementation::kRing;
   MultiWorkerMirroredStrategy strategy(options);
   const auto data = data::fashion_mnist();
-  const Result r = run_tandem(o.worker_model, data, o.epochs, &strategy);
+  const Result r = run_tandem(o.worker_model, data, o, &strategy);
   if (strategy.worker_rank() == 0) {
     std::printf("samples_per_s=%.1f test_acc=%.4f wait_ms=%.3f\n", r.samples_per_s, r.test_accuracy,
                 1e3 * r.times.reduce_wait_seconds / static_cast<double>(std::max<std::int64_t>(1, r.times.steps)));
@@ -607,7 +918,8 @@ int run_multiworker_worker(const Options& o) {
   return 0;
 }
 
-// --strategy multiworker: two worker processes of one thread, beside PyTorch DDP (the same).
+// --strategy multiworker: two worker processes of one thread, beside PyTorch DDP and Keras 3's
+// MultiWorkerMirroredStrategy (the same).
 int run_multiworker(const Options& o) {
   std::printf(
       "bench_fit --strategy multiworker: Fashion-MNIST, Adam, global batch %lld, %d epoch(s), training loop "
@@ -615,52 +927,56 @@ int run_multiworker(const Options& o) {
       static_cast<long long>(kBatch), o.epochs, o.repeat);
   std::printf("CPU:           %s; tandem: MultiWorkerMirroredStrategy, 2 processes x 1 thread, Gloo on 127.0.0.1\n",
               bench::cpu_model().c_str());
-  std::printf("peer:          %s\n\n",
-              o.peer ? TANDEM_BENCH_PEER_DIR "/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread)" : "(skipped)");
+  std::printf("peers:         %s\n\n",
+              o.peer ? fmt::format("{0}/torch_ddp2.sh (DDP, Gloo, 2 processes x 1 thread); {0}/tf_mwms2.sh (Keras 3 "
+                                   "MultiWorkerMirroredStrategy, 2 processes x 1 thread, {1}); {2} untimed warm-up "
+                                   "steps each",
+                                   TANDEM_BENCH_PEER_DIR, kTfEnvironment, kPeerWarmupSteps)
+                           .c_str()
+                     : "(skipped)");
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
-  std::printf("%-5s | %10s %7s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s\n", "model", "tandem /s", "acc",
-              "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc", "ratio", "ring");
-  std::printf("%s\n", std::string(124, '-').c_str());
-  int port = 29620;
+  std::printf("%-5s | %10s %7s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %9s %9s\n",
+              "model", "tandem /s", "acc", "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc",
+              "ratio", "ring", "tf /s", "acc", "ratio", "ring", "vs best", "ring vs");
+  std::printf("%s\n", std::string(178, '-').c_str());
+  int port = 29620;     // tandem's workers
+  int tf_port = 23456;  // the TensorFlow workers'
   for (const auto& kind : o.models) {
-    std::vector<Result> ours_runs, ring_runs, peer_runs, tuned_runs;
+    // Interleaved runs, so that a slow phase of the machine hits every column alike.
+    std::vector<Result> ours_runs, ring_runs, peer_runs, tuned_runs, tf_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      const auto run_pair = [&](bool ring) {
-        port += 2;
-        const auto worker = [&](int rank) {
-          return fmt::format(
-              "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
-              "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {}{}",
-              port, port + 1, rank, getpid(), kind, o.epochs, ring ? " --multiworker-ring" : "");
-        };
-        return run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)));
-      };
-      if (auto ours = run_pair(false)) ours_runs.push_back(*ours);
-      if (auto ring = run_pair(true)) ring_runs.push_back(*ring);
+      if (auto ours = run_tandem_workers(o, kind, /*ring=*/false, port += 2)) ours_runs.push_back(*ours);
+      if (auto ring = run_tandem_workers(o, kind, /*ring=*/true, port += 2)) ring_runs.push_back(*ring);
       if (!o.peer) continue;
       if (auto p = run_ddp_peer(o, kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
       if (auto p = run_ddp_peer(o, kind, fmt::format("env OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE={}", core))) {
         tuned_runs.push_back(*p);
       }
+      if (auto p = run_tf_multiworker_peer(o, kind, tf_port += 2)) tf_runs.push_back(*p);
     }
     const std::optional<Result> ours = median(ours_runs), ring = median(ring_runs);
     TANDEM_REQUIRE(ours.has_value() && ring.has_value(), Internal,
                    "bench_fit: the tandem workers of model {} did not report", kind);
+    const std::optional<Result> ddp = median(peer_runs), tuned = median(tuned_runs), tf = median(tf_runs);
     const auto cell = [&](const std::optional<Result>& p) {
       if (!p) return fmt::format("{:>10} {:>7} {:>7} {:>7}", "-", "-", "-", "-");
       return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x {:>6.2f}x", p->samples_per_s, p->test_accuracy,
                          ours->samples_per_s / p->samples_per_s, ring->samples_per_s / p->samples_per_s);
     };
-    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s\n", kind.c_str(), ours->samples_per_s,
-                ours->test_accuracy, ring->samples_per_s, ring->test_accuracy, cell(median(peer_runs)).c_str(),
-                cell(median(tuned_runs)).c_str());
+    const double best = best_peer({ddp, tuned, tf});
+    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s | %s | %s %s\n", kind.c_str(), ours->samples_per_s,
+                ours->test_accuracy, ring->samples_per_s, ring->test_accuracy, cell(ddp).c_str(), cell(tuned).c_str(),
+                cell(tf).c_str(), vs_best_cell(ours->samples_per_s, best).c_str(),
+                vs_best_cell(ring->samples_per_s, best).c_str());
     std::fflush(stdout);
   }
   std::printf(
       "\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
-      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peer). DDP = torch_ddp2.sh with\n"
-      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. ratio = tandem /s\n"
-      "over the peer's; ring = ring /s over the peer's.\n",
+      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peers). DDP = torch_ddp2.sh with\n"
+      "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. tf = Keras 3 on\n"
+      "TensorFlow, tf.distribute.MultiWorkerMirroredStrategy (tf_mwms2.sh: 2 workers of 1 intra-op thread on\n"
+      "127.0.0.1, collectives over gRPC), oneDNN on. ratio = tandem /s over the peer's; ring = ring /s over the\n"
+      "peer's; vs best, ring vs = tandem /s and ring /s over the fastest peer.\n",
       core.c_str());
   return 0;
 }

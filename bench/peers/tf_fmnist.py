@@ -3,6 +3,7 @@
 usage: python tf_fmnist.py --model mlp|wide|cnn [--epochs 2] [--batch 128] [--strategy one|mirrored|multiworker]
                            [--jit-compile] [--steps-per-execution N]
                            [--threads N] [--cpu-devices 2] [--seed 0] [--validation] [--limit N] [--input tfdata|numpy]
+       python tf_fmnist.py --model wide --seed 0 --lockstep DIR [--init-from FILE] [--losses NAME] [--adam-step-float64]
 
 The same models, data and optimiser as torch_fmnist.py and tandem's bench_fit / samples:
   mlp  = Flatten, Dense 128 relu, Dense 10 (the Keras 'basic classification' tutorial model)
@@ -20,7 +21,9 @@ Strategies:
 Timing: each epoch is timed by a callback (on_epoch_begin .. on_epoch_end). Epoch 1 contains tf.function tracing
 and graph optimisation, so with --epochs >= 2 'samples_per_s' is over the epochs after the first, and
 'first_epoch_samples_per_s' is reported beside it. With --warmup-steps N an untimed fit() of N batches runs first
-(the train function is traced there and reused by the timed fit()), and 'samples_per_s' is over all timed epochs. Training samples per epoch: the full batches
+(the train function is traced there and reused by the timed fit()), and 'samples_per_s' is over all timed epochs; the
+weights and optimizer variables it changed are then restored, so the timed fit() trains from the initial weights whatever
+N is. Training samples per epoch: the full batches
 (drop_remainder, as tandem's bench_fit and torch_fmnist.py; with --validation the remainder is kept, as Keras does).
 --validation evaluates on the test set after every epoch (what tandem's samples do) and prints val_acc per epoch.
 Prints one line (on worker 0 only) with key=value fields.
@@ -95,6 +98,85 @@ def patch_keras3_for_multiworker(tf):
     tf_trainer.reduce_per_replica = reduce_per_replica
 
 
+def adam_step_in_float64(tf, keras):
+    """--adam-step-float64: Keras 3's Adam.update_step (keras/src/optimizers/adam.py, amsgrad left out) with
+    alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) computed in float64. Keras computes it in the variable's
+    dtype: in float32, 1 - 0.999^1 is 0.00099998713, so step 1 is 6.4e-6 smaller than the formula's, and later
+    steps by about as much. A diagnostic, the reference of bench_fit --lockstep: Keras then computes what tandem does."""
+    from keras.src import ops
+    from keras.src.optimizers import adam
+
+    def update_step(self, gradient, variable, learning_rate):
+        t = tf.cast(self.iterations + 1, tf.float64)
+        alpha = tf.cast(learning_rate, tf.float64) * tf.sqrt(1 - tf.pow(tf.constant(self.beta_2, tf.float64), t)) / (
+            1 - tf.pow(tf.constant(self.beta_1, tf.float64), t))
+        alpha = ops.cast(alpha, variable.dtype)
+        gradient = ops.cast(gradient, variable.dtype)
+        m = self._momentums[self._get_variable_index(variable)]
+        v = self._velocities[self._get_variable_index(variable)]
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - self.beta_1))
+        self.assign_add(v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - self.beta_2))
+        self.assign_sub(variable, ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), self.epsilon)))
+
+    adam.Adam.update_step = update_step
+
+
+def write_safetensors(path, tensors):
+    """(name, float32 array) pairs as safetensors, which tandem's Model::load_weights reads."""
+    header, blobs, offset = {}, [], 0
+    for name, value in tensors:
+        data = np.ascontiguousarray(value, np.float32).tobytes()
+        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header, data = json.loads(f.read(size)), f.read()
+    return {name: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.float32).reshape(t["shape"])
+            for name, t in header.items() if name != "__metadata__"}
+
+
+def lockstep(a, tf, keras, model, xtr, ytr, xte, yte):
+    """--lockstep: one epoch in a recorded order from recorded weights, each step's loss written, so that
+    tandem can train the same steps (bench_fit --lockstep) and the two be compared step by step. The
+    weights are named "<layer>/<weight>" ("dense_1/kernel"), as tandem's save_weights names them."""
+    named = [(f"{layer.name}/{w.name}", w) for layer in model.layers for w in layer.weights]
+    if a.init_from:
+        # By structure, as tandem's load_weights matches: the layers' names may differ in their numbers
+        # ("dense_3" in a program that built another model first), not in their kinds or order.
+        start = read_safetensors(a.init_from)
+        def kind_and_number(name):
+            layer, weight = name.split("/")
+            kind, _, number = layer.rpartition("_")
+            return (kind, weight, int(number)) if number.isdigit() and kind else (layer, weight, 0)
+        def in_order(names):
+            return sorted(names, key=kind_and_number)
+        theirs = dict(zip(in_order(n for n, _ in named), in_order(start)))
+        for name, w in named:
+            w.assign(start[theirs[name]])
+    else:
+        write_safetensors(os.path.join(a.lockstep, "keras_init.safetensors"), [(n, w.numpy()) for n, w in named])
+    n = xtr.shape[0]
+    order = np.random.RandomState(a.seed).permutation(n).astype(np.int64)
+    order.tofile(os.path.join(a.lockstep, "order.i64"))
+    losses = []
+    for step in range(n // a.batch):
+        rows = order[step * a.batch:(step + 1) * a.batch]
+        model.reset_metrics()  # the step's own loss, not the running mean
+        losses.append(float(model.train_on_batch(xtr[rows], ytr[rows], return_dict=True)["loss"]))
+    np.savetxt(os.path.join(a.lockstep, a.losses), losses, fmt="%.9g")
+    res = model.evaluate(xte, yte, batch_size=1000, verbose=0, return_dict=True)
+    print(f"tf {tf.__version__} keras {keras.__version__} lockstep model={a.model} seed={a.seed} "
+          f"init_from={a.init_from or '-'} samples_per_s=0 test_acc={float(res['accuracy']):.4f}", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="mlp")
@@ -117,6 +199,15 @@ def main():
     p.add_argument("--steps-per-execution", type=int, default=1, help="compile(steps_per_execution=N)")
     p.add_argument("--keras", default="3", choices=["3", "2"],
                    help="3: Keras 3 (TF 2.21's default); 2: tf_keras 2.21 via TF_USE_LEGACY_KERAS=1")
+    p.add_argument("--lockstep", metavar="DIR",
+                   help="instead of timing, one epoch that tandem can repeat step for step (bench_fit --lockstep): "
+                        "writes DIR/keras_init.safetensors (the initial weights) and DIR/order.i64 (the training "
+                        "order), trains with train_on_batch in that order and writes each step's loss to DIR/LOSSES")
+    p.add_argument("--init-from", metavar="FILE", help="with --lockstep: start from these weights (tandem's)")
+    p.add_argument("--losses", default="keras_losses.txt", help="with --lockstep: the file name of the losses")
+    p.add_argument("--adam-step-float64", action="store_true",
+                   help="Adam's step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t) computed in float64 and then rounded "
+                        "(as tandem computes it), not in float32 (Keras 3 on TensorFlow); Keras 3 only")
     a = p.parse_args()
 
     if a.keras == "2":
@@ -145,6 +236,8 @@ def main():
             keras.config.disable_traceback_filtering()
         if a.strategy == "multiworker":
             patch_keras3_for_multiworker(tf)
+        if a.adam_step_float64:
+            adam_step_in_float64(tf, keras)
     keras.utils.set_random_seed(a.seed)
 
     xtr = idx(f"{D}/train-images-idx3-ubyte.gz").astype(np.float32) / 255.0
@@ -160,6 +253,8 @@ def main():
         model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"], jit_compile=a.jit_compile, steps_per_execution=a.steps_per_execution)  # keywords: in Keras 3 the third positional is loss_weights
 
+    if a.lockstep:
+        return lockstep(a, tf, keras, model, xtr, ytr, xte, yte)
     drop = not a.validation
     per_epoch = (n // a.batch) * a.batch if drop else n
     if a.input == "tfdata":
@@ -194,6 +289,12 @@ def main():
                 self.val_acc.append(float(logs["val_accuracy"]))
 
     if a.warmup_steps:
+        # The warm-up fit trains, so the weights and the optimizer's variables (Adam's slots and
+        # step count) it changes are put back afterwards: the timed fit() then trains from the
+        # initial weights, and as many steps, as the other programs of the comparison.
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+        start = [(v, v.numpy()) for v in model.weights + model.optimizer.variables]
         wn = a.warmup_steps * a.batch
         if a.input == "tfdata":
             warm = tf.data.Dataset.from_tensor_slices((xtr[:wn], ytr[:wn])).batch(a.batch, drop_remainder=True)
@@ -202,6 +303,8 @@ def main():
             model.fit(warm, epochs=1, verbose=0, shuffle=False)
         else:
             model.fit(xtr[:wn], ytr[:wn], batch_size=a.batch, epochs=1, verbose=0)
+        for v, value in start:
+            v.assign(value)
 
     timer = EpochTimer()
     t0 = time.perf_counter()
