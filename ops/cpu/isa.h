@@ -1,5 +1,5 @@
 // tandem/ops/cpu/isa.h — the CPU kernels are built once per instruction-set level
-// (base/cpu_isa.h): every source listed under TANDEM_CPU_KERNEL_SOURCES in ops/CMakeLists.txt is
+// (base/cpu_isa.h): every source that ops/CMakeLists.txt gives tandem_add_cpu_isa_levels is
 // compiled with each level's flags and with TANDEM_CPU_ISA_NS naming that level's namespace
 // (isa_baseline, isa_avx2, isa_avx512). Each level's objects are then linked into one object whose
 // symbols, all but those in its own namespace, are renamed with the level as a prefix
