@@ -46,12 +46,6 @@ bool supports_avx512() {
 #endif
 }
 
-std::string supported_names() {
-  std::string names;
-  for (CpuIsa isa : supported_cpu_isas()) names += fmt::format("{}{}", names.empty() ? "" : ", ", cpu_isa_name(isa));
-  return names;
-}
-
 CpuIsa parse_level(std::string_view word) {
   for (CpuIsa isa : kAllIsas) {
     if (cpu_isa_name(isa) == word) return isa;
@@ -61,13 +55,13 @@ CpuIsa parse_level(std::string_view word) {
 }
 
 CpuIsa choose_cpu_isa() {
-  const std::string requested = env::get_string(env::kCpuIsa);
-  if (requested == "auto") return best_cpu_isa();
-  const CpuIsa isa = parse_level(requested);
-  TANDEM_REQUIRE(cpu_supports(isa), FailedPrecondition,
+  const std::optional<CpuIsa> requested = requested_cpu_isa();
+  if (!requested) return best_cpu_isa();
+  const std::string_view name = cpu_isa_name(*requested);
+  TANDEM_REQUIRE(cpu_supports(*requested), FailedPrecondition,
                  "environment variable {}={}: this CPU cannot run the {} kernels (it supports: {})", env::kCpuIsa.name,
-                 requested, requested, supported_names());
-  return isa;
+                 name, name, supported_cpu_isa_names());
+  return *requested;
 }
 
 }  // namespace
@@ -100,28 +94,27 @@ std::vector<CpuIsa> supported_cpu_isas() {
 
 CpuIsa best_cpu_isa() { return supported_cpu_isas().back(); }
 
+std::string supported_cpu_isa_names() {
+  std::string names;
+  for (CpuIsa isa : supported_cpu_isas()) names += fmt::format("{}{}", names.empty() ? "" : ", ", cpu_isa_name(isa));
+  return names;
+}
+
+std::optional<CpuIsa> requested_cpu_isa() {
+  const std::string word = env::get_string(env::kCpuIsa);
+  if (word == "auto") return std::nullopt;
+  return parse_level(word);
+}
+
 CpuIsa cpu_isa() {
   // Decided once: kernels registered for one level must not be mixed with another's.
   static const CpuIsa chosen = [] {
     const CpuIsa isa = choose_cpu_isa();
-    logging::debug("CPU kernels: the {} build (this CPU supports: {}; {}={})", cpu_isa_name(isa), supported_names(),
-                   env::kCpuIsa.name, env::get_string(env::kCpuIsa));
+    logging::debug("CPU kernels: the {} build (this CPU supports: {}; {}={})", cpu_isa_name(isa),
+                   supported_cpu_isa_names(), env::kCpuIsa.name, env::get_string(env::kCpuIsa));
     return isa;
   }();
   return chosen;
-}
-
-bool cpu_isa_requested_but_unsupported(std::string_view* requested) {
-  std::string word;
-  try {
-    word = env::get_string(env::kCpuIsa);
-  } catch (const Error&) {
-    return false;  // not a level at all: cpu_isa() reports it
-  }
-  if (word == "auto") return false;
-  const CpuIsa isa = parse_level(word);
-  if (requested != nullptr) *requested = cpu_isa_name(isa);
-  return !cpu_supports(isa);
 }
 
 }  // namespace tandem

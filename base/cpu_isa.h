@@ -13,9 +13,12 @@
 // Callers: ops/register.cc (which kernels to register), benchmarks and samples (to print the
 // path), tests (to run every level the machine has). Nothing here blocks; cpu_isa() throws
 // FailedPrecondition, naming TANDEM_CPU_ISA and the CPU's levels, when the variable asks for a
-// level this CPU cannot run, and InvalidArgument when it names none of the levels.
+// level this CPU cannot run, and InvalidArgument when it names none of the levels. The test main
+// asks requested_cpu_isa() first and reports a run under a level the CPU lacks as skipped.
 #pragma once
 
+#include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -33,8 +36,10 @@ std::vector<CpuIsa> supported_cpu_isas();
 CpuIsa best_cpu_isa();
 // The level the CPU kernels of this process use (see above); the same on every call.
 CpuIsa cpu_isa();
-// What TANDEM_CPU_ISA asks for, without throwing: the level, or none when it is unset, "auto" or
-// not a level this CPU supports (the test main uses this to report such a run as skipped).
-bool cpu_isa_requested_but_unsupported(std::string_view* requested = nullptr);
+// "baseline, avx2, avx512": the levels this CPU can run, for messages and reports.
+std::string supported_cpu_isa_names();
+// The level TANDEM_CPU_ISA names, whether or not this CPU supports it; nullopt when it is unset or
+// "auto". Throws InvalidArgument, naming the variable, for a word that is no level.
+std::optional<CpuIsa> requested_cpu_isa();
 
 }  // namespace tandem

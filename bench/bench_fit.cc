@@ -377,6 +377,10 @@ std::optional<Result> median(std::vector<Result> runs) {
   return runs[runs.size() / 2];
 }
 
+// The first ports of the two-worker jobs on 127.0.0.1 (each job takes the next two).
+constexpr int kTandemWorkersPort = 29620;
+constexpr int kTfWorkersPort = 23456;
+
 // The fastest of `peers`' median samples/s, 0 when none ran: what "vs best" divides by.
 double best_peer(std::initializer_list<std::optional<Result>> peers) {
   double best = 0;
@@ -529,7 +533,7 @@ int run_seeds(const Options& o) {
   const int threads = devices::default_cpu_device().intra_op_threads();
   const auto data = data::fashion_mnist();
   std::optional<MirroredStrategy> mirrored;  // under --strategy mirrored
-  int port = 29620, tf_port = 23456;
+  int port = kTandemWorkersPort, tf_port = kTfWorkersPort;
   using Run = std::function<std::optional<Result>(const Options&, const std::string&)>;
   std::vector<std::pair<std::string, Run>> columns;
   if (o.strategy == "one") {
@@ -939,8 +943,7 @@ int run_multiworker(const Options& o) {
               "model", "tandem /s", "acc", "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc",
               "ratio", "ring", "tf /s", "acc", "ratio", "ring", "vs best", "ring vs");
   std::printf("%s\n", std::string(178, '-').c_str());
-  int port = 29620;     // tandem's workers
-  int tf_port = 23456;  // the TensorFlow workers'
+  int port = kTandemWorkersPort, tf_port = kTfWorkersPort;
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
     std::vector<Result> ours_runs, ring_runs, peer_runs, tuned_runs, tf_runs;

@@ -44,11 +44,7 @@ inline std::string now_text() {
 // "avx512 (this CPU: baseline, avx2, avx512)": the build of the CPU kernels this run uses
 // (TANDEM_CPU_ISA forces another).
 inline std::string cpu_kernels_text() {
-  std::string levels;
-  for (tandem::CpuIsa isa : tandem::supported_cpu_isas()) {
-    levels += fmt::format("{}{}", levels.empty() ? "" : ", ", tandem::cpu_isa_name(isa));
-  }
-  return fmt::format("{} (this CPU: {})", tandem::cpu_isa_name(tandem::cpu_isa()), levels);
+  return fmt::format("{} (this CPU: {})", tandem::cpu_isa_name(tandem::cpu_isa()), tandem::supported_cpu_isa_names());
 }
 
 }  // namespace bench

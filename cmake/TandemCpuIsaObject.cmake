@@ -12,6 +12,22 @@
 # typeinfo, vtables, constants). Fails on mutable state outside the level's namespace, which must
 # not be duplicated.
 cmake_policy(VERSION 3.25)
+
+# The signatures of the COMDAT groups in `object`, into `out`.
+function(comdat_signatures object out)
+  execute_process(COMMAND ${READELF} -g -W ${object} OUTPUT_VARIABLE groups RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "readelf of the ${LEVEL} kernels failed: ${err}")
+  endif()
+  string(REGEX MATCHALL "COMDAT group section [^\n]*\\] contains" group_lines "${groups}")
+  set(signatures "")
+  foreach(group IN LISTS group_lines)
+    string(REGEX MATCH "\\[([A-Za-z0-9_.$]+)\\] contains$" _ "${group}")
+    list(APPEND signatures ${CMAKE_MATCH_1})
+  endforeach()
+  set(${out} ${signatures} PARENT_SCOPE)
+endfunction()
+
 set(partial ${OUTPUT}.partial)
 execute_process(COMMAND ${LINKER} -r -o ${partial} ${OBJECTS} RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
@@ -57,16 +73,11 @@ endforeach()
 # group of a constructor's or destructor's variants is keyed by a local `...C5Ev`/`...D5Ev`).
 # Unrenamed, the final link would keep the baseline group and drop this level's, leaving this
 # level's calls pointing at nothing.
-execute_process(COMMAND ${READELF} -g -W ${partial} OUTPUT_VARIABLE groups RESULT_VARIABLE rc ERROR_VARIABLE err)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "readelf of the ${LEVEL} kernels failed: ${err}")
-endif()
-string(REGEX MATCHALL "COMDAT group section [^\n]*\] contains" group_lines "${groups}")
-foreach(group IN LISTS group_lines)
-  string(REGEX MATCH "\\[([A-Za-z0-9_.$]+)\\] contains$" _ "${group}")
-  string(FIND "${CMAKE_MATCH_1}" "${own_namespace}" at)
+comdat_signatures(${partial} signatures)
+foreach(signature IN LISTS signatures)
+  string(FIND "${signature}" "${own_namespace}" at)
   if(at EQUAL -1)
-    list(APPEND renamed ${CMAKE_MATCH_1})
+    list(APPEND renamed ${signature})
   endif()
 endforeach()
 # A local function's name may repeat (one per source file): one line of the map each.
@@ -88,11 +99,8 @@ if(NOT rc EQUAL 0)
 endif()
 file(REMOVE ${partial})
 # Every COMDAT group must now be this level's alone.
-execute_process(COMMAND ${READELF} -g -W ${OUTPUT} OUTPUT_VARIABLE groups)
-string(REGEX MATCHALL "COMDAT group section [^\\n]*\\] contains" group_lines "${groups}")
-foreach(group IN LISTS group_lines)
-  string(REGEX MATCH "\\[([A-Za-z0-9_.$]+)\\] contains$" _ "${group}")
-  set(signature "${CMAKE_MATCH_1}")
+comdat_signatures(${OUTPUT} signatures)
+foreach(signature IN LISTS signatures)
   string(FIND "${signature}" "tandem_${LEVEL}." prefix)
   string(FIND "${signature}" "${own_namespace}" own)
   if(NOT prefix EQUAL 0 AND own EQUAL -1)
