@@ -9,6 +9,10 @@
 //   build/bench/bench_fit --device gpu [--models mlp,wide,cnn] [--data DIR] [--gpu-peer-command CMD] [--no-peer]
 //   build/bench/bench_fit --seeds 5 [--seed 0] [--models wide] [--strategy one|mirrored|multiworker]
 //
+// The one-device table ends with each model's training loop in GFLOP/s (samples/s x the step's
+// product FLOPs per sample), for tandem and the fastest peer, as a share of the sgemm ceiling
+// (bench/sgemm_ceiling.h, bench_ops' ceiling) measured before each tandem run of the invocation.
+//
 // --seeds N times nothing: it trains from each of N seeds (--seed, --seed + 1, ...) on every side
 // of --strategy's table and prints the test accuracies, their means and standard deviations. A
 // seed sets every side's initial weights and data order; --seed alone does so for the timed runs.
@@ -75,6 +79,7 @@
 #include <vector>
 
 #include "machine_info.h"
+#include "sgemm_ceiling.h"
 #include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/cuda/cudnn.h"
 
@@ -185,6 +190,24 @@ keras::Model build(const std::string& kind) {
   TANDEM_REQUIRE(kind == "cnn", InvalidArgument, "unknown model \"{}\" (mlp, wide, cnn)", kind);
   return Sequential({Input({28, 28}), Reshape({28, 28, 1}), Conv2D(32, {3, 3}, "relu"), MaxPooling2D(),
                      Conv2D(64, {3, 3}, "relu"), MaxPooling2D(), Flatten(), Dense(128, "relu"), Dense(10)});
+}
+
+// FLOPs of one training step per sample of build(kind)'s model (a multiply-add counts 2): each
+// Dense and Conv2D layer's forward product, its kernel gradient and, except for the first layer
+// (the data needs no gradient), its input gradient. Bias, activations, pooling, the loss and Adam
+// are left out: these are the products an sgemm ceiling bounds.
+double training_flops_per_sample(const std::string& kind) {
+  std::vector<double> forward;  // each layer's forward FLOPs per sample, input side first
+  if (kind == "mlp") {
+    forward = {2.0 * 784 * 128, 2.0 * 128 * 10};
+  } else if (kind == "wide") {
+    forward = {2.0 * 784 * 1024, 2.0 * 1024 * 1024, 2.0 * 1024 * 10};
+  } else {  // cnn: 3x3 valid convolutions 28x28x1 -> 26x26x32 and 13x13x32 -> 11x11x64, then 1600 -> 128 -> 10
+    forward = {2.0 * 26 * 26 * 9 * 32, 2.0 * 11 * 11 * 9 * 32 * 64, 2.0 * 1600 * 128, 2.0 * 128 * 10};
+  }
+  double flops = 0;
+  for (std::size_t i = 0; i < forward.size(); ++i) flops += (i == 0 ? 2 : 3) * forward[i];
+  return flops;
 }
 
 struct Result {
@@ -395,6 +418,30 @@ std::string vs_best_cell(double samples_per_s, double best) {
   return best > 0 ? fmt::format("{:>8.2f}x", samples_per_s / best) : fmt::format("{:>9}", "-");
 }
 
+// The training loops' GFLOP/s (samples/s x training_flops_per_sample) as a share of the sgemm
+// ceiling measured in the same invocation: the whole loop's time counts (data, element-wise ops,
+// Adam, the first step's graph building), so the share is a lower bound on the products' own.
+void print_ceiling_table(const bench::SgemmCeiling& ceiling, int threads,
+                         const std::vector<std::tuple<std::string, double, double>>& rows) {
+  std::printf(
+      "\nThe training loop against this run's sgemm ceiling, %.1f GFLOP/s (%s, %lld^3, %d thread(s);\n"
+      "the best of one measurement before each tandem run). GFLOP/s = samples/s x the step's product\n"
+      "FLOPs per sample: the forward, kernel-gradient and (past the first layer) input-gradient products\n"
+      "of each Dense and Conv2D layer. The loop's whole time counts, so these are lower bounds.\n",
+      ceiling.gflops, ceiling.which.c_str(), static_cast<long long>(bench::kCeilingSquare), threads);
+  std::printf("%-6s | %12s | %14s %8s | %14s %8s\n", "model", "MFLOP/sample", "tandem GFLOP/s", "ceiling",
+              "peer GFLOP/s", "ceiling");
+  std::printf("%s\n", std::string(74, '-').c_str());
+  for (const auto& [kind, ours, peer] : rows) {
+    const double flops = training_flops_per_sample(kind);
+    const double gf = ours * flops / 1e9, peer_gf = peer * flops / 1e9;
+    const std::string peer_cells = peer > 0 ? fmt::format("{:>14.1f} {:>8.2f}", peer_gf, peer_gf / ceiling.gflops)
+                                            : fmt::format("{:>14} {:>8}", "-", "-");
+    std::printf("%-6s | %12.2f | %14.1f %8.2f | %s\n", kind.c_str(), flops / 1e6, gf, gf / ceiling.gflops,
+                peer_cells.c_str());
+  }
+}
+
 }  // namespace
 
 int run_seeds(const Options& o);
@@ -438,10 +485,14 @@ int main(int argc, char** argv) try {
   std::printf("%-6s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %9s\n", "model", "tandem /s", "acc", "torch /s", "acc",
               "tf /s", "acc", "tf-xla /s", "acc", "vs best");
   std::printf("%s\n", std::string(98, '-').c_str());
+  bench::SgemmCeiling ceiling;                                        // the best over the run
+  std::vector<std::tuple<std::string, double, double>> ceiling_rows;  // model, tandem's and the best peer's samples/s
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
     std::vector<Result> ours_runs, torch_runs, tf_runs, xla_runs;
     for (int r = 0; r < o.repeat; ++r) {
+      if (const auto c = bench::measure_sgemm_ceiling(devices::default_cpu_device()); c.gflops > ceiling.gflops)
+        ceiling = c;
       ours_runs.push_back(run_tandem(kind, data, o));
       if (!o.peer) continue;
       if (torch_version != "missing") {
@@ -462,11 +513,13 @@ int main(int argc, char** argv) try {
                 cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(),
                 vs_best_cell(ours.samples_per_s, best_peer({torch, tf, xla})).c_str());
     std::fflush(stdout);
+    ceiling_rows.emplace_back(kind, ours.samples_per_s, best_peer({torch, tf, xla}));
   }
   std::printf(
       "\ntorch = PyTorch eager (bench/peers/torch_fmnist.py, --threads as tandem's); tf = Keras 3 on TensorFlow\n"
       "with oneDNN on (TF_ENABLE_ONEDNN_OPTS=1; bench/peers/tf_fmnist.py); tf-xla = the same with\n"
       "jit_compile=True and steps_per_execution=32; vs best = tandem samples/s over the fastest peer column.\n");
+  print_ceiling_table(ceiling, threads, ceiling_rows);
   return 0;
 } catch (const tandem::Error& e) {
   std::fprintf(stderr, "bench_fit: %s\n", e.what());

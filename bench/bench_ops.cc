@@ -1,8 +1,8 @@
 // bench_ops — GFLOP/s of tandem's MatMul, BatchMatMul and Conv2D ops next to the ceilings measured
-// in the same run: the best sgemm this machine has (OpenBLAS with its AVX-512 kernels, Eigen; one
-// thread and all threads) and memory-copy bandwidth; GB/s of the transformer's memory-bound nn ops
-// (LayerNorm, the causal masked softmax, GELU) next to the copy ceiling. See bench/README.md for
-// what each row means.
+// in the same run: the best sgemm this process can call (OpenBLAS with the kernels it runs here,
+// Eigen; one thread and all threads) and memory-copy bandwidth; GB/s of the transformer's
+// memory-bound nn ops (LayerNorm, the causal masked softmax, GELU) next to the copy ceiling. See
+// bench/README.md for what each row means.
 //
 //   bench_ops [--threads N] [--rounds N] [--samples N] [--quick] [--only matmul|bmm|conv|nn]
 //
@@ -13,7 +13,6 @@
 // kMinSampleSeconds, and its best over --samples samples in each of --rounds rounds. A round
 // times everything once, ceilings and our ops alike, so a quiet or a noisy phase of the machine
 // reaches all of them, and ratios compare like with like.
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,6 +35,7 @@
 #include <fmt/format.h>
 
 #include "machine_info.h"
+#include "sgemm_ceiling.h"
 #include "tandem/devices/device.h"
 #include "tandem/graph/executor.h"
 #include "tandem/graph/graph.h"
@@ -45,6 +45,8 @@
 namespace {
 
 using namespace tandem;
+using bench::OpenBlasThreads;
+using bench::split_gemm;
 using ops::cpu::GemmBackend;
 using ops::cpu::GemmShape;
 
@@ -52,7 +54,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr double kMinSampleSeconds = 0.02;
 constexpr std::size_t kCopyBytes = 256u << 20;  // far beyond any cache
-constexpr std::int64_t kLargeSquare = 2048;
+constexpr std::int64_t kLargeSquare = bench::kCeilingSquare;
 constexpr std::int64_t kBatch = 128;
 constexpr int kRuleWidth = 118;
 
@@ -131,71 +133,6 @@ class Timings {
 };
 
 // --- references ------------------------------------------------------------------------------
-
-// tandem runs OpenBLAS single-threaded and splits products over its own threads. As an
-// independent reference we also time OpenBLAS's own threading, on the library tandem loaded
-// (so with the kernels OPENBLAS_CORETYPE selected): the same handle, with its thread count
-// raised for those samples only.
-struct OpenBlasThreads {
-  using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
-                           int);
-  SgemmFn sgemm = nullptr;
-  void (*set_threads)(int) = nullptr;
-  char* (*corename)() = nullptr;
-
-  OpenBlasThreads() {
-    void* handle = nullptr;
-    for (const char* name : {"libopenblas.so.0", "libopenblas.so"}) {
-      handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
-      if (handle != nullptr) break;
-    }
-    if (handle == nullptr) return;
-    sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
-    set_threads = reinterpret_cast<void (*)(int)>(dlsym(handle, "openblas_set_num_threads"));
-    corename = reinterpret_cast<char* (*)()>(dlsym(handle, "openblas_get_corename"));
-    if (set_threads == nullptr) sgemm = nullptr;
-  }
-  bool available() const { return sgemm != nullptr; }
-  void run(const GemmShape& s, const float* a, const float* b, float* c) const {
-    const auto i = [](std::int64_t v) { return static_cast<int>(v); };
-    sgemm(101, s.transpose_a ? 112 : 111, s.transpose_b ? 112 : 111, i(s.m), i(s.n), i(s.k), 1.0f, a, i(s.lda), b,
-          i(s.ldb), 0.0f, c, i(s.ldc));
-  }
-};
-
-// gemm_serial_with(backend) split over the device's threads the way tandem's gemm() splits: the
-// larger side of C in equal parts (columns in multiples of 16).
-void split_gemm(devices::Device& device, GemmBackend backend, const GemmShape& s, const float* a, const float* b,
-                float* c) {
-  const int threads = device.intra_op_threads();
-  if (threads <= 1) {
-    ops::cpu::gemm_serial_with(backend, s, 1.0f, a, b, 0.0f, c);
-    return;
-  }
-  const bool columns = s.n >= s.m;
-  const std::int64_t extent = columns ? s.n : s.m, align = columns ? 16 : 1;
-  std::int64_t block = (extent + threads - 1) / threads;
-  block = (block + align - 1) / align * align;
-  const std::int64_t parts = (extent + block - 1) / block;
-  device.parallel_for(parts, 1, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t p = begin; p < end; ++p) {
-      const std::int64_t lo = p * block, size = std::min(block, extent - lo);
-      GemmShape part = s;
-      const float *pa = a, *pb = b;
-      float* pc = c;
-      if (columns) {
-        part.n = size;
-        pb = s.transpose_b ? b + lo * s.ldb : b + lo;
-        pc = c + lo;
-      } else {
-        part.m = size;
-        pa = s.transpose_a ? a + lo : a + lo * s.lda;
-        pc = c + lo * s.ldc;
-      }
-      ops::cpu::gemm_serial_with(backend, part, 1.0f, pa, pb, 0.0f, pc);
-    }
-  });
-}
 
 struct Product {
   std::string name;

@@ -6,12 +6,16 @@
 //   Conv2DBackpropFilter(x, filter_like, dy) dL/dfilter; filter_like only provides the shape
 //   MaxPool2D(x), MaxPool2DGrad(x, y, dy)    attrs pool_size, strides, padding
 //   AvgPool2D(x), AvgPool2DGrad(x_like, dy)
+//   MaxPool2DBiasActivationGrad(y, dp)       -> (dz, db) for p = MaxPool2D(y), y = act(z + b), act
+//                                            relu or linear: FusedConv2D's gradient when a max
+//                                            pool follows it (attrs: the pool's, activation)
 // The backprop ops are linear in their non-shape inputs, so they have gradients too (second
 // derivatives, and gradient checks of the backprop kernels themselves).
 #include "tandem/ops/conv_ops.h"
 
 #include <algorithm>
 #include <cctype>
+#include <optional>
 #include <string>
 
 #include "tandem/ops/cpu/conv_geometry.h"
@@ -231,6 +235,20 @@ std::vector<TensorSpec> pool_grad_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), merge_shapes(ctx.shape(0), Shape{ctx.shape(dy)[0], -1, -1, ctx.shape(dy)[3]})}};
 }
 
+// MaxPool2DBiasActivationGrad(y, dp): y is the pool's input, dp the gradient of its output.
+std::vector<TensorSpec> max_pool_bias_activation_grad_shape(ShapeContext& ctx) {
+  require_float_inputs(ctx);
+  require_nhwc(ctx, 0, "y");
+  require_nhwc(ctx, 1, "dp");
+  const auto attrs = checked_window_attrs(ctx, true);
+  const Activation activation = parse_activation(ctx.attrs().get<std::string>("activation"));
+  ctx.require(activation == Activation::kRelu || activation == Activation::kLinear,
+              "activation {} is not fused into a max pool's gradient (relu or linear)", activation_name(activation));
+  require_compatible(ctx, ctx.shape(1), pool_output_shape(ctx, attrs), "dp", fmt::format("pooling {}", ctx.shape(0)));
+  const Shape y = merge_shapes(ctx.shape(0), Shape{ctx.shape(1)[0], -1, -1, ctx.shape(1)[3]});
+  return {TensorSpec{ctx.dtype(0), y}, TensorSpec{ctx.dtype(0), Shape{y[3]}}};
+}
+
 // --- gradients -------------------------------------------------------------------------------
 
 // y = Conv2D(x, w): dx = BackpropInput(x, w, dy), dw = BackpropFilter(x, w, dy).
@@ -240,15 +258,34 @@ std::vector<Output> conv2d_grad(GradContext& ctx) {
           add_op("Conv2DBackpropFilter", {x, w, dy}, ctx.attrs())};
 }
 
+// When y = act(conv + b) has its gradient from a MaxPool2D of it alone (dy = MaxPool2DGrad(y, p,
+// dp)) and act is relu or linear: {dz, db} by MaxPool2DBiasActivationGrad(y, dp), one pass over y
+// where MaxPool2DGrad and BiasActivationGrad take three (y in, dy out; dy and y in, dz out). The
+// MaxPool2DGrad node is left without consumers, and executors prune it.
+std::optional<std::vector<Output>> pooled_bias_activation_grad(GradContext& ctx, const std::string& activation) {
+  if (activation != activation_name(Activation::kRelu) && activation != activation_name(Activation::kLinear))
+    return std::nullopt;
+  const Output dy = ctx.grad(0);
+  if (!dy.defined()) return std::nullopt;
+  const graph::Node& pool_grad = dy.producer();
+  if (pool_grad.op_name() != "MaxPool2DGrad" || !(pool_grad.inputs[0] == ctx.output(0))) return std::nullopt;
+  Attrs attrs = pool_grad.attrs;
+  attrs.set("activation", activation);
+  return add_op_multi("MaxPool2DBiasActivationGrad", {ctx.output(0), pool_grad.inputs[2]}, std::move(attrs));
+}
+
 // y = act(conv(x, w) + b): the activation's derivative and the bias gradient in one sweep
-// (BiasActivationGrad), then the convolution's gradients of that.
+// (BiasActivationGrad, or MaxPool2DBiasActivationGrad when a max pool follows), then the
+// convolution's gradients of that.
 std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
   const Output x = ctx.input(0), w = ctx.input(1);
-  const auto dz_db = add_op_multi("BiasActivationGrad", {ctx.grad(0), ctx.output(0)},
-                                  Attrs{{"activation", ctx.attrs().get<std::string>("activation")}});
-  const Output dz = dz_db[0];
+  const std::string& activation = ctx.attrs().get<std::string>("activation");
+  auto dz_db = pooled_bias_activation_grad(ctx, activation);
+  if (!dz_db)
+    dz_db = add_op_multi("BiasActivationGrad", {ctx.grad(0), ctx.output(0)}, Attrs{{"activation", activation}});
+  const Output dz = (*dz_db)[0];
   return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()),
-          add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), dz_db[1]};
+          add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), (*dz_db)[1]};
 }
 
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
@@ -302,6 +339,12 @@ void register_conv_ops() {
       OpDef{.name = "MaxPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = max_pool2d_grad});
   // Not differentiable (TF's MaxPoolGradGrad is not implemented yet).
   r.add(OpDef{.name = "MaxPool2DGrad", .min_inputs = 3, .max_inputs = 3, .shape_fn = pool_grad_shape});
+  // Not differentiable either (it stands for MaxPool2DGrad).
+  r.add(OpDef{.name = "MaxPool2DBiasActivationGrad",
+              .min_inputs = 2,
+              .max_inputs = 2,
+              .num_outputs = 2,
+              .shape_fn = max_pool_bias_activation_grad_shape});
   r.add(
       OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
   r.add(OpDef{.name = "AvgPool2DGrad",

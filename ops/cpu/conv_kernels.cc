@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "tandem/graph/dtype.h"
 #include "tandem/ops/cpu/bias_activation.h"
@@ -401,23 +402,33 @@ void zero_uncovered(const Window2DGeometry& g, T* dx_image, std::int64_t nc) {
 // kernel; the maxima are found again from x. Both passes over a window are branch-free loops
 // over the channels (which the compiler vectorises): one finds each channel's winning cell,
 // the other adds (or, for disjoint windows, stores) dy where the cell is the winner. No scatter.
-template <class T>
-void max_pool_grad(devices::Device& device, const Window2DGeometry& g, const T* x, const T* dy, T* dx) {
+//
+// With kRelu, x is relu's output and dx is also multiplied by relu's derivative, (x > 0) at the
+// winner, whose value is the maximum found anyway; with kSums, db[c] = the sum of dx over images
+// and cells, in double per image (from dy: each window's dy lands on one cell) and then over the
+// images in order, so it does not depend on the thread count. MaxPool2DBiasActivationGrad is the
+// two together: one pass over x where MaxPool2DGrad and BiasActivationGrad take three.
+template <class T, bool kRelu = false, bool kSums = false>
+void max_pool_backward(devices::Device& device, const Window2DGeometry& g, const T* x, const T* dy, T* dx,
+                       T* db = nullptr) {
   // A window cell's index, as wide as T so that compare-and-select vectorises.
   using Cell = std::conditional_t<sizeof(T) == 4, std::int32_t, std::int64_t>;
   const std::int64_t c = g.in_c;
   const bool disjoint = disjoint_windows(g);
   if (!disjoint) fill_zero(device, dx, g.batch * g.in_h * g.in_w * c);
   if (c == 0) return;
+  std::vector<double> image_sums(kSums ? static_cast<std::size_t>(g.batch * c) : 0, 0.0);
   for_image_channel_blocks(device, g, [&](std::int64_t image, std::int64_t c0, std::int64_t c1) {
     const std::int64_t nc = c1 - c0;
     T* best = tls_pool_best.get<T>(nc);
     Cell* arg = tls_pool_arg.get<Cell>(nc);
+    double* sums = kSums ? image_sums.data() + image * c + c0 : nullptr;
     const std::int64_t image_offset = image * g.in_h * g.in_w * c + c0;
     if (disjoint) zero_uncovered(g, dx + image_offset, nc);
     for (std::int64_t oh = 0; oh < g.out_h; ++oh) {
       for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
         const ClippedWindow win(g, oh, ow);
+        const T* grad = dy + ((image * g.out_h + oh) * g.out_w + ow) * c + c0;
         std::fill_n(best, nc, -std::numeric_limits<T>::infinity());
         std::fill_n(arg, nc, Cell{-1});
         Cell cell = 0;
@@ -431,7 +442,12 @@ void max_pool_grad(devices::Device& device, const Window2DGeometry& g, const T* 
             }
           }
         }
-        const T* grad = dy + ((image * g.out_h + oh) * g.out_w + ow) * c + c0;
+        if constexpr (kRelu) {  // relu' = 0 at the winner: no cell gets this window's dy
+          for (std::int64_t i = 0; i < nc; ++i) arg[i] = best[i] > T(0) ? arg[i] : Cell{-1};
+        }
+        if constexpr (kSums) {
+          for (std::int64_t i = 0; i < nc; ++i) sums[i] += arg[i] >= 0 ? static_cast<double>(grad[i]) : 0.0;
+        }
         cell = 0;
         for (std::int64_t h = win.h0; h < win.h1; ++h) {
           for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
@@ -446,6 +462,14 @@ void max_pool_grad(devices::Device& device, const Window2DGeometry& g, const T* 
       }
     }
   });
+  if constexpr (kSums) {
+    for (std::int64_t ch = 0; ch < c; ++ch) {
+      double sum = 0;
+      for (std::int64_t image = 0; image < g.batch; ++image)
+        sum += image_sums[static_cast<std::size_t>(image * c + ch)];
+      db[ch] = static_cast<T>(sum);
+    }
+  }
 }
 
 // dx gets dy / (cells in the window) on every cell of the window (padding is not counted).
@@ -547,7 +571,23 @@ void max_pool2d_kernel(KernelContext& ctx) {
 void max_pool2d_grad_kernel(KernelContext& ctx) {
   const auto g = pool_geometry(ctx, ctx.input(0).shape());
   graph::dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
-    max_pool_grad<T>(ctx.device(), g, in_ptr<T>(ctx, 0), in_ptr<T>(ctx, 2), out_ptr<T>(ctx, 0));
+    max_pool_backward<T>(ctx.device(), g, in_ptr<T>(ctx, 0), in_ptr<T>(ctx, 2), out_ptr<T>(ctx, 0));
+  });
+}
+
+void max_pool2d_bias_activation_grad_kernel(KernelContext& ctx) {
+  const auto g = pool_geometry(ctx, ctx.input(0).shape());
+  const bool relu = parse_activation(ctx.attrs().get<std::string>("activation")) == Activation::kRelu;
+  graph::dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
+    const auto run = [&]<bool kRelu>() {
+      max_pool_backward<T, kRelu, true>(ctx.device(), g, in_ptr<T>(ctx, 0), in_ptr<T>(ctx, 1), out_ptr<T>(ctx, 0),
+                                        out_ptr<T>(ctx, 1));
+    };
+    if (relu) {
+      run.template operator()<true>();
+    } else {
+      run.template operator()<false>();
+    }
   });
 }
 
@@ -579,6 +619,7 @@ void register_conv_kernels() {
   r.add_kernel("Conv2DBackpropFilter", kCpu, cpu::conv2d_backprop_filter_kernel);
   r.add_kernel("MaxPool2D", kCpu, cpu::max_pool2d_kernel);
   r.add_kernel("MaxPool2DGrad", kCpu, cpu::max_pool2d_grad_kernel);
+  r.add_kernel("MaxPool2DBiasActivationGrad", kCpu, cpu::max_pool2d_bias_activation_grad_kernel);
   r.add_kernel("AvgPool2D", kCpu, cpu::avg_pool2d_kernel);
   r.add_kernel("AvgPool2DGrad", kCpu, cpu::avg_pool2d_grad_kernel);
 }

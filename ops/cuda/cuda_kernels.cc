@@ -723,6 +723,22 @@ void max_pool_grad_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
+// MaxPool2DBiasActivationGrad: MaxPool2DGrad into dz, then BiasActivationGrad over dz in place:
+// the same launches, in the same order, as the two ops it stands for (the CPU kernel's single pass
+// is not written for GPUs yet).
+void max_pool_bias_activation_grad_kernel(KernelContext& ctx) {
+  const Tensor& y = ctx.input(0);
+  require_types(ctx, y, kFloat);
+  count_cudnn_path(false);
+  void* dz = ctx.output(0).raw_data();
+  max_pool_grad(type_of(y), flatten(pool_geometry(ctx, y.shape())), y.raw_data(), ctx.input(1).raw_data(), dz,
+                stream_of(ctx));
+  const auto [rows, cols] = rows_cols(y);
+  bias_activation_grad(activation_attr(ctx), type_of(y), dz, y.raw_data(), dz, ctx.output(1).raw_data(), rows, cols,
+                       stream_of(ctx));
+  check_launch(ctx);
+}
+
 void avg_pool_grad_kernel(KernelContext& ctx) {
   const Tensor& dy = ctx.input(1);
   require_types(ctx, dy, kFloat);
@@ -867,6 +883,7 @@ void register_cuda_kernels() {
   add("MaxPool2D", pool_kernel<false>);
   add("AvgPool2D", pool_kernel<true>);
   add("MaxPool2DGrad", max_pool_grad_kernel);
+  add("MaxPool2DBiasActivationGrad", max_pool_bias_activation_grad_kernel);
   add("AvgPool2DGrad", avg_pool_grad_kernel);
 }
 

@@ -8,6 +8,9 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "op_test_harness.h"
 #include "tandem/graph/autodiff.h"
@@ -590,4 +593,110 @@ TEST_CASE("FusedConv2D: activation(conv2d + bias), against the reference with gr
   auto b = g.placeholder(kFloat32, {5}, "b");
   CHECK_THROWS_WITH_AS(ops::fused_conv2d(x, f, b, ops::Activation::kRelu), doctest::Contains("bias of shape (5,)"),
                        InvalidArgument);
+}
+
+TEST_CASE("MaxPool2DBiasActivationGrad: MaxPool2DGrad then the activation's derivative and the bias sum") {
+  struct Geometry {
+    const char* name;
+    Shape y;
+    Window win;
+  };
+  const Geometry geometries[] = {
+      {"valid 2x2 stride 2", {2, 6, 6, 3}, {2, 2, 2, 2, Padding::kValid}},
+      {"valid 2x2 stride 2, odd input", {2, 7, 5, 3}, {2, 2, 2, 2, Padding::kValid}},
+      {"same 3x3 stride 2", {2, 7, 5, 4}, {3, 3, 2, 2, Padding::kSame}},
+      {"same 3x3 stride 1 (overlapping)", {1, 5, 5, 2}, {3, 3, 1, 1, Padding::kSame}},
+      {"valid 2x2 stride 3 (gaps between windows)", {2, 8, 7, 3}, {2, 2, 3, 3, Padding::kValid}},
+      {"the benchmark's first layer (26x26x32, batch 128)", {128, 26, 26, 32}, {2, 2, 2, 2, Padding::kValid}},
+  };
+  for (const auto& geometry : geometries) {
+    for (const auto activation : {ops::Activation::kRelu, ops::Activation::kLinear}) {
+      OpCase c;
+      c.name = fmt::format("MaxPool2DBiasActivationGrad {}, {}", ops::activation_name(activation), geometry.name);
+      const Window win = geometry.win;
+      const Dim dh = window_dim(geometry.y[1], win.k_h, win.s_h, win.padding);
+      const Dim dw = window_dim(geometry.y[2], win.k_w, win.s_w, win.padding);
+      // y of both signs, so that relu's derivative is 0 at some winners.
+      c.inputs = {InputSpec::floats(geometry.y).with_distinct(),
+                  InputSpec::floats({geometry.y[0], dh.out, dw.out, geometry.y[3]})};
+      c.build = [win, activation](const std::vector<Output>& in) {
+        graph::Attrs attrs = window_attrs(win.s_h, win.s_w, win.padding);
+        attrs.set("pool_size", std::vector<std::int64_t>{win.k_h, win.k_w});
+        attrs.set("activation", ops::activation_name(activation));
+        return ops::detail::add_op_multi("MaxPool2DBiasActivationGrad", {in[0], in[1]}, attrs);
+      };
+      c.reference = [win, activation](const std::vector<RefTensor>& in) {
+        RefTensor dz = ref_max_pool_grad(in[0], in[1], win);
+        const std::int64_t channels = in[0].shape[3];
+        RefTensor db(Shape{channels});
+        for (std::int64_t i = 0; i < dz.size(); ++i) {
+          if (activation == ops::Activation::kRelu && !(in[0][i] > 0)) dz[i] = 0;
+          db[i % channels] += dz[i];
+        }
+        return std::vector<RefTensor>{dz, db};
+      };
+      c.check_gradient = false;  // not differentiable, like MaxPool2DGrad
+      c.f32_tolerance = kLongSumF32Tolerance;
+      run_op_case(c);
+    }
+  }
+}
+
+namespace {
+
+// Each gradient of act(conv2d(x, f) + b) through a max pool, built from FusedConv2D (which takes
+// MaxPool2DBiasActivationGrad when a max pool follows) and from separate Conv2D, BiasAdd and
+// activation ops, in float64; and the names of the ops the fused gradient used.
+void check_pooled_fused_conv_gradient(ops::Activation activation, const std::string& fused_op) {
+  CAPTURE(ops::activation_name(activation));
+  const auto graph_ptr = std::make_shared<Graph>();
+  Graph& g = *graph_ptr;
+  const Output x = g.placeholder(kFloat64, {2, 9, 9, 3}, "x");
+  const Output f = g.placeholder(kFloat64, {3, 3, 3, 4}, "f");
+  const Output b = g.placeholder(kFloat64, {4}, "b");
+  const Output w = g.placeholder(kFloat64, {2, 3, 3, 4}, "w");
+  const auto loss_of = [&](Output y) { return ops::reduce_sum(ops::mul(ops::max_pool2d(y), w)); };
+  const Output fused_loss = loss_of(ops::fused_conv2d(x, f, b, activation));
+  const std::size_t first_gradient_node = static_cast<std::size_t>(g.num_nodes());
+  const auto fused = graph::gradients({&fused_loss, 1}, std::vector<Output>{x, f, b});
+  std::vector<std::string> gradient_ops;
+  for (int id = static_cast<int>(first_gradient_node); id < g.num_nodes(); ++id)
+    gradient_ops.push_back(g.node(id).op_name());
+  const auto uses = [&](const std::string& op) {
+    return std::find(gradient_ops.begin(), gradient_ops.end(), op) != gradient_ops.end();
+  };
+  CHECK(uses(fused_op));
+  CHECK(uses("MaxPool2DBiasActivationGrad") == (fused_op == "MaxPool2DBiasActivationGrad"));
+
+  Output z = ops::bias_add(ops::conv2d(x, f), b);
+  if (activation == ops::Activation::kRelu) z = ops::relu(z);
+  if (activation == ops::Activation::kSigmoid) z = ops::sigmoid(z);
+  const Output plain_loss = loss_of(z);
+  const auto plain = graph::gradients({&plain_loss, 1}, std::vector<Output>{x, f, b});
+
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<double> u(-1, 1);
+  const auto random = [&](const Shape& shape) {
+    std::vector<double> v(static_cast<std::size_t>(shape.num_elements()));
+    for (auto& e : v) e = u(rng);
+    return Tensor::from_vector<double>(v, shape);
+  };
+  graph::Executor ex(graph_ptr, devices::default_cpu_device());
+  const auto out =
+      ex.run({{x, random(x.shape())}, {f, random(f.shape())}, {b, random(b.shape())}, {w, random(w.shape())}},
+             {fused[0], fused[1], fused[2], plain[0], plain[1], plain[2]});
+  for (int i = 0; i < 3; ++i) {
+    const RefTensor got = to_ref(out[static_cast<std::size_t>(i)]), want = to_ref(out[static_cast<std::size_t>(i + 3)]);
+    REQUIRE(got.shape == want.shape);
+    for (std::int64_t e = 0; e < got.size(); ++e) REQUIRE(got[e] == doctest::Approx(want[e]).epsilon(1e-12));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("FusedConv2D's gradient through a max pool: one MaxPool2DBiasActivationGrad for relu and linear") {
+  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "MaxPool2DBiasActivationGrad");
+  check_pooled_fused_conv_gradient(ops::Activation::kLinear, "MaxPool2DBiasActivationGrad");
+  // sigmoid's derivative is not folded into the pool's gradient.
+  check_pooled_fused_conv_gradient(ops::Activation::kSigmoid, "BiasActivationGrad");
 }
