@@ -418,28 +418,41 @@ std::string vs_best_cell(double samples_per_s, double best) {
   return best > 0 ? fmt::format("{:>8.2f}x", samples_per_s / best) : fmt::format("{:>9}", "-");
 }
 
+// One model's row of print_ceiling_table: samples/s of tandem's training loop, of its steps alone
+// (Model::training_times), and of the fastest peer's loop.
+struct CeilingRow {
+  std::string kind;
+  double loop = 0, steps = 0, peer = 0;
+};
+
 // The training loops' GFLOP/s (samples/s x training_flops_per_sample) as a share of the sgemm
 // ceiling measured in the same invocation: the whole loop's time counts (data, element-wise ops,
-// Adam, the first step's graph building), so the share is a lower bound on the products' own.
-void print_ceiling_table(const bench::SgemmCeiling& ceiling, int threads,
-                         const std::vector<std::tuple<std::string, double, double>>& rows) {
+// Adam, the first step's graph building), so the share is a lower bound on the products' own;
+// "steps" counts only the steps' own time (Model::training_times().step_seconds).
+void print_ceiling_table(const bench::SgemmCeiling& ceiling, int threads, const std::vector<CeilingRow>& rows) {
   std::printf(
       "\nThe training loop against this run's sgemm ceiling, %.1f GFLOP/s (%s, %lld^3, %d thread(s);\n"
       "the best of one measurement before each tandem run). GFLOP/s = samples/s x the step's product\n"
       "FLOPs per sample: the forward, kernel-gradient and (past the first layer) input-gradient products\n"
-      "of each Dense and Conv2D layer. The loop's whole time counts, so these are lower bounds.\n",
+      "of each Dense and Conv2D layer.\n",
       ceiling.gflops, ceiling.which.c_str(), static_cast<long long>(bench::kCeilingSquare), threads);
-  std::printf("%-6s | %12s | %14s %8s | %14s %8s\n", "model", "MFLOP/sample", "tandem GFLOP/s", "ceiling",
-              "peer GFLOP/s", "ceiling");
-  std::printf("%s\n", std::string(74, '-').c_str());
-  for (const auto& [kind, ours, peer] : rows) {
-    const double flops = training_flops_per_sample(kind);
-    const double gf = ours * flops / 1e9, peer_gf = peer * flops / 1e9;
-    const std::string peer_cells = peer > 0 ? fmt::format("{:>14.1f} {:>8.2f}", peer_gf, peer_gf / ceiling.gflops)
-                                            : fmt::format("{:>14} {:>8}", "-", "-");
-    std::printf("%-6s | %12.2f | %14.1f %8.2f | %s\n", kind.c_str(), flops / 1e6, gf, gf / ceiling.gflops,
-                peer_cells.c_str());
+  std::printf("%-6s | %12s | %11s %7s | %11s %7s | %11s %7s\n", "model", "MFLOP/sample", "loop GFLOP", "ceiling",
+              "steps GFLOP", "ceiling", "peer GFLOP", "ceiling");
+  std::printf("%s\n", std::string(84, '-').c_str());
+  const auto cells = [&](double samples_per_s, double flops) {
+    if (samples_per_s <= 0) return fmt::format("{:>11} {:>7}", "-", "-");
+    const double gf = samples_per_s * flops / 1e9;
+    return fmt::format("{:>11.1f} {:>7.2f}", gf, gf / ceiling.gflops);
+  };
+  for (const auto& row : rows) {
+    const double flops = training_flops_per_sample(row.kind);
+    std::printf("%-6s | %12.2f | %s | %s | %s\n", row.kind.c_str(), flops / 1e6, cells(row.loop, flops).c_str(),
+                cells(row.steps, flops).c_str(), cells(row.peer, flops).c_str());
   }
+  std::printf(
+      "loop = tandem's whole training loop (a lower bound: the input pipeline and the first step's graph\n"
+      "building count), steps = its steps alone (Model::training_times), peer = the fastest peer column's\n"
+      "loop; GFLOP = GFLOP/s, ceiling = that over the sgemm ceiling.\n");
 }
 
 }  // namespace
@@ -486,7 +499,7 @@ int main(int argc, char** argv) try {
               "tf /s", "acc", "tf-xla /s", "acc", "vs best");
   std::printf("%s\n", std::string(98, '-').c_str());
   bench::SgemmCeiling ceiling;                                        // the best over the run
-  std::vector<std::tuple<std::string, double, double>> ceiling_rows;  // model, tandem's and the best peer's samples/s
+  std::vector<CeilingRow> ceiling_rows;
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
     std::vector<Result> ours_runs, torch_runs, tf_runs, xla_runs;
@@ -513,7 +526,9 @@ int main(int argc, char** argv) try {
                 cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(),
                 vs_best_cell(ours.samples_per_s, best_peer({torch, tf, xla})).c_str());
     std::fflush(stdout);
-    ceiling_rows.emplace_back(kind, ours.samples_per_s, best_peer({torch, tf, xla}));
+    const double step_samples_per_s =
+        ours.times.step_seconds > 0 ? static_cast<double>(ours.times.steps * kBatch) / ours.times.step_seconds : 0;
+    ceiling_rows.push_back({kind, ours.samples_per_s, step_samples_per_s, best_peer({torch, tf, xla})});
   }
   std::printf(
       "\ntorch = PyTorch eager (bench/peers/torch_fmnist.py, --threads as tandem's); tf = Keras 3 on TensorFlow\n"
