@@ -284,12 +284,14 @@ std::optional<Result> run_peer_command(const std::string& command) {
 // tandem's fit needs none: its first step is as fast as the rest.
 constexpr int kPeerWarmupSteps = 20;
 
-// bench/peers/torch_fmnist.py (PyTorch eager) with `python`, in one process of `threads` threads.
-std::optional<Result> run_torch_peer(const Options& o, const std::string& python, const std::string& kind,
-                                     int threads) {
+// bench/peers/torch_fmnist.py (PyTorch eager) with `python`, in one process of `threads` threads,
+// and `extra` flags: "--compile" for torch.compile (its warm-up steps compile; the script exits 3,
+// saying why, when torch.compile cannot run here).
+std::optional<Result> run_torch_peer(const Options& o, const std::string& python, const std::string& kind, int threads,
+                                     const std::string& extra = "") {
   return run_peer_command(
-      fmt::format("{} {} --model {} --epochs {} --batch {} --threads {} --warmup-steps {} --seed {} 2>&1", python,
-                  o.peer_script, kind, o.epochs, kBatch, threads, kPeerWarmupSteps, o.seed));
+      fmt::format("{} {} --model {} --epochs {} --batch {} --threads {} --warmup-steps {} --seed {} {} 2>&1", python,
+                  o.peer_script, kind, o.epochs, kBatch, threads, kPeerWarmupSteps, o.seed, extra));
 }
 
 // The environment every TensorFlow peer runs in: oneDNN's kernels on (off by default on AMD CPUs),
@@ -495,14 +497,14 @@ int main(int argc, char** argv) try {
               torch_version.c_str(), tf_version.c_str(), kPeerWarmupSteps);
   const auto data = data::fashion_mnist();
 
-  std::printf("%-6s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %9s\n", "model", "tandem /s", "acc", "torch /s", "acc",
-              "tf /s", "acc", "tf-xla /s", "acc", "vs best");
-  std::printf("%s\n", std::string(98, '-').c_str());
-  bench::SgemmCeiling ceiling;                                        // the best over the run
+  std::printf("%-6s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %9s\n", "model", "tandem /s", "acc",
+              "torch /s", "acc", "torch-c /s", "acc", "tf /s", "acc", "tf-xla /s", "acc", "vs best");
+  std::printf("%s\n", std::string(120, '-').c_str());
+  bench::SgemmCeiling ceiling;  // the best over the run
   std::vector<CeilingRow> ceiling_rows;
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
-    std::vector<Result> ours_runs, torch_runs, tf_runs, xla_runs;
+    std::vector<Result> ours_runs, torch_runs, compiled_runs, tf_runs, xla_runs;
     for (int r = 0; r < o.repeat; ++r) {
       if (const auto c = bench::measure_sgemm_ceiling(devices::default_cpu_device()); c.gflops > ceiling.gflops)
         ceiling = c;
@@ -510,6 +512,7 @@ int main(int argc, char** argv) try {
       if (!o.peer) continue;
       if (torch_version != "missing") {
         if (auto p = run_torch_peer(o, o.python, kind, threads)) torch_runs.push_back(*p);
+        if (auto p = run_torch_peer(o, o.python, kind, threads, "--compile")) compiled_runs.push_back(*p);
       }
       if (tf_version != "missing") {
         if (auto p = run_tf_peer(o, kind, "")) tf_runs.push_back(*p);
@@ -517,23 +520,26 @@ int main(int argc, char** argv) try {
       }
     }
     const Result ours = *median(ours_runs);
-    const std::optional<Result> torch = median(torch_runs), tf = median(tf_runs), xla = median(xla_runs);
+    const std::optional<Result> torch = median(torch_runs), compiled = median(compiled_runs), tf = median(tf_runs),
+                                xla = median(xla_runs);
     const auto cell = [](const std::optional<Result>& r) {
       if (!r) return fmt::format("{:>11} {:>7}", "-", "-");
       return fmt::format("{:>11.0f} {:>7.4f}", r->samples_per_s, r->test_accuracy);
     };
-    std::printf("%-6s | %11.0f %7.4f | %s | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
-                cell(torch).c_str(), cell(tf).c_str(), cell(xla).c_str(),
-                vs_best_cell(ours.samples_per_s, best_peer({torch, tf, xla})).c_str());
+    std::printf("%-6s | %11.0f %7.4f | %s | %s | %s | %s | %s\n", kind.c_str(), ours.samples_per_s, ours.test_accuracy,
+                cell(torch).c_str(), cell(compiled).c_str(), cell(tf).c_str(), cell(xla).c_str(),
+                vs_best_cell(ours.samples_per_s, best_peer({torch, compiled, tf, xla})).c_str());
     std::fflush(stdout);
     const double step_samples_per_s =
         ours.times.step_seconds > 0 ? static_cast<double>(ours.times.steps * kBatch) / ours.times.step_seconds : 0;
-    ceiling_rows.push_back({kind, ours.samples_per_s, step_samples_per_s, best_peer({torch, tf, xla})});
+    ceiling_rows.push_back({kind, ours.samples_per_s, step_samples_per_s, best_peer({torch, compiled, tf, xla})});
   }
   std::printf(
-      "\ntorch = PyTorch eager (bench/peers/torch_fmnist.py, --threads as tandem's); tf = Keras 3 on TensorFlow\n"
+      "\ntorch = PyTorch eager (bench/peers/torch_fmnist.py, --threads as tandem's); torch-c = the same under\n"
+      "torch.compile (--compile: inductor, compiled in the untimed warm-up steps); tf = Keras 3 on TensorFlow\n"
       "with oneDNN on (TF_ENABLE_ONEDNN_OPTS=1; bench/peers/tf_fmnist.py); tf-xla = the same with\n"
-      "jit_compile=True and steps_per_execution=32; vs best = tandem samples/s over the fastest peer column.\n");
+      "jit_compile=True and steps_per_execution=32; vs best = tandem samples/s over the fastest peer column;\n"
+      "- = that peer did not run (its output, with the reason, is on stderr).\n");
   print_ceiling_table(ceiling, threads, ceiling_rows);
   return 0;
 } catch (const tandem::Error& e) {
