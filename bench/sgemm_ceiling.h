@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tandem/devices/device.h"
@@ -140,6 +141,10 @@ inline SgemmCeiling measure_sgemm_ceiling(tandem::devices::Device& device, int s
   // Eigen reaches less than half of OpenBLAS here (bench_ops times both): timed only without it.
   if (best.gflops == 0)
     time("Eigen split", [&] { split_gemm(device, GemmBackend::kEigen, s, a.data(), b.data(), c.data()); });
+  // OpenBLAS's own threads poll for work for a while after their last call (THREAD_TIMEOUT,
+  // 2^28 cycles by default) before they sleep: long enough to take a core from whatever is timed
+  // next. Wait for them.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
   return best;
 }
 
