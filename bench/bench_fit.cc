@@ -500,14 +500,14 @@ int main(int argc, char** argv) try {
   std::printf("%-6s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %11s %7s | %9s\n", "model", "tandem /s", "acc",
               "torch /s", "acc", "torch-c /s", "acc", "tf /s", "acc", "tf-xla /s", "acc", "vs best");
   std::printf("%s\n", std::string(120, '-').c_str());
+  bench::SgemmCeilingProbe probe;
   bench::SgemmCeiling ceiling;  // the best over the run
   std::vector<CeilingRow> ceiling_rows;
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
     std::vector<Result> ours_runs, torch_runs, compiled_runs, tf_runs, xla_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      if (const auto c = bench::measure_sgemm_ceiling(devices::default_cpu_device()); c.gflops > ceiling.gflops)
-        ceiling = c;
+      if (const auto c = probe.measure(devices::default_cpu_device()); c.gflops > ceiling.gflops) ceiling = c;
       ours_runs.push_back(run_tandem(kind, data, o));
       if (!o.peer) continue;
       if (torch_version != "missing") {

@@ -98,54 +98,66 @@ struct SgemmCeiling {
   std::string which;  // "OpenBLAS split", "OpenBLAS threads" or "Eigen split"
 };
 
-// Times each candidate on a kCeilingSquare^3 product: `samples` samples of calls lasting at least
-// `min_seconds`, the best sample counting. Takes about a second at 200 GFLOP/s and blocks the
-// device's threads meanwhile.
-inline SgemmCeiling measure_sgemm_ceiling(tandem::devices::Device& device, int samples = 3, double min_seconds = 0.1) {
-  using tandem::ops::cpu::GemmBackend;
-  constexpr std::int64_t n = kCeilingSquare;
-  const tandem::ops::cpu::GemmShape s{
-      .transpose_a = false, .transpose_b = false, .m = n, .n = n, .k = n, .lda = n, .ldb = n, .ldc = n};
-  std::vector<float> a(static_cast<std::size_t>(n * n)), b(a.size()), c(a.size());
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  for (auto& x : a) x = u(rng);
-  for (auto& x : b) x = u(rng);
-  const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
-
-  SgemmCeiling best;
-  const auto time = [&](const std::string& which, auto&& call) {
-    call();  // warm-up: packing buffers, page faults
-    for (int sample = 0; sample < samples; ++sample) {
-      int calls = 0;
-      const auto start = std::chrono::steady_clock::now();
-      double elapsed = 0;
-      do {
-        call();
-        ++calls;
-        elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      } while (elapsed < min_seconds);
-      const double gflops = flops * calls / elapsed / 1e9;
-      if (gflops > best.gflops) best = {gflops, which};
-    }
-  };
-  if (tandem::ops::cpu::openblas_available()) {
-    time("OpenBLAS split", [&] { split_gemm(device, GemmBackend::kOpenBLAS, s, a.data(), b.data(), c.data()); });
-    const OpenBlasThreads own;
-    if (own.available() && device.intra_op_threads() > 1) {
-      own.set_threads(device.intra_op_threads());
-      time("OpenBLAS threads", [&] { own.run(s, a.data(), b.data(), c.data()); });
-      own.set_threads(1);
-    }
+// Measures the ceiling, on operands made once: bench_fit measures before each of its runs.
+class SgemmCeilingProbe {
+ public:
+  SgemmCeilingProbe() : a_(kElements), b_(kElements), c_(kElements) {
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (auto& x : a_) x = u(rng);
+    for (auto& x : b_) x = u(rng);
   }
-  // Eigen reaches less than half of OpenBLAS here (bench_ops times both): timed only without it.
-  if (best.gflops == 0)
-    time("Eigen split", [&] { split_gemm(device, GemmBackend::kEigen, s, a.data(), b.data(), c.data()); });
-  // OpenBLAS's own threads poll for work for a while after their last call (THREAD_TIMEOUT,
-  // 2^28 cycles by default) before they sleep: long enough to take a core from whatever is timed
-  // next. Wait for them.
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  return best;
-}
+
+  // Times each candidate on a kCeilingSquare^3 product: `samples` samples of calls lasting at
+  // least `min_seconds`, the best sample counting. Takes about a second at 200 GFLOP/s and blocks
+  // the device's threads meanwhile.
+  SgemmCeiling measure(tandem::devices::Device& device, int samples = 3, double min_seconds = 0.1) {
+    using tandem::ops::cpu::GemmBackend;
+    constexpr std::int64_t n = kCeilingSquare;
+    const tandem::ops::cpu::GemmShape s{
+        .transpose_a = false, .transpose_b = false, .m = n, .n = n, .k = n, .lda = n, .ldb = n, .ldc = n};
+    const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+    const float *a = a_.data(), *b = b_.data();
+    float* c = c_.data();
+
+    SgemmCeiling best;
+    const auto time = [&](const std::string& which, auto&& call) {
+      call();  // warm-up: packing buffers, page faults
+      for (int sample = 0; sample < samples; ++sample) {
+        int calls = 0;
+        const auto start = std::chrono::steady_clock::now();
+        double elapsed = 0;
+        do {
+          call();
+          ++calls;
+          elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        } while (elapsed < min_seconds);
+        const double gflops = flops * calls / elapsed / 1e9;
+        if (gflops > best.gflops) best = {gflops, which};
+      }
+    };
+    if (openblas_) {
+      time("OpenBLAS split", [&] { split_gemm(device, GemmBackend::kOpenBLAS, s, a, b, c); });
+      if (own_.available() && device.intra_op_threads() > 1) {
+        own_.set_threads(device.intra_op_threads());
+        time("OpenBLAS threads", [&] { own_.run(s, a, b, c); });
+        own_.set_threads(1);
+      }
+    }
+    // Eigen reaches less than half of OpenBLAS here (bench_ops times both): timed only without it.
+    if (best.gflops == 0) time("Eigen split", [&] { split_gemm(device, GemmBackend::kEigen, s, a, b, c); });
+    // OpenBLAS's own threads poll for work for a while after their last call (THREAD_TIMEOUT,
+    // 2^28 cycles by default) before they sleep: long enough to take a core from whatever is timed
+    // next. Wait for them.
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    return best;
+  }
+
+ private:
+  static constexpr auto kElements = static_cast<std::size_t>(kCeilingSquare * kCeilingSquare);
+  std::vector<float> a_, b_, c_;
+  bool openblas_ = tandem::ops::cpu::openblas_available();  // loads OpenBLAS, which own_ then finds
+  OpenBlasThreads own_;
+};
 
 }  // namespace bench

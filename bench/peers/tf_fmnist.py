@@ -32,6 +32,8 @@ import argparse, gzip, json, os, struct, sys, time
 
 import numpy as np
 
+from safetensors_io import read_safetensors, write_safetensors
+
 D = "/usr/share/datasets/fashion-mnist"
 
 
@@ -119,28 +121,6 @@ def adam_step_in_float64(tf, keras):
         self.assign_sub(variable, ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), self.epsilon)))
 
     adam.Adam.update_step = update_step
-
-
-def write_safetensors(path, tensors):
-    """(name, float32 array) pairs as safetensors, which tandem's Model::load_weights reads."""
-    header, blobs, offset = {}, [], 0
-    for name, value in tensors:
-        data = np.ascontiguousarray(value, np.float32).tobytes()
-        header[name] = {"dtype": "F32", "shape": list(value.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header, data = json.loads(f.read(size)), f.read()
-    return {name: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.float32).reshape(t["shape"])
-            for name, t in header.items() if name != "__metadata__"}
 
 
 def lockstep(a, tf, keras, model, xtr, ytr, xte, yte):
