@@ -292,6 +292,7 @@ struct ConvLayer {
 
 const ConvLayer kConvLayers[] = {{"28x28x1 -> 32", 28, 28, 1, 32, 3}, {"13x13x32 -> 64", 13, 13, 32, 64, 3}};
 const char* const kConvPasses[] = {"forward", "backprop filter", "backprop input"};
+const char* const kFusedConvPass = "forward + bias + relu (FusedConv2D)";
 
 void print_rule() { fmt::print("{}\n", std::string(kRuleWidth, '-')); }
 
@@ -394,6 +395,7 @@ void print_conv(const Timings& t, const devices::Device& device, double ceiling)
       row(pass == kConvPasses[0] ? layer.name : "", pass, f, s);
       layer_s += s;
     }
+    row("", kFusedConvPass, f, t.seconds("conv/" + layer.name + "/" + kFusedConvPass));
     row("", "forward + backward (all three)", 3 * f, layer_s);
     all_flops += 3 * f;
     all_s += layer_s;
@@ -477,13 +479,30 @@ std::vector<NnCase> add_nn_ops(Timings& t, devices::Device& device, std::vector<
     attrs.set("approximate", false);
     return in[0].graph->add("GeluGrad", {in[0], in[1]}, std::move(attrs));
   });
+  // The cnn model's two 2x2 max pools (bench_fit): the forward and the fused gradient its
+  // training step runs (relu's derivative and the bias gradient in the same pass).
+  for (const Shape& y : {Shape{128, 26, 26, 32}, Shape{128, 11, 11, 64}}) {
+    const Shape p{y[0], y[1] / 2, y[2] / 2, y[3]};
+    const double yb = static_cast<double>(y.num_elements()) * kF, pb = static_cast<double>(p.num_elements()) * kF;
+    const std::string shape = fmt::format("[{}, {}, {}, {}]", y[0], y[1], y[2], y[3]);
+    add({fmt::format("MaxPool2D {}x{}", y[1], y[2]), shape, yb + pb}, {y},
+        [](const std::vector<Output>& in) { return ops::max_pool2d(in[0]); });
+    add({fmt::format("MaxPool2DBiasActGrad relu {}x{}", y[1], y[2]), shape, 2 * yb + pb}, {y, p},
+        [](const std::vector<Output>& in) {
+          graph::Attrs attrs = ops::max_pool2d(in[0]).producer().attrs;
+          attrs.set("activation", "relu");
+          return in[0].graph->add_node("MaxPool2DBiasActivationGrad", {in[0], in[1]}, std::move(attrs))[0];
+        });
+  }
   return cases;
 }
 
 void print_nn_ops(const Timings& t, const devices::Device& device, const std::vector<NnCase>& cases, double copy_gbs,
                   double ceiling) {
-  fmt::print("\nnn ops at the shapes of char_gpt (tokens 32 x 128, width 128, MLP 512, 4 heads), float32 ({})\n",
-             threads_text(device.intra_op_threads()));
+  fmt::print(
+      "\nnn ops at the shapes of char_gpt (tokens 32 x 128, width 128, MLP 512, 4 heads) and of cnn's pools, "
+      "float32 ({})\n",
+      threads_text(device.intra_op_threads()));
   fmt::print(
       "  MB = every input read once + every output written once; copy = GB/s over the run's memory copy at the\n"
       "  same thread count ({:.1f} GB/s; these tensors fit in the last-level cache, so more than 1 is possible).\n"
@@ -591,6 +610,12 @@ int run(const Options& options) {
           std::make_unique<OpRunner>(device, std::vector<Shape>{layer.x(), layer.filter()},
                                      [](const std::vector<Output>& in) { return ops::conv2d(in[0], in[1]); }));
       t.add(key + kConvPasses[0], [&forward] { forward.run(); });
+      // The forward a Conv2D layer with a bias and relu runs in training (not in the sums below).
+      auto& fused = *runners.emplace_back(std::make_unique<OpRunner>(
+          device, std::vector<Shape>{layer.x(), layer.filter(), Shape{layer.cout}}, [](const std::vector<Output>& in) {
+            return ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu);
+          }));
+      t.add(key + kFusedConvPass, [&fused] { fused.run(); });
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
             device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {

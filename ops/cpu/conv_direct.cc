@@ -35,6 +35,7 @@ void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
 Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+Vec vrelu(Vec z) { return _mm512_max_ps(_mm512_setzero_ps(), z); }  // z when z is NaN or -0, like Eigen's
 float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 #else
 using Vec = __m256;
@@ -46,6 +47,7 @@ void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
 Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+Vec vrelu(Vec z) { return _mm256_max_ps(_mm256_setzero_ps(), z); }  // z when z is NaN or -0, like Eigen's
 float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -99,12 +101,13 @@ const int64_t* patch_offsets(const Window2DGeometry& g, int64_t width, int64_t c
 
 // --- forward ---------------------------------------------------------------------------------
 
-// y[MR pixels x 16 NV channels] = patches @ w. Pixel r's patch element kk is
+// y[MR pixels x 16 NV channels] = act(patches @ w + bias). Pixel r's patch element kk is
 // a[base + r * stride + off[kk]]; the index is summed before it touches the pointer, since a
 // window's corner may lie in the padding, outside the array (every element read is inside).
+// `epilogue.bias` points at the tile's first channel.
 template <int MR, int NV>
 void forward_tile(int64_t k, const float* a, int64_t base, int64_t stride, const int64_t* off, const float* w,
-                  int64_t ldw, float* y, int64_t ldy) {
+                  int64_t ldw, float* y, int64_t ldy, ForwardEpilogue epilogue) {
   Vec acc[MR][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
@@ -123,6 +126,21 @@ void forward_tile(int64_t k, const float* a, int64_t base, int64_t stride, const
       for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, wv[v], acc[r][v]);
     }
   }
+  if (epilogue.bias != nullptr) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      const Vec b = vload(epilogue.bias + kLanes * v);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) acc[r][v] = vadd(acc[r][v], b);
+    }
+  }
+  if (epilogue.relu) {
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = vrelu(acc[r][v]);
+    }
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
@@ -132,7 +150,7 @@ void forward_tile(int64_t k, const float* a, int64_t base, int64_t stride, const
 
 // Tables of every tile height, so that remainders run the same register-held code.
 using ForwardTileFn = void (*)(int64_t, const float*, int64_t, int64_t, const int64_t*, const float*, int64_t, float*,
-                               int64_t);
+                               int64_t, ForwardEpilogue);
 template <int NV, int... R>
 constexpr std::array<ForwardTileFn, sizeof...(R)> forward_tiles(std::integer_sequence<int, R...>) {
   return {&forward_tile<R + 1, NV>...};
@@ -172,7 +190,8 @@ bool forward_applies(const Window2DGeometry& g) {
 //    tap lists, with a copy of the filter rows of those taps, and run as tiles down the column
 //    (consecutive output rows with the same kh range), so that they too get a full register tile.
 // Work is split into blocks of up to kBlockRows output rows of one image.
-void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y) {
+void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y,
+                    ForwardEpilogue epilogue) {
   const int64_t o = g.out_c, c = g.in_c, k = g.patch_size(), kh_size = g.k_w * c;
   const int64_t* offsets = patch_offsets(g, g.in_w, c);
   const auto [full_begin, full_end] = full_columns(g);
@@ -220,6 +239,8 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
           for (int64_t j = 0; j < o;) {
             const int registers = column_block(o - j);
             const int64_t max_rows = max_tile_rows(registers);
+            ForwardEpilogue tile_epilogue = epilogue;
+            if (epilogue.bias != nullptr) tile_epilogue.bias = epilogue.bias + j;
             // Full columns: balanced tiles along each output row.
             const int64_t tiles = (full + max_rows - 1) / max_rows;
             for (int64_t oh = oh_begin; oh < oh_end; ++oh) {
@@ -229,7 +250,7 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
                 const int64_t ow0 = full_begin + t * full / tiles, ow1 = full_begin + (t + 1) * full / tiles;
                 forward_tile_fn(registers, ow1 - ow0)((kh1 - kh0) * kh_size, image, corner(oh, ow0), g.stride_w * c,
                                                       offsets + kk0, w + kk0 * o + j, o,
-                                                      y_image + (oh * g.out_w + ow0) * o + j, o);
+                                                      y_image + (oh * g.out_w + ow0) * o + j, o, tile_epilogue);
               }
             }
             // Edge columns: runs of rows with the same kh range, as tiles down the column.
@@ -244,7 +265,7 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
                 const int64_t per_kh = (kw1 - kw0) * c, first = e * k + kh0 * per_kh;
                 forward_tile_fn(registers, run)((kh1 - kh0) * per_kh, image, corner(oh, ow), g.stride_h * g.in_w * c,
                                                 edge_offsets + first, edge_w + first * o + j, o,
-                                                y_image + (oh * g.out_w + ow) * o + j, g.out_w * o);
+                                                y_image + (oh * g.out_w + ow) * o + j, g.out_w * o, tile_epilogue);
               }
               oh += run;
             }
@@ -529,14 +550,15 @@ void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, 
       for (int64_t oi = 0; oi < o; ++oi) dst[oi * c + ci] = src[ci * o + oi];
     }
   }
-  forward_direct(device, flipped_geometry(g), dy, flipped, dx);
+  forward_direct(device, flipped_geometry(g), dy, flipped, dx, {});
 }
 
 }  // namespace
 
-bool conv2d_forward(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y) {
+bool conv2d_forward(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y,
+                    ForwardEpilogue epilogue) {
   if (!forward_applies(g)) return false;
-  forward_direct(device, g, x, w, y);
+  forward_direct(device, g, x, w, y, epilogue);
   return true;
 }
 
@@ -602,7 +624,8 @@ bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
 
 #else  // baseline: the GEMM paths handle everything
 
-bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*,
+                    ForwardEpilogue) {
   return false;
 }
 bool conv2d_backprop_filter(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {

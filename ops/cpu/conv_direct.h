@@ -31,8 +31,15 @@ inline constexpr std::int64_t kMaxPatch = 4608;
 // Backprop-input computes each dx element as one dot product up to this many input channels.
 inline constexpr std::int64_t kMaxBackpropInputChannels = 4;
 
+// What forward applies to each tile of y while it is still in registers: y = act(conv + bias),
+// act relu or linear (FusedConv2D's other activations run as a pass over y afterwards).
+struct ForwardEpilogue {
+  const float* bias = nullptr;  // out_c values, or none
+  bool relu = false;            // max(0, z) as Eigen's relu computes it (-0 and NaN kept)
+};
+
 bool conv2d_forward(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* w,
-                    float* y);
+                    float* y, ForwardEpilogue epilogue = {});
 bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* dy,
                             float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,

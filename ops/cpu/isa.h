@@ -14,6 +14,7 @@
 
 #include "tandem/base/cpu_isa.h"
 #include "tandem/devices/device.h"
+#include "tandem/ops/cpu/conv_direct.h"
 #include "tandem/ops/cpu/conv_geometry.h"
 #include "tandem/ops/detail/update_rules.h"
 
@@ -37,7 +38,8 @@ struct IsaKernels {
   // Registers this level's CPU kernels for every op (once per process).
   void (*register_kernels)();
   // The direct convolutions (cpu/conv_direct.h), for the tests that compare levels.
-  bool (*conv2d_forward)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
+  bool (*conv2d_forward)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*,
+                         direct::ForwardEpilogue);
   bool (*conv2d_backprop_filter)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
   bool (*conv2d_backprop_input)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
   UpdateLoops<float> update_f32;

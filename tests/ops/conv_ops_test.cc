@@ -377,24 +377,28 @@ TEST_CASE("pooling at the benchmark shape (26x26x32, 2x2 stride 2, batch 128)") 
 }
 
 TEST_CASE("MaxPool2DGrad sends the gradient to the first of tied maxima, like TF's CPU kernel") {
-  // One 2x4 image, one channel, with 2x2 windows: the first window is all ties, the second has
-  // its maximum twice (second and fourth cell).
-  OpCase c;
-  c.name = "max pool ties";
-  InputSpec x{.shape = {1, 2, 4, 1}, .kind = InputSpec::Kind::kValues, .values = {1, 1, 0.5, 3, 1, 1, 0.25, 3}};
-  c.inputs = {x, InputSpec::floats({1, 1, 2, 1})};
-  const Window win{2, 2, 2, 2, Padding::kValid};
-  c.build = [](const std::vector<Output>& in) {
-    graph::Attrs attrs = window_attrs(2, 2, Padding::kValid);
-    attrs.set("pool_size", std::vector<std::int64_t>{2, 2});
-    const Output y = ops::max_pool2d(in[0]);
-    return std::vector<Output>{ops::detail::add_op("MaxPool2DGrad", {in[0], y, in[1]}, attrs)};
-  };
-  c.reference = [=](const std::vector<RefTensor>& in) {
-    return std::vector<RefTensor>{ref_max_pool_grad(in[0], in[1], win)};
-  };
-  c.check_gradient = false;
-  run_op_case(c);
+  // One 2x4 image with 2x2 windows: the first window is all ties, the second has its maximum
+  // twice (second and fourth cell). With 1 channel and with 9 (8 in a vector, 1 alone).
+  for (const std::int64_t channels : {1, 9}) {
+    OpCase c;
+    c.name = fmt::format("max pool ties, {} channel(s)", channels);
+    const std::vector<double> cells{1, 1, 0.5, 3, 1, 1, 0.25, 3};
+    InputSpec x{.shape = {1, 2, 4, channels}, .kind = InputSpec::Kind::kValues};
+    for (const double v : cells) x.values.insert(x.values.end(), static_cast<std::size_t>(channels), v);
+    c.inputs = {x, InputSpec::floats({1, 1, 2, channels})};
+    const Window win{2, 2, 2, 2, Padding::kValid};
+    c.build = [](const std::vector<Output>& in) {
+      graph::Attrs attrs = window_attrs(2, 2, Padding::kValid);
+      attrs.set("pool_size", std::vector<std::int64_t>{2, 2});
+      const Output y = ops::max_pool2d(in[0]);
+      return std::vector<Output>{ops::detail::add_op("MaxPool2DGrad", {in[0], y, in[1]}, attrs)};
+    };
+    c.reference = [=](const std::vector<RefTensor>& in) {
+      return std::vector<RefTensor>{ref_max_pool_grad(in[0], in[1], win)};
+    };
+    c.check_gradient = false;
+    run_op_case(c);
+  }
 }
 
 TEST_CASE("AvgPool2DGrad on its own, with its gradient (it is linear in dy)") {
@@ -608,6 +612,9 @@ TEST_CASE("MaxPool2DBiasActivationGrad: MaxPool2DGrad then the activation's deri
       {"same 3x3 stride 1 (overlapping)", {1, 5, 5, 2}, {3, 3, 1, 1, Padding::kSame}},
       {"valid 2x2 stride 3 (gaps between windows)", {2, 8, 7, 3}, {2, 2, 3, 3, Padding::kValid}},
       {"the benchmark's first layer (26x26x32, batch 128)", {128, 26, 26, 32}, {2, 2, 2, 2, Padding::kValid}},
+      // Float32 channels go 8 at a time where the CPU level has vectors, the rest one by one.
+      {"valid 2x2 stride 2, odd input, 8 + 3 channels", {2, 7, 5, 11}, {2, 2, 2, 2, Padding::kValid}},
+      {"same 3x3 stride 1 (overlapping), 16 + 3 channels", {1, 5, 5, 19}, {3, 3, 1, 1, Padding::kSame}},
   };
   for (const auto& geometry : geometries) {
     for (const auto activation : {ops::Activation::kRelu, ops::Activation::kLinear}) {

@@ -3,6 +3,7 @@
 // per level besides, under TANDEM_CPU_ISA; see CMakeLists.txt).
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -147,9 +148,18 @@ TEST_CASE("every level's direct convolutions equal the float64 definition") {
       const auto dy = tandem::testing::random_values(g.out_pixels() * g.out_c, 3);
       const Reference want = reference(g, x, w, dy);
       std::vector<float> y(want.y.size()), dw(want.dw.size()), dx(want.dx.size());
-      if (k.conv2d_forward(device, g, x.data(), w.data(), y.data())) {
+      if (k.conv2d_forward(device, g, x.data(), w.data(), y.data(), {})) {
         CHECK(relative_error(y, want.y) < 2e-6);
         ++ran;
+        // FusedConv2D's epilogue: relu(y + bias) in registers, the same bits as a pass after.
+        const auto bias = tandem::testing::random_values(g.out_c, 4);
+        std::vector<float> fused(y.size()), after(y.size());
+        REQUIRE(k.conv2d_forward(device, g, x.data(), w.data(), fused.data(), {.bias = bias.data(), .relu = true}));
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          const float z = y[i] + bias[i % static_cast<std::size_t>(g.out_c)];
+          after[i] = std::max(z, 0.0f);
+        }
+        CHECK(fused == after);
       }
       if (k.conv2d_backprop_filter(device, g, x.data(), dy.data(), dw.data())) {
         CHECK(relative_error(dw, want.dw) < 2e-6);
