@@ -115,6 +115,8 @@ class Graph {
   };
   Scope name_scope(std::string_view prefix);
   Scope device_scope(std::string_view device);  // validates the name (DeviceName::parse)
+  // The device nodes added now request ("" when no DeviceScope lives).
+  const std::string& current_device_scope() const { return device_scope_; }
 
   // A node name not yet used, with the current name scope: base, base_1, base_2, ...
   std::string unique_name(std::string_view base);

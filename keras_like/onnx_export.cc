@@ -225,13 +225,24 @@ class Exporter {
   }
 
   std::string pool(const graph::Node& node, bool max) {
-    const auto& strides = node.attrs.get<std::vector<std::int64_t>>("strides");
-    const auto& size = node.attrs.get<std::vector<std::int64_t>>("pool_size");
+    return pool_of(in(node, 0), node.attrs.get<std::vector<std::int64_t>>("pool_size"),
+                   node.attrs.get<std::vector<std::int64_t>>("strides"), auto_pad(node), max);
+  }
+
+  // FusedConv2DMaxPool: Conv, the activation, then MaxPool (its argmax output feeds gradients only).
+  std::string conv_max_pool(const graph::Node& node) {
+    const std::string pad = node.attrs.get<std::string>("pool_padding") == "SAME" ? "SAME_UPPER" : "VALID";
+    return pool_of(conv(node, true), node.attrs.get<std::vector<std::int64_t>>("pool_size"),
+                   node.attrs.get<std::vector<std::int64_t>>("pool_strides"), pad, true);
+  }
+
+  std::string pool_of(const std::string& x, const std::vector<std::int64_t>& size,
+                      const std::vector<std::int64_t>& strides, const std::string& pad, bool max) {
     const std::string y =
-        w_.node(max ? "MaxPool" : "AveragePool", {to_nchw(in(node, 0))}, max ? "maxpool" : "avgpool", [&](auto& n) {
+        w_.node(max ? "MaxPool" : "AveragePool", {to_nchw(x)}, max ? "maxpool" : "avgpool", [&](auto& n) {
           set_ints(n, "kernel_shape", size);
           set_ints(n, "strides", strides);
-          set_string(n, "auto_pad", auto_pad(node));
+          set_string(n, "auto_pad", pad);
           // TF's SAME average leaves the padding out of the count.
           if (!max) set_int(n, "count_include_pad", 0);
         });
@@ -397,6 +408,8 @@ class Exporter {
                      dtype, node.label());
     } else if (op == "Conv2D" || op == "FusedConv2D") {
       y = conv(node, op == "FusedConv2D");
+    } else if (op == "FusedConv2DMaxPool") {
+      y = conv_max_pool(node);
     } else if (op == "MaxPool2D" || op == "AvgPool2D") {
       y = pool(node, op == "MaxPool2D");
     } else if (op == "Reshape") {

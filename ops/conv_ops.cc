@@ -9,6 +9,15 @@
 //   MaxPool2DBiasActivationGrad(y, dp)       -> (dz, db) for p = MaxPool2D(y), y = act(z + b), act
 //                                            relu or linear: FusedConv2D's gradient when a max
 //                                            pool follows it (attrs: the pool's, activation)
+//   FusedConv2DMaxPool(x, filter, bias)      -> (p, argmax): p = MaxPool2D(act(conv + bias)) without
+//                                            the convolution's output in memory; argmax (uint8) the
+//                                            winning cell of each window and channel, or 255 where
+//                                            relu's derivative is 0 (attrs: the convolution's
+//                                            strides, padding, activation; pool_size, pool_strides,
+//                                            pool_padding VALID, windows disjoint)
+//   MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db): its gradient with respect to
+//                                            conv + bias and bias, from argmax alone (x and filter
+//                                            give dz's shape)
 // The backprop ops are linear in their non-shape inputs, so they have gradients too (second
 // derivatives, and gradient checks of the backprop kernels themselves).
 #include "tandem/ops/conv_ops.h"
@@ -68,7 +77,44 @@ Output fused_conv2d(Output x, Output filter, Output bias, Activation activation,
   return detail::add_op("FusedConv2D", {x, filter, bias}, std::move(attrs));
 }
 
+namespace {
+
+// FusedConv2DMaxPool in place of MaxPool2D(x) when x is a FusedConv2D's output the kernels can
+// pool while it is in cache and nothing else reads (see max_pool2d in conv_ops.h).
+std::optional<Output> fuse_conv_max_pool(Output x, const Pool2DOptions& options) {
+  if (!x.defined() || x.index != 0) return std::nullopt;
+  const graph::Node& conv = x.producer();
+  if (conv.op_name() != "FusedConv2D") return std::nullopt;
+  const auto& activation = conv.attrs.get<std::string>("activation");
+  if (activation != activation_name(Activation::kRelu) && activation != activation_name(Activation::kLinear))
+    return std::nullopt;
+  if (x.dtype() != graph::kFloat32 && x.dtype() != graph::kFloat64) return std::nullopt;
+  const auto [k_h, k_w] = options.pool_size;
+  const auto [s_h, s_w] = options.strides;
+  if (options.padding != Padding::kValid || k_h < 1 || k_w < 1 || s_h < k_h || s_w < k_w ||
+      k_h * k_w > detail::kMaxFusedPoolCells)
+    return std::nullopt;
+  // Its windows must fit (the MaxPool2D node reports a window larger than the input).
+  const Shape& y = x.shape();
+  if ((y[1] >= 0 && y[1] < k_h) || (y[2] >= 0 && y[2] < k_w)) return std::nullopt;
+  Graph& graph = *x.graph;
+  if (conv.device != graph.current_device_scope()) return std::nullopt;  // a placement boundary
+  for (int id = 0; id < graph.num_nodes(); ++id) {
+    for (const Output& input : graph.node(id).inputs) {
+      if (input == x) return std::nullopt;
+    }
+  }
+  Attrs attrs = conv.attrs;
+  attrs.set(detail::kPoolSizeAttr, std::vector<std::int64_t>{k_h, k_w});
+  attrs.set(detail::kPoolStridesAttr, std::vector<std::int64_t>{s_h, s_w});
+  attrs.set(detail::kPoolPaddingAttr, detail::padding_name(options.padding));
+  return detail::add_op_multi("FusedConv2DMaxPool", conv.inputs, std::move(attrs))[0];
+}
+
+}  // namespace
+
 Output max_pool2d(Output x, const Pool2DOptions& options) {
+  if (auto fused = fuse_conv_max_pool(x, options)) return *fused;
   return detail::add_op("MaxPool2D", {x}, pool_attrs(options));
 }
 
@@ -249,6 +295,64 @@ std::vector<TensorSpec> max_pool_bias_activation_grad_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), y}, TensorSpec{ctx.dtype(0), Shape{y[3]}}};
 }
 
+// FusedConv2DMaxPool(x, filter, bias): FusedConv2D's checks, then its pool's over the output.
+std::vector<TensorSpec> fused_conv2d_max_pool_shape(ShapeContext& ctx) {
+  const TensorSpec y = fused_conv2d_shape(ctx)[0];
+  const auto& activation = ctx.attrs().get<std::string>("activation");
+  ctx.require(activation == activation_name(Activation::kRelu) || activation == activation_name(Activation::kLinear),
+              "activation {} is not fused into a convolution with a max pool (relu or linear)", activation);
+  const auto positive_pair = [&](std::string_view name) {
+    const auto& v = ctx.attrs().get<std::vector<std::int64_t>>(name);
+    ctx.require(v.size() == 2 && v[0] > 0 && v[1] > 0, "{} must be two positive integers (height, width), got [{}]",
+                name, fmt::join(v, ", "));
+  };
+  positive_pair(kPoolSizeAttr);
+  positive_pair(kPoolStridesAttr);
+  WindowAttrs pool;
+  try {
+    pool = read_fused_pool_attrs(ctx.attrs());
+  } catch (const InvalidArgument& e) {
+    ctx.fail("{}", e.what());
+  }
+  const auto [k_h, k_w] = pool.pool_size;
+  ctx.require(pool.padding == Padding::kValid && pool.strides[0] >= k_h && pool.strides[1] >= k_w &&
+                  k_h * k_w <= kMaxFusedPoolCells,
+              "pool window {}x{}, strides [{}, {}], padding {}: FusedConv2DMaxPool takes VALID windows that do not "
+              "overlap, up to {} cells (MaxPool2D takes the others)",
+              k_h, k_w, pool.strides[0], pool.strides[1], padding_name(pool.padding), kMaxFusedPoolCells);
+  const Shape p =
+      window_output_shape(ctx, y.shape, k_h, k_w, y.shape[3], pool, fmt::format("pool window {}x{}", k_h, k_w));
+  return {TensorSpec{y.dtype, p}, TensorSpec{graph::kUInt8, p}};
+}
+
+// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db), dz shaped like Conv2D(x, filter).
+std::vector<TensorSpec> max_pool_argmax_bias_grad_shape(ShapeContext& ctx) {
+  ctx.require_float(0);
+  ctx.require_same_dtype(0, 1);
+  ctx.require_same_dtype(0, 3);
+  ctx.require(ctx.dtype(2) == graph::kUInt8, "argmax must be uint8 (FusedConv2DMaxPool's), got {}",
+              graph::dtype_name(ctx.dtype(2)));
+  require_nhwc(ctx, 0, "x");
+  require_nhwc(ctx, 1, "filter");
+  require_nhwc(ctx, 2, "argmax");
+  require_nhwc(ctx, 3, "dp");
+  const auto attrs = checked_window_attrs(ctx, false);
+  Shape z = conv_output_shape(ctx, 0, 1, attrs);
+  WindowAttrs pool;
+  try {
+    pool = read_fused_pool_attrs(ctx.attrs());
+  } catch (const InvalidArgument& e) {
+    ctx.fail("{}", e.what());
+  }
+  const Shape p = window_output_shape(ctx, z, pool.pool_size[0], pool.pool_size[1], z[3], pool,
+                                      fmt::format("pool window {}x{}", pool.pool_size[0], pool.pool_size[1]));
+  const std::string from = fmt::format("Conv2D of x {} and filter {}, pooled", ctx.shape(0), ctx.shape(1));
+  require_compatible(ctx, ctx.shape(2), p, "argmax", from);
+  require_compatible(ctx, ctx.shape(3), p, "dp", from);
+  z = merge_shapes(z, Shape{ctx.shape(3)[0], -1, -1, ctx.shape(3)[3]});
+  return {TensorSpec{ctx.dtype(0), z}, TensorSpec{ctx.dtype(0), Shape{z[3]}}};
+}
+
 // --- gradients -------------------------------------------------------------------------------
 
 // y = Conv2D(x, w): dx = BackpropInput(x, w, dy), dw = BackpropFilter(x, w, dy).
@@ -286,6 +390,16 @@ std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
   const Output dz = (*dz_db)[0];
   return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()),
           add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), (*dz_db)[1]};
+}
+
+// (p, argmax) = FusedConv2DMaxPool(x, w, b): {dz, db} from argmax and dp (no pass over the
+// convolution's output, which was never stored), then the convolution's gradients of dz.
+std::vector<Output> fused_conv2d_max_pool_grad(GradContext& ctx) {
+  if (!ctx.has_grad(0)) return {Output{}, Output{}, Output{}};
+  const Output x = ctx.input(0), w = ctx.input(1);
+  const auto dz_db = add_op_multi("MaxPool2DArgmaxBiasGrad", {x, w, ctx.output(1), ctx.grad(0)}, ctx.attrs());
+  return {add_op("Conv2DBackpropInput", {x, w, dz_db[0]}, ctx.attrs()),
+          add_op("Conv2DBackpropFilter", {x, w, dz_db[0]}, ctx.attrs()), dz_db[1]};
 }
 
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
@@ -345,6 +459,18 @@ void register_conv_ops() {
               .max_inputs = 2,
               .num_outputs = 2,
               .shape_fn = max_pool_bias_activation_grad_shape});
+  r.add(OpDef{.name = "FusedConv2DMaxPool",
+              .min_inputs = 3,
+              .max_inputs = 3,
+              .num_outputs = 2,
+              .shape_fn = fused_conv2d_max_pool_shape,
+              .grad_fn = fused_conv2d_max_pool_grad});
+  // Not differentiable (it stands for MaxPool2DGrad too).
+  r.add(OpDef{.name = "MaxPool2DArgmaxBiasGrad",
+              .min_inputs = 4,
+              .max_inputs = 4,
+              .num_outputs = 2,
+              .shape_fn = max_pool_argmax_bias_grad_shape});
   r.add(
       OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
   r.add(OpDef{.name = "AvgPool2DGrad",

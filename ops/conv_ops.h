@@ -31,6 +31,12 @@ struct Pool2DOptions {
   std::array<std::int64_t, 2> strides{2, 2};
   Padding padding = Padding::kValid;
 };
+// A max pool of a FusedConv2D output that nothing else reads yet (relu or linear, float32 or
+// float64, VALID windows that do not overlap, up to 254 cells: Keras' MaxPooling2D after a
+// Conv2D) becomes one FusedConv2DMaxPool node: the convolution's output is pooled while it is in
+// cache instead of being written out, read back by the pool and read again by the gradient. The
+// FusedConv2D node stays, without consumers (executors prune it; a consumer added later makes it
+// run too). Otherwise a MaxPool2D node.
 Output max_pool2d(Output x, const Pool2DOptions& options = {});
 // With kSame, padded positions are not counted in the average (TF semantics).
 Output avg_pool2d(Output x, const Pool2DOptions& options = {});

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <limits>
 #include <utility>
 
 #include "tandem/ops/cpu/conv_scratch.h"
@@ -37,6 +39,16 @@ Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 Vec vrelu(Vec z) { return _mm512_max_ps(_mm512_setzero_ps(), z); }  // z when z is NaN or -0, like Eigen's
 float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// The max pool's compare-and-select, and its winning cells as 32-bit lanes.
+using Mask = __mmask16;
+using IVec = __m512i;
+Mask vgreater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+Vec vselect(Mask m, Vec if_false, Vec if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
+IVec iselect(Mask m, IVec if_false, IVec if_true) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
+IVec iset(int v) { return _mm512_set1_epi32(v); }
+void store_low_bytes(std::uint8_t* p, IVec v) {  // the low byte of each lane, in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+}
 #else
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -52,6 +64,23 @@ float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+using Mask = __m256;  // all ones in the lanes that hold
+using IVec = __m256i;
+Mask vgreater(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+Vec vselect(Mask m, Vec if_false, Vec if_true) { return _mm256_blendv_ps(if_false, if_true, m); }
+IVec iselect(Mask m, IVec if_false, IVec if_true) {
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(if_false), _mm256_castsi256_ps(if_true), m));
+}
+IVec iset(int v) { return _mm256_set1_epi32(v); }
+void store_low_bytes(std::uint8_t* p, IVec v) {  // the low byte of each lane, in order
+  // Each 128-bit half gathers its lanes' low bytes into its first 4 bytes; then the two halves'
+  // first 32 bits are brought together.
+  const __m256i bytes =
+      _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12,
+                                              -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 #endif
 constexpr int kTileRows = 12;     // rows of a tile one register wide (and of 2 with AVX-512)
@@ -78,6 +107,7 @@ thread_local ScratchBuffer tls_padded;        // backprop-filter: the zero-padde
 thread_local ScratchBuffer tls_partials;      // backprop-filter: partial sums of the parts but one
 thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow, or -1
 thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
+thread_local ScratchBuffer tls_pooled_rows;   // forward with a max pool: one block of y (every thread)
 
 // Registers in the next column block of the output channels when `left` channels remain.
 int column_block(int64_t left) {
@@ -185,15 +215,48 @@ bool forward_applies(const Window2DGeometry& g) {
   return edges * g.patch_size() * g.out_c * static_cast<int64_t>(sizeof(float)) <= kMaxEdgeFilterBytes;
 }
 
+// Max-pools y's rows [row0, row_end) of image n (in `rows`, row0 first) into the windows that lie
+// inside them: the same strict comparisons in the same cell order as MaxPool2D and
+// MaxPool2DBiasActivationGrad, so p and the winners are theirs, bit for bit.
+void max_pool_rows(const ForwardMaxPool& mp, const float* rows, int64_t row0, int64_t row_end, int64_t n, bool relu) {
+  const Window2DGeometry& pg = mp.pool;
+  const int64_t c = pg.in_c, width = pg.in_w;
+  const Vec lowest = vbroadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t ph = row0 / pg.stride_h; ph < pg.out_h && ph * pg.stride_h + pg.k_h <= row_end; ++ph) {
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      const int64_t out = ((n * pg.out_h + ph) * pg.out_w + pw) * c;
+      const float* corner = rows + ((ph * pg.stride_h - row0) * width + pw * pg.stride_w) * c;
+      for (int64_t i = 0; i < c; i += kLanes) {
+        Vec best = lowest;
+        IVec arg = iset(detail::kNoWinner);
+        int cell = 0;
+        for (int64_t dh = 0; dh < pg.k_h; ++dh) {
+          for (int64_t dw = 0; dw < pg.k_w; ++dw, ++cell) {
+            const Vec v = vload(corner + (dh * width + dw) * c + i);
+            const Mask greater = vgreater(v, best);  // strict: the first maximum wins
+            best = vselect(greater, best, v);
+            arg = iselect(greater, arg, iset(cell));
+          }
+        }
+        if (relu) arg = iselect(vgreater(best, vzero()), iset(detail::kNoWinner), arg);  // relu' = 0 there
+        vstore(mp.p + out + i, best);
+        store_low_bytes(mp.argmax + out + i, arg);
+      }
+    }
+  }
+}
+
 // y = conv(x, w) (w: [kh * kw * in_c, out_c], out_c % 16 == 0). Padding is never materialised
 // nor multiplied:
 //  - filter rows over padding rows are left out of the reduction (a kh range per output row);
 //  - the output columns whose windows cross the left or right edge (edge columns) have their own
 //    tap lists, with a copy of the filter rows of those taps, and run as tiles down the column
 //    (consecutive output rows with the same kh range), so that they too get a full register tile.
-// Work is split into blocks of up to kBlockRows output rows of one image.
+// Work is split into blocks of up to kBlockRows output rows of one image. With `pool`, a block is
+// a whole number of pool rows (windows never straddle two), its rows go to a per-thread buffer
+// that max_pool_rows then reduces, and rows no window reads (the VALID remainder) are skipped.
 void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y,
-                    ForwardEpilogue epilogue) {
+                    ForwardEpilogue epilogue, const ForwardMaxPool* pool = nullptr) {
   const int64_t o = g.out_c, c = g.in_c, k = g.patch_size(), kh_size = g.k_w * c;
   const int64_t* offsets = patch_offsets(g, g.in_w, c);
   const auto [full_begin, full_end] = full_columns(g);
@@ -223,17 +286,23 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
       }
     }
   }
-  const int64_t blocks_per_image = (g.out_h + kBlockRows - 1) / kBlockRows;
-  const int64_t block_work = kBlockRows * g.out_w * o * k;
+  const int64_t pool_stride = pool != nullptr ? pool->pool.stride_h : 1;
+  const int64_t block_rows = std::max<int64_t>(1, kBlockRows / pool_stride) * pool_stride;
+  const int64_t rows = pool != nullptr ? std::min(g.out_h, pool->pool.out_h * pool_stride) : g.out_h;
+  const int64_t blocks_per_image = (rows + block_rows - 1) / block_rows;
+  const int64_t block_work = block_rows * g.out_w * o * k;
   device.parallel_for(
       g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
       [&](int64_t begin, int64_t end) {
         for (int64_t unit = begin; unit < end; ++unit) {
           const int64_t n = unit / blocks_per_image;
-          const int64_t oh_begin = unit % blocks_per_image * kBlockRows,
-                        oh_end = std::min(g.out_h, oh_begin + kBlockRows);
+          const int64_t oh_begin = unit % blocks_per_image * block_rows, oh_end = std::min(rows, oh_begin + block_rows);
           const float* image = x + n * g.in_h * g.in_w * c;
-          float* y_image = y + n * g.out_h * g.out_w * o;
+          // Output row oh goes to y_rows + (oh - y_row0) * g.out_w * o.
+          float* y_rows =
+              pool != nullptr ? tls_pooled_rows.get<float>(block_rows * g.out_w * o) : y + n * g.out_h * g.out_w * o;
+          const int64_t y_row0 = pool != nullptr ? oh_begin : 0;
+          const auto y_at = [&](int64_t oh, int64_t ow) { return y_rows + ((oh - y_row0) * g.out_w + ow) * o; };
           // Index in `image` of the corner of output pixel (oh, ow)'s window: negative in padding.
           const auto corner = [&](int64_t oh, int64_t ow) {
             return ((oh * g.stride_h - g.pad_top) * g.in_w + ow * g.stride_w - g.pad_left) * c;
@@ -251,8 +320,8 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
               for (int64_t t = 0; t < tiles; ++t) {
                 const int64_t ow0 = full_begin + t * full / tiles, ow1 = full_begin + (t + 1) * full / tiles;
                 forward_tile_fn(registers, ow1 - ow0)((kh1 - kh0) * kh_size, image, corner(oh, ow0), g.stride_w * c,
-                                                      offsets + kk0, w + kk0 * o + j, o,
-                                                      y_image + (oh * g.out_w + ow0) * o + j, o, tile_epilogue);
+                                                      offsets + kk0, w + kk0 * o + j, o, y_at(oh, ow0) + j, o,
+                                                      tile_epilogue);
               }
             }
             // Edge columns: runs of rows with the same kh range, as tiles down the column.
@@ -266,13 +335,14 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
                 const auto [kw0, kw1] = kw_range(ow);
                 const int64_t per_kh = (kw1 - kw0) * c, first = e * k + kh0 * per_kh;
                 forward_tile_fn(registers, run)((kh1 - kh0) * per_kh, image, corner(oh, ow), g.stride_h * g.in_w * c,
-                                                edge_offsets + first, edge_w + first * o + j, o,
-                                                y_image + (oh * g.out_w + ow) * o + j, g.out_w * o, tile_epilogue);
+                                                edge_offsets + first, edge_w + first * o + j, o, y_at(oh, ow) + j,
+                                                g.out_w * o, tile_epilogue);
               }
               oh += run;
             }
             j += registers * kLanes;
           }
+          if (pool != nullptr) max_pool_rows(*pool, y_rows, oh_begin, oh_end, n, epilogue.relu);
         }
       });
 }
@@ -564,6 +634,13 @@ bool conv2d_forward(devices::Device& device, const Window2DGeometry& g, const fl
   return true;
 }
 
+bool conv2d_forward_max_pool(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w,
+                             ForwardEpilogue epilogue, const ForwardMaxPool& pool) {
+  if (!forward_applies(g)) return false;
+  forward_direct(device, g, x, w, nullptr, epilogue, &pool);
+  return true;
+}
+
 bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, const float* x, const float* dy,
                             float* dw) {
   if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0 || g.patch_size() > kMaxPatch) return false;
@@ -628,6 +705,10 @@ bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
 
 bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*,
                     ForwardEpilogue) {
+  return false;
+}
+bool conv2d_forward_max_pool(devices::Device&, const detail::Window2DGeometry&, const float*, const float*,
+                             ForwardEpilogue, const ForwardMaxPool&) {
   return false;
 }
 bool conv2d_backprop_filter(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {

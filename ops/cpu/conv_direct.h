@@ -8,7 +8,8 @@
 // channels (AVX-512: 16 floats a register, tiles of 12 pixels x 32 channels or 6 x 64; AVX2: 8
 // floats, tiles of 12 x 8 or 6 x 16). On the
 // benchmark CNN they run at 75-100% of the core's FMA peak where im2col + OpenBLAS ran at 60%.
-//   forward           any padding and stride; output channels a multiple of the lanes (16, 8)
+//   forward           any padding and stride; output channels a multiple of the lanes (16, 8);
+//                     optionally max-pooled block by block (FusedConv2DMaxPool)
 //   backprop filter   the same, reducing a tile of dW over the pixels in registers
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
 //                     channels a multiple of the lanes: the forward kernel over dy with the filter
@@ -38,8 +39,20 @@ struct ForwardEpilogue {
   bool relu = false;            // max(0, z) as Eigen's relu computes it (-0 and NaN kept)
 };
 
+// FusedConv2DMaxPool's pool, applied to each block of y's rows while forward's tiles have just
+// written them to a small per-thread buffer: y itself is never stored. p is each window's maximum;
+// argmax its first winning cell (row-major in the window, strict comparisons in scan order) or
+// detail::kNoWinner when no cell won or, with the epilogue's relu, the maximum is not > 0.
+struct ForwardMaxPool {
+  detail::Window2DGeometry pool;  // over y; VALID windows that do not overlap, at most 254 cells
+  float* p = nullptr;
+  std::uint8_t* argmax = nullptr;
+};
+
 bool conv2d_forward(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* w,
                     float* y, ForwardEpilogue epilogue = {});
+bool conv2d_forward_max_pool(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* w,
+                             ForwardEpilogue epilogue, const ForwardMaxPool& pool);
 bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* dy,
                             float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -21,6 +22,15 @@ namespace tandem::ops::detail {
 inline constexpr std::string_view kStridesAttr = "strides";
 inline constexpr std::string_view kPaddingAttr = "padding";
 inline constexpr std::string_view kPoolSizeAttr = "pool_size";
+// FusedConv2DMaxPool keeps the convolution's strides and padding under the names above and its
+// pool's under these (with kPoolSizeAttr).
+inline constexpr std::string_view kPoolStridesAttr = "pool_strides";
+inline constexpr std::string_view kPoolPaddingAttr = "pool_padding";
+// FusedConv2DMaxPool's argmax of a window no cell won: relu's derivative is 0 at its maximum (the
+// maximum is <= 0), or every cell is NaN. Other values are the winning cell, row-major in the window.
+inline constexpr std::uint8_t kNoWinner = 255;
+// The largest pool window FusedConv2DMaxPool takes (its argmax is one byte).
+inline constexpr std::int64_t kMaxFusedPoolCells = 254;
 
 inline std::string_view padding_name(Padding padding) { return padding == Padding::kSame ? "SAME" : "VALID"; }
 
@@ -115,6 +125,21 @@ inline Window2DGeometry conv_geometry(const graph::Attrs& attrs, const graph::Sh
 inline Window2DGeometry pool_geometry(const graph::Attrs& attrs, const graph::Shape& x) {
   const WindowAttrs window = read_window_attrs(attrs, true);
   return make_window_geometry(x, window.pool_size[0], window.pool_size[1], x[3], window);
+}
+
+// FusedConv2DMaxPool's pool attributes (kPoolSizeAttr, kPoolStridesAttr, kPoolPaddingAttr).
+inline WindowAttrs read_fused_pool_attrs(const graph::Attrs& attrs) {
+  WindowAttrs w;
+  w.strides = pair_attr(attrs, kPoolStridesAttr);
+  w.pool_size = pair_attr(attrs, kPoolSizeAttr);
+  w.padding = parse_padding(attrs.get<std::string>(kPoolPaddingAttr));
+  return w;
+}
+// FusedConv2DMaxPool: the geometry of its pool over the convolution's output `conv` (out_c = in_c).
+inline Window2DGeometry fused_pool_geometry(const graph::Attrs& attrs, const Window2DGeometry& conv) {
+  const WindowAttrs window = read_fused_pool_attrs(attrs);
+  return make_window_geometry(graph::Shape{conv.batch, conv.out_h, conv.out_w, conv.out_c}, window.pool_size[0],
+                              window.pool_size[1], conv.out_c, window);
 }
 
 }  // namespace tandem::ops::detail

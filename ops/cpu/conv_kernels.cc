@@ -59,6 +59,7 @@ thread_local ScratchBuffer tls_col;       // im2col / col2im chunks (every threa
 thread_local ScratchBuffer tls_partials;  // backprop-filter partial sums (the calling thread)
 thread_local ScratchBuffer tls_pool_best;
 thread_local ScratchBuffer tls_pool_arg;
+thread_local ScratchBuffer tls_fused_y;  // FusedConv2DMaxPool without the direct kernels: a chunk of y
 
 // --- geometry --------------------------------------------------------------------------------
 
@@ -540,6 +541,119 @@ void max_pool_backward(devices::Device& device, const Window2DGeometry& g, const
   }
 }
 
+// FusedConv2DMaxPool's pool where the direct kernels do not take it (float64, other
+// geometries): y is one chunk of images' act(conv + bias); p gets each window's maximum and
+// argmax its first winning cell, or detail::kNoWinner (see conv_direct.h's ForwardMaxPool).
+template <class T>
+void max_pool_argmax(devices::Device& device, const Window2DGeometry& g, const T* y, T* p, std::uint8_t* argmax,
+                     bool relu) {
+  const std::int64_t c = g.in_c, rows = g.batch * g.out_h;
+  device.parallel_for(rows, row_grain(g.out_w * c * g.k_h * g.k_w), [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t row = begin; row < end; ++row) {
+      const std::int64_t image = row / g.out_h, oh = row % g.out_h;
+      const T* y_image = y + image * g.in_h * g.in_w * c;
+      for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
+        const ClippedWindow win(g, oh, ow);
+        T* best = p + (row * g.out_w + ow) * c;
+        std::uint8_t* arg = argmax + (row * g.out_w + ow) * c;
+        std::fill_n(best, c, -std::numeric_limits<T>::infinity());
+        std::fill_n(arg, c, detail::kNoWinner);
+        std::uint8_t cell = 0;
+        for (std::int64_t h = win.h0; h < win.h1; ++h) {
+          for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
+            const T* in = y_image + (h * g.in_w + w) * c;
+            for (std::int64_t i = 0; i < c; ++i) {
+              const bool greater = in[i] > best[i];  // strict: the first maximum wins
+              best[i] = greater ? in[i] : best[i];
+              arg[i] = greater ? cell : arg[i];
+            }
+          }
+        }
+        if (relu) {  // relu' = 0 at the winner
+          for (std::int64_t i = 0; i < c; ++i) arg[i] = best[i] > T(0) ? arg[i] : detail::kNoWinner;
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX2__)
+// max_pool_argmax_bias_grad's work on one window for the float32 channels [0, nv) (nv a multiple
+// of 8), eight at a time: the same values and sums as its loops, which the compiler leaves scalar
+// (they mix bytes and floats).
+void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win, const std::uint8_t* arg,
+                             const float* grad, float* dz_image, double* sums, std::int64_t nv) {
+  const std::int64_t c = g.in_c;
+  for (std::int64_t i = 0; i < nv; i += 8) {
+    const __m256i winner = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(arg + i)));
+    const __m256 dy = _mm256_loadu_ps(grad + i);
+    const __m256 none = _mm256_castsi256_ps(_mm256_cmpeq_epi32(winner, _mm256_set1_epi32(detail::kNoWinner)));
+    const __m256 added = _mm256_andnot_ps(none, dy);
+    _mm256_storeu_pd(sums + i,
+                     _mm256_add_pd(_mm256_loadu_pd(sums + i), _mm256_cvtps_pd(_mm256_castps256_ps128(added))));
+    _mm256_storeu_pd(sums + i + 4,
+                     _mm256_add_pd(_mm256_loadu_pd(sums + i + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(added, 1))));
+    int cell = 0;
+    for (std::int64_t h = win.h0; h < win.h1; ++h) {
+      for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
+        const __m256 mine = _mm256_castsi256_ps(_mm256_cmpeq_epi32(winner, _mm256_set1_epi32(cell)));
+        _mm256_storeu_ps(dz_image + (h * g.in_w + w) * c + i, _mm256_and_ps(mine, dy));
+      }
+    }
+  }
+}
+#endif
+
+// MaxPool2DArgmaxBiasGrad: dz gets each window's dp at its winning cell (argmax) and 0 elsewhere,
+// db the sum of dz; g is the pool over z. The same values and sums, in the same order, as
+// max_pool_backward<T, kRelu, true> (MaxPool2DBiasActivationGrad) finds from y, without reading y.
+template <class T>
+void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& g, const std::uint8_t* argmax,
+                               const T* dp, T* dz, T* db) {
+  const std::int64_t c = g.in_c;
+  if (c == 0) return;
+  std::vector<double> image_sums(static_cast<std::size_t>(g.batch * c), 0.0);
+  for_image_channel_blocks(device, g, [&](std::int64_t image, std::int64_t c0, std::int64_t c1) {
+    const std::int64_t nc = c1 - c0;
+    double* sums = image_sums.data() + image * c + c0;
+    T* dz_image = dz + image * g.in_h * g.in_w * c + c0;
+    zero_uncovered(g, dz_image, nc);  // the windows are disjoint (FusedConv2DMaxPool's shape function)
+    // Channels [0, nv) take the vector path where this level has one, [nv, nc) the loops below.
+    std::int64_t nv = 0;
+#if defined(__AVX2__)
+    if constexpr (std::is_same_v<T, float>) nv = nc / 8 * 8;
+#endif
+    for (std::int64_t oh = 0; oh < g.out_h; ++oh) {
+      for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
+        const ClippedWindow win(g, oh, ow);
+        const std::int64_t at = ((image * g.out_h + oh) * g.out_w + ow) * c + c0;
+        const std::uint8_t* arg = argmax + at;
+        const T* grad = dp + at;
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<T, float>) {
+          if (nv > 0) argmax_window_grad_avx2(g, win, arg, grad, dz_image, sums, nv);
+        }
+#endif
+        if (nv == nc) continue;
+        for (std::int64_t i = nv; i < nc; ++i)
+          sums[i] += arg[i] != detail::kNoWinner ? static_cast<double>(grad[i]) : 0.0;
+        std::uint8_t cell = 0;
+        for (std::int64_t h = win.h0; h < win.h1; ++h) {
+          for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
+            T* out = dz_image + (h * g.in_w + w) * c;
+            for (std::int64_t i = nv; i < nc; ++i) out[i] = arg[i] == cell ? grad[i] : T(0);
+          }
+        }
+      }
+    }
+  });
+  for (std::int64_t ch = 0; ch < c; ++ch) {
+    double sum = 0;
+    for (std::int64_t image = 0; image < g.batch; ++image) sum += image_sums[static_cast<std::size_t>(image * c + ch)];
+    db[ch] = static_cast<T>(sum);
+  }
+}
+
 // dx gets dy / (cells in the window) on every cell of the window (padding is not counted).
 template <class T>
 void avg_pool_grad(devices::Device& device, const Window2DGeometry& g, const T* dy, T* dx) {
@@ -620,6 +734,62 @@ void fused_conv2d_kernel(KernelContext& ctx) {
   });
 }
 
+// FusedConv2DMaxPool: the direct kernels pool each block of rows as they compute it (float32).
+// Else a few images at a time go through FusedConv2D's steps into a buffer that stays in cache,
+// which is then pooled.
+void fused_conv2d_max_pool_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
+  const auto pg = detail::fused_pool_geometry(ctx.attrs(), g);
+  const bool relu = activation_of(ctx) == Activation::kRelu;
+  std::uint8_t* argmax = out_ptr<std::uint8_t>(ctx, 1);
+  graph::dispatch<FloatTypes>(x.dtype(), ctx.label(), [&]<class T>() {
+    const T* px = in_ptr<T>(ctx, 0);
+    const T* w = in_ptr<T>(ctx, 1);
+    const T* bias = in_ptr<T>(ctx, 2);
+    T* p = out_ptr<T>(ctx, 0);
+    if (pg.out_pixels() == 0 || g.out_c == 0) return;
+    if constexpr (std::is_same_v<T, float>) {
+      if (direct::conv2d_forward_max_pool(ctx.device(), g, px, w, {.bias = bias, .relu = relu},
+                                          {.pool = pg, .p = p, .argmax = argmax}))
+        return;
+    }
+    const std::int64_t image_in = g.in_h * g.in_w * g.in_c;
+    const std::int64_t image_rows = g.out_h * g.out_w, pooled_image = pg.out_h * pg.out_w * g.out_c;
+    const std::int64_t image_bytes = image_rows * g.out_c * static_cast<std::int64_t>(sizeof(T));
+    const std::int64_t chunk =
+        std::max<std::int64_t>(1, kFusedEpilogueChunkBytes / std::max<std::int64_t>(1, image_bytes));
+    T* y = tls_fused_y.get<T>(std::min(chunk, g.batch) * image_rows * g.out_c);
+    const auto run = [&]<Activation A>() {
+      for (std::int64_t b0 = 0; b0 < g.batch; b0 += chunk) {
+        Window2DGeometry part = g, pool_part = pg;
+        part.batch = pool_part.batch = std::min(chunk, g.batch - b0);
+        conv2d_forward<T>(ctx.device(), part, px + b0 * image_in, w, y);
+        ctx.device().parallel_for(part.batch * image_rows, row_grain(g.out_c), [&](std::int64_t r0, std::int64_t r1) {
+          bias_activation_rows<A>(y, y, g.out_c, r0, r1, 0, g.out_c, bias);
+        });
+        max_pool_argmax<T>(ctx.device(), pool_part, y, p + b0 * pooled_image, argmax + b0 * pooled_image,
+                           A == Activation::kRelu);
+      }
+    };
+    if (relu) {
+      run.template operator()<Activation::kRelu>();
+    } else {
+      run.template operator()<Activation::kLinear>();
+    }
+  });
+}
+
+// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db).
+void max_pool2d_argmax_bias_grad_kernel(KernelContext& ctx) {
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
+  const auto pg = detail::fused_pool_geometry(ctx.attrs(), g);
+  graph::dispatch<FloatTypes>(ctx.input(3).dtype(), ctx.label(), [&]<class T>() {
+    max_pool_argmax_bias_grad<T>(ctx.device(), pg, in_ptr<std::uint8_t>(ctx, 2), in_ptr<T>(ctx, 3), out_ptr<T>(ctx, 0),
+                                 out_ptr<T>(ctx, 1));
+  });
+}
+
 void conv2d_backprop_input_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
   graph::dispatch<FloatTypes>(ctx.input(1).dtype(), ctx.label(), [&]<class T>() {
@@ -693,6 +863,8 @@ void register_conv_kernels() {
   r.add_kernel("MaxPool2D", kCpu, cpu::max_pool2d_kernel);
   r.add_kernel("MaxPool2DGrad", kCpu, cpu::max_pool2d_grad_kernel);
   r.add_kernel("MaxPool2DBiasActivationGrad", kCpu, cpu::max_pool2d_bias_activation_grad_kernel);
+  r.add_kernel("FusedConv2DMaxPool", kCpu, cpu::fused_conv2d_max_pool_kernel);
+  r.add_kernel("MaxPool2DArgmaxBiasGrad", kCpu, cpu::max_pool2d_argmax_bias_grad_kernel);
   r.add_kernel("AvgPool2D", kCpu, cpu::avg_pool2d_kernel);
   r.add_kernel("AvgPool2DGrad", kCpu, cpu::avg_pool2d_grad_kernel);
 }

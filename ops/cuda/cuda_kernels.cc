@@ -497,6 +497,8 @@ detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
 // Scratch slots: 0 is the fallback's patch matrix; the cuDNN path uses the others.
 constexpr std::size_t kCudnnFilterSlot = 1;     // the filter (or its gradient) as KRSC
 constexpr std::size_t kCudnnWorkspaceSlot = 2;  // the algorithm's workspace
+constexpr std::size_t kFusedPoolInputSlot = 3;  // FusedConv2DMaxPool's y = act(conv + bias), pooled
+static_assert(kArgmaxNoWinner == detail::kNoWinner);
 
 CudnnTarget cudnn_target(KernelContext& ctx) {
   return {ctx.device().index(), ctx.device().short_name(), stream_of(ctx)};
@@ -739,6 +741,39 @@ void max_pool_bias_activation_grad_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
+// FusedConv2DMaxPool: FusedConv2D's launches into y in this node's scratch memory (kept across
+// runs: its address must not change under CUDA graphs), then one pass pools y into p and argmax.
+void fused_conv2d_max_pool_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  Tensor& p = ctx.output(0);
+  if (p.num_elements() == 0) return;
+  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
+  Tensor& y = ctx.scratch(kFusedPoolInputSlot, {g.batch, g.out_h, g.out_w, g.out_c}, x.dtype());
+  conv_forward(ctx, g, x, ctx.input(1), y.raw_data());
+  const Activation activation = activation_attr(ctx);
+  bias_activation(activation, type_of(x), y.raw_data(), ctx.input(2).raw_data(), nullptr, y.raw_data(), g.out_pixels(),
+                  g.out_c, stream_of(ctx));
+  max_pool_argmax(activation == Activation::kRelu, type_of(x), flatten(detail::fused_pool_geometry(ctx.attrs(), g)),
+                  y.raw_data(), p.raw_data(), static_cast<std::uint8_t*>(ctx.output(1).raw_data()), stream_of(ctx));
+  check_launch(ctx);
+}
+
+// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp): dz from argmax alone (x and filter give its
+// shape), then db = BiasAddGrad(dz).
+void max_pool_argmax_bias_grad_kernel(KernelContext& ctx) {
+  const Tensor& dp = ctx.input(3);
+  require_types(ctx, dp, kFloat);
+  count_cudnn_path(false);
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
+  void* dz = ctx.output(0).raw_data();
+  max_pool_argmax_grad(type_of(dp), flatten(detail::fused_pool_geometry(ctx.attrs(), g)),
+                       static_cast<const std::uint8_t*>(ctx.input(2).raw_data()), dp.raw_data(), dz, stream_of(ctx));
+  bias_activation_grad(Activation::kLinear, type_of(dp), dz, nullptr, nullptr, ctx.output(1).raw_data(), g.out_pixels(),
+                       g.out_c, stream_of(ctx));
+  check_launch(ctx);
+}
+
 void avg_pool_grad_kernel(KernelContext& ctx) {
   const Tensor& dy = ctx.input(1);
   require_types(ctx, dy, kFloat);
@@ -884,6 +919,8 @@ void register_cuda_kernels() {
   add("AvgPool2D", pool_kernel<true>);
   add("MaxPool2DGrad", max_pool_grad_kernel);
   add("MaxPool2DBiasActivationGrad", max_pool_bias_activation_grad_kernel);
+  add("FusedConv2DMaxPool", fused_conv2d_max_pool_kernel);
+  add("MaxPool2DArgmaxBiasGrad", max_pool_argmax_bias_grad_kernel);
   add("AvgPool2DGrad", avg_pool_grad_kernel);
 }
 

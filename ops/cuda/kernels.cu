@@ -830,6 +830,57 @@ __global__ void pool_grad_kernel(bool average, WindowGeometry g, const T* x, con
   }
 }
 
+// FusedConv2DMaxPool's pool: one thread per output element scans its window in the CPU kernel's
+// order (rows, then columns), cells outside y skipped.
+template <class T>
+__global__ void max_pool_argmax_kernel(bool relu, WindowGeometry g, const T* y, T* p, std::uint8_t* argmax) {
+  using C = compute_t<T>;
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.in_c;
+  TANDEM_GRID_STRIDE(i, total) {
+    const Pixel o = pixel_of(i, g.out_h, g.out_w, g.in_c);
+    const std::int64_t top = o.h * g.stride_h - g.pad_top, left = o.w * g.stride_w - g.pad_left;
+    C best = C(-INFINITY);
+    int winner = kArgmaxNoWinner;
+    for (std::int64_t dh = 0; dh < g.k_h; ++dh) {
+      const std::int64_t h = top + dh;
+      if (h < 0 || h >= g.in_h) continue;
+      for (std::int64_t dw = 0; dw < g.k_w; ++dw) {
+        const std::int64_t w = left + dw;
+        if (w < 0 || w >= g.in_w) continue;
+        const C v = load(y, ((o.n * g.in_h + h) * g.in_w + w) * g.in_c + o.c);
+        if (v > best) {  // the first maximum wins; NaN never does
+          best = v;
+          winner = static_cast<int>(dh * g.k_w + dw);
+        }
+      }
+    }
+    // relu's derivative is 0 at a maximum <= 0: no cell takes the window's gradient.
+    if (relu && !(best > C(0))) winner = kArgmaxNoWinner;
+    store(p, i, best);
+    argmax[i] = static_cast<std::uint8_t>(winner);
+  }
+}
+
+// MaxPool2DArgmaxBiasGrad's dz: one thread per element of dz (shaped like the pool's input) finds
+// the one window that can cover it (windows do not overlap) and takes its dp when argmax names it.
+template <class T>
+__global__ void max_pool_argmax_grad_kernel(WindowGeometry g, const std::uint8_t* argmax, const T* dp, T* dz) {
+  using C = compute_t<T>;
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  TANDEM_GRID_STRIDE(i, total) {
+    const Pixel q = pixel_of(i, g.in_h, g.in_w, g.in_c);
+    const std::int64_t top = q.h + g.pad_top, left = q.w + g.pad_left;
+    const std::int64_t oh = top / g.stride_h, ow = left / g.stride_w;
+    const std::int64_t dh = top - oh * g.stride_h, dw = left - ow * g.stride_w;
+    C grad = 0;
+    if (oh < g.out_h && ow < g.out_w && dh < g.k_h && dw < g.k_w) {
+      const std::int64_t out = ((q.n * g.out_h + oh) * g.out_w + ow) * g.in_c + q.c;
+      if (argmax[out] == dh * g.k_w + dw) grad = load(dp, out);
+    }
+    store(dz, i, grad);
+  }
+}
+
 // ---- Optimizer updates ---------------------------------------------------------------------------
 
 struct UpdateBatch {
@@ -1290,6 +1341,28 @@ void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, vo
     using T = std::remove_pointer_t<decltype(tag)>;
     pool_grad_kernel<T>
         <<<blocks_for(total), kThreads, 0, stream>>>(true, g, nullptr, static_cast<const T*>(dy), static_cast<T*>(dx));
+  });
+}
+
+void max_pool_argmax(bool relu, ElementType type, const WindowGeometry& g, const void* y, void* p, std::uint8_t* argmax,
+                     cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.out_h * g.out_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    max_pool_argmax_kernel<T>
+        <<<blocks_for(total), kThreads, 0, stream>>>(relu, g, static_cast<const T*>(y), static_cast<T*>(p), argmax);
+  });
+}
+
+void max_pool_argmax_grad(ElementType type, const WindowGeometry& g, const std::uint8_t* argmax, const void* dp,
+                          void* dz, cudaStream_t stream) {
+  const std::int64_t total = g.batch * g.in_h * g.in_w * g.in_c;
+  if (total == 0) return;
+  with_float_type(type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    max_pool_argmax_grad_kernel<T>
+        <<<blocks_for(total), kThreads, 0, stream>>>(g, argmax, static_cast<const T*>(dp), static_cast<T*>(dz));
   });
 }
 

@@ -138,6 +138,16 @@ void max_pool_grad(ElementType type, const WindowGeometry& g, const void* x, con
                    cudaStream_t stream);
 // AvgPool2DGrad: dy / (cells in the window) to every cell of the window, summed per input cell.
 void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, void* dx, cudaStream_t stream);
+// FusedConv2DMaxPool's pool over y (windows that do not overlap, at most 254 cells): p = each
+// window's maximum, argmax = its first maximum's cell in scan order (dh * k_w + dw), or
+// kArgmaxNoWinner where no cell won (all NaN) or, with relu, the maximum is not > 0.
+inline constexpr std::uint8_t kArgmaxNoWinner = 255;  // ops::detail::kNoWinner
+void max_pool_argmax(bool relu, ElementType type, const WindowGeometry& g, const void* y, void* p, std::uint8_t* argmax,
+                     cudaStream_t stream);
+// MaxPool2DArgmaxBiasGrad's dz (shaped like y): dp at the cell argmax names in each window, 0
+// elsewhere (also where no window covers a cell).
+void max_pool_argmax_grad(ElementType type, const WindowGeometry& g, const std::uint8_t* argmax, const void* dp,
+                          void* dz, cudaStream_t stream);
 
 // One optimizer step over many tensors in one launch: UpdateTensor and UpdateParams are in
 // ops/detail/update_rules.h.

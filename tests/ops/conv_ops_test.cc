@@ -654,15 +654,16 @@ namespace {
 // Each gradient of act(conv2d(x, f) + b) through a max pool, built from FusedConv2D (which takes
 // MaxPool2DBiasActivationGrad when a max pool follows) and from separate Conv2D, BiasAdd and
 // activation ops, in float64; and the names of the ops the fused gradient used.
-void check_pooled_fused_conv_gradient(ops::Activation activation, const std::string& fused_op) {
+void check_pooled_fused_conv_gradient(ops::Activation activation, const std::string& fused_op,
+                                      const ops::Pool2DOptions& pool = {}) {
   CAPTURE(ops::activation_name(activation));
   const auto graph_ptr = std::make_shared<Graph>();
   Graph& g = *graph_ptr;
   const Output x = g.placeholder(kFloat64, {2, 9, 9, 3}, "x");
   const Output f = g.placeholder(kFloat64, {3, 3, 3, 4}, "f");
   const Output b = g.placeholder(kFloat64, {4}, "b");
-  const Output w = g.placeholder(kFloat64, {2, 3, 3, 4}, "w");
-  const auto loss_of = [&](Output y) { return ops::reduce_sum(ops::mul(ops::max_pool2d(y), w)); };
+  const Output w = g.placeholder(kFloat64, ops::max_pool2d(g.placeholder(kFloat64, {2, 7, 7, 4}), pool).shape(), "w");
+  const auto loss_of = [&](Output y) { return ops::reduce_sum(ops::mul(ops::max_pool2d(y, pool), w)); };
   const Output fused_loss = loss_of(ops::fused_conv2d(x, f, b, activation));
   const std::size_t first_gradient_node = static_cast<std::size_t>(g.num_nodes());
   const auto fused = graph::gradients({&fused_loss, 1}, std::vector<Output>{x, f, b});
@@ -701,9 +702,209 @@ void check_pooled_fused_conv_gradient(ops::Activation activation, const std::str
 
 }  // namespace
 
-TEST_CASE("FusedConv2D's gradient through a max pool: one MaxPool2DBiasActivationGrad for relu and linear") {
-  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "MaxPool2DBiasActivationGrad");
-  check_pooled_fused_conv_gradient(ops::Activation::kLinear, "MaxPool2DBiasActivationGrad");
+TEST_CASE("FusedConv2D's gradient through a max pool: one MaxPool2DArgmaxBiasGrad for relu and linear") {
+  // The pool is fused into the convolution (FusedConv2DMaxPool), whose gradient reads its argmax.
+  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "MaxPool2DArgmaxBiasGrad");
+  check_pooled_fused_conv_gradient(ops::Activation::kLinear, "MaxPool2DArgmaxBiasGrad");
   // sigmoid's derivative is not folded into the pool's gradient.
   check_pooled_fused_conv_gradient(ops::Activation::kSigmoid, "BiasActivationGrad");
+  // Overlapping windows keep MaxPool2D, and FusedConv2D's gradient takes MaxPool2DBiasActivationGrad.
+  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "MaxPool2DBiasActivationGrad",
+                                   {.pool_size = {2, 2}, .strides = {1, 1}});
+}
+
+namespace {
+
+struct ConvPoolGeometry {
+  const char* name;
+  Shape x, f;
+  std::int64_t s;
+  Padding p;
+  Window pool;  // VALID, disjoint
+};
+
+// Where FusedConv2DMaxPool runs: the direct kernels' geometries (output channels a multiple of 8
+// or 16), the generic path's (5 channels), VALID remainders, gaps, and non-square windows.
+const ConvPoolGeometry kConvPoolGeometries[] = {
+    {"the benchmark's first layer", {3, 28, 28, 1}, {3, 3, 1, 32}, 1, Padding::kValid, {2, 2, 2, 2, Padding::kValid}},
+    {"the benchmark's second layer (a remainder row and column)",
+     {2, 13, 13, 32},
+     {3, 3, 32, 64},
+     1,
+     Padding::kValid,
+     {2, 2, 2, 2, Padding::kValid}},
+    {"SAME stride 2, 24 channels", {2, 11, 9, 3}, {3, 3, 3, 24}, 2, Padding::kSame, {2, 2, 2, 2, Padding::kValid}},
+    {"gaps between windows (2x2 stride 3)",
+     {2, 12, 11, 2},
+     {3, 3, 2, 16},
+     1,
+     Padding::kValid,
+     {2, 2, 3, 3, Padding::kValid}},
+    {"3x2 windows, 5 channels", {2, 10, 9, 3}, {3, 3, 3, 5}, 1, Padding::kSame, {3, 2, 3, 2, Padding::kValid}},
+    {"one pool row per image, 13 channels",
+     {3, 6, 8, 2},
+     {2, 2, 2, 13},
+     1,
+     Padding::kValid,
+     {5, 2, 5, 2, Padding::kValid}},
+};
+
+ops::Pool2DOptions pool_options(const Window& win) {
+  return {.pool_size = {win.k_h, win.k_w}, .strides = {win.s_h, win.s_w}, .padding = win.padding};
+}
+
+Tensor float_tensor(DType dtype, const std::vector<double>& v, const Shape& shape) {
+  if (dtype == kFloat64) return Tensor::from_vector<double>(v, shape);
+  return Tensor::from_vector<float>(std::vector<float>(v.begin(), v.end()), shape);
+}
+
+// Small integers (integers = true), so that sums are exact and windows have tied maxima (relu's
+// zeros tie too); else uniform in [-1, 1].
+Tensor random_tensor(DType dtype, const Shape& shape, bool integers, int low, int high, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> ints(low, high);
+  std::uniform_real_distribution<double> reals(-1, 1);
+  std::vector<double> v(static_cast<std::size_t>(shape.num_elements()));
+  for (auto& e : v) e = integers ? ints(rng) : reals(rng);
+  return float_tensor(dtype, v, shape);
+}
+
+}  // namespace
+
+TEST_CASE("FusedConv2DMaxPool: bitwise the unfused FusedConv2D, MaxPool2D and their gradients, with its argmax") {
+  for (const auto& geometry : kConvPoolGeometries) {
+    for (const DType dtype : {kFloat32, kFloat64}) {
+      for (const auto activation : {ops::Activation::kRelu, ops::Activation::kLinear}) {
+        for (const bool integers : {true, false}) {
+          CAPTURE(geometry.name);
+          CAPTURE(graph::dtype_name(dtype));
+          CAPTURE(ops::activation_name(activation));
+          CAPTURE(integers);
+          const auto graph_ptr = std::make_shared<Graph>();
+          Graph& g = *graph_ptr;
+          const Output x = g.placeholder(dtype, geometry.x, "x");
+          const Output f = g.placeholder(dtype, geometry.f, "f");
+          const Output b = g.placeholder(dtype, {geometry.f[3]}, "b");
+          const ops::Conv2DOptions conv{.strides = {geometry.s, geometry.s}, .padding = geometry.p};
+          const Output fused =
+              ops::max_pool2d(ops::fused_conv2d(x, f, b, activation, conv), pool_options(geometry.pool));
+          REQUIRE(fused.producer().op_name() == "FusedConv2DMaxPool");
+          const Output argmax{&g, fused.node, 1};
+          // The same ops unfused: MaxPool2D added directly, without the builder's fusion.
+          const Output y = ops::fused_conv2d(x, f, b, activation, conv);
+          graph::Attrs pool_attrs = window_attrs(geometry.pool.s_h, geometry.pool.s_w, Padding::kValid);
+          pool_attrs.set("pool_size", std::vector<std::int64_t>{geometry.pool.k_h, geometry.pool.k_w});
+          const Output plain = g.add("MaxPool2D", {y}, pool_attrs);
+          const Output w = g.placeholder(dtype, fused.shape(), "w");
+          const Output fused_loss = ops::reduce_sum(ops::mul(fused, w));
+          const Output plain_loss = ops::reduce_sum(ops::mul(plain, w));
+          const auto fused_grads = graph::gradients({&fused_loss, 1}, std::vector<Output>{x, f, b});
+          const auto plain_grads = graph::gradients({&plain_loss, 1}, std::vector<Output>{x, f, b});
+
+          std::mt19937_64 rng(5);
+          const auto random = [&](const Shape& shape, int low, int high) {
+            return random_tensor(dtype, shape, integers, low, high, rng);
+          };
+          graph::Executor ex(graph_ptr, devices::default_cpu_device());
+          const auto out = ex.run({{x, random(x.shape(), -2, 2)},
+                                   {f, random(f.shape(), -1, 1)},
+                                   {b, random(b.shape(), -1, 1)},
+                                   {w, random(fused.shape(), -3, 3)}},
+                                  {fused, plain, argmax, y, fused_grads[0], fused_grads[1], fused_grads[2],
+                                   plain_grads[0], plain_grads[1], plain_grads[2]});
+          // p and every gradient, bit for bit.
+          for (const auto& [got, want] : {std::pair{0, 1}, {4, 7}, {5, 8}, {6, 9}}) {
+            CAPTURE(got);
+            const RefTensor a = to_ref(out[static_cast<std::size_t>(got)]),
+                            e = to_ref(out[static_cast<std::size_t>(want)]);
+            REQUIRE(a.shape == e.shape);
+            for (std::int64_t i = 0; i < a.size(); ++i) REQUIRE(a[i] == e[i]);
+          }
+          // argmax: the first cell of the window holding the maximum, or 255 where relu' is 0.
+          const RefTensor p = to_ref(out[0]), winners = to_ref(out[2]), yv = to_ref(out[3]);
+          const Window& win = geometry.pool;
+          for (std::int64_t i = 0; i < p.size(); ++i) {
+            const std::int64_t c = i % p.shape[3], pw = i / p.shape[3] % p.shape[2];
+            const std::int64_t ph = i / (p.shape[3] * p.shape[2]) % p.shape[1],
+                               n = i / (p.shape[3] * p.shape[2] * p.shape[1]);
+            std::int64_t first = -1;
+            for (std::int64_t cell = 0; cell < win.k_h * win.k_w && first < 0; ++cell) {
+              if (yv[at4(yv.shape, n, ph * win.s_h + cell / win.k_w, pw * win.s_w + cell % win.k_w, c)] == p[i])
+                first = cell;
+            }
+            const bool dead = activation == ops::Activation::kRelu && !(p[i] > 0);
+            REQUIRE(winners[i] == (dead ? 255.0 : static_cast<double>(first)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("FusedConv2DMaxPool against the reference, with the gradient check (linear)") {
+  for (const auto& geometry : kConvPoolGeometries) {
+    for (const auto activation : {ops::Activation::kLinear, ops::Activation::kRelu}) {
+      OpCase c;
+      c.name = fmt::format("FusedConv2DMaxPool {}, {}", ops::activation_name(activation), geometry.name);
+      // Distinct inputs: a finite-difference step must not change a window's winner.
+      c.inputs = {InputSpec::floats(geometry.x).with_distinct(), InputSpec::floats(geometry.f),
+                  InputSpec::floats({geometry.f[3]})};
+      const auto s = geometry.s;
+      const auto p = geometry.p;
+      const Window win = geometry.pool;
+      c.build = [s, p, win, activation](const std::vector<Output>& in) {
+        const Output pooled = ops::max_pool2d(
+            ops::fused_conv2d(in[0], in[1], in[2], activation, {.strides = {s, s}, .padding = p}), pool_options(win));
+        // 16-bit inputs take FusedConv2D and MaxPool2D.
+        const bool wide = in[0].dtype() == kFloat32 || in[0].dtype() == kFloat64;
+        CHECK((pooled.producer().op_name() == "FusedConv2DMaxPool") == wide);
+        return std::vector<Output>{pooled};
+      };
+      c.reference = [s, p, win, activation](const std::vector<RefTensor>& in) {
+        RefTensor y = ref_conv2d(in[0], in[1], s, s, p);
+        const auto channels = in[2].size();
+        for (std::int64_t i = 0; i < y.size(); ++i) {
+          const double z = y[i] + in[2][i % channels];
+          y[i] = activation == ops::Activation::kRelu ? std::max(z, 0.0) : z;
+        }
+        return std::vector<RefTensor>{ref_pool(y, win, false)};
+      };
+      c.f32_tolerance = kLongSumF32Tolerance;
+      c.check_gradient = activation == ops::Activation::kLinear;  // relu's kink defeats finite differences
+      run_op_case(c);
+    }
+  }
+}
+
+TEST_CASE("max_pool2d fuses into FusedConv2D only where FusedConv2DMaxPool applies") {
+  Graph g;
+  const Output x = g.placeholder(kFloat32, {-1, 12, 12, 3}, "x");
+  const Output f = g.placeholder(kFloat32, {3, 3, 3, 8}, "f");
+  const Output b = g.placeholder(kFloat32, {8}, "b");
+  const auto conv = [&](ops::Activation activation) { return ops::fused_conv2d(x, f, b, activation); };
+  const auto pooled_op = [](Output pooled) { return pooled.producer().op_name(); };
+  CHECK(pooled_op(ops::max_pool2d(conv(ops::Activation::kRelu))) == "FusedConv2DMaxPool");
+  CHECK(pooled_op(ops::max_pool2d(conv(ops::Activation::kLinear), {.pool_size = {3, 3}, .strides = {3, 4}})) ==
+        "FusedConv2DMaxPool");
+  // Overlapping windows, SAME padding, and an activation whose derivative is not relu's or 1.
+  CHECK(pooled_op(ops::max_pool2d(conv(ops::Activation::kRelu), {.strides = {1, 1}})) == "MaxPool2D");
+  CHECK(pooled_op(ops::max_pool2d(conv(ops::Activation::kRelu), {.padding = Padding::kSame})) == "MaxPool2D");
+  CHECK(pooled_op(ops::max_pool2d(conv(ops::Activation::kTanh))) == "MaxPool2D");
+  // The convolution's output is read by another op already: it is stored, and pooled from memory.
+  const Output y = conv(ops::Activation::kRelu);
+  const Output other = ops::relu(y);
+  CHECK(pooled_op(ops::max_pool2d(y)) == "MaxPool2D");
+  (void)other;
+  // A plain Conv2D, and a window larger than the image's height.
+  CHECK(pooled_op(ops::max_pool2d(ops::conv2d(x, f))) == "MaxPool2D");
+  CHECK_THROWS_WITH_AS(ops::max_pool2d(conv(ops::Activation::kRelu), {.pool_size = {11, 2}, .strides = {11, 2}}),
+                       doctest::Contains("does not fit"), InvalidArgument);
+  // The op itself refuses overlapping windows, naming the node.
+  graph::Attrs attrs = window_attrs(1, 1, Padding::kValid);
+  attrs.set("activation", "relu");
+  attrs.set("pool_size", std::vector<std::int64_t>{2, 2});
+  attrs.set("pool_strides", std::vector<std::int64_t>{1, 1});
+  attrs.set("pool_padding", "VALID");
+  CHECK_THROWS_WITH_AS(g.add_node("FusedConv2DMaxPool", {x, f, b}, attrs),
+                       doctest::Contains("FusedConv2DMaxPool takes VALID windows that do not overlap"),
+                       InvalidArgument);
 }
