@@ -293,6 +293,7 @@ struct ConvLayer {
 const ConvLayer kConvLayers[] = {{"28x28x1 -> 32", 28, 28, 1, 32, 3}, {"13x13x32 -> 64", 13, 13, 32, 64, 3}};
 const char* const kConvPasses[] = {"forward", "backprop filter", "backprop input"};
 const char* const kFusedConvPass = "forward + bias + relu (FusedConv2D)";
+const char* const kPooledConvPass = "... + 2x2 max pool (FusedConv2DMaxPool)";
 
 void print_rule() { fmt::print("{}\n", std::string(kRuleWidth, '-')); }
 
@@ -396,6 +397,7 @@ void print_conv(const Timings& t, const devices::Device& device, double ceiling)
       layer_s += s;
     }
     row("", kFusedConvPass, f, t.seconds("conv/" + layer.name + "/" + kFusedConvPass));
+    row("", kPooledConvPass, f, t.seconds("conv/" + layer.name + "/" + kPooledConvPass));
     row("", "forward + backward (all three)", 3 * f, layer_s);
     all_flops += 3 * f;
     all_s += layer_s;
@@ -610,12 +612,18 @@ int run(const Options& options) {
           std::make_unique<OpRunner>(device, std::vector<Shape>{layer.x(), layer.filter()},
                                      [](const std::vector<Output>& in) { return ops::conv2d(in[0], in[1]); }));
       t.add(key + kConvPasses[0], [&forward] { forward.run(); });
-      // The forward a Conv2D layer with a bias and relu runs in training (not in the sums below).
+      // A Conv2D layer's forward with a bias and relu (not in the sums below).
       auto& fused = *runners.emplace_back(std::make_unique<OpRunner>(
           device, std::vector<Shape>{layer.x(), layer.filter(), Shape{layer.cout}}, [](const std::vector<Output>& in) {
             return ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu);
           }));
       t.add(key + kFusedConvPass, [&fused] { fused.run(); });
+      // ... and with the max pool that follows each of cnn's convolutions, pooled in the kernel.
+      auto& pooled = *runners.emplace_back(std::make_unique<OpRunner>(
+          device, std::vector<Shape>{layer.x(), layer.filter(), Shape{layer.cout}}, [](const std::vector<Output>& in) {
+            return ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
+          }));
+      t.add(key + kPooledConvPass, [&pooled] { pooled.run(); });
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
             device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {

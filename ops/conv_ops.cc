@@ -18,6 +18,9 @@
 //   MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db): its gradient with respect to
 //                                            conv + bias and bias, from argmax alone (x and filter
 //                                            give dz's shape)
+//   Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db): its filter and bias
+//                                            gradients, dz expanded from argmax as the kernel reads
+//                                            it (never stored: a first layer needs no dx, so no dz)
 // The backprop ops are linear in their non-shape inputs, so they have gradients too (second
 // derivatives, and gradient checks of the backprop kernels themselves).
 #include "tandem/ops/conv_ops.h"
@@ -353,6 +356,14 @@ std::vector<TensorSpec> max_pool_argmax_bias_grad_shape(ShapeContext& ctx) {
   return {TensorSpec{ctx.dtype(0), z}, TensorSpec{ctx.dtype(0), Shape{z[3]}}};
 }
 
+// Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db).
+std::vector<TensorSpec> conv2d_backprop_filter_argmax_shape(ShapeContext& ctx) {
+  const auto dz_db = max_pool_argmax_bias_grad_shape(ctx);
+  Shape f = ctx.shape(1);
+  if (f[3] < 0) f[3] = dz_db[1].shape[0];
+  return {TensorSpec{ctx.dtype(0), f}, dz_db[1]};
+}
+
 // --- gradients -------------------------------------------------------------------------------
 
 // y = Conv2D(x, w): dx = BackpropInput(x, w, dy), dw = BackpropFilter(x, w, dy).
@@ -392,14 +403,15 @@ std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
           add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), (*dz_db)[1]};
 }
 
-// (p, argmax) = FusedConv2DMaxPool(x, w, b): {dz, db} from argmax and dp (no pass over the
-// convolution's output, which was never stored), then the convolution's gradients of dz.
+// (p, argmax) = FusedConv2DMaxPool(x, w, b): the filter and bias gradients straight from argmax
+// and dp; dx from dz = MaxPool2DArgmaxBiasGrad's (no pass over the convolution's output, which
+// was never stored). When nothing needs dx (a first layer) executors prune dz's node too.
 std::vector<Output> fused_conv2d_max_pool_grad(GradContext& ctx) {
   if (!ctx.has_grad(0)) return {Output{}, Output{}, Output{}};
-  const Output x = ctx.input(0), w = ctx.input(1);
-  const auto dz_db = add_op_multi("MaxPool2DArgmaxBiasGrad", {x, w, ctx.output(1), ctx.grad(0)}, ctx.attrs());
-  return {add_op("Conv2DBackpropInput", {x, w, dz_db[0]}, ctx.attrs()),
-          add_op("Conv2DBackpropFilter", {x, w, dz_db[0]}, ctx.attrs()), dz_db[1]};
+  const Output x = ctx.input(0), w = ctx.input(1), argmax = ctx.output(1), dp = ctx.grad(0);
+  const auto dw_db = add_op_multi("Conv2DBackpropFilterArgmax", {x, w, argmax, dp}, ctx.attrs());
+  const Output dz = add_op_multi("MaxPool2DArgmaxBiasGrad", {x, w, argmax, dp}, ctx.attrs())[0];
+  return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()), dw_db[0], dw_db[1]};
 }
 
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
@@ -471,6 +483,12 @@ void register_conv_ops() {
               .max_inputs = 4,
               .num_outputs = 2,
               .shape_fn = max_pool_argmax_bias_grad_shape});
+  // Not differentiable either.
+  r.add(OpDef{.name = "Conv2DBackpropFilterArgmax",
+              .min_inputs = 4,
+              .max_inputs = 4,
+              .num_outputs = 2,
+              .shape_fn = conv2d_backprop_filter_argmax_shape});
   r.add(
       OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
   r.add(OpDef{.name = "AvgPool2DGrad",

@@ -46,6 +46,10 @@ Mask vgreater(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 Vec vselect(Mask m, Vec if_false, Vec if_true) { return _mm512_mask_blend_ps(m, if_false, if_true); }
 IVec iselect(Mask m, IVec if_false, IVec if_true) { return _mm512_mask_blend_epi32(m, if_false, if_true); }
 IVec iset(int v) { return _mm512_set1_epi32(v); }
+IVec load_bytes(const std::uint8_t* p) {  // 16 bytes, one a lane
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+Vec select_equal(IVec a, IVec b, Vec v) { return _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(a, b), v); }  // else +0
 void store_low_bytes(std::uint8_t* p, IVec v) {  // the low byte of each lane, in order
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
 }
@@ -73,6 +77,12 @@ IVec iselect(Mask m, IVec if_false, IVec if_true) {
   return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(if_false), _mm256_castsi256_ps(if_true), m));
 }
 IVec iset(int v) { return _mm256_set1_epi32(v); }
+IVec load_bytes(const std::uint8_t* p) {  // 8 bytes, one a lane
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+Vec select_equal(IVec a, IVec b, Vec v) {  // v where a == b, else +0
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, b)), v);
+}
 void store_low_bytes(std::uint8_t* p, IVec v) {  // the low byte of each lane, in order
   // Each 128-bit half gathers its lanes' low bytes into its first 4 bytes; then the two halves'
   // first 32 bits are brought together.
@@ -108,6 +118,7 @@ thread_local ScratchBuffer tls_partials;      // backprop-filter: partial sums o
 thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow, or -1
 thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
 thread_local ScratchBuffer tls_pooled_rows;   // forward with a max pool: one block of y (every thread)
+thread_local ScratchBuffer tls_dy_chunk;      // backprop-filter from an argmax: one chunk of dy (every thread)
 
 // Registers in the next column block of the output channels when `left` channels remain.
 int column_block(int64_t left) {
@@ -382,9 +393,10 @@ Image padded_input(devices::Device& device, const Window2DGeometry& g, const flo
 
 // dw[KB filter rows x 16 NV channels] (+)= sum over the pixels of output rows [r0, r1) of
 // patch[offsets[r]] * dy: the whole pixel range reduces in registers.
+// dy holds rows from dy_row0 on: the whole dy, or a chunk expanded from FusedConv2DMaxPool's argmax.
 template <int KB, int NV>
 void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int64_t r1, const int64_t* offsets,
-                 const float* dy, float* dw, bool accumulate) {
+                 const float* dy, int64_t dy_row0, float* dw, bool accumulate) {
   Vec acc[KB][NV];
   int64_t off[KB];
 #pragma GCC unroll 16
@@ -396,7 +408,7 @@ void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int6
   const int64_t o = g.out_c, step = g.stride_w * image.c;
   for (int64_t row = r0; row < r1; ++row) {
     const float* corner = image.corner(g, row / g.out_h, row % g.out_h, 0);
-    const float* d = dy + row * g.out_w * o;
+    const float* d = dy + (row - dy_row0) * g.out_w * o;
     for (int64_t ow = 0; ow < g.out_w; ++ow, corner += step, d += o) {
       Vec dv[NV];
 #pragma GCC unroll 4
@@ -420,7 +432,7 @@ void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int6
 }
 
 using FilterTileFn = void (*)(const Window2DGeometry&, const Image&, int64_t, int64_t, const int64_t*, const float*,
-                              float*, bool);
+                              int64_t, float*, bool);
 template <int NV, int... R>
 constexpr std::array<FilterTileFn, sizeof...(R)> filter_tiles(std::integer_sequence<int, R...>) {
   return {&filter_tile<R + 1, NV>...};
@@ -641,9 +653,43 @@ bool conv2d_forward_max_pool(devices::Device& device, const Window2DGeometry& g,
   return true;
 }
 
-bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, const float* x, const float* dy,
-                            float* dw) {
-  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0 || g.patch_size() > kMaxPatch) return false;
+namespace {
+
+// Rows [r0, r1) of dz (rows of its images' output rows, flattened) into `chunk`: each cell gets its
+// window's dp where the argmax names it, +0 elsewhere and where no window covers it, the values
+// MaxPool2DArgmaxBiasGrad stores.
+void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int64_t r0, int64_t r1, float* chunk) {
+  const Window2DGeometry& pg = src.pool;
+  const int64_t o = g.out_c;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / g.out_h, oh = row % g.out_h;
+    const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
+    float* out = chunk + (row - r0) * g.out_w * o;
+    if (ph >= pg.out_h || dh >= pg.k_h) {
+      std::fill_n(out, g.out_w * o, 0.0f);
+      continue;
+    }
+    for (int64_t ow = 0; ow < g.out_w; ++ow, out += o) {
+      const int64_t pw = ow / pg.stride_w, dw = ow % pg.stride_w;
+      if (pw >= pg.out_w || dw >= pg.k_w) {
+        std::fill_n(out, o, 0.0f);
+        continue;
+      }
+      const int64_t at = ((n * pg.out_h + ph) * pg.out_w + pw) * o;
+      const IVec cell = iset(static_cast<int>(dh * pg.k_w + dw));
+      for (int64_t i = 0; i < o; i += kLanes)
+        vstore(out + i, select_equal(load_bytes(src.argmax + at + i), cell, vload(src.dp + at + i)));
+    }
+  }
+}
+
+bool backprop_filter_applies(const Window2DGeometry& g) {
+  return g.in_c >= 1 && g.out_c >= 1 && g.out_c % kLanes == 0 && g.patch_size() <= kMaxPatch;
+}
+
+// dy, or with `from_argmax` each chunk of dy expanded into an L1-sized buffer first (dy unused).
+void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* dy,
+                            float* dw, const DyFromArgmax* from_argmax) {
   const Image image = padded_input(device, g, x);
   const int64_t* offsets = patch_offsets(g, image.w, image.c);
   const int64_t k = g.patch_size(), o = g.out_c, rows = g.batch * g.out_h;
@@ -653,17 +699,21 @@ bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, 
   const int64_t chunk_rows = std::max<int64_t>(1, kDyChunkBytes / (g.out_w * o * static_cast<int64_t>(sizeof(float))));
   float* partials = tls_partials.get<float>((parts - 1) * k * o);
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
+    float* chunk = from_argmax != nullptr ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
     for (int64_t part = begin; part < end; ++part) {
       float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
       const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
       if (first >= last) std::fill_n(acc, k * o, 0.0f);
       for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
         const int64_t r1 = std::min(last, r0 + chunk_rows);
+        if (chunk != nullptr) expand_argmax_rows(g, *from_argmax, r0, r1, chunk);
+        const float* dy_rows = chunk != nullptr ? chunk : dy;
+        const int64_t dy_row0 = chunk != nullptr ? r0 : 0;
         for (int64_t j = 0; j < o;) {
           const int registers = column_block(o - j);
           const int64_t max_rows = max_tile_rows(registers);
           for (int64_t k0 = 0; k0 < k; k0 += max_rows) {
-            filter_tile_fn(registers, std::min(max_rows, k - k0))(g, image, r0, r1, offsets + k0, dy + j,
+            filter_tile_fn(registers, std::min(max_rows, k - k0))(g, image, r0, r1, offsets + k0, dy_rows + j, dy_row0,
                                                                   acc + k0 * o + j, r0 != first);
           }
           j += registers * kLanes;
@@ -679,6 +729,21 @@ bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, 
       }
     });
   }
+}
+
+}  // namespace
+
+bool conv2d_backprop_filter(devices::Device& device, const Window2DGeometry& g, const float* x, const float* dy,
+                            float* dw) {
+  if (!backprop_filter_applies(g)) return false;
+  backprop_filter_direct(device, g, x, dy, dw, nullptr);
+  return true;
+}
+
+bool conv2d_backprop_filter_argmax(devices::Device& device, const Window2DGeometry& g, const float* x,
+                                   const DyFromArgmax& dy, float* dw) {
+  if (!backprop_filter_applies(g)) return false;
+  backprop_filter_direct(device, g, x, nullptr, dw, &dy);
   return true;
 }
 
@@ -712,6 +777,10 @@ bool conv2d_forward_max_pool(devices::Device&, const detail::Window2DGeometry&, 
   return false;
 }
 bool conv2d_backprop_filter(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+  return false;
+}
+bool conv2d_backprop_filter_argmax(devices::Device&, const detail::Window2DGeometry&, const float*, const DyFromArgmax&,
+                                   float*) {
   return false;
 }
 bool conv2d_backprop_input(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {

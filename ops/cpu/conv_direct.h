@@ -10,7 +10,8 @@
 // benchmark CNN they run at 75-100% of the core's FMA peak where im2col + OpenBLAS ran at 60%.
 //   forward           any padding and stride; output channels a multiple of the lanes (16, 8);
 //                     optionally max-pooled block by block (FusedConv2DMaxPool)
-//   backprop filter   the same, reducing a tile of dW over the pixels in registers
+//   backprop filter   the same, reducing a tile of dW over the pixels in registers; dy read
+//                     whole, or expanded chunk by chunk from FusedConv2DMaxPool's argmax
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
 //                     channels a multiple of the lanes: the forward kernel over dy with the filter
 //                     flipped and transposed
@@ -55,6 +56,17 @@ bool conv2d_forward_max_pool(devices::Device& device, const detail::Window2DGeom
                              ForwardEpilogue epilogue, const ForwardMaxPool& pool);
 bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeometry& g, const float* x, const float* dy,
                             float* dw);
+// Backprop-filter's dy where FusedConv2DMaxPool's gradient gives it: each chunk of dy is expanded
+// from the argmax and dp into an L1-sized buffer as the kernel walks it (dp where the argmax names
+// the cell, +0 elsewhere: MaxPool2DArgmaxBiasGrad's dz, never stored), so the result is bitwise
+// conv2d_backprop_filter's of that dz.
+struct DyFromArgmax {
+  detail::Window2DGeometry pool;  // over dy; VALID windows that do not overlap
+  const std::uint8_t* argmax = nullptr;
+  const float* dp = nullptr;
+};
+bool conv2d_backprop_filter_argmax(devices::Device& device, const detail::Window2DGeometry& g, const float* x,
+                                   const DyFromArgmax& dy, float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,
                            float* dx);
 

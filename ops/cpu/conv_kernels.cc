@@ -59,7 +59,8 @@ thread_local ScratchBuffer tls_col;       // im2col / col2im chunks (every threa
 thread_local ScratchBuffer tls_partials;  // backprop-filter partial sums (the calling thread)
 thread_local ScratchBuffer tls_pool_best;
 thread_local ScratchBuffer tls_pool_arg;
-thread_local ScratchBuffer tls_fused_y;  // FusedConv2DMaxPool without the direct kernels: a chunk of y
+// FusedConv2DMaxPool without the direct kernels: a chunk of y; Conv2DBackpropFilterArgmax's dz.
+thread_local ScratchBuffer tls_fused_y;
 
 // --- geometry --------------------------------------------------------------------------------
 
@@ -581,6 +582,7 @@ void max_pool_argmax(devices::Device& device, const Window2DGeometry& g, const T
 // max_pool_argmax_bias_grad's work on one window for the float32 channels [0, nv) (nv a multiple
 // of 8), eight at a time: the same values and sums as its loops, which the compiler leaves scalar
 // (they mix bytes and floats).
+template <bool kDz>
 void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win, const std::uint8_t* arg,
                              const float* grad, float* dz_image, double* sums, std::int64_t nv) {
   const std::int64_t c = g.in_c;
@@ -593,6 +595,7 @@ void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win
                      _mm256_add_pd(_mm256_loadu_pd(sums + i), _mm256_cvtps_pd(_mm256_castps256_ps128(added))));
     _mm256_storeu_pd(sums + i + 4,
                      _mm256_add_pd(_mm256_loadu_pd(sums + i + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(added, 1))));
+    if constexpr (!kDz) continue;
     int cell = 0;
     for (std::int64_t h = win.h0; h < win.h1; ++h) {
       for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
@@ -607,7 +610,8 @@ void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win
 // MaxPool2DArgmaxBiasGrad: dz gets each window's dp at its winning cell (argmax) and 0 elsewhere,
 // db the sum of dz; g is the pool over z. The same values and sums, in the same order, as
 // max_pool_backward<T, kRelu, true> (MaxPool2DBiasActivationGrad) finds from y, without reading y.
-template <class T>
+// Without kDz, db alone (dz is not written).
+template <class T, bool kDz = true>
 void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& g, const std::uint8_t* argmax,
                                const T* dp, T* dz, T* db) {
   const std::int64_t c = g.in_c;
@@ -616,8 +620,8 @@ void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& 
   for_image_channel_blocks(device, g, [&](std::int64_t image, std::int64_t c0, std::int64_t c1) {
     const std::int64_t nc = c1 - c0;
     double* sums = image_sums.data() + image * c + c0;
-    T* dz_image = dz + image * g.in_h * g.in_w * c + c0;
-    zero_uncovered(g, dz_image, nc);  // the windows are disjoint (FusedConv2DMaxPool's shape function)
+    T* dz_image = kDz ? dz + image * g.in_h * g.in_w * c + c0 : nullptr;
+    if constexpr (kDz) zero_uncovered(g, dz_image, nc);  // disjoint windows (FusedConv2DMaxPool's shape function)
     // Channels [0, nv) take the vector path where this level has one, [nv, nc) the loops below.
     std::int64_t nv = 0;
 #if defined(__AVX2__)
@@ -631,12 +635,13 @@ void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& 
         const T* grad = dp + at;
 #if defined(__AVX2__)
         if constexpr (std::is_same_v<T, float>) {
-          if (nv > 0) argmax_window_grad_avx2(g, win, arg, grad, dz_image, sums, nv);
+          if (nv > 0) argmax_window_grad_avx2<kDz>(g, win, arg, grad, dz_image, sums, nv);
         }
 #endif
         if (nv == nc) continue;
         for (std::int64_t i = nv; i < nc; ++i)
           sums[i] += arg[i] != detail::kNoWinner ? static_cast<double>(grad[i]) : 0.0;
+        if constexpr (!kDz) continue;
         std::uint8_t cell = 0;
         for (std::int64_t h = win.h0; h < win.h1; ++h) {
           for (std::int64_t w = win.w0; w < win.w1; ++w, ++cell) {
@@ -790,6 +795,30 @@ void max_pool2d_argmax_bias_grad_kernel(KernelContext& ctx) {
   });
 }
 
+// Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db): the direct kernel
+// expands dz from the argmax a chunk at a time as it reads it; else dz is stored in scratch first.
+void conv2d_backprop_filter_argmax_kernel(KernelContext& ctx) {
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
+  const auto pg = detail::fused_pool_geometry(ctx.attrs(), g);
+  const std::uint8_t* argmax = in_ptr<std::uint8_t>(ctx, 2);
+  graph::dispatch<FloatTypes>(ctx.input(3).dtype(), ctx.label(), [&]<class T>() {
+    const T* x = in_ptr<T>(ctx, 0);
+    const T* dp = in_ptr<T>(ctx, 3);
+    T* dw = out_ptr<T>(ctx, 0);
+    T* db = out_ptr<T>(ctx, 1);
+    if constexpr (std::is_same_v<T, float>) {
+      if (g.out_pixels() > 0 && g.patch_size() > 0 &&
+          direct::conv2d_backprop_filter_argmax(ctx.device(), g, x, {.pool = pg, .argmax = argmax, .dp = dp}, dw)) {
+        max_pool_argmax_bias_grad<T, false>(ctx.device(), pg, argmax, dp, nullptr, db);
+        return;
+      }
+    }
+    T* dz = tls_fused_y.get<T>(g.out_pixels() * g.out_c);
+    max_pool_argmax_bias_grad<T>(ctx.device(), pg, argmax, dp, dz, db);
+    conv2d_backprop_filter<T>(ctx.device(), g, x, dz, dw);
+  });
+}
+
 void conv2d_backprop_input_kernel(KernelContext& ctx) {
   const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
   graph::dispatch<FloatTypes>(ctx.input(1).dtype(), ctx.label(), [&]<class T>() {
@@ -865,6 +894,7 @@ void register_conv_kernels() {
   r.add_kernel("MaxPool2DBiasActivationGrad", kCpu, cpu::max_pool2d_bias_activation_grad_kernel);
   r.add_kernel("FusedConv2DMaxPool", kCpu, cpu::fused_conv2d_max_pool_kernel);
   r.add_kernel("MaxPool2DArgmaxBiasGrad", kCpu, cpu::max_pool2d_argmax_bias_grad_kernel);
+  r.add_kernel("Conv2DBackpropFilterArgmax", kCpu, cpu::conv2d_backprop_filter_argmax_kernel);
   r.add_kernel("AvgPool2D", kCpu, cpu::avg_pool2d_kernel);
   r.add_kernel("AvgPool2DGrad", kCpu, cpu::avg_pool2d_grad_kernel);
 }

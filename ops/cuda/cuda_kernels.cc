@@ -498,6 +498,7 @@ detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
 constexpr std::size_t kCudnnFilterSlot = 1;     // the filter (or its gradient) as KRSC
 constexpr std::size_t kCudnnWorkspaceSlot = 2;  // the algorithm's workspace
 constexpr std::size_t kFusedPoolInputSlot = 3;  // FusedConv2DMaxPool's y = act(conv + bias), pooled
+constexpr std::size_t kArgmaxDyInputSlot = 4;   // Conv2DBackpropFilterArgmax's dz, expanded from argmax
 static_assert(kArgmaxNoWinner == detail::kNoWinner);
 
 CudnnTarget cudnn_target(KernelContext& ctx) {
@@ -655,25 +656,22 @@ void conv2d_backprop_input_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// Conv2DBackpropFilter(x, filter_like, dy): cuDNN's filter gradient (KRSC, permuted back to HWIO),
-// or dfilter[patch, out_c] = col^T @ dy.
-void conv2d_backprop_filter_kernel(KernelContext& ctx) {
-  const Tensor& x = ctx.input(0);
-  const Tensor& dy = ctx.input(2);
-  require_types(ctx, x, kFloat);
-  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
-  Tensor& dw = ctx.output(0);
+// The filter gradient of dy (device memory shaped like the convolution's output): cuDNN's
+// (KRSC, permuted back to HWIO), or dw[patch, out_c] = col^T @ dy. Conv2DBackpropFilter and
+// Conv2DBackpropFilterArgmax share it.
+void conv_backprop_filter(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& x, const void* dy,
+                          Tensor& dw) {
   if (dw.num_elements() == 0) return;
   const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kConv2D, g, x.dtype());
   const auto direction = CudnnConvDirection::kBackwardFilter;
   const bool cudnn = try_cudnn_conv(ctx, direction, plan, [&](const CudnnTarget& target, void* ws, std::size_t n) {
     if (plan.filter_is_krsc) {
-      cudnn_conv(target, direction, plan, x.raw_data(), dy.raw_data(), dw.raw_data(), ws, n);
+      cudnn_conv(target, direction, plan, x.raw_data(), dy, dw.raw_data(), ws, n);
       return;
     }
     const Shape& f = dw.shape();
     Tensor& krsc = ctx.scratch(kCudnnFilterSlot, {f[3], f[0], f[1], f[2]}, dw.dtype());
-    cudnn_conv(target, direction, plan, x.raw_data(), dy.raw_data(), krsc.raw_data(), ws, n);
+    cudnn_conv(target, direction, plan, x.raw_data(), dy, krsc.raw_data(), ws, n);
     permute(ctx, krsc, detail::kKrscToHwio, dw);
   });
   count_cudnn_path(cudnn);
@@ -693,9 +691,17 @@ void conv2d_backprop_filter_kernel(KernelContext& ctx) {
   call.lda = g.patch_size();
   call.ldb = g.out_c;
   call.a = col.raw_data();
-  call.b = dy.raw_data();
+  call.b = dy;
   call.c = dw.raw_data();
   gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
+}
+
+// Conv2DBackpropFilter(x, filter_like, dy).
+void conv2d_backprop_filter_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  require_types(ctx, x, kFloat);
+  conv_backprop_filter(ctx, conv_geometry(ctx, x.shape(), ctx.input(1).shape()), x, ctx.input(2).raw_data(),
+                       ctx.output(0));
 }
 
 template <bool kAverage>
@@ -772,6 +778,25 @@ void max_pool_argmax_bias_grad_kernel(KernelContext& ctx) {
   bias_activation_grad(Activation::kLinear, type_of(dp), dz, nullptr, nullptr, ctx.output(1).raw_data(), g.out_pixels(),
                        g.out_c, stream_of(ctx));
   check_launch(ctx);
+}
+
+// Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp): MaxPool2DArgmaxBiasGrad's dz, expanded
+// into this node's scratch memory (the graph never stores it; fixed address under CUDA graphs) so
+// cuDNN or the GEMM can take it, then db = BiasAddGrad(dz) and dfilter = Conv2DBackpropFilter(x,
+// filter_like, dz).
+void conv2d_backprop_filter_argmax_kernel(KernelContext& ctx) {
+  const Tensor& x = ctx.input(0);
+  const Tensor& dp = ctx.input(3);
+  require_types(ctx, x, kFloat);
+  const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
+  Tensor& dz = ctx.scratch(kArgmaxDyInputSlot, {g.batch, g.out_h, g.out_w, g.out_c}, dp.dtype());
+  max_pool_argmax_grad(type_of(dp), flatten(detail::fused_pool_geometry(ctx.attrs(), g)),
+                       static_cast<const std::uint8_t*>(ctx.input(2).raw_data()), dp.raw_data(), dz.raw_data(),
+                       stream_of(ctx));
+  bias_activation_grad(Activation::kLinear, type_of(dp), dz.raw_data(), nullptr, nullptr, ctx.output(1).raw_data(),
+                       g.out_pixels(), g.out_c, stream_of(ctx));
+  check_launch(ctx);
+  conv_backprop_filter(ctx, g, x, dz.raw_data(), ctx.output(0));
 }
 
 void avg_pool_grad_kernel(KernelContext& ctx) {
@@ -921,6 +946,7 @@ void register_cuda_kernels() {
   add("MaxPool2DBiasActivationGrad", max_pool_bias_activation_grad_kernel);
   add("FusedConv2DMaxPool", fused_conv2d_max_pool_kernel);
   add("MaxPool2DArgmaxBiasGrad", max_pool_argmax_bias_grad_kernel);
+  add("Conv2DBackpropFilterArgmax", conv2d_backprop_filter_argmax_kernel);
   add("AvgPool2DGrad", avg_pool_grad_kernel);
 }
 

@@ -799,20 +799,23 @@ TEST_CASE("FusedConv2DMaxPool: bitwise the unfused FusedConv2D, MaxPool2D and th
           const Output plain_loss = ops::reduce_sum(ops::mul(plain, w));
           const auto fused_grads = graph::gradients({&fused_loss, 1}, std::vector<Output>{x, f, b});
           const auto plain_grads = graph::gradients({&plain_loss, 1}, std::vector<Output>{x, f, b});
+          // A first layer's gradients: no dx, so no dz (Conv2DBackpropFilterArgmax alone).
+          const auto first_layer_grads = graph::gradients({&fused_loss, 1}, std::vector<Output>{f, b});
 
           std::mt19937_64 rng(5);
           const auto random = [&](const Shape& shape, int low, int high) {
             return random_tensor(dtype, shape, integers, low, high, rng);
           };
           graph::Executor ex(graph_ptr, devices::default_cpu_device());
-          const auto out = ex.run({{x, random(x.shape(), -2, 2)},
-                                   {f, random(f.shape(), -1, 1)},
-                                   {b, random(b.shape(), -1, 1)},
-                                   {w, random(fused.shape(), -3, 3)}},
-                                  {fused, plain, argmax, y, fused_grads[0], fused_grads[1], fused_grads[2],
-                                   plain_grads[0], plain_grads[1], plain_grads[2]});
+          const auto out =
+              ex.run({{x, random(x.shape(), -2, 2)},
+                      {f, random(f.shape(), -1, 1)},
+                      {b, random(b.shape(), -1, 1)},
+                      {w, random(fused.shape(), -3, 3)}},
+                     {fused, plain, argmax, y, fused_grads[0], fused_grads[1], fused_grads[2], plain_grads[0],
+                      plain_grads[1], plain_grads[2], first_layer_grads[0], first_layer_grads[1]});
           // p and every gradient, bit for bit.
-          for (const auto& [got, want] : {std::pair{0, 1}, {4, 7}, {5, 8}, {6, 9}}) {
+          for (const auto& [got, want] : {std::pair{0, 1}, {4, 7}, {5, 8}, {6, 9}, {10, 8}, {11, 9}}) {
             CAPTURE(got);
             const RefTensor a = to_ref(out[static_cast<std::size_t>(got)]),
                             e = to_ref(out[static_cast<std::size_t>(want)]);
