@@ -422,10 +422,47 @@ Trainer::~Trainer() {
       "all-reduce {:.3f}, optimizer {:.3f} ms/step; replica 0's kernels below)",
       model_.name, t.steps, replicas_.size(), per_step(t.step_seconds), per_step(t.reduce_wait_seconds),
       per_step(t.apply_seconds));
-  for (const auto& entry : replicas_.front()->executor->profile()) {
+  // The executor's profile counts evaluation and prediction runs too: left out here.
+  std::vector<graph::OpProfile> trained;
+  std::int64_t untrained_calls = 0;
+  double untrained_seconds = 0;
+  for (auto entry : replicas_.front()->executor->profile()) {
+    if (const auto it = untrained_profile_.find(entry.op); it != untrained_profile_.end()) {
+      entry.calls -= it->second.first;
+      entry.seconds -= it->second.second;
+      untrained_calls += it->second.first;
+      untrained_seconds += it->second.second;
+    }
+    if (entry.calls > 0) trained.push_back(entry);
+  }
+  std::sort(trained.begin(), trained.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+  for (const auto& entry : trained) {
     report += fmt::format("\n  {:<40} {:>8} calls {:>10.3f} ms/step", entry.op, entry.calls, per_step(entry.seconds));
   }
+  if (untrained_calls > 0) {
+    report += fmt::format("\n  (not counted above: {} kernel calls, {:.1f} ms in all, of evaluation and prediction)",
+                          untrained_calls, 1e3 * untrained_seconds);
+  }
   logging::info("{}", report);
+}
+
+std::vector<Tensor> Trainer::run_untrained(int r, const std::vector<graph::Feed>& feeds,
+                                           const std::vector<Output>& fetches) {
+  graph::Executor& executor = *replicas_[static_cast<std::size_t>(r)]->executor;
+  if (!graphs_->profile || r != 0) return executor.run(feeds, fetches);
+  const auto before = executor.profile();
+  auto fetched = executor.run(feeds, fetches);
+  for (const auto& entry : executor.profile()) {
+    auto& [calls, seconds] = untrained_profile_[entry.op];
+    calls += entry.calls;
+    seconds += entry.seconds;
+    for (const auto& old : before) {
+      if (old.op != entry.op) continue;
+      calls -= old.calls;
+      seconds -= old.seconds;
+    }
+  }
+  return fetched;
 }
 
 bool Trainer::accepts(const std::vector<graph::TensorSpec>& element_spec, bool with_targets) const {
@@ -741,7 +778,7 @@ void Trainer::test_step(const strategy::Strategy::WorkerBatch& batch) {
     feeds.clear();
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     for (std::size_t j = 0; j < g.y.size(); ++j) feeds.emplace_back(g.y[j], shard[g.x.size() + j]);
-    const auto fetched = replica.executor->run(feeds, g.test_fetches);
+    const auto fetched = run_untrained(r, feeds, g.test_fetches);
     if (lent[static_cast<std::size_t>(r)]) return;  // ran for the parameter gathers only
     const auto scalars = read_step_scalars(replica, fetched);
     StepSums sums;
@@ -774,7 +811,7 @@ std::vector<Tensor> Trainer::predict_step(const data::Element& batch) {
     feeds.clear();
     for (std::size_t i = 0; i < g.x.size(); ++i) feeds.emplace_back(g.x[i], shard[i]);
     std::vector<Tensor> out;
-    for (const auto& t : replica.executor->run(feeds, g.predict_fetches))
+    for (const auto& t : run_untrained(r, feeds, g.predict_fetches))
       out.push_back(t.to(devices::default_cpu_device()).clone());
     return out;
   };

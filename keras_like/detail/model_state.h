@@ -157,6 +157,11 @@ class Trainer {
   std::unique_ptr<Graphs> graphs_;
   std::vector<std::unique_ptr<Replica>> replicas_;
   std::unique_ptr<Metrics> train_metrics_, test_metrics_;
+  // TANDEM_PROFILE: replica 0's kernel calls and seconds in evaluation and prediction runs, by op,
+  // which its executor's profile counts too; the report of training steps leaves them out.
+  std::map<std::string, std::pair<std::int64_t, double>> untrained_profile_;
+  // Runs replica r's executor; for replica 0 under TANDEM_PROFILE, counts its kernels as untrained.
+  std::vector<Tensor> run_untrained(int r, const std::vector<graph::Feed>& feeds, const std::vector<Output>& fetches);
 };
 
 }  // namespace tandem::keras::detail

@@ -8,6 +8,7 @@
 
 #include <random>
 
+#include "tandem/base/log.h"
 #include "tandem/keras_like/keras.h"
 
 using namespace tandem;
@@ -202,4 +203,39 @@ TEST_CASE("training_stats under ZeRO stage 3: each parameter all-gathered before
     CHECK(stats.bytes_sent_per_replica_step() == static_cast<double>((n - 1) * (2 * all + again)));
     CHECK(stats.bytes_sent_per_replica_step() <= static_cast<double>(3 * (n - 1) * all));
   }
+}
+
+TEST_CASE("TANDEM_PROFILE reports the kernels of training steps, not those of evaluation and prediction") {
+  constexpr std::int64_t kRows = 80;
+  constexpr std::int64_t kBatch = 16;
+  const Tensor x = random_tensor(kRows, 6, 1);
+  const Tensor y = random_tensor(kRows, 3, 2);
+  std::string report;
+  ::setenv("TANDEM_PROFILE", "1", 1);
+  auto previous = logging::set_sink([&](logging::Level level, std::string_view message) {
+    if (level == logging::Level::kInfo && message.find("TANDEM_PROFILE") != std::string_view::npos) report = message;
+  });
+  {
+    OneDeviceStrategy strategy("CPU:0");
+    Model model = small_model(strategy, false);
+    // 5 training steps, 5 evaluation batches after the epoch, then 5 more in evaluate and predict.
+    model.fit(x, y,
+              {.batch_size = kBatch,
+               .epochs = 1,
+               .verbose = 0,
+               .validation_data = data::Dataset::from_tensor_slices({x, y}).batch(kBatch),
+               .shuffle = false});
+    model.evaluate(x, y, {.batch_size = kBatch, .verbose = 0});
+    (void)model.predict(x, {.batch_size = kBatch, .verbose = 0});
+  }  // the trainer reports as it goes away
+  logging::set_sink(std::move(previous));
+  ::unsetenv("TANDEM_PROFILE");
+  CAPTURE(report);
+  REQUIRE(report.find("5 training steps") != std::string::npos);
+  // Each step runs both dense layers' forward once: 10 calls, where all runs together made 40.
+  const auto line = report.find("FusedMatMul");
+  REQUIRE(line != std::string::npos);
+  const std::string calls = report.substr(line, report.find('\n', line) - line);
+  CHECK(calls.find(" 10 calls") != std::string::npos);
+  CHECK(report.find("not counted above: ") != std::string::npos);
 }
