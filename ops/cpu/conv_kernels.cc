@@ -378,6 +378,17 @@ void for_image_channel_blocks(devices::Device& device, const Window2DGeometry& g
   });
 }
 
+// The pool gradients' channels that take their AVX2 paths (float32, eight at a time) at this
+// level, out of `channels`; the others take the portable loops.
+template <class T>
+std::int64_t vector_channels(std::int64_t channels) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float>) return channels / 8 * 8;
+#endif
+  (void)channels;
+  return 0;
+}
+
 // Windows that never overlap (stride >= pool size, the usual 2x2 / 2) write each dx cell at most
 // once: the gradients then store instead of adding, and only cells no window covers (a VALID
 // remainder, gaps when stride > pool size) are zeroed, instead of all of dx first.
@@ -481,11 +492,7 @@ void max_pool_backward(devices::Device& device, const Window2DGeometry& g, const
     double* sums = kSums ? image_sums.data() + image * c + c0 : nullptr;
     const std::int64_t image_offset = image * g.in_h * g.in_w * c + c0;
     if (disjoint) zero_uncovered(g, dx + image_offset, nc);
-    // Channels [0, nv) take the vector path where this level has one, [nv, nc) the loops below.
-    std::int64_t nv = 0;
-#if defined(__AVX2__)
-    if constexpr (std::is_same_v<T, float>) nv = nc / 8 * 8;
-#endif
+    const std::int64_t nv = vector_channels<T>(nc);  // [0, nv) the vector path, [nv, nc) the loops below
     for (std::int64_t oh = 0; oh < g.out_h; ++oh) {
       for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
         const ClippedWindow win(g, oh, ow);
@@ -622,11 +629,7 @@ void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& 
     double* sums = image_sums.data() + image * c + c0;
     T* dz_image = kDz ? dz + image * g.in_h * g.in_w * c + c0 : nullptr;
     if constexpr (kDz) zero_uncovered(g, dz_image, nc);  // disjoint windows (FusedConv2DMaxPool's shape function)
-    // Channels [0, nv) take the vector path where this level has one, [nv, nc) the loops below.
-    std::int64_t nv = 0;
-#if defined(__AVX2__)
-    if constexpr (std::is_same_v<T, float>) nv = nc / 8 * 8;
-#endif
+    const std::int64_t nv = vector_channels<T>(nc);      // [0, nv) the vector path, [nv, nc) the loops below
     for (std::int64_t oh = 0; oh < g.out_h; ++oh) {
       for (std::int64_t ow = 0; ow < g.out_w; ++ow) {
         const ClippedWindow win(g, oh, ow);
