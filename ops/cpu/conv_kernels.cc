@@ -707,6 +707,17 @@ void conv2d_kernel(KernelContext& ctx) {
 // be in the cores' L2 caches (2 MiB each here) beside the inputs.
 constexpr std::int64_t kFusedEpilogueChunkBytes = 512 * 1024;
 
+// y = act(conv(x, w) + bias) for the images of `part`, the bias and activation applied while that
+// output is still in cache: FusedConv2D's and FusedConv2DMaxPool's path without the direct kernels.
+template <class T, Activation A>
+void convolve_chunk(devices::Device& device, const Window2DGeometry& part, const T* x, const T* w, const T* bias,
+                    T* y) {
+  conv2d_forward<T>(device, part, x, w, y);
+  const std::int64_t rows = part.out_pixels(), n = part.out_c;
+  device.parallel_for(rows, row_grain(n),
+                      [&](std::int64_t r0, std::int64_t r1) { bias_activation_rows<A>(y, y, n, r0, r1, 0, n, bias); });
+}
+
 // FusedConv2D: the direct kernels' epilogue where it applies (float32, relu or linear). Else
 // convolve a few images at a time, then apply bias + activation to that output while it is in
 // cache, instead of in a second pass over the whole batch's output.
@@ -732,11 +743,7 @@ void fused_conv2d_kernel(KernelContext& ctx) {
       for (std::int64_t b0 = 0; b0 < g.batch; b0 += chunk) {
         Window2DGeometry part = g;
         part.batch = std::min(chunk, g.batch - b0);
-        T* out = y + b0 * image_rows * g.out_c;
-        conv2d_forward<T>(ctx.device(), part, px + b0 * image_in, w, out);
-        ctx.device().parallel_for(part.batch * image_rows, row_grain(g.out_c), [&](std::int64_t r0, std::int64_t r1) {
-          bias_activation_rows<A>(out, out, g.out_c, r0, r1, 0, g.out_c, bias);
-        });
+        convolve_chunk<T, A>(ctx.device(), part, px + b0 * image_in, w, bias, y + b0 * image_rows * g.out_c);
       }
     });
   });
@@ -772,10 +779,7 @@ void fused_conv2d_max_pool_kernel(KernelContext& ctx) {
       for (std::int64_t b0 = 0; b0 < g.batch; b0 += chunk) {
         Window2DGeometry part = g, pool_part = pg;
         part.batch = pool_part.batch = std::min(chunk, g.batch - b0);
-        conv2d_forward<T>(ctx.device(), part, px + b0 * image_in, w, y);
-        ctx.device().parallel_for(part.batch * image_rows, row_grain(g.out_c), [&](std::int64_t r0, std::int64_t r1) {
-          bias_activation_rows<A>(y, y, g.out_c, r0, r1, 0, g.out_c, bias);
-        });
+        convolve_chunk<T, A>(ctx.device(), part, px + b0 * image_in, w, bias, y);
         max_pool_argmax<T>(ctx.device(), pool_part, y, p + b0 * pooled_image, argmax + b0 * pooled_image,
                            A == Activation::kRelu);
       }
