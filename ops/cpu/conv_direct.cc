@@ -119,6 +119,7 @@ thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow,
 thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
 thread_local ScratchBuffer tls_pooled_rows;   // forward with a max pool: one block of y (every thread)
 thread_local ScratchBuffer tls_dy_chunk;      // backprop-filter from an argmax: one chunk of dy (every thread)
+thread_local ScratchBuffer tls_corners;       // backprop-filter: the window corners of a chunk's pixels (every thread)
 
 // Registers in the next column block of the output channels when `left` channels remain.
 int column_block(int64_t left) {
@@ -414,12 +415,14 @@ Image padded_input(devices::Device& device, const Window2DGeometry& g, const flo
   return {padded, hp, wp, c};
 }
 
-// dw[KB filter rows x 16 NV channels] (+)= sum over the pixels of output rows [r0, r1) of
-// patch[offsets[r]] * dy: the whole pixel range reduces in registers.
-// dy holds rows from dy_row0 on: the whole dy, or a chunk expanded from FusedConv2DMaxPool's argmax.
+// dw[KB filter rows x 16 NV channels] (+)= sum over `count` pixels of patch[offsets[r]] * dy: the
+// whole pixel range reduces in registers. Pixel p's window corner is image + corners[p], its dy
+// row dy + p * ldy (a chunk's dy rows are contiguous). One flat loop over the chunk's pixels, not
+// one per output row: cnn's second layer has rows of 11 pixels, and a row's setup (its corner's
+// division by the image height, the loop's exit) cost as much as a third of its FMAs.
 template <int KB, int NV>
-void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int64_t r1, const int64_t* offsets,
-                 const float* dy, int64_t dy_row0, float* dw, bool accumulate) {
+void filter_tile(const float* image, const int64_t* corners, int64_t count, const int64_t* offsets, const float* dy,
+                 int64_t ldy, float* dw, int64_t ldw, bool accumulate) {
   Vec acc[KB][NV];
   int64_t off[KB];
 #pragma GCC unroll 16
@@ -428,34 +431,30 @@ void filter_tile(const Window2DGeometry& g, const Image& image, int64_t r0, int6
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
   }
-  const int64_t o = g.out_c, step = g.stride_w * image.c;
-  for (int64_t row = r0; row < r1; ++row) {
-    const float* corner = image.corner(g, row / g.out_h, row % g.out_h, 0);
-    const float* d = dy + (row - dy_row0) * g.out_w * o;
-    for (int64_t ow = 0; ow < g.out_w; ++ow, corner += step, d += o) {
-      Vec dv[NV];
+  for (int64_t p = 0; p < count; ++p, dy += ldy) {
+    const float* corner = image + corners[p];
+    Vec dv[NV];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) dv[v] = vload(d + kLanes * v);
+    for (int v = 0; v < NV; ++v) dv[v] = vload(dy + kLanes * v);
 #pragma GCC unroll 16
-      for (int r = 0; r < KB; ++r) {
-        const Vec av = vbroadcast(corner[off[r]]);
+    for (int r = 0; r < KB; ++r) {
+      const Vec av = vbroadcast(corner[off[r]]);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, dv[v], acc[r][v]);
-      }
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, dv[v], acc[r][v]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < KB; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
-      float* out = dw + r * o + kLanes * v;
+      float* out = dw + r * ldw + kLanes * v;
       vstore(out, accumulate ? vadd(vload(out), acc[r][v]) : acc[r][v]);
     }
   }
 }
 
-using FilterTileFn = void (*)(const Window2DGeometry&, const Image&, int64_t, int64_t, const int64_t*, const float*,
-                              int64_t, float*, bool);
+using FilterTileFn = void (*)(const float*, const int64_t*, int64_t, const int64_t*, const float*, int64_t, float*,
+                              int64_t, bool);
 template <int NV, int... R>
 constexpr std::array<FilterTileFn, sizeof...(R)> filter_tiles(std::integer_sequence<int, R...>) {
   return {&filter_tile<R + 1, NV>...};
@@ -723,6 +722,7 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
   float* partials = tls_partials.get<float>((parts - 1) * k * o);
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
     float* chunk = from_argmax != nullptr ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
+    int64_t* corners = tls_corners.get<int64_t>(chunk_rows * g.out_w);
     for (int64_t part = begin; part < end; ++part) {
       float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
       const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
@@ -730,14 +730,18 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
       for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
         const int64_t r1 = std::min(last, r0 + chunk_rows);
         if (chunk != nullptr) expand_argmax_rows(g, *from_argmax, r0, r1, chunk);
-        const float* dy_rows = chunk != nullptr ? chunk : dy;
-        const int64_t dy_row0 = chunk != nullptr ? r0 : 0;
+        const float* dy_rows = chunk != nullptr ? chunk : dy + r0 * g.out_w * o;
+        int64_t count = 0;
+        for (int64_t row = r0; row < r1; ++row) {
+          const int64_t corner = image.corner(g, row / g.out_h, row % g.out_h, 0) - image.data;
+          for (int64_t ow = 0; ow < g.out_w; ++ow) corners[count++] = corner + ow * g.stride_w * image.c;
+        }
         for (int64_t j = 0; j < o;) {
           const int registers = column_block(o - j);
           const int64_t max_rows = max_tile_rows(registers);
           for (int64_t k0 = 0; k0 < k; k0 += max_rows) {
-            filter_tile_fn(registers, std::min(max_rows, k - k0))(g, image, r0, r1, offsets + k0, dy_rows + j, dy_row0,
-                                                                  acc + k0 * o + j, r0 != first);
+            filter_tile_fn(registers, std::min(max_rows, k - k0))(image.data, corners, count, offsets + k0, dy_rows + j,
+                                                                  o, acc + k0 * o + j, o, r0 != first);
           }
           j += registers * kLanes;
         }
