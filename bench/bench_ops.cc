@@ -217,17 +217,27 @@ struct CopyBuffers {
 // One op in its own graph, fed placeholders, run by an executor: what a training step pays.
 class OpRunner {
  public:
+  // Random float32 inputs of these shapes.
   template <class Build>
   OpRunner(devices::Device& device, const std::vector<Shape>& input_shapes, Build build)
+      : OpRunner(device, random_inputs(input_shapes), build) {}
+  template <class Build>
+  OpRunner(devices::Device& device, const std::vector<Tensor>& input_values, Build build)
       : graph_(std::make_shared<Graph>()) {
     std::vector<Output> inputs;
-    for (std::size_t i = 0; i < input_shapes.size(); ++i) {
-      inputs.push_back(graph_->placeholder(kFloat32, input_shapes[i], fmt::format("in{}", i)));
-      feeds_.emplace_back(inputs.back(), Tensor::from_vector<float>(
-                                             random_floats(input_shapes[i].num_elements(), 10 + i), input_shapes[i]));
+    for (std::size_t i = 0; i < input_values.size(); ++i) {
+      const Tensor& value = input_values[i];
+      inputs.push_back(graph_->placeholder(value.dtype(), value.shape(), fmt::format("in{}", i)));
+      feeds_.emplace_back(inputs.back(), value);
     }
     output_ = build(inputs);
     executor_ = std::make_unique<graph::Executor>(graph_, device);
+  }
+  static std::vector<Tensor> random_inputs(const std::vector<Shape>& shapes) {
+    std::vector<Tensor> values;
+    for (std::size_t i = 0; i < shapes.size(); ++i)
+      values.push_back(Tensor::from_vector<float>(random_floats(shapes[i].num_elements(), 10 + i), shapes[i]));
+    return values;
   }
   // Each result is dropped before the next run, so that the executor reuses its arena.
   void run() { (void)executor_->run(feeds_, std::span<const Output>(&output_, 1)); }
@@ -294,6 +304,8 @@ const ConvLayer kConvLayers[] = {{"28x28x1 -> 32", 28, 28, 1, 32, 3}, {"13x13x32
 const char* const kConvPasses[] = {"forward", "backprop filter", "backprop input"};
 const char* const kFusedConvPass = "forward + bias + relu (FusedConv2D)";
 const char* const kPooledConvPass = "... + 2x2 max pool (FusedConv2DMaxPool)";
+constexpr std::uint8_t kNoWinner = 255;  // FusedConv2DMaxPool's argmax where no cell wins (relu' = 0)
+const char* const kPooledFilterPass = "backprop filter + bias from its argmax";
 
 void print_rule() { fmt::print("{}\n", std::string(kRuleWidth, '-')); }
 
@@ -398,6 +410,7 @@ void print_conv(const Timings& t, const devices::Device& device, double ceiling)
     }
     row("", kFusedConvPass, f, t.seconds("conv/" + layer.name + "/" + kFusedConvPass));
     row("", kPooledConvPass, f, t.seconds("conv/" + layer.name + "/" + kPooledConvPass));
+    row("", kPooledFilterPass, f, t.seconds("conv/" + layer.name + "/" + kPooledFilterPass));
     row("", "forward + backward (all three)", 3 * f, layer_s);
     all_flops += 3 * f;
     all_s += layer_s;
@@ -624,6 +637,23 @@ int run(const Options& options) {
             return ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
           }));
       t.add(key + kPooledConvPass, [&pooled] { pooled.run(); });
+      // Its filter and bias gradients from the pool's winners: each cell of a window wins in a
+      // quarter of the lanes where relu lets one through, in half.
+      const Shape pooled_shape{kBatch, layer.y().dim(1) / 2, layer.y().dim(2) / 2, layer.cout};
+      std::vector<std::uint8_t> winners(static_cast<std::size_t>(pooled_shape.num_elements()));
+      std::mt19937 rng(7);
+      for (auto& cell : winners) cell = rng() % 2 == 0 ? kNoWinner : static_cast<std::uint8_t>(rng() % 4);
+      std::vector<Tensor> values = OpRunner::random_inputs({layer.x(), layer.filter(), Shape{layer.cout}});
+      values.push_back(Tensor::from_vector<std::uint8_t>(winners, pooled_shape));
+      values.push_back(OpRunner::random_inputs({pooled_shape})[0]);
+      auto& filter_argmax =
+          *runners.emplace_back(std::make_unique<OpRunner>(device, values, [](const std::vector<Output>& in) {
+            // The pooled forward only lends its attributes (nothing reads it, so it never runs).
+            const Output source = ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
+            return in[0].graph->add_node("Conv2DBackpropFilterArgmax", {in[0], in[1], in[3], in[4]},
+                                         source.producer().attrs)[0];
+          }));
+      t.add(key + kPooledFilterPass, [&filter_argmax] { filter_argmax.run(); });
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
             device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {

@@ -679,10 +679,17 @@ namespace {
 
 // Rows [r0, r1) of dz (rows of its images' output rows, flattened) into `chunk`: each cell gets its
 // window's dp where the argmax names it, +0 elsewhere and where no window covers it, the values
-// MaxPool2DArgmaxBiasGrad stores.
+// MaxPool2DArgmaxBiasGrad stores. The windows are disjoint (stride >= size), so a row is walked
+// window by window with no division per pixel: cnn's first layer has 32 channels, four vectors
+// a pixel, and two divisions a pixel had cost as much as its FMAs.
 void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int64_t r0, int64_t r1, float* chunk) {
   const Window2DGeometry& pg = src.pool;
   const int64_t o = g.out_c;
+  const auto select_row = [&](const std::uint8_t* argmax, const float* dp, int cell, float* out) {
+    const IVec winner = iset(cell);
+    for (int64_t i = 0; i < o; i += kLanes)
+      vstore(out + i, select_equal(load_bytes(argmax + i), winner, vload(dp + i)));
+  };
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t n = row / g.out_h, oh = row % g.out_h;
     const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
@@ -691,17 +698,20 @@ void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int6
       std::fill_n(out, g.out_w * o, 0.0f);
       continue;
     }
-    for (int64_t ow = 0; ow < g.out_w; ++ow, out += o) {
-      const int64_t pw = ow / pg.stride_w, dw = ow % pg.stride_w;
-      if (pw >= pg.out_w || dw >= pg.k_w) {
-        std::fill_n(out, o, 0.0f);
-        continue;
+    const int64_t at = (n * pg.out_h + ph) * pg.out_w * o;
+    int64_t ow = 0;
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      const std::uint8_t* argmax = src.argmax + at + pw * o;
+      const float* dp = src.dp + at + pw * o;
+      for (int64_t dw = 0; dw < pg.stride_w && ow < g.out_w; ++dw, ++ow, out += o) {
+        if (dw < pg.k_w) {
+          select_row(argmax, dp, static_cast<int>(dh * pg.k_w + dw), out);
+        } else {
+          std::fill_n(out, o, 0.0f);
+        }
       }
-      const int64_t at = ((n * pg.out_h + ph) * pg.out_w + pw) * o;
-      const IVec cell = iset(static_cast<int>(dh * pg.k_w + dw));
-      for (int64_t i = 0; i < o; i += kLanes)
-        vstore(out + i, select_equal(load_bytes(src.argmax + at + i), cell, vload(src.dp + at + i)));
     }
+    std::fill_n(out, (g.out_w - ow) * o, 0.0f);
   }
 }
 
