@@ -306,6 +306,7 @@ const char* const kFusedConvPass = "forward + bias + relu (FusedConv2D)";
 const char* const kPooledConvPass = "... + 2x2 max pool (FusedConv2DMaxPool)";
 constexpr std::uint8_t kNoWinner = 255;  // FusedConv2DMaxPool's argmax where no cell wins (relu' = 0)
 const char* const kPooledFilterPass = "backprop filter + bias from its argmax";
+const char* const kPooledInputPass = "backprop input from its argmax";
 
 void print_rule() { fmt::print("{}\n", std::string(kRuleWidth, '-')); }
 
@@ -411,6 +412,7 @@ void print_conv(const Timings& t, const devices::Device& device, double ceiling)
     row("", kFusedConvPass, f, t.seconds("conv/" + layer.name + "/" + kFusedConvPass));
     row("", kPooledConvPass, f, t.seconds("conv/" + layer.name + "/" + kPooledConvPass));
     row("", kPooledFilterPass, f, t.seconds("conv/" + layer.name + "/" + kPooledFilterPass));
+    row("", kPooledInputPass, f, t.seconds("conv/" + layer.name + "/" + kPooledInputPass));
     row("", "forward + backward (all three)", 3 * f, layer_s);
     all_flops += 3 * f;
     all_s += layer_s;
@@ -654,6 +656,12 @@ int run(const Options& options) {
                                          source.producer().attrs)[0];
           }));
       t.add(key + kPooledFilterPass, [&filter_argmax] { filter_argmax.run(); });
+      auto& input_argmax =
+          *runners.emplace_back(std::make_unique<OpRunner>(device, values, [](const std::vector<Output>& in) {
+            const Output source = ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
+            return in[0].graph->add("Conv2DBackpropInputArgmax", {in[0], in[1], in[3], in[4]}, source.producer().attrs);
+          }));
+      t.add(key + kPooledInputPass, [&input_argmax] { input_argmax.run(); });
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
             device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {

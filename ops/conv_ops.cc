@@ -15,12 +15,12 @@
 //                                            relu's derivative is 0 (attrs: the convolution's
 //                                            strides, padding, activation; pool_size, pool_strides,
 //                                            pool_padding VALID, windows disjoint)
-//   MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db): its gradient with respect to
-//                                            conv + bias and bias, from argmax alone (x and filter
-//                                            give dz's shape)
 //   Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db): its filter and bias
-//                                            gradients, dz expanded from argmax as the kernel reads
-//                                            it (never stored: a first layer needs no dx, so no dz)
+//                                            gradients, from dz = dp at the cell argmax names and
+//                                            0 elsewhere, expanded from argmax as the kernel reads
+//                                            it (dz is never stored)
+//   Conv2DBackpropInputArgmax(x_like, filter, argmax, dp) -> dx: its input gradient, from the same
+//                                            dz, expanded image by image
 // The backprop ops are linear in their non-shape inputs, so they have gradients too (second
 // derivatives, and gradient checks of the backprop kernels themselves).
 #include "tandem/ops/conv_ops.h"
@@ -328,8 +328,9 @@ std::vector<TensorSpec> fused_conv2d_max_pool_shape(ShapeContext& ctx) {
   return {TensorSpec{y.dtype, p}, TensorSpec{graph::kUInt8, p}};
 }
 
-// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db), dz shaped like Conv2D(x, filter).
-std::vector<TensorSpec> max_pool_argmax_bias_grad_shape(ShapeContext& ctx) {
+// The argmax gradient ops' (x, filter, argmax, dp): the specs of dz (shaped like Conv2D(x,
+// filter)) and db, after checking that argmax and dp are that convolution's pooled shape.
+std::vector<TensorSpec> pooled_dz_db_shape(ShapeContext& ctx) {
   ctx.require_float(0);
   ctx.require_same_dtype(0, 1);
   ctx.require_same_dtype(0, 3);
@@ -358,10 +359,18 @@ std::vector<TensorSpec> max_pool_argmax_bias_grad_shape(ShapeContext& ctx) {
 
 // Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db).
 std::vector<TensorSpec> conv2d_backprop_filter_argmax_shape(ShapeContext& ctx) {
-  const auto dz_db = max_pool_argmax_bias_grad_shape(ctx);
+  const auto dz_db = pooled_dz_db_shape(ctx);
   Shape f = ctx.shape(1);
   if (f[3] < 0) f[3] = dz_db[1].shape[0];
   return {TensorSpec{ctx.dtype(0), f}, dz_db[1]};
+}
+
+// Conv2DBackpropInputArgmax(x_like, filter, argmax, dp) -> dx, shaped like x.
+std::vector<TensorSpec> conv2d_backprop_input_argmax_shape(ShapeContext& ctx) {
+  const auto dz_db = pooled_dz_db_shape(ctx);
+  Shape x = ctx.shape(0);
+  if (x[0] < 0) x[0] = dz_db[0].shape[0];
+  return {TensorSpec{ctx.dtype(0), x}};
 }
 
 // --- gradients -------------------------------------------------------------------------------
@@ -403,15 +412,14 @@ std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
           add_op("Conv2DBackpropFilter", {x, w, dz}, ctx.attrs()), (*dz_db)[1]};
 }
 
-// (p, argmax) = FusedConv2DMaxPool(x, w, b): the filter and bias gradients straight from argmax
-// and dp; dx from dz = MaxPool2DArgmaxBiasGrad's (no pass over the convolution's output, which
-// was never stored). When nothing needs dx (a first layer) executors prune dz's node too.
+// (p, argmax) = FusedConv2DMaxPool(x, w, b): every gradient straight from argmax and dp, dz
+// expanded inside the kernels as they read it, never stored. When
+// nothing needs dx (a first layer) executors prune its node.
 std::vector<Output> fused_conv2d_max_pool_grad(GradContext& ctx) {
   if (!ctx.has_grad(0)) return {Output{}, Output{}, Output{}};
   const Output x = ctx.input(0), w = ctx.input(1), argmax = ctx.output(1), dp = ctx.grad(0);
   const auto dw_db = add_op_multi("Conv2DBackpropFilterArgmax", {x, w, argmax, dp}, ctx.attrs());
-  const Output dz = add_op_multi("MaxPool2DArgmaxBiasGrad", {x, w, argmax, dp}, ctx.attrs())[0];
-  return {add_op("Conv2DBackpropInput", {x, w, dz}, ctx.attrs()), dw_db[0], dw_db[1]};
+  return {add_op("Conv2DBackpropInputArgmax", {x, w, argmax, dp}, ctx.attrs()), dw_db[0], dw_db[1]};
 }
 
 // dx = BackpropInput(w, dy) is bilinear: <g, dx> = <Conv2D(g, w), dy>, so
@@ -477,18 +485,16 @@ void register_conv_ops() {
               .num_outputs = 2,
               .shape_fn = fused_conv2d_max_pool_shape,
               .grad_fn = fused_conv2d_max_pool_grad});
-  // Not differentiable (it stands for MaxPool2DGrad too).
-  r.add(OpDef{.name = "MaxPool2DArgmaxBiasGrad",
-              .min_inputs = 4,
-              .max_inputs = 4,
-              .num_outputs = 2,
-              .shape_fn = max_pool_argmax_bias_grad_shape});
-  // Not differentiable either.
+  // Not differentiable (they stand for MaxPool2DGrad too).
   r.add(OpDef{.name = "Conv2DBackpropFilterArgmax",
               .min_inputs = 4,
               .max_inputs = 4,
               .num_outputs = 2,
               .shape_fn = conv2d_backprop_filter_argmax_shape});
+  r.add(OpDef{.name = "Conv2DBackpropInputArgmax",
+              .min_inputs = 4,
+              .max_inputs = 4,
+              .shape_fn = conv2d_backprop_input_argmax_shape});
   r.add(
       OpDef{.name = "AvgPool2D", .min_inputs = 1, .max_inputs = 1, .shape_fn = pool_shape, .grad_fn = avg_pool2d_grad});
   r.add(OpDef{.name = "AvgPool2DGrad",

@@ -119,6 +119,7 @@ thread_local ScratchBuffer tls_columns;       // backprop-input: (iw, kw) -> ow,
 thread_local ScratchBuffer tls_full_columns;  // backprop-input: every kw of iw inside dy
 thread_local ScratchBuffer tls_pooled_rows;   // forward with a max pool: one block of y (every thread)
 thread_local ScratchBuffer tls_dy_chunk;      // backprop-filter from an argmax: one chunk of dy (every thread)
+thread_local ScratchBuffer tls_dz_image;      // backprop-input from an argmax: one image of dz (every thread)
 thread_local ScratchBuffer tls_corners;       // backprop-filter: the window corners of a chunk's pixels (every thread)
 
 // Registers in the next column block of the output channels when `left` channels remain.
@@ -281,6 +282,44 @@ void max_pool_rows(const ForwardMaxPool& mp, const float* rows, int64_t row0, in
   }
 }
 
+// Rows [r0, r1) of dz (rows of its images' output rows, flattened) into `chunk`: each cell gets its
+// window's dp where the argmax names it, +0 elsewhere and where no window covers it, the values
+// max_pool_argmax_bias_grad stores (ops/cpu/conv_kernels.cc). The windows are disjoint (stride >= size), so a row is
+// walked window by window with no division per pixel: cnn's first layer has 32 channels, four vectors a pixel, and two
+// divisions a pixel had cost as much as its FMAs.
+void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int64_t r0, int64_t r1, float* chunk) {
+  const Window2DGeometry& pg = src.pool;
+  const int64_t o = g.out_c;
+  const auto select_row = [&](const std::uint8_t* argmax, const float* dp, int cell, float* out) {
+    const IVec winner = iset(cell);
+    for (int64_t i = 0; i < o; i += kLanes)
+      vstore(out + i, select_equal(load_bytes(argmax + i), winner, vload(dp + i)));
+  };
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / g.out_h, oh = row % g.out_h;
+    const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
+    float* out = chunk + (row - r0) * g.out_w * o;
+    if (ph >= pg.out_h || dh >= pg.k_h) {
+      std::fill_n(out, g.out_w * o, 0.0f);
+      continue;
+    }
+    const int64_t at = (n * pg.out_h + ph) * pg.out_w * o;
+    int64_t ow = 0;
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      const std::uint8_t* argmax = src.argmax + at + pw * o;
+      const float* dp = src.dp + at + pw * o;
+      for (int64_t dw = 0; dw < pg.stride_w && ow < g.out_w; ++dw, ++ow, out += o) {
+        if (dw < pg.k_w) {
+          select_row(argmax, dp, static_cast<int>(dh * pg.k_w + dw), out);
+        } else {
+          std::fill_n(out, o, 0.0f);
+        }
+      }
+    }
+    std::fill_n(out, (g.out_w - ow) * o, 0.0f);
+  }
+}
+
 // y = conv(x, w) (w: [kh * kw * in_c, out_c], out_c % 16 == 0). Padding is never materialised
 // nor multiplied:
 //  - filter rows over padding rows are left out of the reduction (a kh range per output row);
@@ -290,8 +329,15 @@ void max_pool_rows(const ForwardMaxPool& mp, const float* rows, int64_t row0, in
 // Work is split into blocks of up to kBlockRows output rows of one image. With `pool`, a block is
 // a whole number of pool rows (windows never straddle two), its rows go to a per-thread buffer
 // that max_pool_rows then reduces, and rows no window reads (the VALID remainder) are skipped.
+// With `dz_images` (backprop input from FusedConv2DMaxPool's argmax), x is not read: each image is
+// expanded from the argmax into a per-thread buffer when a thread's first block of it starts.
+struct ImagesFromArgmax {
+  const Window2DGeometry& conv;  // the convolution whose output dz is
+  const DyFromArgmax& source;
+};
 void forward_direct(devices::Device& device, const Window2DGeometry& g, const float* x, const float* w, float* y,
-                    ForwardEpilogue epilogue, const ForwardMaxPool* pool = nullptr) {
+                    ForwardEpilogue epilogue, const ForwardMaxPool* pool = nullptr,
+                    const ImagesFromArgmax* dz_images = nullptr) {
   const int64_t o = g.out_c, c = g.in_c, k = g.patch_size(), kh_size = g.k_w * c;
   const int64_t* offsets = patch_offsets(g, g.in_w, c);
   const auto [full_begin, full_end] = full_columns(g);
@@ -329,10 +375,20 @@ void forward_direct(devices::Device& device, const Window2DGeometry& g, const fl
   device.parallel_for(
       g.batch * blocks_per_image, std::max<int64_t>(1, 8 * kElementwiseGrain / block_work),
       [&](int64_t begin, int64_t end) {
+        float* expanded = dz_images != nullptr ? tls_dz_image.get<float>(g.in_h * g.in_w * c) : nullptr;
+        int64_t expanded_image = -1;
         for (int64_t unit = begin; unit < end; ++unit) {
           const int64_t n = unit / blocks_per_image;
           const int64_t oh_begin = unit % blocks_per_image * block_rows, oh_end = std::min(rows, oh_begin + block_rows);
           const float* image = x + n * g.in_h * g.in_w * c;
+          if (dz_images != nullptr) {
+            if (expanded_image != n) {
+              const int64_t h = dz_images->conv.out_h;
+              expand_argmax_rows(dz_images->conv, dz_images->source, n * h, (n + 1) * h, expanded);
+              expanded_image = n;
+            }
+            image = expanded;
+          }
           // Output row oh goes to y_rows + (oh - y_row0) * g.out_w * o.
           float* y_rows =
               pool != nullptr ? tls_pooled_rows.get<float>(block_rows * g.out_w * o) : y + n * g.out_h * g.out_w * o;
@@ -646,7 +702,7 @@ Window2DGeometry flipped_geometry(const Window2DGeometry& g) {
 }
 
 void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
-                            float* dx) {
+                            float* dx, const DyFromArgmax* from_argmax = nullptr) {
   const int64_t c = g.in_c, o = g.out_c, taps = g.k_h * g.k_w;
   float* flipped = tls_flipped.get<float>(taps * c * o);
   for (int64_t t = 0; t < taps; ++t) {
@@ -656,7 +712,12 @@ void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, 
       for (int64_t oi = 0; oi < o; ++oi) dst[oi * c + ci] = src[ci * o + oi];
     }
   }
-  forward_direct(device, flipped_geometry(g), dy, flipped, dx, {});
+  if (from_argmax == nullptr) {
+    forward_direct(device, flipped_geometry(g), dy, flipped, dx, {});
+    return;
+  }
+  const ImagesFromArgmax images{g, *from_argmax};
+  forward_direct(device, flipped_geometry(g), nullptr, flipped, dx, {}, nullptr, &images);
 }
 
 }  // namespace
@@ -676,44 +737,6 @@ bool conv2d_forward_max_pool(devices::Device& device, const Window2DGeometry& g,
 }
 
 namespace {
-
-// Rows [r0, r1) of dz (rows of its images' output rows, flattened) into `chunk`: each cell gets its
-// window's dp where the argmax names it, +0 elsewhere and where no window covers it, the values
-// MaxPool2DArgmaxBiasGrad stores. The windows are disjoint (stride >= size), so a row is walked
-// window by window with no division per pixel: cnn's first layer has 32 channels, four vectors
-// a pixel, and two divisions a pixel had cost as much as its FMAs.
-void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int64_t r0, int64_t r1, float* chunk) {
-  const Window2DGeometry& pg = src.pool;
-  const int64_t o = g.out_c;
-  const auto select_row = [&](const std::uint8_t* argmax, const float* dp, int cell, float* out) {
-    const IVec winner = iset(cell);
-    for (int64_t i = 0; i < o; i += kLanes)
-      vstore(out + i, select_equal(load_bytes(argmax + i), winner, vload(dp + i)));
-  };
-  for (int64_t row = r0; row < r1; ++row) {
-    const int64_t n = row / g.out_h, oh = row % g.out_h;
-    const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
-    float* out = chunk + (row - r0) * g.out_w * o;
-    if (ph >= pg.out_h || dh >= pg.k_h) {
-      std::fill_n(out, g.out_w * o, 0.0f);
-      continue;
-    }
-    const int64_t at = (n * pg.out_h + ph) * pg.out_w * o;
-    int64_t ow = 0;
-    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
-      const std::uint8_t* argmax = src.argmax + at + pw * o;
-      const float* dp = src.dp + at + pw * o;
-      for (int64_t dw = 0; dw < pg.stride_w && ow < g.out_w; ++dw, ++ow, out += o) {
-        if (dw < pg.k_w) {
-          select_row(argmax, dp, static_cast<int>(dh * pg.k_w + dw), out);
-        } else {
-          std::fill_n(out, o, 0.0f);
-        }
-      }
-    }
-    std::fill_n(out, (g.out_w - ow) * o, 0.0f);
-  }
-}
 
 bool backprop_filter_applies(const Window2DGeometry& g) {
   return g.in_c >= 1 && g.out_c >= 1 && g.out_c % kLanes == 0 && g.patch_size() <= kMaxPatch;
@@ -803,6 +826,15 @@ bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, c
   return false;
 }
 
+bool conv2d_backprop_input_argmax(devices::Device& device, const Window2DGeometry& g, const float* w,
+                                  const DyFromArgmax& dy, float* dx) {
+  if (g.in_c <= kMaxBackpropInputChannels || g.out_c % kLanes != 0 || g.stride_h != 1 || g.stride_w != 1 ||
+      !forward_applies(flipped_geometry(g)))
+    return false;
+  backprop_input_flipped(device, g, w, nullptr, dx, &dy);
+  return true;
+}
+
 #else  // baseline: the GEMM paths handle everything
 
 bool conv2d_forward(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*,
@@ -821,6 +853,10 @@ bool conv2d_backprop_filter_argmax(devices::Device&, const detail::Window2DGeome
   return false;
 }
 bool conv2d_backprop_input(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*) {
+  return false;
+}
+bool conv2d_backprop_input_argmax(devices::Device&, const detail::Window2DGeometry&, const float*, const DyFromArgmax&,
+                                  float*) {
   return false;
 }
 

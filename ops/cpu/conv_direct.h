@@ -14,7 +14,8 @@
 //                     whole, or expanded chunk by chunk from FusedConv2DMaxPool's argmax
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
 //                     channels a multiple of the lanes: the forward kernel over dy with the filter
-//                     flipped and transposed
+//                     flipped and transposed, dy read whole or expanded image by image from
+//                     FusedConv2DMaxPool's argmax
 //
 // Each function returns false, doing nothing, when the geometry does not qualify or the level
 // this copy is compiled for (ops/cpu/isa.h) has neither AVX-512 nor AVX2 (the baseline level); the
@@ -58,8 +59,8 @@ bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeome
                             float* dw);
 // Backprop-filter's dy where FusedConv2DMaxPool's gradient gives it: each chunk of dy is expanded
 // from the argmax and dp into an L1-sized buffer as the kernel walks it (dp where the argmax names
-// the cell, +0 elsewhere: MaxPool2DArgmaxBiasGrad's dz, never stored), so the result is bitwise
-// conv2d_backprop_filter's of that dz.
+// the cell, +0 elsewhere: the dz MaxPool2DBiasActivationGrad would find from y, never stored), so
+// the result is bitwise conv2d_backprop_filter's of that dz.
 struct DyFromArgmax {
   detail::Window2DGeometry pool;  // over dy; VALID windows that do not overlap
   const std::uint8_t* argmax = nullptr;
@@ -69,5 +70,11 @@ bool conv2d_backprop_filter_argmax(devices::Device& device, const detail::Window
                                    const DyFromArgmax& dy, float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,
                            float* dx);
+// Backprop-input's dy from FusedConv2DMaxPool's argmax: each image of dy is expanded into a
+// per-thread buffer before the (flipped forward) kernel reads it, so the result is bitwise
+// conv2d_backprop_input's of that dy. Declines (false) where conv2d_backprop_input would not take
+// the flipped forward: then the caller expands dy whole and calls conv2d_backprop_input.
+bool conv2d_backprop_input_argmax(devices::Device& device, const detail::Window2DGeometry& g, const float* w,
+                                  const DyFromArgmax& dy, float* dx);
 
 }  // namespace tandem::ops::cpu::direct

@@ -614,7 +614,8 @@ void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win
 }
 #endif
 
-// MaxPool2DArgmaxBiasGrad: dz gets each window's dp at its winning cell (argmax) and 0 elsewhere,
+// The argmax gradient ops' dz when they store it (the paths without the direct kernels): each
+// window's dp at its winning cell (argmax) and 0 elsewhere,
 // db the sum of dz; g is the pool over z. The same values and sums, in the same order, as
 // max_pool_backward<T, kRelu, true> (MaxPool2DBiasActivationGrad) finds from y, without reading y.
 // Without kDz, db alone (dz is not written).
@@ -792,16 +793,6 @@ void fused_conv2d_max_pool_kernel(KernelContext& ctx) {
   });
 }
 
-// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp) -> (dz, db).
-void max_pool2d_argmax_bias_grad_kernel(KernelContext& ctx) {
-  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
-  const auto pg = detail::fused_pool_geometry(ctx.attrs(), g);
-  graph::dispatch<FloatTypes>(ctx.input(3).dtype(), ctx.label(), [&]<class T>() {
-    max_pool_argmax_bias_grad<T>(ctx.device(), pg, in_ptr<std::uint8_t>(ctx, 2), in_ptr<T>(ctx, 3), out_ptr<T>(ctx, 0),
-                                 out_ptr<T>(ctx, 1));
-  });
-}
-
 // Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp) -> (dfilter, db): the direct kernel
 // expands dz from the argmax a chunk at a time as it reads it; else dz is stored in scratch first.
 void conv2d_backprop_filter_argmax_kernel(KernelContext& ctx) {
@@ -823,6 +814,29 @@ void conv2d_backprop_filter_argmax_kernel(KernelContext& ctx) {
     T* dz = tls_fused_y.get<T>(g.out_pixels() * g.out_c);
     max_pool_argmax_bias_grad<T>(ctx.device(), pg, argmax, dp, dz, db);
     conv2d_backprop_filter<T>(ctx.device(), g, x, dz, dw);
+  });
+}
+
+// Conv2DBackpropInputArgmax(x_like, filter, argmax, dp) -> dx: the direct kernel expands dz from
+// the argmax an image at a time as it reads it; else dz is stored in scratch first. Either way dx
+// is bitwise Conv2DBackpropInput's of that dz.
+void conv2d_backprop_input_argmax_kernel(KernelContext& ctx) {
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
+  const auto pg = detail::fused_pool_geometry(ctx.attrs(), g);
+  const std::uint8_t* argmax = in_ptr<std::uint8_t>(ctx, 2);
+  graph::dispatch<FloatTypes>(ctx.input(3).dtype(), ctx.label(), [&]<class T>() {
+    const T* w = in_ptr<T>(ctx, 1);
+    const T* dp = in_ptr<T>(ctx, 3);
+    T* dx = out_ptr<T>(ctx, 0);
+    if constexpr (std::is_same_v<T, float>) {
+      if (g.out_pixels() > 0 && g.batch * g.in_h * g.in_w > 0 &&
+          direct::conv2d_backprop_input_argmax(ctx.device(), g, w, {.pool = pg, .argmax = argmax, .dp = dp}, dx))
+        return;
+    }
+    T* dz = tls_fused_y.get<T>(g.out_pixels() * g.out_c);
+    std::vector<T> db(static_cast<std::size_t>(g.out_c));  // not an output of this op
+    max_pool_argmax_bias_grad<T>(ctx.device(), pg, argmax, dp, dz, db.data());
+    conv2d_backprop_input<T>(ctx.device(), g, w, dz, dx);
   });
 }
 
@@ -900,8 +914,8 @@ void register_conv_kernels() {
   r.add_kernel("MaxPool2DGrad", kCpu, cpu::max_pool2d_grad_kernel);
   r.add_kernel("MaxPool2DBiasActivationGrad", kCpu, cpu::max_pool2d_bias_activation_grad_kernel);
   r.add_kernel("FusedConv2DMaxPool", kCpu, cpu::fused_conv2d_max_pool_kernel);
-  r.add_kernel("MaxPool2DArgmaxBiasGrad", kCpu, cpu::max_pool2d_argmax_bias_grad_kernel);
   r.add_kernel("Conv2DBackpropFilterArgmax", kCpu, cpu::conv2d_backprop_filter_argmax_kernel);
+  r.add_kernel("Conv2DBackpropInputArgmax", kCpu, cpu::conv2d_backprop_input_argmax_kernel);
   r.add_kernel("AvgPool2D", kCpu, cpu::avg_pool2d_kernel);
   r.add_kernel("AvgPool2DGrad", kCpu, cpu::avg_pool2d_grad_kernel);
 }

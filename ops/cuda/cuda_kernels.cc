@@ -498,7 +498,7 @@ detail::Window2DGeometry pool_geometry(KernelContext& ctx, const Shape& x) {
 constexpr std::size_t kCudnnFilterSlot = 1;     // the filter (or its gradient) as KRSC
 constexpr std::size_t kCudnnWorkspaceSlot = 2;  // the algorithm's workspace
 constexpr std::size_t kFusedPoolInputSlot = 3;  // FusedConv2DMaxPool's y = act(conv + bias), pooled
-constexpr std::size_t kArgmaxDyInputSlot = 4;   // Conv2DBackpropFilterArgmax's dz, expanded from argmax
+constexpr std::size_t kArgmaxDyInputSlot = 4;   // the argmax gradient ops' dz, expanded from argmax
 static_assert(kArgmaxNoWinner == detail::kNoWinner);
 
 CudnnTarget cudnn_target(KernelContext& ctx) {
@@ -617,14 +617,11 @@ void fused_conv2d_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// Conv2DBackpropInput(x_like, filter, dy): cuDNN's data gradient, or dcol = dy @ filter^T and
-// dx = col2im(dcol).
-void conv2d_backprop_input_kernel(KernelContext& ctx) {
-  const Tensor& filter = ctx.input(1);
-  const Tensor& dy = ctx.input(2);
-  require_types(ctx, filter, kFloat);
-  const auto g = conv_geometry(ctx, ctx.input(0).shape(), filter.shape());
-  Tensor& dx = ctx.output(0);
+// The input gradient of dy (device memory shaped like the convolution's output): cuDNN's data
+// gradient, or dcol = dy @ filter^T and dx = col2im(dcol). Conv2DBackpropInput and
+// Conv2DBackpropInputArgmax share it.
+void conv_backprop_input(KernelContext& ctx, const detail::Window2DGeometry& g, const Tensor& filter, const Tensor& dy,
+                         Tensor& dx) {
   if (dx.num_elements() == 0) return;
   const detail::CudnnPlan plan = cudnn_plan(detail::CudnnWindowOp::kConv2D, g, dy.dtype());
   const auto direction = CudnnConvDirection::kBackwardData;
@@ -654,6 +651,14 @@ void conv2d_backprop_input_kernel(KernelContext& ctx) {
   }
   col2im(type_of(dy), flatten(g), dcol.raw_data(), dx.raw_data(), stream_of(ctx));
   check_launch(ctx);
+}
+
+// Conv2DBackpropInput(x_like, filter, dy).
+void conv2d_backprop_input_kernel(KernelContext& ctx) {
+  const Tensor& filter = ctx.input(1);
+  require_types(ctx, filter, kFloat);
+  conv_backprop_input(ctx, conv_geometry(ctx, ctx.input(0).shape(), filter.shape()), filter, ctx.input(2),
+                      ctx.output(0));
 }
 
 // The filter gradient of dy (device memory shaped like the convolution's output): cuDNN's
@@ -765,38 +770,41 @@ void fused_conv2d_max_pool_kernel(KernelContext& ctx) {
   check_launch(ctx);
 }
 
-// MaxPool2DArgmaxBiasGrad(x, filter, argmax, dp): dz from argmax alone (x and filter give its
-// shape), then db = BiasAddGrad(dz).
-void max_pool_argmax_bias_grad_kernel(KernelContext& ctx) {
+// The argmax gradient ops' dz (dp at the cell argmax names, 0 elsewhere), expanded into this
+// node's scratch memory (the graph never stores it; fixed address under CUDA graphs) so that
+// cuDNN or the GEMM can take it.
+Tensor& expand_argmax_dz(KernelContext& ctx, const detail::Window2DGeometry& g) {
   const Tensor& dp = ctx.input(3);
-  require_types(ctx, dp, kFloat);
-  count_cudnn_path(false);
-  const auto g = conv_geometry(ctx, ctx.input(0).shape(), ctx.input(1).shape());
-  void* dz = ctx.output(0).raw_data();
+  Tensor& dz = ctx.scratch(kArgmaxDyInputSlot, {g.batch, g.out_h, g.out_w, g.out_c}, dp.dtype());
   max_pool_argmax_grad(type_of(dp), flatten(detail::fused_pool_geometry(ctx.attrs(), g)),
-                       static_cast<const std::uint8_t*>(ctx.input(2).raw_data()), dp.raw_data(), dz, stream_of(ctx));
-  bias_activation_grad(Activation::kLinear, type_of(dp), dz, nullptr, nullptr, ctx.output(1).raw_data(), g.out_pixels(),
-                       g.out_c, stream_of(ctx));
-  check_launch(ctx);
+                       static_cast<const std::uint8_t*>(ctx.input(2).raw_data()), dp.raw_data(), dz.raw_data(),
+                       stream_of(ctx));
+  return dz;
 }
 
-// Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp): MaxPool2DArgmaxBiasGrad's dz, expanded
-// into this node's scratch memory (the graph never stores it; fixed address under CUDA graphs) so
-// cuDNN or the GEMM can take it, then db = BiasAddGrad(dz) and dfilter = Conv2DBackpropFilter(x,
-// filter_like, dz).
+// Conv2DBackpropFilterArgmax(x, filter_like, argmax, dp): dz expanded, then db = BiasAddGrad(dz)
+// and dfilter = Conv2DBackpropFilter(x, filter_like, dz).
 void conv2d_backprop_filter_argmax_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   const Tensor& dp = ctx.input(3);
   require_types(ctx, x, kFloat);
   const auto g = conv_geometry(ctx, x.shape(), ctx.input(1).shape());
-  Tensor& dz = ctx.scratch(kArgmaxDyInputSlot, {g.batch, g.out_h, g.out_w, g.out_c}, dp.dtype());
-  max_pool_argmax_grad(type_of(dp), flatten(detail::fused_pool_geometry(ctx.attrs(), g)),
-                       static_cast<const std::uint8_t*>(ctx.input(2).raw_data()), dp.raw_data(), dz.raw_data(),
-                       stream_of(ctx));
+  Tensor& dz = expand_argmax_dz(ctx, g);
   bias_activation_grad(Activation::kLinear, type_of(dp), dz.raw_data(), nullptr, nullptr, ctx.output(1).raw_data(),
                        g.out_pixels(), g.out_c, stream_of(ctx));
   check_launch(ctx);
   conv_backprop_filter(ctx, g, x, dz.raw_data(), ctx.output(0));
+}
+
+// Conv2DBackpropInputArgmax(x_like, filter, argmax, dp): dz expanded, then Conv2DBackpropInput's
+// path.
+void conv2d_backprop_input_argmax_kernel(KernelContext& ctx) {
+  const Tensor& filter = ctx.input(1);
+  require_types(ctx, filter, kFloat);
+  const auto g = conv_geometry(ctx, ctx.input(0).shape(), filter.shape());
+  const Tensor& dz = expand_argmax_dz(ctx, g);
+  check_launch(ctx);
+  conv_backprop_input(ctx, g, filter, dz, ctx.output(0));
 }
 
 void avg_pool_grad_kernel(KernelContext& ctx) {
@@ -945,8 +953,8 @@ void register_cuda_kernels() {
   add("MaxPool2DGrad", max_pool_grad_kernel);
   add("MaxPool2DBiasActivationGrad", max_pool_bias_activation_grad_kernel);
   add("FusedConv2DMaxPool", fused_conv2d_max_pool_kernel);
-  add("MaxPool2DArgmaxBiasGrad", max_pool_argmax_bias_grad_kernel);
   add("Conv2DBackpropFilterArgmax", conv2d_backprop_filter_argmax_kernel);
+  add("Conv2DBackpropInputArgmax", conv2d_backprop_input_argmax_kernel);
   add("AvgPool2DGrad", avg_pool_grad_kernel);
 }
 

@@ -861,7 +861,7 @@ __global__ void max_pool_argmax_kernel(bool relu, WindowGeometry g, const T* y, 
   }
 }
 
-// MaxPool2DArgmaxBiasGrad's dz: one thread per element of dz (shaped like the pool's input) finds
+// The argmax gradient ops' dz: one thread per element of dz (shaped like the pool's input) finds
 // the one window that can cover it (windows do not overlap) and takes its dp when argmax names it.
 template <class T>
 __global__ void max_pool_argmax_grad_kernel(WindowGeometry g, const std::uint8_t* argmax, const T* dp, T* dz) {

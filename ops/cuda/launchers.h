@@ -144,7 +144,7 @@ void avg_pool_grad(ElementType type, const WindowGeometry& g, const void* dy, vo
 inline constexpr std::uint8_t kArgmaxNoWinner = 255;  // ops::detail::kNoWinner
 void max_pool_argmax(bool relu, ElementType type, const WindowGeometry& g, const void* y, void* p, std::uint8_t* argmax,
                      cudaStream_t stream);
-// MaxPool2DArgmaxBiasGrad's dz (shaped like y): dp at the cell argmax names in each window, 0
+// The argmax gradient ops' dz (shaped like y): dp at the cell argmax names in each window, 0
 // elsewhere (also where no window covers a cell).
 void max_pool_argmax_grad(ElementType type, const WindowGeometry& g, const std::uint8_t* argmax, const void* dp,
                           void* dz, cudaStream_t stream);

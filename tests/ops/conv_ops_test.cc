@@ -702,10 +702,10 @@ void check_pooled_fused_conv_gradient(ops::Activation activation, const std::str
 
 }  // namespace
 
-TEST_CASE("FusedConv2D's gradient through a max pool: one MaxPool2DArgmaxBiasGrad for relu and linear") {
-  // The pool is fused into the convolution (FusedConv2DMaxPool), whose gradient reads its argmax.
-  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "MaxPool2DArgmaxBiasGrad");
-  check_pooled_fused_conv_gradient(ops::Activation::kLinear, "MaxPool2DArgmaxBiasGrad");
+TEST_CASE("FusedConv2D's gradient through a max pool: the argmax gradient ops for relu and linear") {
+  // The pool is fused into the convolution (FusedConv2DMaxPool), whose gradients read its argmax.
+  check_pooled_fused_conv_gradient(ops::Activation::kRelu, "Conv2DBackpropInputArgmax");
+  check_pooled_fused_conv_gradient(ops::Activation::kLinear, "Conv2DBackpropInputArgmax");
   // sigmoid's derivative is not folded into the pool's gradient.
   check_pooled_fused_conv_gradient(ops::Activation::kSigmoid, "BiasActivationGrad");
   // Overlapping windows keep MaxPool2D, and FusedConv2D's gradient takes MaxPool2DBiasActivationGrad.
@@ -741,6 +741,14 @@ const ConvPoolGeometry kConvPoolGeometries[] = {
      Padding::kValid,
      {2, 2, 3, 3, Padding::kValid}},
     {"3x2 windows, 5 channels", {2, 10, 9, 3}, {3, 3, 3, 5}, 1, Padding::kSame, {3, 2, 3, 2, Padding::kValid}},
+    // Input gradients through the direct kernels (16k input channels, stride 1), with padding:
+    {"16 input channels, SAME, gaps between windows",
+     {2, 9, 10, 16},
+     {3, 3, 16, 16},
+     1,
+     Padding::kSame,
+     {2, 2, 3, 3, Padding::kValid}},
+    {"32 input channels, 3x2 windows", {2, 8, 7, 32}, {3, 3, 32, 32}, 1, Padding::kSame, {3, 2, 3, 2, Padding::kValid}},
     {"one pool row per image, 13 channels",
      {3, 6, 8, 2},
      {2, 2, 2, 13},
