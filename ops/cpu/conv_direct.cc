@@ -475,7 +475,7 @@ Image padded_input(devices::Device& device, const Window2DGeometry& g, const flo
 // whole pixel range reduces in registers. Pixel p's window corner is image + corners[p], its dy
 // row dy + p * ldy (a chunk's dy rows are contiguous). One flat loop over the chunk's pixels, not
 // one per output row: cnn's second layer has rows of 11 pixels, and a row's setup (its corner's
-// division by the image height, the loop's exit) cost as much as a third of its FMAs.
+// division by the image height, the loop's exit) had cost about a tenth of the kernel's time.
 template <int KB, int NV>
 void filter_tile(const float* image, const int64_t* corners, int64_t count, const int64_t* offsets, const float* dy,
                  int64_t ldy, float* dw, int64_t ldw, bool accumulate) {
