@@ -413,8 +413,8 @@ std::vector<Output> fused_conv2d_grad(GradContext& ctx) {
 }
 
 // (p, argmax) = FusedConv2DMaxPool(x, w, b): every gradient straight from argmax and dp, dz
-// expanded inside the kernels as they read it, never stored. When
-// nothing needs dx (a first layer) executors prune its node.
+// expanded inside the kernels as they read it, never stored. When nothing needs dx (a first
+// layer) executors prune its node.
 std::vector<Output> fused_conv2d_max_pool_grad(GradContext& ctx) {
   if (!ctx.has_grad(0)) return {Output{}, Output{}, Output{}};
   const Output x = ctx.input(0), w = ctx.input(1), argmax = ctx.output(1), dp = ctx.grad(0);

@@ -284,9 +284,9 @@ void max_pool_rows(const ForwardMaxPool& mp, const float* rows, int64_t row0, in
 
 // Rows [r0, r1) of dz (rows of its images' output rows, flattened) into `chunk`: each cell gets its
 // window's dp where the argmax names it, +0 elsewhere and where no window covers it, the values
-// max_pool_argmax_bias_grad stores (ops/cpu/conv_kernels.cc). The windows are disjoint (stride >= size), so a row is
-// walked window by window with no division per pixel: cnn's first layer has 32 channels, four vectors a pixel, and two
-// divisions a pixel had cost as much as its FMAs.
+// max_pool_argmax_bias_grad stores (ops/cpu/conv_kernels.cc). The windows are disjoint (stride
+// >= size), so a row is walked window by window with no division per pixel: on cnn's first layer
+// (32 channels: four vectors a pixel) two divisions a pixel had cost about as much as its FMAs.
 void expand_argmax_rows(const Window2DGeometry& g, const DyFromArgmax& src, int64_t r0, int64_t r1, float* chunk) {
   const Window2DGeometry& pg = src.pool;
   const int64_t o = g.out_c;

@@ -615,10 +615,9 @@ void argmax_window_grad_avx2(const Window2DGeometry& g, const ClippedWindow& win
 #endif
 
 // The argmax gradient ops' dz when they store it (the paths without the direct kernels): each
-// window's dp at its winning cell (argmax) and 0 elsewhere,
-// db the sum of dz; g is the pool over z. The same values and sums, in the same order, as
-// max_pool_backward<T, kRelu, true> (MaxPool2DBiasActivationGrad) finds from y, without reading y.
-// Without kDz, db alone (dz is not written).
+// window's dp at its winning cell (argmax) and 0 elsewhere, db the sum of dz; g is the pool over z. The same values and
+// sums, in the same order, as max_pool_backward<T, kRelu, true> (MaxPool2DBiasActivationGrad) finds from y, without
+// reading y. Without kDz, db alone (dz is not written).
 template <class T, bool kDz = true>
 void max_pool_argmax_bias_grad(devices::Device& device, const Window2DGeometry& g, const std::uint8_t* argmax,
                                const T* dp, T* dz, T* db) {
