@@ -648,20 +648,15 @@ int run(const Options& options) {
       std::vector<Tensor> values = OpRunner::random_inputs({layer.x(), layer.filter(), Shape{layer.cout}});
       values.push_back(Tensor::from_vector<std::uint8_t>(winners, pooled_shape));
       values.push_back(OpRunner::random_inputs({pooled_shape})[0]);
-      auto& filter_argmax =
-          *runners.emplace_back(std::make_unique<OpRunner>(device, values, [](const std::vector<Output>& in) {
-            // The pooled forward only lends its attributes (nothing reads it, so it never runs).
-            const Output source = ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
-            return in[0].graph->add_node("Conv2DBackpropFilterArgmax", {in[0], in[1], in[3], in[4]},
-                                         source.producer().attrs)[0];
-          }));
-      t.add(key + kPooledFilterPass, [&filter_argmax] { filter_argmax.run(); });
-      auto& input_argmax =
-          *runners.emplace_back(std::make_unique<OpRunner>(device, values, [](const std::vector<Output>& in) {
-            const Output source = ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
-            return in[0].graph->add("Conv2DBackpropInputArgmax", {in[0], in[1], in[3], in[4]}, source.producer().attrs);
-          }));
-      t.add(key + kPooledInputPass, [&input_argmax] { input_argmax.run(); });
+      for (const auto& [op, pass] : {std::pair{"Conv2DBackpropFilterArgmax", kPooledFilterPass},
+                                     std::pair{"Conv2DBackpropInputArgmax", kPooledInputPass}}) {
+        auto& runner = *runners.emplace_back(std::make_unique<OpRunner>(device, values, [&](const auto& in) {
+          // The pooled forward only lends its attributes (nothing reads it, so it never runs).
+          const Output source = ops::max_pool2d(ops::fused_conv2d(in[0], in[1], in[2], ops::Activation::kRelu));
+          return in[0].graph->add_node(op, {in[0], in[1], in[3], in[4]}, source.producer().attrs)[0];
+        }));
+        t.add(key + pass, [&runner] { runner.run(); });
+      }
       for (const char* op : {"Conv2DBackpropFilter", "Conv2DBackpropInput"}) {
         auto& backprop = *runners.emplace_back(std::make_unique<OpRunner>(
             device, std::vector<Shape>{layer.x(), layer.filter(), layer.y()}, [&](const std::vector<Output>& in) {

@@ -807,30 +807,41 @@ bool conv2d_backprop_filter_argmax(devices::Device& device, const Window2DGeomet
   return true;
 }
 
+namespace {
+
+// Which direct kernel takes backprop input at g, if any: one decision for conv2d_backprop_input
+// and conv2d_backprop_input_argmax, so that the two always run the same arithmetic.
+enum class BackpropInputPath { kNone, kFewChannels, kFlipped };
+BackpropInputPath backprop_input_path(const Window2DGeometry& g) {
+  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0) return BackpropInputPath::kNone;
+  if (g.in_c <= kMaxBackpropInputChannels && g.k_h * g.k_w <= kMaxBackpropInputTaps)
+    return BackpropInputPath::kFewChannels;
+  if (g.stride_h == 1 && g.stride_w == 1 && forward_applies(flipped_geometry(g))) return BackpropInputPath::kFlipped;
+  return BackpropInputPath::kNone;
+}
+
+}  // namespace
+
 bool conv2d_backprop_input(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
                            float* dx) {
-  if (g.in_c < 1 || g.out_c < 1 || g.out_c % kLanes != 0) return false;
-  if (g.in_c <= kMaxBackpropInputChannels && g.k_h * g.k_w <= kMaxBackpropInputTaps) {
-    switch (g.in_c) {
-      case 1: backprop_input_few_channels<1>(device, g, w, dy, dx); break;
-      case 2: backprop_input_few_channels<2>(device, g, w, dy, dx); break;
-      case 3: backprop_input_few_channels<3>(device, g, w, dy, dx); break;
-      default: backprop_input_few_channels<4>(device, g, w, dy, dx); break;
-    }
-    return true;
-  }
-  if (g.stride_h == 1 && g.stride_w == 1 && forward_applies(flipped_geometry(g))) {
-    backprop_input_flipped(device, g, w, dy, dx);
-    return true;
+  switch (backprop_input_path(g)) {
+    case BackpropInputPath::kFewChannels:
+      switch (g.in_c) {
+        case 1: backprop_input_few_channels<1>(device, g, w, dy, dx); break;
+        case 2: backprop_input_few_channels<2>(device, g, w, dy, dx); break;
+        case 3: backprop_input_few_channels<3>(device, g, w, dy, dx); break;
+        default: backprop_input_few_channels<4>(device, g, w, dy, dx); break;
+      }
+      return true;
+    case BackpropInputPath::kFlipped: backprop_input_flipped(device, g, w, dy, dx); return true;
+    case BackpropInputPath::kNone: break;
   }
   return false;
 }
 
 bool conv2d_backprop_input_argmax(devices::Device& device, const Window2DGeometry& g, const float* w,
                                   const DyFromArgmax& dy, float* dx) {
-  if (g.in_c <= kMaxBackpropInputChannels || g.out_c % kLanes != 0 || g.stride_h != 1 || g.stride_w != 1 ||
-      !forward_applies(flipped_geometry(g)))
-    return false;
+  if (backprop_input_path(g) != BackpropInputPath::kFlipped) return false;
   backprop_input_flipped(device, g, w, nullptr, dx, &dy);
   return true;
 }
