@@ -121,6 +121,8 @@ thread_local ScratchBuffer tls_pooled_rows;   // forward with a max pool: one bl
 thread_local ScratchBuffer tls_dy_chunk;      // backprop-filter from an argmax: one chunk of dy (every thread)
 thread_local ScratchBuffer tls_dz_image;      // backprop-input from an argmax: one image of dz (every thread)
 thread_local ScratchBuffer tls_corners;       // backprop-filter: the window corners of a chunk's pixels (every thread)
+thread_local ScratchBuffer tls_windows;       // backprop-filter from an argmax: each pixel's pool window ...
+thread_local ScratchBuffer tls_cells;         // ... and its cell in it (every thread)
 
 // Registers in the next column block of the output channels when `left` channels remain.
 int column_block(int64_t left) {
@@ -524,6 +526,100 @@ FilterTileFn filter_tile_fn(int registers, int64_t rows) {
   return registers == 4 ? kFilterTiles4[i] : registers == 2 ? kFilterTiles2[i] : kFilterTiles1[i];
 }
 
+// filter_tile with dy expanded from FusedConv2DMaxPool's argmax in registers: pixel p's dy
+// vectors are its window's dp where the argmax names its cell, +0 elsewhere (dp and argmax +
+// windows[p], the cell cells[p]); pixels outside every window are not listed. For patches short
+// enough to take one tile (cnn's first layer: 9 rows), each dy vector is expanded once where the
+// chunked path wrote it to L1 and read it back for each tile, which cost as much as the FMAs
+// (9 per dy vector). Each dw element is the same FMA chain over the same pixels in the same
+// order as filter_tile's, less the pixels whose dy is +0 (x * +0 added to a sum started at +0
+// leaves it unchanged, x finite), so the result is bitwise the chunked path's.
+template <int KB, int NV>
+void filter_tile_argmax(const float* image, const int64_t* corners, const int64_t* windows,
+                        const std::int32_t* cells, int64_t count, const int64_t* offsets, const std::uint8_t* argmax,
+                        const float* dp, float* dw, int64_t ldw, bool accumulate) {
+  Vec acc[KB][NV];
+  int64_t off[KB];
+#pragma GCC unroll 16
+  for (int r = 0; r < KB; ++r) {
+    off[r] = offsets[r];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = vzero();
+  }
+  for (int64_t p = 0; p < count; ++p) {
+    const float* corner = image + corners[p];
+    const IVec cell = iset(cells[p]);
+    Vec dv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      dv[v] = select_equal(load_bytes(argmax + windows[p] + kLanes * v), cell, vload(dp + windows[p] + kLanes * v));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < KB; ++r) {
+      const Vec av = vbroadcast(corner[off[r]]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = vfmadd(av, dv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < KB; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* out = dw + r * ldw + kLanes * v;
+      vstore(out, accumulate ? vadd(vload(out), acc[r][v]) : acc[r][v]);
+    }
+  }
+}
+
+using FilterTileArgmaxFn = void (*)(const float*, const int64_t*, const int64_t*, const std::int32_t*, int64_t,
+                                    const int64_t*, const std::uint8_t*, const float*, float*, int64_t, bool);
+template <int NV, int... R>
+constexpr std::array<FilterTileArgmaxFn, sizeof...(R)> filter_tiles_argmax(std::integer_sequence<int, R...>) {
+  return {&filter_tile_argmax<R + 1, NV>...};
+}
+constexpr auto kFilterTilesArgmax1 = filter_tiles_argmax<1>(std::make_integer_sequence<int, max_tile_rows(1)>{});
+constexpr auto kFilterTilesArgmax2 = filter_tiles_argmax<2>(std::make_integer_sequence<int, max_tile_rows(2)>{});
+constexpr auto kFilterTilesArgmax4 = filter_tiles_argmax<4>(std::make_integer_sequence<int, kRows4>{});
+
+FilterTileArgmaxFn filter_tile_argmax_fn(int registers, int64_t rows) {
+  const auto i = static_cast<std::size_t>(rows - 1);
+  return registers == 4 ? kFilterTilesArgmax4[i] : registers == 2 ? kFilterTilesArgmax2[i] : kFilterTilesArgmax1[i];
+}
+
+// The widest column block whose tile holds a whole patch of k rows, or 0 when none does (then
+// dy is expanded chunk by chunk and read by filter_tile).
+int argmax_tile_registers(int64_t k) {
+  for (int registers = kWidestBlock; registers >= 1; registers /= 2) {
+    if (k <= max_tile_rows(registers)) return registers;
+  }
+  return 0;
+}
+
+// The pixels of dy rows [r0, r1) that lie in a pool window, in row order: each one's window
+// corner in `image`, its window's offset in the argmax and dp, and its cell. Returns their count.
+int64_t argmax_pixels(const Window2DGeometry& g, const Window2DGeometry& pg, const Image& image, int64_t r0,
+                      int64_t r1, int64_t* corners, int64_t* windows, std::int32_t* cells) {
+  int64_t count = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / g.out_h, oh = row % g.out_h;
+    const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
+    if (ph >= pg.out_h || dh >= pg.k_h) continue;
+    const int64_t corner = image.corner(g, n, oh, 0) - image.data;
+    const int64_t window_row = (n * pg.out_h + ph) * pg.out_w * g.out_c;
+    int64_t ow = 0;
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      for (int64_t dw = 0; dw < pg.stride_w && ow < g.out_w; ++dw, ++ow) {
+        if (dw >= pg.k_w) continue;
+        corners[count] = corner + ow * g.stride_w * image.c;
+        windows[count] = window_row + pw * g.out_c;
+        cells[count] = static_cast<std::int32_t>(dh * pg.k_w + dw);
+        ++count;
+      }
+    }
+  }
+  return count;
+}
+
 // --- backprop input, few input channels ------------------------------------------------------
 
 // One (kh, kw) position of a dx row's windows that lands inside dy: the index of its dy vectors
@@ -753,15 +849,29 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
   const int64_t part_rows = (rows + parts - 1) / parts;
   const int64_t chunk_rows = std::max<int64_t>(1, kDyChunkBytes / (g.out_w * o * static_cast<int64_t>(sizeof(float))));
   float* partials = tls_partials.get<float>((parts - 1) * k * o);
+  const int fused_registers = from_argmax != nullptr ? argmax_tile_registers(k) : 0;
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
-    float* chunk = from_argmax != nullptr ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
+    const bool expand = from_argmax != nullptr && fused_registers == 0;
+    float* chunk = expand ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
     int64_t* corners = tls_corners.get<int64_t>(chunk_rows * g.out_w);
+    int64_t* windows = fused_registers > 0 ? tls_windows.get<int64_t>(chunk_rows * g.out_w) : nullptr;
+    std::int32_t* cells = fused_registers > 0 ? tls_cells.get<std::int32_t>(chunk_rows * g.out_w) : nullptr;
     for (int64_t part = begin; part < end; ++part) {
       float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
       const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
       if (first >= last) std::fill_n(acc, k * o, 0.0f);
       for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
         const int64_t r1 = std::min(last, r0 + chunk_rows);
+        if (fused_registers > 0) {
+          const int64_t count = argmax_pixels(g, from_argmax->pool, image, r0, r1, corners, windows, cells);
+          for (int64_t j = 0; j < o;) {
+            const int registers = std::min(column_block(o - j), fused_registers);
+            filter_tile_argmax_fn(registers, k)(image.data, corners, windows, cells, count, offsets,
+                                                from_argmax->argmax + j, from_argmax->dp + j, acc + j, o, r0 != first);
+            j += registers * kLanes;
+          }
+          continue;
+        }
         if (chunk != nullptr) expand_argmax_rows(g, *from_argmax, r0, r1, chunk);
         const float* dy_rows = chunk != nullptr ? chunk : dy + r0 * g.out_w * o;
         int64_t count = 0;
