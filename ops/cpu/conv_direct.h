@@ -60,7 +60,10 @@ bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeome
 // Backprop-filter's dy where FusedConv2DMaxPool's gradient gives it: each chunk of dy is expanded
 // from the argmax and dp into an L1-sized buffer as the kernel walks it (dp where the argmax names
 // the cell, +0 elsewhere: the dz MaxPool2DBiasActivationGrad would find from y, never stored), so
-// the result is bitwise conv2d_backprop_filter's of that dz.
+// the result is bitwise conv2d_backprop_filter's of that dz. A patch short enough for one
+// register tile at least as wide as the chunked path's (a first layer's 3x3x1 with AVX-512) is
+// expanded in registers instead, pixel by pixel, skipping pixels outside every window: the same
+// sums (x * +0 added to a sum leaves it unchanged for finite x).
 struct DyFromArgmax {
   detail::Window2DGeometry pool;  // over dy; VALID windows that do not overlap
   const std::uint8_t* argmax = nullptr;

@@ -749,6 +749,22 @@ const ConvPoolGeometry kConvPoolGeometries[] = {
      Padding::kSame,
      {2, 2, 3, 3, Padding::kValid}},
     {"32 input channels, 3x2 windows", {2, 8, 7, 32}, {3, 3, 32, 32}, 1, Padding::kSame, {3, 2, 3, 2, Padding::kValid}},
+    // One input channel with 16k output channels: the first layer's filter gradient from the
+    // argmax runs in register tiles (filter_tile_argmax). Rows and columns outside every window
+    // (gaps, and the VALID remainder) are skipped there, and 3x3 windows give three pixels of one
+    // window in a row; the first layer's own geometry has neither.
+    {"one input channel, SAME stride 2, gaps between windows and a remainder",
+     {2, 15, 14, 1},
+     {3, 3, 1, 16},
+     2,
+     Padding::kSame,
+     {2, 2, 3, 3, Padding::kValid}},
+    {"one input channel, 3x3 windows, 48 channels (column blocks of several widths)",
+     {2, 13, 12, 1},
+     {2, 2, 1, 48},
+     1,
+     Padding::kValid,
+     {3, 3, 3, 3, Padding::kValid}},
     {"one pool row per image, 13 channels",
      {3, 6, 8, 2},
      {2, 2, 2, 13},
