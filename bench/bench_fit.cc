@@ -33,7 +33,8 @@
 // intra-op thread each, beside bench/peers/torch_ddp2.sh (PyTorch DDP over Gloo, two processes of
 // one thread, global batch 128) and tf_fmnist.py --strategy mirrored (Keras 3's MirroredStrategy
 // over --replicas logical CPU devices of one process, which share TensorFlow's thread pools). It
-// also trains with the all-reduce after backward instead of overlapped with it, and times the
+// trains with the all-reduce overlapped with backward and with it after backward (tandem's column
+// is the one MirroredStrategy() chooses, Strategy::overlaps_communication), and times the
 // all-reduce of the model's gradient buckets alone, to show how much of the all-reduce the overlap
 // hides. Each run reports (Model::training_times) how long replica 0 waited for the gradient
 // all-reduce after its backward pass: all of the all-reduce without overlap, the unhidden rest with
@@ -843,21 +844,26 @@ int run_mirrored(const Options& o) {
                            .c_str()
                      : "(skipped)");
   const auto data = data::fashion_mnist();
-  MirroredStrategy overlapped;
+  MirroredStrategy overlapped(strategy::MirroredOptions{.distribution = {.overlap_communication = true}});
   MirroredStrategy after_backward(strategy::MirroredOptions{.distribution = {.overlap_communication = false}});
+  // What MirroredStrategy() chooses here (overlap_communication unset): its runs are the column
+  // of that choice.
+  const bool default_overlaps = MirroredStrategy().overlaps_communication();
+  std::printf("default:       overlap_communication unset: %s here\n\n",
+              default_overlaps ? "overlapped" : "reduced after backward (the replicas' threads take every core)");
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
   const std::string tf_mirrored = fmt::format("--strategy mirrored --cpu-devices {}", o.replicas);
 
   std::printf("%-5s | %10s %7s | %10s | %7s %8s %8s %9s %9s %7s | %10s %7s %7s | %10s %7s %7s | %10s %7s %7s | %9s\n",
-              "model", "tandem /s", "acc", "no-ovl /s", "a-r ms", "step ms", "wait ms", "no-ovl ms", "no-ovl wt",
-              "hidden", "DDP /s", "acc", "ratio", "DDP** /s", "acc", "ratio", "tf /s", "acc", "ratio", "vs best");
+              "model", "tandem /s", "acc", "ovl /s", "a-r ms", "ovl ms", "ovl wt", "no-ovl ms", "no-ovl wt", "hidden",
+              "DDP /s", "acc", "ratio", "DDP** /s", "acc", "ratio", "tf /s", "acc", "ratio", "vs best");
   std::printf("%s\n", std::string(190, '-').c_str());
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
-    std::vector<Result> ours_runs, plain_runs, peer_runs, tuned_runs, tf_runs;
+    std::vector<Result> overlap_runs, plain_runs, peer_runs, tuned_runs, tf_runs;
     std::vector<double> allreduce_runs;
     for (int r = 0; r < o.repeat; ++r) {
-      ours_runs.push_back(run_tandem(kind, data, o, &overlapped));
+      overlap_runs.push_back(run_tandem(kind, data, o, &overlapped));
       plain_runs.push_back(run_tandem(kind, data, o, &after_backward));
       allreduce_runs.push_back(allreduce_ms_per_step(overlapped, kind, 200));
       if (!o.peer) continue;
@@ -869,29 +875,32 @@ int run_mirrored(const Options& o) {
     }
     std::sort(allreduce_runs.begin(), allreduce_runs.end());
     const double allreduce_ms = allreduce_runs[allreduce_runs.size() / 2];
-    const Result ours = *median(ours_runs), plain = *median(plain_runs);
+    const Result overlap = *median(overlap_runs), plain = *median(plain_runs);
+    const Result& ours = default_overlaps ? overlap : plain;
     const std::optional<Result> ddp = median(peer_runs), tuned = median(tuned_runs), tf = median(tf_runs);
     const auto ms = [](const Result& r) { return 1e3 * static_cast<double>(kBatch) / r.samples_per_s; };
     const auto wait_ms = [](const Result& r) {
       return 1e3 * r.times.reduce_wait_seconds / static_cast<double>(std::max<std::int64_t>(1, r.times.steps));
     };
-    const double hidden = wait_ms(plain) > 0 ? 1.0 - wait_ms(ours) / wait_ms(plain) : 0.0;
+    const double hidden = wait_ms(plain) > 0 ? 1.0 - wait_ms(overlap) / wait_ms(plain) : 0.0;
     const auto cell = [&](const std::optional<Result>& r) {
       if (!r) return fmt::format("{:>10} {:>7} {:>7}", "-", "-", "-");
       return fmt::format("{:>10.0f} {:>7.4f} {:>6.2f}x", r->samples_per_s, r->test_accuracy,
                          ours.samples_per_s / r->samples_per_s);
     };
     std::printf("%-5s | %10.0f %7.4f | %10.0f | %7.3f %8.3f %8.3f %9.3f %9.3f %6.0f%% | %s | %s | %s | %s\n",
-                kind.c_str(), ours.samples_per_s, ours.test_accuracy, plain.samples_per_s, allreduce_ms, ms(ours),
-                wait_ms(ours), ms(plain), wait_ms(plain), 100.0 * hidden, cell(ddp).c_str(), cell(tuned).c_str(),
+                kind.c_str(), ours.samples_per_s, ours.test_accuracy, overlap.samples_per_s, allreduce_ms, ms(overlap),
+                wait_ms(overlap), ms(plain), wait_ms(plain), 100.0 * hidden, cell(ddp).c_str(), cell(tuned).c_str(),
                 cell(tf).c_str(), vs_best_cell(ours.samples_per_s, best_peer({ddp, tuned, tf})).c_str());
     std::fflush(stdout);
   }
   std::printf(
-      "\nno-ovl = the same MirroredStrategy with overlap_communication = false (all buckets reduced after\n"
-      "backward). a-r ms = the gradient buckets' all-reduce alone, per step; then step time and wait (replica\n"
-      "0's time between the end of its backward pass and the last reduced bucket) with overlap, then without;\n"
-      "hidden = 1 - wait / no-ovl wait, the share of the all-reduce overlapping hides. DDP = torch_ddp2.sh with\n"
+      "\ntandem = MirroredStrategy() as it comes (the runs of its overlap choice above); ovl = with\n"
+      "overlap_communication = true (buckets all-reduced on a communication thread while backward goes on),\n"
+      "no-ovl = false (all buckets reduced after backward). a-r ms = the gradient buckets' all-reduce alone, per\n"
+      "step; then step time and wait (replica 0's time between the end of its backward pass and the last reduced\n"
+      "bucket) with overlap, then without; hidden = 1 - ovl wait / no-ovl wait, the share of the all-reduce\n"
+      "overlapping hides. DDP = torch_ddp2.sh with\n"
       "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. tf = Keras 3 on\n"
       "TensorFlow, tf.distribute.MirroredStrategy over %d logical CPU devices (TensorFlow's own thread pools, one\n"
       "for the process), oneDNN on. ratio = tandem /s over the peer's; vs best = tandem /s over the fastest peer.\n",

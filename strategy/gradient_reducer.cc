@@ -412,8 +412,8 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   std::sort(completion.begin(), completion.end());
   for (const auto& [node, b] : completion) plan.order.push_back(b);
   plan.release_after.assign(sources_.size(), -1);
-  if (distribution.zero >= ZeroStage::k2 && distribution.overlap_communication &&
-      strategy_.num_replicas_in_sync() > 1) {
+  const bool overlap = strategy_.overlaps_communication();
+  if (distribution.zero >= ZeroStage::k2 && overlap) {
     for (std::size_t i = 0; i + 1 < completion.size(); ++i) {
       const std::size_t b = completion[i].second;
       if (!plan.scatter[b]) continue;
@@ -430,8 +430,6 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     group.insert(group.end(), bucket.begin(), bucket.end());
   }
 
-  // Overlap pays whenever gradients leave the replica: other local replicas, or other workers.
-  const bool overlap = distribution.overlap_communication && strategy_.num_replicas_in_sync() > 1;
   for (std::size_t r = 0; r < strategy_.replica_devices().size(); ++r) {
     auto s = std::make_unique<ReplicaState>();
     s->observer = std::make_unique<Observer>(*this, static_cast<int>(r));

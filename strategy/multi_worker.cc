@@ -407,6 +407,7 @@ MultiWorkerMirroredStrategy::~MultiWorkerMirroredStrategy() {
 int MultiWorkerMirroredStrategy::num_replicas_in_sync() const { return impl_->workers * impl_->local_replicas; }
 int MultiWorkerMirroredStrategy::num_workers() const { return impl_->workers; }
 int MultiWorkerMirroredStrategy::worker_rank() const { return impl_->rank; }
+int MultiWorkerMirroredStrategy::workers_on_this_machine() const { return impl_->resolver->local_world_size(); }
 bool MultiWorkerMirroredStrategy::should_log() const { return impl_->rank == 0 || impl_->options.log_on_all_workers; }
 const ClusterResolver& MultiWorkerMirroredStrategy::cluster_resolver() const { return *impl_->resolver; }
 AutoShardPolicy MultiWorkerMirroredStrategy::auto_shard_policy() const { return impl_->policy; }

@@ -123,6 +123,7 @@ class MultiWorkerMirroredStrategy : public Strategy {
   int num_replicas_in_sync() const override;
   int num_workers() const override;
   int worker_rank() const override;
+  int workers_on_this_machine() const override;
   bool should_checkpoint() const override { return worker_rank() == 0; }
   bool should_log() const override;
   const ClusterResolver& cluster_resolver() const;

@@ -432,6 +432,18 @@ std::unique_ptr<Strategy::WorkerIterator> Strategy::worker_batches(const data::D
   return std::make_unique<WholeBatchIterator>(dataset.iterate(options));
 }
 
+bool Strategy::overlaps_communication() const {
+  if (num_replicas_in_sync() <= 1) return false;
+  if (distribution_.overlap_communication) return *distribution_.overlap_communication;
+  if (distribution_.zero >= ZeroStage::k2) return true;
+  const bool cpus = std::all_of(devices_.begin(), devices_.end(),
+                                [](const devices::Device* d) { return d->type() == devices::DeviceType::kCPU; });
+  if (!cpus || workers_on_this_machine() < num_workers()) return true;
+  int threads = 0;
+  for (const devices::Device* d : devices_) threads += d->intra_op_threads();
+  return threads * workers_on_this_machine() < devices::usable_cpu_cores();
+}
+
 bool Strategy::fetches_to_device() const {
   switch (distribution_.fetch_to_device) {
     case FetchToDevice::kNever: return false;

@@ -52,8 +52,9 @@ struct DistributionOptions {
   std::int64_t first_bucket_bytes = std::int64_t{1} << 20;
   std::int64_t bucket_bytes = std::int64_t{25} << 20;
   // All-reduce buckets on a communication thread while backward goes on (true), or all of them
-  // after backward (false).
-  bool overlap_communication = true;
+  // after backward (false). Unset (the default): Strategy::overlaps_communication() decides, on
+  // unless that thread could only take cores from the replicas' own work.
+  std::optional<bool> overlap_communication;
   std::chrono::milliseconds collective_timeout = collective::kDefaultTimeout;
   // The dtype gradients travel in. Unset (the default): their own dtype, float32 under the mixed
   // policies. kBF16 or kF16 (a mixed policy's compute dtype) halves the bytes on the wire, like
@@ -153,6 +154,8 @@ class Strategy {
   // --- workers (processes) of a multi-worker job; one worker for the other strategies ---------
   virtual int num_workers() const { return 1; }
   virtual int worker_rank() const { return 0; }
+  // Workers of this job running on this machine, this one included: they share its cores.
+  virtual int workers_on_this_machine() const { return 1; }
   // Replaces each value by its sum over the workers. Who calls: every worker, the same calls in
   // the same order, from the thread that runs fit; blocks until all have called (or the
   // collective timeout). A no-op on one worker.
@@ -247,6 +250,15 @@ class Strategy {
   collective::Communicator& communicator(int replica);
   const CrossDeviceOps& cross_device_ops() const { return *cross_device_ops_; }
   const DistributionOptions& distribution_options() const { return distribution_; }
+  // Whether the gradient reducer hands each completed bucket to a communication thread while
+  // backward goes on: DistributionOptions::overlap_communication when set, always false with one
+  // replica in sync. Unset, it is on unless the thread could only compete with the replicas for
+  // cores: CPU replicas whose intra-op threads, over every worker on this machine, already take
+  // every usable core, and gradients that stay on this machine (in process, shared memory or
+  // loopback), so that the collective is CPU work rather than a wait. There, reducing after
+  // backward measured as fast or faster (bench_fit --strategy mirrored). ZeRO stages 2 and 3 keep
+  // the thread: stage 2's hand-offs of reduced gradients and stage 3's gather prefetch run on it.
+  bool overlaps_communication() const;
 
   // Splits a global batch into one shard per local replica along dimension 0, as evenly as
   // possible (the first replicas get one more example; some may get none). Views, not copies.

@@ -5,6 +5,8 @@
 // point) trained by fit() with no change to the trainer.
 #include <doctest/doctest.h>
 
+#include <sched.h>
+
 #include <cmath>
 #include <random>
 
@@ -147,7 +149,8 @@ TEST_CASE("a custom loop's gradients are summed over every replica, overlapping 
     CAPTURE(replicas);
     // 64-byte buckets: every gradient its own bucket, all but the last reduced during backward.
     MirroredStrategy mirrored(
-        {.devices = cpu_devices(replicas), .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64}});
+        {.devices = cpu_devices(replicas),
+         .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64, .overlap_communication = true}});
     Toy toy(mirrored);
     CHECK(toy.reducer->buckets().size() == 3);
     for (int step = 0; step < 3; ++step) {
@@ -170,6 +173,58 @@ TEST_CASE("a custom loop's gradients are summed over every replica, overlapping 
   Toy toy(after);
   toy.step(0, StepKind::kReduce);
   CHECK(toy.reducer->overlapped_buckets(0) == 0);
+}
+
+TEST_CASE("overlap_communication unset: a communication thread only where it leaves the replicas their cores") {
+  const strategy::DistributionOptions small{.first_bucket_bytes = 64, .bucket_bytes = 64};
+  const auto overlapped_per_step = [&](Strategy& strategy) {
+    Toy toy(strategy);
+    toy.step(0, StepKind::kReduce);
+    return toy.reducer->overlapped_buckets(0);
+  };
+  MirroredStrategy two({.devices = cpu_devices(2), .distribution = small});
+  int threads = 0;
+  for (const auto* device : two.replica_devices()) threads += device->intra_op_threads();
+  // On this machine: CPU replicas, gradients that stay in the process.
+  const bool free_core = threads < devices::usable_cpu_cores();
+  CHECK(two.overlaps_communication() == free_core);
+  CHECK(overlapped_per_step(two) == (free_core ? 2 : 0));
+  auto forced = small;
+  {
+    // A thread held to one core (usable_cpu_cores reads the caller's mask): the replicas' threads
+    // take it, so the collectives wait for backward.
+    struct OneCore {
+      cpu_set_t all{};
+      OneCore() {
+        REQUIRE(sched_getaffinity(0, sizeof(all), &all) == 0);
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        for (int c = 0; c < CPU_SETSIZE; ++c) {
+          if (CPU_ISSET(c, &all)) {
+            CPU_SET(c, &one);
+            break;
+          }
+        }
+        REQUIRE(sched_setaffinity(0, sizeof(one), &one) == 0);
+      }
+      ~OneCore() { sched_setaffinity(0, sizeof(all), &all); }
+    } held;
+    CHECK(devices::usable_cpu_cores() == 1);
+    CHECK_FALSE(two.overlaps_communication());
+    // ZeRO stage 2 keeps the thread anyway: its reduced gradients are handed over there.
+    MirroredStrategy zero2({.devices = cpu_devices(2), .distribution = {.zero = strategy::ZeroStage::k2}});
+    CHECK(zero2.overlaps_communication());
+    // What the user sets wins; one replica has nothing to overlap.
+    forced.overlap_communication = true;
+    MirroredStrategy on({.devices = cpu_devices(2), .distribution = forced});
+    CHECK(on.overlaps_communication());
+    CHECK(overlapped_per_step(on) == 2);
+  }
+  forced.overlap_communication = false;
+  MirroredStrategy off({.devices = cpu_devices(2), .distribution = forced});
+  CHECK_FALSE(off.overlaps_communication());
+  MirroredStrategy single({.devices = cpu_devices(1), .distribution = {.overlap_communication = true}});
+  CHECK_FALSE(single.overlaps_communication());
 }
 
 TEST_CASE("accumulation: micro-steps communicate nothing; the reduce step sums every replica's micro-steps") {

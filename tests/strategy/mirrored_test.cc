@@ -240,12 +240,17 @@ TEST_CASE("ReductionToOneDevice and reduction after backward train like the defa
       .devices = {"CPU:0", "CPU:1", "CPU:2"}, .cross_device_ops = std::make_shared<strategy::ReductionToOneDevice>()});
   CHECK(to_one.cross_device_ops().name() == "ReductionToOneDevice");
   check_equivalent(reference, train(to_one, adam, 32, 9, data), "adam, ReductionToOneDevice, 3 replicas");
+  // Both sides of the default's choice (Strategy::overlaps_communication), whatever this machine makes it.
   MirroredStrategy after_backward(
       strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"}, .distribution = {.overlap_communication = false}});
   check_equivalent(reference, train(after_backward, adam, 32, 9, data), "adam, no overlap, 2 replicas");
+  MirroredStrategy overlapped(
+      strategy::MirroredOptions{.devices = {"CPU:0", "CPU:1"}, .distribution = {.overlap_communication = true}});
+  check_equivalent(reference, train(overlapped, adam, 32, 9, data), "adam, overlap, 2 replicas");
   // Small buckets: every weight its own bucket, reduced as soon as backward produced it.
   MirroredStrategy small_buckets(strategy::MirroredOptions{
-      .devices = {"CPU:0", "CPU:1"}, .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64}});
+      .devices = {"CPU:0", "CPU:1"},
+      .distribution = {.first_bucket_bytes = 64, .bucket_bytes = 64, .overlap_communication = true}});
   check_equivalent(reference, train(small_buckets, adam, 32, 9, data), "adam, 64-byte buckets, 2 replicas");
 }
 
