@@ -113,6 +113,7 @@ struct Options {
   int replicas = 2;              // logical CPU devices under --strategy mirrored
   std::string worker_model;      // set in the worker processes of --strategy multiworker
   bool worker_ring = false;      // those workers use Gloo (RING) instead of the default (shared memory here)
+  bool worker_overlap = false;   // those workers set overlap_communication = true (not the default's choice)
   std::vector<int> zero;         // ZeRO stages to compare under --strategy mirrored
   int seed = 0;                  // every run's seed: tandem's global seed and the peers' --seed
   int seeds = 0;                 // > 0: test accuracy over the seeds seed .. seed + seeds - 1, no timing
@@ -180,6 +181,7 @@ void add_options(CLI::App& app, Options& o) {
   // Internal: how --strategy multiworker starts its worker processes.
   app.add_option("--multiworker-worker", o.worker_model)->group("");
   app.add_flag("--multiworker-ring", o.worker_ring)->group("");  // those workers use kRing, not shared memory
+  app.add_flag("--multiworker-overlap", o.worker_overlap)->group("");  // ... and overlap_communication = true
 }
 
 keras::Model build(const std::string& kind) {
@@ -385,13 +387,16 @@ std::optional<Result> run_ddp_peer(const Options& o, const std::string& kind, co
 
 // tandem's two workers of --strategy multiworker (this program again, one intra-op thread each,
 // TF_CONFIG set as tandem-run sets it, on ports `port` and `port` + 1); the chief's report.
-// `ring`: Gloo's ring over TCP instead of the default (shared memory between workers of one machine).
-std::optional<Result> run_tandem_workers(const Options& o, const std::string& kind, bool ring, int port) {
+// `ring`: Gloo's ring over TCP instead of the default (shared memory between workers of one machine);
+// `overlap`: overlap_communication = true instead of the default's choice.
+std::optional<Result> run_tandem_workers(const Options& o, const std::string& kind, bool ring, int port,
+                                         bool overlap = false) {
   const auto worker = [&](int rank) {
     return fmt::format(
         "TANDEM_INTRA_OP_THREADS=1 TF_CONFIG='{{\"cluster\":{{\"worker\":[\"127.0.0.1:{}\",\"127.0.0.1:{}\"]}},"
-        "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {} --seed {}{}",
-        port, port + 1, rank, getpid(), kind, o.epochs, o.seed, ring ? " --multiworker-ring" : "");
+        "\"task\":{{\"type\":\"worker\",\"index\":{}}}}}' /proc/{}/exe --multiworker-worker {} --epochs {} --seed {}{}{}",
+        port, port + 1, rank, getpid(), kind, o.epochs, o.seed, ring ? " --multiworker-ring" : "",
+        overlap ? " --multiworker-overlap" : "");
   };
   return run_peer_command(fmt::format("{} >/dev/null 2>&1 & {} 2>&1; wait", worker(1), worker(0)));
 }
@@ -995,6 +1000,7 @@ int run_zero(const Options& o) {
 int run_multiworker_worker(const Options& o) {
   strategy::MultiWorkerOptions options;
   if (o.worker_ring) options.communication_options.implementation = strategy::CommunicationImplementation::kRing;
+  if (o.worker_overlap) options.distribution.overlap_communication = true;
   MultiWorkerMirroredStrategy strategy(options);
   const auto data = data::fashion_mnist();
   const Result r = run_tandem(o.worker_model, data, o, &strategy);
@@ -1022,16 +1028,17 @@ int run_multiworker(const Options& o) {
                            .c_str()
                      : "(skipped)");
   const std::string core = std::getenv("OPENBLAS_CORETYPE") ? std::getenv("OPENBLAS_CORETYPE") : kPeerCoreType;
-  std::printf("%-5s | %10s %7s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %9s %9s\n",
-              "model", "tandem /s", "acc", "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s", "acc",
-              "ratio", "ring", "tf /s", "acc", "ratio", "ring", "vs best", "ring vs");
-  std::printf("%s\n", std::string(178, '-').c_str());
+  std::printf("%-5s | %10s %7s | %10s | %10s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %10s %7s %7s %7s | %9s %9s\n",
+              "model", "tandem /s", "acc", "ovl /s", "ring /s", "acc", "DDP /s", "acc", "ratio", "ring", "DDP** /s",
+              "acc", "ratio", "ring", "tf /s", "acc", "ratio", "ring", "vs best", "ring vs");
+  std::printf("%s\n", std::string(191, '-').c_str());
   int port = kTandemWorkersPort, tf_port = kTfWorkersPort;
   for (const auto& kind : o.models) {
     // Interleaved runs, so that a slow phase of the machine hits every column alike.
-    std::vector<Result> ours_runs, ring_runs, peer_runs, tuned_runs, tf_runs;
+    std::vector<Result> ours_runs, overlap_runs, ring_runs, peer_runs, tuned_runs, tf_runs;
     for (int r = 0; r < o.repeat; ++r) {
       if (auto ours = run_tandem_workers(o, kind, /*ring=*/false, port += 2)) ours_runs.push_back(*ours);
+      if (auto ovl = run_tandem_workers(o, kind, /*ring=*/false, port += 2, /*overlap=*/true)) overlap_runs.push_back(*ovl);
       if (auto ring = run_tandem_workers(o, kind, /*ring=*/true, port += 2)) ring_runs.push_back(*ring);
       if (!o.peer) continue;
       if (auto p = run_ddp_peer(o, kind, "env -u OPENBLAS_CORETYPE -u OPENBLAS_NUM_THREADS")) peer_runs.push_back(*p);
@@ -1040,8 +1047,8 @@ int run_multiworker(const Options& o) {
       }
       if (auto p = run_tf_multiworker_peer(o, kind, tf_port += 2)) tf_runs.push_back(*p);
     }
-    const std::optional<Result> ours = median(ours_runs), ring = median(ring_runs);
-    TANDEM_REQUIRE(ours.has_value() && ring.has_value(), Internal,
+    const std::optional<Result> ours = median(ours_runs), overlap = median(overlap_runs), ring = median(ring_runs);
+    TANDEM_REQUIRE(ours.has_value() && overlap.has_value() && ring.has_value(), Internal,
                    "bench_fit: the tandem workers of model {} did not report", kind);
     const std::optional<Result> ddp = median(peer_runs), tuned = median(tuned_runs), tf = median(tf_runs);
     const auto cell = [&](const std::optional<Result>& p) {
@@ -1050,15 +1057,18 @@ int run_multiworker(const Options& o) {
                          ours->samples_per_s / p->samples_per_s, ring->samples_per_s / p->samples_per_s);
     };
     const double best = best_peer({ddp, tuned, tf});
-    std::printf("%-5s | %10.0f %7.4f | %10.0f %7.4f | %s | %s | %s | %s %s\n", kind.c_str(), ours->samples_per_s,
-                ours->test_accuracy, ring->samples_per_s, ring->test_accuracy, cell(ddp).c_str(), cell(tuned).c_str(),
+    std::printf("%-5s | %10.0f %7.4f | %10.0f | %10.0f %7.4f | %s | %s | %s | %s %s\n", kind.c_str(),
+                ours->samples_per_s, ours->test_accuracy, overlap->samples_per_s, ring->samples_per_s,
+                ring->test_accuracy, cell(ddp).c_str(), cell(tuned).c_str(),
                 cell(tf).c_str(), vs_best_cell(ours->samples_per_s, best).c_str(),
                 vs_best_cell(ring->samples_per_s, best).c_str());
     std::fflush(stdout);
   }
   std::printf(
-      "\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory);\n"
-      "ring = CommunicationImplementation::kRing (Gloo over TCP, as the peers). DDP = torch_ddp2.sh with\n"
+      "\ntandem = the default (AUTO: both workers on this machine, so gradients meet in shared memory; the\n"
+      "all-reduce overlaps backward only where a core is free for it, Strategy::overlaps_communication);\n"
+      "ovl = the same with overlap_communication = true; ring = CommunicationImplementation::kRing (Gloo over\n"
+      "TCP, as the peers), overlap as the default. DDP = torch_ddp2.sh with\n"
       "--python's PyTorch; DDP** = with OPENBLAS_CORETYPE=%s and OPENBLAS_NUM_THREADS=1. tf = Keras 3 on\n"
       "TensorFlow, tf.distribute.MultiWorkerMirroredStrategy (tf_mwms2.sh: 2 workers of 1 intra-op thread on\n"
       "127.0.0.1, collectives over gRPC), oneDNN on. ratio = tandem /s over the peer's; ring = ring /s over the\n"
