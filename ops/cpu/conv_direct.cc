@@ -8,37 +8,23 @@
 
 #include "tandem/ops/cpu/conv_scratch.h"
 #include "tandem/ops/cpu/kernel_util.h"
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#define TANDEM_DIRECT_CONV 1
-#include <immintrin.h>
-#endif
+#include "tandem/ops/cpu/vec.h"
 
 namespace tandem::ops::cpu::direct {
 
-#if TANDEM_DIRECT_CONV
+#if TANDEM_CPU_VECTORS
 namespace {
 
 using detail::Window2DGeometry;
 using std::int64_t;
+using namespace vec;
 
-// The vector operations the kernels use, for the level this file is compiled for (ops/cpu/isa.h).
-// Register tiles hold the accumulators and leave room for the operands: with AVX-512's 32
+// The vector operations beyond cpu/vec.h's that the kernels use. Register tiles hold the accumulators and leave room for the operands: with AVX-512's 32
 // registers, up to 12 rows (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4
 // registers (64 channels), which needs fewer broadcasts per FMA; with AVX2's 16, 12 rows x 1
 // register or 6 rows x 2 (12 accumulators, 2 operands, 1 broadcast).
 #if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
 constexpr int kWidestBlock = 4;  // registers across the output channels
-Vec vzero() { return _mm512_setzero_ps(); }
-Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-Vec vbroadcast(float x) { return _mm512_set1_ps(x); }
-Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-Vec vrelu(Vec z) { return _mm512_max_ps(_mm512_setzero_ps(), z); }  // z when z is NaN or -0, like Eigen's
-float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 // The max pool's compare-and-select, and its winning cells as 32-bit lanes.
 using Mask = __mmask16;
 using IVec = __m512i;
@@ -54,21 +40,7 @@ void store_low_bytes(std::uint8_t* p, IVec v) {  // the low byte of each lane, i
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
 }
 #else
-using Vec = __m256;
-constexpr int kLanes = 8;
 constexpr int kWidestBlock = 2;
-Vec vzero() { return _mm256_setzero_ps(); }
-Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-Vec vbroadcast(float x) { return _mm256_set1_ps(x); }
-Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-Vec vrelu(Vec z) { return _mm256_max_ps(_mm256_setzero_ps(), z); }  // z when z is NaN or -0, like Eigen's
-float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 using Mask = __m256;  // all ones in the lanes that hold
 using IVec = __m256i;
 Mask vgreater(Vec a, Vec b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
