@@ -83,7 +83,9 @@ inline constexpr Variable kGemm{
     .name = "TANDEM_GEMM",
     .type = Type::kChoice,
     .default_value = "auto",
-    .meaning = "matrix products on CPUs: auto (OpenBLAS when libopenblas loads, else Eigen), eigen or openblas",
+    .meaning =
+        "matrix products on CPUs: auto (float32 in tandem's register tiles on AVX2 and AVX-512 CPUs, the rest "
+        "with OpenBLAS when libopenblas loads, else Eigen), eigen or openblas (that library for every product)",
     .choices = kGemmChoices};
 inline constexpr std::string_view kCpuIsaChoices[] = {"auto", "avx512", "avx2", "baseline"};
 inline constexpr Variable kCpuIsa{

@@ -320,9 +320,10 @@ void print_matmul(const Timings& t, const devices::Device& device) {
              threads_text(device.intra_op_threads()));
   fmt::print(
       "  sgemm references: OB 1t, Eig 1t = one single-threaded call of OpenBLAS, Eigen; OB split = single-\n"
-      "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs); OB thr = OpenBLAS's own thread\n"
-      "  pool; Eig split = Eigen split like OB split; best = the fastest of these. gemm() = tandem's threaded\n"
-      "  GEMM called directly; MatMul op = the op through graph + executor.\n");
+      "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs for the products the register\n"
+      "  tiles leave); OB thr = OpenBLAS's own thread pool; Eig split = Eigen split like OB split; best = the\n"
+      "  fastest of these. gemm() = tandem's threaded GEMM called directly (its register tiles where the gemm\n"
+      "  backend line says so); MatMul op = the op through graph + executor.\n");
   print_rule();
   fmt::print("{:<21} {:<21} {:>6} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6} | {:>6} {:>9} {:>7}\n", "product", "shape",
              "MFLOP", "OB 1t", "Eig 1t", "OB split", "OB thr", "Eig split", "best", "gemm()", "MatMul op", "op/best");

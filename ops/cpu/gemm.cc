@@ -11,6 +11,8 @@
 #include "tandem/base/env.h"
 #include "tandem/base/log.h"
 #include "tandem/base/errors.h"
+#include "tandem/base/cpu_isa.h"
+#include "tandem/ops/cpu/isa.h"
 
 namespace tandem::ops::cpu {
 namespace {
@@ -36,6 +38,7 @@ struct State {
   GemmBackend backend = GemmBackend::kEigen;
   OpenBlas openblas;
   bool openblas_loaded = false;
+  bool tiles = false;  // float32 products in the register tiles first (TANDEM_GEMM=auto)
   std::string description;
 };
 
@@ -132,9 +135,14 @@ void init_gemm() {
     TANDEM_REQUIRE(choice != "openblas" || s.openblas_loaded, FailedPrecondition,
                    "TANDEM_GEMM=openblas but libopenblas could not be loaded (install libopenblas0)");
     s.backend = s.openblas_loaded ? GemmBackend::kOpenBLAS : GemmBackend::kEigen;
+    s.tiles = choice == "auto" && cpu_isa() != CpuIsa::kBaseline;
     s.description = s.openblas_loaded
                         ? s.openblas.description
                         : fmt::format("Eigen {}.{}.{}", EIGEN_WORLD_VERSION, EIGEN_MAJOR_VERSION, EIGEN_MINOR_VERSION);
+    if (s.tiles) {
+      s.description = fmt::format("tandem's register tiles ({}) for float32, else {}", cpu_isa_name(cpu_isa()),
+                                  s.description);
+    }
     logging::debug("matrix products on CPUs: {} (TANDEM_GEMM={})", s.description, choice);
   });
 }
@@ -142,6 +150,11 @@ void init_gemm() {
 GemmBackend gemm_backend() {
   init_gemm();
   return state().backend;
+}
+
+bool gemm_tiles_enabled() {
+  init_gemm();
+  return state().tiles;
 }
 
 std::string gemm_backend_description() {
@@ -172,6 +185,12 @@ void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta
 
 template <class T>
 void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled() &&
+        current_isa_kernels().gemm_tiles(device, s, a, b, c, nullptr)) {
+      return;
+    }
+  }
   const int threads = device.intra_op_threads();
   if (threads <= 1 || s.m * s.n * s.k < kParallelGemmMinMacs) {
     gemm_serial(s, alpha, a, b, beta, c);

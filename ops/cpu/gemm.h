@@ -7,7 +7,8 @@
 //             loading it (unless the user set it) and run it single-threaded, partitioning the
 //             product over the device's own threads.
 //   Eigen     always available; within ~10% of OpenBLAS here.
-// TANDEM_GEMM=eigen|openblas forces one (tests run both).
+// TANDEM_GEMM=eigen|openblas forces one (tests run both). With the default, float32 products of
+// gemm() go to tandem's own register tiles first (gemm_tiles.h) on CPUs with AVX2 or AVX-512.
 #pragma once
 
 #include <cstdint>
@@ -27,7 +28,11 @@ inline constexpr std::int64_t kGemmColumnAlignment = 16;
 
 // Chooses and loads the backend (idempotent; register_all calls it).
 void init_gemm();
+// The library that gemm_serial calls, and that gemm() calls for what the tiles leave.
 GemmBackend gemm_backend();
+// Whether gemm() computes float32 products in tandem's register tiles (gemm_tiles.h) where they
+// apply: TANDEM_GEMM=auto on a CPU level with vectors (AVX2 or AVX-512).
+bool gemm_tiles_enabled();
 // "OpenBLAS 0.3.21, SkylakeX kernels, 1 thread per call" or "Eigen 3.4.0".
 std::string gemm_backend_description();
 
@@ -38,10 +43,12 @@ struct GemmShape {
   std::int64_t lda = 0, ldb = 0, ldc = 0;  // row-major leading dimensions
 };
 
-// C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major).
+// C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major), with the library.
 template <class T>
 void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
-// The same product split over the device's intra-op threads (by columns or rows of C).
+// The same product split over the device's intra-op threads: in the register tiles for float32
+// with alpha 1 and beta 0 (gemm_tiles_enabled), else the library's calls on blocks of columns (or
+// rows) of C. Either way bitwise the same on any number of threads.
 template <class T>
 void gemm(devices::Device& device, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
 

@@ -16,6 +16,7 @@
 #include "tandem/devices/device.h"
 #include "tandem/ops/cpu/conv_direct.h"
 #include "tandem/ops/cpu/conv_geometry.h"
+#include "tandem/ops/cpu/gemm_tiles.h"
 #include "tandem/ops/detail/update_rules.h"
 
 namespace tandem::ops::cpu {
@@ -42,6 +43,8 @@ struct IsaKernels {
                          direct::ForwardEpilogue);
   bool (*conv2d_backprop_filter)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
   bool (*conv2d_backprop_input)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
+  // The float32 register-tile GEMM (cpu/gemm_tiles.h): gemm() calls it through this table.
+  bool (*gemm_tiles)(devices::Device&, const GemmShape&, const float*, const float*, float*, const tiles::BlockDone*);
   UpdateLoops<float> update_f32;
   UpdateLoops<double> update_f64;
 };

@@ -1,5 +1,6 @@
 // One level's table of entry points (cpu/isa.h); compiled once per level like the kernels.
 #include "tandem/ops/cpu/conv_direct.h"
+#include "tandem/ops/cpu/gemm_tiles.h"
 #include "tandem/ops/cpu/isa.h"
 
 namespace tandem::ops::cpu::TANDEM_CPU_ISA_NS {
@@ -20,6 +21,7 @@ const IsaKernels& kernels() {
                                 .conv2d_forward = &direct::conv2d_forward,
                                 .conv2d_backprop_filter = &direct::conv2d_backprop_filter,
                                 .conv2d_backprop_input = &direct::conv2d_backprop_input,
+                                .gemm_tiles = &tiles::gemm,
                                 .update_f32 = update_loops<float>(),
                                 .update_f64 = update_loops<double>()};
   return table;

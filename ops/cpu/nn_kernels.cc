@@ -17,6 +17,7 @@
 
 #include "tandem/ops/cpu/bias_activation.h"
 #include "tandem/ops/cpu/gemm.h"
+#include "tandem/ops/cpu/gemm_tiles.h"
 #include "tandem/ops/cpu/kernel_util.h"
 #include "tandem/ops/detail/dropout_attrs.h"
 #include "tandem/ops/detail/kernel_args.h"
@@ -327,9 +328,11 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
   });
 }
 
-// FusedMatMul: act(x @ kernel + bias). The product is split over the threads like gemm() splits
-// it (the larger side of the output), and each thread applies bias and activation to its block
-// right after computing it, while the block is still in its cache. With GELU the product goes to
+// FusedMatMul: act(x @ kernel + bias). float32 products go to the register tiles, which hand over
+// each block of the output to bias and activation as soon as it is complete; otherwise the
+// product is split over the threads like gemm() splits it (the larger side of the output), and
+// each thread applies bias and activation to its block right after computing it. Either way the
+// block is still in its thread's cache. With GELU the product goes to
 // the second output, which keeps the pre-activation for the gradient.
 void fused_matmul_kernel(KernelContext& ctx) {
   const Activation activation = activation_of(ctx);
@@ -345,6 +348,14 @@ void fused_matmul_kernel(KernelContext& ctx) {
       T* pre = activation_gradient_needs_input(A) ? out_ptr<T>(ctx, 1) : nullptr;
       T* product = pre != nullptr ? pre : out;
       const GemmShape shape{.m = m, .n = n, .k = k, .lda = k, .ldb = n, .ldc = n};
+      if constexpr (std::is_same_v<T, float>) {
+        // The register tiles hand over each block of the product as it is complete.
+        const auto epilogue = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+          bias_activation_rows<A>(product, out, pre, n, r0, r1, c0, c1, bias);
+        };
+        const tiles::BlockDone done(epilogue);
+        if (gemm_tiles_enabled() && tiles::gemm(ctx.device(), shape, x, w, product, &done)) return;
+      }
       const auto block = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
         if (r0 >= r1 || c0 >= c1) return;
         if (k == 0) {

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -177,5 +179,128 @@ TEST_CASE("every level's direct convolutions equal the float64 definition") {
     if (isa == CpuIsa::kBaseline) CHECK(ran == 0);
     if (isa == CpuIsa::kAvx2) CHECK(ran == 15);
     if (isa == CpuIsa::kAvx512) CHECK(ran == 11);
+  }
+}
+
+namespace {
+
+// A CPU device that reports `threads` intra-op threads but runs parallel_for's chunks inline, one
+// after another: the register tiles split their work for that many threads, on one.
+class ReportedThreads final : public tandem::devices::Device {
+ public:
+  explicit ReportedThreads(int threads) : Device(name()), threads_(threads) {}
+  tandem::devices::Allocator& allocator() override { return cpu().allocator(); }
+  tandem::devices::Stream& compute_stream() override { return cpu().compute_stream(); }
+  bool host_accessible() const override { return true; }
+  void copy_from_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void copy_on_device(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); }
+  void fill_zero(void* dst, std::size_t bytes) override { std::memset(dst, 0, bytes); }
+  void synchronize() override {}
+  int intra_op_threads() const override { return threads_; }
+
+ private:
+  static tandem::devices::Device& cpu() { return tandem::devices::default_cpu_device(); }
+  static tandem::devices::DeviceName name() {
+    tandem::devices::DeviceName n;
+    n.type = tandem::devices::DeviceType::kCPU;
+    n.index = 99;
+    return n;
+  }
+  int threads_;
+};
+
+struct GemmCase {
+  std::int64_t m, n, k;
+  std::int64_t pad = 0;  // extra columns in each operand's rows and in C's (strided views)
+};
+
+}  // namespace
+
+TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element, on any thread count") {
+  using tandem::ops::cpu::GemmShape;
+  auto& device = tandem::devices::default_cpu_device();
+  ReportedThreads one(1), three(3);
+  // Tails of rows, columns and k; more rows than a block (192); a k longer than a block (1024),
+  // which resumes from C; one panel among several threads (its rows split); strided views.
+  const std::vector<GemmCase> gemm_cases{{37, 45, 29},     {200, 64, 1100}, {5, 300, 70, 3},
+                                         {130, 32, 17, 5}, {12, 96, 2049},  {64, 33, 40, 1}};
+  for (CpuIsa isa : tandem::supported_cpu_isas()) {
+    const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
+    int ran = 0;
+    for (const auto& [m, n, k, pad] : gemm_cases) {
+      for (const bool ta : {false, true}) {
+        for (const bool tb : {false, true}) {
+          CAPTURE(tandem::cpu_isa_name(isa));
+          CAPTURE(m);
+          CAPTURE(n);
+          CAPTURE(k);
+          CAPTURE(ta);
+          CAPTURE(tb);
+          const GemmShape s{.transpose_a = ta,
+                            .transpose_b = tb,
+                            .m = m,
+                            .n = n,
+                            .k = k,
+                            .lda = (ta ? m : k) + pad,
+                            .ldb = (tb ? k : n) + pad,
+                            .ldc = n + pad};
+          const auto a = tandem::testing::random_values((ta ? k : m) * s.lda, 5);
+          const auto b = tandem::testing::random_values((tb ? n : k) * s.ldb, 6);
+          constexpr float kUntouched = -7.5f;
+          std::vector<float> c(static_cast<std::size_t>(m * s.ldc), kUntouched);
+          std::vector<int> handed(c.size(), 0);
+          std::mutex mutex;
+          const auto count = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1) {
+            std::lock_guard lock(mutex);
+            for (std::int64_t i = r0; i < r1; ++i) {
+              for (std::int64_t j = c0; j < c1; ++j) ++handed[static_cast<std::size_t>(i * s.ldc + j)];
+            }
+          };
+          const tandem::ops::cpu::tiles::BlockDone done(count);
+          if (!kernels.gemm_tiles(device, s, a.data(), b.data(), c.data(), &done)) continue;
+          ++ran;
+          bool chains = true, blocks = true, outside = true;
+          for (std::int64_t i = 0; i < m; ++i) {
+            for (std::int64_t j = 0; j < s.ldc; ++j) {
+              const auto at = static_cast<std::size_t>(i * s.ldc + j);
+              if (j >= n) {
+                outside = outside && c[at] == kUntouched && handed[at] == 0;
+                continue;
+              }
+              float chain = 0.0f;
+              for (std::int64_t p = 0; p < k; ++p) {
+                const float x = a[static_cast<std::size_t>(ta ? p * s.lda + i : i * s.lda + p)];
+                const float y = b[static_cast<std::size_t>(tb ? j * s.ldb + p : p * s.ldb + j)];
+                chain = std::fma(x, y, chain);
+              }
+              chains = chains && c[at] == chain;
+              blocks = blocks && handed[at] == 1;
+            }
+          }
+          CHECK(chains);   // bitwise: one FMA chain over k in order, from +0
+          CHECK(blocks);   // each element handed over once, in a block
+          CHECK(outside);  // the padding columns of C left alone
+          // The same bits when the work is split for one thread or for three.
+          for (ReportedThreads* other : {&one, &three}) {
+            std::vector<float> again(c.size(), kUntouched);
+            REQUIRE(kernels.gemm_tiles(*other, s, a.data(), b.data(), again.data(), nullptr));
+            CHECK(again == c);
+          }
+        }
+      }
+    }
+    // Declined: narrower than a panel (32 columns with AVX-512, 16 with AVX2), or too small.
+    const auto declines = [&](std::int64_t m, std::int64_t n, std::int64_t k) {
+      const GemmShape s{.m = m, .n = n, .k = k, .lda = k, .ldb = n, .ldc = n};
+      const auto a = tandem::testing::random_values(m * k, 7), b = tandem::testing::random_values(k * n, 8);
+      std::vector<float> c(static_cast<std::size_t>(m * n));
+      return !kernels.gemm_tiles(device, s, a.data(), b.data(), c.data(), nullptr);
+    };
+    CHECK(declines(512, 15, 512));
+    CHECK(declines(8, 64, 8));
+    MESSAGE(tandem::cpu_isa_name(isa) << ": " << ran << " products in register tiles");
+    if (isa == CpuIsa::kBaseline) CHECK(ran == 0);
+    if (isa != CpuIsa::kBaseline) CHECK(ran == static_cast<int>(4 * gemm_cases.size()));
   }
 }

@@ -1,0 +1,45 @@
+// tandem/ops/cpu/gemm_tiles.h — float32 matrix products in register tiles: tandem's own GEMM on
+// the instruction-set levels with vectors (AVX-512, AVX2 + FMA), which gemm() (gemm.h) and
+// FusedMatMul take before OpenBLAS or Eigen.
+//
+// Why: a dense layer's products have 128-ish rows (the batch) against 784-4096 of the others.
+// On a 2-core Zen 4, OpenBLAS ran wide's six large products at 160-192 GFLOP/s (the faster of its
+// split and threaded calls) where these tiles ran at 190-202, and wide trained 16-20% faster
+// (bench/README.md).
+//
+// C (m x n) = op(A) op(B), row-major, alpha 1 and beta 0. C is cut into panels of two registers of
+// columns (32 with AVX-512, 16 with AVX2); a thread computes a whole panel: op(B)'s columns are
+// copied once into a contiguous panel (transposed when B is), op(A)'s rows once into panels of
+// kRows rows read by every thread, and each tile of kRows x 2 registers sums its products over k
+// in registers. Every element is one chain of FMAs over k in order, started from +0, whatever
+// the thread count or the blocking (a long k is cut into blocks; the chain goes on from the value
+// stored in C), so results are bitwise the same on any number of threads and run to run (not
+// OpenBLAS's bits, which sum k in other orders).
+//
+// Who calls: gemm() for every float32 product it is given (a dense layer's forward and gradients,
+// the im2col convolutions); FusedMatMul with `done`, which applies bias and activation to each
+// block of C as soon as it is complete, while it is still in cache. Blocks the caller until C is
+// complete (the device's threads share the panels). Throws ResourceExhausted when scratch memory
+// cannot be allocated.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/base/function_ref.h"
+#include "tandem/devices/device.h"
+#include "tandem/ops/cpu/gemm.h"
+
+namespace tandem::ops::cpu::tiles {
+
+// Called once for each block of C when it is complete: rows [r0, r1), columns [c0, c1); on
+// whichever of the device's threads computed it, each block once.
+using BlockDone = FunctionRef<void(std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1)>;
+
+// Returns false and does nothing when this level has no vectors (the baseline) or the product is
+// too small to pay for copying its operands (under kMinMacs multiply-adds); the caller then uses
+// the library GEMM.
+inline constexpr std::int64_t kMinMacs = std::int64_t{1} << 15;
+bool gemm(devices::Device& device, const GemmShape& shape, const float* a, const float* b, float* c,
+          const BlockDone* done = nullptr);
+
+}  // namespace tandem::ops::cpu::tiles
