@@ -221,10 +221,11 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
   using tandem::ops::cpu::GemmShape;
   auto& device = tandem::devices::default_cpu_device();
   ReportedThreads one(1), three(3);
-  // Tails of rows, columns and k; more rows than a block (192); a k longer than a block (1024),
-  // which resumes from C; one panel among several threads (its rows split); strided views.
-  const std::vector<GemmCase> gemm_cases{{37, 45, 29},     {200, 64, 1100}, {5, 300, 70, 3},
-                                         {130, 32, 17, 5}, {12, 96, 2049},  {64, 33, 40, 1}};
+  // Tails of rows, columns and k; a k longer than a block (1024), which resumes from C; more rows
+  // than a block of A (1 MiB: 256 rows of 1024); one panel among several threads (its rows
+  // split); strided views.
+  const std::vector<GemmCase> gemm_cases{{37, 45, 29},    {200, 64, 1100},  {5, 300, 70, 3}, {130, 32, 17, 5},
+                                         {12, 96, 2049}, {600, 48, 1030}, {64, 33, 40, 1}};
   for (CpuIsa isa : tandem::supported_cpu_isas()) {
     const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
     int ran = 0;
