@@ -49,7 +49,7 @@ State& state() {
 
 // OpenBLAS's names for the fastest kernel set this CPU can run: the newest, except on AMD's family
 // 19h (Zen 3, Zen 4), where it is the AVX2 one. Zen 4 runs AVX-512 on 256-bit units, and there
-// OpenBLAS 0.3.21's Cooperlake kernels took 8.2-8.8 ms for wide's eight products in sequence
+// OpenBLAS 0.3.21's Cooperlake kernels took 8.2-11.3 ms for wide's eight products in sequence
 // against 6.6-7.6 ms for its Haswell kernels (4 interleaved runs each; bench/README.md).
 const char* openblas_core_for_this_cpu() {
   __builtin_cpu_init();
