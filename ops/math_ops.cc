@@ -227,7 +227,7 @@ Output reduce_for_input(const GradContext& ctx, Output grad, int i) {
   const Output in = ctx.input(i);
   const Output other = ctx.input(1 - i);
   if (detail::broadcast_is_identity(in.shape(), other.shape())) return grad;
-  return add_op("SumToShape", {grad, in});
+  return sum_to_shape_of(grad, in);
 }
 
 std::vector<Output> add_grad(GradContext& ctx) {
@@ -288,7 +288,7 @@ std::vector<Output> matmul_grad(GradContext& ctx) {
 // A BatchMatMul operand's gradient, summed over the batch axes along which it was broadcast.
 Output sum_over_broadcast_batch(Output grad, Output input, Output other) {
   if (detail::broadcast_is_identity(batch_axes(input.shape()), batch_axes(other.shape()))) return grad;
-  return add_op("SumToShape", {grad, input});
+  return sum_to_shape_of(grad, input);
 }
 
 std::vector<Output> batch_matmul_grad(GradContext& ctx) {

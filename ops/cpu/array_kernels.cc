@@ -18,11 +18,88 @@ using graph::AllTypes;
 using graph::IndexTypes;
 using graph::Shape;
 
+// A transpose that keeps the innermost axis in place (attention's [batch, tokens, heads, depth]
+// <-> [batch, heads, tokens, depth]) moves whole rows: the output is rows of `row` elements, each
+// contiguous in the input too, copied with memcpy. The element-wise walk below took about 0.5 ms
+// for char_gpt's 2 MiB head split on a Zen 4, a run of 32 elements at a time through a strided
+// loop; rows copy at memory speed.
+struct TransposeRows {
+  int rank = 0;                                         // leading (row-indexing) axes
+  std::array<std::int64_t, Shape::kMaxRank> dims{};     // their output extents
+  std::array<std::int64_t, Shape::kMaxRank> strides{};  // their input strides, in elements
+  std::int64_t row = 1;                                 // elements per row
+};
+
+// The rows of y = transpose(x, perm), or row == 1 when the innermost axis moves.
+TransposeRows transpose_rows(const Shape& in, const std::vector<std::int64_t>& perm) {
+  TransposeRows t;
+  const int rank = in.rank();
+  std::array<std::int64_t, Shape::kMaxRank> in_strides{};
+  std::int64_t stride = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    in_strides[static_cast<std::size_t>(d)] = stride;
+    stride *= in[d];
+  }
+  // Output axes from the last: they join the row while each is the input axis just before the
+  // previous one (so the row stays one contiguous stretch of the input).
+  int first_row_axis = rank;
+  std::int64_t expected = rank - 1;
+  while (first_row_axis > 0 && perm[static_cast<std::size_t>(first_row_axis - 1)] == expected) {
+    --first_row_axis;
+    t.row *= in[static_cast<int>(expected)];
+    --expected;
+  }
+  if (first_row_axis == rank) {
+    t.row = 1;
+    return t;
+  }
+  t.rank = first_row_axis;
+  for (int d = 0; d < t.rank; ++d) {
+    const auto axis = static_cast<std::size_t>(perm[static_cast<std::size_t>(d)]);
+    t.dims[static_cast<std::size_t>(d)] = in[static_cast<int>(axis)];
+    t.strides[static_cast<std::size_t>(d)] = in_strides[axis];
+  }
+  return t;
+}
+
+// Copies output rows [begin, end) of `t`, each from its input offset.
+void copy_transposed_rows(const TransposeRows& t, const char* x, char* y, std::size_t elem_bytes, std::int64_t begin,
+                          std::int64_t end) {
+  std::array<std::int64_t, Shape::kMaxRank> index{};
+  std::int64_t rest = begin;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    const auto du = static_cast<std::size_t>(d);
+    index[du] = rest % t.dims[du];
+    rest /= t.dims[du];
+  }
+  const auto row_bytes = static_cast<std::size_t>(t.row) * elem_bytes;
+  for (std::int64_t r = begin; r < end; ++r) {
+    std::int64_t offset = 0;
+    for (int d = 0; d < t.rank; ++d)
+      offset += index[static_cast<std::size_t>(d)] * t.strides[static_cast<std::size_t>(d)];
+    std::memcpy(y + static_cast<std::size_t>(r) * row_bytes, x + static_cast<std::size_t>(offset) * elem_bytes,
+                row_bytes);
+    for (int d = t.rank - 1; d >= 0 && ++index[static_cast<std::size_t>(d)] == t.dims[static_cast<std::size_t>(d)]; --d)
+      index[static_cast<std::size_t>(d)] = 0;
+  }
+}
+
 void transpose_kernel(KernelContext& ctx) {
   const Tensor& x = ctx.input(0);
   Tensor& y = ctx.output(0);
   const auto& perm = ctx.attrs().get<std::vector<std::int64_t>>("perm");
   const Shape& in = x.shape();
+  if (y.num_elements() == 0) return;
+  if (const TransposeRows t = transpose_rows(in, perm); t.row >= 8) {
+    const std::int64_t rows = y.num_elements() / t.row;
+    const auto elem_bytes = x.nbytes() / static_cast<std::size_t>(x.num_elements());
+    const auto* px = static_cast<const char*>(x.raw_data());
+    auto* py = static_cast<char*>(y.raw_data());
+    ctx.device().parallel_for(
+        rows, std::max<std::int64_t>(1, kElementwiseGrain / t.row),
+        [&](std::int64_t b, std::int64_t e) { copy_transposed_rows(t, px, py, elem_bytes, b, e); });
+    return;
+  }
   // The output walks the input with strides permuted; reuse the broadcast iterator with one
   // operand whose strides are the input's strides in output order.
   BroadcastLayout layout;
@@ -39,8 +116,8 @@ void transpose_kernel(KernelContext& ctx) {
     layout.strides[0][static_cast<std::size_t>(d)] =
         in_strides[static_cast<std::size_t>(perm[static_cast<std::size_t>(d)])];
   }
-  if (layout.rank == 0 || y.num_elements() == 0) {
-    if (y.num_elements() == 1) std::memcpy(y.raw_data(), x.raw_data(), y.nbytes());
+  if (layout.rank == 0) {
+    std::memcpy(y.raw_data(), x.raw_data(), y.nbytes());
     return;
   }
   graph::dispatch<AllTypes>(x.dtype(), ctx.label(), [&]<class T>() {

@@ -184,6 +184,14 @@ void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, cons
 
 template <class T>
 void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c) {
+  // The tiles' bits do not depend on the thread count, so a caller that splits a batch of products
+  // over threads (BatchMatMul) gets what gemm() gives it on one thread.
+  if constexpr (std::is_same_v<T, float>) {
+    if (alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled() &&
+        current_isa_kernels().gemm_tiles_serial(shape, a, b, c)) {
+      return;
+    }
+  }
   gemm_serial_with(gemm_backend(), shape, alpha, a, b, beta, c);
 }
 

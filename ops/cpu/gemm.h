@@ -28,7 +28,7 @@ inline constexpr std::int64_t kGemmColumnAlignment = 16;
 
 // Chooses and loads the backend (idempotent; register_all calls it).
 void init_gemm();
-// The library that gemm_serial calls, and that gemm() calls for what the tiles leave.
+// The library that gemm_serial() and gemm() call for what the tiles leave.
 GemmBackend gemm_backend();
 // Whether gemm() computes float32 products in tandem's register tiles (gemm_tiles.h) where they
 // apply: TANDEM_GEMM=auto on a CPU level with vectors (AVX2 or AVX-512).
@@ -43,7 +43,9 @@ struct GemmShape {
   std::int64_t lda = 0, ldb = 0, ldc = 0;  // row-major leading dimensions
 };
 
-// C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major), with the library.
+// C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major): in the register
+// tiles where gemm() would use them (float32, alpha 1, beta 0, gemm_tiles_enabled; the same bits
+// as gemm() on any thread count), else with the library.
 template <class T>
 void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
 // The same product split over the device's intra-op threads: in the register tiles for float32

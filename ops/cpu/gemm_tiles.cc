@@ -115,8 +115,13 @@ constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kRows>{});
 
 }  // namespace
 
-bool gemm(devices::Device& device, const GemmShape& s, const float* a, const float* b, float* c,
-          const BlockDone* done) {
+namespace {
+
+// The product in work items (a panel, or a part of its rows), which for_items(count, fn) hands to
+// fn(begin, end): the device's threads, or the calling thread alone.
+template <class ForItems>
+bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const float* a, const float* b, float* c,
+               const BlockDone* done) {
   // Narrower than a panel, most lanes of every tile would be wasted (the library does better).
   if (s.m <= 0 || s.n < kPanel || s.k <= 0 || s.m * s.n * s.k < kMinMacs) return false;
   const int64_t panels = (s.n + kPanel - 1) / kPanel;
@@ -131,10 +136,9 @@ bool gemm(devices::Device& device, const GemmShape& s, const float* a, const flo
       const int64_t m1 = std::min(s.m, m0 + block_rows);
       const int64_t row_panels = (m1 - m0 + kRows - 1) / kRows;
       // A work item is a panel, or a part of its rows when there are fewer panels than threads.
-      const int64_t parts =
-          std::min(row_panels, std::max<int64_t>(1, (device.intra_op_threads() + panels - 1) / panels));
+      const int64_t parts = std::min(row_panels, std::max<int64_t>(1, (threads + panels - 1) / panels));
       const int64_t part_panels = (row_panels + parts - 1) / parts;
-      device.parallel_for(panels * parts, 1, [&](int64_t begin, int64_t end) {
+      for_items(panels * parts, [&](int64_t begin, int64_t end) {
         float* packed_b = tls_packed_b.get<float>(depth * kPanel);
         for (int64_t item = begin; item < end; ++item) {
           const int64_t j0 = item / parts * kPanel;
@@ -156,9 +160,25 @@ bool gemm(devices::Device& device, const GemmShape& s, const float* a, const flo
   return true;
 }
 
+}  // namespace
+
+bool gemm(devices::Device& device, const GemmShape& s, const float* a, const float* b, float* c,
+          const BlockDone* done) {
+  const auto on_device = [&](int64_t items, FunctionRef<void(int64_t, int64_t)> fn) {
+    device.parallel_for(items, 1, fn);
+  };
+  return run_tiles(s, device.intra_op_threads(), on_device, a, b, c, done);
+}
+
+bool gemm_serial(const GemmShape& s, const float* a, const float* b, float* c) {
+  const auto here = [](int64_t items, FunctionRef<void(int64_t, int64_t)> fn) { fn(0, items); };
+  return run_tiles(s, 1, here, a, b, c, nullptr);
+}
+
 #else  // baseline: the library GEMM does every product
 
 bool gemm(devices::Device&, const GemmShape&, const float*, const float*, float*, const BlockDone*) { return false; }
+bool gemm_serial(const GemmShape&, const float*, const float*, float*) { return false; }
 
 #endif
 

@@ -43,4 +43,8 @@ inline constexpr std::int64_t kMinMacs = std::int64_t{1} << 15;
 bool gemm(devices::Device& device, const GemmShape& shape, const float* a, const float* b, float* c,
           const BlockDone* done = nullptr);
 
+// The same product on the calling thread alone (the same bits): gemm_serial() (gemm.h) calls it
+// for products a caller already spreads over threads, such as BatchMatMul's batch of them.
+bool gemm_serial(const GemmShape& shape, const float* a, const float* b, float* c);
+
 }  // namespace tandem::ops::cpu::tiles

@@ -43,8 +43,10 @@ struct IsaKernels {
                          direct::ForwardEpilogue);
   bool (*conv2d_backprop_filter)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
   bool (*conv2d_backprop_input)(devices::Device&, const detail::Window2DGeometry&, const float*, const float*, float*);
-  // The float32 register-tile GEMM (cpu/gemm_tiles.h): gemm() calls it through this table.
+  // The float32 register-tile GEMM (cpu/gemm_tiles.h): gemm() and gemm_serial() call it through
+  // this table.
   bool (*gemm_tiles)(devices::Device&, const GemmShape&, const float*, const float*, float*, const tiles::BlockDone*);
+  bool (*gemm_tiles_serial)(const GemmShape&, const float*, const float*, float*);
   UpdateLoops<float> update_f32;
   UpdateLoops<double> update_f64;
 };

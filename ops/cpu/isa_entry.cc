@@ -22,6 +22,7 @@ const IsaKernels& kernels() {
                                 .conv2d_backprop_filter = &direct::conv2d_backprop_filter,
                                 .conv2d_backprop_input = &direct::conv2d_backprop_input,
                                 .gemm_tiles = &tiles::gemm,
+                                .gemm_tiles_serial = &tiles::gemm_serial,
                                 .update_f32 = update_loops<float>(),
                                 .update_f64 = update_loops<double>()};
   return table;

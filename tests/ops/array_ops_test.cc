@@ -44,10 +44,15 @@ TEST_CASE("Reshape with an unknown batch dimension resolves when run") {
 }
 
 TEST_CASE("Transpose") {
-  for (const auto& perm : std::vector<std::vector<std::int64_t>>{{1, 0}, {2, 0, 1}, {0, 2, 1}, {1, 2, 0}}) {
+  // The last four keep the innermost axes in place (rows of 8 or more: the kernel's row copy);
+  // {0, 2, 1, 3} is attention's head split, {0, 1, 2} the identity.
+  const std::vector<std::pair<std::vector<std::int64_t>, Shape>> cases{
+      {{1, 0}, Shape{3, 5}},           {{2, 0, 1}, Shape{2, 3, 4}},       {{0, 2, 1}, Shape{2, 3, 4}},
+      {{1, 2, 0}, Shape{2, 3, 4}},     {{0, 2, 1, 3}, Shape{2, 3, 5, 8}}, {{1, 0, 2}, Shape{3, 4, 16}},
+      {{2, 0, 1, 3}, Shape{2, 3, 2, 9}}, {{0, 1, 2}, Shape{2, 3, 4}}};
+  for (const auto& [perm, in] : cases) {
     OpCase c;
-    c.name = fmt::format("Transpose [{}]", fmt::join(perm, ","));
-    const Shape in = perm.size() == 2 ? Shape{3, 5} : Shape{2, 3, 4};
+    c.name = fmt::format("Transpose [{}] of {}", fmt::join(perm, ","), in);
     c.inputs = {InputSpec::floats(in)};
     c.build = [perm](const std::vector<Output>& x) { return std::vector<Output>{ops::transpose(x[0], perm)}; };
     c.reference = [perm](const std::vector<RefTensor>& x) {
@@ -74,6 +79,28 @@ TEST_CASE("Transpose") {
   Graph g;
   auto x = g.placeholder(kFloat32, {2, 3}, "x");
   CHECK_THROWS_WITH_AS(ops::transpose(x, {0, 0}), doctest::Contains("not a permutation"), InvalidArgument);
+}
+
+TEST_CASE("Transpose's row copy splits among 1, 2 and 3 threads mid-axis: every element where it belongs") {
+  // Attention's head split of [batch, tokens, heads, depth] with 2 x 40 x 4 x 130 = 41600 floats:
+  // rows of 130 split between threads inside the token axis.
+  const Shape in{2, 40, 4, 130};
+  std::vector<float> x(static_cast<std::size_t>(in.num_elements()));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
+  std::vector<float> want;
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t h = 0; h < 4; ++h)
+      for (std::int64_t t = 0; t < 40; ++t)
+        for (std::int64_t d = 0; d < 130; ++d) want.push_back(static_cast<float>(((b * 40 + t) * 4 + h) * 130 + d));
+  auto g = std::make_shared<Graph>();
+  auto p = g->placeholder(kFloat32, in, "x");
+  auto y = ops::transpose(p, {0, 2, 1, 3});
+  for (const int threads : {1, 2, 3}) {
+    devices::detail::CpuDevice device(100 + threads, threads);
+    graph::Executor ex(g, device);
+    INFO(threads, " threads");
+    CHECK(ex.run({{p, Tensor::from_vector<float>(x, in)}}, {y})[0].to_vector<float>() == want);
+  }
 }
 
 TEST_CASE("Cast between float types carries the gradient; to int truncates") {

@@ -288,6 +288,10 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
             REQUIRE(kernels.gemm_tiles(*other, s, a.data(), b.data(), again.data(), nullptr));
             CHECK(again == c);
           }
+          // And on the calling thread alone (gemm_serial, BatchMatMul's products).
+          std::vector<float> serial(c.size(), kUntouched);
+          REQUIRE(kernels.gemm_tiles_serial(s, a.data(), b.data(), serial.data()));
+          CHECK(serial == c);
         }
       }
     }
@@ -296,7 +300,8 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
       const GemmShape s{.m = m, .n = n, .k = k, .lda = k, .ldb = n, .ldc = n};
       const auto a = tandem::testing::random_values(m * k, 7), b = tandem::testing::random_values(k * n, 8);
       std::vector<float> c(static_cast<std::size_t>(m * n));
-      return !kernels.gemm_tiles(device, s, a.data(), b.data(), c.data(), nullptr);
+      return !kernels.gemm_tiles(device, s, a.data(), b.data(), c.data(), nullptr) &&
+             !kernels.gemm_tiles_serial(s, a.data(), b.data(), c.data());
     };
     CHECK(declines(512, 15, 512));
     CHECK(declines(8, 64, 8));

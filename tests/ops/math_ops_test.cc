@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "op_test_harness.h"
+#include "tandem/devices/detail/cpu_device.h"
 #include "tandem/ops/detail/batch_matmul_args.h"
 
 using namespace tandem;
@@ -345,6 +346,33 @@ TEST_CASE("BatchMatMul at attention shapes splits the batch over the threads and
   run_op_case(batch_matmul_case({4, 4, 32, 32}, {4, 4, 32, 16}, false, false));
   // 3 products on 2 threads: each product split over the threads instead.
   run_op_case(batch_matmul_case({3, 64, 40}, {3, 40, 48}, false, false));
+}
+
+TEST_CASE("BatchMatMul gives the same bits on 1, 2 and 3 threads, whether the batch or each product is split") {
+  // 8 products of 128 x 32 x 128 (attention's scores, q k^T): 1 thread runs each product through
+  // the threaded gemm(), 2 split the batch (gemm_serial per product), 3 split each product again
+  // (8 products do not share evenly among 3).
+  const std::int64_t batch = 8, t = 128, d = 32;
+  std::vector<float> vq(static_cast<std::size_t>(batch * t * d)), vk(vq.size());
+  for (std::size_t i = 0; i < vq.size(); ++i) {
+    vq[i] = std::sin(static_cast<float>(i) * 0.37f);
+    vk[i] = std::cos(static_cast<float>(i) * 0.11f);
+  }
+  auto g = std::make_shared<Graph>();
+  auto q = g->placeholder(kFloat32, {batch, t, d}, "q");
+  auto k = g->placeholder(kFloat32, {batch, t, d}, "k");
+  auto scores = ops::batch_matmul(q, k, {.adj_y = true});
+  std::vector<std::vector<float>> got;
+  for (const int threads : {1, 2, 3}) {
+    devices::detail::CpuDevice device(200 + threads, threads);
+    graph::Executor ex(g, device);
+    got.push_back(
+        ex.run({{q, Tensor::from_vector<float>(vq, {batch, t, d})}, {k, Tensor::from_vector<float>(vk, {batch, t, d})}},
+               {scores})[0]
+            .to_vector<float>());
+  }
+  CHECK(got[0] == got[1]);
+  CHECK(got[0] == got[2]);
 }
 
 TEST_CASE("BatchMatMul of matrices equals MatMul bit for bit") {
