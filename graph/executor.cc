@@ -395,8 +395,13 @@ std::unique_ptr<Executor::Plan> Executor::build_plan(std::span<const Feed> feeds
       step.outputs.push_back(&plan->slots[s]);
     }
     for (const auto& in : node.inputs) step.inputs.push_back(&plan->slots[static_cast<std::size_t>(slot(in))]);
-    if (node.op->forwards_input >= 0) {
-      const int source = slot(node.inputs[static_cast<std::size_t>(node.op->forwards_input)]);
+    int forwarded = node.op->forwards_input;
+    if (const int same = node.op->forwards_input_of_same_shape;
+        forwarded < 0 && same >= 0 && input_specs[static_cast<std::size_t>(same)] == outputs.front()) {
+      forwarded = same;
+    }
+    if (forwarded >= 0) {
+      const int source = slot(node.inputs[static_cast<std::size_t>(forwarded)]);
       step.forward_from = source;
       plan->kinds[static_cast<std::size_t>(first)] = SlotKind::kForward;
       plan->forward_slots.push_back(first);

@@ -173,6 +173,10 @@ struct OpDef {
   GradFn grad_fn = nullptr;
   // >= 0: output 0 is a view of this input (Reshape, Identity); no kernel runs and no memory is planned.
   int forwards_input = -1;
+  // >= 0: the same, in a plan where this input's concrete shape and dtype are output 0's (SumToShape
+  // with nothing to sum: a residual add's gradient, whose operands' batch axes are unknown when the
+  // graph is built); otherwise the kernel runs.
+  int forwards_input_of_same_shape = -1;
   std::array<KernelFn, 2> kernels{};  // indexed by DeviceType
   std::array<KernelOptions, 2> kernel_options{};
 

@@ -358,7 +358,8 @@ void register_math_ops() {
          .min_inputs = 2,
          .max_inputs = 2,
          .shape_fn = sum_to_shape_shape,
-         .grad_fn = sum_to_shape_grad});
+         .grad_fn = sum_to_shape_grad,
+         .forwards_input_of_same_shape = 0});
   r.add({.name = "MatMul", .min_inputs = 2, .max_inputs = 2, .shape_fn = matmul_shape, .grad_fn = matmul_grad});
   r.add({.name = "BatchMatMul",
          .min_inputs = 2,

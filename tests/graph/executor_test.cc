@@ -101,6 +101,39 @@ TEST_CASE("a steady-state step allocates nothing, and a new batch size gets its 
   CHECK(ex.last_plan_stats().plans_cached == 2);
 }
 
+TEST_CASE("SumToShape with nothing to sum in a plan is a view of its input: no kernel, the same values") {
+  // A residual add of two (?, 3) values: the graph cannot tell their batch axes agree, so each
+  // operand's gradient is a SumToShape; a plan with both batches 4 makes both views, a plan that
+  // stretches b (batch 1) runs b's sum.
+  auto g = std::make_shared<Graph>();
+  auto a = g->placeholder(kFloat32, {Shape::kUnknown, 3}, "a");
+  auto b = g->placeholder(kFloat32, {Shape::kUnknown, 3}, "b");
+  auto sum = ops::add(a, b);
+  auto loss = ops::reduce_sum(ops::mul(sum, sum));
+  const auto grads = graph::gradients({&loss, 1}, std::vector<Output>{a, b});
+  int sums = 0;
+  for (int id = 0; id < g->num_nodes(); ++id) sums += g->node(id).op->name == "SumToShape";
+  REQUIRE(sums == 4);  // the Add's two operands and the Mul's
+  Executor ex(g, devices::default_cpu_device());
+  const auto va = random_tensor({4, 3}, 1), vb = random_tensor({4, 3}, 2);
+  auto out = ex.run({{a, va}, {b, vb}}, {grads[0], grads[1]});
+  const int views = ex.last_plan_stats().nodes_run;
+  const auto pa = va.to_vector<float>(), pb = vb.to_vector<float>();
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    CHECK(out[0].to_vector<float>()[i] == 2 * (pa[i] + pb[i]));
+    CHECK(out[1].to_vector<float>()[i] == 2 * (pa[i] + pb[i]));
+  }
+  const auto one = random_tensor({1, 3}, 3);
+  out = ex.run({{a, va}, {b, one}}, {grads[0], grads[1]});
+  CHECK(ex.last_plan_stats().nodes_run == views + 1);  // b's gradient is summed over the rows
+  const auto p1 = one.to_vector<float>();
+  for (std::size_t j = 0; j < 3; ++j) {
+    float column = 0;
+    for (std::size_t r = 0; r < 4; ++r) column += 2 * (pa[r * 3 + j] + p1[j]);
+    CHECK(out[1].to_vector<float>()[j] == doctest::Approx(column));
+  }
+}
+
 TEST_CASE("fetched intermediates stay valid when held across the next run") {
   auto g = std::make_shared<Graph>();
   auto x = g->placeholder(kFloat32, {2}, "x");

@@ -6,6 +6,7 @@
 
 #include "op_test_harness.h"
 #include "tandem/devices/detail/cpu_device.h"
+#include "tandem/ops/cpu/gemm.h"
 #include "tandem/ops/detail/batch_matmul_args.h"
 
 using namespace tandem;
@@ -370,6 +371,12 @@ TEST_CASE("BatchMatMul gives the same bits on 1, 2 and 3 threads, whether the ba
         ex.run({{q, Tensor::from_vector<float>(vq, {batch, t, d})}, {k, Tensor::from_vector<float>(vk, {batch, t, d})}},
                {scores})[0]
             .to_vector<float>());
+  }
+  if (!ops::cpu::gemm_tiles_enabled()) {
+    // The library's products (TANDEM_GEMM=openblas|eigen, the baseline level) are cut differently
+    // per thread count, and their bits may differ with the cut.
+    MESSAGE("skipped: the GEMM tiles are off here (", ops::cpu::gemm_backend_description(), ")");
+    return;
   }
   CHECK(got[0] == got[1]);
   CHECK(got[0] == got[2]);
