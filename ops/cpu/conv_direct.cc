@@ -19,10 +19,11 @@ using detail::Window2DGeometry;
 using std::int64_t;
 using namespace vec;
 
-// The vector operations beyond cpu/vec.h's that the kernels use. Register tiles hold the accumulators and leave room for the operands: with AVX-512's 32
-// registers, up to 12 rows (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4
-// registers (64 channels), which needs fewer broadcasts per FMA; with AVX2's 16, 12 rows x 1
-// register or 6 rows x 2 (12 accumulators, 2 operands, 1 broadcast).
+// The vector operations beyond cpu/vec.h's that the kernels use. Register tiles hold the
+// accumulators and leave room for the operands: with AVX-512's 32 registers, up to 12 rows
+// (pixels, or filter rows) x 2 registers (32 channels), or 6 rows x 4 registers (64 channels),
+// which needs fewer broadcasts per FMA; with AVX2's 16, 12 rows x 1 register or 6 rows x 2 (12
+// accumulators, 2 operands, 1 broadcast).
 #if defined(__AVX512F__)
 constexpr int kWidestBlock = 4;  // registers across the output channels
 // The max pool's compare-and-select, and its winning cells as 32-bit lanes.

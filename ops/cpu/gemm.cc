@@ -182,15 +182,17 @@ void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, cons
   }
 }
 
+namespace {
+// Whether a float32 product goes to the register tiles first: they compute C = op(A) op(B) only.
+bool tiles_take(float alpha, float beta) { return alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled(); }
+}  // namespace
+
 template <class T>
 void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c) {
   // The tiles' bits do not depend on the thread count, so a caller that splits a batch of products
   // over threads (BatchMatMul) gets what gemm() gives it on one thread.
   if constexpr (std::is_same_v<T, float>) {
-    if (alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled() &&
-        current_isa_kernels().gemm_tiles_serial(shape, a, b, c)) {
-      return;
-    }
+    if (tiles_take(alpha, beta) && current_isa_kernels().gemm_tiles_serial(shape, a, b, c)) return;
   }
   gemm_serial_with(gemm_backend(), shape, alpha, a, b, beta, c);
 }
@@ -198,10 +200,7 @@ void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta
 template <class T>
 void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
   if constexpr (std::is_same_v<T, float>) {
-    if (alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled() &&
-        current_isa_kernels().gemm_tiles(device, s, a, b, c, nullptr)) {
-      return;
-    }
+    if (tiles_take(alpha, beta) && current_isa_kernels().gemm_tiles(device, s, a, b, c, nullptr)) return;
   }
   const int threads = device.intra_op_threads();
   if (threads <= 1 || s.m * s.n * s.k < kParallelGemmMinMacs) {

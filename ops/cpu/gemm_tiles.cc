@@ -65,7 +65,8 @@ void pack_b(const GemmShape& s, const float* b, int64_t k0, int64_t depth, int64
 // C's values when `resume`: op(A)(r, k) at pa[r * a_row + k * a_k], read where it is (a tile's
 // rows of A are a few cache lines a step, in L1), and the panel of B at pb[k * kPanel + c].
 template <int R>
-void tile(int64_t depth, const float* pa, int64_t a_row, int64_t a_k, const float* pb, float* c, int64_t ldc, int width, bool resume) {
+void tile(int64_t depth, const float* pa, int64_t a_row, int64_t a_k, const float* pb, float* c, int64_t ldc, int width,
+          bool resume) {
   Vec acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
