@@ -268,6 +268,9 @@ struct BatchProduct {
   std::string name;
   Shape a, b;
   bool adj_x, adj_y;
+  // Which triangle causal attention lets the product skip (MultiHeadAttention's use_causal_mask):
+  // a lower-triangular a (the probabilities, dS), or a lower-triangular output (scores, dP).
+  bool a_lower = false, output_lower = false;
   std::int64_t batch() const { return a.num_elements() / (a.dim(-1) * a.dim(-2)); }
   std::int64_t m() const { return a.dim(adj_x ? -1 : -2); }
   std::int64_t k() const { return a.dim(adj_x ? -2 : -1); }
@@ -282,12 +285,12 @@ struct BatchProduct {
 std::vector<BatchProduct> attention_products() {
   const std::int64_t B = 32, H = 4, T = 128, D = 32;
   const Shape q{B, H, T, D}, s{B, H, T, T};
-  return {{"scores S=Q@Kt", q, q, false, true},
-          {"context O=P@V", s, q, false, false},
-          {"dQ = dS@K", s, q, false, false},
-          {"dK = dSt@Q", s, q, true, false},
-          {"dP = dO@Vt", q, q, false, true},
-          {"dV = Pt@dO", s, q, true, false},
+  return {{"scores S=Q@Kt", q, q, false, true, false, true},
+          {"context O=P@V", s, q, false, false, true, false},
+          {"dQ = dS@K", s, q, false, false, true, false},
+          {"dK = dSt@Q", s, q, true, false, true, false},
+          {"dP = dO@Vt", q, q, false, true, false, true},
+          {"dV = Pt@dO", s, q, true, false, true, false},
           {"MLP X@W (folded)", {B, T, 128}, {128, 512}, false, false}};
 }
 
@@ -363,27 +366,33 @@ void print_batch_matmul(const Timings& t, const devices::Device& device, double 
       "  divides by {} x that rate; ratio = op over the run's sgemm 2048^3 ceiling ({:.1f} GFLOP/s). T = adjoint.\n",
       threads, ceiling);
   print_rule();
-  fmt::print("{:<18} {:<44} {:>7} {:>8} {:>9} {:>8} {:>11} {:>6}\n", "product", "shape", "MFLOP", "ms", "1 matrix",
-             "op", "op/1 matrix", "ratio");
+  fmt::print(
+      "  causal ms = the same product with the triangle a causal mask lets it skip (MultiHeadAttention's\n"
+      "  use_causal_mask: a_lower_triangular or output_lower_triangular); its GFLOP/s count the whole product.\n");
   print_rule();
-  double flops = 0, seconds = 0;
+  fmt::print("{:<18} {:<44} {:>7} {:>8} {:>9} {:>8} {:>11} {:>6} {:>9}\n", "product", "shape", "MFLOP", "ms",
+             "1 matrix", "op", "op/1 matrix", "ratio", "causal ms");
+  print_rule();
+  double flops = 0, seconds = 0, causal_seconds = 0;
   for (const auto& p : attention_products()) {
     const std::string key = "bmm/" + p.name;
     const Product one = p.one();
     const double single = std::max(t.gflops(key + "/openblas1", one.flops()), t.gflops(key + "/eigen1", one.flops()));
     const double op = t.gflops(key + "/op", p.flops());
-    fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11.2f} {:>6.2f}\n", p.name, batch_shape_text(p),
+    const bool causal = p.a_lower || p.output_lower;
+    fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11.2f} {:>6.2f} {:>9}\n", p.name, batch_shape_text(p),
                p.flops() / 1e6, t.seconds(key + "/op") * 1e3, gf_text(single), op, op / (threads * single),
-               op / ceiling);
+               op / ceiling, causal ? fmt::format("{:.3f}", t.seconds(key + "/causal") * 1e3) : "");
     if (p.a.rank() == 4) {
       flops += p.flops();
       seconds += t.seconds(key + "/op");
+      causal_seconds += t.seconds(key + "/causal");
     }
   }
   print_rule();
   const double all = flops / seconds / 1e9;
-  fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11} {:>6.2f}\n", "attention, all 6", "", flops / 1e6,
-             seconds * 1e3, "", all, "", all / ceiling);
+  fmt::print("{:<18} {:<44} {:>7.1f} {:>8.3f} {:>9} {:>8.1f} {:>11} {:>6.2f} {:>9.3f}\n", "attention, all 6", "",
+             flops / 1e6, seconds * 1e3, "", all, "", all / ceiling, causal_seconds * 1e3);
 }
 
 void print_conv(const Timings& t, const devices::Device& device, double ceiling) {
@@ -616,6 +625,16 @@ int run(const Options& options) {
             return ops::batch_matmul(in[0], in[1], {.adj_x = p.adj_x, .adj_y = p.adj_y});
           }));
       t.add(key + "/op", [&runner] { runner.run(); });
+      if (!p.a_lower && !p.output_lower) continue;
+      auto& causal = *runners.emplace_back(
+          std::make_unique<OpRunner>(device, std::vector<Shape>{p.a, p.b}, [&](const std::vector<Output>& in) {
+            return ops::batch_matmul(in[0], in[1],
+                                     {.adj_x = p.adj_x,
+                                      .adj_y = p.adj_y,
+                                      .a_lower_triangular = p.a_lower,
+                                      .output_lower_triangular = p.output_lower});
+          }));
+      t.add(key + "/causal", [&causal] { causal.run(); });
     }
   }
   if (options.only.empty() || options.only == "conv") {

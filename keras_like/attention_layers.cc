@@ -118,15 +118,18 @@ class MultiHeadAttentionImpl final : public LayerImpl {
     const Output mask = inputs.size() > kMask ? attention_mask(inputs[kMask], t, s) : Output{};
 
     // Scores [B, heads, T, S]; the fused softmax applies 1/sqrt(key_dim) (Keras scales the query
-    // instead: the same numbers up to rounding) and the masks.
-    const Output scores = ops::batch_matmul(q, k, {.adj_y = true});
+    // instead: the same numbers up to rounding) and the masks. Under the causal mask the scores
+    // above the diagonal are never read and the probabilities there are 0, so both products (and
+    // the four of their gradients) skip that triangle: half of their multiply-adds, the same bits.
+    const bool causal = args.use_causal_mask;
+    const Output scores = ops::batch_matmul(q, k, {.adj_y = true, .output_lower_triangular = causal});
     const Output probs = ops::masked_softmax(
         scores, mask, {.scale = 1.0 / std::sqrt(static_cast<double>(key_dim_)), .causal = args.use_causal_mask});
     const Output dropped = ctx.training() && options_.dropout > 0.0
                                ? ops::dropout(probs, {.rate = options_.dropout, .seed = seed_, .training = true})
                                : probs;
     // [B, heads, T, value_dim] -> [B, T, heads * value_dim] -> the output projection.
-    Output combined = ops::transpose(ops::batch_matmul(dropped, v), {0, 2, 1, 3});
+    Output combined = ops::transpose(ops::batch_matmul(dropped, v, {.a_lower_triangular = causal}), {0, 2, 1, 3});
     combined = ops::reshape(combined, {-1, heads * value_dim_});
     const std::int64_t out_features = output_shape_.num_elements();
     Output y;

@@ -400,8 +400,15 @@ class Exporter {
       y = matmul(in(node, 0), in(node, 1), node.attrs.get<bool>("transpose_a"), node.attrs.get<bool>("transpose_b"), 2,
                  2);
     } else if (op == "BatchMatMul") {
-      y = matmul(in(node, 0), in(node, 1), node.attrs.get<bool>("adj_x"), node.attrs.get<bool>("adj_y"),
+      // Causal attention's triangles (ops::BatchMatMulOptions) as ONNX's Trilu (upper = 0).
+      const auto lower = [&](const std::string& x) {
+        return w_.node("Trilu", {x}, "lower_triangle", [](auto& n) { set_int(n, "upper", 0); });
+      };
+      std::string a = in(node, 0);
+      if (node.attrs.get_bool_or("a_lower_triangular", false)) a = lower(a);
+      y = matmul(a, in(node, 1), node.attrs.get<bool>("adj_x"), node.attrs.get<bool>("adj_y"),
                  node.inputs[0].shape().rank(), node.inputs[1].shape().rank());
+      if (node.attrs.get_bool_or("output_lower_triangular", false)) y = lower(y);
     } else if (op == "FusedMatMul") {
       const std::string product = w_.node("MatMul", {in(node, 0), in(node, 1)}, "matmul");
       y = activation(w_.node("Add", {product, in(node, 2)}, "bias_add"), node.attrs.get<std::string>("activation"),

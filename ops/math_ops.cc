@@ -61,7 +61,11 @@ Output matmul(Output a, Output b, const MatMulOptions& options) {
 }
 
 Output batch_matmul(Output a, Output b, const BatchMatMulOptions& options) {
-  return add_op("BatchMatMul", {a, b}, {{"adj_x", options.adj_x}, {"adj_y", options.adj_y}});
+  graph::Attrs attrs{{"adj_x", options.adj_x}, {"adj_y", options.adj_y}};
+  // Set only when on, so that plain products' graphs (and their exports) are as before.
+  if (options.a_lower_triangular) attrs.set("a_lower_triangular", true);
+  if (options.output_lower_triangular) attrs.set("output_lower_triangular", true);
+  return add_op("BatchMatMul", {a, b}, std::move(attrs));
 }
 
 Output sum_to_shape_of(Output x, Output like) {
@@ -201,6 +205,13 @@ std::vector<TensorSpec> batch_matmul_shape(ShapeContext& ctx) {
   ctx.require(a.rank() >= 2 && b.rank() >= 2, "BatchMatMul takes tensors of rank 2 or more; got a {} and b {}", a, b);
   const bool adj_x = ctx.attrs().get_bool_or("adj_x", false);
   const bool adj_y = ctx.attrs().get_bool_or("adj_y", false);
+  const bool a_lower = ctx.attrs().get_bool_or("a_lower_triangular", false);
+  const bool output_lower = ctx.attrs().get_bool_or("output_lower_triangular", false);
+  // The combinations whose gradients are products of the same kinds (batch_matmul_grad).
+  ctx.require(!(a_lower && output_lower), "a_lower_triangular and output_lower_triangular cannot both be set");
+  ctx.require(!a_lower || !adj_y, "a_lower_triangular needs adj_y false (b not transposed)");
+  ctx.require(!output_lower || (!adj_x && adj_y),
+              "output_lower_triangular needs adj_x false and adj_y true (a @ b^T, as attention's q @ k^T)");
   const std::int64_t m = a.dim(adj_x ? -1 : -2), ka = a.dim(adj_x ? -2 : -1);
   const std::int64_t kb = b.dim(adj_y ? -1 : -2), n = b.dim(adj_y ? -2 : -1);
   ctx.require(ka == kb || ka == Shape::kUnknown || kb == Shape::kUnknown,
@@ -297,9 +308,26 @@ std::vector<Output> batch_matmul_grad(GradContext& ctx) {
   const Output a = ctx.input(0);
   const Output b = ctx.input(1);
   const Output dy = ctx.grad(0);
-  const auto bmm = [](Output x, Output y, bool adj_x, bool adj_y) {
-    return batch_matmul(x, y, {.adj_x = adj_x, .adj_y = adj_y});
+  const auto bmm = [](Output x, Output y, bool adj_x, bool adj_y, BatchMatMulOptions triangles = {}) {
+    triangles.adj_x = adj_x;
+    triangles.adj_y = adj_y;
+    return batch_matmul(x, y, triangles);
   };
+  // Causal attention's products (see BatchMatMulOptions), with L the lower triangle:
+  //   C = L(A) op(B): dA = L(dC op(B)^T), the same product of the output_lower kind, and
+  //                   dB = op(L(A))^T dC, with A (as stored) still the lower-triangular operand;
+  //   C = L(A B^T):   dA = L(dC) B and dB = L(dC)^T A, dC in the place of a lower-triangular A.
+  if (ctx.attrs().get_bool_or("a_lower_triangular", false)) {
+    const BatchMatMulOptions lower_a{.a_lower_triangular = true}, lower_out{.output_lower_triangular = true};
+    Output da = ax ? bmm(b, dy, false, true, lower_out) : bmm(dy, b, false, true, lower_out);
+    Output db = bmm(a, dy, !ax, false, lower_a);
+    return {sum_over_broadcast_batch(da, a, b), sum_over_broadcast_batch(db, b, a)};
+  }
+  if (ctx.attrs().get_bool_or("output_lower_triangular", false)) {
+    const BatchMatMulOptions lower_a{.a_lower_triangular = true};
+    return {sum_over_broadcast_batch(bmm(dy, b, false, false, lower_a), a, b),
+            sum_over_broadcast_batch(bmm(dy, a, true, false, lower_a), b, a)};
+  }
   // C = op(A) op(B): matmul_grad's four cases, batched.
   Output da, db;
   if (!ax && !ay) {

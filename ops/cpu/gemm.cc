@@ -185,6 +185,37 @@ void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, cons
 namespace {
 // Whether a float32 product goes to the register tiles first: they compute C = op(A) op(B) only.
 bool tiles_take(float alpha, float beta) { return alpha == 1.0f && beta == 0.0f && gemm_tiles_enabled(); }
+
+// The libraries know no triangles. For them a triangular op(A) is copied with the other triangle
+// zeroed (the product is then the same), and kLowerC's triangle is cleared after the whole product.
+template <class T>
+struct WholeProduct {
+  GemmShape shape;
+  const T* a;
+  std::vector<T> masked_a;  // op(A), m x k, when it is triangular
+};
+template <class T>
+WholeProduct<T> whole_product(const GemmShape& s, const T* a) {
+  WholeProduct<T> w{s, a, {}};
+  w.shape.triangle = GemmTriangle::kNone;
+  if (s.triangle != GemmTriangle::kLowerA && s.triangle != GemmTriangle::kUpperA) return w;
+  w.masked_a.assign(static_cast<std::size_t>(s.m * s.k), T(0));
+  for (std::int64_t i = 0; i < s.m; ++i) {
+    const bool lower = s.triangle == GemmTriangle::kLowerA;
+    const std::int64_t lo = lower ? 0 : std::min(i, s.k), hi = lower ? std::min(i + 1, s.k) : s.k;
+    for (std::int64_t k = lo; k < hi; ++k)
+      w.masked_a[static_cast<std::size_t>(i * s.k + k)] = s.transpose_a ? a[k * s.lda + i] : a[i * s.lda + k];
+  }
+  w.shape.transpose_a = false;
+  w.shape.lda = s.k;
+  w.a = w.masked_a.data();
+  return w;
+}
+template <class T>
+void clear_lower_c_triangle(const GemmShape& s, T* c) {
+  if (s.triangle != GemmTriangle::kLowerC) return;
+  for (std::int64_t i = 0; i < s.m && i + 1 < s.n; ++i) std::fill(c + i * s.ldc + i + 1, c + i * s.ldc + s.n, T(0));
+}
 }  // namespace
 
 template <class T>
@@ -194,19 +225,25 @@ void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta
   if constexpr (std::is_same_v<T, float>) {
     if (tiles_take(alpha, beta) && current_isa_kernels().gemm_tiles_serial(shape, a, b, c)) return;
   }
-  gemm_serial_with(gemm_backend(), shape, alpha, a, b, beta, c);
+  const WholeProduct<T> whole = whole_product(shape, a);
+  gemm_serial_with(gemm_backend(), whole.shape, alpha, whole.a, b, beta, c);
+  clear_lower_c_triangle(shape, c);
 }
 
 template <class T>
-void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, const T* b, T beta, T* c) {
+void gemm(devices::Device& device, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c) {
   if constexpr (std::is_same_v<T, float>) {
-    if (tiles_take(alpha, beta) && current_isa_kernels().gemm_tiles(device, s, a, b, c, nullptr)) return;
+    if (tiles_take(alpha, beta) && current_isa_kernels().gemm_tiles(device, shape, a, b, c, nullptr)) return;
   }
   const int threads = device.intra_op_threads();
-  if (threads <= 1 || s.m * s.n * s.k < kParallelGemmMinMacs) {
-    gemm_serial(s, alpha, a, b, beta, c);
+  if (threads <= 1 || shape.m * shape.n * shape.k < kParallelGemmMinMacs) {
+    gemm_serial(shape, alpha, a, b, beta, c);
     return;
   }
+  // The parts below are whole products of their own: the triangle is applied to A first and C last.
+  const WholeProduct<T> whole = whole_product(shape, a);
+  const GemmShape& s = whole.shape;
+  a = whole.a;
   // Split the larger side of C so that each thread packs only its share of the other operand.
   const bool split_columns = s.n >= s.m;
   const std::int64_t extent = split_columns ? s.n : s.m;
@@ -234,6 +271,7 @@ void gemm(devices::Device& device, const GemmShape& s, T alpha, const T* a, cons
       gemm_serial(part, alpha, pa, pb, beta, pc);
     }
   });
+  clear_lower_c_triangle(shape, c);
 }
 
 template void gemm_serial<float>(const GemmShape&, float, const float*, const float*, float, float*);

@@ -36,11 +36,22 @@ bool gemm_tiles_enabled();
 // "OpenBLAS 0.3.21, SkylakeX kernels, 1 thread per call" or "Eigen 3.4.0".
 std::string gemm_backend_description();
 
+// A triangle of a product known to be zero (causal attention's products and their gradients,
+// BatchMatMul's a_lower_triangular and output_lower_triangular):
+//   kLowerA  op(A)(i, k) is 0 for k > i (the caller promises it): row i's sum may stop at k = i.
+//   kUpperA  op(A)(i, k) is 0 for k < i (the caller promises it): row i's sum may start at k = i.
+//   kLowerC  C(i, j) for j > i is set to 0 instead of computed.
+// The register tiles skip the zero half; the libraries compute the whole product (and then clear
+// kLowerC's triangle). Either way the bits are the same: each element of a tile is a chain of FMAs
+// from +0, and a chain given fma(0, x, acc) = acc for finite x is the chain without it.
+enum class GemmTriangle : unsigned char { kNone, kLowerA, kUpperA, kLowerC };
+
 struct GemmShape {
   bool transpose_a = false;
   bool transpose_b = false;
   std::int64_t m = 0, n = 0, k = 0;        // C is m x n; op(A) is m x k; op(B) is k x n
   std::int64_t lda = 0, ldb = 0, ldc = 0;  // row-major leading dimensions
+  GemmTriangle triangle = GemmTriangle::kNone;
 };
 
 // C = alpha * op(A) * op(B) + beta * C on the calling thread only (row-major): in the register
@@ -54,7 +65,7 @@ void gemm_serial(const GemmShape& shape, T alpha, const T* a, const T* b, T beta
 template <class T>
 void gemm(devices::Device& device, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
 
-// Runs gemm_serial on a specific backend (benchmarks and tests).
+// Runs gemm_serial on a specific backend (benchmarks and tests); the whole product (no triangle).
 template <class T>
 void gemm_serial_with(GemmBackend backend, const GemmShape& shape, T alpha, const T* a, const T* b, T beta, T* c);
 bool openblas_available();

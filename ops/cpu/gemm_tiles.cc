@@ -61,12 +61,23 @@ void pack_b(const GemmShape& s, const float* b, int64_t k0, int64_t depth, int64
   }
 }
 
+// The diagonal block of a tile under kLowerA or kUpperA: which values of k row r of the tile
+// takes from op(A), the others counting as 0. `first` is the block's first k minus the tile's
+// first row, so that row r's diagonal is at k = r - first.
+struct Diagonal {
+  int64_t first = 0;
+  bool lower = true;  // kLowerA: k up to the diagonal; kUpperA: k from it
+  bool keeps(int64_t k, int r) const { return lower ? first + k <= r : first + k >= r; }
+};
+
 // C's tile of R rows x `width` columns (at most kPanel) over `depth` values of k, continuing from
 // C's values when `resume`: op(A)(r, k) at pa[r * a_row + k * a_k], read where it is (a tile's
-// rows of A are a few cache lines a step, in L1), and the panel of B at pb[k * kPanel + c].
-template <int R>
+// rows of A are a few cache lines a step, in L1), and the panel of B at pb[k * kPanel + c]. With
+// kMasked, the diagonal block of a triangular op(A) (depth at most R): values past the diagonal
+// count as 0 whatever is stored (an FMA with 0 leaves the chain as it is).
+template <int R, bool kMasked = false>
 void tile(int64_t depth, const float* pa, int64_t a_row, int64_t a_k, const float* pb, float* c, int64_t ldc, int width,
-          bool resume) {
+          bool resume, Diagonal diagonal = {}) {
   Vec acc[R][2];
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r) {
@@ -85,7 +96,9 @@ void tile(int64_t depth, const float* pa, int64_t a_row, int64_t a_k, const floa
     const Vec b0 = vload(pb + k * kPanel), b1 = vload(pb + k * kPanel + kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const Vec av = vbroadcast(pa[k * a_k + r * a_row]);
+      float x = pa[k * a_k + r * a_row];
+      if constexpr (kMasked) x = diagonal.keeps(k, r) ? x : 0.0f;
+      const Vec av = vbroadcast(x);
       acc[r][0] = vfmadd(av, b0, acc[r][0]);
       acc[r][1] = vfmadd(av, b1, acc[r][1]);
     }
@@ -107,16 +120,66 @@ void tile(int64_t depth, const float* pa, int64_t a_row, int64_t a_k, const floa
   }
 }
 
-using TileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t, int, bool);
-template <int... R>
+using TileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, float*, int64_t, int, bool, Diagonal);
+template <bool kMasked, int... R>
 constexpr std::array<TileFn, sizeof...(R)> make_tiles(std::integer_sequence<int, R...>) {
-  return {&tile<R + 1>...};
+  return {&tile<R + 1, kMasked>...};
 }
-constexpr auto kTiles = make_tiles(std::make_integer_sequence<int, kRows>{});
+constexpr auto kTiles = make_tiles<false>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kDiagonalTiles = make_tiles<true>(std::make_integer_sequence<int, kRows>{});
 
 }  // namespace
 
 namespace {
+
+// The k range [lo, hi) that rows [i0, i1) of a tile read within the block [k0, k1), where op(A)'s
+// promised zeros (GemmTriangle) allow less than the whole block.
+struct KRange {
+  int64_t lo, hi;
+};
+KRange tile_k_range(GemmTriangle t, int64_t i0, int64_t i1, int64_t k0, int64_t k1) {
+  if (t == GemmTriangle::kLowerA) return {k0, std::clamp(i1, k0, k1)};  // row i1 - 1 stops at k = i1 - 1
+  if (t == GemmTriangle::kUpperA) return {std::clamp(i0, k0, k1), k1};  // row i0 starts at k = i0
+  return {k0, k1};
+}
+
+// One tile: rows [i0, i0 + rows) of C against the packed panel (its k from k0), over the block
+// [k0, k0 + depth) of k, or the part of it that a triangular op(A) leaves: under kLowerA the
+// values of k below the tile's first row (all rows take them), then the diagonal block, masked;
+// under kUpperA the diagonal block, masked, then the rest. pa is op(A)'s row i0 at k = 0.
+void tile_rows(const GemmShape& s, int rows, int64_t i0, int64_t k0, int64_t depth, bool resume, const float* pa,
+               int64_t a_row, int64_t a_k, const float* packed_b, float* c, int width) {
+  const auto run = [&](int64_t lo, int64_t hi, bool masked) {
+    if (hi <= lo && resume) return;  // nothing to add (a first block with nothing stores zeros)
+    const auto& tiles = masked ? kDiagonalTiles : kTiles;
+    tiles[static_cast<std::size_t>(rows - 1)](std::max<int64_t>(hi - lo, 0), pa + lo * a_k, a_row, a_k,
+                                              packed_b + (lo - k0) * kPanel, c, s.ldc, width, resume,
+                                              {.first = lo - i0, .lower = s.triangle == GemmTriangle::kLowerA});
+    resume = true;
+  };
+  const int64_t k1 = k0 + depth;
+  const int64_t diagonal_lo = std::clamp(i0, k0, k1), diagonal_hi = std::clamp(i0 + rows, k0, k1);
+  switch (s.triangle) {
+    case GemmTriangle::kLowerA:
+      if (diagonal_lo > k0 || diagonal_hi == diagonal_lo) run(k0, diagonal_lo, false);
+      if (diagonal_hi > diagonal_lo) run(diagonal_lo, diagonal_hi, true);
+      return;
+    case GemmTriangle::kUpperA:
+      if (diagonal_hi > diagonal_lo) run(diagonal_lo, diagonal_hi, true);
+      if (k1 > diagonal_hi || diagonal_hi == diagonal_lo) run(diagonal_hi, k1, false);
+      return;
+    default:
+      run(k0, k1, false);
+  }
+}
+
+// kLowerC: clears C(i, j) for j > i in rows [i0, i1) x columns [j0, j1).
+void clear_above_diagonal(float* c, int64_t ldc, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t from = std::max(j0, i + 1);
+    if (from < j1) std::fill(c + i * ldc + from, c + i * ldc + j1, 0.0f);
+  }
+}
 
 // The product in work items (a panel, or a part of its rows), which for_items(count, fn) hands to
 // fn(begin, end): the device's threads, or the calling thread alone.
@@ -130,6 +193,7 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
   const int64_t a_row = s.transpose_a ? 1 : s.lda, a_k = s.transpose_a ? s.lda : 1;
   const int64_t block_rows = std::max<int64_t>(
       kRows, kABlockBytes / (static_cast<int64_t>(sizeof(float)) * std::min(s.k, kDepth)) / kRows * kRows);
+  const bool lower_c = s.triangle == GemmTriangle::kLowerC;
   for (int64_t k0 = 0; k0 < s.k; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, s.k - k0);
     const bool resume = k0 > 0, last = k0 + depth == s.k;
@@ -147,12 +211,18 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
           const int64_t r1 = std::min(m1, r0 + part_panels * kRows);
           if (r0 >= r1) continue;
           const int width = static_cast<int>(std::min<int64_t>(kPanel, s.n - j0));
-          pack_b(s, b, k0, depth, j0, width, packed_b);
+          // Only the rows of op(B) that some tile of the item reads (all of them but for kLowerA
+          // and kUpperA); under kLowerC, none where the whole item lies above the diagonal.
+          const KRange packed = tile_k_range(s.triangle, r0, r1, k0, k0 + depth);
+          const bool above = lower_c && j0 > r1 - 1;
+          if (!above && packed.hi > packed.lo)
+            pack_b(s, b, packed.lo, packed.hi - packed.lo, j0, width, packed_b + (packed.lo - k0) * kPanel);
           for (int64_t i0 = r0; i0 < r1; i0 += kRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - i0));
-            kTiles[static_cast<std::size_t>(rows - 1)](depth, a + i0 * a_row + k0 * a_k, a_row, a_k, packed_b,
-                                                       c + i0 * s.ldc + j0, s.ldc, width, resume);
+            if (lower_c && j0 > i0 + rows - 1) continue;  // above the diagonal: cleared below
+            tile_rows(s, rows, i0, k0, depth, resume, a + i0 * a_row, a_row, a_k, packed_b, c + i0 * s.ldc + j0, width);
           }
+          if (last && lower_c) clear_above_diagonal(c, s.ldc, r0, r1, j0, j0 + width);
           if (last && done != nullptr) (*done)(r0, r1, j0, j0 + width);
         }
       });

@@ -17,6 +17,10 @@
 // stored in C), so results are bitwise the same on any number of threads and run to run (not
 // OpenBLAS's bits, which sum k in other orders).
 //
+// A GemmTriangle (gemm.h) leaves out the known-zero half: the k past a tile's last row (kLowerA)
+// or before its first (kUpperA), with the diagonal block masked in a variant of the tile, or the
+// tiles of C wholly above the diagonal (kLowerC), whose triangle is then cleared.
+//
 // Who calls: gemm() for every float32 product it is given (a dense layer's forward and gradients,
 // the im2col convolutions); FusedMatMul with `done`, which applies bias and activation to each
 // block of C as soon as it is complete, while it is still in cache. Blocks the caller until C is

@@ -327,6 +327,14 @@ bool split_batch_over_threads(std::int64_t batch, int threads, std::int64_t macs
   return batch % threads == 0 || batch >= 4 * static_cast<std::int64_t>(threads);
 }
 
+// BatchMatMulOptions' triangles in each product's terms: a lower-triangular a is an upper-
+// triangular op(a) when adjoint.
+GemmTriangle gemm_triangle(const graph::Attrs& attrs, bool adj_x) {
+  if (attrs.get_bool_or("output_lower_triangular", false)) return GemmTriangle::kLowerC;
+  if (attrs.get_bool_or("a_lower_triangular", false)) return adj_x ? GemmTriangle::kUpperA : GemmTriangle::kLowerA;
+  return GemmTriangle::kNone;
+}
+
 void batch_matmul_kernel(KernelContext& ctx) {
   graph::dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
     const auto args =
@@ -347,8 +355,9 @@ void batch_matmul_kernel(KernelContext& ctx) {
                 .k = args.k,
                 .lda = args.lda,
                 .ldb = args.ldb,
-                .ldc = args.n};
-    if (args.fold_batch_into_m) {
+                .ldc = args.n,
+                .triangle = gemm_triangle(ctx.attrs(), args.adj_x)};
+    if (args.fold_batch_into_m && s.triangle == GemmTriangle::kNone) {
       s.m *= args.batch;
       gemm<T>(ctx.device(), s, T(1), a, b, T(0), c);
       return;

@@ -31,11 +31,14 @@ int element_bytes(const Tensor& t) { return static_cast<int>(graph::dtype_size(t
 
 // BatchMatMul: one cuBLAS call per strided run of the batch (one call when the batch axes are
 // equal or one operand is shared by all), a broadcast operand read in place through a stride of 0.
+// The triangles (BatchMatMulOptions) cost a pass here instead of saving half the product: a
+// lower-triangular a is copied with its upper triangle zeroed into this node's scratch, and a
+// lower-triangular output is cleared above the diagonal after the product.
 void batch_matmul_kernel(KernelContext& ctx) {
-  const Tensor& a = ctx.input(0);
+  const Tensor& a_input = ctx.input(0);
   const Tensor& b = ctx.input(1);
-  require_types(ctx, a, kFloat);
-  const auto args = detail::batch_matmul_args(a.shape(), b.shape(), ctx.attrs().get_bool_or("adj_x", false),
+  require_types(ctx, a_input, kFloat);
+  const auto args = detail::batch_matmul_args(a_input.shape(), b.shape(), ctx.attrs().get_bool_or("adj_x", false),
                                               ctx.attrs().get_bool_or("adj_y", false));
   Tensor& c = ctx.output(0);
   if (c.num_elements() == 0) return;
@@ -44,7 +47,19 @@ void batch_matmul_kernel(KernelContext& ctx) {
     check_launch(ctx);
     return;
   }
-  const auto bytes = static_cast<std::int64_t>(graph::dtype_size(a.dtype()));
+  const int element_bytes = static_cast<int>(graph::dtype_size(a_input.dtype()));
+  const Shape& as = a_input.shape();
+  const std::int64_t a_rows = as.dim(-2), a_cols = as.dim(-1);
+  const Tensor* a_ptr = &a_input;
+  if (ctx.attrs().get_bool_or("a_lower_triangular", false)) {
+    Tensor& lower = ctx.scratch(0, as, a_input.dtype());
+    lower_triangle(element_bytes, a_input.raw_data(), lower.raw_data(), a_input.num_elements() / (a_rows * a_cols),
+                   a_rows, a_cols, stream_of(ctx));
+    check_launch(ctx);
+    a_ptr = &lower;
+  }
+  const Tensor& a = *a_ptr;
+  const auto bytes = static_cast<std::int64_t>(element_bytes);
   GemmCall call;
   call.dtype = a.dtype();
   call.transpose_a = args.adj_x;
@@ -54,7 +69,8 @@ void batch_matmul_kernel(KernelContext& ctx) {
   call.k = args.k;
   call.lda = args.lda;
   call.ldb = args.ldb;
-  if (args.fold_batch_into_m) {
+  const bool lower_output = ctx.attrs().get_bool_or("output_lower_triangular", false);
+  if (args.fold_batch_into_m && !lower_output) {
     call.m *= args.batch;
     call.a = a.raw_data();
     call.b = b.raw_data();
@@ -73,6 +89,10 @@ void batch_matmul_kernel(KernelContext& ctx) {
                                  call.stride_b = b_step * args.b_matrix;
                                  gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
                                });
+  if (lower_output) {
+    lower_triangle(element_bytes, c.raw_data(), c.raw_data(), args.batch, args.m, args.n, stream_of(ctx));
+    check_launch(ctx);
+  }
 }
 
 // The deferred report of a bad id, in the CPU kernels' words.

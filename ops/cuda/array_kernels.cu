@@ -108,6 +108,16 @@ __global__ void block_copy_kernel(detail::BlockCopy copy, const E* src, E* dst) 
   }
 }
 
+// dst[m, i, j] = src[m, i, j] where j <= i, else 0 (all bits 0: +0 in every float type).
+template <class E>
+__global__ void lower_triangle_kernel(const E* src, E* dst, std::int64_t elements, std::int64_t rows,
+                                      std::int64_t cols) {
+  TANDEM_GRID_STRIDE(e, elements) {
+    const std::int64_t j = e % cols, i = e / cols % rows;
+    dst[e] = j <= i ? src[e] : E(0);
+  }
+}
+
 // The scratch memory of the scatter-add: sort keys and positions in and out, the segment starts,
 // then CUB's own temporary storage; each part aligned to 256 bytes.
 struct SegmentScratch {
@@ -201,6 +211,17 @@ void block_copy(int element_bytes, const detail::BlockCopy& copy, const void* sr
     using E = std::remove_pointer_t<decltype(tag)>;
     block_copy_kernel<E>
         <<<blocks_for(copy.elements()), kThreads, 0, stream>>>(copy, static_cast<const E*>(src), static_cast<E*>(dst));
+  });
+}
+
+void lower_triangle(int element_bytes, const void* src, void* dst, std::int64_t matrices, std::int64_t rows,
+                    std::int64_t cols, cudaStream_t stream) {
+  const std::int64_t elements = matrices * rows * cols;
+  if (elements == 0) return;
+  with_element_bytes(element_bytes, [&](auto* tag) {
+    using E = std::remove_pointer_t<decltype(tag)>;
+    lower_triangle_kernel<E><<<blocks_for(elements), kThreads, 0, stream>>>(static_cast<const E*>(src),
+                                                                            static_cast<E*>(dst), elements, rows, cols);
   });
 }
 

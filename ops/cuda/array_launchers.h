@@ -35,4 +35,9 @@ void unsorted_segment_sum(ElementType type, ElementType index_type, const void* 
 // Slice, SliceGrad, Concat: the block copy of ops/detail/block_copy.h, one thread per element.
 void block_copy(int element_bytes, const detail::BlockCopy& copy, const void* src, void* dst, cudaStream_t stream);
 
+// BatchMatMul's triangles: dst = src with every entry (i, j) of its `matrices` matrices of rows x
+// cols for which j > i set to 0 (in place when dst == src).
+void lower_triangle(int element_bytes, const void* src, void* dst, std::int64_t matrices, std::int64_t rows,
+                    std::int64_t cols, cudaStream_t stream);
+
 }  // namespace tandem::ops::cuda

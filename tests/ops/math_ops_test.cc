@@ -160,6 +160,34 @@ OpCase batch_matmul_case(const Shape& a, const Shape& b, bool adj_x, bool adj_y)
   return c;
 }
 
+// Entries (i, j) with j > i of every matrix (the last two axes) set to 0: tf.linalg.band_part(x, -1, 0).
+RefTensor lower_triangle_ref(RefTensor x) {
+  const int r = x.shape.rank();
+  const std::int64_t rows = x.shape[r - 2], cols = x.shape[r - 1];
+  for (std::int64_t e = 0; e < x.size(); ++e) {
+    if (e % cols > e / cols % rows) x[e] = 0.0;
+  }
+  return x;
+}
+
+// BatchMatMul with causal attention's triangles, against the product of the masked operand (or
+// the masked product). The float64 pass runs the library path (which zeroes a copy of a); float32
+// at these sizes the register tiles, which skip the triangle.
+OpCase triangular_batch_matmul_case(const Shape& a, const Shape& b, bool adj_x, bool adj_y, bool a_lower) {
+  OpCase c = batch_matmul_case(a, b, adj_x, adj_y);
+  c.name = fmt::format("{} {}", c.name, a_lower ? "a_lower_triangular" : "output_lower_triangular");
+  c.build = [=](const std::vector<Output>& in) {
+    return std::vector<Output>{ops::batch_matmul(
+        in[0], in[1],
+        {.adj_x = adj_x, .adj_y = adj_y, .a_lower_triangular = a_lower, .output_lower_triangular = !a_lower})};
+  };
+  c.reference = [=](const std::vector<RefTensor>& in) {
+    if (a_lower) return std::vector<RefTensor>{batch_matmul_ref(lower_triangle_ref(in[0]), in[1], adj_x, adj_y)};
+    return std::vector<RefTensor>{lower_triangle_ref(batch_matmul_ref(in[0], in[1], adj_x, adj_y))};
+  };
+  return c;
+}
+
 OpCase binary_case(std::string name, Shape sa, Shape sb, Output (*op)(Output, Output), double (*f)(double, double),
                    bool positive_b = false) {
   OpCase c;
@@ -380,6 +408,86 @@ TEST_CASE("BatchMatMul gives the same bits on 1, 2 and 3 threads, whether the ba
   }
   CHECK(got[0] == got[1]);
   CHECK(got[0] == got[2]);
+}
+
+TEST_CASE("BatchMatMul's triangles: a lower-triangular a, or a lower-triangular output, with their gradients") {
+  // Small: the library on every dtype. Past 12 rows and 32 columns: the register tiles' partial
+  // tiles, the masked diagonal blocks and a narrow last panel; rectangular matrices.
+  for (const bool big : {false, true}) {
+    const std::int64_t m = big ? 40 : 5, k = big ? 50 : 6, n = big ? 33 : 3;
+    run_op_case(triangular_batch_matmul_case({2, m, k}, {2, k, n}, false, false, true));
+    run_op_case(triangular_batch_matmul_case({2, k, m}, {2, k, n}, true, false, true));  // op(a) upper
+    run_op_case(triangular_batch_matmul_case({2, m, k}, {k, n}, false, false, true));    // b shared, not folded
+    const std::int64_t d = big ? 24 : 4, s = big ? 37 : 4;
+    run_op_case(triangular_batch_matmul_case({2, m, d}, {2, s, d}, false, true, false));
+    run_op_case(triangular_batch_matmul_case({2, s, d}, {2, m, d}, false, true, false));
+  }
+}
+
+TEST_CASE("BatchMatMul's triangles across the tiles' blocks of k (k over 1024)") {
+  // Rows below 1024 read nothing of the second block (kLowerA), rows from 1024 nothing of the
+  // first (kUpperA, which then starts the chain in the second).
+  for (const bool adj_x : {false, true}) {
+    OpCase c = triangular_batch_matmul_case({1, 1100, 1100}, {1, 1100, 32}, adj_x, false, true);
+    c.check_low_precision = false;
+    c.max_checked_elements = 3;
+    c.f32_tolerance = 1e-3;
+    c.finite_difference_step = 1e-3;  // linear in each input: no truncation error
+    run_op_case(c);
+  }
+}
+
+TEST_CASE("Causal attention's triangles change no bit of the outputs or the gradients, on 1, 2 and 3 threads") {
+  // softmax(q k^T) v under a causal mask, with and without the triangles: the scores above the
+  // diagonal are never read, the probabilities and dS there are exactly 0, so skipping them must
+  // give the same bits for the output and the gradients of q, k and v.
+  const std::int64_t batch = 2, heads = 3, t = 45, d = 36;
+  const Shape shape{batch, heads, t, d};
+  const auto values = [&](float f) {
+    std::vector<float> v(static_cast<std::size_t>(shape.num_elements()));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::sin(static_cast<float>(i) * f);
+    return v;
+  };
+  auto g = std::make_shared<Graph>();
+  auto q = g->placeholder(kFloat32, shape, "q");
+  auto k = g->placeholder(kFloat32, shape, "k");
+  auto v = g->placeholder(kFloat32, shape, "v");
+  auto w = g->placeholder(kFloat32, shape, "w");
+  std::vector<Output> fetch;
+  for (const bool triangles : {false, true}) {
+    auto scores = ops::batch_matmul(q, k, {.adj_y = true, .output_lower_triangular = triangles});
+    auto probs = ops::masked_softmax(scores, Output{}, {.scale = 0.2, .causal = true});
+    auto out = ops::batch_matmul(probs, v, {.a_lower_triangular = triangles});
+    auto loss = ops::reduce_sum(ops::mul(out, w));
+    auto grads = graph::gradients({&loss, 1}, std::vector<Output>{q, k, v});
+    fetch.insert(fetch.end(), {out, grads[0], grads[1], grads[2]});
+  }
+  for (const int threads : {1, 2, 3}) {
+    devices::detail::CpuDevice device(300 + threads, threads);
+    graph::Executor ex(g, device);
+    const auto got = ex.run({{q, Tensor::from_vector<float>(values(0.37f), shape)},
+                             {k, Tensor::from_vector<float>(values(0.11f), shape)},
+                             {v, Tensor::from_vector<float>(values(0.53f), shape)},
+                             {w, Tensor::from_vector<float>(values(0.71f), shape)}},
+                            fetch);
+    for (std::size_t i = 0; i < 4; ++i) {
+      INFO("threads ", threads, ", fetch ", i, " (out, dq, dk, dv)");
+      CHECK(got[i].to_vector<float>() == got[i + 4].to_vector<float>());
+    }
+  }
+}
+
+TEST_CASE("BatchMatMul's triangles refuse the combinations their gradients do not cover") {
+  ops::register_all();
+  Graph g;
+  auto a = g.placeholder(kFloat32, {2, 4, 4}, "a");
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(a, a, {.adj_y = true, .a_lower_triangular = true}),
+                       doctest::Contains("a_lower_triangular needs adj_y false"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(ops::batch_matmul(a, a, {.output_lower_triangular = true}),
+                       doctest::Contains("output_lower_triangular needs adj_x false and adj_y true"), InvalidArgument);
+  CHECK_THROWS_WITH_AS(
+      ops::batch_matmul(a, a, {.adj_y = true, .a_lower_triangular = true, .output_lower_triangular = true}),
+      doctest::Contains("cannot both be set"), InvalidArgument);
 }
 
 TEST_CASE("BatchMatMul of matrices equals MatMul bit for bit") {
