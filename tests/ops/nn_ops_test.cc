@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <random>
 #include <string>
@@ -262,6 +263,44 @@ TEST_CASE("FusedMatMul (dense) = act(x @ kernel + bias)") {
       c.reference = [a](const Refs& in) { return Refs{dense_ref(in[0], in[1], in[2], a)}; };
       c.max_checked_elements = 16;
       run_op_case(c);
+    }
+  }
+}
+
+TEST_CASE("relu epilogues pass NaN through and clamp the rest at +0, fused into products or not") {
+  // std::max(z, 0)'s semantics (Eigen's max, the activation op's): a NaN pre-activation stays NaN,
+  // so that a diverging run shows in its loss, and negatives give +0.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::int64_t rows = 64, features = 32, units = 32;  // big enough for the register tiles
+  std::vector<float> x(static_cast<std::size_t>(rows * features), 0.0f), w(static_cast<std::size_t>(features * units));
+  for (std::int64_t j = 0; j < units; ++j) w[static_cast<std::size_t>(j)] = j % 2 == 0 ? 1.0f : -1.0f;  // row 0 of w
+  for (std::int64_t r = 0; r < rows; ++r) x[static_cast<std::size_t>(r * features)] = r == 5 ? nan : 0.5f;
+  std::vector<float> bias(static_cast<std::size_t>(units), 0.25f);
+  auto g = std::make_shared<Graph>();
+  auto xp = g->placeholder(kFloat32, {rows, features}, "x");
+  auto wp = g->placeholder(kFloat32, {features, units}, "w");
+  auto bp = g->placeholder(kFloat32, {units}, "b");
+  auto fused = ops::dense(xp, wp, bp, Activation::kRelu);
+  auto separate = ops::bias_activation(ops::matmul(xp, wp), bp, Activation::kRelu);
+  graph::Executor ex(g, devices::default_cpu_device());
+  const auto out = ex.run({{xp, Tensor::from_vector(x, {rows, features})},
+                           {wp, Tensor::from_vector(w, {features, units})},
+                           {bp, Tensor::from_vector(bias, {units})}},
+                          {fused, separate});
+  for (const auto& t : out) {
+    const auto y = t.to_vector<float>();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t j = 0; j < units; ++j) {
+        const float v = y[static_cast<std::size_t>(r * units + j)];
+        INFO("row ", r, ", unit ", j);
+        if (r == 5) {
+          CHECK(std::isnan(v));
+        } else if (j % 2 == 0) {
+          CHECK(v == 0.75f);
+        } else {
+          CHECK((v == 0.0f && !std::signbit(v)));  // -0.5 + 0.25 clamped to +0
+        }
+      }
     }
   }
 }
