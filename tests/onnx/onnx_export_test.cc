@@ -155,6 +155,11 @@ TEST_CASE("export_model writes ONNX that ONNX's checker accepts, with a dynamic 
         CHECK_MESSAGE(initializers.count(w->name()) == 1, w->name());
       }
     }
+    // Causal attention's half products (BatchMatMul's triangles) as Trilu: on the scores and on
+    // the probabilities before they meet V.
+    int trilu = 0;
+    for (const auto& node : proto.graph().node()) trilu += node.op_type() == "Trilu" ? 1 : 0;
+    CHECK(trilu == (c.name == "transformer" ? 2 : 0));
     // ONNX Runtime's CPU kernels take no bfloat16 (Relu, MatMul): that model is checked, not run.
     if (out_env && c.name != "mlp_bfloat16") {
       std::vector<std::int64_t> dims{5};
