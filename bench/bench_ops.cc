@@ -249,6 +249,24 @@ class OpRunner {
   std::unique_ptr<graph::Executor> executor_;
 };
 
+// char_gpt's dense layers (4096 tokens a step: batch 32 x context 128, width 128, MLP 512): each
+// of the forward product and its two gradients, for the 128 -> 128 projections (query, key,
+// value, attention output: 4 a block) and the MLP's 128 -> 512 and 512 -> 128.
+std::vector<Product> gpt_products() {
+  const std::int64_t tokens = 32 * 128;
+  struct Layer {
+    const char* name;
+    std::int64_t in, out;
+  };
+  std::vector<Product> products;
+  for (const Layer l : {Layer{"proj", 128, 128}, Layer{"up", 128, 512}, Layer{"down", 512, 128}}) {
+    products.push_back({fmt::format("{} Y=X@W", l.name), false, false, tokens, l.out, l.in});
+    products.push_back({fmt::format("{} dX=dY@Wt", l.name), false, true, tokens, l.in, l.out});
+    products.push_back({fmt::format("{} dW=Xt@dY", l.name), true, false, l.in, l.out, tokens});
+  }
+  return products;
+}
+
 std::vector<Product> mlp_products() {
   const std::int64_t widths[] = {784, 1024, 1024, 10};
   std::vector<Product> products;
@@ -318,9 +336,9 @@ std::string gf_text(double gflops) { return gflops == gflops ? fmt::format("{:.1
 
 std::string threads_text(int threads) { return fmt::format("{} thread{}", threads, threads == 1 ? "" : "s"); }
 
-void print_matmul(const Timings& t, const devices::Device& device) {
-  fmt::print("\nMatMul at the shapes of a 784-1024-1024-10 MLP, batch {} (GFLOP/s; {})\n", kBatch,
-             threads_text(device.intra_op_threads()));
+void print_matmul(const Timings& t, const devices::Device& device, const std::string& title,
+                  const std::string& prefix, const std::vector<Product>& products) {
+  fmt::print("\nMatMul at {} (GFLOP/s; {})\n", title, threads_text(device.intra_op_threads()));
   fmt::print(
       "  sgemm references: OB 1t, Eig 1t = one single-threaded call of OpenBLAS, Eigen; OB split = single-\n"
       "  threaded OpenBLAS calls split over tandem's threads (what gemm() runs for the products the register\n"
@@ -332,8 +350,8 @@ void print_matmul(const Timings& t, const devices::Device& device) {
              "MFLOP", "OB 1t", "Eig 1t", "OB split", "OB thr", "Eig split", "best", "gemm()", "MatMul op", "op/best");
   print_rule();
   double flops = 0, best_s = 0, op_s = 0, kernel_s = 0;
-  for (const auto& p : mlp_products()) {
-    const std::string key = "mlp/" + p.name;
+  for (const auto& p : products) {
+    const std::string key = prefix + p.name;
     const double best = best_sgemm(t, key, p.flops());
     const double op = t.gflops(key + "/op", p.flops());
     const auto ref = [&](const char* which) { return gf_text(t.gflops(key + which, p.flops())); };
@@ -348,7 +366,7 @@ void print_matmul(const Timings& t, const devices::Device& device) {
   print_rule();
   const double best_total = flops / best_s / 1e9, op_total = flops / op_s / 1e9;
   fmt::print("{:<21} {:<21} {:>6.1f} | {:>6} {:>6} {:>8} {:>6} {:>9} {:>6.1f} | {:>6.1f} {:>9.1f} {:>7.2f}\n",
-             "all 9 (flop-weighted)", "", flops / 1e6, "", "", "", "", "", best_total, flops / kernel_s / 1e9, op_total,
+             fmt::format("all {} (flop-weighted)", products.size()), "", flops / 1e6, "", "", "", "", "", best_total, flops / kernel_s / 1e9, op_total,
              op_total / best_total);
 }
 
@@ -592,8 +610,10 @@ int run(const Options& options) {
   add_sgemm(t, device, own, square, "square", true, operands);
 
   if (options.only.empty() || options.only == "matmul") {
-    for (const auto& p : mlp_products()) {
-      const std::string key = "mlp/" + p.name;
+    std::vector<std::pair<std::string, Product>> products;
+    for (const auto& p : mlp_products()) products.emplace_back("mlp/" + p.name, p);
+    for (const auto& p : gpt_products()) products.emplace_back("gpt/" + p.name, p);
+    for (const auto& [key, p] : products) {
       add_sgemm(t, device, own, p, key, true, operands);
       auto& buf = *operands.back();
       const GemmShape s = p.shape();
@@ -712,7 +732,11 @@ int run(const Options& options) {
   const double ceiling = best_sgemm(t, "square", sq);
   fmt::print("best sgemm of this run at {}: {:.1f} GFLOP/s\n", threads_text(threads), ceiling);
 
-  if (options.only.empty() || options.only == "matmul") print_matmul(t, device);
+  if (options.only.empty() || options.only == "matmul") {
+    print_matmul(t, device, fmt::format("the shapes of a 784-1024-1024-10 MLP, batch {}", kBatch), "mlp/",
+                 mlp_products());
+    print_matmul(t, device, "char_gpt's dense shapes (4096 tokens, width 128, MLP 512)", "gpt/", gpt_products());
+  }
   if (options.only.empty() || options.only == "bmm") print_batch_matmul(t, device, ceiling);
   if (options.only.empty() || options.only == "conv") print_conv(t, device, ceiling);
   if (!nn_cases.empty()) {
