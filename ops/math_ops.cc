@@ -9,6 +9,7 @@
 
 #include "tandem/base/env.h"
 #include "tandem/ops/array_ops.h"
+#include "tandem/ops/detail/batch_matmul_args.h"
 #include "tandem/ops/detail/op_util.h"
 #include "tandem/ops/detail/registration.h"
 
@@ -205,8 +206,7 @@ std::vector<TensorSpec> batch_matmul_shape(ShapeContext& ctx) {
   ctx.require(a.rank() >= 2 && b.rank() >= 2, "BatchMatMul takes tensors of rank 2 or more; got a {} and b {}", a, b);
   const bool adj_x = ctx.attrs().get_bool_or("adj_x", false);
   const bool adj_y = ctx.attrs().get_bool_or("adj_y", false);
-  const bool a_lower = ctx.attrs().get_bool_or("a_lower_triangular", false);
-  const bool output_lower = ctx.attrs().get_bool_or("output_lower_triangular", false);
+  const auto [a_lower, output_lower] = detail::batch_matmul_triangles(ctx.attrs());
   // The combinations whose gradients are products of the same kinds (batch_matmul_grad).
   ctx.require(!(a_lower && output_lower), "a_lower_triangular and output_lower_triangular cannot both be set");
   ctx.require(!a_lower || !adj_y, "a_lower_triangular needs adj_y false (b not transposed)");
@@ -317,13 +317,14 @@ std::vector<Output> batch_matmul_grad(GradContext& ctx) {
   //   C = L(A) op(B): dA = L(dC op(B)^T), the same product of the output_lower kind, and
   //                   dB = op(L(A))^T dC, with A (as stored) still the lower-triangular operand;
   //   C = L(A B^T):   dA = L(dC) B and dB = L(dC)^T A, dC in the place of a lower-triangular A.
-  if (ctx.attrs().get_bool_or("a_lower_triangular", false)) {
+  const detail::BatchMatMulTriangles triangles = detail::batch_matmul_triangles(ctx.attrs());
+  if (triangles.a_lower) {
     const BatchMatMulOptions lower_a{.a_lower_triangular = true}, lower_out{.output_lower_triangular = true};
     Output da = ax ? bmm(b, dy, false, true, lower_out) : bmm(dy, b, false, true, lower_out);
     Output db = bmm(a, dy, !ax, false, lower_a);
     return {sum_over_broadcast_batch(da, a, b), sum_over_broadcast_batch(db, b, a)};
   }
-  if (ctx.attrs().get_bool_or("output_lower_triangular", false)) {
+  if (triangles.output_lower) {
     const BatchMatMulOptions lower_a{.a_lower_triangular = true};
     return {sum_over_broadcast_batch(bmm(dy, b, false, false, lower_a), a, b),
             sum_over_broadcast_batch(bmm(dy, a, true, false, lower_a), b, a)};

@@ -46,16 +46,16 @@ Output matmul(Output a, Output b, const MatMulOptions& options = {});
 struct BatchMatMulOptions {
   bool adj_x = false;  // use a's last two axes transposed
   bool adj_y = false;  // use b's last two axes transposed
-  // Causal attention's half products (MultiHeadAttention with use_causal_mask), each a promise
-  // about a triangle of a matrix: entry (i, j) of its last two axes "above the diagonal" when j > i.
-  //   a_lower_triangular       a's entries above the diagonal are 0 (as stored, before adj_x):
-  //                            they may be skipped. Like tf.linalg.matmul's a_is_sparse, the
-  //                            promise does not change the value; a's gradient above the diagonal
-  //                            is reported as 0 (the entries are structurally zero). Needs !adj_y.
+  // Causal attention's half products (MultiHeadAttention with use_causal_mask), each about a
+  // triangle of a matrix: entry (i, j) of its last two axes is "above the diagonal" when j > i.
+  //   a_lower_triangular       a's entries above the diagonal (as stored, before adj_x) count as
+  //                            0 whatever is stored: the product is tril(a) @ b, and a's gradient
+  //                            above the diagonal is 0. Needs !adj_y.
   //   output_lower_triangular  the product's entries above the diagonal are 0, not computed (the
   //                            scores a causal mask drops). Needs !adj_x and adj_y (q k^T).
   // At most one of the two. On CPUs the register tiles skip the zero half (about half the
-  // multiply-adds of a square product) with the same bits as the whole product.
+  // multiply-adds of a square product); where a's triangle is stored as zeros (attention's
+  // probabilities), the bits are those of the plain product.
   bool a_lower_triangular = false;
   bool output_lower_triangular = false;
 };

@@ -38,12 +38,13 @@ std::string gemm_backend_description();
 
 // A triangle of a product known to be zero (causal attention's products and their gradients,
 // BatchMatMul's a_lower_triangular and output_lower_triangular):
-//   kLowerA  op(A)(i, k) is 0 for k > i (the caller promises it): row i's sum may stop at k = i.
-//   kUpperA  op(A)(i, k) is 0 for k < i (the caller promises it): row i's sum may start at k = i.
+//   kLowerA  op(A)(i, k) counts as 0 for k > i, whatever is stored: row i's sum stops at k = i.
+//   kUpperA  op(A)(i, k) counts as 0 for k < i, whatever is stored: row i's sum starts at k = i.
 //   kLowerC  C(i, j) for j > i is set to 0 instead of computed.
-// The register tiles skip the zero half; the libraries compute the whole product (and then clear
-// kLowerC's triangle). Either way the bits are the same: each element of a tile is a chain of FMAs
-// from +0, and a chain given fma(0, x, acc) = acc for finite x is the chain without it.
+// The register tiles skip the zero half (masking the diagonal block); the libraries compute the
+// whole product of a copy of op(A) with the triangle zeroed (and then clear kLowerC's). Where the
+// skipped entries are stored as 0, the bits equal the plain product's: each element of a tile is
+// a chain of FMAs from +0, and fma(0, x, acc) = acc for finite x.
 enum class GemmTriangle : unsigned char { kNone, kLowerA, kUpperA, kLowerC };
 
 struct GemmShape {

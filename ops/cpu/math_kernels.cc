@@ -329,17 +329,15 @@ bool split_batch_over_threads(std::int64_t batch, int threads, std::int64_t macs
 
 // BatchMatMulOptions' triangles in each product's terms: a lower-triangular a is an upper-
 // triangular op(a) when adjoint.
-GemmTriangle gemm_triangle(const graph::Attrs& attrs, bool adj_x) {
-  if (attrs.get_bool_or("output_lower_triangular", false)) return GemmTriangle::kLowerC;
-  if (attrs.get_bool_or("a_lower_triangular", false)) return adj_x ? GemmTriangle::kUpperA : GemmTriangle::kLowerA;
+GemmTriangle gemm_triangle(const detail::BatchMatMulArgs& args) {
+  if (args.triangles.output_lower) return GemmTriangle::kLowerC;
+  if (args.triangles.a_lower) return args.adj_x ? GemmTriangle::kUpperA : GemmTriangle::kLowerA;
   return GemmTriangle::kNone;
 }
 
 void batch_matmul_kernel(KernelContext& ctx) {
   graph::dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
-    const auto args =
-        detail::batch_matmul_args(ctx.input(0).shape(), ctx.input(1).shape(), ctx.attrs().get_bool_or("adj_x", false),
-                                  ctx.attrs().get_bool_or("adj_y", false));
+    const auto args = detail::batch_matmul_args(ctx.input(0).shape(), ctx.input(1).shape(), ctx.attrs());
     const T* a = in_ptr<T>(ctx, 0);
     const T* b = in_ptr<T>(ctx, 1);
     T* c = out_ptr<T>(ctx, 0);
@@ -356,8 +354,8 @@ void batch_matmul_kernel(KernelContext& ctx) {
                 .lda = args.lda,
                 .ldb = args.ldb,
                 .ldc = args.n,
-                .triangle = gemm_triangle(ctx.attrs(), args.adj_x)};
-    if (args.fold_batch_into_m && s.triangle == GemmTriangle::kNone) {
+                .triangle = gemm_triangle(args)};
+    if (args.fold_batch_into_m) {
       s.m *= args.batch;
       gemm<T>(ctx.device(), s, T(1), a, b, T(0), c);
       return;

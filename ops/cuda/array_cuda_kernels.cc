@@ -38,8 +38,7 @@ void batch_matmul_kernel(KernelContext& ctx) {
   const Tensor& a_input = ctx.input(0);
   const Tensor& b = ctx.input(1);
   require_types(ctx, a_input, kFloat);
-  const auto args = detail::batch_matmul_args(a_input.shape(), b.shape(), ctx.attrs().get_bool_or("adj_x", false),
-                                              ctx.attrs().get_bool_or("adj_y", false));
+  const auto args = detail::batch_matmul_args(a_input.shape(), b.shape(), ctx.attrs());
   Tensor& c = ctx.output(0);
   if (c.num_elements() == 0) return;
   if (args.k == 0) {
@@ -51,7 +50,7 @@ void batch_matmul_kernel(KernelContext& ctx) {
   const Shape& as = a_input.shape();
   const std::int64_t a_rows = as.dim(-2), a_cols = as.dim(-1);
   const Tensor* a_ptr = &a_input;
-  if (ctx.attrs().get_bool_or("a_lower_triangular", false)) {
+  if (args.triangles.a_lower) {
     Tensor& lower = ctx.scratch(0, as, a_input.dtype());
     lower_triangle(element_bytes, a_input.raw_data(), lower.raw_data(), a_input.num_elements() / (a_rows * a_cols),
                    a_rows, a_cols, stream_of(ctx));
@@ -69,8 +68,7 @@ void batch_matmul_kernel(KernelContext& ctx) {
   call.k = args.k;
   call.lda = args.lda;
   call.ldb = args.ldb;
-  const bool lower_output = ctx.attrs().get_bool_or("output_lower_triangular", false);
-  if (args.fold_batch_into_m && !lower_output) {
+  if (args.fold_batch_into_m) {
     call.m *= args.batch;
     call.a = a.raw_data();
     call.b = b.raw_data();
@@ -89,7 +87,7 @@ void batch_matmul_kernel(KernelContext& ctx) {
                                  call.stride_b = b_step * args.b_matrix;
                                  gemm(ctx.device().index(), ctx.device().short_name(), stream_of(ctx), call);
                                });
-  if (lower_output) {
+  if (args.triangles.output_lower) {
     lower_triangle(element_bytes, c.raw_data(), c.raw_data(), args.batch, args.m, args.n, stream_of(ctx));
     check_launch(ctx);
   }

@@ -10,13 +10,27 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "tandem/graph/attrs.h"
 #include "tandem/graph/shape.h"
 #include "tandem/ops/cpu/broadcast.h"
 
 namespace tandem::ops::detail {
 
+// BatchMatMulOptions' triangles (ops/math_ops.h), as the op's attributes hold them: read here
+// once for the shape function, the gradient and both backends' kernels.
+struct BatchMatMulTriangles {
+  bool a_lower = false;       // a_lower_triangular: a's entries above the diagonal count as 0
+  bool output_lower = false;  // output_lower_triangular: the product's are 0
+  bool any() const { return a_lower || output_lower; }
+};
+inline BatchMatMulTriangles batch_matmul_triangles(const graph::Attrs& attrs) {
+  return {.a_lower = attrs.get_bool_or("a_lower_triangular", false),
+          .output_lower = attrs.get_bool_or("output_lower_triangular", false)};
+}
+
 struct BatchMatMulArgs {
   bool adj_x = false, adj_y = false;                      // op(A) = A^T (of the last two axes) when adj_x
+  BatchMatMulTriangles triangles;
   std::int64_t m = 0, n = 0, k = 0;                       // each product: C[m, n] = op(A)[m, k] op(B)[k, n]
   std::int64_t lda = 0, ldb = 0;                          // the stored row lengths of A and B (their last dimension)
   std::int64_t a_matrix = 0, b_matrix = 0, c_matrix = 0;  // elements of one matrix of each
@@ -24,7 +38,8 @@ struct BatchMatMulArgs {
   // The batch axes, merged where possible: operand 0 is A, operand 1 is B; strides in matrices.
   cpu::BroadcastLayout layout;
   // B is shared by every product and A is not broadcast nor adjoint: the batch is one product
-  // [batch * m, k] @ [k, n] (a dense layer applied to a sequence), which threads better.
+  // [batch * m, k] @ [k, n] (a dense layer applied to a sequence), which threads better. Never with
+  // a triangle: each product's diagonal starts at its own first row.
   bool fold_batch_into_m = false;
 };
 
@@ -52,6 +67,14 @@ inline BatchMatMulArgs batch_matmul_args(const graph::Shape& a, const graph::Sha
   args.layout = cpu::make_broadcast_layout(out_batch, {&a_batch, &b_batch});
   args.batch = out_batch.num_elements();
   args.fold_batch_into_m = !adj_x && b_batch.num_elements() == 1 && a_batch.num_elements() == args.batch;
+  return args;
+}
+
+// The kernels' entry: the node's attributes (adj_x, adj_y and the triangles).
+inline BatchMatMulArgs batch_matmul_args(const graph::Shape& a, const graph::Shape& b, const graph::Attrs& attrs) {
+  BatchMatMulArgs args = batch_matmul_args(a, b, attrs.get_bool_or("adj_x", false), attrs.get_bool_or("adj_y", false));
+  args.triangles = batch_matmul_triangles(attrs);
+  if (args.triangles.any()) args.fold_batch_into_m = false;
   return args;
 }
 
