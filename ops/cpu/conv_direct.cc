@@ -96,6 +96,14 @@ thread_local ScratchBuffer tls_dz_image;      // backprop-input from an argmax: 
 thread_local ScratchBuffer tls_corners;       // backprop-filter: the window corners of a chunk's pixels (every thread)
 thread_local ScratchBuffer tls_windows;       // backprop-filter from an argmax: each pixel's pool window ...
 thread_local ScratchBuffer tls_cells;         // ... and its cell in it (every thread)
+// The winners' paths from an argmax (every thread): each list's winners (backprop-filter: their
+// window corners; backprop-input: their filter rows), their dp and the lists' lengths, and
+// backprop-filter's part sums transposed ([out_c, patch]).
+thread_local ScratchBuffer tls_winner_corners;
+thread_local ScratchBuffer tls_winner_offsets;
+thread_local ScratchBuffer tls_winner_values;
+thread_local ScratchBuffer tls_winner_counts;
+thread_local ScratchBuffer tls_transposed_dw;
 
 // Registers in the next column block of the output channels when `left` channels remain.
 int column_block(int64_t left) {
@@ -593,6 +601,128 @@ int64_t argmax_pixels(const Window2DGeometry& g, const Window2DGeometry& pg, con
   return count;
 }
 
+// --- backprop filter from the argmax, one winner a window --------------------------------------
+//
+// With input channels a multiple of the lanes, the filter gradient is reduced over each window's
+// winners alone: a max pool's dz is dp at one cell of each window and +0 at the others (3 of 4
+// with 2x2 windows), so the chunked path's FMAs are mostly x * +0. The winner differs from one
+// output channel to the next, so here the tile runs down one output channel, vectorised over the
+// patch (whose input channels are consecutive in memory), and each winner costs one load and one
+// FMA per vector of its patch: cnn's second layer does a quarter of the chunked path's
+// arithmetic. Each dw element is the same FMA chain, over the same chunks of dy rows and in
+// pixel order within each, as the chunked path's over the expanded dz, less the terms x * +0
+// (which leave a sum started at +0 unchanged, x finite), so the result is bitwise
+// conv2d_backprop_filter's of that dz.
+
+// Whether the winners' path takes g's filter gradient from an argmax over pool windows pg.
+bool winner_path_applies(const Window2DGeometry& g, const Window2DGeometry& pg) {
+  return g.in_c % kLanes == 0 && pg.k_h * pg.k_w >= 2;
+}
+
+// Patch vectors a winners' tile holds: the registers less 8, for the broadcast dp and the loads.
+constexpr int kWinnerTileVectors = kRegisters - 8;
+
+// One chunk's winners of each output channel, in pixel order: for channel co, entries
+// [co * capacity, co * capacity + counts[co]) hold each winning pixel's window corner in `image`
+// and its window's dp. A pixel row visits each window of its pool row once, and a window names
+// its winner once per channel, so a chunk lists at most (r1 - r0) * pool.out_w per channel
+// (`capacity`). Appended without branches (whether a window's winner lies in the row at hand is
+// as likely as not): every entry is written, and the count moves past it only for a winner.
+void winner_lists(const Window2DGeometry& g, const DyFromArgmax& src, const Image& image, int64_t r0, int64_t r1,
+                  int64_t capacity, int64_t* corners, float* values, int64_t* counts) {
+  const Window2DGeometry& pg = src.pool;
+  const int64_t o = g.out_c;
+  // A cell's row and column in its window; no row for detail::kNoWinner (and cells past the window).
+  std::array<std::uint8_t, 256> cell_row, cell_col;
+  for (int cell = 0; cell < 256; ++cell) {
+    const bool in_window = cell < pg.k_h * pg.k_w;
+    cell_row[static_cast<std::size_t>(cell)] = in_window ? static_cast<std::uint8_t>(cell / pg.k_w) : 255;
+    cell_col[static_cast<std::size_t>(cell)] = in_window ? static_cast<std::uint8_t>(cell % pg.k_w) : 0;
+  }
+  std::fill_n(counts, o, 0);
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / g.out_h, oh = row % g.out_h;
+    const int64_t ph = oh / pg.stride_h, dh = oh % pg.stride_h;
+    if (ph >= pg.out_h || dh >= pg.k_h) continue;
+    const int64_t row_corner = image.corner(g, n, oh, 0) - image.data;
+    const int64_t window_row = (n * pg.out_h + ph) * pg.out_w * o;
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      const std::uint8_t* argmax = src.argmax + window_row + pw * o;
+      const float* dp = src.dp + window_row + pw * o;
+      const int64_t window_corner = row_corner + pw * pg.stride_w * g.stride_w * image.c;
+      for (int64_t co = 0; co < o; ++co) {
+        const std::uint8_t cell = argmax[co];
+        const int64_t at = co * capacity + counts[co];
+        corners[at] = window_corner + cell_col[cell] * g.stride_w * image.c;
+        values[at] = dp[co];
+        counts[co] += cell_row[cell] == dh ? 1 : 0;
+      }
+    }
+  }
+}
+
+// out[KV vectors] (+)= sum over the `count` winners of patch vectors * dp: winner p's patch vector
+// v is image[corners[p] + offsets[v * kLanes]] onwards (kLanes consecutive patch elements), its dp
+// values[p]. The FMA takes x * dp as the chunked path's takes x * dz: the same bits.
+template <int KV>
+void winner_tile(const float* image, const int64_t* corners, const float* values, int64_t count,
+                 const int64_t* offsets, float* out, bool accumulate) {
+  Vec acc[KV];
+  int64_t off[KV];
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) {
+    acc[v] = vzero();
+    off[v] = offsets[v * kLanes];
+  }
+  for (int64_t p = 0; p < count; ++p) {
+    const float* corner = image + corners[p];
+    const Vec d = vbroadcast(values[p]);
+#pragma GCC unroll 32
+    for (int v = 0; v < KV; ++v) acc[v] = vfmadd(vload(corner + off[v]), d, acc[v]);
+  }
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) {
+    float* o = out + kLanes * v;
+    vstore(o, accumulate ? vadd(vload(o), acc[v]) : acc[v]);
+  }
+}
+
+using WinnerTileFn = void (*)(const float*, const int64_t*, const float*, int64_t, const int64_t*, float*, bool);
+template <int... V>
+constexpr std::array<WinnerTileFn, sizeof...(V)> winner_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_tile<V + 1>...};
+}
+constexpr auto kWinnerTiles = winner_tiles(std::make_integer_sequence<int, kWinnerTileVectors>{});
+
+// Rows [first, last) of dz, from the argmax, into acc ([k, out_c], as the chunked path's part
+// writes it): chunk by chunk (chunk_rows, the chunked path's), each output channel's tiles
+// accumulating into a transposed copy ([out_c, k], contiguous patch vectors), transposed into acc
+// at the end.
+void backprop_filter_winners(const Window2DGeometry& g, const DyFromArgmax& src, const Image& image,
+                             const int64_t* offsets, int64_t first, int64_t last, int64_t chunk_rows, float* acc) {
+  const int64_t k = g.patch_size(), o = g.out_c, vectors = k / kLanes;
+  const int64_t capacity = chunk_rows * src.pool.out_w;
+  int64_t* corners = tls_winner_corners.get<int64_t>(o * capacity);
+  float* values = tls_winner_values.get<float>(o * capacity);
+  int64_t* counts = tls_winner_counts.get<int64_t>(o);
+  float* transposed = tls_transposed_dw.get<float>(o * k);
+  for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
+    const int64_t r1 = std::min(last, r0 + chunk_rows);
+    winner_lists(g, src, image, r0, r1, capacity, corners, values, counts);
+    for (int64_t co = 0; co < o; ++co) {
+      for (int64_t v0 = 0; v0 < vectors; v0 += kWinnerTileVectors) {
+        const int64_t block = std::min<int64_t>(kWinnerTileVectors, vectors - v0);
+        kWinnerTiles[static_cast<std::size_t>(block - 1)](image.data, corners + co * capacity, values + co * capacity,
+                                                          counts[co], offsets + v0 * kLanes,
+                                                          transposed + co * k + v0 * kLanes, r0 != first);
+      }
+    }
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    for (int64_t co = 0; co < o; ++co) acc[kk * o + co] = transposed[co * k + kk];
+  }
+}
+
 // --- backprop input, few input channels ------------------------------------------------------
 
 // One (kh, kw) position of a dx row's windows that lands inside dy: the index of its dy vectors
@@ -770,6 +900,170 @@ Window2DGeometry flipped_geometry(const Window2DGeometry& g) {
   return t;
 }
 
+// Backprop-input from the argmax, over each window's winners alone (see the filter gradient's
+// winners above): dx pixel (ih, iw) reduces, as the flipped forward does, over its valid taps
+// (kh', kw') in order and the output channels in order, but only over the channels whose winner
+// is the dz pixel the tap reaches (a quarter of them with 2x2 windows); the terms left out are
+// dz = +0. Tiles are one dx pixel wide (each pixel has its own winners) and up to
+// kWinnerTileVectors vectors of input channels.
+
+// One image's winners by dz pixel: entries [q * o, q * o + counts[q]) of dz pixel q hold, in
+// channel order, the offset of the channel's row in a flipped tap's filter rows (co * in_c) and
+// its window's dp. A channel without a winner writes its entry to a spare pixel past the image's
+// (whose count stays 0), so that appending needs no branch.
+void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, int64_t n, int32_t* offsets, float* values,
+                   int64_t* counts) {
+  const Window2DGeometry& pg = src.pool;
+  const int64_t o = g.out_c, pixels = g.out_h * g.out_w;
+  std::fill_n(counts, pixels + 1, 0);
+  for (int64_t ph = 0; ph < pg.out_h; ++ph) {
+    for (int64_t pw = 0; pw < pg.out_w; ++pw) {
+      const int64_t window = ((n * pg.out_h + ph) * pg.out_w + pw) * o;
+      const int64_t corner = ph * pg.stride_h * g.out_w + pw * pg.stride_w;
+      for (int64_t co = 0; co < o; ++co) {
+        const int64_t cell = src.argmax[window + co];
+        const bool won = cell < pg.k_h * pg.k_w;
+        const int64_t q = won ? corner + cell / pg.k_w * g.out_w + cell % pg.k_w : pixels;
+        const int64_t at = q * o + counts[q];
+        offsets[at] = static_cast<int32_t>(co * g.in_c);
+        values[at] = src.dp[window + co];
+        counts[q] += won ? 1 : 0;
+      }
+    }
+  }
+}
+
+// dx[KV vectors] of one pixel = sum over its taps (each a dz pixel's winners and the flipped
+// filter rows of that tap) of dp * filter row: taps[t] indexes the dz pixel, tap_w[t] the tap's
+// rows (already offset to the tile's first input channel). The FMA takes dp * w as the flipped
+// forward's takes dz * w: the same bits.
+template <int KV>
+void winner_pixel_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
+                       const int32_t* offsets, const float* values, const int64_t* counts, float* dx) {
+  Vec acc[KV];
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) acc[v] = vzero();
+  for (int64_t t = 0; t < num_taps; ++t) {
+    const int64_t q = taps[t];
+    const int32_t* off = offsets + q * o;
+    const float* val = values + q * o;
+    const float* w = tap_w[t];
+    for (int64_t e = 0; e < counts[q]; ++e) {
+      const Vec d = vbroadcast(val[e]);
+      const float* row = w + off[e];
+#pragma GCC unroll 32
+      for (int v = 0; v < KV; ++v) acc[v] = vfmadd(d, vload(row + kLanes * v), acc[v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) vstore(dx + kLanes * v, acc[v]);
+}
+
+// The same for two dx pixels side by side whose taps reach the same filter rows, the second's dz
+// pixels one column right of the first's: while both pixels have winners left in a tap, their
+// chains interleave (one pixel's chain alone waits on its FMAs' latency).
+template <int KV>
+void winner_pixel_pair_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
+                            const int32_t* offsets, const float* values, const int64_t* counts, float* dx,
+                            int64_t dx_next) {
+  Vec acc[2][KV];
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) acc[0][v] = acc[1][v] = vzero();
+  const auto add = [&](int i, int32_t off, float value, const float* w) {
+    const Vec d = vbroadcast(value);
+    const float* row = w + off;
+#pragma GCC unroll 32
+    for (int v = 0; v < KV; ++v) acc[i][v] = vfmadd(d, vload(row + kLanes * v), acc[i][v]);
+  };
+  for (int64_t t = 0; t < num_taps; ++t) {
+    const int64_t q0 = taps[t], q1 = q0 + 1;
+    const int32_t *off0 = offsets + q0 * o, *off1 = offsets + q1 * o;
+    const float *val0 = values + q0 * o, *val1 = values + q1 * o;
+    const float* w = tap_w[t];
+    const int64_t n0 = counts[q0], n1 = counts[q1], both = std::min(n0, n1);
+    int64_t e = 0;
+    for (; e < both; ++e) {
+      add(0, off0[e], val0[e], w);
+      add(1, off1[e], val1[e], w);
+    }
+    for (int64_t e0 = e; e0 < n0; ++e0) add(0, off0[e0], val0[e0], w);
+    for (int64_t e1 = e; e1 < n1; ++e1) add(1, off1[e1], val1[e1], w);
+  }
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) {
+    vstore(dx + kLanes * v, acc[0][v]);
+    vstore(dx + dx_next + kLanes * v, acc[1][v]);
+  }
+}
+
+using WinnerPixelPairTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*,
+                                       const float*, const int64_t*, float*, int64_t);
+template <int... V>
+constexpr std::array<WinnerPixelPairTileFn, sizeof...(V)> winner_pixel_pair_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_pixel_pair_tile<V + 1>...};
+}
+constexpr auto kWinnerPixelPairTiles =
+    winner_pixel_pair_tiles(std::make_integer_sequence<int, kWinnerTileVectors / 2>{});
+
+using WinnerPixelTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*, const float*,
+                                   const int64_t*, float*);
+template <int... V>
+constexpr std::array<WinnerPixelTileFn, sizeof...(V)> winner_pixel_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_pixel_tile<V + 1>...};
+}
+constexpr auto kWinnerPixelTiles = winner_pixel_tiles(std::make_integer_sequence<int, kWinnerTileVectors>{});
+
+// dx from the argmax for stride 1, image by image (flipped: the flipped, transposed filter).
+void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, const float* flipped,
+                            const DyFromArgmax& src, float* dx) {
+  const int64_t c = g.in_c, o = g.out_c, pixels = g.out_h * g.out_w, vectors = c / kLanes;
+  // dz row and column reached by flipped tap kh' (kw') from dx row ih (column iw).
+  const int64_t top = g.k_h - 1 - g.pad_top, left = g.k_w - 1 - g.pad_left;
+  device.parallel_for(g.batch, 1, [&](int64_t begin, int64_t end) {
+    int32_t* offsets = tls_winner_offsets.get<int32_t>((pixels + 1) * o);
+    float* values = tls_winner_values.get<float>((pixels + 1) * o);
+    int64_t* counts = tls_winner_counts.get<int64_t>(pixels + 1);
+    std::array<int64_t, kMaxBackpropInputTaps> taps;
+    std::array<const float*, kMaxBackpropInputTaps> tap_w;
+    for (int64_t n = begin; n < end; ++n) {
+      pixel_winners(g, src, n, offsets, values, counts);
+      for (int64_t ih = 0; ih < g.in_h; ++ih) {
+        for (int64_t iw = 0; iw < g.in_w; ++iw) {
+          // Pixels iw and iw + 1 both with every filter column over dz (the same taps) go as a pair.
+          const bool pair = vectors <= kWinnerTileVectors / 2 && iw - left >= 0 && iw + 1 - left + g.k_w <= g.out_w;
+          int64_t num_taps = 0;
+          for (int64_t kh = 0; kh < g.k_h; ++kh) {
+            const int64_t r = ih - top + kh;
+            if (r < 0 || r >= g.out_h) continue;
+            for (int64_t kw = 0; kw < g.k_w; ++kw) {
+              const int64_t col = iw - left + kw;
+              if (col < 0 || col >= g.out_w) continue;
+              taps[static_cast<std::size_t>(num_taps)] = r * g.out_w + col;
+              tap_w[static_cast<std::size_t>(num_taps)] = flipped + (kh * g.k_w + kw) * o * c;
+              ++num_taps;
+            }
+          }
+          float* out = dx + ((n * g.in_h + ih) * g.in_w + iw) * c;
+          if (pair) {
+            kWinnerPixelPairTiles[static_cast<std::size_t>(vectors - 1)](taps.data(), tap_w.data(), num_taps, o,
+                                                                         offsets, values, counts, out, c);
+            ++iw;
+            continue;
+          }
+          for (int64_t v0 = 0; v0 < vectors; v0 += kWinnerTileVectors) {
+            const int64_t block = std::min<int64_t>(kWinnerTileVectors, vectors - v0);
+            if (v0 > 0) {
+              for (int64_t t = 0; t < num_taps; ++t) tap_w[static_cast<std::size_t>(t)] += kWinnerTileVectors * kLanes;
+            }
+            kWinnerPixelTiles[static_cast<std::size_t>(block - 1)](taps.data(), tap_w.data(), num_taps, o, offsets,
+                                                                   values, counts, out + v0 * kLanes);
+          }
+        }
+      }
+    }
+  });
+}
+
 void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, const float* w, const float* dy,
                             float* dx, const DyFromArgmax* from_argmax = nullptr) {
   const int64_t c = g.in_c, o = g.out_c, taps = g.k_h * g.k_w;
@@ -783,6 +1077,10 @@ void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, 
   }
   if (from_argmax == nullptr) {
     forward_direct(device, flipped_geometry(g), dy, flipped, dx, {});
+    return;
+  }
+  if (winner_path_applies(g, from_argmax->pool) && g.k_h * g.k_w <= kMaxBackpropInputTaps) {
+    backprop_input_winners(device, g, flipped, *from_argmax, dx);
     return;
   }
   const ImagesFromArgmax images{g, *from_argmax};
@@ -827,9 +1125,22 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
   // AVX2, 9 taps fit a tile one register wide, not two, and cnn's first layer (32 channels) took
   // 0.59 ms that way against 0.49 chunked (Zen 4 under TANDEM_CPU_ISA=avx2, bench_ops minimums).
   const int tile_registers = argmax_tile_registers(k);
+  const bool winners = from_argmax != nullptr && winner_path_applies(g, from_argmax->pool);
   const int fused_registers =
-      from_argmax != nullptr && tile_registers >= column_block(o) ? tile_registers : 0;
+      from_argmax != nullptr && !winners && tile_registers >= column_block(o) ? tile_registers : 0;
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
+    if (winners) {
+      for (int64_t part = begin; part < end; ++part) {
+        float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
+        const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
+        if (first >= last) {
+          std::fill_n(acc, k * o, 0.0f);
+        } else {
+          backprop_filter_winners(g, *from_argmax, image, offsets, first, last, chunk_rows, acc);
+        }
+      }
+      return;
+    }
     const bool expand = from_argmax != nullptr && fused_registers == 0;
     float* chunk = expand ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
     int64_t* corners = tls_corners.get<int64_t>(chunk_rows * g.out_w);

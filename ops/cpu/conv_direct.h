@@ -11,11 +11,14 @@
 //   forward           any padding and stride; output channels a multiple of the lanes (16, 8);
 //                     optionally max-pooled block by block (FusedConv2DMaxPool)
 //   backprop filter   the same, reducing a tile of dW over the pixels in registers; dy read
-//                     whole, or expanded chunk by chunk from FusedConv2DMaxPool's argmax
+//                     whole, or expanded chunk by chunk from FusedConv2DMaxPool's argmax, or
+//                     (input channels a multiple of the lanes) reduced over the pool windows'
+//                     winners alone, one output channel at a time
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
 //                     channels a multiple of the lanes: the forward kernel over dy with the filter
-//                     flipped and transposed, dy read whole or expanded image by image from
-//                     FusedConv2DMaxPool's argmax
+//                     flipped and transposed, dy read whole; from FusedConv2DMaxPool's argmax,
+//                     the winners' terms of the same sums (or, with one-cell windows, dy
+//                     expanded image by image)
 //
 // Each function returns false, doing nothing, when the geometry does not qualify or the level
 // this copy is compiled for (ops/cpu/isa.h) has neither AVX-512 nor AVX2 (the baseline level); the
@@ -60,10 +63,11 @@ bool conv2d_backprop_filter(devices::Device& device, const detail::Window2DGeome
 // Backprop-filter's dy where FusedConv2DMaxPool's gradient gives it: each chunk of dy is expanded
 // from the argmax and dp into an L1-sized buffer as the kernel walks it (dp where the argmax names
 // the cell, +0 elsewhere: the dz MaxPool2DBiasActivationGrad would find from y, never stored), so
-// the result is bitwise conv2d_backprop_filter's of that dz. A patch short enough for one
-// register tile at least as wide as the chunked path's (a first layer's 3x3x1 with AVX-512) is
-// expanded in registers instead, pixel by pixel, skipping pixels outside every window: the same
-// sums (x * +0 added to a sum leaves it unchanged for finite x).
+// the result is bitwise conv2d_backprop_filter's of that dz. With input channels a multiple of
+// the lanes, only the winners' terms are summed, in the same order; else a patch short enough
+// for one register tile at least as wide as the chunked path's (a first layer's 3x3x1 with
+// AVX-512) is expanded in registers, pixel by pixel, skipping pixels outside every window: the
+// same sums either way (x * +0 added to a sum leaves it unchanged for finite x).
 struct DyFromArgmax {
   detail::Window2DGeometry pool;  // over dy; VALID windows that do not overlap
   const std::uint8_t* argmax = nullptr;
@@ -73,9 +77,10 @@ bool conv2d_backprop_filter_argmax(devices::Device& device, const detail::Window
                                    const DyFromArgmax& dy, float* dw);
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,
                            float* dx);
-// Backprop-input's dy from FusedConv2DMaxPool's argmax: each image of dy is expanded into a
-// per-thread buffer before the (flipped forward) kernel reads it, so the result is bitwise
-// conv2d_backprop_input's of that dy. Declines (false) where conv2d_backprop_input would not take
+// Backprop-input's dy from FusedConv2DMaxPool's argmax: the flipped forward's sums over the
+// winners' terms alone (or, for one-cell windows, each image of dy expanded into a per-thread
+// buffer before the kernel reads it), so the result is bitwise conv2d_backprop_input's of that
+// dy for finite w. Declines (false) where conv2d_backprop_input would not take
 // the flipped forward: then the caller expands dy whole and calls conv2d_backprop_input.
 bool conv2d_backprop_input_argmax(devices::Device& device, const detail::Window2DGeometry& g, const float* w,
                                   const DyFromArgmax& dy, float* dx);

@@ -773,6 +773,16 @@ const ConvPoolGeometry kConvPoolGeometries[] = {
      {5, 2, 5, 2, Padding::kValid}},
 };
 
+// Only in the bitwise comparison (too large for the gradient check): backprop-filter's chunks of
+// dz rows (32 KiB: 39 rows of 13 pixels x 16 channels) split each thread's rows, and a chunk
+// starts inside a pool window (12 rows an image), so the winners' sums carry across chunks.
+const ConvPoolGeometry kChunkedConvPoolGeometry{"several chunks of dz rows a thread, one starting inside a window",
+                                                {8, 14, 15, 16},
+                                                {3, 3, 16, 16},
+                                                1,
+                                                Padding::kValid,
+                                                {2, 2, 2, 2, Padding::kValid}};
+
 ops::Pool2DOptions pool_options(const Window& win) {
   return {.pool_size = {win.k_h, win.k_w}, .strides = {win.s_h, win.s_w}, .padding = win.padding};
 }
@@ -795,7 +805,9 @@ Tensor random_tensor(DType dtype, const Shape& shape, bool integers, int low, in
 }  // namespace
 
 TEST_CASE("FusedConv2DMaxPool: bitwise the unfused FusedConv2D, MaxPool2D and their gradients, with its argmax") {
-  for (const auto& geometry : kConvPoolGeometries) {
+  std::vector<ConvPoolGeometry> geometries(std::begin(kConvPoolGeometries), std::end(kConvPoolGeometries));
+  geometries.push_back(kChunkedConvPoolGeometry);
+  for (const auto& geometry : geometries) {
     for (const DType dtype : {kFloat32, kFloat64}) {
       for (const auto activation : {ops::Activation::kRelu, ops::Activation::kLinear}) {
         for (const bool integers : {true, false}) {
