@@ -749,6 +749,9 @@ const ConvPoolGeometry kConvPoolGeometries[] = {
      Padding::kSame,
      {2, 2, 3, 3, Padding::kValid}},
     {"32 input channels, 3x2 windows", {2, 8, 7, 32}, {3, 3, 32, 32}, 1, Padding::kSame, {3, 2, 3, 2, Padding::kValid}},
+    // The filter gradient over the windows' winners with stride 2 and SAME padding (the padded
+    // input), and a patch of 27 (AVX-512) or 54 (AVX2) vectors: several tiles down each channel.
+    {"48 input channels, SAME stride 2", {2, 11, 10, 48}, {3, 3, 48, 16}, 2, Padding::kSame, {2, 2, 2, 2, Padding::kValid}},
     // One input channel with 16k output channels: the first layer's filter gradient from the
     // argmax runs in register tiles (filter_tile_argmax). Rows and columns outside every window
     // (gaps, and the VALID remainder) are skipped there, and 3x3 windows give three pixels of one
