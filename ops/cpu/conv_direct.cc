@@ -933,42 +933,23 @@ void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, int64_t n
   }
 }
 
-// dx[KV vectors] of one pixel = sum over its taps (each a dz pixel's winners and the flipped
-// filter rows of that tap) of dp * filter row: taps[t] indexes the dz pixel, tap_w[t] the tap's
-// rows (already offset to the tile's first input channel). The FMA takes dp * w as the flipped
-// forward's takes dz * w: the same bits.
-template <int KV>
-void winner_pixel_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
-                       const int32_t* offsets, const float* values, const int64_t* counts, float* dx) {
-  Vec acc[KV];
+// dx[KV vectors] of P = 1 or 2 pixels side by side = sum over the pixel's taps (each a dz
+// pixel's winners and the flipped filter rows of that tap) of dp * filter row: taps[t] indexes the
+// first pixel's dz pixel, tap_w[t] the tap's rows (already offset to the tile's first input
+// channel); a second pixel (dx + dx_next) has the same taps one dz column right. While both
+// pixels have winners left in a tap their chains interleave: one pixel's chain alone waits on its
+// FMAs' latency. The FMA takes dp * w as the flipped forward's takes dz * w: the same bits.
+template <int P, int KV>
+void winner_pixels_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
+                        const int32_t* offsets, const float* values, const int64_t* counts, float* dx,
+                        int64_t dx_next) {
+  Vec acc[P][KV];
+#pragma GCC unroll 2
+  for (int i = 0; i < P; ++i) {
 #pragma GCC unroll 32
-  for (int v = 0; v < KV; ++v) acc[v] = vzero();
-  for (int64_t t = 0; t < num_taps; ++t) {
-    const int64_t q = taps[t];
-    const int32_t* off = offsets + q * o;
-    const float* val = values + q * o;
-    const float* w = tap_w[t];
-    for (int64_t e = 0; e < counts[q]; ++e) {
-      const Vec d = vbroadcast(val[e]);
-      const float* row = w + off[e];
-#pragma GCC unroll 32
-      for (int v = 0; v < KV; ++v) acc[v] = vfmadd(d, vload(row + kLanes * v), acc[v]);
-    }
+    for (int v = 0; v < KV; ++v) acc[i][v] = vzero();
   }
-#pragma GCC unroll 32
-  for (int v = 0; v < KV; ++v) vstore(dx + kLanes * v, acc[v]);
-}
-
-// The same for two dx pixels side by side whose taps reach the same filter rows, the second's dz
-// pixels one column right of the first's: while both pixels have winners left in a tap, their
-// chains interleave (one pixel's chain alone waits on its FMAs' latency).
-template <int KV>
-void winner_pixel_pair_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
-                            const int32_t* offsets, const float* values, const int64_t* counts, float* dx,
-                            int64_t dx_next) {
-  Vec acc[2][KV];
-#pragma GCC unroll 32
-  for (int v = 0; v < KV; ++v) acc[0][v] = acc[1][v] = vzero();
+  // Adds pixel i's winner: its offset in the tap's filter rows w, and its dp.
   const auto add = [&](int i, int32_t off, float value, const float* w) {
     const Vec d = vbroadcast(value);
     const float* row = w + off;
@@ -976,42 +957,39 @@ void winner_pixel_pair_tile(const int64_t* taps, const float* const* tap_w, int6
     for (int v = 0; v < KV; ++v) acc[i][v] = vfmadd(d, vload(row + kLanes * v), acc[i][v]);
   };
   for (int64_t t = 0; t < num_taps; ++t) {
-    const int64_t q0 = taps[t], q1 = q0 + 1;
-    const int32_t *off0 = offsets + q0 * o, *off1 = offsets + q1 * o;
-    const float *val0 = values + q0 * o, *val1 = values + q1 * o;
+    const int64_t q0 = taps[t], n0 = counts[q0];
+    const int32_t* off0 = offsets + q0 * o;
+    const float* val0 = values + q0 * o;
     const float* w = tap_w[t];
-    const int64_t n0 = counts[q0], n1 = counts[q1], both = std::min(n0, n1);
     int64_t e = 0;
-    for (; e < both; ++e) {
-      add(0, off0[e], val0[e], w);
-      add(1, off1[e], val1[e], w);
+    if constexpr (P == 2) {
+      const int64_t q1 = q0 + 1, n1 = counts[q1];
+      const int32_t* off1 = offsets + q1 * o;
+      const float* val1 = values + q1 * o;
+      for (; e < std::min(n0, n1); ++e) {
+        add(0, off0[e], val0[e], w);
+        add(1, off1[e], val1[e], w);
+      }
+      for (int64_t e1 = e; e1 < n1; ++e1) add(1, off1[e1], val1[e1], w);
     }
-    for (int64_t e0 = e; e0 < n0; ++e0) add(0, off0[e0], val0[e0], w);
-    for (int64_t e1 = e; e1 < n1; ++e1) add(1, off1[e1], val1[e1], w);
+    for (; e < n0; ++e) add(0, off0[e], val0[e], w);
   }
+#pragma GCC unroll 2
+  for (int i = 0; i < P; ++i) {
 #pragma GCC unroll 32
-  for (int v = 0; v < KV; ++v) {
-    vstore(dx + kLanes * v, acc[0][v]);
-    vstore(dx + dx_next + kLanes * v, acc[1][v]);
+    for (int v = 0; v < KV; ++v) vstore(dx + i * dx_next + kLanes * v, acc[i][v]);
   }
 }
 
-using WinnerPixelPairTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*,
-                                       const float*, const int64_t*, float*, int64_t);
-template <int... V>
-constexpr std::array<WinnerPixelPairTileFn, sizeof...(V)> winner_pixel_pair_tiles(std::integer_sequence<int, V...>) {
-  return {&winner_pixel_pair_tile<V + 1>...};
+using WinnerPixelsTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*,
+                                    const float*, const int64_t*, float*, int64_t);
+template <int P, int... V>
+constexpr std::array<WinnerPixelsTileFn, sizeof...(V)> winner_pixels_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_pixels_tile<P, V + 1>...};
 }
+constexpr auto kWinnerPixelTiles = winner_pixels_tiles<1>(std::make_integer_sequence<int, kWinnerTileVectors>{});
 constexpr auto kWinnerPixelPairTiles =
-    winner_pixel_pair_tiles(std::make_integer_sequence<int, kWinnerTileVectors / 2>{});
-
-using WinnerPixelTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*, const float*,
-                                   const int64_t*, float*);
-template <int... V>
-constexpr std::array<WinnerPixelTileFn, sizeof...(V)> winner_pixel_tiles(std::integer_sequence<int, V...>) {
-  return {&winner_pixel_tile<V + 1>...};
-}
-constexpr auto kWinnerPixelTiles = winner_pixel_tiles(std::make_integer_sequence<int, kWinnerTileVectors>{});
+    winner_pixels_tiles<2>(std::make_integer_sequence<int, kWinnerTileVectors / 2>{});
 
 // dx from the argmax for stride 1, image by image (flipped: the flipped, transposed filter).
 void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, const float* flipped,
@@ -1056,7 +1034,7 @@ void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, 
               for (int64_t t = 0; t < num_taps; ++t) tap_w[static_cast<std::size_t>(t)] += kWinnerTileVectors * kLanes;
             }
             kWinnerPixelTiles[static_cast<std::size_t>(block - 1)](taps.data(), tap_w.data(), num_taps, o, offsets,
-                                                                   values, counts, out + v0 * kLanes);
+                                                                   values, counts, out + v0 * kLanes, 0);
           }
         }
       }
