@@ -904,8 +904,8 @@ Window2DGeometry flipped_geometry(const Window2DGeometry& g) {
 // winners above): dx pixel (ih, iw) reduces, as the flipped forward does, over its valid taps
 // (kh', kw') in order and the output channels in order, but only over the channels whose winner
 // is the dz pixel the tap reaches (a quarter of them with 2x2 windows); the terms left out are
-// dz = +0. Tiles are one dx pixel wide (each pixel has its own winners) and up to
-// kWinnerTileVectors vectors of input channels.
+// dz = +0. Each pixel has its own winners; tiles hold all of a pixel's input channels, for a strip
+// of pixels along a row (each winner read once for all of them) or a pixel alone.
 
 // One image's winners by dz pixel: entries [q * o, q * o + counts[q]) of dz pixel q hold, in
 // channel order, the offset of the channel's row in a flipped tap's filter rows (co * in_c) and
@@ -933,63 +933,111 @@ void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, int64_t n
   }
 }
 
-// dx[KV vectors] of P = 1 or 2 pixels side by side = sum over the pixel's taps (each a dz
-// pixel's winners and the flipped filter rows of that tap) of dp * filter row: taps[t] indexes the
-// first pixel's dz pixel, tap_w[t] the tap's rows (already offset to the tile's first input
-// channel); a second pixel (dx + dx_next) has the same taps one dz column right. While both
-// pixels have winners left in a tap their chains interleave: one pixel's chain alone waits on its
-// FMAs' latency. The FMA takes dp * w as the flipped forward's takes dz * w: the same bits.
-template <int P, int KV>
-void winner_pixels_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
-                        const int32_t* offsets, const float* values, const int64_t* counts, float* dx,
-                        int64_t dx_next) {
-  Vec acc[P][KV];
-#pragma GCC unroll 2
-  for (int i = 0; i < P; ++i) {
+// dx[KV vectors] of one pixel = sum over its taps (each a dz pixel's winners and the flipped filter
+// rows of that tap) of dp * filter row: taps[t] indexes the dz pixel, tap_w[t] the tap's rows
+// (already offset to the tile's first input channel). The FMA takes dp * w as the flipped
+// forward's takes dz * w: the same bits. For the pixels the strips below do not take (the ends of
+// rows, filters over 5 columns wide, over 4 vectors of input channels).
+template <int KV>
+void winner_pixel_tile(const int64_t* taps, const float* const* tap_w, int64_t num_taps, int64_t o,
+                       const int32_t* offsets, const float* values, const int64_t* counts, float* dx) {
+  Vec acc[KV];
 #pragma GCC unroll 32
-    for (int v = 0; v < KV; ++v) acc[i][v] = vzero();
-  }
-  // Adds pixel i's winner: its offset in the tap's filter rows w, and its dp.
-  const auto add = [&](int i, int32_t off, float value, const float* w) {
-    const Vec d = vbroadcast(value);
-    const float* row = w + off;
-#pragma GCC unroll 32
-    for (int v = 0; v < KV; ++v) acc[i][v] = vfmadd(d, vload(row + kLanes * v), acc[i][v]);
-  };
+  for (int v = 0; v < KV; ++v) acc[v] = vzero();
   for (int64_t t = 0; t < num_taps; ++t) {
-    const int64_t q0 = taps[t], n0 = counts[q0];
-    const int32_t* off0 = offsets + q0 * o;
-    const float* val0 = values + q0 * o;
+    const int64_t q = taps[t];
+    const int32_t* off = offsets + q * o;
+    const float* val = values + q * o;
     const float* w = tap_w[t];
-    int64_t e = 0;
-    if constexpr (P == 2) {
-      const int64_t q1 = q0 + 1, n1 = counts[q1];
-      const int32_t* off1 = offsets + q1 * o;
-      const float* val1 = values + q1 * o;
-      for (; e < std::min(n0, n1); ++e) {
-        add(0, off0[e], val0[e], w);
-        add(1, off1[e], val1[e], w);
-      }
-      for (int64_t e1 = e; e1 < n1; ++e1) add(1, off1[e1], val1[e1], w);
-    }
-    for (; e < n0; ++e) add(0, off0[e], val0[e], w);
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < P; ++i) {
+    for (int64_t e = 0; e < counts[q]; ++e) {
+      const Vec d = vbroadcast(val[e]);
+      const float* row = w + off[e];
 #pragma GCC unroll 32
-    for (int v = 0; v < KV; ++v) vstore(dx + i * dx_next + kLanes * v, acc[i][v]);
+      for (int v = 0; v < KV; ++v) acc[v] = vfmadd(d, vload(row + kLanes * v), acc[v]);
+    }
+  }
+#pragma GCC unroll 32
+  for (int v = 0; v < KV; ++v) vstore(dx + kLanes * v, acc[v]);
+}
+
+using WinnerPixelTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*, const float*,
+                                   const int64_t*, float*);
+template <int... V>
+constexpr std::array<WinnerPixelTileFn, sizeof...(V)> winner_pixel_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_pixel_tile<V + 1>...};
+}
+constexpr auto kWinnerPixelTiles = winner_pixel_tiles(std::make_integer_sequence<int, kWinnerTileVectors>{});
+
+// A strip of S dx pixels of one row, for filters KW columns wide: each winner of a dz pixel is read
+// once and added to every pixel of the strip whose window holds that dz pixel, each with its own
+// tap (dz column first_col + U is tap kw = U - J of strip pixel J), where a pixel alone read each
+// winner for one FMA per vector. Each pixel's chain keeps the flipped forward's order: rows
+// (kh') in order, then within a row the dz columns, hence its taps kw', in order, then the
+// channels. rows[t] is the t-th valid tap row's first dz pixel in the image (r * out_w), row_w[t]
+// its flipped filter rows (tap kw at + kw * tap_stride); dz columns outside [0, out_w) are left
+// out, as the flipped forward leaves out taps over padding.
+template <int S, int KW, int KV>
+void winner_strip_tile(const int64_t* rows, const float* const* row_w, int64_t num_rows, int64_t first_col,
+                       int64_t out_w, int64_t o, int64_t tap_stride, const int32_t* offsets, const float* values,
+                       const int64_t* counts, float* dx, int64_t dx_next) {
+  Vec acc[S][KV];
+#pragma GCC unroll 8
+  for (int j = 0; j < S; ++j) {
+#pragma GCC unroll 32
+    for (int v = 0; v < KV; ++v) acc[j][v] = vzero();
+  }
+  for (int64_t t = 0; t < num_rows; ++t) {
+    const float* w = row_w[t];
+    const auto column = [&]<int U>() {
+      const int64_t col = first_col + U;
+      if (col < 0 || col >= out_w) return;
+      const int64_t q = rows[t] + col;
+      const int32_t* off = offsets + q * o;
+      const float* val = values + q * o;
+      for (int64_t e = 0; e < counts[q]; ++e) {
+        const Vec d = vbroadcast(val[e]);
+        const float* base = w + off[e];
+        const auto add = [&]<int J>() {
+          if constexpr (U - J >= 0 && U - J < KW) {
+#pragma GCC unroll 32
+            for (int v = 0; v < KV; ++v)
+              acc[J][v] = vfmadd(d, vload(base + (U - J) * tap_stride + kLanes * v), acc[J][v]);
+          }
+        };
+        [&]<int... J>(std::integer_sequence<int, J...>) {
+          (add.template operator()<J>(), ...);
+        }(std::make_integer_sequence<int, S>{});
+      }
+    };
+    [&]<int... U>(std::integer_sequence<int, U...>) {
+      (column.template operator()<U>(), ...);
+    }(std::make_integer_sequence<int, S + KW - 1>{});
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < S; ++j) {
+#pragma GCC unroll 32
+    for (int v = 0; v < KV; ++v) vstore(dx + j * dx_next + kLanes * v, acc[j][v]);
   }
 }
 
-using WinnerPixelsTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, const int32_t*,
-                                    const float*, const int64_t*, float*, int64_t);
-template <int P, int... V>
-constexpr std::array<WinnerPixelsTileFn, sizeof...(V)> winner_pixels_tiles(std::integer_sequence<int, V...>) {
-  return {&winner_pixels_tile<P, V + 1>...};
+// Strips for filters 1-5 columns wide and 1-4 vectors of input channels, as many pixels as the
+// registers hold, up to 6: on cnn's second layer (dx rows of 13 pixels, 2 vectors with AVX-512)
+// strips of 6 took the input gradient in 1.08-1.09 ms, of 8 in 1.17-1.20 (5 pixels of a row left
+// to single-pixel tiles), of 4 in 1.10-1.15 (bench_ops --only conv, alternating).
+inline constexpr int kStripMaxKw = 5, kStripMaxVectors = 4;
+constexpr int strip_pixels(int vectors) { return std::max(1, std::min(6, kWinnerTileVectors / vectors)); }
+using WinnerStripTileFn = void (*)(const int64_t*, const float* const*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   const int32_t*, const float*, const int64_t*, float*, int64_t);
+template <int KW, int... V>
+constexpr std::array<WinnerStripTileFn, sizeof...(V)> winner_strip_tiles(std::integer_sequence<int, V...>) {
+  return {&winner_strip_tile<strip_pixels(V + 1), KW, V + 1>...};
 }
-constexpr auto kWinnerPixelTiles = winner_pixels_tiles<1>(std::make_integer_sequence<int, kWinnerTileVectors>{});
-constexpr auto kWinnerPixelPairTiles =
-    winner_pixels_tiles<2>(std::make_integer_sequence<int, kWinnerTileVectors / 2>{});
+template <int... W>
+constexpr std::array<std::array<WinnerStripTileFn, kStripMaxVectors>, sizeof...(W)> winner_strip_table(
+    std::integer_sequence<int, W...>) {
+  return {winner_strip_tiles<W + 1>(std::make_integer_sequence<int, kStripMaxVectors>{})...};
+}
+constexpr auto kWinnerStripTiles = winner_strip_table(std::make_integer_sequence<int, kStripMaxKw>{});
 
 // dx from the argmax for stride 1, image by image (flipped: the flipped, transposed filter).
 void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, const float* flipped,
@@ -997,45 +1045,49 @@ void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, 
   const int64_t c = g.in_c, o = g.out_c, pixels = g.out_h * g.out_w, vectors = c / kLanes;
   // dz row and column reached by flipped tap kh' (kw') from dx row ih (column iw).
   const int64_t top = g.k_h - 1 - g.pad_top, left = g.k_w - 1 - g.pad_left;
+  // Strips along each dx row where the filter and channels have one; single pixels for the rest.
+  const bool strips = g.k_w <= kStripMaxKw && vectors <= kStripMaxVectors;
+  const WinnerStripTileFn strip =
+      strips ? kWinnerStripTiles[static_cast<std::size_t>(g.k_w - 1)][static_cast<std::size_t>(vectors - 1)] : nullptr;
+  const int64_t strip_width = strips ? strip_pixels(static_cast<int>(vectors)) : 0;
   device.parallel_for(g.batch, 1, [&](int64_t begin, int64_t end) {
     int32_t* offsets = tls_winner_offsets.get<int32_t>((pixels + 1) * o);
     float* values = tls_winner_values.get<float>((pixels + 1) * o);
     int64_t* counts = tls_winner_counts.get<int64_t>(pixels + 1);
-    std::array<int64_t, kMaxBackpropInputTaps> taps;
-    std::array<const float*, kMaxBackpropInputTaps> tap_w;
+    std::array<int64_t, kMaxBackpropInputTaps> taps, rows;
+    std::array<const float*, kMaxBackpropInputTaps> tap_w, row_w;
     for (int64_t n = begin; n < end; ++n) {
       pixel_winners(g, src, n, offsets, values, counts);
       for (int64_t ih = 0; ih < g.in_h; ++ih) {
-        for (int64_t iw = 0; iw < g.in_w; ++iw) {
-          // Pixels iw and iw + 1 both with every filter column over dz (the same taps) go as a pair.
-          const bool pair = vectors <= kWinnerTileVectors / 2 && iw - left >= 0 && iw + 1 - left + g.k_w <= g.out_w;
+        int64_t num_rows = 0;
+        for (int64_t kh = 0; kh < g.k_h; ++kh) {
+          const int64_t r = ih - top + kh;
+          if (r < 0 || r >= g.out_h) continue;
+          rows[static_cast<std::size_t>(num_rows)] = r * g.out_w;
+          row_w[static_cast<std::size_t>(num_rows)] = flipped + kh * g.k_w * o * c;
+          ++num_rows;
+        }
+        float* out_row = dx + (n * g.in_h + ih) * g.in_w * c;
+        int64_t iw = 0;
+        if (strip != nullptr) {
+          for (; iw + strip_width <= g.in_w; iw += strip_width) {
+            strip(rows.data(), row_w.data(), num_rows, iw - left, g.out_w, o, o * c, offsets, values, counts,
+                  out_row + iw * c, c);
+          }
+        }
+        for (; iw < g.in_w; ++iw) {
           int64_t num_taps = 0;
-          for (int64_t kh = 0; kh < g.k_h; ++kh) {
-            const int64_t r = ih - top + kh;
-            if (r < 0 || r >= g.out_h) continue;
+          for (int64_t t = 0; t < num_rows; ++t) {
             for (int64_t kw = 0; kw < g.k_w; ++kw) {
               const int64_t col = iw - left + kw;
               if (col < 0 || col >= g.out_w) continue;
-              taps[static_cast<std::size_t>(num_taps)] = r * g.out_w + col;
-              tap_w[static_cast<std::size_t>(num_taps)] = flipped + (kh * g.k_w + kw) * o * c;
+              taps[static_cast<std::size_t>(num_taps)] = rows[static_cast<std::size_t>(t)] + col;
+              tap_w[static_cast<std::size_t>(num_taps)] = row_w[static_cast<std::size_t>(t)] + kw * o * c;
               ++num_taps;
             }
           }
-          float* out = dx + ((n * g.in_h + ih) * g.in_w + iw) * c;
-          if (pair) {
-            kWinnerPixelPairTiles[static_cast<std::size_t>(vectors - 1)](taps.data(), tap_w.data(), num_taps, o,
-                                                                         offsets, values, counts, out, c);
-            ++iw;
-            continue;
-          }
-          for (int64_t v0 = 0; v0 < vectors; v0 += kWinnerTileVectors) {
-            const int64_t block = std::min<int64_t>(kWinnerTileVectors, vectors - v0);
-            if (v0 > 0) {
-              for (int64_t t = 0; t < num_taps; ++t) tap_w[static_cast<std::size_t>(t)] += kWinnerTileVectors * kLanes;
-            }
-            kWinnerPixelTiles[static_cast<std::size_t>(block - 1)](taps.data(), tap_w.data(), num_taps, o, offsets,
-                                                                   values, counts, out + v0 * kLanes, 0);
-          }
+          kWinnerPixelTiles[static_cast<std::size_t>(vectors - 1)](taps.data(), tap_w.data(), num_taps, o, offsets,
+                                                                   values, counts, out_row + iw * c);
         }
       }
     }
@@ -1057,7 +1109,10 @@ void backprop_input_flipped(devices::Device& device, const Window2DGeometry& g, 
     forward_direct(device, flipped_geometry(g), dy, flipped, dx, {});
     return;
   }
-  if (winner_path_applies(g, from_argmax->pool) && g.k_h * g.k_w <= kMaxBackpropInputTaps) {
+  // The winners' tiles hold a pixel's input channels in registers (kWinnerTileVectors: 384
+  // channels with AVX-512, 64 with AVX2); wider layers keep the flipped forward.
+  if (winner_path_applies(g, from_argmax->pool) && g.in_c <= kWinnerTileVectors * kLanes &&
+      g.k_h * g.k_w <= kMaxBackpropInputTaps) {
     backprop_input_winners(device, g, flipped, *from_argmax, dx);
     return;
   }
