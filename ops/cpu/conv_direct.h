@@ -17,8 +17,8 @@
 //   backprop input    1-4 input channels: a dot product per dx element; stride 1 with input
 //                     channels a multiple of the lanes: the forward kernel over dy with the filter
 //                     flipped and transposed, dy read whole; from FusedConv2DMaxPool's argmax,
-//                     the winners' terms of the same sums (or, with one-cell windows, dy
-//                     expanded image by image)
+//                     the winners' terms of the same sums (or, with one-cell windows or more
+//                     input channels than a tile holds, dy expanded image by image)
 //
 // Each function returns false, doing nothing, when the geometry does not qualify or the level
 // this copy is compiled for (ops/cpu/isa.h) has neither AVX-512 nor AVX2 (the baseline level); the
@@ -78,9 +78,9 @@ bool conv2d_backprop_filter_argmax(devices::Device& device, const detail::Window
 bool conv2d_backprop_input(devices::Device& device, const detail::Window2DGeometry& g, const float* w, const float* dy,
                            float* dx);
 // Backprop-input's dy from FusedConv2DMaxPool's argmax: the flipped forward's sums over the
-// winners' terms alone (or, for one-cell windows, each image of dy expanded into a per-thread
-// buffer before the kernel reads it), so the result is bitwise conv2d_backprop_input's of that
-// dy for finite w. Declines (false) where conv2d_backprop_input would not take
+// winners' terms alone (or, for one-cell windows or more input channels than a tile holds, each
+// image of dy expanded into a per-thread buffer before the kernel reads it), so the result is
+// bitwise conv2d_backprop_input's of that dy for finite w. Declines (false) where conv2d_backprop_input would not take
 // the flipped forward: then the caller expands dy whole and calls conv2d_backprop_input.
 bool conv2d_backprop_input_argmax(devices::Device& device, const detail::Window2DGeometry& g, const float* w,
                                   const DyFromArgmax& dy, float* dx);
