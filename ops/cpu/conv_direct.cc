@@ -622,23 +622,32 @@ bool winner_path_applies(const Window2DGeometry& g, const Window2DGeometry& pg) 
 // Patch vectors a winners' tile holds: the registers less 8, for the broadcast dp and the loads.
 constexpr int kWinnerTileVectors = kRegisters - 8;
 
+// A pool window's cells (argmax values) as a row and column in the window: no row for
+// detail::kNoWinner (and cells past the window), so that a winner test is one comparison. Made
+// once per op call, for both winners' paths.
+struct WindowCells {
+  std::array<std::uint8_t, 256> row, col;
+  explicit WindowCells(const Window2DGeometry& pool) {
+    for (int cell = 0; cell < 256; ++cell) {
+      const auto i = static_cast<std::size_t>(cell);
+      const bool in_window = cell < pool.k_h * pool.k_w;
+      row[i] = in_window ? static_cast<std::uint8_t>(cell / pool.k_w) : kNoRow;
+      col[i] = in_window ? static_cast<std::uint8_t>(cell % pool.k_w) : 0;
+    }
+  }
+  static constexpr std::uint8_t kNoRow = 255;  // windows have at most 254 cells
+};
+
 // One chunk's winners of each output channel, in pixel order: for channel co, entries
 // [co * capacity, co * capacity + counts[co]) hold each winning pixel's window corner in `image`
 // and its window's dp. A pixel row visits each window of its pool row once, and a window names
 // its winner once per channel, so a chunk lists at most (r1 - r0) * pool.out_w per channel
 // (`capacity`). Appended without branches (whether a window's winner lies in the row at hand is
 // as likely as not): every entry is written, and the count moves past it only for a winner.
-void winner_lists(const Window2DGeometry& g, const DyFromArgmax& src, const Image& image, int64_t r0, int64_t r1,
-                  int64_t capacity, int64_t* corners, float* values, int64_t* counts) {
+void winner_lists(const Window2DGeometry& g, const DyFromArgmax& src, const WindowCells& cells, const Image& image,
+                  int64_t r0, int64_t r1, int64_t capacity, int64_t* corners, float* values, int64_t* counts) {
   const Window2DGeometry& pg = src.pool;
   const int64_t o = g.out_c;
-  // A cell's row and column in its window; no row for detail::kNoWinner (and cells past the window).
-  std::array<std::uint8_t, 256> cell_row, cell_col;
-  for (int cell = 0; cell < 256; ++cell) {
-    const bool in_window = cell < pg.k_h * pg.k_w;
-    cell_row[static_cast<std::size_t>(cell)] = in_window ? static_cast<std::uint8_t>(cell / pg.k_w) : 255;
-    cell_col[static_cast<std::size_t>(cell)] = in_window ? static_cast<std::uint8_t>(cell % pg.k_w) : 0;
-  }
   std::fill_n(counts, o, 0);
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t n = row / g.out_h, oh = row % g.out_h;
@@ -653,9 +662,9 @@ void winner_lists(const Window2DGeometry& g, const DyFromArgmax& src, const Imag
       for (int64_t co = 0; co < o; ++co) {
         const std::uint8_t cell = argmax[co];
         const int64_t at = co * capacity + counts[co];
-        corners[at] = window_corner + cell_col[cell] * g.stride_w * image.c;
+        corners[at] = window_corner + cells.col[cell] * g.stride_w * image.c;
         values[at] = dp[co];
-        counts[co] += cell_row[cell] == dh ? 1 : 0;
+        counts[co] += cells.row[cell] == dh ? 1 : 0;
       }
     }
   }
@@ -706,9 +715,10 @@ void backprop_filter_winners(const Window2DGeometry& g, const DyFromArgmax& src,
   float* values = tls_winner_values.get<float>(o * capacity);
   int64_t* counts = tls_winner_counts.get<int64_t>(o);
   float* transposed = tls_transposed_dw.get<float>(o * k);
+  const WindowCells cells(src.pool);
   for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
     const int64_t r1 = std::min(last, r0 + chunk_rows);
-    winner_lists(g, src, image, r0, r1, capacity, corners, values, counts);
+    winner_lists(g, src, cells, image, r0, r1, capacity, corners, values, counts);
     for (int64_t co = 0; co < o; ++co) {
       for (int64_t v0 = 0; v0 < vectors; v0 += kWinnerTileVectors) {
         const int64_t block = std::min<int64_t>(kWinnerTileVectors, vectors - v0);
@@ -911,8 +921,8 @@ Window2DGeometry flipped_geometry(const Window2DGeometry& g) {
 // channel order, the offset of the channel's row in a flipped tap's filter rows (co * in_c) and
 // its window's dp. A channel without a winner writes its entry to a spare pixel past the image's
 // (whose count stays 0), so that appending needs no branch.
-void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, int64_t n, int32_t* offsets, float* values,
-                   int64_t* counts) {
+void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, const WindowCells& cells, int64_t n,
+                   int32_t* offsets, float* values, int64_t* counts) {
   const Window2DGeometry& pg = src.pool;
   const int64_t o = g.out_c, pixels = g.out_h * g.out_w;
   std::fill_n(counts, pixels + 1, 0);
@@ -921,9 +931,9 @@ void pixel_winners(const Window2DGeometry& g, const DyFromArgmax& src, int64_t n
       const int64_t window = ((n * pg.out_h + ph) * pg.out_w + pw) * o;
       const int64_t corner = ph * pg.stride_h * g.out_w + pw * pg.stride_w;
       for (int64_t co = 0; co < o; ++co) {
-        const int64_t cell = src.argmax[window + co];
-        const bool won = cell < pg.k_h * pg.k_w;
-        const int64_t q = won ? corner + cell / pg.k_w * g.out_w + cell % pg.k_w : pixels;
+        const std::uint8_t cell = src.argmax[window + co];
+        const bool won = cells.row[cell] != WindowCells::kNoRow;
+        const int64_t q = won ? corner + cells.row[cell] * g.out_w + cells.col[cell] : pixels;
         const int64_t at = q * o + counts[q];
         offsets[at] = static_cast<int32_t>(co * g.in_c);
         values[at] = src.dp[window + co];
@@ -1050,6 +1060,7 @@ void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, 
   const WinnerStripTileFn strip =
       strips ? kWinnerStripTiles[static_cast<std::size_t>(g.k_w - 1)][static_cast<std::size_t>(vectors - 1)] : nullptr;
   const int64_t strip_width = strips ? strip_pixels(static_cast<int>(vectors)) : 0;
+  const WindowCells cells(src.pool);
   device.parallel_for(g.batch, 1, [&](int64_t begin, int64_t end) {
     int32_t* offsets = tls_winner_offsets.get<int32_t>((pixels + 1) * o);
     float* values = tls_winner_values.get<float>((pixels + 1) * o);
@@ -1057,7 +1068,7 @@ void backprop_input_winners(devices::Device& device, const Window2DGeometry& g, 
     std::array<int64_t, kMaxBackpropInputTaps> taps, rows;
     std::array<const float*, kMaxBackpropInputTaps> tap_w, row_w;
     for (int64_t n = begin; n < end; ++n) {
-      pixel_winners(g, src, n, offsets, values, counts);
+      pixel_winners(g, src, cells, n, offsets, values, counts);
       for (int64_t ih = 0; ih < g.in_h; ++ih) {
         int64_t num_rows = 0;
         for (int64_t kh = 0; kh < g.k_h; ++kh) {
@@ -1162,19 +1173,7 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
   const int fused_registers =
       from_argmax != nullptr && !winners && tile_registers >= column_block(o) ? tile_registers : 0;
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
-    if (winners) {
-      for (int64_t part = begin; part < end; ++part) {
-        float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
-        const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
-        if (first >= last) {
-          std::fill_n(acc, k * o, 0.0f);
-        } else {
-          backprop_filter_winners(g, *from_argmax, image, offsets, first, last, chunk_rows, acc);
-        }
-      }
-      return;
-    }
-    const bool expand = from_argmax != nullptr && fused_registers == 0;
+    const bool expand = from_argmax != nullptr && !winners && fused_registers == 0;
     float* chunk = expand ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
     int64_t* corners = tls_corners.get<int64_t>(chunk_rows * g.out_w);
     int64_t* windows = fused_registers > 0 ? tls_windows.get<int64_t>(chunk_rows * g.out_w) : nullptr;
@@ -1183,6 +1182,10 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
       float* acc = part == 0 ? dw : partials + (part - 1) * k * o;
       const int64_t first = part * part_rows, last = std::min(rows, first + part_rows);
       if (first >= last) std::fill_n(acc, k * o, 0.0f);
+      if (winners) {
+        if (first < last) backprop_filter_winners(g, *from_argmax, image, offsets, first, last, chunk_rows, acc);
+        continue;
+      }
       for (int64_t r0 = first; r0 < last; r0 += chunk_rows) {
         const int64_t r1 = std::min(last, r0 + chunk_rows);
         if (fused_registers > 0) {
