@@ -18,7 +18,6 @@
 #include "tandem/collective/gloo.h"
 
 #include <arpa/inet.h>
-#include <dirent.h>
 #include <fmt/format.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
@@ -48,9 +47,11 @@
 #include <thread>
 
 #include "tandem/base/env.h"
+#include "tandem/base/log.h"
 #include "tandem/collective/detail/common.h"
 #include "tandem/collective/detail/ordered_all_reduce.h"
 #include "tandem/collective/detail/peer_records.h"
+#include "tandem/collective/detail/peer_sockets.h"
 #include "tandem/collective/detail/reduce_kernels.h"
 #include "tandem/collective/tcp_store.h"
 #include "tandem/devices/device.h"
@@ -291,68 +292,38 @@ constexpr milliseconds kRecordBudget = milliseconds(1000);
 // The monitor's look at the store, likewise bounded.
 constexpr milliseconds kMonitorStoreBudget = milliseconds(1000);
 
-// A connection of this rank to a peer: gloo keeps the socket private, so it is found by its local
-// address (which the pair reports) and remembered with its peer's, to recognise it later.
-struct PeerSocket {
-  int fd = -1;
-  sockaddr_storage local{};
-  sockaddr_storage peer{};
-};
-
-bool same_endpoint(const sockaddr_storage& a, const sockaddr_storage& b) {
-  if (a.ss_family != b.ss_family) return false;
-  if (a.ss_family == AF_INET) {
-    const auto& x = reinterpret_cast<const sockaddr_in&>(a);
-    const auto& y = reinterpret_cast<const sockaddr_in&>(b);
-    return x.sin_port == y.sin_port && std::memcmp(&x.sin_addr, &y.sin_addr, sizeof(x.sin_addr)) == 0;
+// The two ends of this rank's connection to each peer (peer_sockets.h). Once connected, a gloo
+// pair's own address is its socket's local end, and gloo keeps the peer's to itself: every rank
+// publishes its pairs' addresses, and reads its own far ends from its peers' lists. Throws what
+// the store throws.
+std::vector<detail::Endpoints> connection_endpoints(gloo::rendezvous::Context& context, Store& store,
+                                                    const Config& config, milliseconds timeout) {
+  const auto key = [&](int q) { return config.prefix + fmt::format("endpoints/{}", q); };
+  std::vector<sockaddr_storage> own(static_cast<std::size_t>(config.size));
+  for (int q = 0; q < config.size; ++q) {
+    if (q == config.rank) continue;
+    const auto& pair = context.getPair(q);
+    const auto* address = pair ? dynamic_cast<const gloo::transport::tcp::Address*>(&pair->address()) : nullptr;
+    if (address != nullptr) own[static_cast<std::size_t>(q)] = address->getSockaddr();
   }
-  if (a.ss_family == AF_INET6) {
-    const auto& x = reinterpret_cast<const sockaddr_in6&>(a);
-    const auto& y = reinterpret_cast<const sockaddr_in6&>(b);
-    return x.sin6_port == y.sin6_port && std::memcmp(&x.sin6_addr, &y.sin6_addr, sizeof(x.sin6_addr)) == 0;
-  }
-  return false;
-}
-
-// Whether fd is still the socket `s` (open, same two endpoints): gloo closes a pair's socket when
-// the pair fails, and the number may since have been reused.
-bool still_open(const PeerSocket& s) {
-  sockaddr_storage local{}, peer{};
-  socklen_t local_length = sizeof(local), peer_length = sizeof(peer);
-  return getsockname(s.fd, reinterpret_cast<sockaddr*>(&local), &local_length) == 0 &&
-         getpeername(s.fd, reinterpret_cast<sockaddr*>(&peer), &peer_length) == 0 && same_endpoint(local, s.local) &&
-         same_endpoint(peer, s.peer);
-}
-
-// The connected sockets of this process whose local address is one of `locals`.
-std::vector<PeerSocket> find_sockets(const std::vector<sockaddr_storage>& locals) {
-  std::vector<PeerSocket> found;
-  DIR* fds = opendir("/proc/self/fd");
-  if (fds == nullptr) return found;
-  while (const dirent* entry = readdir(fds)) {
-    char* end = nullptr;
-    const long fd = std::strtol(entry->d_name, &end, 10);
-    if (end == entry->d_name || *end != '\0' || fd == dirfd(fds)) continue;
-    PeerSocket s;
-    s.fd = static_cast<int>(fd);
-    socklen_t local_length = sizeof(s.local), peer_length = sizeof(s.peer);
-    if (getsockname(s.fd, reinterpret_cast<sockaddr*>(&s.local), &local_length) != 0) continue;
-    if (getpeername(s.fd, reinterpret_cast<sockaddr*>(&s.peer), &peer_length) != 0) continue;  // a listener
-    for (const auto& wanted : locals) {
-      if (same_endpoint(s.local, wanted)) {
-        found.push_back(s);
-        break;
-      }
+  store.set(key(config.rank), detail::encode_endpoints(own));
+  std::vector<detail::Endpoints> connections;
+  for (int q = 0; q < config.size; ++q) {
+    if (q == config.rank) continue;
+    const auto theirs = detail::decode_endpoints(store.get(key(q), timeout));
+    if (!theirs || theirs->size() != own.size()) {
+      throw DataLoss(fmt::format("the store's {} holds no list of {} addresses", key(q), own.size()));
     }
+    connections.push_back({own[static_cast<std::size_t>(q)], (*theirs)[static_cast<std::size_t>(config.rank)]});
   }
-  closedir(fds);
-  return found;
+  return connections;
 }
 
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(Config config, std::shared_ptr<gloo::transport::Device> device,
-                   std::shared_ptr<gloo::rendezvous::Context> context)
+                   std::shared_ptr<gloo::rendezvous::Context> context,
+                   const std::vector<detail::Endpoints>& connections = {})
       : config_(std::move(config)),
         records_(config_.store, config_.prefix, config_.rank, config_.size, config_.labels, label(0)),
         device_(std::move(device)),
@@ -376,14 +347,12 @@ class GlooCommunicator final : public Communicator {
     barrier_reduce_ = std::make_unique<gloo::AllreduceOptions>(context_);
     barrier_reduce_->setOutputs<std::int64_t>(std::move(barrier_outputs));
     barrier_reduce_->setReduceFunction(static_cast<ReduceFn>(&gloo::sum<std::int64_t>));
-    std::vector<sockaddr_storage> locals;
-    for (int q = 0; q < config_.size; ++q) {
-      if (q == config_.rank) continue;
-      auto& pair = context_->getPair(q);
-      const auto* address = pair ? dynamic_cast<const gloo::transport::tcp::Address*>(&pair->address()) : nullptr;
-      if (address != nullptr) locals.push_back(address->getSockaddr());
+    sockets_ = detail::find_peer_sockets(connections);
+    if (sockets_.size() != connections.size()) {
+      logging::warn("gloo on {}: found {} of its {} connections to its peers; a failed call may wake the calls "
+                    "waiting on the others only at their timeouts",
+                    label(config_.rank), sockets_.size(), connections.size());
     }
-    sockets_ = find_sockets(locals);
     if (config_.algorithm == GlooAllReduceAlgorithm::kRankOrdered)
       ordered_ = std::make_unique<detail::OrderedAllReduce>(context_);
     monitor_ = std::thread([this] { monitor(); });
@@ -1075,11 +1044,7 @@ class GlooCommunicator final : public Communicator {
   // Shuts down this rank's sockets to its peers: the peers see the connections close, and this
   // rank's gloo event loop reads end-of-file and fails the operations pending on them.
   void shut_down_connections() {
-    // (A socket gloo closes between the check and the shutdown, and whose number a new socket of
-    // the same two endpoints takes meanwhile, is beyond reason: endpoints are unique per host.)
-    for (const PeerSocket& s : sockets_) {
-      if (still_open(s)) shutdown(s.fd, SHUT_RDWR);
-    }
+    for (const detail::PeerSocket& s : sockets_) s.shut_down();
   }
 
   // Wakes this rank's pending call, if any. Gloo cannot cancel a collective: a pair that fails
@@ -1127,7 +1092,7 @@ class GlooCommunicator final : public Communicator {
   }
 
   bool connection_failed() {
-    if (std::all_of(sockets_.begin(), sockets_.end(), still_open)) return false;
+    if (std::none_of(sockets_.begin(), sockets_.end(), [](const auto& s) { return s.closed_by_owner(); })) return false;
     try {
       const detail::DeadlineScope bounded(Clock::now() + kMonitorStoreBudget);
       return records_.peer_failed();
@@ -1142,7 +1107,7 @@ class GlooCommunicator final : public Communicator {
   detail::PeerRecords records_;
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;  // null for a group of one
-  std::vector<PeerSocket> sockets_;
+  std::vector<detail::PeerSocket> sockets_;  // the connections to the peers (for interrupt())
   std::atomic<std::uint64_t> seq_{0};
   // Point-to-point: the messages this rank sent to / received from each peer (the pairs' message
   // numbers). The calling thread's.
@@ -1264,7 +1229,13 @@ std::unique_ptr<Communicator> make_gloo_communicator(GlooOptions options) {
     throw Unavailable(fmt::format("{}: cannot connect to the other ranks (listening on {}): {}", who, attr.hostname,
                                   gloo_message(e.what())));
   }
-  return std::make_unique<GlooCommunicator>(std::move(config), std::move(device), std::move(context));
+  std::vector<detail::Endpoints> connections;
+  try {
+    connections = connection_endpoints(*context, store, config, connect_timeout);
+  } catch (const Error& e) {
+    throw Unavailable(fmt::format("{}: cannot swap the connections' addresses with the other ranks: {}", who, e.what()));
+  }
+  return std::make_unique<GlooCommunicator>(std::move(config), std::move(device), std::move(context), connections);
 }
 
 }  // namespace tandem::collective
