@@ -307,6 +307,11 @@ std::vector<detail::Endpoints> connection_endpoints(gloo::rendezvous::Context& c
     if (address != nullptr) own[static_cast<std::size_t>(q)] = address->getSockaddr();
   }
   store.set(key(config.rank), detail::encode_endpoints(own));
+  if (const std::vector<int> missing = detail::wait_for_ranks(store, key, config.size, timeout); !missing.empty()) {
+    throw DeadlineExceeded(fmt::format("{} connected but did not publish its addresses within {}",
+                                       detail::rank_names(config.labels, missing, config.size),
+                                       format_duration(timeout)));
+  }
   std::vector<detail::Endpoints> connections;
   for (int q = 0; q < config.size; ++q) {
     if (q == config.rank) continue;
