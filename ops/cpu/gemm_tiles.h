@@ -36,8 +36,9 @@
 
 namespace tandem::ops::cpu::tiles {
 
-// Called once for each block of C when it is complete: rows [r0, r1), columns [c0, c1); on
-// whichever of the device's threads computed it, each block once.
+// Called once for each block of C when it is complete: rows [r0, r1), columns [c0, c1), on one
+// of the device's threads, each block once. The blocks are whole rows (c0 = 0, c1 = n), handed
+// over once every panel of a block of rows is done.
 using BlockDone = FunctionRef<void(std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1)>;
 
 // Returns false and does nothing when this level has no vectors (the baseline) or the product is

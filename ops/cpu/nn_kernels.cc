@@ -329,7 +329,7 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
 }
 
 // FusedMatMul: act(x @ kernel + bias). float32 products go to the register tiles, which hand over
-// each block of the output to bias and activation as soon as it is complete; otherwise the
+// each block of whole output rows to bias and activation as soon as it is complete; otherwise the
 // product is split over the threads like gemm() splits it (the larger side of the output), and
 // each thread applies bias and activation to its block right after computing it. Either way the
 // block is still in its thread's cache. With GELU the product goes to

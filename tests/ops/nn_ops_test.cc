@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
@@ -264,6 +265,40 @@ TEST_CASE("FusedMatMul (dense) = act(x @ kernel + bias)") {
       c.max_checked_elements = 16;
       run_op_case(c);
     }
+  }
+}
+
+TEST_CASE("FusedMatMul over several row blocks and epilogue parts: bitwise MatMul then BiasActivation") {
+  // 2100 rows of depth 256: three blocks of rows for the register tiles (1 MiB of x each), each
+  // handed to bias and activation in parts of whole rows (341 rows of 48 units: the last panel
+  // partial), every element checked against the unfused ops.
+  const std::int64_t rows = 2100, features = 256, units = 48;
+  std::vector<float> x(static_cast<std::size_t>(rows * features)), w(static_cast<std::size_t>(features * units)),
+      bias(static_cast<std::size_t>(units));
+  std::uint32_t state = 2100;
+  const auto next = [&] {  // in [-1, 1)
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+  };
+  for (auto* v : {&x, &w, &bias})
+    for (float& e : *v) e = next();
+  const Tensor xt = Tensor::from_vector(x, {rows, features}), wt = Tensor::from_vector(w, {features, units}),
+               bt = Tensor::from_vector(bias, {units});
+  for (const Activation a : kAllActivations) {
+    INFO(activation_label(a));
+    auto g = std::make_shared<Graph>();
+    auto xp = g->placeholder(kFloat32, {rows, features}, "x");
+    auto wp = g->placeholder(kFloat32, {features, units}, "w");
+    auto bp = g->placeholder(kFloat32, {units}, "b");
+    auto fused = ops::dense(xp, wp, bp, a);
+    auto separate = ops::bias_activation(ops::matmul(xp, wp), bp, a);
+    graph::Executor ex(g, devices::default_cpu_device());
+    const auto out = ex.run({{xp, xt}, {wp, wt}, {bp, bt}}, {fused, separate});
+    const auto y = out[0].to_vector<float>(), expected = out[1].to_vector<float>();
+    REQUIRE(y.size() == expected.size());
+    std::size_t differing = 0;
+    for (std::size_t i = 0; i < y.size(); ++i) differing += std::memcmp(&y[i], &expected[i], sizeof(float)) != 0;
+    CHECK(differing == 0);
   }
 }
 
