@@ -329,11 +329,11 @@ void bias_activation_grad_kernel(KernelContext& ctx) {
 }
 
 // FusedMatMul: act(x @ kernel + bias). float32 products go to the register tiles, which hand over
-// each block of whole output rows to bias and activation as soon as it is complete; otherwise the
-// product is split over the threads like gemm() splits it (the larger side of the output), and
-// each thread applies bias and activation to its block right after computing it. Either way the
-// block is still in its thread's cache. With GELU the product goes to
-// the second output, which keeps the pre-activation for the gradient.
+// each block of whole output rows (about 1 MiB of x's rows, so the block's output is still in the
+// last-level cache) to bias and activation as soon as it is complete; otherwise the product is
+// split over the threads like gemm() splits it (the larger side of the output), and each thread
+// applies bias and activation to its block right after computing it, in its cache. With GELU
+// the product goes to the second output, which keeps the pre-activation for the gradient.
 void fused_matmul_kernel(KernelContext& ctx) {
   const Activation activation = activation_of(ctx);
   dispatch<FloatTypes>(ctx.input(0).dtype(), ctx.label(), [&]<class T>() {
