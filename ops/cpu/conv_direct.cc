@@ -1175,7 +1175,7 @@ void backprop_filter_direct(devices::Device& device, const Window2DGeometry& g, 
   device.parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
     const bool expand = from_argmax != nullptr && !winners && fused_registers == 0;
     float* chunk = expand ? tls_dy_chunk.get<float>(chunk_rows * g.out_w * o) : nullptr;
-    int64_t* corners = tls_corners.get<int64_t>(chunk_rows * g.out_w);
+    int64_t* corners = winners ? nullptr : tls_corners.get<int64_t>(chunk_rows * g.out_w);  // the winners list their own
     int64_t* windows = fused_registers > 0 ? tls_windows.get<int64_t>(chunk_rows * g.out_w) : nullptr;
     std::int32_t* cells = fused_registers > 0 ? tls_cells.get<std::int32_t>(chunk_rows * g.out_w) : nullptr;
     for (int64_t part = begin; part < end; ++part) {
