@@ -356,8 +356,10 @@ double allreduce_ms_per_step(Strategy& mirrored, const std::string& kind, int st
   }
   std::vector<std::vector<Tensor>> grads(mirrored.replica_devices().size());  // per replica, per gradient
   for (std::size_t r = 0; r < grads.size(); ++r) {
-    for (const auto& [w, g] : sources)
+    for (const auto& source : sources) {
+      const auto& w = source.variable;
       grads[r].push_back(Tensor::zeros(w->shape(), w->dtype(), *mirrored.replica_devices()[r]));
+    }
   }
   std::vector<int> nodes;
   for (const auto& source : sources) nodes.push_back(source.gradient.node);

@@ -237,7 +237,9 @@ PlannedVariable place(const VariableFacts& v, int replicas, ZeroStage stage, int
   // the reducer, which copies this replica's shard out, and reuses their memory once the next
   // bucket is complete (GradientReducer::hand_offs): a shard per variable, plus whole gradients in
   // flight (the last bucket's, and one or two being reduced) that live in the arena with the
-  // activations and are not counted here. The gradient accumulator stays whole at every stage.
+  // activations and are not counted here. Where the optimizer updates during backward
+  // (GradientReducerOptions::update) the handed-off shards are applied at once and never held:
+  // the row is then an upper bound. The gradient accumulator stays whole at every stage.
   p.gradient_bytes = (k >= 2 ? shard : n) * b;
   p.slot_bytes = slots * (k >= 1 ? shard : n) * b + (accumulator ? n * b : 0);
   if (k >= 3) p.weight_bytes = shard * b;

@@ -477,9 +477,6 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   // Keras clips and applies. Under loss scaling they are also divided by the scale (a power of
   // two: exact), folded into the same factor so that unscaling costs no pass of its own.
   const double mean_scale = unscale / static_cast<double>(accumulation_steps_);
-  const double lr = learning_rate();
-  const auto t = static_cast<double>(iterations_ + 1);
-
   if (variables_.empty()) return;
   // Clipping by norm needs the gradients' norms first (across shards under ZeRO).
   std::vector<double> norms;
@@ -499,65 +496,92 @@ void Optimizer::update(int replica, const std::vector<Tensor>& gradients, double
   }
 
   for (std::size_t vi = 0; vi < variables_.size(); ++vi) {
-    Tensor& w = variables_[vi]->value(replica);
-    const Tensor& grad = gradients[vi];
-    const auto [first, n] = update_range(vi, replica);
-    require_matching_gradient(name(), *variables_[vi], w, grad,
-                              shards_[vi] && w.num_elements() > 0 ? Shape{shards_[vi]->shard_elements} : w.shape());
-    auto& device = w.device();
-    graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
-      T* var = static_cast<T*>(w.raw_data()) + first;
-      const T* g = static_cast<const T*>(grad.raw_data());
-      double scale = global_scale;
-      if (clip.clipnorm) {
-        const double norm = std::sqrt(norms[vi]) * mean_scale;
-        if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
-      }
-      GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
-                              clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm};
-      std::array<T*, kMaxSlots> slot{};
-      for (std::size_t s = 0; s < slots_[vi].size(); ++s)
-        slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
-
-      const ops::cpu::UpdateLoops<T>& loops = ops::cpu::update_loops<T>();
-      std::visit(
-          [&](const auto& o) {
-            using O = std::decay_t<decltype(o)>;
-            if constexpr (std::is_same_v<O, SGD>) {
-              const SgdStep<T> step{static_cast<T>(lr), static_cast<T>(o.momentum), o.nesterov};
-              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                loops.sgd(var, slot[0], g, b, e, step, gt);
-              });
-            } else if constexpr (std::is_same_v<O, RMSprop>) {
-              const RmspropStep<T> step{static_cast<T>(lr), static_cast<T>(o.rho), static_cast<T>(o.momentum),
-                                        static_cast<T>(o.epsilon)};
-              T* mom = o.momentum > 0 ? slot[1] : nullptr;
-              T* average = o.centered ? slot[o.momentum > 0 ? 2 : 1] : nullptr;
-              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                loops.rmsprop(var, slot[0], mom, average, g, b, e, step, gt);
-              });
-            } else {  // Adam, AdamW (AdamW first decays: w -= w * weight_decay * lr)
-              T decay = T(0);
-              if constexpr (std::is_same_v<O, AdamW>) {
-                if (decays_[vi]) decay = static_cast<T>(o.weight_decay * lr);
-              }
-              const double beta1_power = std::pow(o.beta_1, t), beta2_power = std::pow(o.beta_2, t);
-              const AdamStep<T> step{static_cast<T>(lr * std::sqrt(1.0 - beta2_power) / (1.0 - beta1_power)),
-                                     static_cast<T>(1.0 - o.beta_1), static_cast<T>(1.0 - o.beta_2),
-                                     static_cast<T>(o.epsilon), decay};
-              T* v_hat = o.amsgrad ? slot[2] : nullptr;
-              device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
-                loops.adam(var, slot[0], slot[1], v_hat, g, b, e, step, gt);
-              });
-            }
-          },
-          spec_);
-    });
+    if (!gradients[vi].defined()) continue;  // apply_variable updated it during backward
+    update_host_variable(replica, vi, gradients[vi], global_scale, mean_scale, norms);
   }
   for (auto& acc : accumulators_) {
     Tensor& a = acc->value(replica);
     a.device().fill_zero(a.raw_data(), a.nbytes());
   }
+}
+
+// One variable of update() on the host: its range (its shard under ZeRO) with the step's numbers.
+void Optimizer::update_host_variable(int replica, std::size_t vi, const Tensor& grad, double global_scale,
+                                     double mean_scale, const std::vector<double>& norms) {
+  const Clip clip = clip_of(spec_);
+  const double lr = learning_rate();
+  const auto t = static_cast<double>(iterations_ + 1);
+  Tensor& w = variables_[vi]->value(replica);
+  const auto [first, n] = update_range(vi, replica);
+  require_matching_gradient(name(), *variables_[vi], w, grad,
+                            shards_[vi] && w.num_elements() > 0 ? Shape{shards_[vi]->shard_elements} : w.shape());
+  auto& device = w.device();
+  graph::dispatch<graph::FloatTypes>(w.dtype(), name(), [&]<class T>() {
+    T* var = static_cast<T*>(w.raw_data()) + first;
+    const T* g = static_cast<const T*>(grad.raw_data());
+    double scale = global_scale;
+    if (clip.clipnorm) {
+      const double norm = std::sqrt(norms[vi]) * mean_scale;
+      if (norm > *clip.clipnorm) scale *= *clip.clipnorm / norm;
+    }
+    GradientTransform<T> gt{static_cast<T>(scale), static_cast<T>(clip.clipvalue.value_or(0)),
+                            clip.clipvalue && !clip.clipnorm && !clip.global_clipnorm};
+    std::array<T*, kMaxSlots> slot{};
+    for (std::size_t s = 0; s < slots_[vi].size(); ++s)
+      slot[s] = static_cast<T*>(slots_[vi][s]->value(replica).raw_data());
+
+    const ops::cpu::UpdateLoops<T>& loops = ops::cpu::update_loops<T>();
+    std::visit(
+        [&](const auto& o) {
+          using O = std::decay_t<decltype(o)>;
+          if constexpr (std::is_same_v<O, SGD>) {
+            const SgdStep<T> step{static_cast<T>(lr), static_cast<T>(o.momentum), o.nesterov};
+            device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+              loops.sgd(var, slot[0], g, b, e, step, gt);
+            });
+          } else if constexpr (std::is_same_v<O, RMSprop>) {
+            const RmspropStep<T> step{static_cast<T>(lr), static_cast<T>(o.rho), static_cast<T>(o.momentum),
+                                      static_cast<T>(o.epsilon)};
+            T* mom = o.momentum > 0 ? slot[1] : nullptr;
+            T* average = o.centered ? slot[o.momentum > 0 ? 2 : 1] : nullptr;
+            device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+              loops.rmsprop(var, slot[0], mom, average, g, b, e, step, gt);
+            });
+          } else {  // Adam, AdamW (AdamW first decays: w -= w * weight_decay * lr)
+            T decay = T(0);
+            if constexpr (std::is_same_v<O, AdamW>) {
+              if (decays_[vi]) decay = static_cast<T>(o.weight_decay * lr);
+            }
+            const double beta1_power = std::pow(o.beta_1, t), beta2_power = std::pow(o.beta_2, t);
+            const AdamStep<T> step{static_cast<T>(lr * std::sqrt(1.0 - beta2_power) / (1.0 - beta1_power)),
+                                   static_cast<T>(1.0 - o.beta_1), static_cast<T>(1.0 - o.beta_2),
+                                   static_cast<T>(o.epsilon), decay};
+            T* v_hat = o.amsgrad ? slot[2] : nullptr;
+            device.parallel_for(n, kUpdateGrain, [&, step, gt](std::int64_t b, std::int64_t e) {
+              loops.adam(var, slot[0], slot[1], v_hat, g, b, e, step, gt);
+            });
+          }
+        },
+        spec_);
+  });
+}
+
+bool Optimizer::updates_per_variable(int replica) const {
+  if (variables_.empty() || loss_scale_ || accumulation_steps_ != 1) return false;
+  const Clip clip = clip_of(spec_);
+  if (clip.clipnorm || clip.global_clipnorm) return false;
+  return variables_.front()->value(replica).device().host_accessible();
+}
+
+void Optimizer::apply_variable(int replica, std::size_t variable, const Tensor& gradient) {
+  TANDEM_REQUIRE(updates_per_variable(replica), FailedPrecondition,
+                 "{}: apply_variable needs an update that looks at one variable at a time (no loss scaling, "
+                 "no clipping by norm, no gradient accumulation) on variables in host memory",
+                 name());
+  TANDEM_REQUIRE(variable < variables_.size() && gradient.defined(), InvalidArgument,
+                 "{}: apply_variable of variable {} of {}{}", name(), variable, variables_.size(),
+                 gradient.defined() ? "" : " with no gradient");
+  update_host_variable(replica, variable, gradient, 1.0, 1.0, {});
 }
 
 // The fused kernel's numbers: the rule's scalars as update() computes them for the coming step.

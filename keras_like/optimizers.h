@@ -191,7 +191,20 @@ class Optimizer {
   // only that state (see LossScaleOptimizer). Returns whether the weights were updated (false
   // only for a skipped step: then do not call finish_step()). Every replica must get the same
   // gradients, so that their loss-scale states stay equal.
+  // An undefined entry is a variable apply_variable already updated this step.
   bool apply(int replica, const std::vector<Tensor>& gradients);
+
+  // --- Updates during backward (ZeRO stages 2 and 3: strategy::GradientReducerOptions::update) --
+  // Whether apply_variable may update replica's variables one at a time, as their gradients
+  // arrive: nothing in the step's update looks across variables or waits for the whole step (no
+  // loss scaling, no clipping by norm, no gradient accumulation), and the variables are in host
+  // memory (a GPU replica's update is one fused launch).
+  bool updates_per_variable(int replica) const;
+  // Applies built variable `variable`'s gradient (its shard under ZeRO) to replica's copy exactly
+  // as apply() would this step: the same numbers, bitwise. Then pass apply() an undefined tensor
+  // for it. Caller: replica's thread, while backward still runs (the gradient reducer's release
+  // of a handed-off gradient). Throws FailedPrecondition unless updates_per_variable(replica).
+  void apply_variable(int replica, std::size_t variable, const Tensor& gradient);
 
   // The factor the training loss is multiplied by: the current dynamic scale (replica's copy;
   // all copies are equal), 1 without loss scaling; the initial scale before build().
@@ -263,6 +276,10 @@ class Optimizer {
 
   // apply()'s update, with the gradients multiplied by `unscale` (1 / loss scale).
   void update(int replica, const std::vector<Tensor>& gradients, double unscale);
+  // update()'s work for one variable in host memory: replica's range of it, the gradient scaled by
+  // global_scale (and clipped by its own norm, from `norms`, under clipnorm).
+  void update_host_variable(int replica, std::size_t vi, const Tensor& grad, double global_scale, double mean_scale,
+                            const std::vector<double>& norms);
   // update() for variables in GPU memory: one fused kernel for all of them (per variable under
   // clipnorm, with `norms` from squared_norms).
   void update_on_device(int replica, const std::vector<Tensor>& gradients, double global_scale, double mean_scale,

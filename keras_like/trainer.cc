@@ -366,9 +366,18 @@ Trainer::Trainer(ModelState& model, const std::vector<graph::TensorSpec>& elemen
     for (const auto& [variable, value] : g.updates) g.train_fetches.push_back(value);
     model.optimizer->build(g.trainable);
     std::vector<strategy::GradientSource> sources;
-    for (std::size_t k = 0; k < grads.size(); ++k) sources.push_back({g.trainable[k], grads[k]});
-    g.reducer =
-        model.strategy->make_gradient_reducer(std::move(sources), {.accumulators = model.optimizer->accumulators()});
+    for (std::size_t k = 0; k < grads.size(); ++k) {
+      sources.push_back({g.trainable[k], grads[k], g.variables.nodes.at(g.trainable[k].get())});
+    }
+    // ZeRO stages 2 and 3: each handed-off shard updates its variable during backward, so that no
+    // gradient shard outlives its bucket (the reducer decides which ones may).
+    strategy::GradientReducerOptions reducer_options{.accumulators = model.optimizer->accumulators()};
+    if (model.optimizer->updates_per_variable(0)) {
+      reducer_options.update = [optimizer = model.optimizer.get()](int replica, std::size_t k, const Tensor& shard) {
+        optimizer->apply_variable(replica, k, shard);
+      };
+    }
+    g.reducer = model.strategy->make_gradient_reducer(std::move(sources), std::move(reducer_options));
     g.hand_offs = g.reducer->hand_offs(static_cast<int>(g.num_sums));
   }
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -168,6 +169,23 @@ class FirstReaders {
   std::unordered_map<std::uint64_t, int> first_;
 };
 
+// The last node of `graph` that reads `value`, directly or through views of it (ops that forward
+// an input); -1 when none does. The executor runs a plan's nodes in id order.
+int last_reader(const graph::Graph& graph, graph::Output value) {
+  std::set<std::pair<int, int>> aliases{{value.node, value.index}};
+  int last = -1;
+  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
+    const auto& node = graph.node(id);
+    for (int i = 0; i < static_cast<int>(node.inputs.size()); ++i) {
+      const auto& in = node.inputs[static_cast<std::size_t>(i)];
+      if (!aliases.contains({in.node, in.index})) continue;
+      last = id;
+      if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i) aliases.insert({id, 0});
+    }
+  }
+  return last;
+}
+
 }  // namespace
 
 void make_gradients_reducible(graph::Graph& graph, std::span<graph::Output> gradients) {
@@ -195,6 +213,9 @@ struct GradientReducer::Plan {
   // next bucket in order (every reduce-scattered bucket but the last); -1 for the others.
   std::vector<int> release_after;
   bool handed_off(std::size_t gradient) const { return release_after[gradient] >= 0; }
+  // Per handed-off gradient, whether GradientReducerOptions::update applies its shard at the
+  // release: no node reads its variable after the release's node.
+  std::vector<char> updated_in_backward;
 };
 
 // Files a replica's gradients as backward computes them, and hands every bucket that is complete
@@ -244,8 +265,10 @@ struct GradientReducer::ReplicaState {
   std::vector<int> bucket_pending;  // gradients each bucket still waits for
   std::vector<std::uint64_t> bucket_ticket;  // per bucket, its work on `comm` this step (0: none)
   // Per gradient, this step: whether the executor took its memory back (a handed-off gradient:
-  // accumulated at once on a micro-step, its shard copied out on a reduce step).
+  // accumulated at once on a micro-step, its shard copied out or applied on a reduce step), and
+  // whether GradientReducerOptions::update applied its shard.
   std::vector<char> released;
+  std::vector<char> updated;
   std::size_t next_bucket = 0;      // position in Plan::order of the next bucket to reduce
   std::int64_t overlapped = 0;      // buckets handed to `comm` during backward, all steps
   bool overlap = false;
@@ -336,7 +359,8 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
                  "gradient reducer: {} accumulators for {} gradients", options_.accumulators.size(), sources_.size());
   std::unique_ptr<FirstReaders> readers;  // of the gradients' graph, made at the first gradient
   for (std::size_t k = 0; k < sources_.size(); ++k) {
-    const auto& [variable, gradient] = sources_[k];
+    const auto& variable = sources_[k].variable;
+    const auto& gradient = sources_[k].gradient;
     TANDEM_REQUIRE(variable != nullptr && gradient.defined(), InvalidArgument,
                    "gradient reducer: gradient {} has no {}", k, variable == nullptr ? "variable" : "graph value");
     TANDEM_REQUIRE(&variable->strategy() == &strategy_, FailedPrecondition,
@@ -375,7 +399,8 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
   plan.spec.resize(sources_.size());
   std::int64_t bytes = 0;
   for (std::size_t k = sources_.size(); k-- > 0;) {
-    const auto& [variable, gradient] = sources_[k];
+    const auto& variable = sources_[k].variable;
+    const auto& gradient = sources_[k].gradient;
     plan.grads_of_node[gradient.node].emplace_back(k, gradient.index);
     const auto reduction = strategy_.variable_plan(*variable).reduction;
     if (reduction == VariablePlan::Reduction::kNone) continue;
@@ -419,6 +444,16 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
       if (!plan.scatter[b]) continue;
       for (const auto k : plan.buckets[b]) plan.release_after[k] = completion[i + 1].first;
     }
+  }
+  plan.updated_in_backward.assign(sources_.size(), 0);
+  for (std::size_t k = 0; k < sources_.size() && options_.update; ++k) {
+    const auto& value = sources_[k].value;
+    if (!plan.handed_off(k) || !value.defined()) continue;
+    TANDEM_REQUIRE(value.graph == sources_[k].gradient.graph, InvalidArgument,
+                   "gradient reducer: variable \"{}\"'s node ({}) is in another graph than its gradient",
+                   sources_[k].variable->name(), value.name());
+    // Its update must wait until backward no longer reads it: the release runs after this node.
+    plan.updated_in_backward[k] = last_reader(*value.graph, value) <= plan.release_after[k];
   }
   // The device-side reduction: one call per dtype (a bucket has one dtype).
   std::map<DType, std::size_t> group_of;
@@ -472,6 +507,7 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
   s.next_bucket = 0;
   s.bucket_ticket.assign(plan_->buckets.size(), 0);
   s.released.assign(sources_.size(), 0);
+  s.updated.assign(sources_.size(), 0);
   s.extras.clear();
   s.out.clear();  // views of the last run's arena: held, they would move it
 }
@@ -479,7 +515,8 @@ void GradientReducer::begin_step(int replica, StepKind kind) {
 void GradientReducer::set_zero_gradients(int replica) {
   ReplicaState& s = state(replica);
   if (s.zero_grads.empty()) {
-    for (const auto& [variable, gradient] : sources_) {
+    for (const auto& source : sources_) {
+      const auto& variable = source.variable;
       s.zero_grads.push_back(
           Tensor::zeros(variable->graph_shape(), variable->dtype(), variable->value(replica).device()));
     }
@@ -535,6 +572,12 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
     if (b < 0 || !plan_->scatter[static_cast<std::size_t>(b)]) continue;
+    if (plan_->updated_in_backward[k]) {
+      // Not released: the replica had no run this step (set_zero_gradients); the sum is still whole.
+      if (!s.updated[k]) update_in_backward(replica, k);
+      s.out[k] = Tensor();
+      continue;
+    }
     if (plan_->handed_off(k)) {  // copied out after its bucket's reduce-scatter
       s.out[k] = s.shard_copy[k];
       continue;
@@ -594,10 +637,13 @@ void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std
   comm.reduce_scatter_ranges(s.bucket, plan_->shard_elements[bucket], extras, collective::ReduceOp::kSum,
                              {.timeout = strategy_.distribution_options().collective_timeout});
   s.bucket.clear();  // views of the run's arena: held, they would move it next run
-  // Handed-off gradients: the shard copied out, so that the executor can reuse the whole buffer.
+  // Handed-off gradients: the shard copied out, so that the executor can reuse the whole buffer
+  // (or applied at the release, GradientReducerOptions::update).
   s.shard_copy.resize(sources_.size());
   for (const auto k : plan_->buckets[bucket]) {
-    if (plan_->handed_off(k)) copy_shard(s.shard_copy[k], s.grads[k], plan_->spec[k], comm.rank());
+    if (plan_->handed_off(k) && !plan_->updated_in_backward[k]) {
+      copy_shard(s.shard_copy[k], s.grads[k], plan_->spec[k], comm.rank());
+    }
   }
 }
 
@@ -629,6 +675,21 @@ void GradientReducer::release_gradient(int replica, std::size_t k) {
                 "handed to the communication thread",
                 strategy_.name(), k);
   s.comm->wait(s.bucket_ticket[b]);
+  if (plan_->updated_in_backward[k]) update_in_backward(replica, k);
+}
+
+// The reduce-scatter left the replica's shard of the sum in its range of the whole gradient: a
+// view of it, or a zero-padded copy where the variable's end cuts the range short.
+void GradientReducer::update_in_backward(int replica, std::size_t k) {
+  ReplicaState& s = state(replica);
+  const ShardSpec& spec = plan_->spec[k];
+  const int me = strategy_.data_shard(replica);
+  const std::int64_t begin = spec.begin(me), end = spec.end(me);
+  s.shard_copy.resize(sources_.size());
+  const Tensor shard = end - begin == spec.shard_elements ? flat_view(s.grads[k], begin, spec.shard_elements)
+                                                          : copy_shard(s.shard_copy[k], s.grads[k], spec, me);
+  options_.update(replica, k, shard);
+  s.updated[k] = 1;
 }
 
 void GradientReducer::gather_updated(int replica) {

@@ -56,6 +56,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -73,6 +74,10 @@ class Strategy;
 struct GradientSource {
   std::shared_ptr<Variable> variable;
   graph::Output gradient;
+  // The variable's node in the same graph (what forward and backward read), for an update during
+  // backward (GradientReducerOptions::update), which must wait until no node reads it any more;
+  // undefined: the variable is updated after the step.
+  graph::Output value = {};
 };
 
 // How a variable's gradient is communicated (Strategy::variable_plan answers per variable).
@@ -97,6 +102,14 @@ struct GradientReducerOptions {
   // the last reduce step; empty: no accumulation. Whoever applies the update clears them (Keras's
   // optimizer keeps them as slots, so that checkpoints carry them).
   std::vector<std::shared_ptr<Variable>> accumulators;
+  // ZeRO stages 2 and 3 (handed-off gradients, hand_offs()): updates replica's shard of variable
+  // `gradient` (the optimizer's apply_variable) as soon as the sum of that shard is there and no
+  // node of backward reads the variable any more, from inside the executor's release of the whole
+  // gradient, on replica's thread: no shard of such a gradient outlives its bucket (PyTorch's
+  // optimizer in backward; DeepSpeed keeps the shards to the end of the step). finish_step then
+  // returns an undefined tensor for it. Empty, or a variable whose GradientSource::value is
+  // undefined or still read after its release: its shard is kept and returned as before.
+  std::function<void(int replica, std::size_t gradient, const Tensor& shard)> update;
 };
 
 class GradientReducer {
@@ -144,7 +157,7 @@ class GradientReducer {
   // them past the step: while a view of its arena is held, the executor's next run moves to a
   // fresh arena (an allocation and its page faults every step). A reduce-scattered variable's
   // gradient is its 1-D shard [shard_elements] of the sum (a view of the same arena), on reduce
-  // steps only.
+  // steps only; undefined where GradientReducerOptions::update has applied it already.
   virtual std::span<const Tensor> finish_step(int replica);
   // After the optimizer has updated replica's range of each reduce-scattered variable (a reduce
   // step): all-gathers those ranges so that replica's copies are whole and equal to every other
@@ -164,7 +177,8 @@ class GradientReducer {
   // when the run fetches gradient k as fetch first_fetch + k: every gradient of a
   // reduce-scattered bucket but the last, released once the next bucket is complete. finish_step
   // then returns their shards from buffers of the reducer's own ([shard_elements] each: 1/N of
-  // the gradients), and the whole gradients' memory serves the rest of backward. Empty otherwise.
+  // the gradients), or with GradientReducerOptions::update none (the shards were applied at the
+  // release), and the whole gradients' memory serves the rest of backward. Empty otherwise.
   std::vector<graph::HandOff> hand_offs(int first_fetch) const;
 
   // --- device-side steps (a GPU replica's whole step recorded as one CUDA graph) --------------
@@ -203,6 +217,8 @@ class GradientReducer {
   void reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
   void reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras);
   void release_gradient(int replica, std::size_t gradient);
+  // GradientReducerOptions::update of gradient k's reduced shard (a reduce step).
+  void update_in_backward(int replica, std::size_t k);
 
   Strategy& strategy_;
   std::vector<GradientSource> sources_;

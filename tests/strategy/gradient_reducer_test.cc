@@ -246,6 +246,86 @@ TEST_CASE("accumulation: micro-steps communicate nothing; the reduce step sums e
                        FailedPrecondition);
 }
 
+TEST_CASE("ZeRO's update during backward: a handed-off shard is applied at its release, unless its variable is still read") {
+  // One gradient per bucket: b's and w2's are handed off (every bucket but the last, w1's).
+  MirroredStrategy two({.devices = cpu_devices(2),
+                        .distribution = {.first_bucket_bytes = 1, .bucket_bytes = 1, .zero = strategy::ZeroStage::k2}});
+  REQUIRE(two.overlaps_communication());
+  std::vector<std::shared_ptr<strategy::Variable>> variables;
+  {
+    auto scope = two.scope();
+    std::uint64_t seed = 1;
+    for (const auto& [name, shape] : std::vector<std::pair<std::string, Shape>>{{"w1", {8, 32}}, {"w2", {32, 4}}, {"b", {4}}})
+      variables.push_back(two.create_variable({.name = name, .initial_value = random_tensor(shape, seed++)}));
+  }
+  const auto run = [&](bool b_read_late) {
+    auto graph = std::make_shared<Graph>();
+    const Output x = graph->placeholder(kFloat32, {-1, 8}, "x");
+    std::vector<Output> nodes;
+    for (const auto& v : variables) nodes.push_back(graph->variable(v->dtype(), v->shape(), v->name()));
+    auto out = ops::bias_add(ops::matmul(ops::relu(ops::matmul(x, nodes[0])), nodes[1]), nodes[2]);
+    auto loss = ops::reduce_sum(ops::square(out));
+    auto grads = graph::gradients({&loss, 1}, nodes);
+    strategy::make_gradients_reducible(*graph, grads);
+    std::vector<Output> fetches = grads;
+    // A node after backward that reads b: its update must wait for the end of the step.
+    if (b_read_late) fetches.push_back(ops::reduce_sum(nodes[2]));
+    std::vector<strategy::GradientSource> sources;
+    for (std::size_t k = 0; k < variables.size(); ++k) sources.push_back({variables[k], grads[k], nodes[k]});
+    struct Applied {
+      std::size_t gradient;
+      std::vector<float> shard;
+    };
+    std::vector<std::vector<Applied>> applied(2);
+    strategy::GradientReducerOptions options;
+    options.update = [&](int replica, std::size_t k, const Tensor& shard) {
+      applied[static_cast<std::size_t>(replica)].push_back({k, shard.to_vector<float>()});
+    };
+    auto reducer = two.make_gradient_reducer(std::move(sources), std::move(options));
+    const auto hand_offs = reducer->hand_offs(0);
+    CHECK(hand_offs.size() == 2);
+    std::vector<std::vector<std::vector<float>>> local(2), returned(2);
+    std::vector<std::vector<bool>> defined(2);
+    two.run([&](strategy::ReplicaContext& ctx) {
+      const int r = ctx.replica_id_in_sync_group();
+      graph::Executor executor(graph, *two.replica_devices()[static_cast<std::size_t>(r)]);
+      for (std::size_t k = 0; k < variables.size(); ++k) executor.bind_variable(nodes[k], variables[k]->value(r));
+      const Tensor input = random_tensor({5, 8}, 100 + static_cast<std::uint64_t>(r));
+      for (const auto& t : executor.run({{x, input}}, grads)) local[static_cast<std::size_t>(r)].push_back(t.to_vector<float>());
+      reducer->begin_step(r, StepKind::kReduce);
+      executor.run({{x, input}}, fetches, {.observer = reducer->observer(r), .hand_offs = hand_offs});
+      for (const auto& t : reducer->finish_step(r)) {
+        defined[static_cast<std::size_t>(r)].push_back(t.defined());
+        returned[static_cast<std::size_t>(r)].push_back(t.defined() ? t.to_vector<float>() : std::vector<float>{});
+      }
+    });
+    const auto want = sum_over_replicas(local);
+    const auto shard_of = [&](std::size_t k, int r) {
+      const auto spec = *two.zero_shard_spec(*variables[k]);
+      std::vector<float> shard(static_cast<std::size_t>(spec.shard_elements), 0.0f);
+      for (std::int64_t i = spec.begin(r); i < spec.end(r); ++i) shard[static_cast<std::size_t>(i - spec.begin(r))] = want[k][static_cast<std::size_t>(i)];
+      return shard;
+    };
+    for (int r = 0; r < 2; ++r) {
+      const auto& got = applied[static_cast<std::size_t>(r)];
+      const std::size_t early = b_read_late ? 1 : 2;  // w2 (and b, unless it is read late)
+      REQUIRE(got.size() == early);
+      for (const auto& [k, shard] : got) {
+        CHECK((k == 1 || (k == 2 && !b_read_late)));
+        CHECK_FALSE(defined[static_cast<std::size_t>(r)][k]);  // finish_step leaves it to no one
+        check_close(shard, shard_of(k, r), 1e-6, variables[k]->name() + " applied during backward");
+      }
+      for (std::size_t k = 0; k < variables.size(); ++k) {
+        if (!defined[static_cast<std::size_t>(r)][k]) continue;
+        CHECK((k == 0 || (k == 2 && b_read_late)));
+        check_close(returned[static_cast<std::size_t>(r)][k], shard_of(k, r), 1e-6, variables[k]->name() + " returned");
+      }
+    }
+  };
+  run(/*b_read_late=*/false);
+  run(/*b_read_late=*/true);
+}
+
 TEST_CASE("compressed all-reduce: 16-bit sums on the wire, float32 gradients back") {
   MirroredStrategy exact(std::vector<std::string>{"CPU:0", "CPU:1"});
   MirroredStrategy bf16({.devices = cpu_devices(2), .distribution = {.gradient_all_reduce_dtype = DType::kBF16}});
