@@ -7,7 +7,6 @@
 #include <functional>
 #include <map>
 #include <mutex>
-#include <set>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -169,18 +168,26 @@ class FirstReaders {
   std::unordered_map<std::uint64_t, int> first_;
 };
 
-// The last node of `graph` that reads `value`, directly or through views of it (ops that forward
-// an input); -1 when none does. The executor runs a plan's nodes in id order.
-int last_reader(const graph::Graph& graph, graph::Output value) {
-  std::set<std::pair<int, int>> aliases{{value.node, value.index}};
-  int last = -1;
-  for (int id = value.node + 1; id < graph.num_nodes(); ++id) {
+// Per value (undefined: skipped), the last node of `graph` that reads it, directly or through
+// views of it (ops that forward an input); -1 when none does. The executor runs a plan's nodes in
+// id order. One pass over the graph for all of them.
+std::vector<int> last_readers(const graph::Graph& graph, std::span<const graph::Output> values) {
+  const auto key = [](int node, int index) {
+    return static_cast<std::uint64_t>(node) << 32 | static_cast<std::uint32_t>(index);
+  };
+  std::unordered_map<std::uint64_t, std::size_t> root;  // a value or a view of it -> its index
+  for (std::size_t v = 0; v < values.size(); ++v) {
+    if (values[v].defined()) root.emplace(key(values[v].node, values[v].index), v);
+  }
+  std::vector<int> last(values.size(), -1);
+  for (int id = 0; id < graph.num_nodes() && !root.empty(); ++id) {
     const auto& node = graph.node(id);
     for (int i = 0; i < static_cast<int>(node.inputs.size()); ++i) {
       const auto& in = node.inputs[static_cast<std::size_t>(i)];
-      if (!aliases.contains({in.node, in.index})) continue;
-      last = id;
-      if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i) aliases.insert({id, 0});
+      const auto it = root.find(key(in.node, in.index));
+      if (it == root.end()) continue;
+      last[it->second] = id;
+      if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i) root.emplace(key(id, 0), it->second);
     }
   }
   return last;
@@ -446,14 +453,21 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     }
   }
   plan.updated_in_backward.assign(sources_.size(), 0);
-  for (std::size_t k = 0; k < sources_.size() && options_.update; ++k) {
-    const auto& value = sources_[k].value;
-    if (!plan.handed_off(k) || !value.defined()) continue;
-    TANDEM_REQUIRE(value.graph == sources_[k].gradient.graph, InvalidArgument,
-                   "gradient reducer: variable \"{}\"'s node ({}) is in another graph than its gradient",
-                   sources_[k].variable->name(), value.name());
-    // Its update must wait until backward no longer reads it: the release runs after this node.
-    plan.updated_in_backward[k] = last_reader(*value.graph, value) <= plan.release_after[k];
+  if (options_.update && !sources_.empty()) {
+    std::vector<graph::Output> values;
+    for (std::size_t k = 0; k < sources_.size(); ++k) {
+      const auto& value = sources_[k].value;
+      TANDEM_REQUIRE(!value.defined() || value.graph == sources_[k].gradient.graph, InvalidArgument,
+                     "gradient reducer: variable \"{}\"'s node ({}) is in another graph than its gradient",
+                     sources_[k].variable->name(), value.name());
+      values.push_back(plan.handed_off(k) ? value : graph::Output{});
+    }
+    // An update must wait until backward no longer reads the variable: the release runs after
+    // release_after's node.
+    const auto last = last_readers(*sources_.front().gradient.graph, values);
+    for (std::size_t k = 0; k < sources_.size(); ++k) {
+      plan.updated_in_backward[k] = values[k].defined() && last[k] <= plan.release_after[k];
+    }
   }
   // The device-side reduction: one call per dtype (a bucket has one dtype).
   std::map<DType, std::size_t> group_of;
