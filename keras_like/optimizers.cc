@@ -441,6 +441,14 @@ std::vector<double> Optimizer::squared_norms(int replica, const std::vector<Tens
 }
 
 bool Optimizer::apply(int replica, const std::vector<Tensor>& gradients) {
+  // An undefined gradient stands for a variable apply_variable updated, which only an update
+  // that looks at one variable at a time allows (norms and the inf/NaN check read every gradient).
+  for (std::size_t vi = 0; vi < gradients.size() && vi < variables_.size(); ++vi) {
+    TANDEM_REQUIRE(gradients[vi].defined() || updates_per_variable(replica), InvalidArgument,
+                   "{}: no gradient for variable \"{}\"; only an update without loss scaling, clipping by norm or "
+                   "accumulation takes variables one at a time (apply_variable)",
+                   name(), variables_[vi]->name());
+  }
   if (!loss_scale_ || !dynamic_scale_) {
     update(replica, gradients, 1.0);
     return true;

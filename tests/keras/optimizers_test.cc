@@ -184,3 +184,47 @@ TEST_CASE("slots under another strategy's scope are refused, naming both strateg
     CHECK(what.find("\"kernel\"") != std::string::npos);
   }
 }
+
+TEST_CASE("apply_variable: one variable at a time, bitwise apply(); refused where the update looks across variables") {
+  const std::vector<OptimizerSpec> specs{Adam{.learning_rate = 0.01}, AdamW{.learning_rate = 0.01},
+                                         SGD{.learning_rate = 0.1, .momentum = 0.9},
+                                         RMSprop{.learning_rate = 0.01, .centered = true}};
+  for (const auto& spec : specs) {
+    // Two variables updated by apply() together, and by apply_variable() for the first with
+    // apply() taking the second: the same bits, step after step.
+    auto a0 = make_variable(kW0, "a0"), a1 = make_variable({3.0f, -1.0f}, "a1");
+    auto b0 = make_variable(kW0, "b0"), b1 = make_variable({3.0f, -1.0f}, "b1");
+    Optimizer whole(spec), split(spec);
+    whole.build({a0, a1});
+    split.build({b0, b1});
+    CHECK(split.updates_per_variable(0));
+    for (const auto& g : kGrads) {
+      const Tensor g0 = Tensor::from_vector<float>(g, {3});
+      const Tensor g1 = Tensor::from_vector<float>({g[1], g[0]}, {2});
+      whole.apply(0, {g0, g1});
+      whole.finish_step();
+      split.apply_variable(0, 0, g0);
+      split.apply(0, {Tensor(), g1});
+      split.finish_step();
+    }
+    CHECK(a0->read_value().to_vector<float>() == b0->read_value().to_vector<float>());
+    CHECK(a1->read_value().to_vector<float>() == b1->read_value().to_vector<float>());
+    CHECK(a0->read_value().to_vector<float>() != kW0);
+  }
+  const auto refused = [](OptimizerRef ref) {
+    auto v = make_variable(kW0);
+    std::unique_ptr<Optimizer> opt = ref.loss_scale_optimizer() ? std::make_unique<Optimizer>(*ref.loss_scale_optimizer())
+                                                                : std::make_unique<Optimizer>(ref.spec());
+    opt->build({v});
+    CHECK_FALSE(opt->updates_per_variable(0));
+    CHECK_THROWS_WITH_AS(opt->apply_variable(0, 0, Tensor::from_vector<float>({0.1f, 0.2f, 0.3f}, {3})),
+                         doctest::Contains("one variable at a time"), FailedPrecondition);
+    CHECK_THROWS_WITH_AS(opt->apply(0, {Tensor()}), doctest::Contains("no gradient for variable \"w\""),
+                         InvalidArgument);
+    CHECK(v->read_value().to_vector<float>() == kW0);
+  };
+  refused(Adam{.clipnorm = 1.0});
+  refused(Adam{.global_clipnorm = 1.0});
+  refused(SGD{.gradient_accumulation_steps = 2});
+  refused(LossScaleOptimizer{.inner_optimizer = Adam{}});
+}
