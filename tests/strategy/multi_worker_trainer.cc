@@ -11,7 +11,7 @@
 //                        [--backup DIR --save-freq N] [--timeout SECONDS] [--files 1] [--verbose 2]
 //                        [--writers 1] [--implementation auto|ring|shm|nccl] [--seed S] [--step-times 1]
 //                        [--batch 64] [--deterministic 0] [--batchnorm 1] [--accumulate N] [--validation 1]
-//                        [--zero 0|1|2|3]
+//                        [--zero 0|1|2|3] [--reduce-bucket-bytes B]
 //
 // --strategy mirrored: MirroredStrategy on --local-devices logical CPU devices (the reference of
 // the multi-worker runs; set TANDEM_NUM_CPU_DEVICES to at least that many). --strategy
@@ -19,8 +19,9 @@
 // --batchnorm 1 puts a BatchNormalization layer after the hidden one (moving statistics to average
 // every step); --accumulate N sets Adam's gradient_accumulation_steps; --validation 1 evaluates
 // on two global batches of the training data after every epoch. --zero N: DistributionOptions::zero
-// of mirrored and multiworker (ZeRO's sharded optimizer state and gradients). Losses are printed with 17 digits:
-// bitwise.
+// of mirrored and multiworker (ZeRO's sharded optimizer state and gradients); --reduce-bucket-bytes B
+// its DistributionOptions::reduce_bucket_bytes (small: several buckets, so that stages 2 and 3 hand
+// gradients off during backward). Losses are printed with 17 digits: bitwise.
 // --kill-at-step K: this process SIGKILLs itself after global step K, on the first attempt only
 // (TANDEM_RESTART_COUNT unset or 0), when its rank is --victim (default 1). --stop-at-step K
 // freezes it (SIGSTOP) instead. Either first writes one line on stderr saying so, which the
@@ -68,6 +69,7 @@ struct Args {
   int accumulate = 0;  // Adam's gradient_accumulation_steps (0: none)
   bool validation = false;
   int zero = 0;  // DistributionOptions::zero
+  std::int64_t reduce_bucket_bytes = 0;  // DistributionOptions::reduce_bucket_bytes (0: its default)
 };
 
 // Parses the command line; CLI11 reports a bad one and exits (the tests pass only known flags).
@@ -97,6 +99,8 @@ Args parse(int argc, char** argv) {
   app.add_option("--accumulate", a.accumulate, "Adam's gradient_accumulation_steps");
   app.add_option("--validation", a.validation, "1: validation data (two global batches)");
   app.add_option("--zero", a.zero, "ZeRO stage (DistributionOptions::zero) of mirrored and multiworker");
+  app.add_option("--reduce-bucket-bytes", a.reduce_bucket_bytes,
+                 "DistributionOptions::reduce_bucket_bytes of mirrored and multiworker (0: the default)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -154,13 +158,15 @@ int run(const Args& a) {
   } else if (a.strategy == "mirrored") {
     std::vector<std::string> devices;
     for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
-    strategy = std::make_unique<MirroredStrategy>(strategy::MirroredOptions{
-        .devices = devices, .distribution = {.zero = static_cast<strategy::ZeroStage>(a.zero)}});
+    strategy::DistributionOptions distribution{.zero = static_cast<strategy::ZeroStage>(a.zero)};
+    if (a.reduce_bucket_bytes > 0) distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
+    strategy = std::make_unique<MirroredStrategy>(strategy::MirroredOptions{.devices = devices, .distribution = distribution});
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
     options.communication_options.deterministic = a.deterministic;
     options.distribution.zero = static_cast<strategy::ZeroStage>(a.zero);
+    if (a.reduce_bucket_bytes > 0) options.distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
     using Impl = strategy::CommunicationImplementation;
     options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
                                                    : a.implementation == "shm"  ? Impl::kSharedMemory
