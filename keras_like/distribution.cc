@@ -650,8 +650,9 @@ std::string Plan::to_string() const {
                      memory.gathered > 0 ? fmt::format(", gathered layer {}", memory.gathered) : "",
                      bytes_text(static_cast<double>(memory.total())));
   if (zero >= ZeroStage::k2 && replicas > 1) {
-    out += "  (gradients: 1/N shards, an upper bound: on CPUs, with no loss scaling, clipping by norm or accumulation, "
-           "each bucket's shards but the last update their variables during backward and are not held)\n";
+    out +=
+        "  (gradients: 1/N shards, an upper bound: on CPUs, with no loss scaling, clipping by norm or accumulation, "
+        "each bucket's shards but the last update their variables during backward and are not held)\n";
   }
   const auto replicated = static_cast<double>(memory_by_stage[0].total());
   out += fmt::format("By ZeRO stage on {} replica{}:", replicas, replicas == 1 ? "" : "s");

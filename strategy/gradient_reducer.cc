@@ -187,7 +187,8 @@ std::vector<int> last_readers(const graph::Graph& graph, std::span<const graph::
       const auto it = root.find(key(in.node, in.index));
       if (it == root.end()) continue;
       last[it->second] = id;
-      if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i) root.emplace(key(id, 0), it->second);
+      if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i)
+        root.emplace(key(id, 0), it->second);
     }
   }
   return last;

@@ -213,8 +213,9 @@ TEST_CASE("apply_variable: one variable at a time, bitwise apply(); refused wher
   }
   const auto refused = [](OptimizerRef ref) {
     auto v = make_variable(kW0);
-    std::unique_ptr<Optimizer> opt = ref.loss_scale_optimizer() ? std::make_unique<Optimizer>(*ref.loss_scale_optimizer())
-                                                                : std::make_unique<Optimizer>(ref.spec());
+    std::unique_ptr<Optimizer> opt = ref.loss_scale_optimizer()
+                                         ? std::make_unique<Optimizer>(*ref.loss_scale_optimizer())
+                                         : std::make_unique<Optimizer>(ref.spec());
     opt->build({v});
     CHECK_FALSE(opt->updates_per_variable(0));
     CHECK_THROWS_WITH_AS(opt->apply_variable(0, 0, Tensor::from_vector<float>({0.1f, 0.2f, 0.3f}, {3})),

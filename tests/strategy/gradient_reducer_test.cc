@@ -246,7 +246,8 @@ TEST_CASE("accumulation: micro-steps communicate nothing; the reduce step sums e
                        FailedPrecondition);
 }
 
-TEST_CASE("ZeRO's update during backward: a handed-off shard is applied at its release, unless its variable is still read") {
+TEST_CASE(
+    "ZeRO's update during backward: a handed-off shard is applied at its release, unless its variable is still read") {
   // One gradient per bucket: b's and w2's are handed off (every bucket but the last, w1's).
   MirroredStrategy two({.devices = cpu_devices(2),
                         .distribution = {.first_bucket_bytes = 1, .bucket_bytes = 1, .zero = strategy::ZeroStage::k2}});
@@ -255,7 +256,8 @@ TEST_CASE("ZeRO's update during backward: a handed-off shard is applied at its r
   {
     auto scope = two.scope();
     std::uint64_t seed = 1;
-    for (const auto& [name, shape] : std::vector<std::pair<std::string, Shape>>{{"w1", {8, 32}}, {"w2", {32, 4}}, {"b", {4}}})
+    for (const auto& [name, shape] :
+         std::vector<std::pair<std::string, Shape>>{{"w1", {8, 32}}, {"w2", {32, 4}}, {"b", {4}}})
       variables.push_back(two.create_variable({.name = name, .initial_value = random_tensor(shape, seed++)}));
   }
   const auto run = [&](bool b_read_late) {
@@ -291,7 +293,8 @@ TEST_CASE("ZeRO's update during backward: a handed-off shard is applied at its r
       graph::Executor executor(graph, *two.replica_devices()[static_cast<std::size_t>(r)]);
       for (std::size_t k = 0; k < variables.size(); ++k) executor.bind_variable(nodes[k], variables[k]->value(r));
       const Tensor input = random_tensor({5, 8}, 100 + static_cast<std::uint64_t>(r));
-      for (const auto& t : executor.run({{x, input}}, grads)) local[static_cast<std::size_t>(r)].push_back(t.to_vector<float>());
+      for (const auto& t : executor.run({{x, input}}, grads))
+        local[static_cast<std::size_t>(r)].push_back(t.to_vector<float>());
       reducer->begin_step(r, StepKind::kReduce);
       executor.run({{x, input}}, fetches, {.observer = reducer->observer(r), .hand_offs = hand_offs});
       for (const auto& t : reducer->finish_step(r)) {
@@ -303,7 +306,8 @@ TEST_CASE("ZeRO's update during backward: a handed-off shard is applied at its r
     const auto shard_of = [&](std::size_t k, int r) {
       const auto spec = *two.zero_shard_spec(*variables[k]);
       std::vector<float> shard(static_cast<std::size_t>(spec.shard_elements), 0.0f);
-      for (std::int64_t i = spec.begin(r); i < spec.end(r); ++i) shard[static_cast<std::size_t>(i - spec.begin(r))] = want[k][static_cast<std::size_t>(i)];
+      for (std::int64_t i = spec.begin(r); i < spec.end(r); ++i)
+        shard[static_cast<std::size_t>(i - spec.begin(r))] = want[k][static_cast<std::size_t>(i)];
       return shard;
     };
     for (int r = 0; r < 2; ++r) {

@@ -160,7 +160,8 @@ int run(const Args& a) {
     for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
     strategy::DistributionOptions distribution{.zero = static_cast<strategy::ZeroStage>(a.zero)};
     if (a.reduce_bucket_bytes > 0) distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
-    strategy = std::make_unique<MirroredStrategy>(strategy::MirroredOptions{.devices = devices, .distribution = distribution});
+    strategy =
+        std::make_unique<MirroredStrategy>(strategy::MirroredOptions{.devices = devices, .distribution = distribution});
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;

@@ -257,8 +257,7 @@ TEST_CASE("stages 1 and 2 train bitwise like unsharded data parallelism, and wit
       {"adam, updated during backward", keras::Adam{.learning_rate = 0.01}},
       {"sgd momentum, updated during backward", keras::SGD{.learning_rate = 0.1, .momentum = 0.9}},
       {"adam, global_clipnorm", keras::Adam{.learning_rate = 0.01, .global_clipnorm = 0.5}},
-      {"sgd momentum, global_clipnorm",
-       keras::SGD{.learning_rate = 0.1, .momentum = 0.9, .global_clipnorm = 1.0}},
+      {"sgd momentum, global_clipnorm", keras::SGD{.learning_rate = 0.1, .momentum = 0.9, .global_clipnorm = 1.0}},
       {"adam, clipnorm, accumulation 3",
        keras::Adam{.learning_rate = 0.01, .clipnorm = 0.2, .gradient_accumulation_steps = 3}},
   };
