@@ -106,9 +106,10 @@ struct GradientReducerOptions {
   // `gradient` (the optimizer's apply_variable) as soon as the sum of that shard is there and no
   // node of backward reads the variable any more, from inside the executor's release of the whole
   // gradient, on replica's thread: no shard of such a gradient outlives its bucket (as PyTorch's
-  // optimizer-in-backward does; the ZeRO paper counts the shards as held to the step's end). finish_step then
-  // returns an undefined tensor for it. Empty, or a variable whose GradientSource::value is
-  // undefined or still read after its release: its shard is kept and returned as before.
+  // optimizer-in-backward does; the ZeRO paper counts the shards as held to the step's end).
+  // finish_step then returns an undefined tensor for it. Empty, or a variable whose
+  // GradientSource::value is undefined or still read after its release: its shard is kept and
+  // returned as before.
   std::function<void(int replica, std::size_t gradient, const Tensor& shard)> update;
 };
 
