@@ -144,27 +144,30 @@ const Tensor& copy_shard(Tensor& buffer, const Tensor& gradient, const ShardSpec
   return buffer;
 }
 
+// A graph value (node, output) as one map key.
+std::uint64_t value_key(int node, int index) {
+  return static_cast<std::uint64_t>(node) << 32 | static_cast<std::uint32_t>(index);
+}
+std::uint64_t value_key(graph::Output value) { return value_key(value.node, value.index); }
+
 // Which node reads each value of a graph first: one pass over the graph, then a lookup per
 // gradient (a transformer's graph has thousands of nodes and hundreds of gradients).
 class FirstReaders {
  public:
   explicit FirstReaders(const graph::Graph& graph) {
     for (int id = 0; id < graph.num_nodes(); ++id) {
-      for (const auto& in : graph.node(id).inputs) first_.try_emplace(key(in), id);
+      for (const auto& in : graph.node(id).inputs) first_.try_emplace(value_key(in), id);
     }
   }
   // The node that reads `value`, or -1; `value`'s own node when it is a view (an op that forwards
   // its input shares that input's buffer).
   int of(graph::Output value) const {
     if (value.producer().op->forwards_input >= 0) return value.node;
-    const auto it = first_.find(key(value));
+    const auto it = first_.find(value_key(value));
     return it == first_.end() ? -1 : it->second;
   }
 
  private:
-  static std::uint64_t key(graph::Output value) {
-    return static_cast<std::uint64_t>(value.node) << 32 | static_cast<std::uint32_t>(value.index);
-  }
   std::unordered_map<std::uint64_t, int> first_;
 };
 
@@ -172,23 +175,20 @@ class FirstReaders {
 // views of it (ops that forward an input); -1 when none does. The executor runs a plan's nodes in
 // id order. One pass over the graph for all of them.
 std::vector<int> last_readers(const graph::Graph& graph, std::span<const graph::Output> values) {
-  const auto key = [](int node, int index) {
-    return static_cast<std::uint64_t>(node) << 32 | static_cast<std::uint32_t>(index);
-  };
   std::unordered_map<std::uint64_t, std::size_t> root;  // a value or a view of it -> its index
   for (std::size_t v = 0; v < values.size(); ++v) {
-    if (values[v].defined()) root.emplace(key(values[v].node, values[v].index), v);
+    if (values[v].defined()) root.emplace(value_key(values[v]), v);
   }
   std::vector<int> last(values.size(), -1);
   for (int id = 0; id < graph.num_nodes() && !root.empty(); ++id) {
     const auto& node = graph.node(id);
     for (int i = 0; i < static_cast<int>(node.inputs.size()); ++i) {
       const auto& in = node.inputs[static_cast<std::size_t>(i)];
-      const auto it = root.find(key(in.node, in.index));
+      const auto it = root.find(value_key(in));
       if (it == root.end()) continue;
       last[it->second] = id;
       if (node.op->forwards_input == i || node.op->forwards_input_of_same_shape == i)
-        root.emplace(key(id, 0), it->second);
+        root.emplace(value_key(id, 0), it->second);
     }
   }
   return last;
@@ -484,6 +484,7 @@ GradientReducer::GradientReducer(Strategy& strategy, std::vector<GradientSource>
     auto s = std::make_unique<ReplicaState>();
     s->observer = std::make_unique<Observer>(*this, static_cast<int>(r));
     s->overlap = overlap;
+    s->shard_copy.resize(sources_.size());
     if (overlap) s->comm = std::make_unique<CommThread>();
     replicas_.push_back(std::move(s));
   }
@@ -582,8 +583,6 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
   while (s.next_bucket < plan_->order.size()) reduce_bucket(replica, plan_->order[s.next_bucket++]);
   if (!plan_->any_scatter) return s.grads;
   s.out.assign(s.grads.begin(), s.grads.end());
-  const int me = strategy_.data_shard(replica);
-  s.shard_copy.resize(sources_.size());
   for (std::size_t k = 0; k < sources_.size(); ++k) {
     const auto b = plan_->bucket_of[k];
     if (b < 0 || !plan_->scatter[static_cast<std::size_t>(b)]) continue;
@@ -597,11 +596,7 @@ std::span<const Tensor> GradientReducer::finish_step(int replica) {
       s.out[k] = s.shard_copy[k];
       continue;
     }
-    // The reduce-scatter left the replica's shard of the sum in its range of the gradient.
-    const ShardSpec& spec = plan_->spec[k];
-    const std::int64_t begin = spec.begin(me), end = spec.end(me);
-    s.out[k] = end - begin == spec.shard_elements ? flat_view(s.grads[k], begin, spec.shard_elements)
-                                                  : copy_shard(s.shard_copy[k], s.grads[k], spec, me);
+    s.out[k] = shard_of_sum(replica, k);
   }
   return s.out;
 }
@@ -654,7 +649,6 @@ void GradientReducer::reduce_scatter_bucket(int replica, std::size_t bucket, std
   s.bucket.clear();  // views of the run's arena: held, they would move it next run
   // Handed-off gradients: the shard copied out, so that the executor can reuse the whole buffer
   // (or applied at the release, GradientReducerOptions::update).
-  s.shard_copy.resize(sources_.size());
   for (const auto k : plan_->buckets[bucket]) {
     if (plan_->handed_off(k) && !plan_->updated_in_backward[k]) {
       copy_shard(s.shard_copy[k], s.grads[k], plan_->spec[k], comm.rank());
@@ -695,16 +689,18 @@ void GradientReducer::release_gradient(int replica, std::size_t k) {
 
 // The reduce-scatter left the replica's shard of the sum in its range of the whole gradient: a
 // view of it, or a zero-padded copy where the variable's end cuts the range short.
-void GradientReducer::update_in_backward(int replica, std::size_t k) {
+Tensor GradientReducer::shard_of_sum(int replica, std::size_t k) {
   ReplicaState& s = state(replica);
   const ShardSpec& spec = plan_->spec[k];
   const int me = strategy_.data_shard(replica);
   const std::int64_t begin = spec.begin(me), end = spec.end(me);
-  s.shard_copy.resize(sources_.size());
-  const Tensor shard = end - begin == spec.shard_elements ? flat_view(s.grads[k], begin, spec.shard_elements)
-                                                          : copy_shard(s.shard_copy[k], s.grads[k], spec, me);
-  options_.update(replica, k, shard);
-  s.updated[k] = 1;
+  return end - begin == spec.shard_elements ? flat_view(s.grads[k], begin, spec.shard_elements)
+                                            : copy_shard(s.shard_copy[k], s.grads[k], spec, me);
+}
+
+void GradientReducer::update_in_backward(int replica, std::size_t k) {
+  options_.update(replica, k, shard_of_sum(replica, k));
+  state(replica).updated[k] = 1;
 }
 
 void GradientReducer::gather_updated(int replica) {

@@ -218,6 +218,9 @@ class GradientReducer {
   void reduce_compressed(int replica, std::size_t bucket, std::span<Tensor> grads, DType wire);
   void reduce_scatter_bucket(int replica, std::size_t bucket, std::span<Tensor> extras);
   void release_gradient(int replica, std::size_t gradient);
+  // Replica's shard of gradient k's sum, after its bucket's reduce-scatter: a view of its range
+  // of the whole gradient, or a zero-padded copy where the variable's end cuts the range short.
+  Tensor shard_of_sum(int replica, std::size_t k);
   // GradientReducerOptions::update of gradient k's reduced shard (a reduce step).
   void update_in_backward(int replica, std::size_t k);
 

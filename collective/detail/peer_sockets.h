@@ -13,7 +13,7 @@
 //
 // Each PeerSocket keeps a duplicate of the descriptor: shut_down() acts on the duplicate, which no
 // other socket can take the number of, so it cannot hit a socket that took the number of one gloo
-// closed meanwhile. closed_by_gloo() looks at gloo's own descriptor number: while the duplicate
+// closed meanwhile. closed_by_owner() looks at gloo's own descriptor number: while the duplicate
 // holds the connection open, no other socket can have its two endpoints, so a descriptor with
 // them is gloo's.
 //
