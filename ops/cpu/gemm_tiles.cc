@@ -28,6 +28,43 @@ constexpr int64_t kABlockBytes = int64_t{1} << 20;
 constexpr int64_t kHandOverElements = 16384;
 
 thread_local ScratchBuffer tls_packed_b;  // each thread's: its current panel of op(B)
+thread_local ScratchBuffer tls_packed_a;  // the calling thread's: a block of op(A), shared by its helpers
+
+// Whether each block of op(A) is copied tile by tile (pack_a) before the panels read it, rather
+// than read where it is. The copy pays only where two or more panels read the block and its layout
+// fights the L1 cache. A tile reads its kRows rows side by side: rows 4 KiB apart (lda a multiple
+// of 1024 floats) all fall in one set of a 32 KiB 8-way L1, more rows than it has ways. A
+// transposed op(A) is read one line per step of k, lda apart: at a multiple of 2 KiB those lines
+// land in two sets, and the next tile, which reads the rest of each line, finds none of them left.
+// Elsewhere the copy cost more than it saved. Measured on a 2-core Zen 4, both ways alternated
+// call by call, medians of 200 calls each at 2 threads: [128, 1024] @ [1024, 1024] went from 147
+// to 190 GFLOP/s, [128, 1024] @ [1024, 1024]^T from 170 to 198, and char_gpt's kernel gradient
+// [4096, 512]^T @ [4096, 128] from 102 to 136; copied always, char_gpt's [4096, 512] @ [512, 128]
+// fell from about 205 to 170 (bench_ops), one copy of a 4 MiB A against 4 panels that use it.
+bool packs_a(const GemmShape& s, int64_t panels) {
+  const int64_t row_bytes = s.lda * static_cast<int64_t>(sizeof(float));
+  return panels > 1 && row_bytes % (s.transpose_a ? 2048 : 4096) == 0;
+}
+
+// op(A)'s rows [i0, i0 + rows) (rows <= kRows) x [k0, k0 + depth) as dst[k * kRows + r], zeros
+// past `rows` (a last, shorter tile, which never reads them).
+void pack_a(const GemmShape& s, const float* a, int64_t i0, int rows, int64_t k0, int64_t depth, float* dst) {
+  if (s.transpose_a) {  // op(A)(i, k) = a[k * lda + i]: the tile's values at one k are contiguous
+    for (int64_t k = 0; k < depth; ++k) vstore_n(dst + k * kRows, vload_n(a + (k0 + k) * s.lda + i0, rows), kRows);
+    return;
+  }
+  // op(A)(i, k) = a[i * lda + k]: kLanes values of k of each row, transposed in registers.
+  for (int64_t k = 0; k < depth; k += kLanes) {
+    const int count = static_cast<int>(std::min<int64_t>(kLanes, depth - k));
+    Vec v[kLanes];
+    for (int r = 0; r < kLanes; ++r) {
+      const float* src = a + (i0 + r) * s.lda + k0 + k;
+      v[r] = r >= rows ? vzero() : count == kLanes ? vload(src) : vload_n(src, count);
+    }
+    vtranspose(v);
+    for (int t = 0; t < count; ++t) vstore_n(dst + (k + t) * kRows, v[t], kRows);
+  }
+}
 
 // op(B)'s rows [k0, k0 + depth) x columns [j0, j0 + width) as dst[k * kPanel + c], zeros past
 // width (a last panel narrower than kPanel).
@@ -148,13 +185,13 @@ KRange tile_k_range(GemmTriangle t, int64_t i0, int64_t i1, int64_t k0, int64_t 
 // One tile: rows [i0, i0 + rows) of C against the packed panel (its k from k0), over the block
 // [k0, k0 + depth) of k, or the part of it that a triangular op(A) leaves: under kLowerA the
 // values of k below the tile's first row (all rows take them), then the diagonal block, masked;
-// under kUpperA the diagonal block, masked, then the rest. pa is op(A)'s row i0 at k = 0.
+// under kUpperA the diagonal block, masked, then the rest. pa is op(A)'s row i0 at k = k0.
 void tile_rows(const GemmShape& s, int rows, int64_t i0, int64_t k0, int64_t depth, bool resume, const float* pa,
                int64_t a_row, int64_t a_k, const float* packed_b, float* c, int width) {
   const auto run = [&](int64_t lo, int64_t hi, bool masked) {
     if (hi <= lo && resume) return;  // nothing to add (a first block with nothing stores zeros)
     const auto& tiles = masked ? kDiagonalTiles : kTiles;
-    tiles[static_cast<std::size_t>(rows - 1)](std::max<int64_t>(hi - lo, 0), pa + lo * a_k, a_row, a_k,
+    tiles[static_cast<std::size_t>(rows - 1)](std::max<int64_t>(hi - lo, 0), pa + (lo - k0) * a_k, a_row, a_k,
                                               packed_b + (lo - k0) * kPanel, c, s.ldc, width, resume,
                                               {.first = lo - i0, .lower = s.triangle == GemmTriangle::kLowerA});
     resume = true;
@@ -209,6 +246,7 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
   const int64_t block_rows = std::max<int64_t>(
       kRows, kABlockBytes / (static_cast<int64_t>(sizeof(float)) * std::min(s.k, kDepth)) / kRows * kRows);
   const bool lower_c = s.triangle == GemmTriangle::kLowerC;
+  const bool pack = packs_a(s, panels);
   for (int64_t k0 = 0; k0 < s.k; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, s.k - k0);
     const bool resume = k0 > 0, last = k0 + depth == s.k;
@@ -218,6 +256,17 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
       // A work item is a panel, or a part of its rows when there are fewer panels than threads.
       const int64_t parts = std::min(row_panels, std::max<int64_t>(1, (threads + panels - 1) / panels));
       const int64_t part_panels = (row_panels + parts - 1) / parts;
+      float* packed_a = nullptr;
+      if (pack) {
+        packed_a = tls_packed_a.get<float>(row_panels * kRows * depth);
+        for_items(row_panels, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t i0 = m0 + t * kRows;
+            const int rows = static_cast<int>(std::min<int64_t>(kRows, m1 - i0));
+            pack_a(s, a, i0, rows, k0, depth, packed_a + t * kRows * depth);
+          }
+        });
+      }
       for_items(panels * parts, [&](int64_t begin, int64_t end) {
         float* packed_b = tls_packed_b.get<float>(depth * kPanel);
         for (int64_t item = begin; item < end; ++item) {
@@ -235,7 +284,10 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
           for (int64_t i0 = r0; i0 < r1; i0 += kRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - i0));
             if (lower_c && j0 > i0 + rows - 1) continue;  // above the diagonal: cleared below
-            tile_rows(s, rows, i0, k0, depth, resume, a + i0 * a_row, a_row, a_k, packed_b, c + i0 * s.ldc + j0, width);
+            // A copied tile holds its rows at each k side by side: (r, k) at pa[k * kRows + r].
+            const float* pa = pack ? packed_a + (i0 - m0) * depth : a + i0 * a_row + k0 * a_k;
+            tile_rows(s, rows, i0, k0, depth, resume, pa, pack ? 1 : a_row, pack ? kRows : a_k, packed_b,
+                      c + i0 * s.ldc + j0, width);
           }
           if (last && lower_c) clear_above_diagonal(c, s.ldc, r0, r1, j0, j0 + width);
         }

@@ -11,11 +11,12 @@
 // C (m x n) = op(A) op(B), row-major, alpha 1 and beta 0. C is cut into panels of two registers of
 // columns (32 with AVX-512, 16 with AVX2); a thread computes a whole panel (or, with fewer panels
 // than threads, a part of its rows): op(B)'s columns are copied once into a contiguous panel
-// (transposed in registers when B is), op(A) is read where it is, and each tile of 12 (AVX2: 6)
-// rows x 2 registers sums its products over k in registers. Every element is one chain of FMAs over k in order, started from +0, whatever
-// the thread count or the blocking (a long k is cut into blocks; the chain goes on from the value
-// stored in C), so results are bitwise the same on any number of threads and run to run (not
-// OpenBLAS's bits, which sum k in other orders).
+// (transposed in registers when B is), op(A) is read where it is (or first copied tile by tile,
+// where its rows would collide in the L1 cache: gemm_tiles.cc's packs_a), and each tile of 12
+// (AVX2: 6) rows x 2 registers sums its products over k in registers. Every element is one chain
+// of FMAs over k in order, started from +0, whatever the thread count or the blocking (a long k is
+// cut into blocks; the chain goes on from the value stored in C), so results are bitwise the same
+// on any number of threads and run to run (not OpenBLAS's bits, which sum k in other orders).
 //
 // A GemmTriangle (gemm.h) leaves out the known-zero half: the k past a tile's last row (kLowerA)
 // or before its first (kUpperA), with the diagonal block masked in a variant of the tile, or the

@@ -223,9 +223,12 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
   ReportedThreads one(1), three(3);
   // Tails of rows, columns and k; a k longer than a block (1024), which resumes from C; more rows
   // than a block of A (1 MiB: 256 rows of 1024); one panel among several threads (its rows
-  // split); strided views.
-  const std::vector<GemmCase> gemm_cases{{37, 45, 29},    {200, 64, 1100},  {5, 300, 70, 3}, {130, 32, 17, 5},
-                                         {12, 96, 2049}, {600, 48, 1030}, {64, 33, 40, 1}};
+  // split); strided views; op(A) copied tile by tile first (rows 4 KiB apart: the first of the last
+  // two untransposed, lda 1024; a transposed op(A) 2 KiB apart: the last transposed, lda 512, over
+  // two blocks of rows and of k).
+  const std::vector<GemmCase> gemm_cases{{37, 45, 29},     {200, 64, 1100},    {5, 300, 70, 3},
+                                         {130, 32, 17, 5}, {12, 96, 2049},     {600, 48, 1030},
+                                         {64, 33, 40, 1},  {37, 70, 1000, 24}, {500, 70, 1030, 12}};
   for (CpuIsa isa : tandem::supported_cpu_isas()) {
     const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
     int ran = 0;
@@ -308,5 +311,55 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
     MESSAGE(tandem::cpu_isa_name(isa) << ": " << ran << " products in register tiles");
     if (isa == CpuIsa::kBaseline) CHECK(ran == 0);
     if (isa != CpuIsa::kBaseline) CHECK(ran == static_cast<int>(4 * gemm_cases.size()));
+  }
+}
+
+TEST_CASE("every level's register-tile GEMM skips a triangle with op(A) copied tile by tile, bitwise") {
+  // The copy (rows of op(A) 4 KiB apart, or 2 KiB when transposed) under each triangle: the
+  // masked diagonal blocks and the skipped k read the copied layout. The reference is the chain
+  // over every k with the triangle's entries of op(A) as 0 (fma(0, x, acc) = acc), and C's upper
+  // triangle 0 for kLowerC; the triangle's stored values are not 0, so reading them would show.
+  using tandem::ops::cpu::GemmShape;
+  using tandem::ops::cpu::GemmTriangle;
+  auto& device = tandem::devices::default_cpu_device();
+  ReportedThreads three(3);
+  for (CpuIsa isa : tandem::supported_cpu_isas()) {
+    if (isa == CpuIsa::kBaseline) continue;  // no tiles
+    const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
+    for (const bool ta : {false, true}) {
+      // Untransposed: 300 rows over k of 1100 (two blocks of k), lda 2048. Transposed: 1100 rows
+      // (blocks of 256) over k of 1100, lda 1536. 40 columns: two panels or three.
+      const std::int64_t m = ta ? 1100 : 300, k = 1100, n = 40, lda = ta ? 1536 : 2048;
+      const auto a = tandem::testing::random_values((ta ? k : m) * lda, 9);
+      const auto b = tandem::testing::random_values(k * n, 10);
+      for (const GemmTriangle triangle : {GemmTriangle::kLowerA, GemmTriangle::kUpperA, GemmTriangle::kLowerC}) {
+        CAPTURE(tandem::cpu_isa_name(isa));
+        CAPTURE(ta);
+        CAPTURE(static_cast<int>(triangle));
+        const GemmShape s{
+            .transpose_a = ta, .m = m, .n = n, .k = k, .lda = lda, .ldb = n, .ldc = n, .triangle = triangle};
+        std::vector<float> c(static_cast<std::size_t>(m * n), -7.5f);
+        REQUIRE(kernels.gemm_tiles(device, s, a.data(), b.data(), c.data(), nullptr));
+        bool chains = true;
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < n; ++j) {
+            float chain = 0.0f;
+            if (triangle != GemmTriangle::kLowerC || j <= i) {
+              for (std::int64_t p = 0; p < k; ++p) {
+                const bool zero =
+                    (triangle == GemmTriangle::kLowerA && p > i) || (triangle == GemmTriangle::kUpperA && p < i);
+                const float x = zero ? 0.0f : a[static_cast<std::size_t>(ta ? p * lda + i : i * lda + p)];
+                chain = std::fma(x, b[static_cast<std::size_t>(p * n + j)], chain);
+              }
+            }
+            chains = chains && c[static_cast<std::size_t>(i * n + j)] == chain;
+          }
+        }
+        CHECK(chains);
+        std::vector<float> again(c.size(), -7.5f);
+        REQUIRE(kernels.gemm_tiles(three, s, a.data(), b.data(), again.data(), nullptr));
+        CHECK(again == c);
+      }
+    }
   }
 }
