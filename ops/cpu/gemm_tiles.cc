@@ -31,19 +31,26 @@ thread_local ScratchBuffer tls_packed_b;  // each thread's: its current panel of
 thread_local ScratchBuffer tls_packed_a;  // the calling thread's: a block of op(A), shared by its helpers
 
 // Whether each block of op(A) is copied tile by tile (pack_a) before the panels read it, rather
-// than read where it is. The copy pays only where two or more panels read the block and its layout
-// fights the L1 cache. A tile reads its kRows rows side by side: rows 4 KiB apart (lda a multiple
-// of 1024 floats) all fall in one set of a 32 KiB 8-way L1, more rows than it has ways. A
-// transposed op(A) is read one line per step of k, lda apart: at a multiple of 2 KiB those lines
-// land in two sets, and the next tile, which reads the rest of each line, finds none of them left.
-// Elsewhere the copy cost more than it saved. Measured on a 2-core Zen 4, both ways alternated
-// call by call, medians of 200 calls each at 2 threads: [128, 1024] @ [1024, 1024] went from 147
-// to 190 GFLOP/s, [128, 1024] @ [1024, 1024]^T from 170 to 198, and char_gpt's kernel gradient
-// [4096, 512]^T @ [4096, 128] from 102 to 136; copied always, char_gpt's [4096, 512] @ [512, 128]
-// fell from about 205 to 170 (bench_ops), one copy of a 4 MiB A against 4 panels that use it.
+// than read where it is: only where op(A)'s layout fights the L1 cache (32 KiB, 8-way on the x86
+// cores we measure), and enough panels read the block to pay for the copy.
+// - Untransposed, a tile reads its kRows rows side by side: rows 4 KiB apart (lda a multiple of
+//   1024 floats) all fall in one set. AVX-512's 12 rows are more than its 8 ways; AVX2's 6 fit.
+// - Transposed, a tile reads one line per step of k, lda apart: at a multiple of 2 KiB those lines
+//   land in two sets, and the next tile, which reads the rest of each line, finds none of them
+//   left. AVX2's tiles, half as tall, share each line among more of them.
+// Measured on a 2-core Zen 4, both ways alternated call by call, medians of 200 calls each at 2
+// threads. AVX-512: [128, 1024] @ [1024, 1024] went from 147 to 190 GFLOP/s, [128, 1024] @
+// [1024, 1024]^T from 170 to 198, char_gpt's kernel gradient [4096, 512]^T @ [4096, 128] (4
+// panels) from 102 to 136. AVX2 (TANDEM_CPU_ISA=avx2): the untransposed copies measured 2-8%
+// slower; wide's kernel gradient [128, 1024]^T @ [128, 1024] (64 panels) went from medians of
+// 128-164 to 156-203 in three runs, but char_gpt's (8 panels) fell from 103-116 to 86-105. Copied
+// always, char_gpt's [4096, 512] @ [512, 128] fell from about 205 to 170 (bench_ops), one copy of
+// a 4 MiB A for 4 panels.
 bool packs_a(const GemmShape& s, int64_t panels) {
+  constexpr int kL1Ways = 8;
   const int64_t row_bytes = s.lda * static_cast<int64_t>(sizeof(float));
-  return panels > 1 && row_bytes % (s.transpose_a ? 2048 : 4096) == 0;
+  if (!s.transpose_a) return kRows > kL1Ways && panels > 1 && row_bytes % 4096 == 0;
+  return row_bytes % 2048 == 0 && panels >= (kRows > kL1Ways ? 2 : 16);
 }
 
 // op(A)'s rows [i0, i0 + rows) (rows <= kRows) x [k0, k0 + depth) as dst[k * kRows + r], zeros

@@ -223,12 +223,13 @@ TEST_CASE("every level's register-tile GEMM is one FMA chain over k per element,
   ReportedThreads one(1), three(3);
   // Tails of rows, columns and k; a k longer than a block (1024), which resumes from C; more rows
   // than a block of A (1 MiB: 256 rows of 1024); one panel among several threads (its rows
-  // split); strided views; op(A) copied tile by tile first (rows 4 KiB apart: the first of the last
-  // two untransposed, lda 1024; a transposed op(A) 2 KiB apart: the last transposed, lda 512, over
-  // two blocks of rows and of k).
-  const std::vector<GemmCase> gemm_cases{{37, 45, 29},     {200, 64, 1100},    {5, 300, 70, 3},
-                                         {130, 32, 17, 5}, {12, 96, 2049},     {600, 48, 1030},
-                                         {64, 33, 40, 1},  {37, 70, 1000, 24}, {500, 70, 1030, 12}};
+  // split); strided views; op(A) copied tile by tile first (gemm_tiles.cc's packs_a: the third
+  // from last untransposed with AVX-512, lda 1024; the last two transposed, lda 512, the second
+  // over two blocks of rows and of k with AVX-512 alone, the last with either level, 16 panels of
+  // AVX2's or more).
+  const std::vector<GemmCase> gemm_cases{{37, 45, 29},        {200, 64, 1100},    {5, 300, 70, 3}, {130, 32, 17, 5},
+                                         {12, 96, 2049},      {600, 48, 1030},    {64, 33, 40, 1}, {37, 70, 1000, 24},
+                                         {500, 70, 1030, 12}, {40, 260, 150, 472}};
   for (CpuIsa isa : tandem::supported_cpu_isas()) {
     const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
     int ran = 0;
@@ -327,9 +328,10 @@ TEST_CASE("every level's register-tile GEMM skips a triangle with op(A) copied t
     if (isa == CpuIsa::kBaseline) continue;  // no tiles
     const auto& kernels = tandem::ops::cpu::isa_kernels(isa);
     for (const bool ta : {false, true}) {
-      // Untransposed: 300 rows over k of 1100 (two blocks of k), lda 2048. Transposed: 1100 rows
-      // (blocks of 256) over k of 1100, lda 1536. 40 columns: two panels or three.
-      const std::int64_t m = ta ? 1100 : 300, k = 1100, n = 40, lda = ta ? 1536 : 2048;
+      // Untransposed (copied with AVX-512 alone): 300 rows over k of 1100 (two blocks of k), lda
+      // 2048, 40 columns. Transposed: 600 rows (blocks of 256) over k of 1100, lda 1024, 260
+      // columns: 9 panels of AVX-512's, 17 of AVX2's.
+      const std::int64_t m = ta ? 600 : 300, k = 1100, n = ta ? 260 : 40, lda = ta ? 1024 : 2048;
       const auto a = tandem::testing::random_values((ta ? k : m) * lda, 9);
       const auto b = tandem::testing::random_values(k * n, 10);
       for (const GemmTriangle triangle : {GemmTriangle::kLowerA, GemmTriangle::kUpperA, GemmTriangle::kLowerC}) {
