@@ -254,6 +254,9 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
       kRows, kABlockBytes / (static_cast<int64_t>(sizeof(float)) * std::min(s.k, kDepth)) / kRows * kRows);
   const bool lower_c = s.triangle == GemmTriangle::kLowerC;
   const bool pack = packs_a(s, panels);
+  // How a tile steps through op(A): a copied tile holds its rows at each k side by side,
+  // (r, k) at [k * kRows + r].
+  const int64_t tile_a_row = pack ? 1 : a_row, tile_a_k = pack ? int64_t{kRows} : a_k;
   for (int64_t k0 = 0; k0 < s.k; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, s.k - k0);
     const bool resume = k0 > 0, last = k0 + depth == s.k;
@@ -291,10 +294,8 @@ bool run_tiles(const GemmShape& s, int threads, ForItems&& for_items, const floa
           for (int64_t i0 = r0; i0 < r1; i0 += kRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kRows, r1 - i0));
             if (lower_c && j0 > i0 + rows - 1) continue;  // above the diagonal: cleared below
-            // A copied tile holds its rows at each k side by side: (r, k) at pa[k * kRows + r].
             const float* pa = pack ? packed_a + (i0 - m0) * depth : a + i0 * a_row + k0 * a_k;
-            tile_rows(s, rows, i0, k0, depth, resume, pa, pack ? 1 : a_row, pack ? kRows : a_k, packed_b,
-                      c + i0 * s.ldc + j0, width);
+            tile_rows(s, rows, i0, k0, depth, resume, pa, tile_a_row, tile_a_k, packed_b, c + i0 * s.ldc + j0, width);
           }
           if (last && lower_c) clear_above_diagonal(c, s.ldc, r0, r1, j0, j0 + width);
         }

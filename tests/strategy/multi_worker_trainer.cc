@@ -153,21 +153,21 @@ int run(const Args& a) {
   std::unique_ptr<Strategy> strategy;
   MultiWorkerMirroredStrategy* multi_worker = nullptr;
   int rank = 0;
+  // --zero and --reduce-bucket-bytes, for mirrored and multiworker alike.
+  strategy::DistributionOptions distribution{.zero = static_cast<strategy::ZeroStage>(a.zero)};
+  if (a.reduce_bucket_bytes > 0) distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
   if (a.strategy == "one") {
     strategy = std::make_unique<OneDeviceStrategy>("CPU:0");
   } else if (a.strategy == "mirrored") {
     std::vector<std::string> devices;
     for (int d = 0; d < a.local_devices; ++d) devices.push_back(fmt::format("CPU:{}", d));
-    strategy::DistributionOptions distribution{.zero = static_cast<strategy::ZeroStage>(a.zero)};
-    if (a.reduce_bucket_bytes > 0) distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
     strategy =
         std::make_unique<MirroredStrategy>(strategy::MirroredOptions{.devices = devices, .distribution = distribution});
   } else {
     strategy::MultiWorkerOptions options;
     options.communication_options.timeout_seconds = a.timeout;
     options.communication_options.deterministic = a.deterministic;
-    options.distribution.zero = static_cast<strategy::ZeroStage>(a.zero);
-    if (a.reduce_bucket_bytes > 0) options.distribution.reduce_bucket_bytes = a.reduce_bucket_bytes;
+    options.distribution = distribution;
     using Impl = strategy::CommunicationImplementation;
     options.communication_options.implementation = a.implementation == "ring"   ? Impl::kRing
                                                    : a.implementation == "shm"  ? Impl::kSharedMemory
