@@ -5,6 +5,7 @@
 // data between the source array and the replica's input buffer.
 #include <algorithm>
 #include <cstring>
+#include <span>
 
 #include "tandem/data/detail/dataset_node.h"
 
@@ -14,6 +15,33 @@ namespace {
 // Enough for any real batch; a larger batch_size grows the vector as it fills instead of
 // reserving memory that a short dataset would never use.
 constexpr std::int64_t kMaxReservedElements = std::int64_t{1} << 16;
+// The least a thread copies of a batch component: smaller components (labels, a few features a
+// row) are not worth waking a thread for.
+constexpr std::size_t kRowsChunkBytes = 64 * 1024;
+
+// Copies row rows[i] of `src` (rows `stride` bytes apart, `bytes` each) to dst + i * bytes, over
+// the threads of `device` (where the batch is allocated). Shuffled rows of a large array are
+// scattered cache misses; one core waits on them row by row, two keep twice as many in flight:
+// Fashion-MNIST's batch of 128 random rows of 3136 bytes (from 188 MB) took 42 against 71 and 30
+// against 55 us in two runs of 2000 alternated copies on a 2-core Zen 4, and fit's loop around
+// mlp's 0.35 ms step spent about 100 us a step in this copy. Behind a prefetch it stays on the
+// prefetch's thread (tls_pipeline_in_background).
+void copy_rows(devices::Device& device, std::span<const std::int64_t> rows, const char* src, std::size_t stride,
+               std::size_t bytes, char* dst) {
+  const auto copy = [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) {
+      const auto row = static_cast<std::size_t>(rows[static_cast<std::size_t>(i)]);
+      std::memcpy(dst + static_cast<std::size_t>(i) * bytes, src + row * stride, bytes);
+    }
+  };
+  const auto n = static_cast<std::int64_t>(rows.size());
+  if (tls_pipeline_in_background) {
+    copy(0, n);
+    return;
+  }
+  const auto grain = static_cast<std::int64_t>(std::max<std::size_t>(1, kRowsChunkBytes / std::max<std::size_t>(bytes, 1)));
+  device.parallel_for(n, grain, copy);
+}
 
 class BatchNode final : public DatasetNode {
  public:
@@ -109,14 +137,10 @@ class BatchNode final : public DatasetNode {
                        spec.shape, spec.shape.rank() + 1, Shape::kMaxRank);
         Shape shape{static_cast<std::int64_t>(rows_.size())};
         for (auto d : spec.shape.dims()) shape.push_back(d);
-        Tensor out = Tensor::empty(shape, spec.dtype, devices::default_cpu_device());
-        const std::size_t bytes = source_->row_bytes[c];
-        const std::size_t stride = source_->row_stride_bytes[c];
-        const auto* src = static_cast<const char*>(source_->components[c].raw_data());
-        auto* dst = static_cast<char*>(out.raw_data());
-        for (std::size_t i = 0; i < rows_.size(); ++i) {
-          std::memcpy(dst + i * bytes, src + static_cast<std::size_t>(rows_[i]) * stride, bytes);
-        }
+        auto& device = devices::default_cpu_device();
+        Tensor out = Tensor::empty(shape, spec.dtype, device);
+        copy_rows(device, rows_, static_cast<const char*>(source_->components[c].raw_data()),
+                  source_->row_stride_bytes[c], source_->row_bytes[c], static_cast<char*>(out.raw_data()));
         batch.push_back(std::move(out));
       }
       return batch;

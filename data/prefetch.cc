@@ -80,6 +80,7 @@ class PrefetchNode final : public DatasetNode {
     // The producer thread. It alone touches input_, and destroys it before returning so that
     // upstream resources (a nested prefetch's thread) go as soon as this pass no longer needs them.
     void produce() {
+      tls_pipeline_in_background = true;
       for (;;) {
         Item item;
         try {

@@ -92,6 +92,11 @@ class DatasetNode : public std::enable_shared_from_this<DatasetNode> {
   }
 };
 
+// Set on the thread of a prefetch (data/prefetch.cc), which runs its pipeline while the training
+// step's kernels use the device's threads: batch's copies stay on that thread there, so that they
+// never take a thread from a kernel (a kernel that finds the pool busy runs on its caller alone).
+inline thread_local bool tls_pipeline_in_background = false;
+
 // Node factories, one per transformation (data/*.cc). Arguments are validated by the caller
 // (Dataset's methods), which throw InvalidArgument before a node is made.
 std::shared_ptr<const DatasetNode> make_prefetch_node(std::shared_ptr<const DatasetNode> input,

@@ -520,6 +520,40 @@ TEST_CASE("pipelines over slices (row mode) give what the same pipelines over El
   CHECK(collect(rows.shuffle(53, 8)) == collect(elements.shuffle(53, 8)));
 }
 
+TEST_CASE("batch copies large rows over the device's threads, and behind a prefetch on the prefetch's thread") {
+  // Rows of 12 KB: a chunk of the copy is a few rows, so a batch of 37 is split over the default
+  // device's threads (where it has more than one); each row's values name its row and column.
+  const std::int64_t n = 101, width = 3001;
+  std::vector<float> values(static_cast<std::size_t>(n * width));
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(i);
+  auto x = Tensor::from_vector<float>(values, {n, width});
+  auto ids = Tensor::from_vector<std::int64_t>(iota_vector(0, n), {n});
+  auto rows = Dataset::from_tensor_slices({ids, x});
+  const auto expect_rows = [&](const Dataset& ds) {
+    std::int64_t seen = 0;
+    auto it = ds.iterate();
+    while (auto e = it->next()) {
+      const auto id = (*e)[0].to_vector<std::int64_t>();
+      const auto got = (*e)[1].to_vector<float>();
+      REQUIRE((*e)[1].shape() == Shape{static_cast<std::int64_t>(id.size()), width});
+      for (std::size_t i = 0; i < id.size(); ++i) {
+        const auto first = values.begin() + id[i] * width;
+        CHECK(std::equal(first, first + width, got.begin() + static_cast<std::ptrdiff_t>(i) * width));
+      }
+      seen += static_cast<std::int64_t>(id.size());
+    }
+    CHECK(seen == n);
+  };
+  MESSAGE("default CPU device threads: ", devices::default_cpu_device().intra_op_threads());
+  expect_rows(rows.shuffle(n, 3).batch(37));
+  expect_rows(rows.batch(37));
+  expect_rows(rows.shuffle(n, 4).batch(37).prefetch(2));
+  // The same batches as over Elements (map(identity) leaves row mode), on both paths.
+  const auto identity = [](const Element& e) { return e; };
+  CHECK(collect_batches(rows.shuffle(n, 5).batch(37)).values ==
+        collect_batches(rows.map(identity).shuffle(n, 5).batch(37)).values);
+}
+
 TEST_CASE("an epoch of the Fashion-MNIST pipeline is fast") {
   // Same shapes as Fashion-MNIST: x [60000, 28, 28] float32, y [60000] int64.
   const std::int64_t n = 60000;
