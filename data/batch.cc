@@ -15,8 +15,8 @@ namespace {
 // Enough for any real batch; a larger batch_size grows the vector as it fills instead of
 // reserving memory that a short dataset would never use.
 constexpr std::int64_t kMaxReservedElements = std::int64_t{1} << 16;
-// The least a thread copies of a batch component: smaller components (labels, a few features a
-// row) are not worth waking a thread for.
+// About what a thread copies of a batch component at a time (parallel_for's grain): a component
+// no larger (labels, a few features a row) is not worth waking a thread for.
 constexpr std::size_t kRowsChunkBytes = 64 * 1024;
 
 // Copies row rows[i] of `src` (rows `stride` bytes apart, `bytes` each) to dst + i * bytes, over
@@ -39,7 +39,8 @@ void copy_rows(devices::Device& device, std::span<const std::int64_t> rows, cons
     copy(0, n);
     return;
   }
-  const auto grain = static_cast<std::int64_t>(std::max<std::size_t>(1, kRowsChunkBytes / std::max<std::size_t>(bytes, 1)));
+  const auto grain =
+      static_cast<std::int64_t>(std::max<std::size_t>(1, kRowsChunkBytes / std::max<std::size_t>(bytes, 1)));
   device.parallel_for(n, grain, copy);
 }
 
